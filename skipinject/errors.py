@@ -1,0 +1,43 @@
+"""Exceptions of skipinject: each message says what is wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class SkipInjectError(Exception):
+    """Base class of every error skipinject raises on purpose."""
+
+
+class ConfigError(SkipInjectError):
+    """A ``skip.<role>.<key>=value`` override (or the serialised config) is invalid."""
+
+
+class PluginError(SkipInjectError):
+    """A plugin was asked for but cannot be found, imported or understood."""
+
+
+class TargetError(SkipInjectError):
+    """A target path is malformed (``package.module:Qualified.name`` expected)."""
+
+
+class CacheError(SkipInjectError):
+    """A cache entry cannot be used; the role falls back to running the target."""
+
+
+class CorruptCacheError(CacheError):
+    """A cache entry exists but fails verification (truncated, edited, other format or role)."""
+
+
+class UntrustedCacheError(CacheError):
+    """A cache entry is in a format that runs code when loaded, and was not trusted."""
+
+
+class CacheMissError(CacheError):
+    """``action=strict`` and the step has no usable cache."""
+
+
+class PromptMismatchError(CacheError):
+    """``on_mismatch=fail`` and a cached result belongs to other inputs than this call's."""
+
+
+class CodecError(CacheError):
+    """A value cannot be stored in (or read back from) the safe on-disk format."""

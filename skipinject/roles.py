@@ -1,0 +1,248 @@
+"""What a role is: plain data a plugin returns. The engine does the rest.
+
+A role names the target(s) it patches, where each call's training step comes from, how a
+call is handled (its *phase*), and how its result is saved and loaded (its *codec*).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from skipinject.errors import TargetError
+
+if TYPE_CHECKING:
+    from skipinject.engine import RoleRuntime
+    from skipinject.store import Payload
+
+
+@dataclass(frozen=True)
+class TargetPath:
+    """``package.module:Qualified.name`` split into its module and attribute path."""
+
+    module: str
+    qualname: str
+
+    @classmethod
+    def parse(cls, text: str) -> TargetPath:
+        module, sep, qualname = text.partition(":")
+        ident = r"[A-Za-z_][A-Za-z0-9_]*"
+        import re
+
+        if not sep or not re.fullmatch(rf"{ident}(\.{ident})*", module) or not re.fullmatch(
+            rf"{ident}(\.{ident})*", qualname
+        ):
+            raise TargetError(
+                f"target {text!r} is not of the form package.module:Qualified.name "
+                "(e.g. verl.experimental.agent_loop.agent_loop:AgentLoopManager.generate_sequences)"
+            )
+        return cls(module, qualname)
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+
+@dataclass
+class Call:
+    """One intercepted call: the bound instance (``None`` for functions) and its arguments."""
+
+    target: str
+    function: Callable[..., Any]
+    instance: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def argument(self, name: str) -> Any:
+        """The value of parameter ``name`` as the target received it, or ``None``."""
+        if name in self.kwargs:
+            return self.kwargs[name]
+        try:
+            params = [p for p in inspect.signature(self.function).parameters if p not in ("self", "cls")]
+        except (TypeError, ValueError):
+            return None
+        if name in params:
+            index = params.index(name)
+            if index < len(self.args):
+                return self.args[index]
+        return None
+
+    @property
+    def batch(self) -> Any:
+        """The first argument: by verl convention the batch (``prompts``, ``data``)."""
+        if self.args:
+            return self.args[0]
+        return next(iter(self.kwargs.values()), None)
+
+
+class Clock:
+    """The latest live instance seen entering a patched method (e.g. a trainer's ``fit``).
+
+    Calls that carry no step of their own read it from here (``trainer.global_steps``). Only a
+    weak reference is kept, so a finished trainer is not held alive.
+    """
+
+    def __init__(self) -> None:
+        self._ref: weakref.ReferenceType[Any] | Callable[[], Any] = lambda: None
+
+    def enter(self, instance: Any) -> None:
+        try:
+            self._ref = weakref.ref(instance)
+        except TypeError:
+            self._ref = lambda: instance
+
+    @property
+    def instance(self) -> Any:
+        return self._ref()
+
+
+CLOCK = Clock()
+
+
+@dataclass(frozen=True)
+class StepSource:
+    """Where a call's step comes from; sources are tried in order, the first integer wins."""
+
+    kind: str
+    name: str = ""
+    extractor: Callable[[Call], int | None] | None = None
+    fallbacks: tuple[StepSource, ...] = ()
+
+    @classmethod
+    def meta(cls, key: str = "global_steps") -> StepSource:
+        """``batch.meta_info[key]`` of the call's batch argument."""
+        return cls("meta", key)
+
+    @classmethod
+    def argument(cls, name: str) -> StepSource:
+        """A named argument of the call."""
+        return cls("argument", name)
+
+    @classmethod
+    def attribute(cls, name: str) -> StepSource:
+        """An attribute of the bound instance (``self.global_steps``)."""
+        return cls("attribute", name)
+
+    @classmethod
+    def clock(cls, name: str = "global_steps") -> StepSource:
+        """An attribute of the trainer captured by the role's ``clock`` targets."""
+        return cls("clock", name)
+
+    @classmethod
+    def per_call(cls, extractor: Callable[[Call], int | None]) -> StepSource:
+        """Any function of the call (e.g. parse a sample id)."""
+        return cls("extractor", getattr(extractor, "__name__", "extractor"), extractor)
+
+    def or_else(self, *others: StepSource) -> StepSource:
+        return StepSource(self.kind, self.name, self.extractor, self.fallbacks + others)
+
+    def resolve(self, call: Call) -> int | None:
+        for source in (self, *self.fallbacks):
+            value = source._resolve_one(call)
+            if value is not None:
+                return value
+        return None
+
+    def _resolve_one(self, call: Call) -> int | None:
+        value: Any
+        if self.kind == "meta":
+            meta = getattr(call.batch, "meta_info", None)
+            value = meta.get(self.name) if isinstance(meta, Mapping) else None
+        elif self.kind == "argument":
+            value = call.argument(self.name)
+        elif self.kind == "attribute":
+            value = getattr(call.instance, self.name, None)
+        elif self.kind == "clock":
+            value = getattr(CLOCK.instance, self.name, None)
+        elif self.kind == "extractor" and self.extractor is not None:
+            value = self.extractor(call)
+        else:
+            value = None
+        if value is None or isinstance(value, bool):
+            return None
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            return None
+
+    def describe(self) -> str:
+        parts = [f"{s.kind}:{s.name}" for s in (self, *self.fallbacks)]
+        return " or ".join(parts)
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """How a role's result becomes safe bytes and back (see :mod:`skipinject.store`)."""
+
+    def encode(self, result: Any) -> Payload: ...
+
+    def decode(self, payload: Payload, call: Call) -> Any: ...
+
+
+class Phase(Protocol):
+    """How one target's calls are handled once the engine decided the step may skip.
+
+    The default, :class:`skipinject.engine.WholeCall`, treats one call as one unit: serve it from
+    the cache or run it and save the result. Roles whose work spans several calls (rollout_tq's
+    submit and sample) bring their own.
+    """
+
+    def run(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Target:
+    """A function or method to patch, with the phase handling its calls.
+
+    ``verl`` is a version specifier (``">=0.9"``): the target is only patched in verls it matches.
+    """
+
+    path: str
+    phase: Phase | None = None
+    verl: str | None = None
+
+    def __post_init__(self) -> None:
+        TargetPath.parse(self.path)
+
+
+def default_bypass(call: Call) -> bool:
+    """Validation batches always run the original (``validate=True`` in meta or non-tensor data)."""
+    batch = call.batch
+    meta = getattr(batch, "meta_info", None)
+    if isinstance(meta, Mapping) and meta.get("validate"):
+        return True
+    non_tensor = getattr(batch, "non_tensor_data", None)
+    if isinstance(non_tensor, Mapping):
+        try:
+            return bool(non_tensor.get("validate", False))
+        except Exception:
+            return False
+    return False
+
+
+@dataclass(frozen=True)
+class Role:
+    """One cacheable stage of training, as a plugin declares it."""
+
+    name: str
+    targets: Sequence[Target]
+    step: StepSource
+    codec: Codec | None = None
+    #: Methods whose instance is the trainer: entering them sets the clock and the run config.
+    clocks: Sequence[str] = ()
+    #: Name of verl's own SkipManager role this replaces (turned off there when this one is on).
+    builtin: str | None = None
+    #: Called once with the run's verl config; returns a reason why the role cannot fire, or None.
+    check: Callable[[Any], str | None] | None = None
+    bypass: Callable[[Call], bool] = default_bypass
+    #: Run-config fields that name the cache directory (upstream's layout).
+    description: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise TargetError(f"role name {self.name!r} must be an identifier")
+        for clock in self.clocks:
+            TargetPath.parse(clock)

@@ -1,0 +1,377 @@
+"""The on-disk cache: upstream's directory layout, a format that never runs code when loaded.
+
+Layout (upstream's names, so users find caches where verl put them)::
+
+    {dump_dir}/{experiment}_{project}/GBS{gbs}_N{n}_in{prompt_len}_out{response_len}/{step}/
+        meta.json                      # the commit record, written last (atomic replace)
+        tensors-<write id>.pt          # torch.save of plain tensors, loaded weights_only + mmap
+        objects-<write id>.json        # non-tensor values as tagged JSON
+        0/ 1/ ...                      # the same per part, for roles saving several parts a step
+
+A step is valid only when ``meta.json`` is ours, names every part, and every file it names has
+the recorded size and checksum. Data files get a fresh name per write, so a reader never sees a
+file change under it and an interrupted writer leaves only files no ``meta.json`` names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import platform
+import re
+import time
+import uuid
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from skipinject._version import __version__
+from skipinject.errors import CorruptCacheError
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("skipinject")
+
+FORMAT = "skipinject"
+FORMAT_VERSION = 1
+META_NAME = "meta.json"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_STALE_SECONDS = 600.0
+
+
+@dataclass
+class Payload:
+    """One part of a result: plain tensors plus JSON-safe values (see :mod:`skipinject.codecs`)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    objects: dict[str, Any] = field(default_factory=dict)
+    rows: int | None = None
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """A verified, loadable cache entry."""
+
+    step: int
+    directory: Path
+    meta: Mapping[str, Any]
+
+
+# ---------------------------------------------------------------- checksums
+
+
+def _checksum_algo() -> str:
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        return "crc32"
+    return "xxh3_64"
+
+
+def file_checksum(path: Path, algo: str) -> str:
+    """Checksum of a whole file, read through mmap (the pages are then warm for the load)."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size == 0:
+            view: Any = b""
+            return _digest(view, algo)
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return _digest(mapped, algo)
+
+
+def _digest(data: Any, algo: str) -> str:
+    if algo == "xxh3_64":
+        try:
+            import xxhash
+        except ImportError as exc:
+            raise CorruptCacheError("cache was checksummed with xxh3_64 but xxhash is not installed") from exc
+        return xxhash.xxh3_64_hexdigest(data)
+    if algo == "crc32":
+        return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    raise CorruptCacheError(f"unknown checksum algorithm {algo!r}")
+
+
+def _meta_digest(meta: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in meta.items() if k != "meta_checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return f"{zlib.crc32(text) & 0xFFFFFFFF:08x}"
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_file_atomic(path: Path, write: Any) -> None:
+    """Write through a temporary name, fsync, then rename: the name holds all or nothing."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create ``path`` and missing parents readable by the owner only."""
+    missing = []
+    probe = path
+    while not probe.exists():
+        missing.append(probe)
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=0o700)
+
+
+class StepWriter:
+    """Collects the parts of one step and commits them with one ``meta.json`` replace."""
+
+    def __init__(self, store: StepStore, step: int) -> None:
+        self.store = store
+        self.step = step
+        self.write_id = f"{int(time.time())}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.parts: dict[str, dict[str, Any]] = {}
+        self._written: list[Path] = []
+
+    @property
+    def directory(self) -> Path:
+        return self.store.step_dir(self.step)
+
+    def add_part(self, payload: Payload, part: str = "") -> None:
+        """Write one part's files (invisible to readers until :meth:`commit`)."""
+        import torch
+
+        if part and not _SAFE_NAME.match(part):
+            raise ValueError(f"bad part name {part!r}")
+        part_dir = self.directory / part if part else self.directory
+        make_private_dirs(part_dir)
+        algo = self.store.checksum_algo
+        files: dict[str, Any] = {}
+        tensors_path = part_dir / f"tensors-{self.write_id}.pt"
+        self._written.append(tensors_path)
+        _write_file_atomic(tensors_path, lambda h: torch.save(payload.tensors, h))
+        objects_path = part_dir / f"objects-{self.write_id}.json"
+        self._written.append(objects_path)
+        blob = json.dumps(payload.objects, separators=(",", ":"), allow_nan=True).encode()
+        _write_file_atomic(objects_path, lambda h: h.write(blob))
+        for kind, path in (("tensors", tensors_path), ("objects", objects_path)):
+            files[kind] = {
+                "name": path.name,
+                "size": path.stat().st_size,
+                "checksum": file_checksum(path, algo),
+            }
+        self.parts[part] = {"dir": part, "rows": payload.rows, "files": files}
+
+    def commit(self, meta: Mapping[str, Any]) -> Path:
+        """Publish the step: write ``meta.json`` last, atomically. Returns the step directory."""
+        record = dict(meta)
+        record.update(
+            {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "role": self.store.role,
+                "step": self.step,
+                "global_steps": self.step,
+                "context": dict(self.store.context),
+                "checksum_algo": self.store.checksum_algo,
+                "parts": [self.parts[name] for name in sorted(self.parts, key=_part_order)],
+                "rows": sum(p["rows"] or 0 for p in self.parts.values()),
+                "writer": writer_versions(),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+        )
+        record["meta_checksum"] = _meta_digest(record)
+        text = json.dumps(record, indent=1, sort_keys=True).encode()
+        _write_file_atomic(self.directory / META_NAME, lambda h: h.write(text))
+        _fsync_dir(self.directory)
+        self._written.clear()
+        self.store.collect_garbage(self.step, record)
+        return self.directory
+
+    def abort(self) -> None:
+        """Remove what this writer wrote (best effort, e.g. after a full disk)."""
+        for path in self._written:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        self._written.clear()
+
+
+def _part_order(name: str) -> tuple[int, str]:
+    return (int(name), "") if name.isdigit() else (-1, name)
+
+
+_VERSIONS: dict[str, str] = {}
+
+
+def writer_versions() -> dict[str, str]:
+    """Versions of what wrote a cache (skipinject, verl, torch, python)."""
+    if not _VERSIONS:
+        from importlib.metadata import PackageNotFoundError, version
+
+        _VERSIONS["skipinject"] = __version__
+        _VERSIONS["python"] = platform.python_version()
+        for dist in ("verl", "torch", "tensordict"):
+            try:
+                _VERSIONS[dist] = version(dist)
+            except PackageNotFoundError:
+                pass
+    return dict(_VERSIONS)
+
+
+# ---------------------------------------------------------------- reading
+
+
+class StepStore:
+    """The cache of one role under one project directory."""
+
+    def __init__(self, project_dir: Path, role: str, context: Mapping[str, Any]) -> None:
+        self.project_dir = project_dir
+        self.role = role
+        self.context = dict(context)
+        self.checksum_algo = _checksum_algo()
+
+    def step_dir(self, step: int) -> Path:
+        return self.project_dir / str(int(step))
+
+    def begin(self, step: int) -> StepWriter:
+        return StepWriter(self, step)
+
+    def save(self, step: int, payload: Payload, meta: Mapping[str, Any] | None = None) -> Path:
+        """Save a one-part step atomically."""
+        writer = self.begin(step)
+        try:
+            writer.add_part(payload)
+            return writer.commit(meta or {})
+        except BaseException:
+            writer.abort()
+            raise
+
+    def steps_on_disk(self) -> list[int]:
+        """Steps that have a skipinject ``meta.json`` (cheap: no data is verified)."""
+        if not self.project_dir.is_dir():
+            return []
+        found = []
+        for child in self.project_dir.iterdir():
+            if child.name.isdigit() and (child / META_NAME).is_file():
+                try:
+                    meta = self.read_meta(int(child.name))
+                except CorruptCacheError:
+                    continue
+                if meta.get("role") == self.role:
+                    found.append(int(child.name))
+        return sorted(found)
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """Read and check a step's ``meta.json`` (format, version, role, context, self-checksum)."""
+        path = self.step_dir(step) / META_NAME
+        try:
+            meta = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError) as exc:
+            raise CorruptCacheError(f"{path}: unreadable meta.json ({exc})") from exc
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CorruptCacheError(f"{path}: not a skipinject cache (no format marker)")
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise CorruptCacheError(
+                f"{path}: written in format version {meta.get('format_version')!r}, "
+                f"this skipinject reads version {FORMAT_VERSION}"
+            )
+        if meta.get("meta_checksum") != _meta_digest(meta):
+            raise CorruptCacheError(f"{path}: meta.json was edited or damaged (its checksum does not match)")
+        if meta.get("role") != self.role:
+            raise CorruptCacheError(f"{path}: written by role {meta.get('role')!r}, not {self.role!r}")
+        if meta.get("step") != step:
+            raise CorruptCacheError(f"{path}: records step {meta.get('step')!r}, but lies in step {step}")
+        if dict(meta.get("context", {})) != self.context:
+            raise CorruptCacheError(
+                f"{path}: written for other trainer metadata {meta.get('context')!r}, this run is {self.context!r}"
+            )
+        return meta
+
+    def verified(self, step: int) -> StepEntry:
+        """The step's entry after checking every file it names; raises CorruptCacheError."""
+        meta = self.read_meta(step)
+        directory = self.step_dir(step)
+        parts = meta.get("parts")
+        if not isinstance(parts, list) or not parts:
+            raise CorruptCacheError(f"{directory}: meta.json names no parts")
+        for part in parts:
+            for path, spec in self._part_files(directory, part):
+                try:
+                    size = path.stat().st_size
+                except FileNotFoundError as exc:
+                    raise CorruptCacheError(f"{path}: missing (named by meta.json)") from exc
+                if size != spec.get("size"):
+                    raise CorruptCacheError(f"{path}: {size} bytes, meta.json says {spec.get('size')} (truncated?)")
+                if file_checksum(path, meta["checksum_algo"]) != spec.get("checksum"):
+                    raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
+        return StepEntry(step, directory, meta)
+
+    def load(self, entry: StepEntry) -> list[Payload]:
+        """Load every part of a verified entry. Tensors are memory-mapped copy-on-write."""
+        import torch
+
+        payloads = []
+        for part in entry.meta["parts"]:
+            paths = {spec["kind"]: path for path, spec in self._part_files(entry.directory, part)}
+            try:
+                tensors = torch.load(paths["tensors"], weights_only=True, mmap=True, map_location="cpu")
+                objects = json.loads(paths["objects"].read_bytes())
+            except FileNotFoundError:
+                raise
+            except Exception as exc:
+                raise CorruptCacheError(f"{entry.directory}: cannot load part {part.get('dir')!r}: {exc}") from exc
+            if not isinstance(tensors, dict) or not isinstance(objects, dict):
+                raise CorruptCacheError(f"{entry.directory}: part {part.get('dir')!r} has an unexpected structure")
+            payloads.append(Payload(tensors=tensors, objects=objects, rows=part.get("rows")))
+        return payloads
+
+    def _part_files(self, directory: Path, part: Mapping[str, Any]) -> Iterator[tuple[Path, dict[str, Any]]]:
+        sub = part.get("dir", "")
+        if not isinstance(sub, str) or (sub and not _SAFE_NAME.match(sub)) or sub in (".", ".."):
+            raise CorruptCacheError(f"{directory}: meta.json names an unsafe part directory {sub!r}")
+        files = part.get("files")
+        if not isinstance(files, dict) or set(files) != {"tensors", "objects"}:
+            raise CorruptCacheError(f"{directory}: meta.json part {sub!r} does not name its files")
+        for kind, spec in files.items():
+            name = spec.get("name") if isinstance(spec, dict) else None
+            if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
+                raise CorruptCacheError(f"{directory}: meta.json names an unsafe file {name!r}")
+            yield (directory / sub / name if sub else directory / name), {**spec, "kind": kind}
+
+    def collect_garbage(self, step: int, meta: Mapping[str, Any]) -> None:
+        """Delete our data files that the current ``meta.json`` does not name and that are stale."""
+        directory = self.step_dir(step)
+        keep = {path for part in meta["parts"] for path, _ in self._part_files(directory, part)}
+        now = time.time()
+        dirs = [directory] + [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
+        for folder in dirs:
+            for path in folder.iterdir():
+                ours = path.name.startswith(("tensors-", "objects-", ".tensors-", ".objects-", ".meta.json.tmp"))
+                if not ours or path in keep:
+                    continue
+                with contextlib.suppress(OSError):
+                    if now - path.stat().st_mtime > _STALE_SECONDS:
+                        path.unlink()
