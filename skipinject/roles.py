@@ -32,8 +32,10 @@ class TargetPath:
         ident = r"[A-Za-z_][A-Za-z0-9_]*"
         import re
 
-        if not sep or not re.fullmatch(rf"{ident}(\.{ident})*", module) or not re.fullmatch(
-            rf"{ident}(\.{ident})*", qualname
+        if (
+            not sep
+            or not re.fullmatch(rf"{ident}(\.{ident})*", module)
+            or not re.fullmatch(rf"{ident}(\.{ident})*", qualname)
         ):
             raise TargetError(
                 f"target {text!r} is not of the form package.module:Qualified.name "
@@ -186,10 +188,13 @@ class Phase(Protocol):
 
     The default, :class:`skipinject.engine.WholeCall`, treats one call as one unit: serve it from
     the cache or run it and save the result. Roles whose work spans several calls (rollout_tq's
-    submit and sample) bring their own.
+    submit and sample) bring their own. ``run`` serves sync calls, ``run_async`` awaiting ones;
+    ``proceed`` calls the original target (``run_async``'s returns an awaitable).
     """
 
     def run(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any: ...
+
+    async def run_async(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,26 @@ def default_bypass(call: Call) -> bool:
 
 
 @dataclass(frozen=True)
+class HitInfo:
+    """What the engine knows about a cache hit, handed to :attr:`Role.on_hit`."""
+
+    requested_step: int
+    served_step: int
+    load_seconds: float
+    mismatched_rows: int = 0
+    compared_rows: int = 0
+    directory: str = ""
+
+
+@dataclass(frozen=True)
+class UpstreamFormat:
+    """verl's own cache file for a role: found, reported, and loaded only when trusted."""
+
+    file_name: str
+    load: Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
 class Role:
     """One cacheable stage of training, as a plugin declares it."""
 
@@ -237,7 +262,17 @@ class Role:
     #: Called once with the run's verl config; returns a reason why the role cannot fire, or None.
     check: Callable[[Any], str | None] | None = None
     bypass: Callable[[Call], bool] = default_bypass
-    #: Run-config fields that name the cache directory (upstream's layout).
+    #: Per-row digests of the call's inputs; a hit whose digests differ is reported (``on_mismatch``).
+    fingerprint: Callable[[Call], Sequence[str] | None] | None = None
+    #: Adjusts a result served from the cache (e.g. replace the old run's timing with hit metrics).
+    on_hit: Callable[[Any, Call, HitInfo], Any] | None = None
+    #: Adjusts a freshly computed result (e.g. mark the miss in the metrics).
+    on_miss: Callable[[Any, Call], Any] | None = None
+    #: Sub-directory of the project directory holding this role's steps; ``None``: the role's name,
+    #: ``""``: the project directory itself (upstream's layout, used by the rollout roles).
+    cache_subdir: str | None = None
+    #: Upstream's cache file for this role, if any (``gen_batch.dp``), and how to read it once trusted.
+    upstream: UpstreamFormat | None = None
     description: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
 

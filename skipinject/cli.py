@@ -1,0 +1,155 @@
+"""``python -m skipinject [options] (SCRIPT | -m MODULE) [ARGS...]`` — run a program with hooks.
+
+The program runs as ``python SCRIPT ARGS`` would (same ``sys.argv``, ``__main__``, exit code and
+tracebacks). ``skip.<role>.<key>=value`` items (also ``+skip...`` / ``++skip...``) are taken out
+of ARGS, validated before the program starts, and never reach it.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+from skipinject._version import __version__
+from skipinject.errors import SkipInjectError
+
+USAGE = """\
+usage: python -m skipinject [--plugins LIST] [--list] [--version] (SCRIPT | -m MODULE) [ARGS...]
+
+Run a Python program (typically verl's trainer) with skipinject's hooks installed:
+  python -m skipinject -m verl.trainer.main_ppo skip.rollout.enable=True skip.rollout.steps=[1,2,3] ...
+
+options:
+  --plugins LIST  plugins to load (overrides VERL_SKIP_PLUGINS): names, module[:attr], -name to exclude
+  --list          show plugins, their roles and targets, and whether each target exists here; then exit
+  --version       show versions and exit
+  -h, --help      show this help and exit
+
+skip.<role>.<key>=<value> in ARGS configures a role; keys: enable, dump_dir, steps, action
+(cache|repeat|strict), trust_upstream, on_mismatch (warn|regenerate|fail).
+"""
+
+
+class UsageError(SkipInjectError):
+    """The runner's own command line is wrong."""
+
+
+def _parse(argv: Sequence[str]) -> tuple[dict[str, str | bool], str | None, str | None, list[str]]:
+    options: dict[str, str | bool] = {}
+    args = list(argv)
+    while args:
+        arg = args[0]
+        if arg in ("-h", "--help"):
+            options["help"] = True
+            return options, None, None, []
+        if arg == "--version":
+            options["version"] = True
+            args.pop(0)
+        elif arg == "--list":
+            options["list"] = True
+            args.pop(0)
+        elif arg == "--plugins" or arg.startswith("--plugins="):
+            args.pop(0)
+            if "=" in arg:
+                options["plugins"] = arg.split("=", 1)[1]
+            elif args:
+                options["plugins"] = args.pop(0)
+            else:
+                raise UsageError("--plugins needs a value")
+        elif arg == "-m":
+            if len(args) < 2:
+                raise UsageError("-m needs a module name")
+            return options, None, args[1], args[2:]
+        elif arg.startswith("-m") and len(arg) > 2:
+            return options, None, arg[2:], args[1:]
+        elif arg == "--":
+            args.pop(0)
+            break
+        elif arg.startswith("-"):
+            raise UsageError(f"unknown option {arg!r} (options go before SCRIPT or -m MODULE)")
+        else:
+            break
+    if not args:
+        return options, None, None, []
+    return options, args[0], None, args[1:]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``skipinject`` and ``python -m skipinject``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        options, script, module, program_args = _parse(argv)
+    except UsageError as exc:
+        print(f"skipinject: error: {exc}", file=sys.stderr)
+        return 2
+    if options.get("help"):
+        print(USAGE, end="")
+        return 0
+    if options.get("version"):
+        print(_versions())
+        return 0
+
+    from skipinject import bootstrap
+    from skipinject.config import Config, apply_overrides, split_overrides
+    from skipinject.plugins import ENV_PLUGINS, load_plugins
+
+    selection = options.get("plugins")
+    selection_text = str(selection) if isinstance(selection, str) else os.environ.get(ENV_PLUGINS)
+    try:
+        plugins = load_plugins(selection_text or "")
+        if options.get("list"):
+            from skipinject.listing import render
+
+            print(render(plugins), end="")
+            return 0
+        if script is None and module is None:
+            raise UsageError("give a SCRIPT or -m MODULE to run (see --help)")
+        overrides, program_args = split_overrides(program_args)
+        config = apply_overrides(Config(), overrides, plugins.roles, hint="; see `python -m skipinject --list`")
+        owners = sorted({plugins.plugin_of(name).name for name in config.enabled_roles})
+        config = Config(plugins=",".join(owners), roles=config.roles)
+    except SkipInjectError as exc:
+        print(f"skipinject: error: {exc}", file=sys.stderr)
+        return 2
+
+    bootstrap.configure_logging()
+    if config.enabled_roles and not bootstrap.disabled():
+        bootstrap.export(config)
+        try:
+            bootstrap.start(config, plugins)
+        except SkipInjectError as exc:
+            print(f"skipinject: error: {exc}", file=sys.stderr)
+            return 2
+    return _run(script, module, program_args)
+
+
+def _run(script: str | None, module: str | None, args: list[str]) -> int:
+    """Run the program as ``python`` would; its SystemExit and exceptions pass through."""
+    if module is not None:
+        sys.argv = [module, *args]  # runpy sets argv[0] to the module's file, as ``python -m`` does
+        if sys.path and sys.path[0] != os.getcwd():
+            sys.path.insert(0, os.getcwd())
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return 0
+    assert script is not None
+    if not os.path.exists(script):
+        print(f"skipinject: error: can't open file {script!r}: no such file", file=sys.stderr)
+        return 2
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = [f"skipinject {__version__}"]
+    for dist in ("verl", "wrapt", "pluggy"):
+        try:
+            parts.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{dist} (not installed)")
+    return ", ".join(parts)

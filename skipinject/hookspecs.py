@@ -1,0 +1,32 @@
+"""The plugin contract, in pluggy's terms.
+
+A plugin is any object or module with a ``skipinject_roles`` hook implementation returning
+the :class:`~skipinject.roles.Role` objects it contributes. It is found through the
+``skipinject.plugins`` entry-point group, or named in ``VERL_SKIP_PLUGINS``::
+
+    from skipinject import Role, StepSource, Target, hookimpl
+
+    @hookimpl
+    def skipinject_roles():
+        return [Role(name="reward", targets=[Target("my.mod:compute_reward")], step=StepSource.clock())]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from skipinject.roles import Role
+
+PROJECT = "skipinject"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def skipinject_roles() -> Sequence[Role]:  # type: ignore[empty-body]
+    """Return the roles this plugin provides (each with a unique name)."""

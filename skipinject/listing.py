@@ -1,0 +1,52 @@
+"""``skipinject --list``: every plugin, its roles and targets, and whether each resolves here."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from importlib.metadata import PackageNotFoundError, version
+
+from skipinject.engine import target_applies
+from skipinject.plugins import PluginSet
+from skipinject.roles import TargetPath
+
+
+def resolve(path: str) -> str:
+    """``ok``, or why ``path`` does not resolve in this install (imports the target's module)."""
+    target = TargetPath.parse(path)
+    try:
+        obj: object = importlib.import_module(target.module)
+    except Exception as exc:
+        return f"missing: cannot import {target.module} ({type(exc).__name__}: {exc})"
+    for name in target.qualname.split("."):
+        try:
+            obj = inspect.getattr_static(obj, name)
+        except AttributeError:
+            return f"missing: {target.module} has no {target.qualname}"
+    return "ok"
+
+
+def render(plugins: PluginSet) -> str:
+    try:
+        verl_version: str | None = version("verl")
+    except PackageNotFoundError:
+        verl_version = None
+    lines = [f"verl: {verl_version or 'not installed'}"]
+    for plugin in plugins.plugins:
+        origin = f"{plugin.distribution} {plugin.version}" if plugin.distribution else plugin.source
+        lines.append(f"plugin {plugin.name} ({origin})")
+        for role in plugin.roles:
+            lines.append(f"  role {role.name}: step from {role.step.describe()}")
+            if role.description:
+                lines.append(f"    {role.description}")
+            for target in role.targets:
+                wanted = target.verl or "any"
+                state = "not for this verl" if not target_applies(target, verl_version) else resolve(target.path)
+                lines.append(f"    target {target.path}  verl {wanted}  [{state}]")
+            for clock in role.clocks:
+                lines.append(f"    clock  {clock}  [{resolve(clock)}]")
+    for name, error in plugins.failures.items():
+        lines.append(f"plugin {name}: FAILED TO LOAD: {error}")
+    if not plugins.plugins and not plugins.failures:
+        lines.append("no plugins installed (entry-point group skipinject.plugins)")
+    return "\n".join(lines) + "\n"
