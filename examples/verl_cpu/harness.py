@@ -2,45 +2,58 @@
 
 Everything a test needs is here: tiny local assets (model, tokenizer, data, reward),
 the Hydra overrides, the environment that loads :mod:`verl_cpu_shim` in every verl
-process, and thin launchers that capture the output::
+process, thin launchers that capture the output, and readers for the generation log::
 
     from harness import build_assets, main_ppo_overrides, run_main_ppo, count_generate_calls
 
     assets = build_assets(Path("/tmp/verl_cpu_assets"))
-    proc = run_main_ppo(assets, main_ppo_overrides(assets, use_v1=False, total_steps=3),
-                        gen_log=Path("/tmp/gen.jsonl"))
-    assert proc.returncode == 0
-    print(count_generate_calls(Path("/tmp/gen.jsonl")))
+    gen_log = Path("/tmp/gen.jsonl")
+    proc = run_main_ppo(assets, main_ppo_overrides(assets, use_v1=False, total_steps=3), gen_log=gen_log)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    print(count_generate_calls(gen_log))
 
 The launcher is a parameter so a wrapper such as ``python -m skipinject -m
-verl.trainer.main_ppo`` can be put in front of the same overrides.
+verl.trainer.main_ppo`` can be put in front of the same overrides. From a shell::
+
+    python examples/verl_cpu/harness.py --mode v0 --steps 3 --workdir /tmp/vc
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import fcntl
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
     "ASYNC_LAUNCHER",
     "MAIN_PPO_LAUNCHER",
+    "MODES",
+    "ROLLOUT_N",
+    "TRAIN_BATCH",
     "V1_MODES",
     "Assets",
     "build_assets",
+    "cache_dir",
     "count_generate_calls",
     "fully_async_overrides",
+    "generate_calls",
     "harness_env",
     "main_ppo_overrides",
+    "mode_overrides",
     "run_fully_async",
     "run_main_ppo",
+    "skip_role",
 ]
 
 logger = logging.getLogger(__name__)
@@ -48,6 +61,8 @@ logger = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 ASSETS_VERSION = "1"
 V1_MODES = ("sync", "separate_async", "colocate_async")
+#: Modes of the command line / :func:`mode_overrides`.
+MODES = ("v0", "v1", "v1-separate", "v1-colocate", "fully-async")
 MAIN_PPO_LAUNCHER: tuple[str, ...] = (sys.executable, "-m", "verl.trainer.main_ppo")
 ASYNC_LAUNCHER: tuple[str, ...] = (
     sys.executable,
@@ -182,32 +197,70 @@ def _build_data(train_file: Path, val_file: Path) -> None:
         pd.DataFrame(rows).to_parquet(path)
 
 
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def build_assets(root: Path) -> Assets:
     """Build the tiny model, tokenizer, 32-row train/val parquet and reward file under ``root``.
 
-    Idempotent: a marker written last makes later calls return at once. A partly built
-    directory (no marker) is rebuilt in place.
+    Idempotent and safe to call from several processes at once: the build holds a file
+    lock, and a version stamp written last makes later calls return at once. A directory
+    without the current stamp (partly built, or by an older harness) is rebuilt in place.
+    Takes a few seconds; needs no network.
     """
     root = Path(root).resolve()
     assets = _assets_at(root)
     marker = root / ".assets_version"
-    if marker.is_file() and marker.read_text().strip() == ASSETS_VERSION:
+
+    def current() -> bool:
+        return marker.is_file() and marker.read_text().strip() == ASSETS_VERSION
+
+    if current():
         return assets
-    start = time.monotonic()
-    assets.model_dir.mkdir(parents=True, exist_ok=True)
-    _build_model(assets.model_dir, vocab_size=_build_tokenizer(assets.model_dir))
-    _build_data(assets.train_file, assets.val_file)
-    assets.reward_file.write_text(_REWARD_SOURCE)
-    marker.write_text(ASSETS_VERSION + "\n")
-    logger.info("built CPU harness assets in %s (%.1fs)", root, time.monotonic() - start)
+    with _locked(root / ".assets_lock"):
+        if current():
+            return assets
+        start = time.monotonic()
+        marker.unlink(missing_ok=True)
+        assets.model_dir.mkdir(parents=True, exist_ok=True)
+        _build_model(assets.model_dir, vocab_size=_build_tokenizer(assets.model_dir))
+        _build_data(assets.train_file, assets.val_file)
+        assets.reward_file.write_text(_REWARD_SOURCE)
+        marker.write_text(ASSETS_VERSION + "\n")
+        logger.info("built CPU harness assets in %s (%.1fs)", root, time.monotonic() - start)
     return assets
 
 
 # -- configuration -----------------------------------------------------------------------
 
 
-def _common_overrides(assets: Assets, total_steps: int) -> list[str]:
-    """Overrides every CPU run needs, whatever the trainer (see README for why each is there)."""
+def skip_role(*, use_v1: bool = False, fully_async: bool = False) -> str:
+    """The skip role that can fire in a trainer: ``rollout`` (V0), ``rollout_tq`` (V1), ``async_rollout``."""
+    if fully_async:
+        return "async_rollout"
+    return "rollout_tq" if use_v1 else "rollout"
+
+
+def cache_dir(dump_dir: Path, *, experiment: str = "e", project: str = "p", gbs: int = TRAIN_BATCH) -> Path:
+    """Where a skip cache of a harness run lives: ``{dump_dir}/{experiment}_{project}/GBS.._N.._in.._out..``.
+
+    ``gbs`` is ``data.gen_batch_size`` if set, else ``data.train_batch_size``: 4 for V0 and V1
+    ``sync``, 1 for the asynchronous modes (they feed one prompt at a time).
+    """
+    name = f"GBS{gbs}_N{ROLLOUT_N}_in{PROMPT_LEN}_out{RESPONSE_LEN}"
+    return Path(dump_dir) / f"{experiment}_{project}" / name
+
+
+def _common_overrides(assets: Assets, *, experiment: str, project: str) -> list[str]:
+    """Overrides every CPU run needs, whatever the trainer (README.md says why each is there)."""
     return [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={assets.train_file}",
@@ -229,14 +282,30 @@ def _common_overrides(assets: Assets, total_steps: int) -> list[str]:
         "trainer.device=cpu",
         "trainer.nnodes=1",
         "trainer.n_gpus_per_node=1",
-        f"trainer.total_training_steps={total_steps}",
         "trainer.val_before_train=False",
         "trainer.logger=[console]",
         "trainer.save_freq=-1",
         "trainer.test_freq=-1",
-        "trainer.project_name=verl_cpu",
-        "trainer.experiment_name=harness",
+        f"trainer.project_name={project}",
+        f"trainer.experiment_name={experiment}",
     ]
+
+
+def _ray_overrides(fake_gpus: int) -> list[str]:
+    """Local Ray: enough logical CPUs for verl's actors and ``fake_gpus`` fake GPU resources.
+
+    verl's actors each reserve logical CPUs (TransferQueue alone asks one per storage unit),
+    which the 2 real cores could never satisfy; the numbers are only for Ray's scheduler.
+    ``++`` because ``num_gpus`` is in verl's schema only for some entry points.
+    """
+    return [
+        f"ray_kwargs.ray_init.num_cpus={16 if fake_gpus == 1 else 32}",
+        f"++ray_kwargs.ray_init.num_gpus={fake_gpus}",
+    ]
+
+
+def _skip_dump_dir(role: str, dump_dir: Path | str | None) -> list[str]:
+    return [] if dump_dir is None else [f"skip.{role}.dump_dir={Path(dump_dir).resolve()}"]
 
 
 def main_ppo_overrides(
@@ -244,86 +313,148 @@ def main_ppo_overrides(
     *,
     use_v1: bool,
     total_steps: int,
-    mode: str = "sync",
+    trainer_mode: str = "sync",
+    parameter_sync_step: int = 1,
+    dump_dir: Path | str | None = None,
+    experiment: str = "e",
+    project: str = "p",
     extra: Sequence[str] = (),
 ) -> list[str]:
     """Hydra overrides for ``verl.trainer.main_ppo``: a ``total_steps``-step GRPO run on CPU.
 
-    ``use_v1=False`` selects the V0 ``RayPPOTrainer``; ``use_v1=True`` the TransferQueue
-    trainer in ``mode`` (``sync``, ``separate_async`` with ``parameter_sync_step=2``, or
-    ``colocate_async``). ``extra`` is appended last, so it wins over the defaults.
+    * ``use_v1=False``: the V0 ``RayPPOTrainer`` (``trainer_mode`` must stay ``sync``).
+    * ``use_v1=True``: the TransferQueue trainer in ``trainer_mode`` -- ``sync``,
+      ``colocate_async`` or ``separate_async``. ``separate_async`` runs its rollout on a
+      second fake GPU and syncs weights through the shim's ``cpu_store`` checkpoint engine
+      every ``parameter_sync_step`` mini-batches (1, 2 or 4: verl needs
+      ``train_batch_size == parameter_sync_step * ppo_mini_batch_size``, and the batch is 4).
+    * ``dump_dir``: if given, ``skip.<role>.dump_dir`` for the role that can fire in this
+      trainer (``rollout`` for V0, ``rollout_tq`` for V1; see :func:`skip_role`); enabling
+      the role and its steps go in ``extra``. The cache then lands in
+      :func:`cache_dir` ``(dump_dir, experiment=..., project=...)``.
+    * ``experiment`` / ``project``: ``trainer.experiment_name`` / ``trainer.project_name``.
+    * ``extra`` is appended last, so it wins over the defaults (Hydra: last one wins).
     """
-    if not use_v1 and mode != "sync":
-        raise ValueError(f"mode={mode!r} needs use_v1=True (V0 only has the sync trainer)")
-    if mode not in V1_MODES:
-        raise ValueError(f"mode must be one of {V1_MODES}, not {mode!r}")
-    overrides = _common_overrides(assets, total_steps)
-    overrides += [f"data.train_batch_size={TRAIN_BATCH}", f"trainer.use_v1={use_v1}"]
-    if mode == "separate_async":
-        sync_step = 2
+    if trainer_mode not in V1_MODES:
+        raise ValueError(f"trainer_mode must be one of {V1_MODES}, not {trainer_mode!r}")
+    if not use_v1 and trainer_mode != "sync":
+        raise ValueError(f"trainer_mode={trainer_mode!r} needs use_v1=True (V0 only has the sync trainer)")
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, not {total_steps}")
+    if parameter_sync_step != 1 and trainer_mode != "separate_async":
+        raise ValueError("parameter_sync_step applies to trainer_mode='separate_async' only")
+    if parameter_sync_step < 1 or TRAIN_BATCH % parameter_sync_step:
+        raise ValueError(f"parameter_sync_step must divide the train batch {TRAIN_BATCH}")
+
+    overrides = _common_overrides(assets, experiment=experiment, project=project)
+    overrides += [
+        f"data.train_batch_size={TRAIN_BATCH}",
+        f"trainer.total_training_steps={total_steps}",
+        f"trainer.use_v1={use_v1}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={TRAIN_BATCH // parameter_sync_step}",
+    ]
+    fake_gpus = 1
+    if use_v1:
         overrides += [
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={TRAIN_BATCH // sync_step}",
-            f"trainer.v1.trainer_mode={mode}",
-            f"trainer.v1.{mode}.parameter_sync_step={sync_step}",
+            f"trainer.v1.trainer_mode={trainer_mode}",
+            "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        ]
+    if trainer_mode == "separate_async":
+        fake_gpus = 2
+        overrides += [
+            f"trainer.v1.separate_async.parameter_sync_step={parameter_sync_step}",
             "actor_rollout_ref.rollout.nnodes=1",
             "actor_rollout_ref.rollout.n_gpus_per_node=1",
             "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_store",
         ]
-    else:
-        overrides.append(f"actor_rollout_ref.actor.ppo_mini_batch_size={TRAIN_BATCH}")
-        if use_v1:
-            overrides.append(f"trainer.v1.trainer_mode={mode}")
-    if use_v1:
-        overrides.append("transfer_queue.backend.SimpleStorage.num_data_storage_units=1")
-    overrides += _ray_overrides(fake_gpus=2 if mode == "separate_async" else 1)
+    overrides += _ray_overrides(fake_gpus)
+    overrides += _skip_dump_dir(skip_role(use_v1=use_v1), dump_dir)
     return overrides + list(extra)
 
 
-def _ray_overrides(fake_gpus: int) -> list[str]:
-    """Local Ray: enough logical CPUs for verl's actors, ``fake_gpus`` fake GPU resources."""
-    return [
-        f"ray_kwargs.ray_init.num_cpus={16 if fake_gpus == 1 else 32}",
-        f"++ray_kwargs.ray_init.num_gpus={fake_gpus}",
-    ]
+def fully_async_overrides(
+    assets: Assets,
+    *,
+    total_rollout_steps: int = 4,
+    ppo_mini_batch_size: int = 2,
+    dump_dir: Path | str | None = None,
+    experiment: str = "e",
+    project: str = "p",
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """Hydra overrides for ``fully_async_main``: one trainer fake GPU, one standalone rollout fake GPU.
 
-
-def fully_async_overrides(assets: Assets, *, total_steps: int = 2, extra: Sequence[str] = ()) -> list[str]:
-    """Hydra overrides for ``fully_async_main``: one trainer GPU, one standalone rollout GPU.
-
-    The rollouter feeds one prompt at a time (``gen_batch_size=1``) and stops after
-    ``2 * total_steps`` prompts; the trainer takes one prompt group per step
-    (``require_batches=1``, mini-batch 1) and syncs weights every step.
+    The Rollouter feeds one prompt at a time (``gen_batch_size=1``, ``n`` sequences each)
+    and stops after ``total_rollout_steps`` prompts; the trainer takes ``ppo_mini_batch_size``
+    prompt groups per step and syncs weights (``cpu_store``) after every step, so it runs
+    ``total_rollout_steps // ppo_mini_batch_size`` steps (2 with the defaults).
+    ``dump_dir`` sets ``skip.async_rollout.dump_dir``; the rest as in :func:`main_ppo_overrides`.
     """
-    overrides = _common_overrides(assets, total_steps)
+    if total_rollout_steps < ppo_mini_batch_size:
+        raise ValueError("total_rollout_steps must be >= ppo_mini_batch_size (else 0 trainer steps)")
+    overrides = _common_overrides(assets, experiment=experiment, project=project)
     overrides += [
         "data.train_batch_size=0",
         "data.gen_batch_size=1",
         "actor_rollout_ref.hybrid_engine=False",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={ppo_mini_batch_size}",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_store",
         "async_training.trigger_parameter_sync_step=1",
         "async_training.staleness_threshold=0.5",
         "async_training.require_batches=1",
         "rollout.nnodes=1",
         "rollout.n_gpus_per_node=1",
-        f"rollout.total_rollout_steps={2 * total_steps}",
+        f"rollout.total_rollout_steps={total_rollout_steps}",
         f"rollout.n={ROLLOUT_N}",
     ]
     overrides += _ray_overrides(fake_gpus=2)
+    overrides += _skip_dump_dir(skip_role(fully_async=True), dump_dir)
     return overrides + list(extra)
 
 
+def mode_overrides(
+    assets: Assets, mode: str, *, steps: int = 3, extra: Sequence[str] = (), **kwargs: object
+) -> tuple[tuple[str, ...], list[str]]:
+    """``(launcher, overrides)`` for a named mode of :data:`MODES` (what the command line runs).
+
+    ``steps`` is the number of trainer steps; ``kwargs`` go to the overrides builder
+    (``dump_dir``, ``experiment``, ``project``).
+    """
+    if mode == "fully-async":
+        mini = 2
+        return ASYNC_LAUNCHER, fully_async_overrides(
+            assets, total_rollout_steps=steps * mini, ppo_mini_batch_size=mini, extra=extra, **kwargs
+        )
+    settings = {
+        "v0": {"use_v1": False},
+        "v1": {"use_v1": True},
+        "v1-separate": {"use_v1": True, "trainer_mode": "separate_async", "parameter_sync_step": 2},
+        "v1-colocate": {"use_v1": True, "trainer_mode": "colocate_async"},
+    }
+    if mode not in settings:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    return MAIN_PPO_LAUNCHER, main_ppo_overrides(
+        assets, total_steps=steps, extra=extra, **settings[mode], **kwargs
+    )
+
+
 def harness_env(assets: Assets, gen_log: Path | None) -> dict[str, str]:
-    """Environment variables to add for a run (they reach every Ray worker on this node)."""
-    pythonpath = [str(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    """Environment variables to add to ``os.environ`` for a run.
+
+    Set in the launching process before verl calls ``ray.init``, they reach every Ray worker
+    on this node. ``PYTHONPATH`` keeps whatever ``os.environ`` already has (the skipinject
+    runner uses it too) and gets this directory appended, so ``verl_cpu_shim`` imports.
+    """
+    current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {
-        "PYTHONPATH": os.pathsep.join(dict.fromkeys(pythonpath)),
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys([*current, str(HERE)])),
+        # verl/__init__.py imports these modules in every process that imports verl.
         "VERL_USE_EXTERNAL_MODULES": "verl_cpu_shim",
         "VERL_PLATFORM": "cpu",
         # verl registers its FSDP engine for cuda/npu only; the engine itself runs on the platform device.
         "VERL_ENGINE_DEVICE": "cuda",
         "VERL_ENGINE_VENDOR": "nvidia",
-        # INFO logging hits a verl 0.9.1 bug (logger.info(..., flush=True)) with hybrid_engine=False.
+        # INFO logging hits a verl 0.9.1 bug (logger.info(..., flush=True)) in separate_async.
         "VERL_LOGGING_LEVEL": "WARN",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -331,6 +462,7 @@ def harness_env(assets: Assets, gen_log: Path | None) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_DISABLE_IMPORT_WARNING": "1",
+        "HARNESS_ASSETS": str(assets.root),
     }
     if gen_log is not None:
         env["VERL_CPU_GEN_LOG"] = str(Path(gen_log).resolve())
@@ -340,6 +472,39 @@ def harness_env(assets: Assets, gen_log: Path | None) -> dict[str, str]:
 # -- running -----------------------------------------------------------------------------
 
 
+def _session_pids(session: int) -> list[int]:
+    """Processes of a session (Ray's daemons change their process group, not their session)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command: state ppid pgrp session ...
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 3 and int(fields[3]) == session and int(entry.name) != os.getpid():
+            pids.append(int(entry.name))
+    return pids
+
+
+def _reap_session(session: int, grace: float = 10.0) -> int:
+    """Stop what a run left behind in its session (Ray daemons, workers); returns how many were left."""
+    left = _session_pids(session)
+    if not left:
+        return 0
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in _session_pids(session):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and _session_pids(session):
+            time.sleep(0.2)
+    logger.warning("killed %d processes left by the run (session %d)", len(left), session)
+    return len(left)
+
+
 def _run(
     assets: Assets,
     argv: list[str],
@@ -347,56 +512,141 @@ def _run(
     gen_log: Path | None,
     timeout: float,
     cwd: Path | None,
+    env_extra: dict[str, str] | None,
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **harness_env(assets, gen_log)}
+    env = {**os.environ, **harness_env(assets, gen_log), **(env_extra or {})}
+    if gen_log is not None:
+        Path(gen_log).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="verl_cpu_run_") as scratch:
         start = time.monotonic()
-        proc = subprocess.run(
+        # A session of its own: whatever the run leaves (Ray daemons) can be found and stopped.
+        child = subprocess.Popen(
             argv,
             cwd=str(cwd) if cwd is not None else scratch,
             env=env,
-            capture_output=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=timeout,
             start_new_session=True,
         )
-    logger.info("%s finished rc=%d in %.1fs", " ".join(argv[:3]), proc.returncode, time.monotonic() - start)
-    return proc
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _reap_session(child.pid, grace=5.0)
+            stdout, stderr = child.communicate()
+            raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr) from None
+        finally:
+            _reap_session(child.pid)
+    elapsed = time.monotonic() - start
+    logger.info("%s finished rc=%d in %.1fs", " ".join(argv[1:3]), child.returncode, elapsed)
+    return subprocess.CompletedProcess(argv, child.returncode, stdout, stderr)
 
 
 def run_main_ppo(
     assets: Assets,
     overrides: Sequence[str],
     *,
-    launcher: Sequence[str] = MAIN_PPO_LAUNCHER,
     gen_log: Path | None = None,
+    launcher: Sequence[str] = MAIN_PPO_LAUNCHER,
     timeout: float = 600,
     cwd: Path | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``launcher + overrides`` with :func:`harness_env`; output is captured.
+    """Run ``[*launcher, *overrides]`` with :func:`harness_env`; stdout/stderr captured as text.
 
     ``cwd`` defaults to a fresh temporary directory (Hydra writes ``outputs/`` there).
+    ``env_extra`` is applied last. The run gets a session of its own; processes still in
+    it when the launcher returns (or times out) are stopped, so no Ray cluster is left behind.
+    On timeout the run is stopped and :class:`subprocess.TimeoutExpired` raised.
     """
-    return _run(assets, [*launcher, *overrides], gen_log=gen_log, timeout=timeout, cwd=cwd)
+    return _run(
+        assets, [*launcher, *overrides], gen_log=gen_log, timeout=timeout, cwd=cwd, env_extra=env_extra
+    )
 
 
 def run_fully_async(
     assets: Assets,
     overrides: Sequence[str],
     *,
-    launcher: Sequence[str] = ASYNC_LAUNCHER,
     gen_log: Path | None = None,
+    launcher: Sequence[str] = ASYNC_LAUNCHER,
     timeout: float = 600,
     cwd: Path | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """:func:`run_main_ppo` with the fully async trainer as the default launcher."""
-    return _run(assets, [*launcher, *overrides], gen_log=gen_log, timeout=timeout, cwd=cwd)
+    return _run(
+        assets, [*launcher, *overrides], gen_log=gen_log, timeout=timeout, cwd=cwd, env_extra=env_extra
+    )
 
 
-def count_generate_calls(gen_log: Path) -> int:
-    """Number of generate requests recorded in ``gen_log`` (0 if it does not exist)."""
+# -- the generation log ------------------------------------------------------------------
+
+
+def generate_calls(gen_log: Path) -> list[dict]:
+    """The records of ``gen_log``, one per generate request served by the shim's ``hf`` rollout.
+
+    Each record: ``pid``, ``time``, ``replica``, ``n_sequences`` (always 1: verl's agent
+    loops send one request per sequence), ``n_prompt_tokens``, ``n_new_tokens``,
+    ``weight_version`` (how many weight syncs the serving model had received) and
+    ``global_steps`` (the trainer step of those weights, as verl passed it). A missing
+    file means no calls.
+    """
     try:
         text = Path(gen_log).read_text()
     except FileNotFoundError:
-        return 0
-    return sum(1 for line in text.splitlines() if line.strip() and json.loads(line))
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def count_generate_calls(gen_log: Path) -> int:
+    """Number of generate requests (= sequences generated) recorded in ``gen_log``; 0 if absent."""
+    return sum(int(call.get("n_sequences", 1)) for call in generate_calls(gen_log))
+
+
+# -- command line ------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run a real verl trainer for a few GRPO steps on CPU.")
+    parser.add_argument("--mode", choices=MODES, default="v0")
+    parser.add_argument("--steps", type=int, default=3, help="trainer steps")
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "verl_cpu_harness")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--skipinject", action="store_true", help="launch through python -m skipinject")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra (or skip.*) overrides, appended last")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    workdir = args.workdir.resolve()
+    assets = build_assets(workdir / "assets")
+    launcher, overrides = mode_overrides(assets, args.mode, steps=args.steps, extra=args.overrides)
+    if args.skipinject:
+        launcher = (sys.executable, "-m", "skipinject", *launcher[1:])
+    run_dir = workdir / f"run_{args.mode}_{time.strftime('%Y%m%d_%H%M%S')}"
+    run_dir.mkdir(parents=True)
+    gen_log = run_dir / "gen.jsonl"
+    start = time.monotonic()
+    proc = _run(
+        assets,
+        [*launcher, *overrides],
+        gen_log=gen_log,
+        timeout=args.timeout,
+        cwd=run_dir,
+        env_extra=None,
+    )
+    elapsed = time.monotonic() - start
+    (run_dir / "stdout.txt").write_text(proc.stdout)
+    (run_dir / "stderr.txt").write_text(proc.stderr)
+    if proc.returncode != 0:
+        print(proc.stderr[-6000:], file=sys.stderr)
+    print(
+        f"mode={args.mode} steps={args.steps} rc={proc.returncode} time={elapsed:.1f}s "
+        f"generate_calls={count_generate_calls(gen_log)} run_dir={run_dir}"
+    )
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,8 +12,8 @@ TRT-LLM), none of which runs on CPU. Three pieces stand in for them:
   engine) or ``CheckpointEngineWorker`` (standalone) process and pushes new weights
   into the server actor: a real weight sync, so rollouts follow the trained policy.
 
-Set ``VERL_CPU_GEN_LOG=<file>`` to get one JSON line per generate request (see
-:func:`log_generate_call`).
+Set ``VERL_CPU_GEN_LOG=<file>`` to get one JSON line per generate request served (see
+:func:`log_generate_call`; ``harness.generate_calls`` reads them).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def server_actor_name(replica_rank: int, node_rank: int = 0, suffix: str = "") -
     return f"{BACKEND_NAME}_server_{replica_rank}_{node_rank}{suffix}"
 
 
-def log_generate_call(n_prompt_tokens: int) -> None:
-    """Append ``{"pid", "time", "n_prompt_tokens"}`` to ``$VERL_CPU_GEN_LOG`` (if set).
+def log_generate_call(**fields: Any) -> None:
+    """Append one JSON line ``{"pid", "time", **fields}`` to ``$VERL_CPU_GEN_LOG`` (if set).
 
     One ``os.write`` on an ``O_APPEND`` descriptor per line, so lines written by
     concurrent processes never interleave.
@@ -55,10 +55,11 @@ def log_generate_call(n_prompt_tokens: int) -> None:
     path = os.environ.get(GEN_LOG_ENV)
     if not path:
         return
-    line = json.dumps({"pid": os.getpid(), "time": time.time(), "n_prompt_tokens": n_prompt_tokens}) + "\n"
+    record = {"pid": os.getpid(), "time": time.time(), **fields}
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode())
+        os.write(fd, line)
     finally:
         os.close(fd)
 
@@ -182,10 +183,17 @@ class HFGenerationServer:
                     token_ids=[], stop_reason="aborted", extra_fields={"global_steps": self.global_steps}
                 )
             await self._admission.wait()
-        log_generate_call(len(prompt_ids))
-        steps = self.global_steps
+        steps, version = self.global_steps, self.weight_version
         tokens, log_probs = await asyncio.to_thread(
             self._generate_blocking, prompt_ids, dict(sampling_params)
+        )
+        log_generate_call(
+            replica=self.replica_rank,
+            n_sequences=1,
+            n_prompt_tokens=len(prompt_ids),
+            n_new_tokens=len(tokens),
+            weight_version=version,
+            global_steps=steps,
         )
         return TokenOutput(
             token_ids=tokens,
