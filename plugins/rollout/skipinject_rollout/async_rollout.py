@@ -1,0 +1,52 @@
+"""Role ``async_rollout``: the fully async Rollouter's per-sample generation.
+
+``FullyAsyncAgentLoopManager.generate_sequences_single`` is called once per prompt, many at a
+time. Each call finds its own step in its sample id, ``[uid_]sample_<epoch>_<feed_index>``:
+the feed index (the Rollouter's running count of prompts fed, from 1) is the step. Nothing about
+the step is shared between concurrent calls.
+"""
+
+from __future__ import annotations
+
+import re
+
+from skipinject import Call, Role, StepSource, Target, hookimpl
+from skipinject_rollout.common import GEN_BATCH, mark_hit, mark_miss, prompt_fingerprint
+
+TARGET = (
+    "verl.experimental.fully_async_policy.fully_async_rollouter:FullyAsyncAgentLoopManager.generate_sequences_single"
+)
+_SAMPLE_ID = re.compile(r"^(?:uid_)?sample_(\d+)_(\d+)$")
+
+
+def parse_sample_id(sample_id: str) -> int | None:
+    """The feed index in ``[uid_]sample_<epoch>_<feed_index>``, or ``None`` for other ids."""
+    match = _SAMPLE_ID.match(str(sample_id))
+    return int(match.group(2)) if match else None
+
+
+def feed_index(call: Call) -> int | None:
+    non_tensor = getattr(call.batch, "non_tensor_batch", None) or {}
+    uids = non_tensor.get("uid")
+    if uids is None or len(uids) == 0:
+        return None
+    return parse_sample_id(str(uids[0]))
+
+
+ASYNC_ROLLOUT = Role(
+    name="async_rollout",
+    targets=[Target(TARGET)],
+    step=StepSource.per_call(feed_index),
+    builtin="async_rollout",
+    fingerprint=prompt_fingerprint,
+    on_hit=mark_hit,
+    on_miss=mark_miss,
+    cache_subdir="",
+    upstream=GEN_BATCH,
+    description="per-sample generation of the fully async Rollouter (step = feed index of the sample id)",
+)
+
+
+@hookimpl
+def skipinject_roles() -> list[Role]:
+    return [ASYNC_ROLLOUT]
