@@ -156,8 +156,11 @@ class RoleRuntime:
             self._warned.add(key)
         logger.log(level, message, *args)
 
-    def applicable_step(self, call: Call) -> int | None:
-        """The call's step if this role may act on it, else ``None`` (the original runs)."""
+    def applicable_step(self, call: Call, *, any_step: bool = False) -> int | None:
+        """The call's step if this role may act on it, else ``None`` (the original runs).
+
+        ``any_step``: also steps outside ``skip.<role>.steps`` (targets declared ``every_step``).
+        """
         try:
             if self.role.bypass(call):
                 return None
@@ -177,7 +180,7 @@ class RoleRuntime:
                 self.role.step.describe(),
             )
             return None
-        if not self.settings.allows(step):
+        if not any_step and not self.settings.allows(step):
             return None
         return step
 
@@ -427,15 +430,16 @@ class TargetInterceptor:
     def __init__(self, runtime: RoleRuntime, target: Target) -> None:
         self.runtime = runtime
         self.phase: Phase = target.phase or WHOLE_CALL
+        self.every_step = target.every_step
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
-        step = self.runtime.applicable_step(call)
+        step = self.runtime.applicable_step(call, any_step=self.every_step)
         if step is None:
             return proceed()
         return self.phase.run(self.runtime, call, step, proceed)
 
     async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:
-        step = self.runtime.applicable_step(call)
+        step = self.runtime.applicable_step(call, any_step=self.every_step)
         if step is None:
             return await proceed()
         return await self.phase.run_async(self.runtime, call, step, proceed)

@@ -202,11 +202,15 @@ class Target:
     """A function or method to patch, with the phase handling its calls.
 
     ``verl`` is a version specifier (``">=0.9"``): the target is only patched in verls it matches.
+    ``every_step`` hands the phase every call of an enabled role, whatever its step.
     """
 
     path: str
     phase: Phase | None = None
     verl: str | None = None
+    #: The phase sees every call while the role is enabled, not only calls at ``skip.<role>.steps``
+    #: (e.g. to switch off a prefetch that would go around the role). Validation calls still bypass.
+    every_step: bool = False
 
     def __post_init__(self) -> None:
         TargetPath.parse(self.path)
