@@ -1,0 +1,89 @@
+"""Role ``reward``: the reward the V0 ``RayPPOTrainer`` takes for a training step.
+
+``fit`` gets a step's reward from one module-level function of ``verl.trainer.ppo.ray_trainer``,
+patched there because that is where ``fit`` looks it up:
+
+* verl >= 0.8: ``extract_reward(batch)``. The rule-based or custom reward function
+  (``reward.custom_reward_function.path``) already ran per sample inside the rollout's agent loop
+  (verl's reward loop), and a colocated reward model in ``_compute_reward_colocate``; this is where
+  the trainer turns that into ``(reward_tensor, reward_extra_infos_dict)`` for training.
+* verl < 0.8: ``compute_reward(data, reward_fn)``, which runs the reward function itself.
+
+On a hit the trainer trains on the cached reward of the step, the reward function is not
+called (verl < 0.8) and the batch's own scores are ignored (verl >= 0.8). Calls carry no step,
+so the step is the trainer's ``global_steps`` captured entering ``fit``. Validation batches
+(``meta_info["validate"]``) always run the original.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from skipinject import Call, Role, StepSource, Target, hookimpl
+from skipinject.engine import select
+from skipinject_reward.codec import RewardCodec, batch_of
+
+TARGETS = (
+    Target("verl.trainer.ppo.ray_trainer:extract_reward", verl=">=0.8"),
+    Target("verl.trainer.ppo.ray_trainer:compute_reward", verl="<0.8"),
+)
+CLOCK = "verl.trainer.ppo.ray_trainer:RayPPOTrainer.fit"
+#: Per-row non-tensor inputs of a reward function (the answer to score against and its source).
+ROW_KEYS = ("data_source", "reward_model")
+
+
+def cannot_fire(config: Any) -> str | None:
+    if select(config, "trainer.use_v1") is True:
+        return (
+            "trainer.use_v1=True runs the V1 trainer, which takes rewards from TransferQueue, not from "
+            "ray_trainer's reward function; set trainer.use_v1=False for the V0 RayPPOTrainer"
+        )
+    if select(config, "reward_model.launch_reward_fn_async", False):
+        return "reward_model.launch_reward_fn_async=True computes rewards in a Ray task, which is not patched"
+    return None
+
+
+def _row_text(value: Any) -> str:
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def input_fingerprint(call: Call) -> list[str] | None:
+    """One digest per row: its prompt and response tokens and what it is scored against."""
+    batch = batch_of(call)
+    tensors = getattr(batch, "batch", None)
+    keys = () if tensors is None else tensors.keys()
+    if "input_ids" not in keys:
+        return None
+    ids = tensors["input_ids"]
+    mask = tensors["attention_mask"] if "attention_mask" in keys else None
+    non_tensor = getattr(batch, "non_tensor_batch", None) or {}
+    columns = [non_tensor[key] for key in ROW_KEYS if key in non_tensor]
+    rows = []
+    for index in range(ids.shape[0]):
+        row = ids[index] if mask is None else ids[index][mask[index].bool()]
+        digest = hashlib.blake2b(row.detach().cpu().numpy().tobytes(), digest_size=8)
+        for column in columns:
+            digest.update(_row_text(column[index]).encode())
+        rows.append(digest.hexdigest())
+    return rows
+
+
+REWARD = Role(
+    name="reward",
+    targets=TARGETS,
+    step=StepSource.clock("global_steps"),
+    codec=RewardCodec(),
+    clocks=[CLOCK],
+    check=cannot_fire,
+    fingerprint=input_fingerprint,
+    description="the reward the V0 RayPPOTrainer trains on at a step (trainer.use_v1=False)",
+)
+
+
+@hookimpl
+def skipinject_roles() -> list[Role]:
+    return [REWARD]
