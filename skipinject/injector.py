@@ -153,7 +153,7 @@ class Injector:
 
     def __init__(self) -> None:
         self._patches: dict[str, _Patch] = {}
-        self._hooked_modules: set[str] = set()
+        self._hooked_modules: set[str] = set()  # modules with a pending post-import hook
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------ public API
@@ -200,6 +200,7 @@ class Injector:
 
     def _on_import(self, module: ModuleType) -> None:
         with self._lock:
+            self._hooked_modules.discard(module.__name__)  # wrapt fires a hook once, then drops it
             for patch in list(self._patches.values()):
                 if patch.path.module == module.__name__ and not patch.applied:
                     self._apply(patch, module)

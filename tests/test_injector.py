@@ -1,0 +1,229 @@
+"""The injector: every import/patch order, every kind of target, calling conventions kept."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from skipinject.injector import Convention, Injector, SkipinjectWrapper
+from skipinject.roles import Call
+
+
+class Recorder:
+    """Adds 1000 to results and records which path (sync/async) served each call."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, Any]] = []
+
+    def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
+        self.seen.append(("sync", call.target, call.instance))
+        return proceed() + 1000
+
+    async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:
+        self.seen.append(("async", call.target, call.instance))
+        return (await proceed()) + 1000
+
+
+TARGETS = {
+    "plain": ("plain", lambda m: m.plain(2), 4),
+    "method": ("Worker.method", lambda m: m.Worker().method(2), 6),
+    "smethod": ("Worker.smethod", lambda m: m.Worker.smethod(2), 1),
+    "smethod_on_instance": ("Worker.smethod", lambda m: m.Worker().smethod(2), 1),
+    "cmethod": ("Worker.cmethod", lambda m: m.Worker.cmethod(2), 7),
+    "cmethod_on_instance": ("Worker.cmethod", lambda m: m.Worker().cmethod(2), 7),
+    "inherited": ("Worker.inherited", lambda m: m.Worker().inherited(2), 102),
+    "nested": ("Outer.Inner.deep", lambda m: m.Outer.Inner().deep(2), -2),
+    "looked_up": ("plain", lambda m: m.caller_of_plain(2), 4),
+    "trampoline_sync": ("Worker.trampoline", lambda m: m.Worker().trampoline(2), 6),
+    "async": ("Worker.amethod", lambda m: asyncio.run(m.Worker().amethod(2)), 6),
+}
+
+
+def _originals(module: Any) -> dict[str, Any]:
+    return {
+        "plain": module.__dict__["plain"],
+        "method": module.Worker.__dict__["method"],
+        "smethod": module.Worker.__dict__["smethod"],
+        "cmethod": module.Worker.__dict__["cmethod"],
+        "amethod": module.Worker.__dict__["amethod"],
+        "trampoline": module.Worker.__dict__["trampoline"],
+        "deep": module.Outer.Inner.__dict__["deep"],
+    }
+
+
+@pytest.mark.parametrize("order", ["import_first", "hooks_first"])
+@pytest.mark.parametrize("kind", sorted(TARGETS))
+def test_every_target_kind_in_both_import_orders(fresh_module_name: str, injector: Injector, order: str, kind: str):
+    qualname, call, expected = TARGETS[kind]
+    path = f"{fresh_module_name}:{qualname}"
+    recorder = Recorder()
+    if order == "import_first":
+        module = importlib.import_module(fresh_module_name)
+        injector.instrument(path, recorder)
+    else:
+        injector.instrument(path, recorder)
+        assert not injector.is_patched(path)
+        module = importlib.import_module(fresh_module_name)
+    assert injector.is_patched(path)
+    assert call(module) == expected + 1000
+    assert len(recorder.seen) == 1
+
+
+def test_patch_unpatch_patch_again_restores_exact_objects(fresh_module_name: str, injector: Injector):
+    module = importlib.import_module(fresh_module_name)
+    before = _originals(module)
+    paths = [
+        f"{fresh_module_name}:{q}"
+        for q in (
+            "plain",
+            "Worker.method",
+            "Worker.smethod",
+            "Worker.cmethod",
+            "Worker.amethod",
+            "Worker.trampoline",
+            "Outer.Inner.deep",
+            "Worker.inherited",
+        )
+    ]
+    for _ in range(3):
+        for path in paths:
+            injector.instrument(path, Recorder())
+        assert isinstance(module.Worker.__dict__["method"], SkipinjectWrapper)
+        assert "inherited" in module.Worker.__dict__
+        for path in paths:
+            injector.uninstrument(path)
+        assert _originals(module) == before
+        assert "inherited" not in module.Worker.__dict__, "an inherited method must be un-shadowed again"
+        assert module.Worker().method(2) == 6
+
+
+def test_never_wrapped_twice(fresh_module_name: str):
+    module = importlib.import_module(fresh_module_name)
+    first, second = Injector(), Injector()
+    try:
+        first.instrument(f"{fresh_module_name}:Worker.method", Recorder())
+        second.instrument(f"{fresh_module_name}:Worker.method", Recorder())
+        first.instrument(f"{fresh_module_name}:Worker.method", Recorder())
+        wrapper = module.Worker.__dict__["method"]
+        assert isinstance(wrapper, SkipinjectWrapper)
+        assert not isinstance(wrapper.__wrapped__, SkipinjectWrapper)
+        assert module.Worker().method(1) == 1003
+    finally:
+        first.uninstrument_all()
+        second.uninstrument_all()
+
+
+def test_hook_fires_on_reimport_after_module_dropped(fresh_module_name: str, injector: Injector):
+    path = f"{fresh_module_name}:plain"
+    injector.instrument(path, Recorder())
+    module = importlib.import_module(fresh_module_name)
+    assert module.plain(1) == 1002
+    injector.uninstrument(path)
+    sys.modules.pop(fresh_module_name)
+    injector.instrument(path, Recorder())
+    module = importlib.import_module(fresh_module_name)
+    assert module.plain(1) == 1002
+
+
+def test_conventions_are_detected_and_kept(fresh_module_name: str, injector: Injector):
+    module = importlib.import_module(fresh_module_name)
+    for qualname, convention in (
+        ("Worker.method", Convention.SYNC),
+        ("Worker.amethod", Convention.ASYNC),
+        ("Worker.trampoline", Convention.TRAMPOLINE),
+    ):
+        injector.instrument(f"{fresh_module_name}:{qualname}", Recorder())
+        assert injector.convention(f"{fresh_module_name}:{qualname}") is convention
+    assert inspect.iscoroutinefunction(module.Worker.amethod)
+    assert inspect.iscoroutinefunction(module.Worker().amethod)
+    assert not inspect.iscoroutinefunction(module.Worker.method)
+    assert module.Worker.method.__name__ == "method"
+    assert inspect.signature(module.Worker.method) == inspect.signature(_originals(module)["method"])
+
+
+def test_trampoline_gives_awaiting_callers_an_awaitable_and_sync_callers_a_value(
+    fresh_module_name: str, injector: Injector
+):
+    module = importlib.import_module(fresh_module_name)
+    recorder = Recorder()
+    injector.instrument(f"{fresh_module_name}:Worker.trampoline", recorder)
+    worker = module.Worker()
+
+    assert worker.trampoline(2) == 1006  # no loop: a value
+    assert recorder.seen[-1][0] == "sync"
+
+    async def awaiting() -> Any:
+        pending = worker.trampoline(2)
+        assert inspect.isawaitable(pending)
+        return await pending
+
+    assert asyncio.run(awaiting()) == 1006
+    assert recorder.seen[-1][0] == "async"
+
+    async def sync_inside_loop() -> Any:
+        return helper()
+
+    def helper() -> Any:  # a sync function called from a running loop: gets a value (thread pool)
+        return worker.trampoline(2)
+
+    assert asyncio.run(sync_inside_loop()) == 1006
+    assert recorder.seen[-1][0] == "sync"
+
+
+def test_real_verl_auto_await_keeps_its_contract(injector: Injector):
+    auto_await = pytest.importorskip("verl.utils.ray_utils").auto_await
+    module = type(sys)("verl_auto_await_probe")
+
+    class Manager:
+        @auto_await
+        async def generate(self, x: int) -> int:
+            await asyncio.sleep(0)
+            return x + 1
+
+    module.Manager = Manager
+    sys.modules[module.__name__] = module
+    try:
+        injector.instrument("verl_auto_await_probe:Manager.generate", Recorder())
+        assert Manager().generate(1) == 1002
+
+        async def awaiting() -> int:
+            pending = Manager().generate(1)
+            assert inspect.iscoroutine(pending)
+            return await pending
+
+        assert asyncio.run(awaiting()) == 1002
+    finally:
+        injector.uninstrument_all()
+        sys.modules.pop(module.__name__)
+
+
+def test_async_target_returns_a_coroutine(fresh_module_name: str, injector: Injector):
+    module = importlib.import_module(fresh_module_name)
+    injector.instrument(f"{fresh_module_name}:Worker.amethod", Recorder())
+    pending = module.Worker().amethod(1)
+    assert inspect.iscoroutine(pending)
+    assert asyncio.run(pending) == 1003
+
+
+def test_missing_target_is_reported_not_raised(fresh_module_name: str, injector: Injector, caplog):
+    module = importlib.import_module(fresh_module_name)
+    with caplog.at_level(logging.WARNING, logger="skipinject"):
+        injector.instrument(f"{fresh_module_name}:Worker.nope", Recorder(), owner="myplugin/myrole")
+        injector.instrument(f"{fresh_module_name}:Missing.method", Recorder(), owner="myplugin/myrole")
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("myplugin/myrole" in m and f"{fresh_module_name}:Worker.nope" in m for m in messages)
+    assert any(f"{fresh_module_name}:Missing.method" in m for m in messages)
+    assert module.Worker().method(1) == 3
+
+
+def test_target_whose_module_is_never_imported_changes_nothing(injector: Injector):
+    injector.instrument("no_such_module_xyz.sub:Thing.method", Recorder())
+    assert not injector.is_patched("no_such_module_xyz.sub:Thing.method")
+    assert "no_such_module_xyz" not in sys.modules

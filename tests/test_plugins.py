@@ -1,0 +1,103 @@
+"""Plugin discovery through entry points of a really installed distribution, and selection."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from skipinject.errors import PluginError
+from skipinject.plugins import load_plugins, parse_selection
+
+
+def test_entry_point_discovery_of_installed_distribution(toy_path: Path):
+    plugins = load_plugins("toy")
+    (plugin,) = plugins.plugins
+    assert plugin.name == "toy"
+    assert plugin.distribution == "skipinject-toy-plugin"
+    assert plugin.version == "1.2.3"
+    assert set(plugins.roles) == {"toy", "toy_score"}
+    assert plugins.manager.get_plugin("toy") is plugin.obj
+
+
+def test_everything_installed_when_unset(toy_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("VERL_SKIP_PLUGINS", raising=False)
+    names = {p.name for p in load_plugins().plugins}
+    assert {"toy", "rollout", "async_rollout"} <= names
+
+
+def test_exclusion_by_name(toy_path: Path):
+    names = {p.name for p in load_plugins("-toy").plugins}
+    assert "toy" not in names and "rollout" in names
+    assert {p.name for p in load_plugins("toy,rollout,-rollout").plugins} == {"toy"}
+
+
+def test_env_var_is_read(toy_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("VERL_SKIP_PLUGINS", "toy")
+    assert [p.name for p in load_plugins().plugins] == ["toy"]
+
+
+def test_module_attr_path_loads_uninstalled_plugin(toy_path: Path):
+    plugins = load_plugins("skipinject_toy_plugin:plugin")
+    assert set(plugins.roles) == {"toy", "toy_score"}
+
+
+@pytest.mark.parametrize(
+    ("selection", "named"),
+    [
+        ("rollot", "rollot"),
+        ("-rollot", "rollot"),
+        ("skipinject_toy_plugin:nope", "nope"),
+        ("no_such_module_abc:plugin", "no_such_module_abc"),
+        ("json", "json"),  # importable, but not a plugin
+        ("toy,toy_again_unknown", "toy_again_unknown"),
+        ("a b", "a b"),
+    ],
+)
+def test_unknown_or_bad_selection_is_a_clear_error(toy_path: Path, selection: str, named: str):
+    with pytest.raises(PluginError) as info:
+        load_plugins(selection)
+    assert named in str(info.value)
+
+
+def test_duplicate_role_names_are_an_error(toy_path: Path):
+    with pytest.raises(PluginError, match="toy"):
+        load_plugins("toy,skipinject_toy_plugin:plugin")
+
+
+@pytest.fixture
+def broken_dist(tmp_path: Path):
+    """A really installed distribution (dist-info on sys.path) whose plugin fails to import."""
+    info = tmp_path / "skipinject_broken-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: skipinject-broken\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[skipinject.plugins]\nbroken = skipinject_broken_missing_module:plugin\n")
+    sys.path.insert(0, str(tmp_path))
+    importlib.invalidate_caches()
+    yield
+    sys.path.remove(str(tmp_path))
+
+
+def test_failing_plugin_is_reported_by_name_and_skipped_when_autoloaded(broken_dist, caplog):
+    with caplog.at_level(logging.WARNING, logger="skipinject"):
+        plugins = load_plugins("")
+    assert "broken" in plugins.failures
+    assert "rollout" in {p.name for p in plugins.plugins}
+    assert any(
+        "'broken'" in r.getMessage() and "skipinject_broken_missing_module" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_failing_plugin_asked_for_by_name_is_an_error(broken_dist):
+    with pytest.raises(PluginError, match="broken.*failed to import"):
+        load_plugins("broken")
+
+
+def test_parse_selection_forms():
+    selection = parse_selection(" rollout , -reward,,pkg.mod:attr , pkg.mod ")
+    assert selection.include == ("rollout", "pkg.mod:attr", "pkg.mod")
+    assert selection.exclude == ("reward",)
+    assert parse_selection(None).everything and parse_selection("").everything
