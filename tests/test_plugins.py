@@ -92,7 +92,7 @@ def test_failing_plugin_is_reported_by_name_and_skipped_when_autoloaded(broken_d
 
 
 def test_failing_plugin_asked_for_by_name_is_an_error(broken_dist):
-    with pytest.raises(PluginError, match="broken.*failed to import"):
+    with pytest.raises(PluginError, match=r"broken.*failed to import"):
         load_plugins("broken")
 
 
