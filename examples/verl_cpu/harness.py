@@ -272,8 +272,6 @@ def _common_overrides(assets: Assets, *, experiment: str, project: str) -> list[
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.model.use_remove_padding=False",
         "actor_rollout_ref.actor.strategy=fsdp2",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={TRAIN_BATCH * ROLLOUT_N}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={TRAIN_BATCH * ROLLOUT_N}",
         "actor_rollout_ref.rollout.name=hf",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
@@ -301,6 +299,20 @@ def _ray_overrides(fake_gpus: int) -> list[str]:
     return [
         f"ray_kwargs.ray_init.num_cpus={16 if fake_gpus == 1 else 32}",
         f"++ray_kwargs.ray_init.num_gpus={fake_gpus}",
+    ]
+
+
+def _batch_overrides(mini_batch: int) -> list[str]:
+    """PPO mini-batch of ``mini_batch`` prompts; micro-batches of one whole mini-batch (n sequences each).
+
+    verl asserts that the sequences a log-prob pass gets divide by the micro-batch size; in
+    ``separate_async`` one pass gets one mini-batch, so a micro-batch of the train batch fails.
+    """
+    micro = mini_batch * ROLLOUT_N
+    return [
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
     ]
 
 
@@ -351,7 +363,7 @@ def main_ppo_overrides(
         f"data.train_batch_size={TRAIN_BATCH}",
         f"trainer.total_training_steps={total_steps}",
         f"trainer.use_v1={use_v1}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={TRAIN_BATCH // parameter_sync_step}",
+        *_batch_overrides(TRAIN_BATCH // parameter_sync_step),
     ]
     fake_gpus = 1
     if use_v1:
@@ -397,7 +409,7 @@ def fully_async_overrides(
         "data.train_batch_size=0",
         "data.gen_batch_size=1",
         "actor_rollout_ref.hybrid_engine=False",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={ppo_mini_batch_size}",
+        *_batch_overrides(ppo_mini_batch_size),
         "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_store",
         "async_training.trigger_parameter_sync_step=1",
         "async_training.staleness_threshold=0.5",
@@ -433,9 +445,7 @@ def mode_overrides(
     }
     if mode not in settings:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    return MAIN_PPO_LAUNCHER, main_ppo_overrides(
-        assets, total_steps=steps, extra=extra, **settings[mode], **kwargs
-    )
+    return MAIN_PPO_LAUNCHER, main_ppo_overrides(assets, total_steps=steps, extra=extra, **settings[mode], **kwargs)
 
 
 def harness_env(assets: Assets, gen_log: Path | None) -> dict[str, str]:
@@ -494,6 +504,10 @@ def _reap_session(session: int, grace: float = 10.0) -> int:
     left = _session_pids(session)
     if not left:
         return 0
+    names = []
+    for pid in left:
+        with contextlib.suppress(OSError):
+            names.append(Path(f"/proc/{pid}/comm").read_text().strip())
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in _session_pids(session):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -501,7 +515,7 @@ def _reap_session(session: int, grace: float = 10.0) -> int:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and _session_pids(session):
             time.sleep(0.2)
-    logger.warning("killed %d processes left by the run (session %d)", len(left), session)
+    logger.info("stopped %d processes left by the run: %s", len(left), ", ".join(names))
     return len(left)
 
 
@@ -560,9 +574,7 @@ def run_main_ppo(
     it when the launcher returns (or times out) are stopped, so no Ray cluster is left behind.
     On timeout the run is stopped and :class:`subprocess.TimeoutExpired` raised.
     """
-    return _run(
-        assets, [*launcher, *overrides], gen_log=gen_log, timeout=timeout, cwd=cwd, env_extra=env_extra
-    )
+    return _run(assets, [*launcher, *overrides], gen_log=gen_log, timeout=timeout, cwd=cwd, env_extra=env_extra)
 
 
 def run_fully_async(
@@ -576,9 +588,7 @@ def run_fully_async(
     env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """:func:`run_main_ppo` with the fully async trainer as the default launcher."""
-    return _run(
-        assets, [*launcher, *overrides], gen_log=gen_log, timeout=timeout, cwd=cwd, env_extra=env_extra
-    )
+    return _run(assets, [*launcher, *overrides], gen_log=gen_log, timeout=timeout, cwd=cwd, env_extra=env_extra)
 
 
 # -- the generation log ------------------------------------------------------------------

@@ -65,9 +65,7 @@ def _store() -> ray.actor.ActorHandle:
 class CPUStoreCheckpointEngine(CheckpointEngine):
     """Checkpoint engine for trainer and rollout in different processes of one Ray cluster."""
 
-    def __init__(
-        self, bucket_size: int = 0, is_master: bool = False, poll_seconds: float = 0.05, **_: Any
-    ) -> None:
+    def __init__(self, bucket_size: int = 0, is_master: bool = False, poll_seconds: float = 0.05, **_: Any) -> None:
         self.is_master = is_master
         self.poll_seconds = poll_seconds
         self._seen_version = 0
@@ -94,14 +92,10 @@ class CPUStoreCheckpointEngine(CheckpointEngine):
         state = await collect_state_dict(weights)
         if self.is_master:
             version = await self._store.put.remote(state, global_steps)
-            logger.info(
-                "cpu_store: published version %d (step %s, %d tensors)", version, global_steps, len(state)
-            )
+            logger.info("cpu_store: published version %d (step %s, %d tensors)", version, global_steps, len(state))
         return {"timing_s/cpu_store_send": time.monotonic() - start}
 
-    async def receive_weights(
-        self, global_steps: int | None = None
-    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Wait for a version newer than the last one received, then yield its tensors."""
         while await self._store.latest_version.remote() <= self._seen_version:
             await asyncio.sleep(self.poll_seconds)

@@ -34,9 +34,7 @@ def _cpu_only_backend(backend: str | None) -> str | None:
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def initialize_global_process_group_ray(
-        timeout_second: int | None = None, backend: str | None = None
-    ) -> Any:
+    def initialize_global_process_group_ray(timeout_second: int | None = None, backend: str | None = None) -> Any:
         return original(timeout_second=timeout_second, backend=_cpu_only_backend(backend) or backend)
 
     setattr(initialize_global_process_group_ray, _PATCHED_FLAG, True)

@@ -105,12 +105,8 @@ class HFGenerationServer:
         self.model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(path)
         self.eos_token_id = tokenizer.eos_token_id
-        self.pad_token_id = (
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        )
-        self.max_model_len = self.config.max_model_len or getattr(
-            self.model.config, "max_position_embeddings", 2048
-        )
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.max_model_len = self.config.max_model_len or getattr(self.model.config, "max_position_embeddings", 2048)
         # Version of the weights being served; verl's V1 trainer does int() on it.
         self.global_steps = 0
         self.weight_version = 0
@@ -153,9 +149,7 @@ class HFGenerationServer:
             gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
         input_ids = torch.tensor([prompt_ids], dtype=torch.long)
         with self._compute_lock:
-            out = self.model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **gen_kwargs
-            )
+            out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **gen_kwargs)
         new_tokens = out.sequences[0, input_ids.shape[1] :].tolist()
         log_probs = None
         if want_logprobs:
@@ -184,9 +178,7 @@ class HFGenerationServer:
                 )
             await self._admission.wait()
         steps, version = self.global_steps, self.weight_version
-        tokens, log_probs = await asyncio.to_thread(
-            self._generate_blocking, prompt_ids, dict(sampling_params)
-        )
+        tokens, log_probs = await asyncio.to_thread(self._generate_blocking, prompt_ids, dict(sampling_params))
         log_generate_call(
             replica=self.replica_rank,
             n_sequences=1,
@@ -210,9 +202,7 @@ class HFGenerationServer:
         with self._compute_lock:
             missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected:
-            logger.warning(
-                "hf server ignored %d unexpected weights, e.g. %s", len(unexpected), unexpected[:3]
-            )
+            logger.warning("hf server ignored %d unexpected weights, e.g. %s", len(unexpected), unexpected[:3])
         self.weight_version += 1
         if global_steps is not None:
             self.global_steps = global_steps
@@ -261,9 +251,7 @@ class HFGenerationServer:
         while self._compute_lock.locked():
             await asyncio.sleep(0.01)
 
-    async def abort_all_requests(
-        self, reset_prefix_cache: bool = True, reject_request: bool = False
-    ) -> dict[str, Any]:
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
         """Close admission; running requests finish (they are short), new ones wait or are rejected."""
         self._rejecting = reject_request
         self._admission.clear()
