@@ -11,9 +11,14 @@ import os
 import runpy
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from skipinject._version import __version__
 from skipinject.errors import SkipInjectError
+
+if TYPE_CHECKING:
+    from skipinject.plugins import PluginSet
 
 USAGE = """\
 usage: python -m skipinject [--plugins LIST] [--list] [--version] (SCRIPT | -m MODULE) [ARGS...]
@@ -117,12 +122,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     bootstrap.configure_logging()
     if config.enabled_roles and not bootstrap.disabled():
         bootstrap.export(config)
+        _export_plugin_paths(plugins, owners)
         try:
             bootstrap.start(config, plugins)
         except SkipInjectError as exc:
             print(f"skipinject: error: {exc}", file=sys.stderr)
             return 2
     return _run(script, module, program_args)
+
+
+def _export_plugin_paths(plugins: PluginSet, names: list[str]) -> None:
+    """Plugins given as ``module[:attr]`` paths must import in children too (Ray workers start
+    elsewhere than the current directory): append their directories to ``PYTHONPATH``."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for plugin in plugins.plugins:
+        if plugin.name not in names or plugin.distribution is not None:
+            continue
+        top = sys.modules.get(plugin.source.split(":")[0].split(".")[0])
+        location = getattr(top, "__file__", None)
+        if location is None:
+            continue
+        base = Path(location).resolve().parent
+        if Path(location).name == "__init__.py":
+            base = base.parent
+        if str(base) not in paths:
+            paths.append(str(base))
+    if paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(paths)
 
 
 def _run(script: str | None, module: str | None, args: list[str]) -> int:
