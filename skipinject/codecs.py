@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from skipinject.errors import CodecError
-from skipinject.store import Payload
+from skipinject.store import TENSOR_DTYPES, Payload
 
 if TYPE_CHECKING:
     import torch
@@ -43,23 +43,6 @@ INLINE_MAX_ELEMENTS = 1024
 DEDUP_MAX_UNIQUE_FRACTION = 0.75
 
 _SCALARS = (str, int, float, bool, type(None), bytes)
-_TORCH_DTYPES = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-)
 _NUMPY_TENSOR_KINDS = "biufc"
 
 
@@ -92,7 +75,7 @@ class TensorSink:
 def _torch_dtype(name: str) -> torch.dtype:
     import torch
 
-    if name not in _TORCH_DTYPES:
+    if name not in TENSOR_DTYPES:
         raise CodecError(f"cache names an unknown tensor dtype {name!r}")
     return getattr(torch, name)
 
@@ -111,7 +94,7 @@ def encode_tensor(tensor: torch.Tensor, label: str, sink: TensorSink) -> dict[st
     """Spec of a dense, jagged (``layout=torch.jagged``) or strided nested tensor; data goes to ``sink``."""
     import torch
 
-    if _dtype_name(tensor.dtype) not in _TORCH_DTYPES:
+    if _dtype_name(tensor.dtype) not in TENSOR_DTYPES:
         raise CodecError(f"cannot cache {label}: tensor dtype {tensor.dtype} is not supported")
     if not tensor.is_nested:
         if tensor.layout != torch.strided:
@@ -244,7 +227,7 @@ class _Encoder:
         dtype = _dtype_name(tensor.dtype)
         small = not tensor.is_nested and tensor.numel() <= INLINE_MAX_ELEMENTS and not tensor.is_complex()
         if self.sink is None or small:
-            if not small or dtype not in _TORCH_DTYPES:
+            if not small or dtype not in TENSOR_DTYPES:
                 raise self.fail(path, tensor, " here (large, nested or complex tensors need a tensor file)")
             flat = tensor.detach().cpu().reshape(-1).tolist()
             return self.tag("tensor", dtype=dtype, shape=list(tensor.shape), v=flat)

@@ -4,13 +4,19 @@ Layout (upstream's names, so users find caches where verl put them)::
 
     {dump_dir}/{experiment}_{project}/GBS{gbs}_N{n}_in{prompt_len}_out{response_len}/{step}/
         meta.json                      # the commit record, written last (atomic replace)
-        tensors-<write id>.pt          # torch.save of plain tensors, loaded weights_only + mmap
+        tensors-<write id>.bin         # plain tensors: raw bytes + a JSON index (see below)
         objects-<write id>.json        # non-tensor values as tagged JSON
         0/ 1/ ...                      # the same per part, for roles saving several parts a step
 
 A step is valid only when ``meta.json`` is ours, names every part, and every file it names has
 the recorded size and checksum. Data files get a fresh name per write, so a reader never sees a
 file change under it and an interrupted writer leaves only files no ``meta.json`` names.
+
+The tensor file is ``MAGIC``, a little-endian u64 index length, the JSON index (name, dtype, shape,
+offset, nbytes per tensor) padded to 64 bytes, then each tensor's bytes at a 64-byte aligned offset.
+Loading it runs no code: the file is mapped copy-on-write once, checksummed through that mapping
+(which also pulls it into this process), and tensors are views of it (``torch.frombuffer``), so a
+verified hit costs one pass over the bytes, and in-place writes to a loaded tensor stay private.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import mmap
 import os
 import platform
 import re
+import struct
 import time
 import uuid
 import zlib
@@ -39,8 +47,30 @@ if TYPE_CHECKING:
 logger = logging.getLogger("skipinject")
 
 FORMAT = "skipinject"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 META_NAME = "meta.json"
+TENSORS_MAGIC = b"SKIPTNS1"
+_ALIGN = 64
+#: Tensor dtypes the tensor file holds (by ``torch`` attribute name).
+TENSOR_DTYPES = frozenset(
+    {
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    }
+)
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _STALE_SECONDS = 600.0
 
@@ -61,6 +91,8 @@ class StepEntry:
     step: int
     directory: Path
     meta: Mapping[str, Any]
+    #: Tensor files mapped (and checksummed) by :meth:`StepStore.verified`, reused by ``load``.
+    mapped: dict[Path, mmap.mmap] = field(default_factory=dict, compare=False, repr=False)
 
 
 # ---------------------------------------------------------------- checksums
@@ -86,15 +118,125 @@ def file_checksum(path: Path, algo: str) -> str:
 
 
 def _digest(data: Any, algo: str) -> str:
-    if algo == "xxh3_64":
-        try:
-            import xxhash
-        except ImportError as exc:
-            raise CorruptCacheError("cache was checksummed with xxh3_64 but xxhash is not installed") from exc
-        return xxhash.xxh3_64_hexdigest(data)
-    if algo == "crc32":
-        return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
-    raise CorruptCacheError(f"unknown checksum algorithm {algo!r}")
+    hasher = _Hasher(algo)
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
+class _Hasher:
+    """Incremental checksum, so a writer checksums what it writes instead of reading it back."""
+
+    def __init__(self, algo: str) -> None:
+        self.algo = algo
+        if algo == "xxh3_64":
+            try:
+                import xxhash
+            except ImportError as exc:
+                raise CorruptCacheError("cache was checksummed with xxh3_64 but xxhash is not installed") from exc
+            self._xxh = xxhash.xxh3_64()
+        elif algo == "crc32":
+            self._crc = 0
+        else:
+            raise CorruptCacheError(f"unknown checksum algorithm {algo!r}")
+
+    def update(self, data: Any) -> None:
+        if self.algo == "xxh3_64":
+            self._xxh.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def hexdigest(self) -> str:
+        if self.algo == "xxh3_64":
+            return self._xxh.hexdigest()
+        return f"{self._crc & 0xFFFFFFFF:08x}"
+
+
+# ---------------------------------------------------------------- the tensor file
+
+
+def _padding(size: int) -> int:
+    return -size % _ALIGN
+
+
+def write_tensors(handle: Any, tensors: Mapping[str, torch.Tensor], algo: str) -> str:
+    """Write the tensor file to ``handle``; returns its checksum. Contiguous CPU tensors are not copied."""
+    import torch
+
+    views = []
+    index = []
+    offset = 0
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"payload tensors must map str to torch.Tensor, got {name!r}: {type(tensor).__name__}")
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in TENSOR_DTYPES or tensor.is_nested or tensor.layout != torch.strided:
+            raise TypeError(f"payload tensor {name!r}: {tensor.dtype} {tensor.layout} tensors are not supported")
+        value = tensor.detach().cpu().contiguous()
+        nbytes = value.numel() * value.element_size()
+        index.append({"name": name, "dtype": dtype, "shape": list(value.shape), "offset": offset, "nbytes": nbytes})
+        views.append(value.reshape(-1).view(torch.uint8).numpy() if nbytes else None)
+        offset += nbytes + _padding(nbytes)
+    header = json.dumps({"tensors": index}, separators=(",", ":")).encode()
+    header += b" " * _padding(len(TENSORS_MAGIC) + 8 + len(header))
+    hasher = _Hasher(algo)
+    for chunk in (TENSORS_MAGIC, struct.pack("<Q", len(header)), header):
+        handle.write(chunk)
+        hasher.update(chunk)
+    for view, entry in zip(views, index, strict=True):
+        if view is None:
+            continue
+        handle.write(view)
+        hasher.update(view)
+        pad = bytes(_padding(entry["nbytes"]))
+        if pad:
+            handle.write(pad)
+            hasher.update(pad)
+    return hasher.hexdigest()
+
+
+def map_file(path: Path) -> mmap.mmap | None:
+    """Map a whole file copy-on-write (writes through the mapping never reach the file)."""
+    with open(path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            return None
+        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+
+
+def read_tensors(mapped: mmap.mmap | None, path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a mapped tensor file, as views of the mapping. Runs no code from the file."""
+    import torch
+
+    size = 0 if mapped is None else len(mapped)
+    if mapped is None or size < len(TENSORS_MAGIC) + 8 or mapped[: len(TENSORS_MAGIC)] != TENSORS_MAGIC:
+        raise CorruptCacheError(f"{path}: not a skipinject tensor file")
+    (header_len,) = struct.unpack_from("<Q", mapped, len(TENSORS_MAGIC))
+    data_start = len(TENSORS_MAGIC) + 8 + header_len
+    if data_start > size or data_start % _ALIGN:
+        raise CorruptCacheError(f"{path}: tensor file index is damaged")
+    try:
+        index = json.loads(mapped[len(TENSORS_MAGIC) + 8 : data_start])["tensors"]
+        tensors = {}
+        for entry in index:
+            name, dtype_name, shape = entry["name"], entry["dtype"], entry["shape"]
+            offset, nbytes = entry["offset"], entry["nbytes"]
+            if dtype_name not in TENSOR_DTYPES or not all(type(d) is int and d >= 0 for d in shape):
+                raise ValueError(f"bad dtype or shape for {name!r}")
+            dtype = getattr(torch, dtype_name)
+            count = math.prod(shape)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if type(offset) is not int or offset < 0 or offset % _ALIGN or nbytes != count * itemsize:
+                raise ValueError(f"bad extent for {name!r}")
+            if data_start + offset + nbytes > size:
+                raise ValueError(f"{name!r} runs past the end of the file")
+            if count == 0:
+                tensors[name] = torch.empty(shape, dtype=dtype)
+            else:
+                tensors[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=data_start + offset).view(
+                    shape
+                )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCacheError(f"{path}: tensor file index is damaged ({exc})") from exc
+    return tensors
 
 
 def _meta_digest(meta: Mapping[str, Any]) -> str:
@@ -160,27 +302,25 @@ class StepWriter:
 
     def add_part(self, payload: Payload, part: str = "") -> None:
         """Write one part's files (invisible to readers until :meth:`commit`)."""
-        import torch
-
         if part and not _SAFE_NAME.match(part):
             raise ValueError(f"bad part name {part!r}")
         part_dir = self.directory / part if part else self.directory
         make_private_dirs(part_dir)
         algo = self.store.checksum_algo
-        files: dict[str, Any] = {}
-        tensors_path = part_dir / f"tensors-{self.write_id}.pt"
+        checksums: dict[str, str] = {}
+        tensors_path = part_dir / f"tensors-{self.write_id}.bin"
         self._written.append(tensors_path)
-        _write_file_atomic(tensors_path, lambda h: torch.save(payload.tensors, h))
+        _write_file_atomic(
+            tensors_path, lambda h: checksums.__setitem__("tensors", write_tensors(h, payload.tensors, algo))
+        )
         objects_path = part_dir / f"objects-{self.write_id}.json"
         self._written.append(objects_path)
         blob = json.dumps(payload.objects, separators=(",", ":"), allow_nan=True).encode()
         _write_file_atomic(objects_path, lambda h: h.write(blob))
+        checksums["objects"] = _digest(blob, algo)
+        files: dict[str, Any] = {}
         for kind, path in (("tensors", tensors_path), ("objects", objects_path)):
-            files[kind] = {
-                "name": path.name,
-                "size": path.stat().st_size,
-                "checksum": file_checksum(path, algo),
-            }
+            files[kind] = {"name": path.name, "size": path.stat().st_size, "checksum": checksums[kind]}
         self.parts[part] = {"dir": part, "rows": payload.rows, "files": files}
 
     def commit(self, meta: Mapping[str, Any]) -> Path:
@@ -311,12 +451,17 @@ class StepStore:
         return meta
 
     def verified(self, step: int) -> StepEntry:
-        """The step's entry after checking every file it names; raises CorruptCacheError."""
+        """The step's entry after checking every file it names; raises CorruptCacheError.
+
+        Tensor files are checksummed through the copy-on-write mapping that :meth:`load` then uses,
+        so the bytes are read once and a file cannot change between the check and the load.
+        """
         meta = self.read_meta(step)
         directory = self.step_dir(step)
         parts = meta.get("parts")
         if not isinstance(parts, list) or not parts:
             raise CorruptCacheError(f"{directory}: meta.json names no parts")
+        entry = StepEntry(step, directory, meta)
         for part in parts:
             for path, spec in self._part_files(directory, part):
                 try:
@@ -325,21 +470,30 @@ class StepStore:
                     raise CorruptCacheError(f"{path}: missing (named by meta.json)") from exc
                 if size != spec.get("size"):
                     raise CorruptCacheError(f"{path}: {size} bytes, meta.json says {spec.get('size')} (truncated?)")
-                if file_checksum(path, meta["checksum_algo"]) != spec.get("checksum"):
+                if spec["kind"] == "tensors":
+                    mapped = map_file(path)
+                    checksum = _digest(b"" if mapped is None else mapped, meta["checksum_algo"])
+                    if mapped is not None:
+                        entry.mapped[path] = mapped
+                else:
+                    checksum = file_checksum(path, meta["checksum_algo"])
+                if checksum != spec.get("checksum"):
+                    entry.mapped.clear()
                     raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
-        return StepEntry(step, directory, meta)
+        return entry
 
     def load(self, entry: StepEntry) -> list[Payload]:
-        """Load every part of a verified entry. Tensors are memory-mapped copy-on-write."""
-        import torch
-
+        """Load every part of a verified entry. Tensors are views of a copy-on-write file mapping."""
         payloads = []
         for part in entry.meta["parts"]:
             paths = {spec["kind"]: path for path, spec in self._part_files(entry.directory, part)}
             try:
-                tensors = torch.load(paths["tensors"], weights_only=True, mmap=True, map_location="cpu")
+                mapped = entry.mapped.get(paths["tensors"])
+                if mapped is None:
+                    mapped = map_file(paths["tensors"])
+                tensors = read_tensors(mapped, paths["tensors"])
                 objects = json.loads(paths["objects"].read_bytes())
-            except FileNotFoundError:
+            except (FileNotFoundError, CorruptCacheError):
                 raise
             except Exception as exc:
                 raise CorruptCacheError(f"{entry.directory}: cannot load part {part.get('dir')!r}: {exc}") from exc

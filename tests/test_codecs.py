@@ -1,0 +1,495 @@
+"""Codecs: real DataProto / TensorDict results survive the store unchanged, and never change it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+from verl.protocol import DataProto
+from verl.utils import tensordict_utils as tu
+
+from skipinject.codecs import (
+    DataProtoCodec,
+    TensorDictCodec,
+    TensorSink,
+    decode_column,
+    encode_column,
+    from_jsonable,
+    to_jsonable,
+)
+from skipinject.errors import CodecError, CorruptCacheError
+from skipinject.store import Payload, StepStore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+def grpo_dataproto(prompts: int = 6, n: int = 4, prompt_len: int = 5, response_len: int = 7) -> DataProto:
+    """Shaped like AgentLoopManager.generate_sequences output: prompts repeated n times, interleaved."""
+    rows = prompts * n
+    gen = torch.Generator().manual_seed(1)
+    per_prompt = DataProto.from_dict(
+        non_tensors={
+            "uid": np.array([f"uid{i}" for i in range(prompts)], dtype=object),
+            "data_source": np.array(["openai/gsm8k"] * prompts, dtype=object),
+            # Same-length message lists: np.array() would make this 2-D; it must stay 1-D.
+            "raw_prompt": np.fromiter(
+                (
+                    [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}?"}]
+                    for i in range(prompts)
+                ),
+                dtype=object,
+                count=prompts,
+            ),
+            "reward_model": np.fromiter(
+                ({"style": "rule", "ground_truth": str(i)} for i in range(prompts)), dtype=object, count=prompts
+            ),
+        }
+    )
+    non_tensors = dict(per_prompt.repeat(repeat_times=n, interleave=True).non_tensor_batch)
+    non_tensors["__num_turns__"] = np.full(rows, 2, dtype=np.int32)
+    non_tensors["acc"] = np.linspace(0, 1, rows)  # reward_extra_info: a float64 array
+    non_tensors["pred"] = np.array([f"{i % 3}" for i in range(rows)])  # a '<U1' array
+    non_tensors["multi_modal_inputs"] = np.fromiter(
+        ({"pixel_values": torch.full((2, 3), float(i)), "grid": torch.arange(2000)} for i in range(rows)),
+        dtype=object,
+        count=rows,
+    )
+    non_tensors["tool_rewards"] = np.fromiter(
+        ([] if i % 2 else [0.5, None] for i in range(rows)), dtype=object, count=rows
+    )
+    non_tensors["extras"] = np.fromiter(
+        ((i, {1: "one", (2, 3): b"\x00\xff"}, np.float32(0.5), float("nan")) for i in range(rows)),
+        dtype=object,
+        count=rows,
+    )
+    return DataProto.from_dict(
+        tensors={
+            "prompts": torch.randint(0, 1000, (rows, prompt_len), generator=gen),
+            "responses": torch.randint(0, 1000, (rows, response_len), generator=gen),
+            "response_mask": torch.ones(rows, response_len, dtype=torch.int64),
+            "attention_mask": torch.ones(rows, prompt_len + response_len, dtype=torch.int64),
+            "rollout_log_probs": -torch.rand(rows, response_len, generator=gen),
+            "rm_scores": torch.zeros(rows, response_len, dtype=torch.bfloat16),
+            "done": torch.zeros(rows, dtype=torch.bool),
+        },
+        non_tensors=non_tensors,
+        meta_info={
+            "global_steps": 3,
+            "timing": {"generate_sequences": 1.25, "inf": math.inf},
+            "metrics": [{"num_preempted": -1, "generate_sequences": 0.5}],
+            "reward_extra_keys": ["acc", "pred"],
+            "eos": (151643, 151645),
+            "temperature": np.float64(1.0),
+        },
+    )
+
+
+def tq_sample_result(prompts: int = 3, n: int = 2, step: int = 3) -> tuple[TensorDict, list[str], list[dict]]:
+    """What ReplayBuffer.sample's keys fetch with tq.kv_batch_get: one row per trajectory.
+
+    Each trajectory is built as verl 0.9.1's AgentLoopWorkerTQ._agent_loop_postprocess builds it
+    (AgentLoopOutput.as_dict() + the prompt's fields, one list_of_dict_to_tensordict per put), then
+    transfer_queue's storage repacks each field across rows with its own ``_pack_field_values``
+    (tensors of differing lengths -> jagged NestedTensor, anything else -> NonTensorStack).
+    """
+    from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
+
+    puts, keys, tags = [], [], []
+    for p in range(prompts):
+        uid = f"{p:08x}a1b2c3d4"
+        for session in range(n):
+            prompt_len, response_len = 3 + p, 2 + (p * n + session) % 4
+            prompt_ids = torch.arange(prompt_len) + 100
+            response_ids = torch.arange(response_len) + 200 + session
+            reward = float(session % 2)
+            rm_scores = torch.zeros(response_len)
+            rm_scores[-1] = reward
+            field: dict[str, Any] = {
+                "num_turns": 2,
+                "metrics": {"generate_sequences": 0.25, "tool_calls": 0.0, "num_preempted": -1},
+                "extra_fields": {"turn_scores": [], "min_global_steps": step, "max_global_steps": step},
+                "prompts": prompt_ids,
+                "responses": response_ids,
+                "response_mask": torch.ones(response_len, dtype=torch.int64),
+                "rollout_log_probs": -torch.rand(response_len),
+                "rm_scores": rm_scores,
+                # the prompt's own fields (kwargs)
+                "raw_prompt": [{"role": "user", "content": f"question {p}"}],
+                "data_source": "openai/gsm8k",
+                "reward_model": {"style": "rule", "ground_truth": str(p)},
+                "extra_info": {"index": p, "split": "train"},
+                "index": p,
+                "uid": uid,
+                "tools_kwargs": {},
+                "agent_name": "single_turn_agent",
+                "global_steps": step,
+                "session_id": session,
+            }
+            field["loss_mask"] = field["response_mask"]
+            field["input_ids"] = torch.cat([prompt_ids, response_ids])
+            field["position_ids"] = torch.arange(prompt_len + response_len)
+            field["multi_modal_inputs"] = {}
+            puts.append(tu.list_of_dict_to_tensordict([field]))
+            keys.append(f"{uid}_{session}_0")
+            tags.append(
+                {"status": "success", "prompt_len": prompt_len, "response_len": response_len, "global_steps": step}
+            )
+    columns: dict[str, Any] = {}
+    for name in puts[0].keys():
+        rows = []
+        for put in puts:
+            value = put.get(name)
+            rows.append(value.tolist()[0] if isinstance(value, NonTensorStack) else value[0])
+        columns[name] = AsyncSimpleStorageManager._pack_field_values(rows)
+    return TensorDict(columns, batch_size=len(puts)), keys, tags
+
+
+# ---------------------------------------------------------------- comparisons
+
+
+def same(a: Any, b: Any) -> bool:
+    """Deep equality that also requires equal types (tuple is not list) and treats nan as nan."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float | np.floating):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, set | frozenset):
+        return a == b
+    if isinstance(a, np.ndarray):
+        return (
+            a.dtype == b.dtype and a.shape == b.shape and all(same(x, y) for x, y in zip(a.flat, b.flat, strict=True))
+        )
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def assert_dataproto_equal(a: DataProto, b: DataProto) -> None:
+    assert (a.batch is None) == (b.batch is None)
+    if a.batch is not None:
+        assert list(a.batch.keys()) == list(b.batch.keys())
+        assert a.batch.batch_size == b.batch.batch_size
+        for key in a.batch.keys():
+            assert same(a.batch[key], b.batch[key]), key
+    assert list(a.non_tensor_batch) == list(b.non_tensor_batch)
+    for key, value in a.non_tensor_batch.items():
+        other = b.non_tensor_batch[key]
+        assert isinstance(other, np.ndarray) and other.shape == value.shape and other.dtype == value.dtype, key
+        assert same(value, other), key
+    assert same(a.meta_info, b.meta_info)
+
+
+def assert_td_equal(a: TensorDict, b: TensorDict) -> None:
+    assert type(b) is TensorDict and a.batch_size == b.batch_size
+    assert sorted(a.keys()) == sorted(b.keys())
+    for key in a.keys():
+        x, y = a.get(key), b.get(key)
+        assert type(x) is type(y), key
+        if isinstance(x, NonTensorStack):
+            assert x.batch_size == y.batch_size and same(x.tolist(), y.tolist()), key
+        elif isinstance(x, NonTensorData):
+            assert same(x.data, y.data) and x.batch_size == y.batch_size, key
+        elif isinstance(x, TensorDict):
+            assert_td_equal(x, y)
+        elif x.is_nested:
+            assert y.is_nested and x.layout == y.layout and x.dtype == y.dtype, key
+            assert getattr(x, "_ragged_idx", None) == getattr(y, "_ragged_idx", None), key
+            xs, ys = x.unbind(), y.unbind()
+            assert len(xs) == len(ys) and all(same(p, q) for p, q in zip(xs, ys, strict=True)), key
+        else:
+            assert same(x, y), key
+
+
+def round_trip(store: StepStore, step: int, codec: Any, result: Any) -> Any:
+    store.save(step, codec.encode(result), {})
+    [payload] = store.load(store.verified(step))
+    return codec.decode(payload)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> StepStore:
+    return StepStore(tmp_path / "cache", "rollout", {"gbs": 2})
+
+
+# ---------------------------------------------------------------- DataProto
+
+
+def test_dataproto_round_trip(store: StepStore) -> None:
+    original = grpo_dataproto()
+    decoded = round_trip(store, 1, DataProtoCodec(), original)
+    assert isinstance(decoded, DataProto)
+    assert_dataproto_equal(original, decoded)
+    raw = decoded.non_tensor_batch["raw_prompt"]
+    assert raw.ndim == 1 and len(raw) == len(original) and raw[0][1] == {"role": "user", "content": "q0?"}
+    assert decoded.non_tensor_batch["multi_modal_inputs"][3]["pixel_values"].shape == (2, 3)
+    # Rows repeated by DataProto.repeat share one object, in the original and after decoding.
+    for array in (original.non_tensor_batch["raw_prompt"], raw):
+        assert array[0] is array[3] and array[0] is not array[4]
+    # The decoded batch is usable like the original.
+    assert len(decoded.select_idxs([0, 5])) == 2
+    assert len(DataProto.concat([decoded, decoded])) == 2 * len(original)
+
+
+def test_dataproto_repeats_are_stored_once() -> None:
+    payload = DataProtoCodec().encode(grpo_dataproto(prompts=6, n=4))
+    column = payload.objects["non_tensor_batch"]["raw_prompt"]["column"]
+    assert len(column["u"]) == 6 and len(column["i"]) == 24
+    assert len(payload.objects["non_tensor_batch"]["data_source"]["column"]["u"]) == 1
+    # Numeric non-tensor arrays travel as tensors, not JSON lists.
+    assert payload.objects["non_tensor_batch"]["acc"]["v"]["__si__"] in ("nd", "ndt")
+
+
+def test_dataproto_without_tensors(store: StepStore) -> None:
+    original = DataProto.from_dict(non_tensors={"uid": np.array(["a", "b"], dtype=object)}, meta_info={"k": 1})
+    assert_dataproto_equal(original, round_trip(store, 2, DataProtoCodec(), original))
+
+
+def test_views_are_stored_compactly(store: StepStore) -> None:
+    base = torch.arange(100_000, dtype=torch.int64).reshape(1000, 100)
+    original = DataProto.from_dict(tensors={"part": base[:4], "strided": base[:4, ::2]})
+    payload = DataProtoCodec().encode(original)
+    assert sum(t.untyped_storage().nbytes() for t in payload.tensors.values()) == (400 + 200) * 8
+    assert_dataproto_equal(original, round_trip(store, 3, DataProtoCodec(), original))
+
+
+def test_contiguous_tensors_are_not_copied() -> None:
+    original = grpo_dataproto()
+    payload = DataProtoCodec().encode(original)
+    stored = {t.data_ptr() for t in payload.tensors.values()}
+    assert all(t.data_ptr() in stored for t in original.batch.values())
+
+
+class Foo:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("where", "needle"),
+    [
+        ("non_tensor", "non_tensor_batch['foo'][1]"),
+        ("meta", "meta_info['extra']['x']"),
+        ("dtype", "non_tensor_batch['when']"),
+    ],
+)
+def test_unsupported_values_name_the_field(where: str, needle: str) -> None:
+    dp = DataProto.from_dict(tensors={"x": torch.zeros(2, 1)})
+    if where == "non_tensor":
+        dp.non_tensor_batch["foo"] = np.fromiter([1, Foo()], dtype=object, count=2)
+    elif where == "meta":
+        dp.meta_info["extra"] = {"x": Foo()}
+    else:
+        dp.non_tensor_batch["when"] = np.array(["2024-01-01", "2024-01-02"], dtype="datetime64[D]")
+    with pytest.raises(CodecError) as info:
+        DataProtoCodec().encode(dp)
+    message = str(info.value)
+    assert needle in message and "is not supported" in message
+    if where != "dtype":
+        assert "Foo" in message
+
+
+def test_wrong_codec_or_version_is_refused() -> None:
+    payload = DataProtoCodec().encode(grpo_dataproto(prompts=1, n=2))
+    with pytest.raises(CodecError, match="codec 'DataProto', expected 'TensorDict'"):
+        TensorDictCodec().decode(payload)
+    payload.objects["codec_version"] = 99
+    with pytest.raises(CodecError, match="version 99"):
+        DataProtoCodec().decode(payload)
+
+
+# ---------------------------------------------------------------- TensorDict (V1 / TransferQueue)
+
+
+def test_tq_sample_round_trip_select_and_concat(store: StepStore) -> None:
+    original, _, _ = tq_sample_result()
+    assert original.get("responses").layout == torch.jagged
+    assert isinstance(original.get("raw_prompt"), NonTensorStack)
+    decoded = round_trip(store, 4, TensorDictCodec(), original)
+    assert_td_equal(original, decoded)
+    tu.assert_tensordict_eq(original, decoded)
+
+    # What the rollout_tq submit phase does on a hit: select rows (jagged fields too), then concat parts.
+    indices = [5, 0, 0, 3]
+    assert_td_equal(tu.index_select_tensor_dict(original, indices), tu.index_select_tensor_dict(decoded, indices))
+    assert_td_equal(tu.concat_tensordict([original, original]), tu.concat_tensordict([decoded, decoded]))
+    assert_td_equal(tu.concat_tensordict([original, original]), TensorDictCodec().merge([decoded, decoded]))
+
+
+def test_upstream_shaped_payload_round_trip(store: StepStore) -> None:
+    td, keys, tags = tq_sample_result(prompts=2, n=2)
+    original = {"tensordict": td, "tags": tags, "keys": keys, "global_steps": 3}
+    decoded = round_trip(store, 5, TensorDictCodec(), original)
+    assert list(decoded) == list(original)
+    assert_td_equal(td, decoded["tensordict"])
+    assert decoded["tags"] == tags and decoded["keys"] == keys and decoded["global_steps"] == 3
+    merged = TensorDictCodec().merge([decoded, decoded])
+    assert merged["keys"] == keys + keys and len(merged["tensordict"]) == 2 * len(td)
+
+
+def test_tensordict_layouts(store: StepStore) -> None:
+    ragged2 = torch.nested.as_nested_tensor([torch.ones(3, 2), torch.zeros(3, 5)], layout=torch.jagged)
+    assert ragged2._ragged_idx == 2
+    base = torch.nested.nested_tensor_from_jagged(torch.arange(10.0), offsets=torch.tensor([0, 4, 10]))
+    with_lengths = torch.nested.narrow(
+        base.values().view(2, 5), 1, torch.tensor([0, 1]), torch.tensor([2, 3]), layout=torch.jagged
+    )
+    strided = torch.nested.as_nested_tensor([torch.ones(3, 2), torch.zeros(4, 5)], layout=torch.strided)
+    td = TensorDict(
+        {
+            "ragged2": ragged2,
+            "with_lengths": with_lengths,
+            "strided": strided,
+            "dense": torch.arange(6).reshape(2, 3),
+            "scalar_per_row": torch.tensor([1.5, 2.5]),
+            "sub": TensorDict({"x": torch.ones(2, 2), "tag": NonTensorStack("a", "b")}, batch_size=2),
+            "grid": NonTensorStack(NonTensorStack("a", "b"), NonTensorStack("c", "d")),
+            "mixed": NonTensorStack(torch.arange(3), None),
+        },
+        batch_size=2,
+    )
+    td["meta"] = NonTensorData({"validate": False, "global_steps": 3})
+    decoded = round_trip(store, 6, TensorDictCodec(), td)
+    assert_td_equal(td, decoded)
+    assert decoded.get("with_lengths").lengths().tolist() == [2, 3]
+    assert decoded.get("grid").batch_size == (2, 2)
+
+
+# ---------------------------------------------------------------- in-place safety
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_in_place_changes_never_reach_the_cache(store: StepStore) -> None:
+    original = grpo_dataproto()
+    store.save(7, DataProtoCodec().encode(original), {})
+    before = file_digests(store.step_dir(7))
+
+    [payload] = store.load(store.verified(7))
+    dp = DataProtoCodec().decode(payload)
+    dp.batch["responses"][0, 0] = 7
+    dp.batch["rollout_log_probs"] += 1
+    dp.batch["attention_mask"].zero_()
+    dp.non_tensor_batch["__num_turns__"][:] = 99
+    dp.non_tensor_batch["acc"] *= 2
+    dp.non_tensor_batch["multi_modal_inputs"][0]["grid"].fill_(-1)
+    dp.non_tensor_batch["raw_prompt"][0].append({"role": "assistant", "content": "changed"})
+
+    assert file_digests(store.step_dir(7)) == before
+    [again] = store.load(store.verified(7))
+    assert_dataproto_equal(original, DataProtoCodec().decode(again))
+
+    td, _, _ = tq_sample_result(prompts=2, n=2)
+    store.save(8, TensorDictCodec().encode(td), {})
+    before = file_digests(store.step_dir(8))
+    [payload] = store.load(store.verified(8))
+    decoded = TensorDictCodec().decode(payload)
+    decoded.get("responses").values().add_(1000)
+    decoded["rollout_log_probs"].values()[0] = 5.0
+    assert file_digests(store.step_dir(8)) == before
+    store.verified(8)
+
+
+def test_damaged_tensor_file_is_detected(store: StepStore) -> None:
+    store.save(9, DataProtoCodec().encode(grpo_dataproto(prompts=2, n=2)), {})
+    [tensor_file] = store.step_dir(9).glob("tensors-*")
+    data = bytearray(tensor_file.read_bytes())
+    data[-10] ^= 0xFF
+    tensor_file.write_bytes(bytes(data))
+    with pytest.raises(CorruptCacheError, match="checksum mismatch"):
+        store.verified(9)
+
+
+# ---------------------------------------------------------------- tagged JSON
+
+
+def test_columns_dedupe_by_identity_and_scalar_value() -> None:
+    shared = {"a": [1, 2]}
+    equal_but_distinct = {"a": [1, 2]}
+    rows = [shared, shared, equal_but_distinct, "x", "x", 1, True, 1.0]
+    column = encode_column(rows, "col")
+    assert len(column["u"]) == 6
+    decoded = decode_column(json.loads(json.dumps(column)))
+    assert same(decoded, rows)
+    assert decoded[0] is decoded[1] and decoded[0] is not decoded[2]
+
+
+def test_large_values_go_to_tensors_small_ones_inline() -> None:
+    sink = TensorSink()
+    value = {"big": np.arange(5000, dtype=np.uint16), "small": np.arange(3.0), "t": torch.ones(2, dtype=torch.bfloat16)}
+    encoded = to_jsonable(value, "v", sink=sink)
+    assert len(sink.tensors) == 1 and encoded["big"]["__si__"] == "ndt"
+    assert same(from_jsonable(json.loads(json.dumps(encoded)), sink.tensors), value)
+    with pytest.raises(CodecError, match="cannot cache v"):
+        to_jsonable(torch.ones(5000), "v")  # without a tensor file, big tensors are refused
+
+
+keys = st.one_of(
+    st.text(max_size=5), st.integers(), st.none(), st.booleans(), st.tuples(st.integers(), st.text(max_size=2))
+)
+leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(),
+    st.binary(max_size=8),
+    st.integers(-(2**31), 2**31 - 1).map(np.int32),
+    st.floats(width=32).map(np.float32),
+    st.booleans().map(np.bool_),
+)
+trees = st.recursive(
+    leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=6), children, max_size=4),
+        st.dictionaries(keys, children, max_size=3),
+        st.dictionaries(st.just("__si__"), children, max_size=1),
+        st.frozensets(st.integers(), max_size=3),
+        st.lists(st.integers(-5, 5), max_size=6).map(lambda xs: np.array(xs, dtype=np.int64)),
+        st.lists(children, max_size=3).map(lambda xs: np.fromiter(xs, dtype=object, count=len(xs))),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trees)
+def test_jsonable_round_trip(value: Any) -> None:
+    encoded = to_jsonable(value, "value")
+    text = json.dumps(encoded, allow_nan=True)  # what the store writes
+    assert same(from_jsonable(json.loads(text)), value)
+
+
+def test_import_is_cheap() -> None:
+    code = (
+        "import sys, skipinject.codecs\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'verl', 'tensordict') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_payload_is_what_the_store_takes() -> None:
+    payload = DataProtoCodec().encode(grpo_dataproto(prompts=1, n=2))
+    assert isinstance(payload, Payload) and payload.rows == 2
+    json.dumps(payload.objects, allow_nan=True)
