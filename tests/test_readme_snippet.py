@@ -1,0 +1,232 @@
+"""The "Write your own role" snippets work as printed: extracted from the docs, installed, run.
+
+The snippets are taken from ``docs/write-your-own-role.md`` (and from ``README.md`` once the
+section is merged there), written into a temporary distribution, and run through a cache miss
+then hit on a toy trainer: in this process (loaded by module path through ``VERL_SKIP_PLUGINS``)
+and through the real runner after ``pip install`` (found by its entry point). No verl needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from skipinject import bootstrap
+from skipinject.config import Config, apply_overrides, split_overrides
+from skipinject.plugins import load_plugins
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "write-your-own-role.md"
+_SNIPPET = re.compile(r"<!-- snippet: (?P<name>[\w-]+) -->\s*```(?P<lang>\w*)\n(?P<code>.*?)^```", re.S | re.M)
+
+TOY_TRAINER = '''\
+"""A verl-style recipe trainer whose judge is expensive (the toy target of the snippet)."""
+
+CALLS = []
+
+
+class MyTrainer:
+    def __init__(self, global_steps=0):
+        self.global_steps = global_steps
+
+    def score_with_judge(self, responses):
+        CALLS.append(list(responses))
+        return [len(text) / 10 for text in responses]
+'''
+
+USER_PROGRAM = """\
+from my_recipe.trainer import CALLS, MyTrainer
+
+trainer = MyTrainer()
+for step in (1, 2, 3):
+    trainer.global_steps = step
+    print(f"step {step}: {trainer.score_with_judge([f'answer {step}-{i} ' * i for i in range(4)])}")
+print(f"judge calls: {len(CALLS)}")
+"""
+
+
+def snippets(path: Path) -> dict[str, str]:
+    """``<!-- snippet: NAME -->`` followed by a fenced block, by name."""
+    return {m["name"]: m["code"] for m in _SNIPPET.finditer(path.read_text())}
+
+
+def documents() -> list[Path]:
+    """The doc, and README.md once it carries the section."""
+    found = [DOC]
+    readme = ROOT / "README.md"
+    if readme.is_file() and "<!-- snippet: plugin -->" in readme.read_text():
+        found.append(readme)
+    return found
+
+
+@pytest.fixture(params=documents(), ids=lambda p: p.name)
+def doc(request: pytest.FixtureRequest) -> Path:
+    return request.param
+
+
+@pytest.fixture
+def project(tmp_path: Path, doc: Path) -> Path:
+    """The plugin distribution of the snippets, plus the toy recipe package, under ``tmp_path``."""
+    parts = snippets(doc)
+    assert {"pyproject", "plugin"} <= set(parts), f"{doc} lacks the pyproject/plugin snippets"
+    dist = tmp_path / "my-recipe-skip"
+    dist.mkdir()
+    (dist / "pyproject.toml").write_text(parts["pyproject"])
+    (dist / "my_recipe_skip.py").write_text(parts["plugin"])
+    recipe = tmp_path / "recipe" / "my_recipe"
+    recipe.mkdir(parents=True)
+    (recipe / "__init__.py").write_text("")
+    (recipe / "trainer.py").write_text(TOY_TRAINER)
+    return tmp_path
+
+
+@pytest.fixture
+def skip_log() -> Iterator[list[str]]:
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger("skipinject")
+    handler, level = Collect(logging.DEBUG), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+@pytest.fixture
+def importable(project: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.syspath_prepend(str(project / "my-recipe-skip"))
+    monkeypatch.syspath_prepend(str(project / "recipe"))
+    importlib.invalidate_caches()
+    yield
+    bootstrap.stop()
+    for name in [n for n in sys.modules if n.split(".")[0] in ("my_recipe", "my_recipe_skip")]:
+        sys.modules.pop(name)
+
+
+def test_snippets_are_present_and_fenced(doc: Path) -> None:
+    parts = snippets(doc)
+    assert '[project.entry-points."skipinject.plugins"]' in parts["pyproject"]
+    assert "@hookimpl" in parts["plugin"] and "def skipinject_roles()" in parts["plugin"]
+    assert len(parts["plugin"].splitlines()) <= 60, "a few dozen lines"
+
+
+def test_plugin_snippet_is_lint_clean(project: Path) -> None:
+    ruff = Path(sys.executable).with_name("ruff")
+    if not ruff.exists():
+        pytest.skip("ruff not installed")
+    select = "E,F,W,I,B,UP,RUF,SIM"
+    proc = subprocess.run(
+        [str(ruff), "check", "--isolated", "--select", select, "--line-length", "120", "my_recipe_skip.py"],
+        cwd=project / "my-recipe-skip",
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_miss_then_hit_loaded_by_module_path(
+    importable: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip_log: list[str]
+) -> None:
+    monkeypatch.setenv("VERL_SKIP_PLUGINS", "my_recipe_skip")
+    plugins = load_plugins()
+    assert [p.name for p in plugins.plugins] == ["my_recipe_skip"] and set(plugins.roles) == {"judge"}
+    dump = tmp_path / "dump"
+    overrides, _ = split_overrides(["skip.judge.enable=True", "skip.judge.steps=[1,2]", f"skip.judge.dump_dir={dump}"])
+    config = Config(plugins="my_recipe_skip", roles=apply_overrides(Config(), overrides, plugins.roles).roles)
+    responses = ["4", "13", "a longer answer"]
+
+    results = []
+    for _run in range(2):
+        bootstrap.stop()
+        assert bootstrap.start(config, plugins) is not None
+        from my_recipe.trainer import CALLS, MyTrainer
+
+        trainer = MyTrainer(global_steps=1)
+        results.append(trainer.score_with_judge(responses))
+    assert results[0] == results[1] == [0.1, 0.2, 1.5]
+    assert len(CALLS) == 1, "run 2 served step 1 without calling the judge"
+    assert any(line.startswith("judge step 1: miss") for line in skip_log)
+    assert any(line.startswith("judge step 1: hit, served step 1") for line in skip_log)
+    assert (dump / "skipinject_default" / "judge" / "1" / "meta.json").is_file()
+
+    # Scores cached for other responses are reported (fingerprint), a wrong-sized cache not served.
+    trainer.score_with_judge(["4", "13", "another answer!"])
+    assert any("other inputs in 1 of 3 rows" in line for line in skip_log)
+    assert trainer.score_with_judge(["just one"]) == [0.8]
+    assert len(CALLS) == 2
+
+
+def test_installed_with_pip_and_run_through_the_runner(project: Path, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(project / "my-recipe-skip"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (tmp_path / "train.py").write_text(USER_PROGRAM)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SKIPINJECT", "VERL_SKIP"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(project / "recipe")])
+    env["VERL_SKIP_PLUGINS"] = "judge"  # the entry-point name from the pyproject snippet
+
+    listing = subprocess.run(
+        [sys.executable, "-m", "skipinject", "--list"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert listing.returncode == 0, listing.stderr
+    assert "plugin judge (my-recipe-skip 0.1.0)" in listing.stdout
+    assert "target my_recipe.trainer:MyTrainer.score_with_judge  verl any  [ok]" in listing.stdout
+
+    dump = tmp_path / "dump"
+    argv = [sys.executable, "-m", "skipinject", "train.py", "skip.judge.enable=True", "skip.judge.steps=[1-2]"]
+    argv.append(f"skip.judge.dump_dir={dump}")
+    runs = [subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120) for _ in (1, 2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    first, second = runs
+    assert "judge calls: 3" in first.stdout and "judge calls: 1" in second.stdout  # step 3 is not cached
+    scores = [line for line in first.stdout.splitlines() if line.startswith("step ")]
+    assert scores == [line for line in second.stdout.splitlines() if line.startswith("step ")]
+    assert "judge step 1: miss" in first.stderr and "judge step 2: saved 4 rows" in first.stderr
+    assert "judge step 1: hit, served step 1" in second.stderr and "judge step 2: hit" in second.stderr
+    assert "judge step 3" not in first.stderr + second.stderr
+
+
+def test_verl_role_snippet_declares_a_target_that_resolves(doc: Path) -> None:
+    parts = snippets(doc)
+    if "verl-role" not in parts:
+        pytest.skip("no verl-role snippet")
+    namespace: dict[str, object] = {}
+    exec(compile(parts["verl-role"], f"{doc.name}:verl-role", "exec"), namespace)
+    role = namespace["REF_LOGPROB"]
+    from skipinject import Role
+
+    assert isinstance(role, Role) and role.name == "ref_logprob"
+    pytest.importorskip("verl")
+    from skipinject.listing import resolve
+
+    assert [resolve(t.path) for t in role.targets] == ["ok"]
