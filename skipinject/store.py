@@ -444,9 +444,16 @@ class StepStore:
             raise CorruptCacheError(f"{path}: written by role {meta.get('role')!r}, not {self.role!r}")
         if meta.get("step") != step:
             raise CorruptCacheError(f"{path}: records step {meta.get('step')!r}, but lies in step {step}")
-        if dict(meta.get("context", {})) != self.context:
+        context = meta.get("context", {})
+        if not isinstance(context, dict):
+            raise CorruptCacheError(f"{path}: meta.json is malformed (context {context!r} is not a mapping)")
+        if context != self.context:
             raise CorruptCacheError(
                 f"{path}: written for other trainer metadata {meta.get('context')!r}, this run is {self.context!r}"
+            )
+        if meta.get("checksum_algo") not in ("xxh3_64", "crc32"):
+            raise CorruptCacheError(
+                f"{path}: meta.json is malformed (unknown checksum algorithm {meta.get('checksum_algo')!r})"
             )
         return meta
 
@@ -503,6 +510,8 @@ class StepStore:
         return payloads
 
     def _part_files(self, directory: Path, part: Mapping[str, Any]) -> Iterator[tuple[Path, dict[str, Any]]]:
+        if not isinstance(part, Mapping):
+            raise CorruptCacheError(f"{directory}: meta.json is malformed (part {part!r} is not a record)")
         sub = part.get("dir", "")
         if not isinstance(sub, str) or (sub and not _SAFE_NAME.match(sub)) or sub in (".", ".."):
             raise CorruptCacheError(f"{directory}: meta.json names an unsafe part directory {sub!r}")
