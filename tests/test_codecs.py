@@ -26,6 +26,7 @@ from skipinject.codecs import (
     decode_column,
     encode_column,
     from_jsonable,
+    non_tensor_items,
     to_jsonable,
 )
 from skipinject.errors import CodecError, CorruptCacheError
@@ -369,6 +370,19 @@ def test_tensordict_layouts(store: StepStore) -> None:
     assert_td_equal(td, decoded)
     assert decoded.get("with_lengths").lengths().tolist() == [2, 3]
     assert decoded.get("grid").batch_size == (2, 2)
+
+
+def test_fast_non_tensor_items_match_the_constructor() -> None:
+    rows = ["a", {"k": [1]}, None, [{"role": "user"}], torch.arange(2), 3.5]
+    fast = non_tensor_items(rows)
+    slow = [NonTensorData(row) for row in rows]
+    for f, s in zip(fast, slow, strict=True):
+        assert type(f) is type(s) and set(f.__dict__) == set(s.__dict__)
+        assert f._non_tensordict.keys() == s._non_tensordict.keys() and f.data is s.data
+        assert f._tensordict.batch_size == s._tensordict.batch_size and f._tensordict.device == s._tensordict.device
+    assert len({id(item._tensordict) for item in fast}) == len(rows)
+    stack = NonTensorStack(*fast)
+    assert stack.tolist()[:4] == rows[:4] and stack.batch_size == (len(rows),)
 
 
 # ---------------------------------------------------------------- in-place safety
