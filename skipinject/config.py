@@ -6,10 +6,12 @@ before the program starts, and handed to child processes as JSON in an environme
 
 from __future__ import annotations
 
+import itertools
 import json
+import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from skipinject.errors import ConfigError
@@ -17,10 +19,12 @@ from skipinject.errors import ConfigError
 ACTIONS = ("cache", "repeat", "strict")
 MISMATCH_POLICIES = ("warn", "regenerate", "fail")
 DEFAULT_DUMP_DIR = "~/.verl/rollout_dump"
-MAX_STEP = 10_000_000
+#: Largest step accepted (steps are held as a tuple; ``0-1000000`` is ~40 MB and ~0.1 s to build).
+MAX_STEP = 1_000_000
 
 _OVERRIDE = re.compile(r"^(?P<prefix>\+{0,2})skip\.(?P<rest>.*)$", re.DOTALL)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_STEP_ITEM = re.compile(r"([0-9]+)(?:\s*-\s*([0-9]+))?")
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,11 @@ class Config:
         return [name for name, cfg in self.roles.items() if cfg.enable]
 
     def to_json(self) -> str:
-        roles = {name: {**asdict(cfg), "steps": list(cfg.steps)} for name, cfg in self.roles.items()}
+        """Compact JSON (it travels in an environment variable: steps are written as ranges)."""
+        roles = {
+            name: {**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, "steps": format_steps(cfg.steps)}
+            for name, cfg in self.roles.items()
+        }
         return json.dumps({"version": 1, "plugins": self.plugins, "roles": roles}, sort_keys=True)
 
     @classmethod
@@ -83,6 +91,8 @@ class Config:
 
 def role_config_from_mapping(role: str, values: Mapping[str, Any]) -> RoleConfig:
     """Build a validated RoleConfig from plain values (YAML/JSON/OmegaConf), naming any bad key."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"skip.{role}: expected a mapping of keys to values, got {type(values).__name__}")
     cfg = RoleConfig()
     for key, value in values.items():
         cfg = _with_value(cfg, role, str(key), value)
@@ -143,28 +153,57 @@ def parse_steps(text: str, dotted: str = "steps") -> tuple[int, ...]:
         body = body[1:-1]
     elif "[" in body or "]" in body:
         raise ConfigError(f"{dotted}={text}: unbalanced brackets")
-    steps: set[int] = set()
+    spans: list[tuple[int, int]] = []
     for item in (piece.strip() for piece in body.split(",")):
         if not item:
             if body.strip():
                 raise ConfigError(f"{dotted}={text}: empty item in the step list")
             continue
-        match = re.fullmatch(r"(\d+)\s*-\s*(\d+)", item)
-        if match:
-            low, high = int(match.group(1)), int(match.group(2))
-            if low > high:
-                raise ConfigError(f"{dotted}={text}: range {item!r} goes backwards")
-            if high > MAX_STEP:
-                raise ConfigError(f"{dotted}={text}: step {high} is larger than {MAX_STEP}")
-            steps.update(range(low, high + 1))
-            continue
-        if re.fullmatch(r"\d+", item):
-            if int(item) > MAX_STEP:
-                raise ConfigError(f"{dotted}={text}: step {item} is larger than {MAX_STEP}")
-            steps.add(int(item))
-            continue
-        raise ConfigError(f"{dotted}={text}: {item!r} is not a step (integers >= 0 or ranges like 1-128)")
-    return tuple(sorted(steps))
+        match = _STEP_ITEM.fullmatch(item)
+        if match is None:
+            raise ConfigError(f"{dotted}={text}: {item!r} is not a step (integers >= 0 or ranges like 1-128)")
+        low_text, high_text = (n.lstrip("0") or "0" for n in (match.group(1), match.group(2) or match.group(1)))
+        for number in (low_text, high_text):
+            if len(number) > len(str(MAX_STEP)) or int(number) > MAX_STEP:
+                raise ConfigError(f"{dotted}={text}: step {number[:20]} is larger than {MAX_STEP}")
+        low, high = int(low_text), int(high_text)
+        if low > high:
+            raise ConfigError(f"{dotted}={text}: range {item!r} goes backwards")
+        spans.append((low, high))
+    return _expand(spans)
+
+
+def _expand(spans: Iterable[tuple[int, int]]) -> tuple[int, ...]:
+    merged: list[list[int]] = []
+    for low, high in sorted(spans):
+        if merged and low <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], high)
+        else:
+            merged.append([low, high])
+    return tuple(itertools.chain.from_iterable(range(low, high + 1) for low, high in merged))
+
+
+def format_steps(steps: Iterable[int]) -> str:
+    """The shortest text :func:`parse_steps` reads back as ``steps`` (``[1-4,10]``)."""
+    ordered = steps if isinstance(steps, tuple) and _increasing(steps) else tuple(sorted(set(steps)))
+    runs = []
+    start, count = 0, len(ordered)
+    while start < count:  # a run ends where ordered[j] - j changes (it never decreases): binary search
+        low, high, base = start, count - 1, ordered[start] - start
+        while low < high:
+            middle = (low + high + 1) // 2
+            if ordered[middle] - middle == base:
+                low = middle
+            else:
+                high = middle - 1
+        first, last = ordered[start], ordered[low]
+        runs.append(str(first) if first == last else f"{first}-{last}")
+        start = low + 1
+    return "[" + ",".join(runs) + "]"
+
+
+def _increasing(steps: tuple[int, ...]) -> bool:
+    return all(map(operator.lt, steps, itertools.islice(steps, 1, None)))
 
 
 def _with_value(cfg: RoleConfig, role: str, key: str, value: Any) -> RoleConfig:
@@ -192,7 +231,7 @@ def _coerce_steps(value: Any, dotted: str) -> tuple[int, ...]:
         return parse_steps(value, dotted)
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
-    if not isinstance(value, (list, tuple)):
+    if not isinstance(value, Sequence) or isinstance(value, (bytes, bytearray)):
         raise ConfigError(f"{dotted}={value!r}: expected a list of steps")
     steps: set[int] = set()
     for item in value:
