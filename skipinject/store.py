@@ -272,8 +272,8 @@ def _write_file_atomic(path: Path, write: Any) -> None:
         raise
 
 
-def make_private_dirs(path: Path) -> None:
-    """Create ``path`` and missing parents readable by the owner only."""
+def make_private_dirs(path: Path) -> list[Path]:
+    """Create ``path`` and missing parents readable by the owner only; returns those it created."""
     missing = []
     probe = path
     while not probe.exists():
@@ -281,9 +281,14 @@ def make_private_dirs(path: Path) -> None:
         if probe.parent == probe:
             break
         probe = probe.parent
+    created = []
     for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):
+        try:
             directory.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        created.append(directory)
+    return created
 
 
 class StepWriter:
@@ -295,6 +300,7 @@ class StepWriter:
         self.write_id = f"{int(time.time())}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.parts: dict[str, dict[str, Any]] = {}
         self._written: list[Path] = []
+        self._created: list[Path] = []
 
     @property
     def directory(self) -> Path:
@@ -305,7 +311,7 @@ class StepWriter:
         if part and not _SAFE_NAME.match(part):
             raise ValueError(f"bad part name {part!r}")
         part_dir = self.directory / part if part else self.directory
-        make_private_dirs(part_dir)
+        self._created.extend(make_private_dirs(part_dir))
         algo = self.store.checksum_algo
         checksums: dict[str, str] = {}
         tensors_path = part_dir / f"tensors-{self.write_id}.bin"
@@ -346,15 +352,21 @@ class StepWriter:
         _write_file_atomic(self.directory / META_NAME, lambda h: h.write(text))
         _fsync_dir(self.directory)
         self._written.clear()
-        self.store.collect_garbage(self.step, record)
+        self._created.clear()
+        with contextlib.suppress(OSError):  # the step is committed; garbage is someone else's problem now
+            self.store.collect_garbage(self.step, record)
         return self.directory
 
     def abort(self) -> None:
-        """Remove what this writer wrote (best effort, e.g. after a full disk)."""
+        """Remove what this writer wrote, and the directories it created if empty (best effort)."""
         for path in self._written:
             with contextlib.suppress(OSError):
                 path.unlink()
+        for directory in reversed(self._created):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
         self._written.clear()
+        self._created.clear()
 
 
 def _part_order(name: str) -> tuple[int, str]:
@@ -477,13 +489,17 @@ class StepStore:
                     raise CorruptCacheError(f"{path}: missing (named by meta.json)") from exc
                 if size != spec.get("size"):
                     raise CorruptCacheError(f"{path}: {size} bytes, meta.json says {spec.get('size')} (truncated?)")
-                if spec["kind"] == "tensors":
-                    mapped = map_file(path)
-                    checksum = _digest(b"" if mapped is None else mapped, meta["checksum_algo"])
-                    if mapped is not None:
-                        entry.mapped[path] = mapped
-                else:
-                    checksum = file_checksum(path, meta["checksum_algo"])
+                try:
+                    if spec["kind"] == "tensors":
+                        mapped = map_file(path)
+                        checksum = _digest(b"" if mapped is None else mapped, meta["checksum_algo"])
+                        if mapped is not None:
+                            entry.mapped[path] = mapped
+                    else:
+                        checksum = file_checksum(path, meta["checksum_algo"])
+                except OSError as exc:
+                    entry.mapped.clear()
+                    raise CorruptCacheError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from exc
                 if checksum != spec.get("checksum"):
                     entry.mapped.clear()
                     raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
