@@ -27,7 +27,6 @@ from typing import Any
 
 from skipinject.config import Config, RoleConfig
 from skipinject.errors import (
-    CacheError,
     CacheMissError,
     ConfigError,
     CorruptCacheError,
@@ -36,7 +35,7 @@ from skipinject.errors import (
 )
 from skipinject.injector import INJECTOR, Injector
 from skipinject.roles import CLOCK, Call, Codec, HitInfo, Phase, Role, Target
-from skipinject.store import META_NAME, Payload, StepEntry, StepStore, make_private_dirs
+from skipinject.store import META_NAME, Payload, StepEntry, StepStore
 
 logger = logging.getLogger("skipinject")
 
@@ -169,7 +168,19 @@ class RoleRuntime:
                 ("bypass", type(exc)), logging.WARNING, "%s: validation check failed (%s); not skipping", self.name, exc
             )
             return None
-        step = self.role.step.resolve(call)
+        try:
+            step = self.role.step.resolve(call)
+        except Exception as exc:  # a plugin's step extractor must not break the user's call
+            self.once(
+                ("step", type(exc)),
+                logging.WARNING,
+                "%s: finding the step of %s failed (%s: %s); not skipping",
+                self.name,
+                call.target,
+                type(exc).__name__,
+                exc,
+            )
+            return None
         if step is None:
             self.once(
                 "nostep",
@@ -207,28 +218,37 @@ class RoleRuntime:
     # ------------------------------------------------------------ deciding
 
     def plan(self, call: Call, step: int) -> Plan:
-        """Find the entry to serve (verified), or explain why there is none. Logs the decision."""
+        """Find the entry to serve (verified), or explain why there is none. Logs the decision in one line.
+
+        A cache that cannot be used (damaged, foreign, unreadable) is never loaded: the run regenerates
+        the step, or stops with :class:`CacheMissError` for ``action=strict``.
+        """
         store = self.store_for(call)
         action = self.settings.action
-        candidates = self._repeat_order(store, step) if action == "repeat" else [step]
         problems: list[str] = []
-        for candidate in candidates:
-            try:
-                entry = store.verified(candidate)
-            except FileNotFoundError:
-                continue
-            except CorruptCacheError as exc:
-                problems.append(str(exc))
-                logger.warning("%s step %d: cache unusable, not loaded: %s", self.name, step, exc)
-                continue
-            if candidate == step:
-                reason = "own cache"
-            elif candidate < step:
-                reason = f"repeat: largest cached step below {step}"
-            else:
-                reason = f"repeat: no cached step below {step}, smallest above"
-            return Plan(store, step, entry=entry, reason=reason)
-        upstream = self._upstream_file(store, step)
+        upstream: Path | None = None
+        try:
+            candidates = self._repeat_order(store, step) if action == "repeat" else [step]
+            for candidate in candidates:
+                try:
+                    entry = store.verified(candidate)
+                except FileNotFoundError:
+                    continue
+                except CorruptCacheError as exc:
+                    problems.append(str(exc))
+                    continue
+                for problem in problems:
+                    logger.warning("%s step %d: cache unusable, not loaded: %s", self.name, step, problem)
+                if candidate == step:
+                    reason = "own cache"
+                elif candidate < step:
+                    reason = f"repeat: largest cached step below {step}"
+                else:
+                    reason = f"repeat: no cached step below {step}, smallest above"
+                return Plan(store, step, entry=entry, reason=reason)
+            upstream = self._upstream_file(store, step)
+        except OSError as exc:
+            problems.append(f"cannot read the cache directory {store.project_dir} ({type(exc).__name__}: {exc})")
         if upstream is not None:
             if self.settings.trust_upstream:
                 return Plan(store, step, upstream_file=upstream, reason="trusted upstream cache")
@@ -244,15 +264,20 @@ class RoleRuntime:
                 self.name,
             )
         where = store.step_dir(step)
+        if not problems and _interrupted_save(where):
+            problems.append(f"{where} holds data files but no meta.json (an earlier save was interrupted)")
         if action == "strict":
             detail = "; ".join(problems) or f"no cache at {where}"
             raise CacheMissError(f"{self.name} step {step}: skip.{self.name}.action=strict and {detail}")
         if problems:
-            reason = "cache unusable"
-        elif action == "repeat":
-            reason = f"no cached step in {store.project_dir}"
-        else:
-            reason = f"no cache at {where}"
+            logger.warning(
+                "%s step %d: cache unusable, not loaded: %s; running the target and saving its result",
+                self.name,
+                step,
+                "; ".join(problems),
+            )
+            return Plan(store, step, reason="cache unusable")
+        reason = f"no cached step in {store.project_dir}" if action == "repeat" else f"no cache at {where}"
         logger.info("%s step %d: miss (%s); running the target and saving its result", self.name, step, reason)
         return Plan(store, step, reason=reason)
 
@@ -283,14 +308,20 @@ class RoleRuntime:
                 payloads = plan.store.load(plan.entry)
                 result = self.decode(payloads, call)
                 source = str(plan.entry.directory)
-        except (CacheError, OSError, ValueError, RuntimeError) as exc:
+        except Exception as exc:  # whatever is wrong with the cache, it is not trained on
             if self.settings.action == "strict":
-                raise
+                if isinstance(exc, (CorruptCacheError, CacheMissError)):
+                    raise
+                where = plan.entry.directory if plan.entry else plan.upstream_file
+                raise CorruptCacheError(
+                    f"{self.name} step {plan.step}: cannot load {where} ({type(exc).__name__}: {exc})"
+                ) from exc
             logger.warning(
-                "%s step %d: cannot load %s (%s); running the target instead",
+                "%s step %d: cannot load %s (%s: %s); running the target instead",
                 self.name,
                 plan.step,
                 plan.entry.directory if plan.entry else plan.upstream_file,
+                type(exc).__name__,
                 exc,
             )
             return _REGENERATE
@@ -364,7 +395,6 @@ class RoleRuntime:
             return
         started = time.perf_counter()
         try:
-            make_private_dirs(plan.store.project_dir)
             payload = self.codec.encode(result)
             directory = plan.store.save(plan.step, payload, {"inputs": self.fingerprint(call)})
         except Exception as exc:
@@ -392,6 +422,15 @@ class RoleRuntime:
         if self.role.on_miss is None:
             return result
         return self.role.on_miss(result, call)
+
+
+def _interrupted_save(step_dir: Path) -> bool:
+    """Data files but no ``meta.json`` in a step directory: a save there was interrupted."""
+    try:
+        folders = [step_dir, *(p for p in step_dir.iterdir() if p.is_dir())]
+        return any(f.name.startswith(("tensors-", "objects-")) for folder in folders for f in folder.iterdir())
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------- phases
