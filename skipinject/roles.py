@@ -28,6 +28,8 @@ class TargetPath:
 
     @classmethod
     def parse(cls, text: str) -> TargetPath:
+        if not isinstance(text, str):
+            raise TargetError(f"target {text!r} is not a string of the form package.module:Qualified.name")
         module, sep, qualname = text.partition(":")
         ident = r"[A-Za-z_][A-Za-z0-9_]*"
         import re

@@ -16,12 +16,12 @@ from skipinject_rollout.common import GEN_BATCH, mark_hit, mark_miss, prompt_fin
 TARGET = (
     "verl.experimental.fully_async_policy.fully_async_rollouter:FullyAsyncAgentLoopManager.generate_sequences_single"
 )
-_SAMPLE_ID = re.compile(r"^(?:uid_)?sample_(\d+)_(\d+)$")
+_SAMPLE_ID = re.compile(r"(?:uid_)?sample_([0-9]{1,18})_([0-9]{1,18})")
 
 
 def parse_sample_id(sample_id: str) -> int | None:
     """The feed index in ``[uid_]sample_<epoch>_<feed_index>``, or ``None`` for other ids."""
-    match = _SAMPLE_ID.match(str(sample_id))
+    match = _SAMPLE_ID.fullmatch(sample_id) if isinstance(sample_id, str) else None
     return int(match.group(2)) if match else None
 
 
