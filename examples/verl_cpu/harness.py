@@ -46,7 +46,9 @@ __all__ = [
     "build_assets",
     "cache_dir",
     "count_generate_calls",
+    "count_server_starts",
     "fully_async_overrides",
+    "gen_log_events",
     "generate_calls",
     "harness_env",
     "main_ppo_overrides",
@@ -594,25 +596,39 @@ def run_fully_async(
 # -- the generation log ------------------------------------------------------------------
 
 
-def generate_calls(gen_log: Path) -> list[dict]:
-    """The records of ``gen_log``, one per generate request served by the shim's ``hf`` rollout.
+def gen_log_events(gen_log: Path, event: str | None = None) -> list[dict]:
+    """All records of ``gen_log`` (or those of one ``event``); a missing file means none.
 
-    Each record: ``pid``, ``time``, ``replica``, ``n_sequences`` (always 1: verl's agent
-    loops send one request per sequence), ``n_prompt_tokens``, ``n_new_tokens``,
-    ``weight_version`` (how many weight syncs the serving model had received) and
-    ``global_steps`` (the trainer step of those weights, as verl passed it). A missing
-    file means no calls.
+    Events written by the shim's ``hf`` rollout: ``server_start`` (a generation server
+    loaded its model: the log works even when a run generates nothing) and ``generate``.
     """
     try:
         text = Path(gen_log).read_text()
     except FileNotFoundError:
         return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [r for r in records if event is None or r.get("event") == event]
+
+
+def generate_calls(gen_log: Path) -> list[dict]:
+    """The ``generate`` records of ``gen_log``, one per request served by the shim's ``hf`` rollout.
+
+    Each record: ``event`` (``"generate"``), ``pid``, ``time``, ``replica``, ``n_sequences``
+    (always 1: verl's agent loops send one request per sequence), ``n_prompt_tokens``,
+    ``n_new_tokens``, ``weight_version`` (weight syncs the serving model had received) and
+    ``global_steps`` (the trainer step of those weights, as verl passed it with them).
+    """
+    return gen_log_events(gen_log, "generate")
 
 
 def count_generate_calls(gen_log: Path) -> int:
     """Number of generate requests (= sequences generated) recorded in ``gen_log``; 0 if absent."""
     return sum(int(call.get("n_sequences", 1)) for call in generate_calls(gen_log))
+
+
+def count_server_starts(gen_log: Path) -> int:
+    """How many generation servers started: > 0 proves the log was wired even if no call was made."""
+    return len(gen_log_events(gen_log, "server_start"))
 
 
 # -- command line ------------------------------------------------------------------------
@@ -653,7 +669,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(proc.stderr[-6000:], file=sys.stderr)
     print(
         f"mode={args.mode} steps={args.steps} rc={proc.returncode} time={elapsed:.1f}s "
-        f"generate_calls={count_generate_calls(gen_log)} run_dir={run_dir}"
+        f"generate_calls={count_generate_calls(gen_log)} servers={count_server_starts(gen_log)} run_dir={run_dir}"
     )
     return proc.returncode
 

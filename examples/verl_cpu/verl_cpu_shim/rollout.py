@@ -13,7 +13,7 @@ TRT-LLM), none of which runs on CPU. Three pieces stand in for them:
   into the server actor: a real weight sync, so rollouts follow the trained policy.
 
 Set ``VERL_CPU_GEN_LOG=<file>`` to get one JSON line per generate request served (see
-:func:`log_generate_call`; ``harness.generate_calls`` reads them).
+:func:`log_event`; ``harness.generate_calls`` reads them).
 """
 
 from __future__ import annotations
@@ -46,16 +46,17 @@ def server_actor_name(replica_rank: int, node_rank: int = 0, suffix: str = "") -
     return f"{BACKEND_NAME}_server_{replica_rank}_{node_rank}{suffix}"
 
 
-def log_generate_call(**fields: Any) -> None:
-    """Append one JSON line ``{"pid", "time", **fields}`` to ``$VERL_CPU_GEN_LOG`` (if set).
+def log_event(event: str, **fields: Any) -> None:
+    """Append one JSON line ``{"event", "pid", "time", **fields}`` to ``$VERL_CPU_GEN_LOG`` (if set).
 
-    One ``os.write`` on an ``O_APPEND`` descriptor per line, so lines written by
-    concurrent processes never interleave.
+    Events: ``server_start`` (a generation server loaded its model) and ``generate`` (one
+    request served). One ``os.write`` on an ``O_APPEND`` descriptor per line, so lines
+    written by concurrent processes never interleave.
     """
     path = os.environ.get(GEN_LOG_ENV)
     if not path:
         return
-    record = {"pid": os.getpid(), "time": time.time(), **fields}
+    record = {"event": event, "pid": os.getpid(), "time": time.time(), **fields}
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -115,6 +116,7 @@ class HFGenerationServer:
         self._admission = asyncio.Event()
         self._admission.set()
         self._rejecting = False
+        log_event("server_start", replica=replica_rank)
 
     # -- generation -----------------------------------------------------------------
 
@@ -179,7 +181,8 @@ class HFGenerationServer:
             await self._admission.wait()
         steps, version = self.global_steps, self.weight_version
         tokens, log_probs = await asyncio.to_thread(self._generate_blocking, prompt_ids, dict(sampling_params))
-        log_generate_call(
+        log_event(
+            "generate",
             replica=self.replica_rank,
             n_sequences=1,
             n_prompt_tokens=len(prompt_ids),
