@@ -6,6 +6,11 @@ response 4096 tokens, seven tensors (872 MB) plus per-sample ``uid``, ``data_sou
 times, interleaved, with ``DataProto.repeat``). Loads are warm (files in the page cache) and
 "usable": every page of every tensor has been touched.
 
+A second table (skip with ``--no-v1``) does the same for verl's V1 TransferQueue path: the
+TensorDict that ``tq.kv_batch_get`` returns for a sampled batch (jagged prompts/responses, one
+NonTensorStack per per-trajectory field), saved upstream's way (``torch.save`` of
+``{"tensordict", "tags", "keys", "global_steps"}``, loaded with ``weights_only=False``).
+
     python benchmarks/bench_store.py            # full reference batch
     python benchmarks/bench_store.py --quick    # small batch (CI smoke test)
 """
@@ -34,6 +39,7 @@ from skipinject.codecs import DataProtoCodec  # noqa: E402
 from skipinject.store import StepStore  # noqa: E402
 
 PAGE = 4096
+SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 def build_batch(rows: int, prompt_len: int, response_len: int, n: int) -> Any:
@@ -54,7 +60,7 @@ def build_batch(rows: int, prompt_len: int, response_len: int, n: int) -> Any:
     }
     raw_prompt = [
         [
-            {"role": "system", "content": "Please reason step by step, and put your final answer within \\boxed{}."},
+            {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": f"Problem {i}: " + "what is the sum of the first n odd numbers? " * 6},
         ]
         for i in range(prompts)
@@ -77,14 +83,91 @@ def build_batch(rows: int, prompt_len: int, response_len: int, n: int) -> Any:
     )
 
 
+def build_tq_batch(rows: int, prompt_len: int, response_len: int, n: int) -> dict[str, Any]:
+    """Upstream's V1 dump payload around a TensorDict shaped like a ``tq.kv_batch_get`` result."""
+    from tensordict import NonTensorStack, TensorDict
+
+    from skipinject.codecs import non_tensor_items
+
+    gen = torch.Generator().manual_seed(0)
+    prompt_lens = torch.randint(prompt_len // 2, prompt_len + 1, (rows,), generator=gen)
+    response_lens = torch.randint(response_len // 2, response_len + 1, (rows,), generator=gen)
+
+    def jagged(lengths: torch.Tensor, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        offsets = torch.zeros(rows + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        return torch.nested.nested_tensor_from_jagged(make(int(offsets[-1])), offsets=offsets)
+
+    def ids(total: int) -> torch.Tensor:
+        return torch.randint(0, 151_000, (total,), generator=gen)
+
+    def ones(total: int) -> torch.Tensor:
+        return torch.ones(total, dtype=torch.int64)
+
+    seq_lens = prompt_lens + response_lens
+    fields: dict[str, Any] = {
+        "prompts": jagged(prompt_lens, ids),
+        "responses": jagged(response_lens, ids),
+        "response_mask": jagged(response_lens, ones),
+        "loss_mask": jagged(response_lens, ones),
+        "input_ids": jagged(seq_lens, ids),
+        "position_ids": jagged(seq_lens, lambda t: torch.arange(t, dtype=torch.int64)),
+        "rollout_log_probs": jagged(response_lens, lambda t: -torch.rand(t, generator=gen)),
+        "rm_scores": jagged(response_lens, lambda t: torch.zeros(t)),
+    }
+    prompt_of = [i // n for i in range(rows)]
+    uids = [f"{p:08x}7f3c4a1e9b2d{p:012x}" for p in prompt_of]
+    columns: dict[str, list[Any]] = {
+        "num_turns": [2] * rows,
+        "metrics": [{"generate_sequences": 1.5, "tool_calls": 0.0, "num_preempted": -1} for _ in range(rows)],
+        "extra_fields": [{"turn_scores": [], "min_global_steps": 3, "max_global_steps": 3} for _ in range(rows)],
+        "raw_prompt": [
+            [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": f"Problem {p}: " + "what is the sum of the first n odd numbers? " * 6},
+            ]
+            for p in prompt_of
+        ],
+        "data_source": ["openai/gsm8k"] * rows,
+        "reward_model": [{"style": "rule", "ground_truth": str(p * 7)} for p in prompt_of],
+        "extra_info": [{"index": p, "split": "train"} for p in prompt_of],
+        "index": prompt_of,
+        "uid": uids,
+        "tools_kwargs": [{} for _ in range(rows)],
+        "agent_name": ["single_turn_agent"] * rows,
+        "global_steps": [3] * rows,
+        "session_id": [i % n for i in range(rows)],
+        "multi_modal_inputs": [{} for _ in range(rows)],
+    }
+    for name, values in columns.items():
+        fields[name] = NonTensorStack(*non_tensor_items(values))
+    keys = [f"{uid}_{i % n}_0" for i, uid in enumerate(uids)]
+    tags = [
+        {"status": "success", "prompt_len": int(p), "response_len": int(r), "global_steps": 3}
+        for p, r in zip(prompt_lens.tolist(), response_lens.tolist(), strict=True)
+    ]
+    return {"tensordict": TensorDict(fields, batch_size=rows), "tags": tags, "keys": keys, "global_steps": 3}
+
+
+def tensors_of(batch: Any) -> list[torch.Tensor]:
+    """The tensors holding a result's bytes (a DataProto's batch, a V1 payload's jagged values)."""
+    if isinstance(batch, dict):
+        out = []
+        for value in batch["tensordict"].values():
+            if isinstance(value, torch.Tensor):
+                out.append(value.values() if value.is_nested else value)
+        return out
+    return list(batch.batch.values())
+
+
 def tensor_bytes(batch: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in batch.batch.values())
+    return sum(t.numel() * t.element_size() for t in tensors_of(batch))
 
 
 def touch(batch: Any) -> int:
     """Read one byte of every page of every tensor: the batch is then really usable."""
     total = 0
-    for tensor in batch.batch.values():
+    for tensor in tensors_of(batch):
         flat = tensor.reshape(-1).view(torch.uint8)
         total += int(flat[::PAGE].sum()) + int(flat[-1])
     return total
@@ -161,6 +244,43 @@ def run(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, work
     return figures
 
 
+def run_v1(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, workdir: Path) -> dict[str, Any]:
+    from skipinject.codecs import TensorDictCodec
+
+    batch = build_tq_batch(rows, prompt_len, response_len, n)
+    codec = TensorDictCodec()
+    upstream_path = workdir / "tq_batch.pt"
+    store = StepStore(workdir / "store_v1", "rollout_tq", {"bench": True})
+    figures: dict[str, Any] = {"rows": rows, "tensor_mb": tensor_bytes(batch) / 1e6}
+    figures["upstream_save_ms"], _ = timed(lambda: torch.save(batch, upstream_path), repeat)
+    figures["ours_save_ms"], _ = timed(lambda: store.save(1, codec.encode(batch), {}), repeat)
+    figures["upstream_file_mb"] = upstream_path.stat().st_size / 1e6
+    files = store.read_meta(1)["parts"][0]["files"]
+    figures["ours_files_mb"] = sum(spec["size"] for spec in files.values()) / 1e6
+    figures["ours_objects_kb"] = files["objects"]["size"] / 1e3
+
+    def upstream_load() -> Any:
+        loaded = torch.load(upstream_path, weights_only=False)
+        touch(loaded)
+        return loaded
+
+    def ours_load() -> Any:
+        [part] = store.load(store.verified(1))
+        loaded = codec.decode(part)
+        touch(loaded)
+        return loaded
+
+    figures["upstream_load_ms"], loaded = timed(upstream_load, repeat)
+    del loaded
+    figures["ours_load_ms"], loaded = timed(ours_load, repeat)
+    from verl.utils.tensordict_utils import assert_tensordict_eq
+
+    assert_tensordict_eq(batch["tensordict"], loaded["tensordict"])
+    if loaded["keys"] != batch["keys"] or loaded["tags"] != batch["tags"]:
+        raise AssertionError("keys or tags differ")
+    return figures
+
+
 def check_equal(a: Any, b: Any) -> None:
     if set(a.batch.keys()) != set(b.batch.keys()):
         raise AssertionError("tensor keys differ")
@@ -175,26 +295,34 @@ def check_equal(a: Any, b: Any) -> None:
         raise AssertionError("meta_info differs")
 
 
-def report(figures: dict[str, Any]) -> str:
-    f = figures
+def table(title: str, upstream: str, f: dict[str, Any]) -> list[str]:
     rows = [
-        ("save (dump, pickle vs encode+write+fsync+checksum)", f["upstream_save_ms"], f["ours_save_ms"]),
-        ("warm load, usable (ours: verify+load+decode+touch)", f["upstream_load_ms"], f["ours_load_ms"]),
+        (f"save ({upstream} vs encode + write + fsync + checksum)", f["upstream_save_ms"], f["ours_save_ms"]),
+        ("warm load, usable (ours: verify + load + decode + touch)", f["upstream_load_ms"], f["ours_load_ms"]),
     ]
     lines = [
-        f"batch: {f['rows']} rows, {f['tensor_mb']:.0f} MB of tensors; files: upstream {f['upstream_file_mb']:.0f} MB, "
-        f"ours {f['ours_files_mb']:.0f} MB (objects {f['ours_objects_kb']:.0f} kB)",
+        f"{title}: {f['rows']} rows, {f['tensor_mb']:.0f} MB of tensors; files: upstream "
+        f"{f['upstream_file_mb']:.0f} MB, skipinject {f['ours_files_mb']:.0f} MB "
+        f"(objects {f['ours_objects_kb']:.0f} kB)",
         "",
         "| operation | upstream ms | skipinject ms | upstream/skipinject |",
         "|---|---:|---:|---:|",
     ]
     for name, up, ours in rows:
         lines.append(f"| {name} | {up:.1f} | {ours:.1f} | {up / ours:.1f}x |")
+    return lines
+
+
+def report(figures: dict[str, Any], v1: dict[str, Any] | None) -> str:
+    f = figures
+    lines = table("DataProto (rollout)", "DataProto.save_to_disk, pickle", f)
     lines += [
         "",
         f"skipinject load breakdown (ms): verify {f['ours_verify_ms']:.1f}, load {f['ours_read_ms']:.1f}, "
         f"decode {f['ours_decode_ms']:.1f}, touch {f['ours_touch_ms']:.1f}; encode alone {f['ours_encode_ms']:.1f}",
     ]
+    if v1 is not None:
+        lines += ["", *table("V1 TensorDict (rollout_tq)", "torch.save, pickle", v1)]
     return "\n".join(lines)
 
 
@@ -206,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=8, help="GRPO group size (rows repeat each prompt n times)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per figure (median reported)")
     parser.add_argument("--quick", action="store_true", help="small batch, 1 repeat (smoke test)")
+    parser.add_argument("--no-v1", action="store_true", help="skip the V1 TransferQueue TensorDict table")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
     args = parser.parse_args(argv)
@@ -213,11 +342,17 @@ def main(argv: list[str] | None = None) -> int:
         args.rows, args.prompt_len, args.response_len, args.repeat = 64, 32, 64, 1
     if args.rows % args.n:
         parser.error("--rows must be a multiple of -n")
+    shape = (args.rows, args.prompt_len, args.response_len, args.n, args.repeat)
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-store-") as tmp:
-        figures = run(args.rows, args.prompt_len, args.response_len, args.n, args.repeat, Path(tmp))
-    print(report(figures))
+        figures = run(*shape, Path(tmp))
+    v1 = None
+    if not args.no_v1:
+        gc.collect()
+        with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-store-") as tmp:
+            v1 = run_v1(*shape, Path(tmp))
+    print(report(figures, v1))
     if args.json:
-        print(json.dumps(figures))
+        print(json.dumps({"dataproto": figures, "v1": v1}))
     return 0
 
 

@@ -1,0 +1,27 @@
+"""The store benchmark runs (small batch): its code paths, equality checks and report stay working."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_store_quick(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_store.py"), "--quick", "--json", "--dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| warm load, usable" in out.stdout and "upstream/skipinject" in out.stdout
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    for table in ("dataproto", "v1"):
+        assert figures[table]["rows"] == 64
+        assert figures[table]["ours_load_ms"] > 0 and figures[table]["upstream_load_ms"] > 0
+    assert list(tmp_path.iterdir()) == [], "the benchmark cleans up its files"
