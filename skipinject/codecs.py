@@ -52,23 +52,26 @@ _NUMPY_TENSOR_KINDS = "biufc"
 class TensorSink:
     """Collects the tensors of one payload under unique names (``"<n>:<label>"``).
 
-    Tensors are stored as they are when they are contiguous and own their whole storage (no copy);
-    otherwise a compact copy is made, because ``torch.save`` writes a view's entire storage.
+    Contiguous CPU tensors are kept as they are (no copy; the store writes only their own bytes,
+    even for views). The same tensor object added twice is stored once and decodes to one tensor
+    again: aliasing survives, and jagged tensors that shared ``offsets`` keep sharing their ragged
+    dimension (so ``responses * response_mask`` still works after a load).
     """
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
+        self._seen: dict[int, tuple[torch.Tensor, str]] = {}
 
     def add(self, tensor: torch.Tensor, label: str) -> str:
+        known = self._seen.get(id(tensor))
+        if known is not None and known[0] is tensor:
+            return known[1]
         name = f"{len(self.tensors)}:{label}"
         value = tensor.detach()
         if value.device.type != "cpu":
             value = value.cpu()
-        if not value.is_contiguous():
-            value = value.contiguous()
-        elif value.storage_offset() != 0 or value.untyped_storage().nbytes() != value.numel() * value.element_size():
-            value = value.clone()
-        self.tensors[name] = value
+        self.tensors[name] = value.contiguous()
+        self._seen[id(tensor)] = (tensor, name)
         return name
 
 
