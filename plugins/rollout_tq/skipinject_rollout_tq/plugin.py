@@ -1,0 +1,75 @@
+"""Role ``rollout_tq``: the rollout of verl's V1 TransferQueue trainer (``trainer.use_v1=True``).
+
+Targets (verl 0.9.1):
+
+* ``PPOTrainer._add_batch_to_generate`` (submit): the dataloader always advances; a cached step
+  is put into TransferQueue under the new uids instead of submitting the prompts for generation.
+* ``ReplayBuffer.sample`` and ``ReplayBufferAsync.sample`` (sample): after the real sample, the
+  train batch of a generated step is saved; ``parameter_sync_step = k`` gives k parts, one commit.
+* ``PPOTrainer._add_async_warmup_batches``: switched off while the role is enabled (every step).
+
+The step is the trainer's ``global_steps`` (clock: ``PPOTrainer.fit``). The cache lives where
+upstream puts it, ``{dump_dir}/{experiment}_{project}/GBS.._N.._in.._out../{step}/``; upstream's
+pickled ``{step}/{i}/tq_batch.pt`` is read only with ``skip.rollout_tq.trust_upstream=true``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skipinject import Role, StepSource, Target, UpstreamFormat, hookimpl
+from skipinject.codecs import TensorDictCodec
+from skipinject.engine import select
+from skipinject_rollout_tq.phases import SamplePhase, StepBook, SubmitPhase, WarmupOff
+from skipinject_rollout_tq.transfer import UPSTREAM_FILE, load_upstream_file
+
+TRAINER = "verl.trainer.ppo.v1.trainer_base:PPOTrainer"
+SUBMIT = f"{TRAINER}._add_batch_to_generate"
+WARMUP = f"{TRAINER}._add_async_warmup_batches"
+FIT = f"{TRAINER}.fit"
+SAMPLES = (
+    "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample",
+    "verl.trainer.ppo.v1.replay_buffer:ReplayBufferAsync.sample",
+)
+
+#: Upstream's file of part 0 of a step; the loader reads every part of that step.
+TQ_BATCH = UpstreamFormat(f"0/{UPSTREAM_FILE}", load_upstream_file)
+
+
+def cannot_fire(config: Any) -> str | None:
+    """The V0 trainer has no TransferQueue submit/sample."""
+    if select(config, "trainer.use_v1") is False:
+        return (
+            "trainer.use_v1=False runs the V0 RayPPOTrainer, which has no TransferQueue submit/sample; "
+            "use skip.rollout there"
+        )
+    return None
+
+
+def make_role(book: StepBook | None = None) -> Role:
+    """The ``rollout_tq`` role; its submit and sample phases share ``book`` (a fresh one by default)."""
+    book = book or StepBook()
+    return Role(
+        name="rollout_tq",
+        targets=[
+            Target(SUBMIT, phase=SubmitPhase(book)),
+            *(Target(path, phase=SamplePhase(book), every_step=True) for path in SAMPLES),
+            Target(WARMUP, phase=WarmupOff(), every_step=True),
+        ],
+        step=StepSource.clock("global_steps").or_else(StepSource.argument("global_steps")),
+        codec=TensorDictCodec(),
+        clocks=[FIT],
+        builtin="rollout_tq",
+        check=cannot_fire,
+        cache_subdir="",
+        upstream=TQ_BATCH,
+        description="V1 TransferQueue trainer: submit (inject cached trajectories) and sample (save them)",
+    )
+
+
+ROLLOUT_TQ = make_role()
+
+
+@hookimpl
+def skipinject_roles() -> list[Role]:
+    return [ROLLOUT_TQ]

@@ -1,0 +1,191 @@
+"""Moving a step's trajectories between TransferQueue and the cache.
+
+A cached step is what ``ReplayBuffer.sample`` handed the trainer, read back from TransferQueue:
+``{"tensordict": <all fields of the trajectories>, "keys": [...], "tags": [...], "global_steps": s}``
+(upstream's ``tq_batch.pt`` payload has the same shape). Serving it puts those trajectories back
+into TransferQueue under the uids the dataloader just produced, so the replay buffer samples them
+as if the rollout had generated them in this run.
+
+Keys are ``{uid}_{session}_{index}`` (verl's ``ReplayBuffer`` docstring); the prompt-level key is
+the bare ``{uid}``. Nothing here imports verl, torch or transfer_queue at module level.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from skipinject.errors import CorruptCacheError
+
+logger = logging.getLogger("skipinject")
+
+#: Tag keys set to the current step on injected trajectories: the replay buffer's staleness
+#: control and the trainer's staleness metrics read them, and a served batch is this step's.
+STEP_TAGS = ("global_steps", "min_global_steps", "max_global_steps")
+#: Per-row copies of what the key and tags say (GRPO groups by the ``uid`` field): rewritten to match
+#: the new key, so a cycled group is not merged with its other copy.
+ROW_FIELDS = ("uid", "session_id", "global_steps")
+TRAIN = "train"
+
+
+@dataclass
+class CachedBatch:
+    """The trajectories of one cached step, all parts merged."""
+
+    data: Any  # tensordict.TensorDict, one row per key
+    keys: list[str]
+    tags: list[dict[str, Any]]
+
+    @classmethod
+    def from_payloads(cls, payloads: Sequence[Mapping[str, Any]], merge: Any) -> CachedBatch:
+        """Merge decoded parts (``merge``: the codec's, concatenating TensorDicts and lists)."""
+        if not payloads:
+            raise CorruptCacheError("the cache holds no parts")
+        for index, payload in enumerate(payloads):
+            if not isinstance(payload, Mapping) or not {"tensordict", "keys", "tags"} <= set(payload):
+                raise CorruptCacheError(f"part {index} is not a TransferQueue batch (needs tensordict, keys, tags)")
+        merged = merge(list(payloads))
+        keys = [str(key) for key in merged["keys"]]
+        tags = [dict(tag) for tag in merged["tags"]]
+        data = merged["tensordict"]
+        rows = int(data.batch_size[0]) if len(data.batch_size) else -1
+        if not (len(keys) == len(tags) == rows):
+            raise CorruptCacheError(f"cache holds {len(keys)} keys, {len(tags)} tags and {rows} rows; they must agree")
+        return cls(data, keys, tags)
+
+
+@dataclass(frozen=True)
+class Remap:
+    """Where each injected trajectory comes from and what it is called now."""
+
+    keys: list[str]
+    tags: list[dict[str, Any]]
+    rows: list[int]
+    uids: list[str]  # the new prompt uid of each injected row
+    sessions: list[int]  # the new session of each injected row
+    groups: int  # cached prompt groups available
+
+
+def group_rows(keys: Sequence[str]) -> list[list[int]]:
+    """Row indices per prompt group (uid = the key up to its first ``_``), in first-seen order.
+
+    ``ReplayBuffer.sample`` does not order keys by uid, so grouping must not rely on order.
+    """
+    groups: dict[str, list[int]] = {}
+    for row, key in enumerate(keys):
+        groups.setdefault(key.split("_")[0], []).append(row)
+    return list(groups.values())
+
+
+def remap(keys: Sequence[str], tags: Sequence[Mapping[str, Any]], new_uids: Sequence[str], n: int, step: int) -> Remap:
+    """Assign cached trajectories to ``new_uids``: uid ``i`` takes cached group ``i % groups``,
+    its session ``j`` the group's trajectory ``j % len(group)``; keys become ``{uid}_{j}_0``.
+
+    Cycling fills in when fewer groups were cached than prompts now, or a group lost sessions
+    (failed agent loops). Tags keep everything but ``is_prompt``, with the step tags set to ``step``.
+    """
+    if n < 1:
+        raise ValueError(f"actor_rollout_ref.rollout.n must be >= 1 to inject cached trajectories, not {n}")
+    groups = group_rows(keys)
+    if not groups:
+        raise CorruptCacheError("the cached step holds no trajectories")
+    new_keys: list[str] = []
+    new_tags: list[dict[str, Any]] = []
+    rows: list[int] = []
+    row_uids: list[str] = []
+    sessions: list[int] = []
+    for index, uid in enumerate(new_uids):
+        group = groups[index % len(groups)]
+        for session in range(n):
+            row = group[session % len(group)]
+            tag = {key: value for key, value in tags[row].items() if key != "is_prompt"}
+            tag.update(dict.fromkeys(STEP_TAGS, step))
+            new_keys.append(f"{uid}_{session}_0")
+            new_tags.append(tag)
+            rows.append(row)
+            row_uids.append(str(uid))
+            sessions.append(session)
+    return Remap(new_keys, new_tags, rows, row_uids, sessions, len(groups))
+
+
+def select_rows(data: Any, plan: Remap, step: int) -> Any:
+    """The planned rows of ``data`` as a new TensorDict (jagged fields too), renamed per :data:`ROW_FIELDS`.
+
+    Rows may repeat (cycled groups). Jagged NestedTensors cannot be indexed on dim 0, so verl's own
+    row selection (unbind, pick, rebuild) is used.
+    """
+    from tensordict import NonTensorData, NonTensorStack
+    from verl.utils.tensordict_utils import index_select_tensor_dict
+
+    selected = index_select_tensor_dict(data, list(plan.rows))
+    values = {"uid": plan.uids, "session_id": plan.sessions, "global_steps": [step] * len(plan.rows)}
+    for name in ROW_FIELDS:
+        if isinstance(selected.get(name, None), (NonTensorStack, NonTensorData)):
+            selected[name] = NonTensorStack.from_list([NonTensorData(value) for value in values[name]])
+    return selected
+
+
+def inject(batch: CachedBatch, new_uids: Sequence[str], n: int, step: int, partition: str = TRAIN) -> Remap:
+    """Put ``batch``'s trajectories into TransferQueue under ``new_uids`` and mark those prompts finished.
+
+    Trajectories go in first, then the prompt-level keys (tagged ``finished``), so the replay buffer
+    never sees a finished prompt without its trajectories.
+    """
+    import transfer_queue as tq
+
+    plan = remap(batch.keys, batch.tags, new_uids, n, step)
+    fields = select_rows(batch.data, plan, step)
+    tq.kv_batch_put(keys=plan.keys, fields=fields, tags=plan.tags, partition_id=partition)
+    prompt_tags = [{"is_prompt": True, "status": "finished", "global_steps": step} for _ in new_uids]
+    tq.kv_batch_put(keys=[str(uid) for uid in new_uids], partition_id=partition, tags=prompt_tags)
+    return plan
+
+
+def snapshot(batch_meta: Any, step: int) -> dict[str, Any]:
+    """A sampled batch (``KVBatchMeta``) read back from TransferQueue, in the cached-step shape."""
+    import transfer_queue as tq
+
+    keys = [str(key) for key in batch_meta.keys]
+    data = tq.kv_batch_get(keys=keys, partition_id=batch_meta.partition_id)
+    return {
+        "tensordict": data,
+        "keys": keys,
+        "tags": [dict(tag) for tag in batch_meta.tags],
+        "global_steps": step,
+    }
+
+
+# ---------------------------------------------------------------- upstream's tq_batch.pt
+
+UPSTREAM_FILE = "tq_batch.pt"
+
+
+def upstream_parts(step_dir: Path) -> list[Path]:
+    """Upstream's ``{step}/{0,1,...}/tq_batch.pt`` files of one step, consecutive from part 0."""
+    parts = []
+    index = 0
+    while (step_dir / str(index) / UPSTREAM_FILE).is_file():
+        parts.append(step_dir / str(index) / UPSTREAM_FILE)
+        index += 1
+    return parts
+
+
+def load_upstream(step_dir: Path) -> list[dict[str, Any]]:
+    """Read upstream's pickled parts. Runs code from the files: only for caches the user trusts."""
+    import torch
+
+    payloads = []
+    for path in upstream_parts(step_dir):
+        payload = torch.load(path, weights_only=False, map_location="cpu")  # trusted by the user (trust_upstream)
+        if not isinstance(payload, Mapping):
+            raise CorruptCacheError(f"{path}: not a TransferQueue batch payload ({type(payload).__name__})")
+        payloads.append(dict(payload))
+    return payloads
+
+
+def load_upstream_file(path: Path) -> list[dict[str, Any]]:
+    """:class:`skipinject.UpstreamFormat` loader: ``path`` is part 0; every part of its step is read."""
+    return load_upstream(Path(path).parent.parent)

@@ -1,0 +1,469 @@
+"""The ``rollout_tq`` role against a real TransferQueue (Ray actors), verl 0.9.1's real V1 trainer
+methods (``_add_batch_to_generate``, ``_next_train_batch``, ``_submit_batch_to_rollout``,
+``_add_async_warmup_batches``) and its real ``ReplayBuffer`` / ``ReplayBufferAsync``.
+
+Only the agent-loop manager is a stand-in: it writes trajectories into TransferQueue the way
+``AgentLoopWorkerTQ`` does (same keys, tags, fields, prompt status), synchronously.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("verl")
+pytest.importorskip("transfer_queue")
+
+import transfer_queue as tq
+from omegaconf import OmegaConf
+from skipinject_rollout_tq.phases import StepBook, parameter_sync_step
+from skipinject_rollout_tq.plugin import cannot_fire, make_role
+from skipinject_rollout_tq.transfer import CachedBatch, group_rows, inject, remap, select_rows
+from tensordict import TensorDict
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
+from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+from skipinject.codecs import TensorDictCodec
+from skipinject.config import Config, RoleConfig
+from skipinject.engine import Engine
+from skipinject.roles import CLOCK
+from skipinject.store import StepStore
+
+N = 2
+BATCH = 4
+LAYOUT = f"e_p/GBS{{gbs}}_N{N}_in8_out8"
+
+
+# ---------------------------------------------------------------- pure remapping rules
+
+
+def _keys(groups: dict[str, int]) -> list[str]:
+    return [f"{uid}_{session}_0" for uid, count in groups.items() for session in range(count)]
+
+
+def test_remap_cycles_groups_and_sessions_and_rewrites_tags():
+    keys = _keys({"a": 2, "b": 1, "c": 2})  # b lost a session (failed agent loop)
+    tags = [
+        {"status": "success", "global_steps": 7, "min_global_steps": 6, "max_global_steps": 7, "row": i}
+        for i in range(5)
+    ]
+    tags[0]["is_prompt"] = True
+    plan = remap(keys, tags, ["n0", "n1", "n2", "n3"], N, step=3)
+    assert plan.groups == 3
+    assert plan.keys == [f"n{i}_{s}_0" for i in range(4) for s in range(N)]
+    # uid i takes group i % 3; session j takes trajectory j % len(group)
+    assert plan.rows == [0, 1, 2, 2, 3, 4, 0, 1]
+    assert plan.uids == ["n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3"]
+    assert plan.sessions == [0, 1] * 4
+    for tag, row in zip(plan.tags, plan.rows, strict=True):
+        assert tag == {"status": "success", "global_steps": 3, "min_global_steps": 3, "max_global_steps": 3, "row": row}
+    assert tags[0]["is_prompt"] is True, "the cached tags are not modified"
+
+
+def test_remap_uses_the_first_groups_when_more_were_cached():
+    keys = _keys({"a": 2, "b": 2, "c": 2, "d": 2, "e": 2})
+    plan = remap(keys, [{} for _ in keys], ["x", "y"], N, step=1)
+    assert plan.rows == [0, 1, 2, 3] and plan.groups == 5
+
+
+def test_groups_do_not_depend_on_key_order():
+    keys = ["b_1_0", "a_0_0", "b_0_0", "a_1_0"]
+    assert group_rows(keys) == [[0, 2], [1, 3]]
+    plan = remap(keys, [{} for _ in keys], ["x", "y"], N, step=1)
+    assert plan.rows == [0, 2, 1, 3]
+
+
+def test_cannot_fire_on_the_v0_trainer():
+    assert "skip.rollout" in cannot_fire(OmegaConf.create({"trainer": {"use_v1": False}}))
+    assert cannot_fire(OmegaConf.create({"trainer": {"use_v1": True}})) is None
+
+
+# ---------------------------------------------------------------- real TransferQueue
+
+
+@pytest.fixture(scope="module")
+def transfer_queue() -> Iterator[None]:
+    """A real TransferQueue (controller + one SimpleStorage unit) on a local Ray, as main_ppo starts it."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="skipinject-tests")
+    conf = OmegaConf.create(
+        {"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {"num_data_storage_units": 1}}}
+    )
+    tq.init(conf)
+    try:
+        yield
+    finally:
+        tq.close()
+        ray.shutdown()
+
+
+@pytest.fixture
+def clean_tq(transfer_queue: None) -> Iterator[None]:
+    yield
+    for partition, items in (tq.kv_list() or {}).items():
+        if items:
+            tq.kv_clear(keys=list(items), partition_id=partition)
+
+
+def trajectory(uid: str, session: int, step: int, seed: int) -> dict[str, Any]:
+    """One trajectory's fields, shaped like AgentLoopWorkerTQ's (jagged prompt/response lengths)."""
+    prompt_len, response_len = 3 + seed % 4, 1 + (seed * 7 + session) % 6
+    prompts = torch.arange(prompt_len, dtype=torch.int64) + seed
+    responses = torch.arange(response_len, dtype=torch.int64) * (session + 2) + seed
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses]),
+        "response_mask": torch.ones(response_len, dtype=torch.int64),
+        "rm_scores": torch.full((response_len,), float(seed + session) / 10),
+        "uid": uid,
+        "session_id": session,
+        "global_steps": step,
+        "raw_prompt": [{"role": "user", "content": f"prompt {seed}"}],
+        "extra_fields": {"min_global_steps": step - 1, "reward_extra_info": {"acc": seed / 10}},
+    }
+
+
+def put_trajectories(uid: str, step: int, seed: int, sessions: range, partition: str = "train") -> list[str]:
+    fields = [trajectory(uid, session, step, seed) for session in sessions]
+    keys = [f"{uid}_{session}_0" for session in sessions]
+    tags = [
+        {
+            "status": "success",
+            "prompt_len": len(f["prompts"]),
+            "response_len": len(f["responses"]),
+            "global_steps": step,
+            "min_global_steps": step - 1,
+            "max_global_steps": step - 1,
+        }
+        for f in fields
+    ]
+    tq.kv_batch_put(keys=keys, fields=list_of_dict_to_tensordict(fields), tags=tags, partition_id=partition)
+    return keys
+
+
+class StandInAgentLoopManager:
+    """Generates n trajectories per submitted prompt straight into TransferQueue, then marks it finished."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def generate_sequences(self, batch: TensorDict) -> None:
+        uids = [str(u) for u in batch["uid"]]
+        self.calls.append(uids)
+        indices = [int(i) for i in batch["index"]]
+        step = int(batch["global_steps"])
+        for uid, index in zip(uids, indices, strict=True):
+            tq.kv_put(key=uid, partition_id="train", tag={"status": "running"})
+            put_trajectories(uid, step, seed=index, sessions=range(N))
+            tq.kv_put(key=uid, partition_id="train", tag={"status": "finished"})
+
+
+def run_config(mode: str = "sync", k: int = 1) -> Any:
+    return OmegaConf.create(
+        {
+            "trainer": {
+                "use_v1": True,
+                "experiment_name": "e",
+                "project_name": "p",
+                "v1": {"trainer_mode": mode, mode: {"parameter_sync_step": k}},
+            },
+            "data": {
+                "train_batch_size": BATCH,
+                "gen_batch_size": 1 if mode != "sync" else None,
+                "max_prompt_length": 8,
+                "max_response_length": 8,
+            },
+            "actor_rollout_ref": {"rollout": {"n": N}},
+            "skip": {"rollout_tq": {"enable": False}},
+        }
+    )
+
+
+def dataloader(rows: int = 64, chunk: int = BATCH) -> list[dict[str, Any]]:
+    """What verl's StatefulDataLoader yields: dicts of per-row numpy columns."""
+    return [
+        {
+            "raw_prompt": np.array([f"prompt {i}" for i in range(start, start + chunk)], dtype=object),
+            "index": np.arange(start, start + chunk),
+        }
+        for start in range(0, rows, chunk)
+    ]
+
+
+def make_trainer(mode: str = "sync", k: int = 1) -> Any:
+    """verl's real V1 trainer class with only the state its submit path reads."""
+    config = run_config(mode, k)
+    trainer = object.__new__(get_trainer_cls(mode))
+    trainer.config = config
+    trainer.trainer_mode = mode
+    trainer.parameter_sync_step = k
+    trainer.train_dataloader = dataloader(chunk=config.data.gen_batch_size or BATCH)
+    trainer.train_dataloader_it = None
+    trainer.global_steps = 0
+    trainer.agent_loop_manager = StandInAgentLoopManager()
+    buffer_cls = ReplayBuffer if mode == "sync" else ReplayBufferAsync
+    trainer.replay_buffer = buffer_cls(
+        trainer_mode=mode,
+        trainer_config=config.trainer.v1[mode],
+        max_off_policy_threshold=None,
+        max_off_policy_strategy="drop",
+        sampler_kwargs={},
+        poll_interval=0.05,
+        train_batch_size=BATCH if mode == "sync" else None,
+        gen_batch_size=BATCH if mode == "sync" else None,
+    )
+    CLOCK.enter(trainer)
+    return trainer
+
+
+FIELDS = ["responses", "raw_prompt", "uid", "session_id", "global_steps"]
+
+
+def train_step(trainer: Any, step: int) -> dict[str, list[Any]]:
+    """What PPOTrainer.fit/step do around the rollout: submit, sample k mini-batches, clear the step.
+
+    Returns what the trainer got: keys, tags and :data:`FIELDS` read back before the step is cleared.
+    """
+    trainer.global_steps = step
+    trainer._add_batch_to_generate()
+    got: dict[str, list[Any]] = {"keys": [], "tags": [], **{name: [] for name in FIELDS}}
+    for _ in range(trainer.parameter_sync_step):
+        batch, _ = trainer.replay_buffer.sample(
+            global_steps=step, partition_id="train", batch_size=BATCH // trainer.parameter_sync_step
+        )
+        got["keys"].extend(batch.keys)
+        got["tags"].extend(batch.tags)
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=FIELDS)
+        for name in FIELDS:
+            value = data[name]
+            got[name].extend([t.tolist() for t in value.unbind(0)] if isinstance(value, torch.Tensor) else list(value))
+        tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+    return got
+
+
+def responses(got: dict[str, list[Any]]) -> list[list[int]]:
+    return sorted(got["responses"])
+
+
+class Session:
+    """One "run": an engine with a fresh rollout_tq role patched into verl, removed on exit."""
+
+    def __init__(self, dump: Path, steps: tuple[int, ...] = (1, 2), **settings: Any) -> None:
+        cfg = RoleConfig(enable=True, dump_dir=str(dump), steps=steps, **settings)
+        self.engine = Engine(Config(roles={"rollout_tq": cfg}), {"rollout_tq": (make_role(StepBook()), "test")})
+
+    def __enter__(self) -> Engine:
+        self.engine.start()
+        return self.engine
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.stop()
+
+
+@pytest.mark.ray
+def test_sync_miss_saves_then_hit_injects_without_generating(tmp_path: Path, clean_tq: None, caplog):
+    dump = tmp_path / "dump"
+    layout = dump / LAYOUT.format(gbs=BATCH)
+    with Session(dump):
+        trainer = make_trainer()
+        first = {step: train_step(trainer, step) for step in (1, 2, 3)}
+    assert len(trainer.agent_loop_manager.calls) == 3
+    assert sorted(p.name for p in layout.iterdir()) == ["1", "2"], "step 3 is not in skip.steps"
+    meta = json.loads((layout / "1" / "meta.json").read_text())
+    assert meta["role"] == "rollout_tq" and meta["rows"] == BATCH * N and [p["dir"] for p in meta["parts"]] == ["0"]
+
+    with Session(dump), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer()
+        second = {step: train_step(trainer, step) for step in (1, 2, 3)}
+    calls = trainer.agent_loop_manager.calls
+    assert len(calls) == 1, "only step 3 (not cached) is generated"
+    hits = [r.getMessage() for r in caplog.records if "hit, served step" in r.getMessage()]
+    assert len(hits) == 2 and "injected 8 cached trajectories (4 prompts x n=2)" in hits[0], hits
+    for step in (1, 2):
+        assert responses(second[step]) == responses(first[step]), f"step {step}"
+    # The dataloader advanced on the served steps: step 3 got the same prompts as in run 1.
+    assert second[3]["raw_prompt"] == first[3]["raw_prompt"]
+    # Injected rows carry the new uids, in data and keys alike (GRPO groups by the uid field).
+    data, keys = second[1], second[1]["keys"]
+    assert data["uid"] == [key.split("_")[0] for key in keys]
+    assert data["session_id"] == [int(key.split("_")[1]) for key in keys]
+    assert set(data["global_steps"]) == {1}
+    assert all(
+        tag["global_steps"] == tag["min_global_steps"] == tag["max_global_steps"] == 1 for tag in second[1]["tags"]
+    )
+
+
+@pytest.mark.ray
+def test_inject_remaps_into_real_transfer_queue(tmp_path: Path, clean_tq: None):
+    # Cache 3 groups (one lost a session) through TransferQueue, as the sample phase reads them.
+    keys = put_trajectories("a", 5, seed=1, sessions=range(2)) + put_trajectories("b", 5, seed=2, sessions=range(1))
+    keys += put_trajectories("c", 5, seed=3, sessions=range(2))
+    tags = [dict(tag) for tag in tq.kv_list("train")["train"].values()]
+    source = tq.kv_batch_get(keys=keys, partition_id="train")
+    tq.kv_clear(keys=keys, partition_id="train")
+    cached = CachedBatch(source, keys, tags)
+
+    uids = ["u0", "u1", "u2", "u3"]
+    plan = inject(cached, uids, N, step=9)
+    listing = tq.kv_list("train")["train"]
+    for uid in uids:
+        assert listing[uid] == {"is_prompt": True, "status": "finished", "global_steps": 9}
+    for key, tag in zip(plan.keys, plan.tags, strict=True):
+        assert listing[key] == tag and "is_prompt" not in tag and tag["max_global_steps"] == 9
+    got = tq.kv_batch_get(keys=plan.keys, partition_id="train")
+    src_responses = [t.tolist() for t in source["responses"].unbind(0)]
+    assert [t.tolist() for t in got["responses"].unbind(0)] == [src_responses[row] for row in plan.rows]
+    assert list(got["uid"]) == plan.uids  # u3 took group a again, under its own uid
+
+    # The real replay buffer samples exactly the injected groups.
+    buffer = ReplayBuffer("sync", {}, None, "drop", {}, poll_interval=0.05, train_batch_size=4, gen_batch_size=4)
+    batch, _ = buffer.sample(global_steps=9, partition_id="train", batch_size=4)
+    assert sorted(batch.keys) == sorted(plan.keys)
+
+
+@pytest.mark.ray
+def test_jagged_fields_survive_save_load_and_row_selection(tmp_path: Path, clean_tq: None):
+    keys = put_trajectories("a", 1, seed=4, sessions=range(2)) + put_trajectories("b", 1, seed=5, sessions=range(2))
+    data = tq.kv_batch_get(keys=keys, partition_id="train")
+    assert data["responses"].is_nested and data["responses"].layout == torch.jagged
+    codec = TensorDictCodec()
+    store = StepStore(tmp_path, "rollout_tq", {})
+    store.save(1, codec.encode({"tensordict": data, "keys": keys, "tags": [{}] * 4, "global_steps": 1}))
+    loaded = CachedBatch.from_payloads([codec.decode(p) for p in store.load(store.verified(1))], codec.merge)
+    assert loaded.data["responses"].layout == torch.jagged
+    plan = remap(loaded.keys, loaded.tags, ["x", "y", "z"], N, step=2)
+    selected = select_rows(loaded.data, plan, step=2)
+    for name in ("prompts", "responses", "input_ids", "rm_scores"):
+        original = data[name].unbind(0)
+        assert [t.tolist() for t in selected[name].unbind(0)] == [original[r].tolist() for r in plan.rows], name
+    assert [x["acc"] for x in (e["reward_extra_info"] for e in selected["extra_fields"])] == [
+        list(data["extra_fields"])[r]["reward_extra_info"]["acc"] for r in plan.rows
+    ]
+    # The selection is a copy: TransferQueue accepts it and the cached rows are untouched.
+    tq.kv_batch_put(keys=plan.keys, fields=selected, tags=plan.tags, partition_id="train")
+    again = CachedBatch.from_payloads([codec.decode(p) for p in store.load(store.verified(1))], codec.merge)
+    assert [t.tolist() for t in again.data["responses"].unbind(0)] == [t.tolist() for t in data["responses"].unbind(0)]
+
+
+@pytest.mark.ray
+def test_parameter_sync_step_parts_and_interrupted_step(tmp_path: Path, clean_tq: None, caplog):
+    dump = tmp_path / "dump"
+    layout = dump / LAYOUT.format(gbs=1)
+    with Session(dump, steps=(1, 2, 3)):
+        trainer = make_trainer("separate_async", k=2)
+        assert parameter_sync_step(trainer.config) == 2
+        first = train_step(trainer, 1)
+        # Step 2: one of two mini-batches sampled, then the process "dies" (the run is dropped as is).
+        trainer.global_steps = 2
+        trainer._add_batch_to_generate()
+        trainer.replay_buffer.sample(global_steps=2, partition_id="train", batch_size=2)
+    assert len(trainer.agent_loop_manager.calls) == 2
+    meta = json.loads((layout / "1" / "meta.json").read_text())
+    assert [p["dir"] for p in meta["parts"]] == ["0", "1"] and meta["rows"] == BATCH * N
+    assert list((layout / "2" / "0").glob("tensors-*")), "part 0 of step 2 was written"
+    assert not (layout / "2" / "meta.json").exists(), "but step 2 was never committed"
+    orphan = {p.name for p in (layout / "2" / "0").iterdir()}
+    for partition, items in (tq.kv_list() or {}).items():  # the dead run's TransferQueue is gone too
+        tq.kv_clear(keys=list(items), partition_id=partition)
+
+    with Session(dump, steps=(1, 2, 3)), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer("separate_async", k=2)
+        second = train_step(trainer, 1)
+        regenerated = train_step(trainer, 2)
+        # Step 3: one mini-batch, then step 4 samples: step 3's open writer is aborted, never committed.
+        trainer.global_steps = 3
+        trainer._add_batch_to_generate()
+        trainer.replay_buffer.sample(global_steps=3, partition_id="train", batch_size=2)
+        assert list((layout / "3" / "0").glob("tensors-*"))
+        CLOCK.instance.global_steps = 4
+        trainer.replay_buffer.sample(global_steps=4, partition_id="train", batch_size=2)
+    calls = trainer.agent_loop_manager.calls
+    assert len(calls) == 2, "step 1 was served from both parts; steps 2 and 3 were generated"
+    assert responses(second) == responses(first), "both mini-batches of step 1 merged"
+    assert len(regenerated["keys"]) == BATCH * N
+    meta2 = json.loads((layout / "2" / "meta.json").read_text())
+    named = {part["files"][kind]["name"] for part in meta2["parts"] for kind in ("tensors", "objects")}
+    assert [p["dir"] for p in meta2["parts"]] == ["0", "1"] and not named & orphan, "no part of the dead run is used"
+    assert not (layout / "3" / "meta.json").exists() and not list((layout / "3" / "0").glob("tensors-*"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("rollout_tq step 2:" in m and ("interrupted" in m or "miss" in m) for m in messages), messages
+    assert any("step 3: only 1 of 2 mini-batches were sampled before step 4 began" in m for m in messages)
+    assert sum("saved mini-batch 1 of 2" in m for m in messages) == 2
+
+
+@pytest.mark.ray
+def test_upstream_tq_batch_is_reported_not_loaded_unless_trusted(tmp_path: Path, clean_tq: None, caplog):
+    dump = tmp_path / "dump"
+    layout = dump / LAYOUT.format(gbs=BATCH)
+    with Session(dump, steps=(1,)):
+        trainer = make_trainer()
+        first = train_step(trainer, 1)
+    # Rewrite step 1 as verl's own SkipManager leaves it: {step}/0/tq_batch.pt (a pickle) + meta.json.
+    store = _store(layout)
+    payload = TensorDictCodec().decode(store.load(store.verified(1))[0])
+    for path in (layout / "1").rglob("*"):
+        if path.is_file():
+            path.unlink()
+    (layout / "1" / "0").mkdir(exist_ok=True)
+    torch.save(payload, layout / "1" / "0" / "tq_batch.pt")
+    (layout / "1" / "0" / "meta.json").write_text(json.dumps({"global_steps": 1}))
+
+    with Session(dump, steps=(1,)), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer()
+        train_step(trainer, 1)
+    assert len(trainer.agent_loop_manager.calls) == 1, "untrusted: generated again"
+    assert sum("did not load it" in r.getMessage() for r in caplog.records) == 1
+    assert (layout / "1" / "0" / "tq_batch.pt").is_file(), "never deleted"
+    assert (layout / "1" / "meta.json").is_file(), "cached again in skipinject's format beside it"
+
+    (layout / "1" / "meta.json").unlink()
+    with Session(dump, steps=(1,), trust_upstream=True):
+        trainer = make_trainer()
+        trusted = train_step(trainer, 1)
+    assert trainer.agent_loop_manager.calls == [], "trusted: loaded and injected"
+    assert responses(trusted) == responses(first)
+
+
+def _store(layout: Path) -> StepStore:
+    meta = json.loads((layout / "1" / "meta.json").read_text())
+    return StepStore(layout, "rollout_tq", meta["context"])
+
+
+@pytest.mark.ray
+def test_validation_samples_are_not_saved(tmp_path: Path, clean_tq: None):
+    dump = tmp_path / "dump"
+    with Session(dump, steps=(1,)):
+        trainer = make_trainer()
+        trainer.global_steps = 1
+        put_trajectories("v", 1, seed=1, sessions=range(N), partition="val")
+        tq.kv_put(key="v", partition_id="val", tag={"is_prompt": True, "status": "finished", "global_steps": 1})
+        batch, _ = trainer.replay_buffer.sample(global_steps=1, partition_id="val", batch_size=1)
+    assert sorted(batch.keys) == ["v_0_0", "v_1_0"]
+    assert not dump.exists()
+
+
+def test_async_warmup_prefetch_is_off_only_while_the_role_is_enabled(tmp_path: Path, caplog):
+    trainer = object.__new__(get_trainer_cls("separate_async"))
+    trainer.config = run_config("separate_async", 2)
+    trainer._restored_tq_prompt_count = 0
+    added: list[int] = []
+    trainer._add_prompts_to_generate = added.append
+    trainer.global_steps = 1
+    CLOCK.enter(trainer)
+    with Session(tmp_path, steps=(5,)), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer._add_async_warmup_batches(1)
+        trainer._add_async_warmup_batches(1)
+    assert added == [], "no prefetch while enabled, even at steps outside skip.steps"
+    assert sum("warm-up prefetch switched off" in r.getMessage() for r in caplog.records) == 1
+    trainer._add_async_warmup_batches(1)
+    assert added == [BATCH], "the original runs again once the role is gone"
