@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -173,19 +175,27 @@ def touch(batch: Any) -> int:
     return total
 
 
-def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
-    """Median wall time in ms over ``repeat`` runs (after one warm-up run), and the last result."""
-    times = []
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all threads (less disturbed by other load than wall time)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(figures: dict[str, Any], key: str, fn: Callable[[], Any], repeat: int) -> Any:
+    """Median wall and CPU ms over ``repeat`` runs (after one warm-up run) into ``figures``; the last result."""
+    walls, cpus = [], []
     result = None
     for i in range(repeat + 1):
         result = None
         gc.collect()
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), cpu_seconds()
         result = fn()
-        elapsed = (time.perf_counter() - start) * 1000
         if i:
-            times.append(elapsed)
-    return statistics.median(times), result
+            walls.append((time.perf_counter() - wall) * 1000)
+            cpus.append((cpu_seconds() - cpu) * 1000)
+    figures[f"{key}_ms"] = statistics.median(walls)
+    figures[f"{key}_cpu_ms"] = statistics.median(cpus)
+    return result
 
 
 def run(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, workdir: Path) -> dict[str, Any]:
@@ -195,9 +205,9 @@ def run(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, work
     store = StepStore(workdir / "store", "rollout", {"bench": True})
     figures: dict[str, Any] = {"rows": rows, "tensor_mb": tensor_bytes(batch) / 1e6}
 
-    figures["upstream_save_ms"], _ = timed(lambda: batch.save_to_disk(upstream_path), repeat)
-    figures["ours_encode_ms"], _ = timed(lambda: codec.encode(batch), repeat)
-    figures["ours_save_ms"], _ = timed(lambda: store.save(1, codec.encode(batch), {}), repeat)
+    measure(figures, "upstream_save", lambda: batch.save_to_disk(upstream_path), repeat)
+    measure(figures, "ours_encode", lambda: codec.encode(batch), repeat)
+    measure(figures, "ours_save", lambda: store.save(1, codec.encode(batch), {}), repeat)
     figures["upstream_file_mb"] = upstream_path.stat().st_size / 1e6
     files = store.read_meta(1)["parts"][0]["files"]
     figures["ours_files_mb"] = sum(spec["size"] for spec in files.values()) / 1e6
@@ -217,9 +227,9 @@ def run(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, work
         touch(loaded)
         return loaded
 
-    figures["upstream_load_ms"], loaded_up = timed(upstream_load, repeat)
-    del loaded_up
-    figures["ours_load_ms"], loaded = timed(ours_load, repeat)
+    loaded = measure(figures, "upstream_load", upstream_load, repeat)
+    del loaded
+    loaded = measure(figures, "ours_load", ours_load, repeat)
     check_equal(batch, loaded)
     del loaded
 
@@ -252,8 +262,8 @@ def run_v1(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, w
     upstream_path = workdir / "tq_batch.pt"
     store = StepStore(workdir / "store_v1", "rollout_tq", {"bench": True})
     figures: dict[str, Any] = {"rows": rows, "tensor_mb": tensor_bytes(batch) / 1e6}
-    figures["upstream_save_ms"], _ = timed(lambda: torch.save(batch, upstream_path), repeat)
-    figures["ours_save_ms"], _ = timed(lambda: store.save(1, codec.encode(batch), {}), repeat)
+    measure(figures, "upstream_save", lambda: torch.save(batch, upstream_path), repeat)
+    measure(figures, "ours_save", lambda: store.save(1, codec.encode(batch), {}), repeat)
     figures["upstream_file_mb"] = upstream_path.stat().st_size / 1e6
     files = store.read_meta(1)["parts"][0]["files"]
     figures["ours_files_mb"] = sum(spec["size"] for spec in files.values()) / 1e6
@@ -270,9 +280,9 @@ def run_v1(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, w
         touch(loaded)
         return loaded
 
-    figures["upstream_load_ms"], loaded = timed(upstream_load, repeat)
+    loaded = measure(figures, "upstream_load", upstream_load, repeat)
     del loaded
-    figures["ours_load_ms"], loaded = timed(ours_load, repeat)
+    loaded = measure(figures, "ours_load", ours_load, repeat)
     from verl.utils.tensordict_utils import assert_tensordict_eq
 
     assert_tensordict_eq(batch["tensordict"], loaded["tensordict"])
@@ -297,19 +307,24 @@ def check_equal(a: Any, b: Any) -> None:
 
 def table(title: str, upstream: str, f: dict[str, Any]) -> list[str]:
     rows = [
-        (f"save ({upstream} vs encode + write + fsync + checksum)", f["upstream_save_ms"], f["ours_save_ms"]),
-        ("warm load, usable (ours: verify + load + decode + touch)", f["upstream_load_ms"], f["ours_load_ms"]),
+        (f"save ({upstream} vs encode + write + fsync + checksum)", "upstream_save", "ours_save"),
+        ("warm load, usable (ours: verify + load + decode + touch)", "upstream_load", "ours_load"),
     ]
     lines = [
         f"{title}: {f['rows']} rows, {f['tensor_mb']:.0f} MB of tensors; files: upstream "
         f"{f['upstream_file_mb']:.0f} MB, skipinject {f['ours_files_mb']:.0f} MB "
         f"(objects {f['ours_objects_kb']:.0f} kB)",
         "",
-        "| operation | upstream ms | skipinject ms | upstream/skipinject |",
-        "|---|---:|---:|---:|",
+        "| operation | upstream ms | skipinject ms | ratio | upstream CPU ms | skipinject CPU ms | CPU ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, up, ours in rows:
-        lines.append(f"| {name} | {up:.1f} | {ours:.1f} | {up / ours:.1f}x |")
+        wall_up, wall_ours = f[f"{up}_ms"], f[f"{ours}_ms"]
+        cpu_up, cpu_ours = f[f"{up}_cpu_ms"], f[f"{ours}_cpu_ms"]
+        lines.append(
+            f"| {name} | {wall_up:.1f} | {wall_ours:.1f} | {wall_up / wall_ours:.1f}x "
+            f"| {cpu_up:.1f} | {cpu_ours:.1f} | {cpu_up / max(cpu_ours, 1e-3):.1f}x |"
+        )
     return lines
 
 
@@ -323,6 +338,7 @@ def report(figures: dict[str, Any], v1: dict[str, Any] | None) -> str:
     ]
     if v1 is not None:
         lines += ["", *table("V1 TensorDict (rollout_tq)", "torch.save, pickle", v1)]
+    lines += ["", f"ratio = upstream/skipinject (higher is better); {f['conditions']}"]
     return "\n".join(lines)
 
 
@@ -343,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows % args.n:
         parser.error("--rows must be a multiple of -n")
     shape = (args.rows, args.prompt_len, args.response_len, args.n, args.repeat)
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-store-") as tmp:
         figures = run(*shape, Path(tmp))
     v1 = None
@@ -350,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-store-") as tmp:
             v1 = run_v1(*shape, Path(tmp))
+    figures["conditions"] = (
+        f"{os.cpu_count()} CPUs, load average {load_before:.1f} at start, {os.getloadavg()[0]:.1f} at end, "
+        f"median of {args.repeat} runs after a warm-up run"
+    )
     print(report(figures, v1))
     if args.json:
         print(json.dumps({"dataproto": figures, "v1": v1}))
