@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -102,20 +103,27 @@ How the faults are made:
 """
 
 
-def run_suite(summary: Path) -> tuple[int, float]:
+def run_suite(summary: Path) -> tuple[int, dict[str, float]]:
+    """Run the suite; returns its exit code and its wall time, CPU time and the machine's load."""
     env = dict(os.environ, SKIPINJECT_RELIABILITY_SUMMARY=str(summary))
+    load_before = os.getloadavg()[0]
     started = time.perf_counter()
     code = subprocess.call(
         [sys.executable, "-m", "pytest", "tests/reliability", "-q", "-p", "no:cacheprovider"], cwd=ROOT, env=env
     )
-    return code, time.perf_counter() - started
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return code, {
+        "wall": time.perf_counter() - started,
+        "cpu": usage.ru_utime + usage.ru_stime,
+        "load": max(load_before, os.getloadavg()[0]),
+    }
 
 
 def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def render(data: dict[str, Any], seconds: float | None) -> str:
+def render(data: dict[str, Any], timing: dict[str, float] | None) -> str:
     rows = data["rows"]
     by_area: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
@@ -124,7 +132,9 @@ def render(data: dict[str, Any], seconds: float | None) -> str:
     total_lost = sum(r["lost"] for r in rows)
     lines = [INTRO]
     when = time.strftime("%Y-%m-%d")
-    took = f", {seconds:.0f} s wall" if seconds is not None else ""
+    took = ""
+    if timing is not None:
+        took = f", {timing['wall']:.0f} s wall ({timing['cpu']:.0f} s CPU, load average up to {timing['load']:.0f})"
     lines.append(
         f"Last run: {when}, {os.cpu_count()} CPUs, Python {platform.python_version()}{took}; "
         f"{data['tests_collected']} tests, {data['tests_failed']} failed. "
@@ -163,12 +173,12 @@ def main() -> int:
     parser.add_argument("--from", dest="source", type=Path, help="render this summary JSON instead of running")
     parser.add_argument("--out", type=Path, default=DOC)
     args = parser.parse_args()
-    seconds = None
+    timing = None
     code = 0
     if args.source is None:
         with tempfile.TemporaryDirectory() as tmp:
             summary = Path(tmp) / "summary.json"
-            code, seconds = run_suite(summary)
+            code, timing = run_suite(summary)
             if not summary.exists():
                 print("the suite recorded nothing", file=sys.stderr)
                 return code or 1
@@ -176,7 +186,7 @@ def main() -> int:
     else:
         data = json.loads(args.source.read_text())
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(data, seconds))
+    args.out.write_text(render(data, timing))
     print(f"wrote {args.out}")
     return code
 

@@ -19,8 +19,8 @@ from tests.reliability import helpers as h
 
 WRITERS = 4
 READERS = 4
-ROUNDS = 12
-NUMEL = 150_000  # 600 KB + 150 KB of tensors per part
+ROUNDS = 30
+NUMEL = 40_000  # 160 KB + 40 KB of tensors per part: small, so that reads and commits interleave often
 
 
 def test_writers_and_readers_of_one_step(tmp_path: Path, ledger: Any) -> None:
@@ -49,10 +49,12 @@ def test_writers_and_readers_of_one_step(tmp_path: Path, ledger: Any) -> None:
     totals = {"hit": 0, "miss": 0, "miss_after_hit": 0, "torn": 0, "error": 0}
     errors: list[str] = []
     foreign = 0
+    observed = 0
     for _, _, counts, seen, errs in (r for r in results if r[0] == "reader"):
         for key in totals:
             totals[key] += counts[key]
         foreign += len(set(seen) - all_values)
+        observed += len(seen)
         errors += errs
 
     store = StepStore(project, "toy", h.CONTEXT)
@@ -65,9 +67,9 @@ def test_writers_and_readers_of_one_step(tmp_path: Path, ledger: Any) -> None:
         "concurrency",
         f"{WRITERS} processes saving one step {ROUNDS}x each (1- and 2-part) while {READERS} read it in a loop",
         WRITERS * ROUNDS + sum(totals.values()),
-        f"{WRITERS * ROUNDS} commits; reads: {totals['hit']} complete, {totals['miss']} misses before the first "
-        f"commit, {totals['torn']} torn, {totals['miss_after_hit']} lost after a hit; final step = one writer's "
-        f"last write: {final_ok}",
+        f"{WRITERS * ROUNDS} commits; reads: {totals['hit']} complete ({observed} different writes seen), "
+        f"{totals['miss']} misses before the first commit, {totals['torn']} torn, {totals['miss_after_hit']} lost "
+        f"after a hit; final step = one writer's last write: {final_ok}",
         lost,
     )
     assert lost == 0, (totals, errors, final, exit_codes)

@@ -132,7 +132,9 @@ def test_planted_upstream_pickle_is_reported_kept_and_regenerated_beside(
     assert trusted_ran
 
 
-def test_rollout_tq_role_reports_its_upstream_file_untrusted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_rollout_tq_role_reports_its_upstream_file_untrusted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, ledger: Any
+) -> None:
     plugin = pytest.importorskip("skipinject_rollout_tq.plugin")
     role = plugin.make_role()
     assert role.upstream is not None and role.upstream.file_name == "0/tq_batch.pt"
@@ -155,6 +157,13 @@ def test_rollout_tq_role_reports_its_upstream_file_untrusted(tmp_path: Path, cap
         role, RoleConfig(enable=True, dump_dir=settings_.dump_dir, steps=(3,), trust_upstream=True), owner="tests"
     )
     assert trusted.plan(invocation, 3).upstream_file == planted
+    ledger(
+        "trust",
+        "pickle planted as `{step}/0/tq_batch.pt` for the real rollout_tq role (its plan)",
+        2,
+        "untrusted: not loaded, reported in 1 line, kept; trusted: planned for loading",
+        0,
+    )
 
 
 def test_dump_dir_is_private(tmp_path: Path, ledger: Any) -> None:
