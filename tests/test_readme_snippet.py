@@ -1,7 +1,6 @@
-"""The "Write your own role" snippets work as printed: extracted from the docs, installed, run.
+"""The README's "Write your own role" snippets work as printed: extracted, installed, run.
 
-The snippets are taken from ``docs/write-your-own-role.md`` (and from ``README.md`` once the
-section is merged there), written into a temporary distribution, and run through a cache miss
+The snippets are taken from ``README.md``, written into a temporary distribution, and run through a cache miss
 then hit on a toy trainer: in this process (loaded by module path through ``VERL_SKIP_PLUGINS``)
 and through the real runner after ``pip install`` (found by its entry point). No verl needed.
 """
@@ -24,7 +23,6 @@ from skipinject.config import Config, apply_overrides, split_overrides
 from skipinject.plugins import load_plugins
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "write-your-own-role.md"
 _SNIPPET = re.compile(r"<!-- snippet: (?P<name>[\w-]+) -->\s*```(?P<lang>\w*)\n(?P<code>.*?)^```", re.S | re.M)
 
 TOY_TRAINER = '''\
@@ -59,12 +57,8 @@ def snippets(path: Path) -> dict[str, str]:
 
 
 def documents() -> list[Path]:
-    """The doc, and README.md once it carries the section."""
-    found = [DOC]
-    readme = ROOT / "README.md"
-    if readme.is_file() and "<!-- snippet: plugin -->" in readme.read_text():
-        found.append(readme)
-    return found
+    """README.md's "Write your own role" section (the snippets are tested as printed there)."""
+    return [ROOT / "README.md"]
 
 
 @pytest.fixture(params=documents(), ids=lambda p: p.name)
