@@ -389,14 +389,19 @@ class RoleRuntime:
 
     # ------------------------------------------------------------ saving
 
-    def save(self, plan: Plan, call: Call, result: Any) -> None:
-        """Save a freshly computed result for ``plan.step``; failures are logged, never raised."""
+    def save(self, plan: Plan, call: Call, result: Any, inputs: Sequence[str] | None = None) -> None:
+        """Save a freshly computed result for ``plan.step``; failures are logged, never raised.
+
+        ``inputs``: the call's fingerprint taken before the target ran (else taken now).
+        """
         if result is None:
             return
         started = time.perf_counter()
         try:
             payload = self.codec.encode(result)
-            directory = plan.store.save(plan.step, payload, {"inputs": self.fingerprint(call)})
+            directory = plan.store.save(
+                plan.step, payload, {"inputs": list(inputs) if inputs is not None else self.fingerprint(call)}
+            )
         except Exception as exc:
             self.once(
                 ("save", str(plan.store.project_dir), plan.step),
@@ -445,8 +450,9 @@ class WholeCall:
             result = role.serve(plan, call)
             if result is not _REGENERATE:
                 return result
+        inputs = role.fingerprint(call)  # before the target runs: it may change its inputs
         result = proceed()
-        role.save(plan, call, result)
+        role.save(plan, call, result, inputs)
         return role.after_miss(call, result)
 
     async def run_async(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
@@ -455,8 +461,9 @@ class WholeCall:
             result = await asyncio.to_thread(role.serve, plan, call)
             if result is not _REGENERATE:
                 return result
+        inputs = role.fingerprint(call)
         result = await proceed()
-        await asyncio.to_thread(role.save, plan, call, result)
+        await asyncio.to_thread(role.save, plan, call, result, inputs)
         return role.after_miss(call, result)
 
 
