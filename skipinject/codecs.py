@@ -1,6 +1,6 @@
 """How a target's result becomes a store :class:`~skipinject.store.Payload` and back, without pickle.
 
-A payload is plain tensors (saved with ``torch.save``, loaded ``weights_only`` + ``mmap``) plus a
+A payload is plain tensors (the store's raw tensor file, mapped copy-on-write when loaded) plus a
 JSON tree. Everything that is not a plain tensor goes into the tree with explicit tags, so loading a
 cache can only ever build the types listed here; anything else is refused with a :class:`CodecError`
 naming the field when the cache is *written*, never guessed at when it is read.
@@ -37,7 +37,7 @@ logger = logging.getLogger("skipinject")
 TAG = "__si__"
 CODEC_VERSION = 1
 #: Arrays/tensors inside non-tensor values up to this many elements are inlined in the JSON tree;
-#: larger ones go to the tensor file (torch.save has a per-tensor cost, JSON a per-element cost).
+#: larger ones go to the tensor file (a tensor there costs an index entry and a view, JSON a parse per element).
 INLINE_MAX_ELEMENTS = 1024
 #: A column is stored as uniques + index when at most this fraction of its rows is unique.
 DEDUP_MAX_UNIQUE_FRACTION = 0.75
