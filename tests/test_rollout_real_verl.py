@@ -282,6 +282,7 @@ def test_async_rollout_resolves_each_concurrent_sample_on_its_own(tmp_path: Path
     calls.clear()
     second = asyncio.run(feed(""))  # the same feed indices without the ``uid_`` prefix
     assert len(calls) == 3, "feed indices 2, 3, 5 are served from the cache; 1, 4, 6 are generated"
+    DataProto.concat(list(second))  # the fully async trainer's assembly: served and fresh samples agree
     for index in (2, 3, 5):
         assert torch.equal(second[index - 1].batch["responses"], first[index - 1].batch["responses"])
         assert second[index - 1].non_tensor_batch["raw_prompt"][0][0]["content"] == f"prompt {index}"

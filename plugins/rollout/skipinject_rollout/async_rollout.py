@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from skipinject import Call, Role, StepSource, Target, hookimpl
-from skipinject_rollout.common import GEN_BATCH, mark_hit, mark_miss, prompt_fingerprint
+from skipinject_rollout.common import GEN_BATCH, prompt_fingerprint
 
 TARGET = (
     "verl.experimental.fully_async_policy.fully_async_rollouter:FullyAsyncAgentLoopManager.generate_sequences_single"
@@ -39,8 +39,8 @@ ASYNC_ROLLOUT = Role(
     step=StepSource.per_call(feed_index),
     builtin="async_rollout",
     fingerprint=prompt_fingerprint,
-    on_hit=mark_hit,
-    on_miss=mark_miss,
+    # No hit/miss marks in meta_info: the fully async trainer concatenates samples and asserts that
+    # their meta_info agree, so a served sample must carry exactly what a generated one carries.
     cache_subdir="",
     upstream=GEN_BATCH,
     description="per-sample generation of the fully async Rollouter (step = feed index of the sample id)",
