@@ -25,7 +25,7 @@ import transfer_queue as tq
 from omegaconf import OmegaConf
 from skipinject_rollout_tq.phases import StepBook, parameter_sync_step
 from skipinject_rollout_tq.plugin import cannot_fire, make_role
-from skipinject_rollout_tq.transfer import CachedBatch, group_rows, inject, remap, select_rows
+from skipinject_rollout_tq.transfer import CachedBatch, group_rows, inject, prepare, remap, select_rows
 from tensordict import TensorDict
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
@@ -304,6 +304,25 @@ def test_sync_miss_saves_then_hit_injects_without_generating(tmp_path: Path, cle
 
 
 @pytest.mark.ray
+def test_repeat_serves_the_nearest_cached_step_and_does_not_save_it(tmp_path: Path, clean_tq: None, caplog):
+    dump = tmp_path / "dump"
+    layout = dump / LAYOUT.format(gbs=BATCH)
+    with Session(dump, steps=(2,)):
+        trainer = make_trainer()
+        train_step(trainer, 1)
+        cached = train_step(trainer, 2)
+    with Session(dump, steps=(1, 3), action="repeat"), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer()
+        served = {step: train_step(trainer, step) for step in (1, 2, 3)}
+    assert len(trainer.agent_loop_manager.calls) == 1, "only step 2 (not in skip.steps this run) is generated"
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("step 1: hit, served step 2 (repeat: no cached step below 1, smallest above)" in m for m in messages)
+    assert any("step 3: hit, served step 2 (repeat: largest cached step below 3)" in m for m in messages)
+    assert responses(served[1]) == responses(served[3]) == responses(cached)
+    assert sorted(p.name for p in layout.iterdir()) == ["2"], "served steps are not saved as their own"
+
+
+@pytest.mark.ray
 def test_inject_remaps_into_real_transfer_queue(tmp_path: Path, clean_tq: None):
     # Cache 3 groups (one lost a session) through TransferQueue, as the sample phase reads them.
     keys = put_trajectories("a", 5, seed=1, sessions=range(2)) + put_trajectories("b", 5, seed=2, sessions=range(1))
@@ -314,7 +333,7 @@ def test_inject_remaps_into_real_transfer_queue(tmp_path: Path, clean_tq: None):
     cached = CachedBatch(source, keys, tags)
 
     uids = ["u0", "u1", "u2", "u3"]
-    plan = inject(cached, uids, N, step=9)
+    plan = inject(prepare(cached, uids, N, step=9))
     listing = tq.kv_list("train")["train"]
     for uid in uids:
         assert listing[uid] == {"is_prompt": True, "status": "finished", "global_steps": 9}

@@ -21,7 +21,15 @@ from skipinject.engine import RoleRuntime, run_config_of, select
 from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.roles import Call
 from skipinject.store import StepStore, StepWriter
-from skipinject_rollout_tq.transfer import TRAIN, CachedBatch, inject, load_upstream, snapshot, upstream_parts
+from skipinject_rollout_tq.transfer import (
+    TRAIN,
+    CachedBatch,
+    inject,
+    load_upstream,
+    prepare,
+    snapshot,
+    upstream_parts,
+)
 
 logger = logging.getLogger("skipinject")
 
@@ -139,6 +147,7 @@ class SubmitPhase:
                 source = plan.upstream_file.parent.parent
                 payloads = self._trusted_upstream(source, parameter_sync_step(config))
             cached = CachedBatch.from_payloads(payloads, role.codec.merge)  # type: ignore[attr-defined]
+            ready = prepare(cached, uids, n, step)
         except _LOAD_ERRORS as exc:
             if role.settings.action == "strict":
                 raise
@@ -151,7 +160,7 @@ class SubmitPhase:
                 exc,
             )
             return False
-        remapped = inject(cached, uids, n, step)
+        remapped = inject(ready)
         fit = ""
         if remapped.groups != len(uids):
             how = "cycled through" if remapped.groups < len(uids) else "used the first"

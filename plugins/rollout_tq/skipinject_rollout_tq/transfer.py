@@ -128,19 +128,34 @@ def select_rows(data: Any, plan: Remap, step: int) -> Any:
     return selected
 
 
-def inject(batch: CachedBatch, new_uids: Sequence[str], n: int, step: int, partition: str = TRAIN) -> Remap:
-    """Put ``batch``'s trajectories into TransferQueue under ``new_uids`` and mark those prompts finished.
+@dataclass(frozen=True)
+class Injection:
+    """A cached step made ready for this step's uids: the remap and the rows to put."""
+
+    plan: Remap
+    fields: Any  # tensordict.TensorDict, one row per ``plan.keys``
+    uids: list[str]
+    step: int
+
+
+def prepare(batch: CachedBatch, new_uids: Sequence[str], n: int, step: int) -> Injection:
+    """Everything that can fail on a bad cache, before anything is put into TransferQueue."""
+    plan = remap(batch.keys, batch.tags, new_uids, n, step)
+    return Injection(plan, select_rows(batch.data, plan, step), [str(uid) for uid in new_uids], step)
+
+
+def inject(injection: Injection, partition: str = TRAIN) -> Remap:
+    """Put the trajectories into TransferQueue under the new uids and mark those prompts finished.
 
     Trajectories go in first, then the prompt-level keys (tagged ``finished``), so the replay buffer
     never sees a finished prompt without its trajectories.
     """
     import transfer_queue as tq
 
-    plan = remap(batch.keys, batch.tags, new_uids, n, step)
-    fields = select_rows(batch.data, plan, step)
-    tq.kv_batch_put(keys=plan.keys, fields=fields, tags=plan.tags, partition_id=partition)
-    prompt_tags = [{"is_prompt": True, "status": "finished", "global_steps": step} for _ in new_uids]
-    tq.kv_batch_put(keys=[str(uid) for uid in new_uids], partition_id=partition, tags=prompt_tags)
+    plan = injection.plan
+    tq.kv_batch_put(keys=plan.keys, fields=injection.fields, tags=plan.tags, partition_id=partition)
+    prompt_tags = [{"is_prompt": True, "status": "finished", "global_steps": injection.step} for _ in injection.uids]
+    tq.kv_batch_put(keys=injection.uids, partition_id=partition, tags=prompt_tags)
     return plan
 
 
