@@ -86,6 +86,23 @@ def test_cannot_fire_on_the_v0_trainer():
     assert cannot_fire(OmegaConf.create({"trainer": {"use_v1": True}})) is None
 
 
+def test_installed_plugin_provides_the_role_through_its_entry_point():
+    from skipinject.plugins import load_plugins
+
+    plugins = load_plugins("rollout_tq")
+    [plugin] = plugins.plugins
+    assert plugin.distribution == "skipinject-rollout-tq"
+    role = plugins.roles["rollout_tq"]
+    paths = {target.path: target.every_step for target in role.targets}
+    assert paths == {
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_batch_to_generate": False,
+        "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample": True,
+        "verl.trainer.ppo.v1.replay_buffer:ReplayBufferAsync.sample": True,
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_async_warmup_batches": True,
+    }
+    assert role.builtin == "rollout_tq" and role.cache_subdir == "" and role.upstream.file_name == "0/tq_batch.pt"
+
+
 # ---------------------------------------------------------------- real TransferQueue
 
 
