@@ -1,7 +1,15 @@
-"""Real ``python -m skipinject -m verl.trainer.main_ppo`` runs on CPU (V0 trainer, GRPO, Ray)."""
+"""Real ``python -m skipinject -m ...`` runs of verl 0.9.1 on CPU: the V0 trainer (rollout, and the
+user-added advantage and reward roles in the same runs) and the fully async trainer.
+
+The user-added roles come from ``plugins/advantage`` and ``plugins/reward``, installed as
+distributions of their own; nothing in skipinject or verl knows them. Every call runs in verl's
+Ray actors, where the hooks arrive through the runner's bootstrap.
+"""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +18,11 @@ import pytest
 from tests.e2e.conftest import SKIPINJECT_FULLY_ASYNC, SKIPINJECT_MAIN_PPO, harness, rollout_records, skip_lines
 
 pytestmark = pytest.mark.e2e
+
+#: Statistics that do not depend on response order: scores summed over tokens; GRPO gives every token
+#: of a row the same advantage, so token-masked max/min are the rows' max/min.
+_METRIC = re.compile(r"(critic/(?:score/(?:mean|max|min)|(?:advantages|returns)/(?:max|min))):(-?[0-9.e+-]+)")
+USER_ROLES = ("advantage", "reward")
 
 
 def _run(assets: Any, tmp: Path, name: str, overrides: list[str], launcher=SKIPINJECT_MAIN_PPO, runner=None) -> Any:
@@ -20,55 +33,112 @@ def _run(assets: Any, tmp: Path, name: str, overrides: list[str], launcher=SKIPI
     return proc, harness.count_generate_calls(gen_log)
 
 
-def test_v0_rollout_cache_then_hit_then_repeat(assets: Any, tmp_path: Path):
-    dump = tmp_path / "dump"
+def trained_metrics(proc: Any) -> list[dict[str, float]]:
+    """Per training step, the score and advantage statistics verl logged to the console."""
+    steps = []
+    for line in proc.stdout.splitlines():
+        found = dict(_METRIC.findall(line))
+        if found:
+            steps.append({key: float(value) for key, value in found.items()})
+    return steps
 
-    def overrides(run: str, steps: int, *extra: str) -> list[str]:
-        return harness.main_ppo_overrides(
-            assets,
-            use_v1=False,
-            total_steps=steps,
-            dump_dir=dump,
-            extra=["skip.rollout.enable=True", f"trainer.rollout_data_dir={tmp_path / run}", *extra],
+
+@dataclass
+class V0Runs:
+    tmp: Path
+    dump: Path
+    first: Any
+    second: Any
+    calls: tuple[int, int]
+
+    def overrides(self, assets: Any, run: str, steps: int, *extra: str) -> list[str]:
+        return v0_overrides(assets, self.tmp, self.dump, run, steps, *extra)
+
+
+def v0_overrides(assets: Any, tmp: Path, dump: Path, run: str, steps: int, *extra: str) -> list[str]:
+    return harness.main_ppo_overrides(
+        assets,
+        use_v1=False,
+        total_steps=steps,
+        dump_dir=dump,
+        extra=["skip.rollout.enable=True", f"trainer.rollout_data_dir={tmp / run}", *extra],
+    )
+
+
+@pytest.fixture(scope="module")
+def v0_runs(assets: Any, tmp_path_factory: pytest.TempPathFactory) -> V0Runs:
+    """Two runs into one dump_dir with rollout, advantage and reward on at steps 1 and 2."""
+    tmp = tmp_path_factory.mktemp("v0")
+    dump = tmp / "dump"
+    users = [f"skip.{role}.{key}" for role in USER_ROLES for key in ("enable=True", "steps=[1,2]")]
+    users += [f"skip.{role}.dump_dir={dump}" for role in USER_ROLES]
+    procs, calls = [], []
+    for run in ("run1", "run2"):
+        proc, count = _run(
+            assets, tmp, run, v0_overrides(assets, tmp, dump, run, 2, "skip.rollout.steps=[1,2]", *users)
         )
+        procs.append(proc)
+        calls.append(count)
+    return V0Runs(tmp, dump, procs[0], procs[1], (calls[0], calls[1]))
 
-    # Run 1: steps 1 and 2 are generated and cached.
-    first, calls_1 = _run(assets, tmp_path, "run1", overrides("run1", 2, "skip.rollout.steps=[1,2]"))
-    assert calls_1 > 0
-    layout = harness.cache_dir(dump)
-    assert sorted(p.name for p in layout.iterdir()) == ["1", "2"]
+
+def test_v0_rollout_cache_then_hit(v0_runs: V0Runs):
+    layout = harness.cache_dir(v0_runs.dump)
+    assert v0_runs.calls[0] > 0
+    assert sorted(p.name for p in layout.iterdir() if p.name.isdigit()) == ["1", "2"]
     assert all((layout / s / "meta.json").is_file() for s in ("1", "2"))
     assert not list(layout.rglob("gen_batch.dp")), "only skipinject's safe format is written"
-    lines = skip_lines(first, "rollout")
+    lines = skip_lines(v0_runs.first, "rollout")
     assert any("rollout step 1: miss" in line for line in lines) and any("step 2: saved" in line for line in lines)
 
     # Run 2: both steps served from the cache, the generator is never called, training finishes.
-    second, calls_2 = _run(assets, tmp_path, "run2", overrides("run2", 2, "skip.rollout.steps=[1,2]"))
-    assert calls_2 == 0
-    lines = skip_lines(second, "rollout")
+    assert v0_runs.calls[1] == 0
+    lines = skip_lines(v0_runs.second, "rollout")
     assert sum("hit, served step" in line for line in lines) == 2, lines
-    one, two = rollout_records(tmp_path / "run1"), rollout_records(tmp_path / "run2")
+    assert not any("other inputs" in line for line in lines), lines
+    one, two = rollout_records(v0_runs.tmp / "run1"), rollout_records(v0_runs.tmp / "run2")
     assert sorted(one) == sorted(two) == [1, 2]
     for step in (1, 2):
         assert [r["output"] for r in two[step]] == [r["output"] for r in one[step]], f"step {step} responses differ"
         assert [r["score"] for r in two[step]] == [r["score"] for r in one[step]]
-    assert "timing_s/skipinject/hit:1.0" in second.stdout.replace(" ", "") or "skipinject/hit" in second.stdout
+    assert "timing_s/skipinject/hit:1.0" in v0_runs.second.stdout.replace(" ", ""), "hits are visible in the metrics"
+    assert "timing_s/skipinject/hit:0.0" in v0_runs.first.stdout.replace(" ", "")
 
-    # Run 3: repeat; step 3 is served from step 2 (other prompts: said in one line and in the metrics);
-    # validation before training still calls the generator.
-    third, calls_3 = _run(
+
+def test_v0_user_roles_cache_then_hit(v0_runs: V0Runs):
+    layout = harness.cache_dir(v0_runs.dump)
+    for role in USER_ROLES:
+        assert sorted(p.name for p in (layout / role).iterdir()) == ["1", "2"], role
+        lines = skip_lines(v0_runs.first, role)
+        assert sum(f"{role} step {s}: miss" in line for line in lines for s in (1, 2)) == 2, lines
+        lines = skip_lines(v0_runs.second, role)
+        hits = [line for line in lines if "hit, served step" in line]
+        assert len(hits) == 2 and not any(": miss" in line or "other inputs" in line for line in lines), lines
+    # Run 2 trained on the served values: verl's logged statistics of them are run 1's, step by step.
+    one, two = trained_metrics(v0_runs.first), trained_metrics(v0_runs.second)
+    assert len(one) == len(two) == 2
+    assert one == two
+
+
+def test_v0_repeat_serves_nearest_step_reports_other_prompts_and_never_skips_validation(assets: Any, v0_runs: V0Runs):
+    third, calls = _run(
         assets,
-        tmp_path,
+        v0_runs.tmp,
         "run3",
-        overrides(
-            "run3", 3, "skip.rollout.steps=[1,2,3]", "skip.rollout.action=repeat", "trainer.val_before_train=True"
+        v0_runs.overrides(
+            assets,
+            "run3",
+            3,
+            "skip.rollout.steps=[1,2,3]",
+            "skip.rollout.action=repeat",
+            "trainer.val_before_train=True",
         ),
     )
     lines = skip_lines(third, "rollout")
     assert any("rollout step 3: hit, served step 2 (repeat: largest cached step below 3)" in line for line in lines)
     assert sum("other inputs" in line for line in lines) >= 1, "serving step 2's responses at step 3 must be reported"
-    assert calls_3 > 0, "validation generations are never skipped"
-    assert not (layout / "3").exists(), "a repeat hit does not write a new step"
+    assert calls > 0, "every training step hit, so these generations are validation's: never skipped"
+    assert not (harness.cache_dir(v0_runs.dump) / "3").exists(), "a repeat hit does not write a new step"
 
 
 def test_fully_async_rollout_cache_then_hit(assets: Any, tmp_path: Path):
