@@ -24,7 +24,7 @@ demo: setup
 	$(BIN)/python examples/verl_cpu/demo.py
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not e2e"
