@@ -31,11 +31,10 @@ from skipinject.errors import (
     ConfigError,
     CorruptCacheError,
     PromptMismatchError,
-    UntrustedCacheError,
 )
 from skipinject.injector import INJECTOR, Injector
 from skipinject.roles import CLOCK, Call, Codec, HitInfo, Phase, Role, Target
-from skipinject.store import META_NAME, Payload, StepEntry, StepStore
+from skipinject.store import Payload, StepEntry, StepStore
 
 logger = logging.getLogger("skipinject")
 
@@ -132,6 +131,7 @@ class RoleRuntime:
         self._stores: dict[Path, StepStore] = {}
         self._lock = threading.Lock()
         self._warned: set[Any] = set()
+        self._default_codec: Codec | None = None
 
     # ------------------------------------------------------------ helpers for phases
 
@@ -143,9 +143,11 @@ class RoleRuntime:
     def codec(self) -> Codec:
         if self.role.codec is not None:
             return self.role.codec
-        from skipinject.codecs import DataProtoCodec
+        if self._default_codec is None:
+            from skipinject.codecs import DataProtoCodec
 
-        return DataProtoCodec()
+            self._default_codec = DataProtoCodec()
+        return self._default_codec
 
     def once(self, key: Any, level: int, message: str, *args: Any) -> None:
         """Log ``message`` the first time ``key`` is seen."""
@@ -645,13 +647,11 @@ class Engine:
 
 
 __all__ = [
-    "META_NAME",
     "ClockInterceptor",
     "Engine",
     "Plan",
     "RoleRuntime",
     "TargetInterceptor",
-    "UntrustedCacheError",
     "WholeCall",
     "layout_of",
     "run_config_of",
