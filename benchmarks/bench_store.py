@@ -89,7 +89,7 @@ def build_tq_batch(rows: int, prompt_len: int, response_len: int, n: int) -> dic
     """Upstream's V1 dump payload around a TensorDict shaped like a ``tq.kv_batch_get`` result."""
     from tensordict import NonTensorStack, TensorDict
 
-    from skipinject.codecs import non_tensor_items
+    from skipinject.codecs.tensordicts import non_tensor_items
 
     gen = torch.Generator().manual_seed(0)
     prompt_lens = torch.randint(prompt_len // 2, prompt_len + 1, (rows,), generator=gen)

@@ -19,16 +19,9 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from verl.protocol import DataProto
 from verl.utils import tensordict_utils as tu
 
-from skipinject.codecs import (
-    DataProtoCodec,
-    TensorDictCodec,
-    TensorSink,
-    decode_column,
-    encode_column,
-    from_jsonable,
-    non_tensor_items,
-    to_jsonable,
-)
+from skipinject.codecs import DataProtoCodec, TensorDictCodec, TensorSink, from_jsonable, to_jsonable
+from skipinject.codecs.columns import decode_column, encode_column
+from skipinject.codecs.tensordicts import non_tensor_items
 from skipinject.errors import CodecError, CorruptCacheError
 from skipinject.store import Payload, StepStore
 

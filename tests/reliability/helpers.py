@@ -21,7 +21,8 @@ import torch
 from skipinject.config import RoleConfig
 from skipinject.engine import RoleRuntime, TargetInterceptor
 from skipinject.roles import Call, Role, StepSource, Target, UpstreamFormat
-from skipinject.store import META_NAME, Payload, StepStore, _meta_digest
+from skipinject.store import META_NAME, Payload, StepStore
+from skipinject.store.format import _meta_digest
 
 CONTEXT = {
     "experiment_name": "exp",
@@ -233,7 +234,7 @@ def records(caplog: Any, level: int = logging.WARNING) -> list[str]:
 
 def _install_kill_switch(kill_at: int | None, progress: Any) -> None:
     """Count the store's durable operations (fsync, rename); SIGKILL this process at number ``kill_at``."""
-    import skipinject.store as store_module
+    import skipinject.store.writer as store_module
 
     real_fsync, real_replace = os.fsync, os.replace
     count = {"n": 0}
@@ -331,3 +332,14 @@ def reader_proc(project: str, step: int, reader: int, stop: Any, out: Any) -> No
 def iter_dirs(root: Path) -> Iterator[Path]:
     yield root
     yield from (p for p in root.rglob("*") if p.is_dir())
+
+
+STORE_MODULES = ("writer", "step_store", "checksums", "tensorfile")
+
+
+def patch_store_open(monkeypatch: Any, replacement: Any) -> None:
+    """Make every module of the store call ``replacement`` instead of the builtin ``open``."""
+    import importlib
+
+    for name in STORE_MODULES:
+        monkeypatch.setattr(importlib.import_module(f"skipinject.store.{name}"), "open", replacement, raising=False)

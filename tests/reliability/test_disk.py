@@ -26,7 +26,6 @@ from typing import Any
 
 import pytest
 
-import skipinject.store as store_module
 from tests.reliability import helpers as h
 
 SEED = 6
@@ -135,7 +134,7 @@ def test_disk_full_at_random_bytes(
 ) -> None:
     rng = random.Random(SEED)
     measure = _FullDisk(None)
-    monkeypatch.setattr(store_module, "open", measure.open, raising=False)
+    h.patch_store_open(monkeypatch, measure.open)
     h.call(h.runtime(tmp_path / "measure"), h.ToyTarget(), 0)
     total = measure.written
     trials = 30
@@ -148,7 +147,7 @@ def test_disk_full_at_random_bytes(
     for trial in range(trials):
         step = trial + 1
         disk = _FullDisk(rng.randrange(0, total))
-        monkeypatch.setattr(store_module, "open", disk.open, raising=False)
+        h.patch_store_open(monkeypatch, disk.open)
         caplog.clear()
         target = h.ToyTarget()
         result = h.call(h.runtime(dump), target, step)

@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from skipinject.errors import CacheError, CacheMissError, CorruptCacheError
-from skipinject.store import FORMAT_VERSION, StepStore, _digest
+from skipinject.store import FORMAT_VERSION, StepStore
+from skipinject.store.checksums import _digest
 from tests.reliability import helpers as h
 
 STEP = 1

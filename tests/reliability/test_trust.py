@@ -30,7 +30,6 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import skipinject
-import skipinject.store as store_module
 from skipinject.config import RoleConfig
 from skipinject.engine import RoleRuntime
 from skipinject.errors import CorruptCacheError
@@ -276,7 +275,7 @@ def test_names_in_meta_json_never_leave_the_step(
         opened.append(str(file))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(store_module, "open", spy, raising=False)
+    h.patch_store_open(monkeypatch, spy)
     h.write_meta_raw(store, 1, meta)
     _META_NAMES["tried"] += 1
     try:

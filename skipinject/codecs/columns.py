@@ -1,0 +1,81 @@
+"""Per-row columns stored as unique values plus an index when rows repeat (GRPO repeats each prompt n times)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from skipinject.codecs.tagged_json import _SCALARS, DEDUP_MAX_UNIQUE_FRACTION, TAG, _Encoder, from_jsonable, to_jsonable
+from skipinject.codecs.tensors import TensorSink
+from skipinject.errors import CodecError
+
+if TYPE_CHECKING:
+    import torch
+
+
+# ---------------------------------------------------------------- per-row columns
+
+
+def encode_column(items: Sequence[Any], field: str, sink: TensorSink | None = None) -> dict[str, Any]:
+    """Encode one value per row, as uniques + index when rows repeat (identity, or value for scalars)."""
+    seen: dict[Any, int] = {}
+    index: list[int] = []
+    uniques: list[Any] = []
+    first_rows: list[int] = []
+    for row, item in enumerate(items):
+        key = (type(item), item) if type(item) in _SCALARS else id(item)
+        position = seen.get(key)
+        if position is None:
+            position = seen[key] = len(uniques)
+            uniques.append(item)
+            first_rows.append(row)
+        index.append(position)
+    encoder = _Encoder(sink)
+    if uniques and len(uniques) <= DEDUP_MAX_UNIQUE_FRACTION * len(items):
+        values = [encoder.enc(item, f"{field}[{row}]") for item, row in zip(uniques, first_rows, strict=True)]
+        column: dict[str, Any] = {TAG: "column", "n": len(items), "u": values, "i": index}
+    else:
+        values = [encoder.enc(item, f"{field}[{i}]") for i, item in enumerate(items)]
+        column = {TAG: "column", "n": len(items), "u": values}
+    column["plain"] = not encoder.tagged
+    return column
+
+
+def decode_column(column: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> list[Any]:
+    """The rows of an :func:`encode_column` column, repeated rows sharing one object as they did."""
+    uniques = column["u"]
+    if not column.get("plain"):
+        uniques = from_jsonable(uniques, tensors)
+    index = column.get("i")
+    rows = uniques if index is None else [uniques[i] for i in index]
+    if len(rows) != column.get("n"):
+        raise CodecError(f"cache column has {len(rows)} rows, its header says {column.get('n')}")
+    return rows
+
+
+def _object_array(rows: list[Any], shape: Sequence[int]) -> Any:
+    import numpy as np
+
+    # np.array() would turn lists of chat messages into a 2-D array; fromiter keeps one object per row.
+    return np.fromiter(rows, dtype=object, count=len(rows)).reshape(tuple(shape))
+
+
+def encode_array_column(array: Any, field: str, sink: TensorSink) -> dict[str, Any]:
+    """A ``non_tensor_batch`` array: object arrays as a column, numeric arrays as one tensor."""
+    import numpy as np
+
+    if not isinstance(array, np.ndarray):
+        raise CodecError(f"cannot cache {field}: type {type(array).__name__} is not supported (expected np.ndarray)")
+    if array.dtype.kind == "O":
+        column = encode_column(list(array.reshape(-1)), field, sink)
+        return {"k": "objects", "shape": list(array.shape), "column": column}
+    return {"k": "array", "v": to_jsonable(array, field, sink=sink)}
+
+
+def decode_array_column(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Any:
+    kind = spec.get("k")
+    if kind == "objects":
+        return _object_array(decode_column(spec["column"], tensors), spec["shape"])
+    if kind == "array":
+        return from_jsonable(spec["v"], tensors)
+    raise CodecError(f"cache holds a non-tensor column of unknown kind {kind!r}")

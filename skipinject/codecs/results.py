@@ -1,0 +1,140 @@
+"""The default codecs: verl's DataProto (V0) and TensorDict results (V1 TransferQueue)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from skipinject.codecs.columns import decode_array_column, encode_array_column
+from skipinject.codecs.tagged_json import CODEC_VERSION, from_jsonable, to_jsonable
+from skipinject.codecs.tensordicts import decode_tensordict, encode_tensordict
+from skipinject.codecs.tensors import TensorSink
+from skipinject.errors import CodecError
+from skipinject.store.payload import Payload
+
+# ---------------------------------------------------------------- codecs
+
+
+def _header(objects: Mapping[str, Any], codec: str) -> None:
+    if objects.get("codec") != codec:
+        raise CodecError(f"cache was written by codec {objects.get('codec')!r}, expected {codec!r}")
+    if objects.get("codec_version") != CODEC_VERSION:
+        raise CodecError(
+            f"cache was written with {codec} codec version {objects.get('codec_version')!r}, "
+            f"this skipinject reads version {CODEC_VERSION}"
+        )
+
+
+class DataProtoCodec:
+    """verl ``DataProto``: ``batch`` TensorDict, ``non_tensor_batch`` numpy arrays, ``meta_info`` dict."""
+
+    name = "DataProto"
+
+    def encode(self, result: Any) -> Payload:
+        sink = TensorSink()
+        batch = getattr(result, "batch", None)
+        non_tensor = getattr(result, "non_tensor_batch", None)
+        meta_info = getattr(result, "meta_info", None)
+        if not isinstance(non_tensor, Mapping) or not isinstance(meta_info, Mapping):
+            raise CodecError(f"cannot cache a {type(result).__qualname__} with the DataProto codec")
+        objects = {
+            "codec": self.name,
+            "codec_version": CODEC_VERSION,
+            "batch": None if batch is None else encode_tensordict(batch, "batch", sink),
+            "non_tensor_batch": {
+                key: encode_array_column(value, f"non_tensor_batch[{key!r}]", sink) for key, value in non_tensor.items()
+            },
+            "meta_info": to_jsonable(dict(meta_info), "meta_info", sink=sink),
+        }
+        return Payload(tensors=sink.tensors, objects=objects, rows=len(result))
+
+    def decode(self, payload: Payload, call: Any = None) -> Any:
+        """Rebuild the DataProto; tensors stay the loaded (copy-on-write mapped) ones."""
+        from verl.protocol import DataProto
+
+        objects = payload.objects
+        _header(objects, self.name)
+        tensors = payload.tensors
+        batch = objects.get("batch")
+        return DataProto(
+            batch=None if batch is None else decode_tensordict(batch, tensors),
+            non_tensor_batch={
+                key: decode_array_column(spec, tensors) for key, spec in objects["non_tensor_batch"].items()
+            },
+            meta_info=from_jsonable(objects["meta_info"], tensors),
+        )
+
+    def merge(self, results: Sequence[Any]) -> Any:
+        """Several parts of one step as one batch."""
+        from verl.protocol import DataProto
+
+        return results[0] if len(results) == 1 else DataProto.concat(list(results))
+
+
+class TensorDictCodec:
+    """A ``tensordict.TensorDict`` (verl's V1 TransferQueue path), or a mapping holding TensorDicts.
+
+    The mapping form matches upstream's V1 dump (``{"tensordict": td, "keys": [...], "tags": [...],
+    "global_steps": 3}``): TensorDict values are encoded as such, every other value as tagged JSON,
+    and decoding gives back a dict of the same shape.
+    """
+
+    name = "TensorDict"
+
+    def encode(self, result: Any) -> Payload:
+        from tensordict import TensorDict
+
+        sink = TensorSink()
+        objects: dict[str, Any] = {"codec": self.name, "codec_version": CODEC_VERSION}
+        if isinstance(result, TensorDict):
+            objects["td"] = encode_tensordict(result, "result", sink)
+            rows = _rows(result)
+        elif isinstance(result, Mapping):
+            entries: dict[str, Any] = {}
+            rows = None
+            for key, value in result.items():
+                if not isinstance(key, str):
+                    raise CodecError(f"cannot cache result key {key!r}: keys must be strings")
+                if isinstance(value, TensorDict):
+                    entries[key] = {"td": encode_tensordict(value, f"result[{key!r}]", sink)}
+                    rows = _rows(value) if rows is None else rows
+                else:
+                    entries[key] = {"v": to_jsonable(value, f"result[{key!r}]", sink=sink)}
+            objects["mapping"] = entries
+        else:
+            raise CodecError(f"cannot cache a {type(result).__qualname__} with the TensorDict codec")
+        return Payload(tensors=sink.tensors, objects=objects, rows=rows)
+
+    def decode(self, payload: Payload, call: Any = None) -> Any:
+        objects = payload.objects
+        _header(objects, self.name)
+        tensors = payload.tensors
+        if "td" in objects:
+            return decode_tensordict(objects["td"], tensors)
+        out = {}
+        for key, entry in objects["mapping"].items():
+            out[key] = decode_tensordict(entry["td"], tensors) if "td" in entry else from_jsonable(entry["v"], tensors)
+        return out
+
+    def merge(self, results: Sequence[Any]) -> Any:
+        """Several parts (``parameter_sync_step > 1``) as one: TensorDicts concatenated (jagged fields
+        too), lists in a mapping extended, other mapping values taken from the first part."""
+        from tensordict import TensorDict
+        from verl.utils.tensordict_utils import concat_tensordict
+
+        if len(results) == 1:
+            return results[0]
+        if all(isinstance(r, TensorDict) for r in results):
+            return concat_tensordict(list(results))
+        merged = dict(results[0])
+        for key, first in results[0].items():
+            values = [r[key] for r in results]
+            if isinstance(first, TensorDict):
+                merged[key] = concat_tensordict(values)
+            elif isinstance(first, list):
+                merged[key] = [item for value in values for item in value]
+        return merged
+
+
+def _rows(td: Any) -> int | None:
+    return int(td.batch_size[0]) if len(td.batch_size) else None

@@ -1,0 +1,134 @@
+"""File checksums: xxh3 trees hashed on all cores, crc32 without xxhash."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+from skipinject.errors import CorruptCacheError
+
+# ---------------------------------------------------------------- checksums
+
+
+#: Checksum algorithms a cache may name. ``xxh3_64-tree`` (the default with xxhash installed) is the
+#: xxh3_64 of the concatenated 8-byte xxh3_64 digests of the file's 32 MiB chunks: the chunks can
+#: be hashed on several cores, which halves a verified hit of a large batch on two.
+CHECKSUM_ALGOS = ("xxh3_64-tree", "xxh3_64", "crc32")
+_TREE_CHUNK = 32 << 20
+
+
+def _checksum_algo() -> str:
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        return "crc32"
+    return "xxh3_64-tree"
+
+
+def file_checksum(path: Path, algo: str) -> str:
+    """Checksum of a whole file, read through mmap (the pages are then warm for the load)."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size == 0:
+            view: Any = b""
+            return _digest(view, algo)
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return _digest_parallel(mapped, algo)
+
+
+def _digest(data: Any, algo: str) -> str:
+    hasher = _Hasher(algo)
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
+def _digest_parallel(data: Any, algo: str) -> str:
+    """:func:`_digest`, with the chunks of a tree checksum hashed in threads (xxhash releases the GIL)."""
+    workers = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if algo != "xxh3_64-tree" or len(data) <= _TREE_CHUNK or workers < 2:
+        return _digest(data, algo)
+    from concurrent.futures import ThreadPoolExecutor
+
+    view = memoryview(data)
+    chunks = [view[start : start + _TREE_CHUNK] for start in range(0, len(view), _TREE_CHUNK)]
+    try:
+        with ThreadPoolExecutor(min(workers, len(chunks)), thread_name_prefix="skipinject-hash") as pool:
+            digests = list(pool.map(lambda chunk: _Leaf("xxh3_64", chunk).digest(), chunks))
+    finally:
+        for chunk in chunks:
+            chunk.release()
+        view.release()
+    return _Leaf("xxh3_64", b"".join(digests)).hexdigest()
+
+
+class _Leaf:
+    """A plain (non-tree) checksum being computed."""
+
+    def __init__(self, algo: str, data: Any = b"") -> None:
+        self.algo = algo
+        if algo == "xxh3_64":
+            try:
+                import xxhash
+            except ImportError as exc:
+                raise CorruptCacheError("cache was checksummed with xxh3_64 but xxhash is not installed") from exc
+            self._xxh = xxhash.xxh3_64(data)
+        elif algo == "crc32":
+            self._crc = zlib.crc32(data)
+        else:
+            raise CorruptCacheError(f"unknown checksum algorithm {algo!r}")
+
+    def update(self, data: Any) -> None:
+        if self.algo == "xxh3_64":
+            self._xxh.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def digest(self) -> bytes:
+        if self.algo == "xxh3_64":
+            return self._xxh.digest()
+        return struct.pack(">I", self._crc & 0xFFFFFFFF)
+
+    def hexdigest(self) -> str:
+        return self.digest().hex()
+
+
+class _Hasher:
+    """Incremental checksum, so a writer checksums what it writes instead of reading it back."""
+
+    def __init__(self, algo: str) -> None:
+        if algo not in CHECKSUM_ALGOS:
+            raise CorruptCacheError(f"unknown checksum algorithm {algo!r}")
+        self.algo = algo
+        self.tree = algo == "xxh3_64-tree"
+        self._leaf = _Leaf(algo.removesuffix("-tree"))
+        self._filled = 0
+        self._digests: list[bytes] = []
+
+    def update(self, data: Any) -> None:
+        if not self.tree:
+            self._leaf.update(data)
+            return
+        with memoryview(data) as whole, whole.cast("B") as view:
+            start = 0
+            while start < len(view):
+                take = min(len(view) - start, _TREE_CHUNK - self._filled)
+                with view[start : start + take] as piece:
+                    self._leaf.update(piece)
+                start += take
+                self._filled += take
+                if self._filled == _TREE_CHUNK:
+                    self._digests.append(self._leaf.digest())
+                    self._leaf = _Leaf("xxh3_64")
+                    self._filled = 0
+
+    def hexdigest(self) -> str:
+        if not self.tree:
+            return self._leaf.hexdigest()
+        digests = self._digests
+        if self._filled or not digests:
+            digests = [*digests, self._leaf.digest()]
+        return _Leaf("xxh3_64", b"".join(digests)).hexdigest()

@@ -1,0 +1,32 @@
+"""What the store holds for one part of a step, and a verified entry ready to load."""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Payload:
+    """One part of a result: plain tensors plus JSON-safe values (see :mod:`skipinject.codecs`)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    objects: dict[str, Any] = field(default_factory=dict)
+    rows: int | None = None
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """A verified, loadable cache entry."""
+
+    step: int
+    directory: Path
+    meta: Mapping[str, Any]
+    #: Tensor files mapped (and checksummed) by :meth:`StepStore.verified`, reused by ``load``.
+    mapped: dict[Path, mmap.mmap] = field(default_factory=dict, compare=False, repr=False)

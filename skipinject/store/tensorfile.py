@@ -1,0 +1,130 @@
+"""The raw tensor file: a JSON index, then 64-byte aligned tensor bytes. Loading runs no code."""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from skipinject.errors import CorruptCacheError
+from skipinject.store.checksums import _Hasher
+
+if TYPE_CHECKING:
+    import torch
+
+
+TENSORS_MAGIC = b"SKIPTNS1"
+_ALIGN = 64
+#: Tensor dtypes the tensor file holds (by ``torch`` attribute name).
+TENSOR_DTYPES = frozenset(
+    {
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    }
+)
+
+
+# ---------------------------------------------------------------- the tensor file
+
+
+def _padding(size: int) -> int:
+    return -size % _ALIGN
+
+
+def write_tensors(handle: Any, tensors: Mapping[str, torch.Tensor], algo: str) -> str:
+    """Write the tensor file to ``handle``; returns its checksum. Contiguous CPU tensors are not copied."""
+    import torch
+
+    views = []
+    index = []
+    offset = 0
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"payload tensors must map str to torch.Tensor, got {name!r}: {type(tensor).__name__}")
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in TENSOR_DTYPES or tensor.is_nested or tensor.layout != torch.strided:
+            raise TypeError(f"payload tensor {name!r}: {tensor.dtype} {tensor.layout} tensors are not supported")
+        value = tensor.detach().cpu().contiguous()
+        nbytes = value.numel() * value.element_size()
+        index.append({"name": name, "dtype": dtype, "shape": list(value.shape), "offset": offset, "nbytes": nbytes})
+        views.append(value.reshape(-1).view(torch.uint8).numpy() if nbytes else None)
+        offset += nbytes + _padding(nbytes)
+    header = json.dumps({"tensors": index}, separators=(",", ":")).encode()
+    header += b" " * _padding(len(TENSORS_MAGIC) + 8 + len(header))
+    hasher = _Hasher(algo)
+    for chunk in (TENSORS_MAGIC, struct.pack("<Q", len(header)), header):
+        handle.write(chunk)
+        hasher.update(chunk)
+    for view, entry in zip(views, index, strict=True):
+        if view is None:
+            continue
+        handle.write(view)
+        hasher.update(view)
+        pad = bytes(_padding(entry["nbytes"]))
+        if pad:
+            handle.write(pad)
+            hasher.update(pad)
+    return hasher.hexdigest()
+
+
+def map_file(path: Path) -> mmap.mmap | None:
+    """Map a whole file copy-on-write (writes through the mapping never reach the file)."""
+    with open(path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            return None
+        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+
+
+def read_tensors(mapped: mmap.mmap | None, path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a mapped tensor file, as views of the mapping. Runs no code from the file."""
+    import torch
+
+    size = 0 if mapped is None else len(mapped)
+    if mapped is None or size < len(TENSORS_MAGIC) + 8 or mapped[: len(TENSORS_MAGIC)] != TENSORS_MAGIC:
+        raise CorruptCacheError(f"{path}: not a skipinject tensor file")
+    (header_len,) = struct.unpack_from("<Q", mapped, len(TENSORS_MAGIC))
+    data_start = len(TENSORS_MAGIC) + 8 + header_len
+    if data_start > size or data_start % _ALIGN:
+        raise CorruptCacheError(f"{path}: tensor file index is damaged")
+    try:
+        index = json.loads(mapped[len(TENSORS_MAGIC) + 8 : data_start])["tensors"]
+        tensors = {}
+        for entry in index:
+            name, dtype_name, shape = entry["name"], entry["dtype"], entry["shape"]
+            offset, nbytes = entry["offset"], entry["nbytes"]
+            if dtype_name not in TENSOR_DTYPES or not all(type(d) is int and d >= 0 for d in shape):
+                raise ValueError(f"bad dtype or shape for {name!r}")
+            dtype = getattr(torch, dtype_name)
+            count = math.prod(shape)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if type(offset) is not int or offset < 0 or offset % _ALIGN or nbytes != count * itemsize:
+                raise ValueError(f"bad extent for {name!r}")
+            if data_start + offset + nbytes > size:
+                raise ValueError(f"{name!r} runs past the end of the file")
+            if count == 0:
+                tensors[name] = torch.empty(shape, dtype=dtype)
+            else:
+                tensors[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=data_start + offset).view(
+                    shape
+                )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCacheError(f"{path}: tensor file index is damaged ({exc})") from exc
+    return tensors
