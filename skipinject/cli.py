@@ -84,6 +84,10 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, str | bool], str | None, str 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``skipinject`` and ``python -m skipinject``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["cache"]:
+        from skipinject.cache_tool import main as cache_main
+
+        return cache_main(argv[1:])
     try:
         options, script, module, program_args = _parse(argv)
     except UsageError as exc:
