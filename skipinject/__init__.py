@@ -1,11 +1,22 @@
 """skipinject: skip and replay verl rollouts on any verl install, without editing verl.
 
-Plugin authors need only what this module exports::
+This module is the plugin API (version :data:`API_VERSION`): everything a plugin may rely on is
+exported here and listed in ``__all__``; every other module is internal and may change in any
+release. A plugin may declare the API it was written for as ``SKIPINJECT_API = 1`` (an
+incompatible one is refused in one clear line)::
 
     from skipinject import Role, StepSource, Target, hookimpl
+
+Names that need torch or verl (codecs, :class:`Payload`) are imported on first use, so
+``import skipinject`` stays cheap in every process a run starts.
 """
 
-from skipinject._version import __version__
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from skipinject._version import API_VERSION, __version__
 from skipinject.errors import (
     CacheError,
     CacheMissError,
@@ -18,26 +29,108 @@ from skipinject.errors import (
     TargetError,
     UntrustedCacheError,
 )
-from skipinject.hookspecs import hookimpl
-from skipinject.roles import Call, HitInfo, Role, StepSource, Target, UpstreamFormat
+from skipinject.roles import (
+    Call,
+    Codec,
+    HitInfo,
+    MergingCodec,
+    Phase,
+    PhaseContext,
+    Role,
+    StepCache,
+    StepSource,
+    StepWriting,
+    Target,
+    UpstreamFormat,
+    default_bypass,
+)
+from skipinject.verl_compat import run_config_of, select, verl_version, version_matches
+
+if TYPE_CHECKING:
+    from skipinject.codecs import (
+        DataProtoCodec,
+        TensorDictCodec,
+        TensorSink,
+        decode_tensor,
+        encode_tensor,
+        from_jsonable,
+        to_jsonable,
+    )
+    from skipinject.config import Action, MismatchPolicy, RoleConfig
+    from skipinject.engine.decision import Plan
+    from skipinject.hookspecs import hookimpl
+    from skipinject.store import Payload, StepEntry
+
+#: Public names imported on first use: name -> defining module.
+_LAZY = {
+    "Action": "skipinject.config",
+    "DataProtoCodec": "skipinject.codecs",
+    "MismatchPolicy": "skipinject.config",
+    "Payload": "skipinject.store",
+    "Plan": "skipinject.engine.decision",
+    "RoleConfig": "skipinject.config",
+    "StepEntry": "skipinject.store",
+    "TensorDictCodec": "skipinject.codecs",
+    "TensorSink": "skipinject.codecs",
+    "decode_tensor": "skipinject.codecs",
+    "encode_tensor": "skipinject.codecs",
+    "hookimpl": "skipinject.hookspecs",
+    "from_jsonable": "skipinject.codecs",
+    "to_jsonable": "skipinject.codecs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'skipinject' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
+    "API_VERSION",
+    "Action",
     "CacheError",
     "CacheMissError",
     "Call",
+    "Codec",
     "CodecError",
     "ConfigError",
     "CorruptCacheError",
+    "DataProtoCodec",
     "HitInfo",
+    "MergingCodec",
+    "MismatchPolicy",
+    "Payload",
+    "Phase",
+    "PhaseContext",
+    "Plan",
     "PluginError",
     "PromptMismatchError",
     "Role",
+    "RoleConfig",
     "SkipInjectError",
+    "StepCache",
+    "StepEntry",
     "StepSource",
+    "StepWriting",
     "Target",
     "TargetError",
+    "TensorDictCodec",
+    "TensorSink",
     "UntrustedCacheError",
     "UpstreamFormat",
     "__version__",
+    "decode_tensor",
+    "default_bypass",
+    "encode_tensor",
+    "from_jsonable",
     "hookimpl",
+    "run_config_of",
+    "select",
+    "to_jsonable",
+    "verl_version",
+    "version_matches",
 ]

@@ -19,14 +19,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from skipinject.config import Config
+from skipinject.config import environment as env_vars
+from skipinject.config.environment import ENV_CONFIG, ENV_DISABLE, ENV_LOG_LEVEL
+from skipinject.errors import ConfigError
 
 if TYPE_CHECKING:
     from skipinject.engine import Engine
-    from skipinject.plugins import PluginSet
+    from skipinject.plugin_manager import PluginSet
 
-ENV_CONFIG = "SKIPINJECT_CONFIG"
-ENV_DISABLE = "SKIPINJECT_DISABLE"
-ENV_LOG_LEVEL = "SKIPINJECT_LOG_LEVEL"
+__all__ = ["ENV_CONFIG", "ENV_DISABLE", "ENV_LOG_LEVEL", "configure_logging", "disabled", "export", "start", "stop"]
+
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "_bootstrap")
 RAY_SETUP_HOOK = "skipinject.bootstrap.ray_worker_setup"
 
@@ -38,7 +40,13 @@ _started = False
 
 
 def disabled() -> bool:
-    return os.environ.get(ENV_DISABLE, "").strip().lower() in ("1", "true", "yes", "on")
+    """``SKIPINJECT_DISABLE``; an unreadable value counts as "on" after one error line (children)."""
+    try:
+        return env_vars.disabled()
+    except ConfigError as exc:
+        configure_logging()
+        logger.error("%s; skipinject stays off in process %d", exc, os.getpid())
+        return True
 
 
 def configure_logging() -> None:
@@ -48,8 +56,12 @@ def configure_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("skipinject %(levelname)s: %(message)s"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get(ENV_LOG_LEVEL, "INFO").upper())
     logger.propagate = False
+    try:
+        logger.setLevel(env_vars.log_level())
+    except ConfigError as exc:
+        logger.setLevel(logging.INFO)
+        logger.error("%s; logging at INFO", exc)
 
 
 def start(config: Config, plugins: PluginSet | None = None) -> Engine | None:
@@ -62,10 +74,13 @@ def start(config: Config, plugins: PluginSet | None = None) -> Engine | None:
         if not config.enabled_roles:
             return None
         from skipinject.engine import Engine
-        from skipinject.plugins import load_plugins
 
         if plugins is None:
-            plugins = load_plugins(config.plugins or "")
+            from skipinject.plugin_manager import load_plugins, load_sources
+
+            plugins = (
+                load_sources(config.plugin_sources) if config.plugin_sources else load_plugins(config.plugins or "")
+            )
         roles = {role.name: (role, plugin.name) for plugin in plugins.plugins for role in plugin.roles}
         engine = Engine(config, roles)
         engine.start()
@@ -82,10 +97,6 @@ def stop() -> None:
             _engine.stop()
         _engine = None
         _started = False
-
-
-def current_engine() -> Engine | None:
-    return _engine
 
 
 def start_from_env() -> Engine | None:
@@ -132,9 +143,9 @@ class _RayInitInterceptor:
         kwargs = call.kwargs
         runtime_env = kwargs.get("runtime_env")
         runtime_env = dict(runtime_env) if runtime_env else {}
-        env_vars = dict(runtime_env.get("env_vars") or {})
-        env_vars.setdefault(ENV_CONFIG, self.config_json)
-        runtime_env["env_vars"] = env_vars
+        env = dict(runtime_env.get("env_vars") or {})
+        env.setdefault(ENV_CONFIG, self.config_json)
+        runtime_env["env_vars"] = env
         if not runtime_env.get("worker_process_setup_hook"):
             runtime_env["worker_process_setup_hook"] = RAY_SETUP_HOOK
         kwargs["runtime_env"] = runtime_env

@@ -18,16 +18,21 @@ from skipinject._version import __version__
 from skipinject.errors import SkipInjectError
 
 if TYPE_CHECKING:
-    from skipinject.plugins import PluginSet
+    from skipinject.plugin_manager import PluginSet
 
 USAGE = """\
-usage: python -m skipinject [--plugins LIST] [--list] [--version] (SCRIPT | -m MODULE) [ARGS...]
+usage: python -m skipinject [--plugins LIST] [--skip-config FILE] [--list] [--version]
+                            (SCRIPT | -m MODULE | -c CODE) [ARGS...]
+       python -m skipinject cache {ls,verify,show,diff,import,prune} ...
 
 Run a Python program (typically verl's trainer) with skipinject's hooks installed:
   python -m skipinject -m verl.trainer.main_ppo skip.rollout.enable=True skip.rollout.steps=[1,2,3] ...
 
 options:
   --plugins LIST  plugins to load (overrides VERL_SKIP_PLUGINS): names, module[:attr], -name to exclude
+  --skip-config FILE
+                  YAML file with a top-level `skip:` mapping of role settings (the command line wins)
+  -c CODE         run CODE as `python -c` would
   --list          show plugins, their roles and targets, and whether each target exists here; then exit
   --version       show versions and exit
   -h, --help      show this help and exit
@@ -42,6 +47,7 @@ class UsageError(SkipInjectError):
 
 
 def _parse(argv: Sequence[str]) -> tuple[dict[str, str | bool], str | None, str | None, list[str]]:
+    """Options, then SCRIPT, ``-m MODULE`` or ``-c CODE`` (returned as the script ``-c`` with options["code"])."""
     options: dict[str, str | bool] = {}
     args = list(argv)
     while args:
@@ -55,14 +61,21 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, str | bool], str | None, str 
         elif arg == "--list":
             options["list"] = True
             args.pop(0)
-        elif arg == "--plugins" or arg.startswith("--plugins="):
+        elif arg.split("=", 1)[0] in ("--plugins", "--skip-config"):
             args.pop(0)
+            name = arg.split("=", 1)[0]
             if "=" in arg:
-                options["plugins"] = arg.split("=", 1)[1]
+                options[name[2:]] = arg.split("=", 1)[1]
             elif args:
-                options["plugins"] = args.pop(0)
+                options[name[2:]] = args.pop(0)
             else:
-                raise UsageError("--plugins needs a value")
+                raise UsageError(f"{name} needs a value")
+        elif arg == "-c" or (arg.startswith("-c") and len(arg) > 2):
+            code = arg[2:] if len(arg) > 2 else (args[1] if len(args) > 1 else None)
+            if code is None:
+                raise UsageError("-c needs a program text")
+            options["code"] = code
+            return options, None, None, args[1:] if len(arg) > 2 else args[2:]
         elif arg == "-m":
             if len(args) < 2:
                 raise UsageError("-m needs a module name")
@@ -101,24 +114,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     from skipinject import bootstrap
-    from skipinject.config import Config, apply_overrides, split_overrides
-    from skipinject.plugins import ENV_PLUGINS, load_plugins
+    from skipinject.config import Config, apply_overrides, apply_settings, environment, load_file, split_overrides
+    from skipinject.plugin_manager import ENV_PLUGINS, load_plugins
 
     selection = options.get("plugins")
     selection_text = str(selection) if isinstance(selection, str) else os.environ.get(ENV_PLUGINS)
+    code = options.get("code")
     try:
+        environment.check()
         plugins = load_plugins(selection_text or "")
         if options.get("list"):
             from skipinject.listing import render
 
             print(render(plugins), end="")
             return 0
-        if script is None and module is None:
-            raise UsageError("give a SCRIPT or -m MODULE to run (see --help)")
+        if script is None and module is None and not isinstance(code, str):
+            raise UsageError("give a SCRIPT, -m MODULE or -c CODE to run (see --help)")
+        hint = "; see `python -m skipinject --list`"
+        config = Config()
+        settings_file = options.get("skip-config")
+        if isinstance(settings_file, str):
+            config = apply_settings(config, load_file(settings_file), plugins.roles, hint=hint)
         overrides, program_args = split_overrides(program_args)
-        config = apply_overrides(Config(), overrides, plugins.roles, hint="; see `python -m skipinject --list`")
+        config = apply_overrides(config, overrides, plugins.roles, hint=hint)
         owners = sorted({plugins.plugin_of(name).name for name in config.enabled_roles})
-        config = Config(plugins=",".join(owners), roles=config.roles)
+        config = Config(plugins=",".join(owners), plugin_sources=plugins.sources_of(owners), roles=config.roles)
+        if config.enabled_roles:
+            config.to_json()  # refuses, in one line, what cannot reach the run's other processes
     except SkipInjectError as exc:
         print(f"skipinject: error: {exc}", file=sys.stderr)
         return 2
@@ -132,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SkipInjectError as exc:
             print(f"skipinject: error: {exc}", file=sys.stderr)
             return 2
-    return _run(script, module, program_args)
+    return _run(script, module, program_args, code if isinstance(code, str) else None)
 
 
 def _export_plugin_paths(plugins: PluginSet, names: list[str]) -> None:
@@ -155,8 +177,19 @@ def _export_plugin_paths(plugins: PluginSet, names: list[str]) -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(paths)
 
 
-def _run(script: str | None, module: str | None, args: list[str]) -> int:
+def _run(script: str | None, module: str | None, args: list[str], code: str | None = None) -> int:
     """Run the program as ``python`` would; its SystemExit and exceptions pass through."""
+    if code is not None:
+        import types
+
+        sys.argv = ["-c", *args]
+        if sys.path[:1] != [""]:
+            sys.path.insert(0, "")
+        main_module = types.ModuleType("__main__")
+        main_module.__dict__["__builtins__"] = __builtins__
+        sys.modules["__main__"] = main_module
+        exec(compile(code, "<string>", "exec"), main_module.__dict__)
+        return 0
     if module is not None:
         sys.argv = [module, *args]  # runpy sets argv[0] to the module's file, as ``python -m`` does
         if sys.path and sys.path[0] != os.getcwd():

@@ -6,9 +6,9 @@ import importlib
 import inspect
 from importlib.metadata import PackageNotFoundError, version
 
-from skipinject.engine import target_applies
-from skipinject.plugins import PluginSet
+from skipinject.plugin_manager import PluginSet
 from skipinject.roles import TargetPath
+from skipinject.verl_compat import version_matches
 
 
 def resolve(path: str) -> str:
@@ -41,7 +41,7 @@ def render(plugins: PluginSet) -> str:
                 lines.append(f"    {role.description}")
             for target in role.targets:
                 wanted = target.verl or "any"
-                state = "not for this verl" if not target_applies(target, verl_version) else resolve(target.path)
+                state = "not for this verl" if not version_matches(target.verl, verl_version) else resolve(target.path)
                 lines.append(f"    target {target.path}  verl {wanted}  [{state}]")
             for clock in role.clocks:
                 lines.append(f"    clock  {clock}  [{resolve(clock)}]")

@@ -9,14 +9,17 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from skipinject.errors import TargetError
 
 if TYPE_CHECKING:
-    from skipinject.engine import RoleRuntime
-    from skipinject.store import Payload
+    from pathlib import Path
+
+    from skipinject.config import RoleConfig
+    from skipinject.engine.decision import Plan
+    from skipinject.store import Payload, StepEntry
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,13 @@ class Call:
             if index < len(self.args):
                 return self.args[index]
         return None
+
+    @property
+    def run_config(self) -> Any:
+        """The verl config of the run: the bound instance's, else the trainer clock's (or ``None``)."""
+        from skipinject.verl_compat import run_config_of
+
+        return run_config_of(self)
 
     @property
     def batch(self) -> Any:
@@ -178,25 +188,83 @@ class StepSource:
 
 @runtime_checkable
 class Codec(Protocol):
-    """How a role's result becomes safe bytes and back (see :mod:`skipinject.store`)."""
+    """How a role's result becomes a :class:`~skipinject.store.Payload` (plain tensors + JSON-safe
+    objects) and back. ``decode`` raises :class:`~skipinject.errors.CodecError` when a cache does not
+    fit the call (the target then runs). Roles that save several parts per step also need
+    :class:`MergingCodec`'s ``merge``."""
 
     def encode(self, result: Any) -> Payload: ...
 
     def decode(self, payload: Payload, call: Call) -> Any: ...
 
 
+@runtime_checkable
+class MergingCodec(Codec, Protocol):
+    """A codec whose results of several parts of one step make one result again."""
+
+    def merge(self, results: Sequence[Any]) -> Any: ...
+
+
+class StepWriting(Protocol):
+    """One step being written: parts first, then one atomic commit (or abort)."""
+
+    def add_part(self, payload: Payload, part: str = "") -> None: ...
+
+    def commit(self, meta: Mapping[str, Any]) -> Path: ...
+
+    def abort(self) -> None: ...
+
+
+class StepCache(Protocol):
+    """One role's cached steps under one project directory, as phases see them."""
+
+    @property
+    def project_dir(self) -> Path: ...
+
+    def step_dir(self, step: int) -> Path: ...
+
+    def begin(self, step: int) -> StepWriting: ...
+
+    def load(self, entry: StepEntry) -> list[Payload]: ...
+
+    def is_committed(self, step: int) -> bool: ...
+
+
+class PhaseContext(Protocol):
+    """What a phase may use of its role in this process (the engine provides it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def settings(self) -> RoleConfig: ...
+
+    @property
+    def codec(self) -> Codec: ...
+
+    def once(self, key: Any, level: int, message: str, *args: Any) -> None:
+        """Log ``message`` the first time ``key`` is seen in this process."""
+
+    def store_for(self, call: Call) -> StepCache:
+        """The cache of the run ``call`` belongs to."""
+
+    def plan(self, call: Call, step: int) -> Plan:
+        """Find the verified entry to serve for ``step`` (by the role's action), or say why there is none;
+        logs the decision; raises :class:`~skipinject.errors.CacheMissError` for ``action=strict``."""
+
+
 class Phase(Protocol):
     """How one target's calls are handled once the engine decided the step may skip.
 
-    The default, :class:`skipinject.engine.WholeCall`, treats one call as one unit: serve it from
-    the cache or run it and save the result. Roles whose work spans several calls (rollout_tq's
-    submit and sample) bring their own. ``run`` serves sync calls, ``run_async`` awaiting ones;
-    ``proceed`` calls the original target (``run_async``'s returns an awaitable).
+    The default treats one call as one unit: serve it from the cache or run it and save the result.
+    Roles whose work spans several calls (rollout_tq's submit and sample) bring their own. ``run``
+    serves sync calls, ``run_async`` awaiting ones; ``proceed`` calls the original target
+    (``run_async``'s returns an awaitable).
     """
 
-    def run(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any: ...
+    def run(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any: ...
 
-    async def run_async(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any: ...
+    async def run_async(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -280,7 +348,6 @@ class Role:
     #: Upstream's cache file for this role, if any (``gen_batch.dp``), and how to read it once trusted.
     upstream: UpstreamFormat | None = None
     description: str = ""
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():

@@ -11,7 +11,7 @@ import pytest
 from skipinject import bootstrap
 from skipinject.config import Config, RoleConfig
 from skipinject.errors import CacheMissError, PromptMismatchError
-from skipinject.plugins import load_plugins
+from skipinject.plugin_manager import load_plugins
 
 
 def start(tmp_path: Path, **settings: Any) -> Any:

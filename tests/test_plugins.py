@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from skipinject.errors import PluginError
-from skipinject.plugins import load_plugins, parse_selection
+from skipinject.plugin_manager import load_plugins, parse_selection
 
 
 def test_entry_point_discovery_of_installed_distribution(toy_path: Path):

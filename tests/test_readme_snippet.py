@@ -20,7 +20,7 @@ import pytest
 
 from skipinject import bootstrap
 from skipinject.config import Config, apply_overrides, split_overrides
-from skipinject.plugins import load_plugins
+from skipinject.plugin_manager import load_plugins
 
 ROOT = Path(__file__).resolve().parent.parent
 _SNIPPET = re.compile(r"<!-- snippet: (?P<name>[\w-]+) -->\s*```(?P<lang>\w*)\n(?P<code>.*?)^```", re.S | re.M)

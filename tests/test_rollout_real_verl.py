@@ -26,7 +26,7 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from skipinject import bootstrap
 from skipinject.config import Config, RoleConfig
-from skipinject.plugins import load_plugins
+from skipinject.plugin_manager import load_plugins
 
 PROMPT_LEN, RESPONSE_LEN, N = 6, 4, 2
 

@@ -87,7 +87,7 @@ def test_cannot_fire_on_the_v0_trainer():
 
 
 def test_installed_plugin_provides_the_role_through_its_entry_point():
-    from skipinject.plugins import load_plugins
+    from skipinject.plugin_manager import load_plugins
 
     plugins = load_plugins("rollout_tq")
     [plugin] = plugins.plugins

@@ -27,7 +27,7 @@ import torch
 
 from skipinject import PluginError, bootstrap
 from skipinject.config import Config, apply_overrides, split_overrides
-from skipinject.plugins import ENTRY_POINT_GROUP, load_plugins
+from skipinject.plugin_manager import ENTRY_POINT_GROUP, load_plugins
 
 ROOT = Path(__file__).resolve().parent.parent
 USER_PLUGINS = {

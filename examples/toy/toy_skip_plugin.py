@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from skipinject import Call, Role, StepSource, Target, hookimpl
-from skipinject.store import Payload
+from skipinject import Call, Payload, Role, StepSource, Target, hookimpl
 
 
 class JsonCodec:

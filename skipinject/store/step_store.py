@@ -59,6 +59,14 @@ class StepStore:
                     found.append(int(child.name))
         return sorted(found)
 
+    def is_committed(self, step: int) -> bool:
+        """The step has a valid ``meta.json`` of this role (its data files are not verified)."""
+        try:
+            self.read_meta(step)
+        except (OSError, CorruptCacheError):
+            return False
+        return True
+
     def read_meta(self, step: int) -> dict[str, Any]:
         """Read and check a step's ``meta.json`` (format, version, role, context, self-checksum)."""
         path = self.step_dir(step) / META_NAME

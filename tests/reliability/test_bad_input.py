@@ -24,15 +24,19 @@ from skipinject.config import (
     ROLE_KEYS,
     Config,
     RoleConfig,
+    StepSet,
     apply_overrides,
-    parse_steps,
-    role_config_from_mapping,
+    role_config,
     split_overrides,
 )
 from skipinject.errors import ConfigError, PluginError, SkipInjectError, TargetError
-from skipinject.plugins import PluginSelection, load_plugins, parse_selection
+from skipinject.plugin_manager import PluginSelection, load_plugins, parse_selection
 from skipinject.roles import StepSource, TargetPath
 from tests.reliability import helpers as h
+
+
+def parse_steps(text: str, key: str = "steps") -> StepSet:
+    return StepSet.parse(text, key)
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("rollout", "toy")
@@ -167,7 +171,7 @@ _VALUE = st.recursive(
 @given(values=st.one_of(st.dictionaries(st.one_of(st.sampled_from(ROLE_KEYS), _TEXT), _VALUE, max_size=4), _VALUE))
 def test_role_config_from_mapping_names_the_bad_key(values: Any) -> None:
     try:
-        cfg = role_config_from_mapping("toy", values)
+        cfg = role_config("toy", values)
     except ConfigError as exc:
         _tally("role_config_from_mapping", True)
         assert "skip.toy" in str(exc)
@@ -182,7 +186,7 @@ def test_role_config_from_omegaconf() -> None:
     from omegaconf import OmegaConf
 
     node = OmegaConf.create({"enable": True, "steps": [3, 1, 2], "action": "repeat", "dump_dir": "/tmp/x"})
-    cfg = role_config_from_mapping("toy", node)
+    cfg = role_config("toy", node)
     assert cfg.enable is True and cfg.steps == (1, 2, 3) and cfg.action == "repeat"
     _tally("role_config_from_mapping", False)
 
@@ -413,7 +417,7 @@ CLI_CASES = [
     (["{script}", "+skip.rollout.steps=5-1"], {}, "skip.rollout.steps"),
     (["{script}", "++skip.rollout.dump_dir="], {}, "skip.rollout.dump_dir"),
     (["{script}", "skip.rollout.steps"], {}, "skip.rollout.steps"),
-    (["{script}", "skip.rollout.trust_upstream=yes"], {}, "skip.rollout.trust_upstream"),
+    (["{script}", "skip.rollout.trust_upstream=maybe"], {}, "skip.rollout.trust_upstream"),
     (["{script}", "skip.rollout.enable=true"], {"VERL_SKIP_PLUGINS": "nope"}, "nope"),
     (["--plugins", "-nope", "{script}"], {}, "nope"),
 ]

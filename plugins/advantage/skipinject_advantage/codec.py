@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from skipinject import Call, CodecError
-from skipinject.codecs import TensorSink, decode_tensor, encode_tensor
-from skipinject.store import Payload
+from skipinject import Call, CodecError, Payload, TensorSink, decode_tensor, encode_tensor
 
 CODEC = "skipinject_advantage"
 CODEC_VERSION = 1

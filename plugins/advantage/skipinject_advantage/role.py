@@ -17,9 +17,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from skipinject import Call, HitInfo, Role, StepSource, Target, hookimpl
-from skipinject.engine import select
-from skipinject.roles import default_bypass
+from skipinject import Call, HitInfo, Role, StepSource, Target, default_bypass, hookimpl, select
+
 from skipinject_advantage.codec import AdvantageCodec, batch_of, response_mask_of
 
 TARGET = "verl.trainer.ppo.ray_trainer:compute_advantage"

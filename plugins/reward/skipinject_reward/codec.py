@@ -10,9 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from skipinject import Call, CodecError
-from skipinject.codecs import TensorSink, decode_tensor, encode_tensor, from_jsonable, to_jsonable
-from skipinject.store import Payload
+from skipinject import Call, CodecError, Payload, TensorSink, decode_tensor, encode_tensor, from_jsonable, to_jsonable
 
 CODEC = "skipinject_reward"
 CODEC_VERSION = 1

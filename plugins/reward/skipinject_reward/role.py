@@ -21,8 +21,8 @@ import hashlib
 import json
 from typing import Any
 
-from skipinject import Call, Role, StepSource, Target, hookimpl
-from skipinject.engine import select
+from skipinject import Call, Role, StepSource, Target, hookimpl, select
+
 from skipinject_reward.codec import RewardCodec, batch_of
 
 TARGETS = (

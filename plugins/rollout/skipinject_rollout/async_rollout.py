@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from skipinject import Call, Role, StepSource, Target, hookimpl
+
 from skipinject_rollout.common import GEN_BATCH, prompt_fingerprint
 
 TARGET = (

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from skipinject import Role, StepSource, Target, hookimpl
-from skipinject.engine import select
+from skipinject import Role, StepSource, Target, hookimpl, select
+
 from skipinject_rollout.common import GEN_BATCH, mark_hit, mark_miss, prompt_fingerprint
 
 TARGET = "verl.experimental.agent_loop.agent_loop:AgentLoopManager.generate_sequences"

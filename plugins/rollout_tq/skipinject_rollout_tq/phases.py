@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skipinject.engine import RoleRuntime, run_config_of, select
-from skipinject.errors import CacheError, CorruptCacheError
-from skipinject.roles import Call
-from skipinject.store import StepStore, StepWriter
+from skipinject import CacheError, Call, CorruptCacheError, PhaseContext, StepCache, StepWriting, run_config_of, select
+
 from skipinject_rollout_tq.transfer import (
     TRAIN,
     CachedBatch,
@@ -55,7 +53,7 @@ class _SavingStep:
 
     step: int
     expected: int
-    writer: StepWriter | None  # None: nothing (more) to save for this step
+    writer: StepWriting | None  # None: nothing (more) to save for this step
     written: int = 0
     rows: int = 0
     started: float = field(default_factory=time.perf_counter)
@@ -73,11 +71,11 @@ class StepBook:
         self.served: dict[Path, tuple[int, bool]] = {}
         self.saving: dict[Path, _SavingStep] = {}
 
-    def record_submit(self, store: StepStore, step: int, served: bool) -> None:
+    def record_submit(self, store: StepCache, step: int, served: bool) -> None:
         with self.lock:
             self.served[store.project_dir] = (step, served)
 
-    def was_served(self, store: StepStore, step: int) -> bool | None:
+    def was_served(self, store: StepCache, step: int) -> bool | None:
         with self.lock:
             decision = self.served.get(store.project_dir)
         return decision[1] if decision is not None and decision[0] == step else None
@@ -99,19 +97,19 @@ class SubmitPhase:
     def __init__(self, book: StepBook) -> None:
         self.book = book
 
-    def run(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
+    def run(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         if not _splits(call.instance):
             self._cannot_split(role)
             return proceed()
         return self._submit(role, call, step)
 
-    async def run_async(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
+    async def run_async(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         if not _splits(call.instance):
             self._cannot_split(role)
             return await proceed()
         return await asyncio.to_thread(self._submit, role, call, step)
 
-    def _cannot_split(self, role: RoleRuntime) -> None:
+    def _cannot_split(self, role: PhaseContext) -> None:
         role.once(
             "no-split",
             logging.WARNING,
@@ -120,7 +118,7 @@ class SubmitPhase:
             role.name,
         )
 
-    def _submit(self, role: RoleRuntime, call: Call, step: int) -> None:
+    def _submit(self, role: PhaseContext, call: Call, step: int) -> None:
         trainer = call.instance
         batch = trainer._next_train_batch()
         uids = [str(uid) for uid in batch["uid"]]
@@ -130,7 +128,7 @@ class SubmitPhase:
         if not served:
             trainer._submit_batch_to_rollout(batch)
 
-    def _serve(self, role: RoleRuntime, call: Call, store: StepStore, step: int, uids: list[str]) -> bool:
+    def _serve(self, role: PhaseContext, call: Call, store: StepCache, step: int, uids: list[str]) -> bool:
         """Inject the planned cache into TransferQueue; ``False`` (after logging why) to generate instead."""
         plan = role.plan(call, step)  # logs a miss; raises CacheMissError for action=strict
         if plan.entry is None and plan.upstream_file is None:
@@ -202,17 +200,17 @@ class SamplePhase:
     def __init__(self, book: StepBook) -> None:
         self.book = book
 
-    def run(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
+    def run(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         result = proceed()
         self.after_sample(role, call, step, result)
         return result
 
-    async def run_async(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
+    async def run_async(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         result = await proceed()
         await asyncio.to_thread(self.after_sample, role, call, step, result)
         return result
 
-    def after_sample(self, role: RoleRuntime, call: Call, step: int, result: Any) -> None:
+    def after_sample(self, role: PhaseContext, call: Call, step: int, result: Any) -> None:
         batch = result[0] if isinstance(result, tuple) and result else result
         if getattr(batch, "partition_id", None) != TRAIN:
             return
@@ -229,7 +227,7 @@ class SamplePhase:
                 return
             self._save_part(role, store, saving, batch, step)
 
-    def _close_other(self, role: RoleRuntime, store: StepStore, step: int) -> None:
+    def _close_other(self, role: PhaseContext, store: StepCache, step: int) -> None:
         """Forget the step being saved if it is not ``step``; abort its writer if it is incomplete."""
         current = self.book.saving.get(store.project_dir)
         if current is None or current.step == step:
@@ -246,7 +244,7 @@ class SamplePhase:
                 step,
             )
 
-    def _saving_for(self, role: RoleRuntime, call: Call, store: StepStore, step: int) -> _SavingStep:
+    def _saving_for(self, role: PhaseContext, call: Call, store: StepCache, step: int) -> _SavingStep:
         self._close_other(role, store, step)
         current = self.book.saving.get(store.project_dir)
         if current is not None:
@@ -254,12 +252,12 @@ class SamplePhase:
         expected = parameter_sync_step(run_config_of(call))
         served = self.book.was_served(store, step)
         if served is None:  # the submit phase did not see this step: trust only a committed cache
-            served = _committed(store, step)
+            served = store.is_committed(step)
         writer = None if served else store.begin(step)
         current = self.book.saving[store.project_dir] = _SavingStep(step, expected, writer)
         return current
 
-    def _save_part(self, role: RoleRuntime, store: StepStore, saving: _SavingStep, batch: Any, step: int) -> None:
+    def _save_part(self, role: PhaseContext, store: StepCache, saving: _SavingStep, batch: Any, step: int) -> None:
         assert saving.writer is not None
         part = saving.written
         try:
@@ -305,14 +303,6 @@ class SamplePhase:
         )
 
 
-def _committed(store: StepStore, step: int) -> bool:
-    try:
-        store.read_meta(step)
-    except (FileNotFoundError, CorruptCacheError):
-        return False
-    return True
-
-
 class WarmupOff:
     """``PPOTrainer._add_async_warmup_batches``: a no-op while the role is enabled.
 
@@ -321,16 +311,16 @@ class WarmupOff:
     reason, but reads ``config.skip.rollout_tq.enable``, which skipinject's overrides never reach.
     """
 
-    def run(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
+    def run(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         self._log(role)
         return None
 
-    async def run_async(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
+    async def run_async(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         self._log(role)
         return None
 
     @staticmethod
-    def _log(role: RoleRuntime) -> None:
+    def _log(role: PhaseContext) -> None:
         role.once(
             "warmup",
             logging.INFO,

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from skipinject import Role, StepSource, Target, UpstreamFormat, hookimpl
-from skipinject.codecs import TensorDictCodec
-from skipinject.engine import select
+from skipinject import Role, StepSource, Target, TensorDictCodec, UpstreamFormat, hookimpl, select
+
 from skipinject_rollout_tq.phases import SamplePhase, StepBook, SubmitPhase, WarmupOff
 from skipinject_rollout_tq.transfer import UPSTREAM_FILE, load_upstream_file
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skipinject.errors import CorruptCacheError
+from skipinject import CorruptCacheError
 
 logger = logging.getLogger("skipinject")
 

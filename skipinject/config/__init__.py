@@ -1,0 +1,48 @@
+"""The ``skip.<role>.<key>`` configuration: schema, overrides, settings files, transport, environment.
+
+Overrides are taken out of the program's argv by the runner (verl never sees them), parsed with
+OmegaConf's dotlist grammar, validated against one structured schema per role before the
+program starts, and handed to every process of the run as compact JSON.
+"""
+
+from skipinject.config.environment import ENV_CONFIG, ENV_DISABLE, ENV_LOG_LEVEL, ENV_PLUGINS
+from skipinject.config.overrides import apply_overrides, apply_settings, load_file, parse_overrides, split_overrides
+from skipinject.config.schema import (
+    DEFAULT_DUMP_DIR,
+    ROLE_KEYS,
+    Action,
+    MismatchPolicy,
+    RoleConfig,
+    RoleSchema,
+    role_config,
+)
+from skipinject.config.steps import MAX_STEP, StepSet
+from skipinject.config.transport import MAX_SERIALISED_BYTES, Config
+
+ACTIONS = tuple(action.value for action in Action)
+MISMATCH_POLICIES = tuple(policy.value for policy in MismatchPolicy)
+
+__all__ = [
+    "ACTIONS",
+    "DEFAULT_DUMP_DIR",
+    "ENV_CONFIG",
+    "ENV_DISABLE",
+    "ENV_LOG_LEVEL",
+    "ENV_PLUGINS",
+    "MAX_SERIALISED_BYTES",
+    "MAX_STEP",
+    "MISMATCH_POLICIES",
+    "ROLE_KEYS",
+    "Action",
+    "Config",
+    "MismatchPolicy",
+    "RoleConfig",
+    "RoleSchema",
+    "StepSet",
+    "apply_overrides",
+    "apply_settings",
+    "load_file",
+    "parse_overrides",
+    "role_config",
+    "split_overrides",
+]

@@ -1,0 +1,60 @@
+"""The environment variables skipinject reads, each validated like a command-line key.
+
+==========================  =====================================================================
+``SKIPINJECT_DISABLE``      ``1/true/yes/on`` turns everything off; ``0/false/no/off`` or empty: on
+``SKIPINJECT_LOG_LEVEL``    ``DEBUG``, ``INFO`` (default), ``WARNING``, ``ERROR`` or ``CRITICAL``
+``VERL_SKIP_PLUGINS``       which plugins load (see :mod:`skipinject.plugin_manager`)
+``SKIPINJECT_CONFIG``       the runner's validated configuration, for child processes
+==========================  =====================================================================
+
+A bad value is a :class:`~skipinject.errors.ConfigError` naming the variable: the runner exits 2
+with that one line; a child process logs it and uses the default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from skipinject.errors import ConfigError
+
+ENV_CONFIG = "SKIPINJECT_CONFIG"
+ENV_DISABLE = "SKIPINJECT_DISABLE"
+ENV_LOG_LEVEL = "SKIPINJECT_LOG_LEVEL"
+ENV_PLUGINS = "VERL_SKIP_PLUGINS"
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """``SKIPINJECT_DISABLE`` as a boolean."""
+    raw = (os.environ if environ is None else environ).get(ENV_DISABLE, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{ENV_DISABLE}={_show(raw)}: expected 1 or 0 (true/false, yes/no, on/off)")
+
+
+def log_level(environ: Mapping[str, str] | None = None) -> str:
+    """``SKIPINJECT_LOG_LEVEL`` as a :mod:`logging` level name (default ``INFO``)."""
+    raw = (os.environ if environ is None else environ).get(ENV_LOG_LEVEL, "")
+    value = raw.strip().upper() or "INFO"
+    if value == "WARN":
+        value = "WARNING"
+    if value not in LOG_LEVELS:
+        raise ConfigError(f"{ENV_LOG_LEVEL}={_show(raw)}: expected one of {', '.join(LOG_LEVELS)}")
+    return value
+
+
+def check(environ: Mapping[str, str] | None = None) -> None:
+    """Validate every variable the runner reads before the program starts (raises ConfigError)."""
+    disabled(environ)
+    log_level(environ)
+
+
+def _show(raw: str) -> str:
+    return repr(raw if len(raw) <= 100 else raw[:100] + "...")

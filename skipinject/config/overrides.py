@@ -1,0 +1,129 @@
+"""Reading ``skip.*`` settings: Hydra-style command-line overrides and an optional YAML file.
+
+Overrides are parsed with OmegaConf's dotlist grammar, the one Hydra users type
+(``skip.rollout.steps=[1,2,3]``, ``+skip...``, ``++skip...``); a ``--skip-config FILE`` holds a
+``skip:`` mapping in YAML and is merged under the command line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from skipinject.config.schema import role_config
+from skipinject.config.transport import Config
+from skipinject.errors import ConfigError
+
+_OVERRIDE = re.compile(r"^\+{0,2}skip\.(?P<rest>.*)$", re.DOTALL)
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: A settings file larger than this is not a settings file.
+MAX_FILE_BYTES = 1 << 20
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Separate ``[+|++]skip.<...>=value`` items from the rest of a program's arguments."""
+    ours: list[tuple[str, str]] = []
+    rest: list[str] = []
+    for arg in argv:
+        match = _OVERRIDE.match(arg)
+        if match is None:
+            rest.append(arg)
+            continue
+        key, sep, value = match.group("rest").partition("=")
+        if not sep:
+            raise ConfigError(f"skip.{key}: expected skip.<role>.<key>=<value>")
+        ours.append((f"skip.{key}", value))
+    return ours, rest
+
+
+def parse_overrides(
+    overrides: Iterable[tuple[str, str]],
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, str]]]:
+    """``[("skip.rollout.enable", "True")]`` -> ``{"rollout": {"enable": True}}`` (OmegaConf's values),
+    and what was typed for each key (for error messages; ``steps`` are read from that text)."""
+    from omegaconf import OmegaConf
+
+    roles: dict[str, dict[str, Any]] = {}
+    texts: dict[str, dict[str, str]] = {}
+    for dotted, raw in overrides:
+        parts = dotted.split(".")
+        if len(parts) != 3 or not all(_NAME.match(p) for p in parts[1:]):
+            raise ConfigError(f"{dotted}={raw}: expected skip.<role>.<key>=<value>")
+        _, role, key = parts
+        texts.setdefault(role, {})[key] = raw
+        if key == "steps":
+            roles.setdefault(role, {})[key] = _unquote(raw.strip())
+            continue
+        try:
+            parsed = OmegaConf.from_dotlist([f"v={raw}"])
+            value = OmegaConf.to_container(parsed, resolve=True)["v"]  # type: ignore[index]
+        except Exception as exc:  # OmegaConf's grammar errors, and YAML's underneath
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"{dotted}={raw}: cannot parse the value ({reason})") from exc
+        roles.setdefault(role, {})[key] = value
+    return roles, texts
+
+
+def _unquote(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The ``skip:`` mapping of a YAML settings file (``{role: {key: value}}``)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    where = Path(path)
+    try:
+        if not where.is_file():
+            raise ConfigError(f"--skip-config {path}: no such file")
+        if where.stat().st_size > MAX_FILE_BYTES:
+            raise ConfigError(f"--skip-config {path}: larger than {MAX_FILE_BYTES} bytes; not a settings file")
+        loaded = OmegaConf.to_container(OmegaConf.load(where), resolve=True)
+    except ConfigError:
+        raise
+    except (OmegaConfBaseException, OSError, ValueError, TypeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"--skip-config {path}: cannot read it ({reason})") from exc
+    if not isinstance(loaded, Mapping) or set(loaded) != {"skip"} or not isinstance(loaded["skip"], Mapping):
+        raise ConfigError(f"--skip-config {path}: expected one top-level mapping `skip:` of roles")
+    roles: dict[str, dict[str, Any]] = {}
+    for role, values in loaded["skip"].items():
+        if not isinstance(role, str) or not _NAME.match(role):
+            raise ConfigError(f"--skip-config {path}: skip.{role}: not a role name")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"skip.{role}: expected a mapping of keys to values, got {type(values).__name__}")
+        roles[role] = {str(k): v for k, v in values.items()}
+    return roles
+
+
+def apply_settings(
+    base: Config,
+    layer: Mapping[str, Mapping[str, Any]],
+    known_roles: Iterable[str],
+    *,
+    hint: str = "",
+    texts: Mapping[str, Mapping[str, str]] | None = None,
+) -> Config:
+    """``base`` with ``{role: {key: value}}`` merged in key by key; unknown roles or keys are errors."""
+    known = set(known_roles)
+    roles = dict(base.roles)
+    for role, values in layer.items():
+        if role not in known:
+            listed = ", ".join(sorted(known)) or "none"
+            first = next(iter(values), "enable")
+            raise ConfigError(f"skip.{role}.{first}: unknown role {role!r} (loaded roles: {listed}){hint}")
+        roles[role] = role_config(role, values, roles.get(role), texts=(texts or {}).get(role))
+    return Config(plugins=base.plugins, plugin_sources=base.plugin_sources, roles=roles)
+
+
+def apply_overrides(
+    base: Config, overrides: Iterable[tuple[str, str]], known_roles: Iterable[str], *, hint: str = ""
+) -> Config:
+    """``base`` with parsed ``skip.<role>.<key>=value`` pairs applied (see :func:`apply_settings`)."""
+    layer, texts = parse_overrides(overrides)
+    return apply_settings(base, layer, known_roles, hint=hint, texts=texts)

@@ -1,0 +1,111 @@
+"""The one place where a call is served from the cache or run and saved.
+
+For each enabled role the engine patches the role's targets (through the injector) and clocks.
+Its parts, in the order a call meets them:
+
+* :mod:`~skipinject.engine.phases` — the interceptors and the default one-call-one-unit phase;
+* :mod:`~skipinject.engine.runtime` — a role's settings and cache in this process;
+* :mod:`~skipinject.engine.decision` — which cached step serves a call (``cache``/``repeat``/``strict``);
+* :mod:`~skipinject.engine.layout` — where the run's steps live (upstream's directory names);
+* :mod:`~skipinject.engine.builtin_guard` — verl's own SkipManager turned off for our roles.
+
+Every decision is one line on the ``skipinject`` logger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from skipinject.config import Config
+from skipinject.engine.builtin_guard import BUILTIN_SKIP_INIT, BuiltinGuard
+from skipinject.engine.phases import ClockInterceptor, TargetInterceptor
+from skipinject.engine.runtime import RoleRuntime
+from skipinject.errors import ConfigError
+from skipinject.injector import INJECTOR, Injector
+from skipinject.roles import Role
+from skipinject.verl_compat import is_run_config, verl_version, version_matches
+
+logger = logging.getLogger("skipinject")
+
+__all__ = ["Engine", "RoleRuntime"]
+
+
+class Engine:
+    """Patches the targets of the enabled roles and holds their runtimes."""
+
+    def __init__(self, config: Config, roles: Mapping[str, tuple[Role, str]], injector: Injector = INJECTOR) -> None:
+        self.config = config
+        self.roles = dict(roles)
+        self.injector = injector
+        self.runtimes: dict[str, RoleRuntime] = {}
+        self._paths: list[str] = []
+        self._seen_configs: set[int] = set()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        unknown = [name for name in self.config.enabled_roles if name not in self.roles]
+        if unknown:
+            raise ConfigError(f"skip.{unknown[0]}: no loaded plugin provides role {unknown[0]!r}")
+        installed: str | None = None
+        clocks: list[str] = []
+        for name in self.config.enabled_roles:
+            role, owner = self.roles[name]
+            runtime = RoleRuntime(role, self.config.role(name), owner)
+            self.runtimes[name] = runtime
+            for target in role.targets:
+                if target.verl and installed is None:
+                    installed = verl_version()
+                if not version_matches(target.verl, installed):
+                    logger.debug(
+                        "%s: target %s is for verl %s, installed %s; skipped",
+                        name,
+                        target.path,
+                        target.verl,
+                        installed,
+                    )
+                    continue
+                self._instrument(target.path, TargetInterceptor(runtime, target), f"{owner}/{name}")
+            clocks.extend(c for c in role.clocks if c not in clocks)
+        clock = ClockInterceptor(self)
+        for path in clocks:
+            self._instrument(path, clock, "skipinject/clock")
+        if any(rt.role.builtin for rt in self.runtimes.values()):
+            self._instrument(BUILTIN_SKIP_INIT, BuiltinGuard(self), "skipinject/builtin-guard")
+        if self.runtimes:
+            logger.debug("skipinject active for %s", ", ".join(self.runtimes))
+
+    def stop(self) -> None:
+        for path in self._paths:
+            self.injector.uninstrument(path)
+        self._paths.clear()
+        self.runtimes.clear()
+
+    def _instrument(self, path: str, interceptor: Any, owner: str) -> None:
+        self.injector.instrument(path, interceptor, owner=owner)
+        self._paths.append(path)
+
+    def observe_config(self, config: Any) -> None:
+        """Run every enabled role's ``check`` against a run config once; warn when it cannot fire."""
+        if not is_run_config(config):
+            return
+        with self._lock:
+            if id(config) in self._seen_configs:
+                return
+            self._seen_configs.add(id(config))
+        for runtime in self.runtimes.values():
+            if runtime.role.check is None:
+                continue
+            with contextlib.suppress(Exception):
+                reason = runtime.role.check(config)
+                if reason:
+                    runtime.once(
+                        ("check", reason),
+                        logging.WARNING,
+                        "skip.%s is enabled but cannot act in this run: %s",
+                        runtime.name,
+                        reason,
+                    )

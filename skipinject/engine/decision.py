@@ -1,0 +1,128 @@
+"""Deciding a call: which verified cache entry serves a step, or why none does.
+
+``cache`` serves the step's own entry; ``repeat`` the exact step, else the largest cached step
+below, else the smallest above; ``strict`` is ``cache`` that stops the run when there is nothing to
+serve. A cache that cannot be used (damaged, foreign, unreadable) is never loaded: the decision is
+logged in one line and the step is generated again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from skipinject.config import Action
+from skipinject.errors import CacheMissError, CorruptCacheError
+from skipinject.store import StepEntry, StepStore
+
+if TYPE_CHECKING:
+    from skipinject.engine.runtime import RoleRuntime
+    from skipinject.roles import Call
+
+logger = logging.getLogger("skipinject")
+
+
+@dataclass
+class Plan:
+    """What the engine decided for one call: the entry to serve (or trusted upstream file), and why."""
+
+    store: StepStore
+    step: int
+    entry: StepEntry | None = None
+    upstream_file: Path | None = None
+    reason: str = ""
+
+    @property
+    def served_step(self) -> int:
+        return self.entry.step if self.entry else self.step
+
+
+def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
+    """Find the entry to serve (verified), or explain why there is none. Logs the decision in one line.
+
+    A cache that cannot be used (damaged, foreign, unreadable) is never loaded: the run regenerates
+    the step, or stops with :class:`CacheMissError` for ``action=strict``.
+    """
+    store = role.store_for(call)
+    action = role.settings.action
+    problems: list[str] = []
+    upstream: Path | None = None
+    try:
+        candidates = repeat_order(store, step) if action is Action.repeat else [step]
+        for candidate in candidates:
+            try:
+                entry = store.verified(candidate)
+            except FileNotFoundError:
+                continue
+            except CorruptCacheError as exc:
+                problems.append(str(exc))
+                continue
+            for problem in problems:
+                logger.warning("%s step %d: cache unusable, not loaded: %s", role.name, step, problem)
+            if candidate == step:
+                reason = "own cache"
+            elif candidate < step:
+                reason = f"repeat: largest cached step below {step}"
+            else:
+                reason = f"repeat: no cached step below {step}, smallest above"
+            return Plan(store, step, entry=entry, reason=reason)
+        upstream = upstream_file(role, store, step)
+    except OSError as exc:
+        problems.append(f"cannot read the cache directory {store.project_dir} ({type(exc).__name__}: {exc})")
+    if upstream is not None:
+        if role.settings.trust_upstream:
+            return Plan(store, step, upstream_file=upstream, reason="trusted upstream cache")
+        role.once(
+            ("untrusted", str(upstream)),
+            logging.WARNING,
+            "%s step %d: found verl's own cache %s but did not load it: it is a pickle, which runs code "
+            "when loaded. Set skip.%s.trust_upstream=true if you trust it; generating again and caching "
+            "in skipinject's format beside it",
+            role.name,
+            step,
+            upstream,
+            role.name,
+        )
+    where = store.step_dir(step)
+    if not problems and _interrupted_save(where):
+        problems.append(f"{where} holds data files but no meta.json (an earlier save was interrupted)")
+    if action is Action.strict:
+        detail = "; ".join(problems) or f"no cache at {where}"
+        raise CacheMissError(f"{role.name} step {step}: skip.{role.name}.action=strict and {detail}")
+    if problems:
+        logger.warning(
+            "%s step %d: cache unusable, not loaded: %s; running the target and saving its result",
+            role.name,
+            step,
+            "; ".join(problems),
+        )
+        return Plan(store, step, reason="cache unusable")
+    reason = f"no cached step in {store.project_dir}" if action is Action.repeat else f"no cache at {where}"
+    logger.info("%s step %d: miss (%s); running the target and saving its result", role.name, step, reason)
+    return Plan(store, step, reason=reason)
+
+
+def repeat_order(store: StepStore, step: int) -> list[int]:
+    """``step``, then the cached steps below it (largest first), then those above (smallest first)."""
+    available = store.steps_on_disk()
+    index = bisect.bisect_left(available, step)
+    return [step, *available[:index][::-1], *(s for s in available[index:] if s != step)]
+
+
+def upstream_file(role: RoleRuntime, store: StepStore, step: int) -> Path | None:
+    if role.role.upstream is None:
+        return None
+    path = store.step_dir(step) / role.role.upstream.file_name
+    return path if path.is_file() else None
+
+
+def _interrupted_save(step_dir: Path) -> bool:
+    """Data files but no ``meta.json`` in a step directory: a save there was interrupted."""
+    try:
+        folders = [step_dir, *(p for p in step_dir.iterdir() if p.is_dir())]
+        return any(f.name.startswith(("tensors-", "objects-")) for folder in folders for f in folder.iterdir())
+    except OSError:
+        return False

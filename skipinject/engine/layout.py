@@ -1,0 +1,54 @@
+"""Where a role's steps live: upstream's directory names, derived from the run's verl config.
+
+``{dump_dir}/{experiment}_{project}/GBS{gbs}_N{n}_in{prompt_len}_out{response_len}/[{role}/]{step}/``
+(``gbs`` = ``data.gen_batch_size``, else ``data.train_batch_size``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from skipinject.verl_compat import select
+
+#: The project directory of calls made without a verl trainer config in sight.
+DEFAULT_PROJECT = "skipinject_default"
+
+
+def path_safe(name: str) -> str:
+    """A directory name from config text that cannot leave its parent."""
+    cleaned = str(name).replace("/", "_").replace("\\", "_").replace("\x00", "_")
+    return "_" if cleaned in ("", ".", "..") else cleaned
+
+
+def layout_of(config: Any) -> tuple[str, dict[str, Any]]:
+    """Upstream's ``{experiment}_{project}/GBS{gbs}_N{n}_in{p}_out{r}`` and the values naming it."""
+    gbs = select(config, "data.gen_batch_size")
+    if gbs is None:
+        gbs = select(config, "data.train_batch_size", 0)
+    context = {
+        "experiment_name": str(select(config, "trainer.experiment_name", "default_experiment_name")),
+        "project_name": str(select(config, "trainer.project_name", "default_project_name")),
+        "gbs": int(gbs),
+        "n": int(select(config, "actor_rollout_ref.rollout.n", 0)),
+        "prompt_length": int(select(config, "data.max_prompt_length", 0)),
+        "response_length": int(select(config, "data.max_response_length", 0)),
+    }
+    relative = (
+        f"{path_safe(context['experiment_name'] + '_' + context['project_name'])}/"
+        f"GBS{context['gbs']}_N{context['n']}_in{context['prompt_length']}_out{context['response_length']}"
+    )
+    return relative, context
+
+
+def project_dir(dump_dir: str, config: Any, subdir: str) -> tuple[Path, dict[str, Any]]:
+    """The directory holding one role's steps for a run with ``config`` (``None``: no trainer seen)."""
+    root = Path(dump_dir).expanduser().resolve()
+    if config is not None:
+        relative, context = layout_of(config)
+    else:
+        relative, context = DEFAULT_PROJECT, {}
+    directory = root / relative
+    if subdir:
+        directory = directory / path_safe(subdir)
+    return directory, context

@@ -1,0 +1,313 @@
+"""Finding, choosing and registering plugins: pluggy, fed the way pytest feeds it.
+
+Plugins come from the ``skipinject.plugins`` entry-point group (one scan with
+``importlib_metadata``). ``VERL_SKIP_PLUGINS`` (or the runner's ``--plugins``) chooses among them::
+
+    VERL_SKIP_PLUGINS=rollout,reward        only these entry points
+    VERL_SKIP_PLUGINS=-reward               every installed plugin but this one (pluggy's set_blocked)
+    VERL_SKIP_PLUGINS=mypkg.skip:plugin     a plugin object that is not installed as a distribution
+    VERL_SKIP_PLUGINS=mypkg.skip_roles      a module holding ``skipinject_roles``
+
+Unset (or empty) means every installed plugin; a name that matches nothing is an error. A plugin
+that fails to import or to register is reported by name and left out, unless it was asked for by
+name, in which case it is an error. Hooks are checked against the hookspecs (``check_pending``),
+so a misspelt ``skipinject_*`` hook is an error, and a plugin declaring a plugin API this
+skipinject does not provide (``SKIPINJECT_API = 2``) is one clear error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from skipinject import hookspecs
+from skipinject._version import API_VERSION
+from skipinject.config.environment import ENV_PLUGINS
+from skipinject.errors import PluginError
+from skipinject.roles import Role
+
+logger = logging.getLogger("skipinject")
+
+ENTRY_POINT_GROUP = "skipinject.plugins"
+API_ATTRIBUTE = "SKIPINJECT_API"
+
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_DOTTED = rf"{_IDENT}(?:\.{_IDENT})*"
+_NAME_ITEM = re.compile(r"^-?[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_PATH_ITEM = re.compile(rf"^{_DOTTED}(?::{_DOTTED})?$")
+
+
+@dataclass(frozen=True)
+class PluginSelection:
+    """A parsed ``VERL_SKIP_PLUGINS`` value."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @property
+    def everything(self) -> bool:
+        return not self.include
+
+
+def parse_selection(text: str | None) -> PluginSelection:
+    """Parse a comma list of names, ``module[:attr]`` paths and ``-name`` exclusions (duplicates once)."""
+    include: list[str] = []
+    exclude: list[str] = []
+    for raw in (text or "").split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        if item.startswith("-"):
+            name = item[1:].strip()
+            if not name or not _NAME_ITEM.match(name):
+                raise PluginError(f"{ENV_PLUGINS}: {item!r} is not a plugin name to exclude")
+            if name not in exclude:
+                exclude.append(name)
+        elif _PATH_ITEM.match(item) or _NAME_ITEM.match(item):
+            if item not in include:
+                include.append(item)
+        else:
+            raise PluginError(f"{ENV_PLUGINS}: {item!r} is neither a plugin name nor a module[:attribute] path")
+    return PluginSelection(tuple(include), tuple(exclude))
+
+
+class SkipPluginManager(pluggy.PluginManager):
+    """pluggy's manager for skipinject: ``skipinject_*`` callables are hooks even without ``@hookimpl``
+    (as pytest treats ``pytest_*``), so a plugin that forgot the marker works and a misspelt hook is caught."""
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT)
+        self.add_hookspecs(hookspecs)
+
+    def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
+        opts = super().parse_hookimpl_opts(plugin, name)
+        if opts is None and name.startswith("skipinject_"):
+            method = getattr(plugin, name, None)
+            if callable(method) and not isinstance(method, type):
+                return {}
+        return opts
+
+
+@dataclass
+class LoadedPlugin:
+    """One registered plugin and where it came from."""
+
+    name: str
+    source: str
+    obj: Any
+    distribution: str | None = None
+    version: str | None = None
+    roles: list[Role] = field(default_factory=list)
+
+
+@dataclass
+class PluginSet:
+    """The plugins of this process and the roles they provide."""
+
+    manager: SkipPluginManager
+    plugins: list[LoadedPlugin]
+    failures: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def roles(self) -> dict[str, Role]:
+        return {role.name: role for plugin in self.plugins for role in plugin.roles}
+
+    def plugin_of(self, role_name: str) -> LoadedPlugin:
+        for plugin in self.plugins:
+            if any(role.name == role_name for role in plugin.roles):
+                return plugin
+        raise KeyError(role_name)
+
+    def sources_of(self, names: Iterable[str]) -> dict[str, str]:
+        """``name -> module[:attr]`` of the named plugins, for children to import without a scan."""
+        wanted = set(names)
+        return {p.name: p.source for p in self.plugins if p.name in wanted}
+
+
+def installed_entry_points() -> dict[str, Any]:
+    """Entry points of the ``skipinject.plugins`` group, by name (the first of two same-named wins)."""
+    import importlib_metadata
+
+    found: dict[str, Any] = {}
+    for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in found and found[ep.name].value != ep.value:
+            logger.warning(
+                "two installed plugins are named %r (%s and %s); using the first",
+                ep.name,
+                found[ep.name].value,
+                ep.value,
+            )
+            continue
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def load_plugins(selection_text: str | None = None) -> PluginSet:
+    """Discover, choose, import and register plugins; collect their roles.
+
+    ``selection_text`` defaults to ``$VERL_SKIP_PLUGINS``.
+    """
+    import os
+
+    if selection_text is None:
+        selection_text = os.environ.get(ENV_PLUGINS)
+    selection = parse_selection(selection_text)
+    entry_points = installed_entry_points()
+    for name in selection.exclude:
+        if name not in entry_points:
+            raise PluginError(_unknown(f"-{name}", name, entry_points))
+    manager = SkipPluginManager()
+    for name in selection.exclude:
+        manager.set_blocked(name)
+    plugins: list[LoadedPlugin] = []
+    failures: dict[str, str] = {}
+    if selection.everything:
+        for name in sorted(entry_points):
+            if manager.is_blocked(name):
+                continue
+            try:
+                plugins.append(_register(manager, _from_entry_point(entry_points[name])))
+            except PluginError as exc:
+                failures[name] = str(exc)
+                logger.warning("plugin %r was not loaded: %s", name, exc)
+    else:
+        for item in selection.include:
+            if manager.is_blocked(item):
+                continue
+            loaded = _from_entry_point(entry_points[item]) if item in entry_points else _from_path(item, entry_points)
+            plugins.append(_register(manager, loaded))
+    _collect_roles(manager, plugins)
+    return PluginSet(manager, plugins, failures)
+
+
+def load_sources(sources: Mapping[str, str]) -> PluginSet:
+    """Register plugins the runner already chose (``name -> module[:attr]``); no entry-point scan.
+
+    Used in the processes of a run: the runner resolved the plugins, its children import just those.
+    """
+    manager = SkipPluginManager()
+    plugins = [_register(manager, _from_path(source, {}, name=name)) for name, source in sources.items()]
+    _collect_roles(manager, plugins)
+    return PluginSet(manager, plugins, {})
+
+
+def _unknown(item: str, name: str, entry_points: Mapping[str, Any]) -> str:
+    installed = ", ".join(sorted(entry_points)) or "none"
+    return f"{ENV_PLUGINS}: unknown plugin {name!r} in {item!r} (installed plugins: {installed})"
+
+
+def _from_entry_point(ep: Any) -> LoadedPlugin:
+    try:
+        obj = ep.load()
+    except Exception as exc:
+        raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to import: {_one_line(exc)}") from exc
+    dist = getattr(ep, "dist", None)
+    return LoadedPlugin(
+        ep.name, ep.value, obj, distribution=getattr(dist, "name", None), version=getattr(dist, "version", None)
+    )
+
+
+def _from_path(item: str, entry_points: Mapping[str, Any], *, name: str | None = None) -> LoadedPlugin:
+    if not _PATH_ITEM.match(item):
+        raise PluginError(_unknown(item, item, entry_points))
+    module_name, _, attr = item.partition(":")
+    if name is None and "." not in module_name and not attr:
+        # A bare word: an entry-point name we do not know, unless it is an importable module.
+        try:
+            found = importlib.util.find_spec(module_name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise PluginError(_unknown(item, item, entry_points))
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise PluginError(f"plugin {item!r} failed to import: {_one_line(exc)}") from exc
+    for part in filter(None, attr.split(".")):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise PluginError(f"plugin {item!r}: module {module_name!r} has no attribute {attr!r}") from exc
+    return LoadedPlugin(name or item, item, obj)
+
+
+def _register(manager: SkipPluginManager, plugin: LoadedPlugin) -> LoadedPlugin:
+    where = f"plugin {plugin.name!r} ({plugin.source})"
+    _check_api(plugin, where)
+    if manager.get_plugin(plugin.name) is not None or manager.is_registered(plugin.obj):
+        raise PluginError(f"{where} is registered twice (under two names?)")
+    try:
+        manager.register(plugin.obj, name=plugin.name)
+        manager.check_pending()
+    except pluggy.PluginValidationError as exc:
+        manager.unregister(name=plugin.name)
+        raise PluginError(f"{where}: {_one_line(exc)}") from exc
+    except ValueError as exc:
+        raise PluginError(f"{where}: {_one_line(exc)}") from exc
+    if not manager.hook.skipinject_roles.get_hookimpls() or not any(
+        impl.plugin_name == plugin.name for impl in manager.hook.skipinject_roles.get_hookimpls()
+    ):
+        manager.unregister(name=plugin.name)
+        raise PluginError(f"{where} has no skipinject_roles hook")
+    return plugin
+
+
+def _check_api(plugin: LoadedPlugin, where: str) -> None:
+    declared = getattr(plugin.obj, API_ATTRIBUTE, None)
+    if declared is None:
+        return
+    text = str(declared)
+    match = re.fullmatch(r"([0-9]{1,4})(?:\.([0-9]{1,4}))?", text)
+    if match is None or isinstance(declared, bool):
+        raise PluginError(f"{where}: {API_ATTRIBUTE} = {declared!r} is not a version like 1 or '1.0'")
+    major, minor = int(match.group(1)), int(match.group(2) or 0)
+    if major != API_VERSION[0] or minor > API_VERSION[1]:
+        provided = f"{API_VERSION[0]}.{API_VERSION[1]}"
+        raise PluginError(
+            f"{where} needs skipinject plugin API {major}.{minor}; this skipinject provides API {provided}: "
+            f"install a skipinject that provides it, or a release of the plugin written for API {provided}"
+        )
+
+
+def _collect_roles(manager: SkipPluginManager, plugins: list[LoadedPlugin]) -> None:
+    """Call every ``skipinject_roles`` implementation, keeping which plugin gave which role."""
+    by_name = {plugin.name: plugin for plugin in plugins}
+    owners: dict[str, str] = {}
+    for impl in manager.hook.skipinject_roles.get_hookimpls():  # registration order
+        plugin = by_name[impl.plugin_name]
+        try:
+            roles = impl.function()
+        except Exception as exc:
+            raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() raised {_one_line(exc)}") from exc
+        for role in _as_list(roles, plugin):
+            if not isinstance(role, Role):
+                raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() returned {role!r}, not a Role")
+            if role.name in owners:
+                raise PluginError(
+                    f"role {role.name!r} is provided by two plugins: {owners[role.name]!r} and {plugin.name!r}; "
+                    f"exclude one with {ENV_PLUGINS}=-<name>"
+                )
+            owners[role.name] = plugin.name
+            plugin.roles.append(role)
+
+
+def _as_list(roles: Any, plugin: LoadedPlugin) -> list[Any]:
+    if roles is None:
+        return []
+    if isinstance(roles, Role):
+        return [roles]
+    if isinstance(roles, Iterable) and not isinstance(roles, (str, bytes, Mapping)):
+        return list(roles)
+    raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() must return a list of Role objects")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,77 @@
+"""What skipinject needs to know about verl, in one place: its version and its run config.
+
+Public for plugins (re-exported by :mod:`skipinject`): a plugin reads the trainer config with
+:func:`select` and asks for the installed verl with :func:`verl_version`. Nothing here imports
+verl; the version comes from the installed distribution's metadata.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["is_run_config", "run_config_of", "select", "verl_version", "version_matches"]
+
+
+def select(config: Any, dotted: str, default: Any = None) -> Any:
+    """``config.a.b`` for OmegaConf, dicts or objects; ``default`` when any part is missing or ``None``."""
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        try:
+            node = node.get(part) if isinstance(node, Mapping) or hasattr(node, "get") else getattr(node, part)
+        except Exception:
+            try:
+                node = getattr(node, part)
+            except Exception:
+                return default
+    return default if node is None else node
+
+
+def is_run_config(candidate: Any) -> bool:
+    """A verl trainer config (it has a ``trainer`` section)."""
+    return candidate is not None and select(candidate, "trainer") is not None
+
+
+def run_config_of(call: Any) -> Any:
+    """The verl config of the run a call belongs to: the bound instance's, else the trainer clock's."""
+    from skipinject.roles import CLOCK
+
+    for owner in (getattr(call, "instance", None), CLOCK.instance):
+        candidate = getattr(owner, "config", None)
+        if is_run_config(candidate):
+            return candidate
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def verl_version() -> str | None:
+    """The installed verl's version, or ``None`` when verl is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("verl")
+    except PackageNotFoundError:
+        return None
+
+
+def version_matches(specifier: str | None, version: str | None) -> bool:
+    """Whether ``version`` is in ``specifier`` (``">=0.8,<0.9"``); no specifier matches everything.
+
+    A development or local build (``0.9.2.dev0+abc``) is compared by its release, so a checkout of
+    verl's main branch counts as the release it leads to.
+    """
+    if not specifier:
+        return True
+    if version is None:
+        return False
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return False
+    return SpecifierSet(specifier).contains(parsed, prereleases=True)
