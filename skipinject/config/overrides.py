@@ -75,7 +75,6 @@ def _unquote(text: str) -> str:
 def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
     """The ``skip:`` mapping of a YAML settings file (``{role: {key: value}}``)."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     where = Path(path)
     try:
@@ -86,9 +85,9 @@ def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
         loaded = OmegaConf.to_container(OmegaConf.load(where), resolve=True)
     except ConfigError:
         raise
-    except (OmegaConfBaseException, OSError, ValueError, TypeError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"--skip-config {path}: cannot read it ({reason})") from exc
+    except Exception as exc:  # OmegaConf's errors, YAML's underneath, OSError
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise ConfigError(f"--skip-config {path}: cannot read it ({reason[:300]})") from exc
     if not isinstance(loaded, Mapping) or set(loaded) != {"skip"} or not isinstance(loaded["skip"], Mapping):
         raise ConfigError(f"--skip-config {path}: expected one top-level mapping `skip:` of roles")
     roles: dict[str, dict[str, Any]] = {}

@@ -1,0 +1,154 @@
+"""``skip.*`` settings: OmegaConf's grammar, the structured schema, YAML files, ranges, transport."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skipinject.config import (
+    MAX_SERIALISED_BYTES,
+    Action,
+    Config,
+    MismatchPolicy,
+    RoleConfig,
+    StepSet,
+    apply_overrides,
+    apply_settings,
+    environment,
+    load_file,
+    split_overrides,
+)
+from skipinject.errors import ConfigError
+
+ROLES = ("rollout", "reward")
+
+
+def configure(*argv: str) -> Config:
+    overrides, rest = split_overrides(argv)
+    assert rest == []
+    return apply_overrides(Config(), overrides, ROLES)
+
+
+def test_hydra_value_grammar() -> None:
+    cfg = configure(
+        "skip.rollout.enable=True",
+        "+skip.rollout.steps=[1-4,10]",
+        "++skip.rollout.action=repeat",
+        "skip.rollout.dump_dir='/tmp/a b'",
+        "skip.rollout.on_mismatch=fail",
+    ).role("rollout")
+    assert cfg.enable is True and list(cfg.steps) == [1, 2, 3, 4, 10]
+    assert cfg.action is Action.repeat and cfg.action == "repeat" and cfg.on_mismatch is MismatchPolicy.fail
+    assert cfg.dump_dir == "/tmp/a b"
+
+
+def test_interpolation_resolves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SI_TEST_DIR", "/data/x")
+    assert configure("skip.rollout.dump_dir=${oc.env:SI_TEST_DIR}/dump").role("rollout").dump_dir == "/data/x/dump"
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("skip.rollout.action=skip", "skip.rollout.action=skip: unknown action (choose one of cache, repeat, strict)"),
+        ("skip.rollout.enable=maybe", "skip.rollout.enable=maybe: expected true or false"),
+        ("skip.rollout.stepz=[1]", "skip.rollout.stepz: unknown key 'stepz'"),
+        ("skip.rollot.enable=true", "skip.rollot.enable: unknown role 'rollot'"),
+        ("skip.rollout.steps=5-1", "skip.rollout.steps=5-1: range '5-1' goes backwards"),
+        ("skip.rollout.enable=[1,", "skip.rollout.enable=[1,: cannot parse the value"),
+        ("skip.rollout.dump_dir=", "skip.rollout.dump_dir=: expected a directory path"),
+    ],
+)
+def test_errors_are_one_line_naming_key_and_value(override: str, line: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        configure(override)
+    assert str(info.value).startswith(line) and "\n" not in str(info.value)
+
+
+def test_ranges_stay_ranges() -> None:
+    steps = configure("skip.rollout.steps=[0-1000000000]").role("rollout").steps
+    assert steps.spans == ((0, 1_000_000_000),) and 999_999_999 in steps and 1_000_000_001 not in steps
+    assert StepSet.parse("[1-3,2-8,10]").format() == "[1-8,10]"
+
+
+def test_yaml_file_is_merged_under_the_command_line(tmp_path: Path) -> None:
+    path = tmp_path / "skip.yaml"
+    path.write_text("skip:\n  rollout:\n    enable: true\n    steps: [1, 2, 3]\n    action: repeat\n")
+    base = apply_settings(Config(), load_file(path), ROLES)
+    cfg = apply_overrides(base, split_overrides(["skip.rollout.steps=[7]"])[0], ROLES).role("rollout")
+    assert cfg.enable is True and list(cfg.steps) == [7] and cfg.action is Action.repeat
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("rollout:\n  enable: true\n", "expected one top-level mapping `skip:`"),
+        ("skip:\n  rollout:\n    enable: perhaps\n", "skip.rollout.enable=perhaps: expected true or false"),
+        ("skip:\n  rollout: [1]\n", "skip.rollout: expected a mapping"),
+        ("skip: {rollout: {enable: true\n", "cannot read it"),
+    ],
+)
+def test_bad_yaml_is_one_line(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "skip.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        apply_settings(Config(), load_file(path), ROLES)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_or_huge_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_file(tmp_path / "nope.yaml")
+    huge = tmp_path / "huge.yaml"
+    huge.write_bytes(b"#" * (2 << 20))
+    with pytest.raises(ConfigError, match="not a settings file"):
+        load_file(huge)
+
+
+def test_transport_round_trip_and_compaction() -> None:
+    many = "[" + ",".join(str(i) for i in range(0, 20000, 2)) + "]"
+    cfg = Config(
+        plugins="rollout",
+        plugin_sources={"rollout": "skipinject_rollout.rollout"},
+        roles={"rollout": configure("skip.rollout.enable=1", f"skip.rollout.steps={many}").role("rollout")},
+    )
+    text = cfg.to_json()
+    assert len(text) < MAX_SERIALISED_BYTES and Config.from_json(text) == cfg
+
+
+def test_transport_refuses_what_cannot_reach_children() -> None:
+    scattered = "[" + ",".join(str(i) for i in range(0, 600000, 2)) + "]"
+    cfg = Config(roles={"rollout": configure(f"skip.rollout.steps={scattered}").role("rollout")})
+    with pytest.raises(ConfigError) as info:
+        cfg.to_json()
+    assert str(info.value).startswith("skip.rollout.steps: 300000 separate steps")
+
+
+@pytest.mark.parametrize("text", ["", "{", '{"version": 1}', "z1:" + "!" * 10, "x" * (MAX_SERIALISED_BYTES * 3)])
+def test_bad_serialised_config_is_a_config_error(text: str) -> None:
+    with pytest.raises(ConfigError, match="cannot read the serialised skipinject config"):
+        Config.from_json(text)
+
+
+def test_role_config_accepts_plain_values_from_code() -> None:
+    cfg = RoleConfig(enable=True, steps=(3, 1, 2), action="strict")  # type: ignore[arg-type]
+    assert cfg.steps == (1, 2, 3) and cfg.action is Action.strict and cfg.allows(2) and not cfg.allows(4)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"SKIPINJECT_LOG_LEVEL": "LOUD"}, "SKIPINJECT_LOG_LEVEL='LOUD': expected one of DEBUG"),
+        ({"SKIPINJECT_DISABLE": "maybe"}, "SKIPINJECT_DISABLE='maybe': expected 1 or 0"),
+    ],
+)
+def test_environment_variables_are_validated(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        environment.check(env)
+    assert str(info.value).startswith(message)
+
+
+def test_environment_defaults() -> None:
+    assert environment.log_level({}) == "INFO" and environment.log_level({"SKIPINJECT_LOG_LEVEL": "warn"}) == "WARNING"
+    assert environment.disabled({}) is False and environment.disabled({"SKIPINJECT_DISABLE": "On"}) is True

@@ -1,0 +1,68 @@
+"""The runner's own command line: ``-c``, ``--skip-config``, environment variables, exit 2 in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RUNNER = (sys.executable, "-m", "skipinject")
+
+
+def run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SKIPINJECT", "VERL_SKIP"))}
+    return subprocess.run([*RUNNER, *args], capture_output=True, text=True, env={**clean, **env}, timeout=120)
+
+
+def test_dash_c_runs_code_like_python() -> None:
+    code = "import sys; print(__name__, sys.argv); sys.exit(4)"
+    ours = run(["-c", code, "a", "b"])
+    plain = subprocess.run([sys.executable, "-c", code, "a", "b"], capture_output=True, text=True)
+    assert ours.returncode == plain.returncode == 4 and ours.stdout == plain.stdout
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"SKIPINJECT_LOG_LEVEL": "chatty"}, "SKIPINJECT_LOG_LEVEL"),
+        ({"SKIPINJECT_DISABLE": "sometimes"}, "SKIPINJECT_DISABLE"),
+        ({"VERL_SKIP_PLUGINS": "rollout,,rollout,-nope_xyz"}, "nope_xyz"),
+    ],
+)
+def test_bad_environment_exits_2_in_one_line(env: dict[str, str], named: str) -> None:
+    proc = run(["-c", "print('started')"], **env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and named in lines[0] and "started" not in proc.stdout
+
+
+def test_duplicated_plugin_name_is_accepted_once() -> None:
+    proc = run(["-c", "print('started')"], VERL_SKIP_PLUGINS="rollout,rollout")
+    assert proc.returncode == 0 and proc.stdout.strip() == "started", proc.stderr
+
+
+def test_skip_config_file_is_read_and_validated(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(f"skip:\n  rollout:\n    enable: true\n    steps: 1-3\n    dump_dir: {tmp_path}\n")
+    code = "import os, json; print(os.environ['SKIPINJECT_CONFIG'])"
+    proc = run(["--skip-config", str(good), "-c", code, "skip.rollout.action=repeat"])
+    assert proc.returncode == 0, proc.stderr
+    assert '"steps":"[1-3]"' in proc.stdout and '"action":"repeat"' in proc.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("skip:\n  rollout:\n    steps: [x]\n")
+    proc = run(["--skip-config", str(bad), "-c", "print('started')"])
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("skipinject: error: skip.rollout.steps")
+
+
+def test_too_many_scattered_steps_are_refused_before_the_program_starts(tmp_path: Path) -> None:
+    """Accepted settings must reach every process (an environment variable is at most 128 KiB on Linux)."""
+    settings = tmp_path / "many.yaml"
+    steps = ",".join(str(i) for i in range(0, 200000, 2))  # 100k steps, ~490 KB: a settings file
+    settings.write_text(f"skip:\n  rollout:\n    enable: true\n    steps: [{steps}]\n")
+    proc = run(["--skip-config", str(settings), "-c", "print('started')"])
+    lines = proc.stderr.strip().splitlines()
+    assert (
+        proc.returncode == 2 and len(lines) == 1 and "skip.rollout.steps" in lines[0] and "started" not in proc.stdout
+    )
