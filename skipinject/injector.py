@@ -39,7 +39,11 @@ _SKIP_FRAME_DIRS = (os.path.dirname(wrapt.__file__), os.path.dirname(__file__))
 
 
 class Interceptor(Protocol):
-    """What runs instead of a patched target. ``proceed`` calls the original."""
+    """What runs instead of a patched target. ``proceed`` calls the original.
+
+    An interceptor may also have ``passes(instance, args, kwargs) -> bool``: asked first on every
+    call, ``True`` calls the original directly (the fast path of calls it surely leaves alone).
+    """
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any: ...
 
@@ -110,27 +114,41 @@ class _Patch:
     convention: Convention | None = None
 
 
+def _never(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return False
+
+
 def _build_wrapper(patch: _Patch, raw: Any, binding: _Binding, function: Any) -> SkipinjectWrapper:
     convention, inner = convention_of(function)
     patch.convention = convention
     interceptor = patch.interceptor
     label = str(patch.path)
 
+    passes = getattr(interceptor, "passes", None) or _never
+
+    # Each variant first asks ``passes`` (a step that is surely not chosen): then the original is
+    # called at once, with nothing built, logged or inspected — every generation call pays this path.
     if convention is Convention.SYNC:
 
         def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if passes(instance, args, kwargs):
+                return wrapped(*args, **kwargs)
             call = Call(label, function, instance, args, kwargs)
             return interceptor.sync(call, lambda: wrapped(*args, **kwargs))
 
     elif convention is Convention.ASYNC:
 
         def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if passes(instance, args, kwargs):
+                return wrapped(*args, **kwargs)
             call = Call(label, function, instance, args, kwargs)
             return interceptor.run_async(call, lambda: wrapped(*args, **kwargs))
 
     else:
 
         def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if passes(instance, args, kwargs):
+                return wrapped(*args, **kwargs)  # the trampoline makes its own sync/async choice
             call = Call(label, function, instance, args, kwargs)
             if _awaiting_caller(sys._getframe(1)):
                 target = _bind(inner, instance, binding)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from skipinject.engine.runtime import REGENERATE, RoleRuntime
-from skipinject.roles import CLOCK, Call, Phase, Target
+from skipinject.roles import CLOCK, Call, Phase, StepSource, Target
 
 if TYPE_CHECKING:
     from skipinject.engine import Engine
@@ -47,6 +47,56 @@ class WholeCall:
 WHOLE_CALL = WholeCall()
 
 
+#: Step sets up to this size are checked through a frozenset (one hash), larger ones by bisection.
+_HASHED_STEPS = 1 << 16
+
+
+def compile_passes(
+    source: StepSource, chosen: Any, every_step: bool
+) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], bool]:
+    """``passes(instance, args, kwargs)``: True when a call surely runs the original — its step is a
+    plain int read with a few look-ups and not in ``chosen``. Anything else (named arguments,
+    extractors, values that are not ints, no step) is False and left to the full path.
+    """
+    if every_step:
+        return _never_passes
+    if not source.fallbacks and source.kind == "meta":
+        key = source.name
+
+        def meta_passes(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+            try:
+                meta = (args[0] if args else next(iter(kwargs.values()))).meta_info
+            except (AttributeError, StopIteration):
+                return False
+            step = meta.get(key) if type(meta) is dict else None
+            return type(step) is int and step not in chosen
+
+        return meta_passes
+    readers = []
+    for part in (source, *source.fallbacks):
+        if part.kind == "attribute":
+            readers.append(lambda instance, name=part.name: getattr(instance, name, None))
+        elif part.kind == "clock":
+            readers.append(lambda instance, name=part.name: getattr(CLOCK.instance, name, None))
+        else:
+            break  # from here on the step needs the whole call
+    if len(readers) != 1 + len(source.fallbacks):
+        return _never_passes
+
+    def attribute_passes(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        for read in readers:
+            step = read(instance)
+            if step is not None:
+                return type(step) is int and step not in chosen
+        return False
+
+    return attribute_passes
+
+
+def _never_passes(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return False
+
+
 class TargetInterceptor:
     """Connects one patched target to its role's phase (see :class:`skipinject.injector.Interceptor`)."""
 
@@ -54,6 +104,10 @@ class TargetInterceptor:
         self.runtime = runtime
         self.phase: Phase = target.phase or WHOLE_CALL
         self.every_step = target.every_step
+        steps = runtime.settings.steps
+        chosen = frozenset(steps) if len(steps) <= _HASHED_STEPS else steps
+        #: Asked by the injector first on every call, before a Call exists (see compile_passes).
+        self.passes = compile_passes(runtime.role.step, chosen, target.every_step)
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
         step = self.runtime.applicable_step(call, any_step=self.every_step)
