@@ -116,10 +116,11 @@ def main() -> None:
     args = parser.parse_args()
     results = measure(args.calls)
     print(
-        f"pass-through of a step that is not chosen, ns per call (best of 7 x {args.calls}); load {os.getloadavg()[0]:.2f}"
+        f"pass-through of a step not chosen, ns per call (best of 7 x {args.calls}); load {os.getloadavg()[0]:.2f}"
     )
     print(
-        "| convention | bare | upstream annotate | skipinject | upstream overhead | skipinject overhead | ratio (upstream/skipinject overhead) |"
+        "| convention | bare | upstream annotate | skipinject | upstream overhead | skipinject overhead"
+        " | ratio (upstream/skipinject overhead) |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for kind in ("sync", "async"):

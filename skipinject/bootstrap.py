@@ -112,6 +112,19 @@ def start_from_env() -> Engine | None:
         return None
 
 
+def hand_on_from_env() -> None:
+    """Only patch ``ray.init`` (a process that imported ray but no target package yet), so a job it
+    starts hands the configuration on; the rest starts when a target package is imported."""
+    text = os.environ.get(ENV_CONFIG)
+    if not text or disabled():
+        return
+    configure_logging()
+    try:
+        _patch_ray_init(Config.from_json(text))
+    except Exception as exc:
+        logger.error("not active in process %d: %s: %s", os.getpid(), type(exc).__name__, exc)
+
+
 def ray_worker_setup() -> None:
     """Ray's ``worker_process_setup_hook``: start in workers that did not get our sitecustomize."""
     start_from_env()

@@ -138,7 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides, program_args = split_overrides(program_args)
         config = apply_overrides(config, overrides, plugins.roles, hint=hint)
         owners = sorted({plugins.plugin_of(name).name for name in config.enabled_roles})
-        config = Config(plugins=",".join(owners), plugin_sources=plugins.sources_of(owners), roles=config.roles)
+        config = Config(
+            plugins=",".join(owners),
+            plugin_sources=plugins.sources_of(owners),
+            roles=config.roles,
+            triggers=_triggers(plugins, config.enabled_roles),
+        )
         if config.enabled_roles:
             config.to_json()  # refuses, in one line, what cannot reach the run's other processes
     except SkipInjectError as exc:
@@ -155,6 +160,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"skipinject: error: {exc}", file=sys.stderr)
             return 2
     return _run(script, module, program_args, code if isinstance(code, str) else None)
+
+
+def _triggers(plugins: PluginSet, enabled: list[str]) -> tuple[str, ...]:
+    """Top-level packages holding the enabled roles' targets and clocks (and verl's SkipManager guard)."""
+    from skipinject.engine.builtin_guard import BUILTIN_SKIP_INIT
+
+    paths = [BUILTIN_SKIP_INIT] if any(plugins.roles[name].builtin for name in enabled) else []
+    for name in enabled:
+        role = plugins.roles[name]
+        paths += [target.path for target in role.targets] + list(role.clocks)
+    return tuple(sorted({path.split(":")[0].split(".")[0] for path in paths}))
 
 
 def _export_plugin_paths(plugins: PluginSet, names: list[str]) -> None:

@@ -4,6 +4,12 @@ The runner exports the resolved configuration in ``SKIPINJECT_CONFIG``; any Pyth
 started from it (Ray workers, multiprocessing children, subprocesses) imports this module at
 start-up, like coverage.py's subprocess support. Another ``sitecustomize`` on the path is
 loaded first, so installing skipinject never hides the user's or the distribution's own.
+
+Start-up is lazy, as ddtrace's ``when_imported``: this module uses the standard library only and
+waits for the first import of a package that holds a target (the configuration's ``triggers``,
+e.g. ``verl``); only then is skipinject itself imported and its hooks installed. A process that
+never imports such a package (most helper processes of a run) pays for one JSON parse and one
+import-system hook. ``ray`` is watched too, to hand the configuration on through ``ray.init``.
 """
 
 import importlib.machinery
@@ -25,12 +31,95 @@ def _load_next_sitecustomize() -> None:
         print(f"Error in sitecustomize ({spec.origin}); set PYTHONVERBOSE for traceback: {exc}", file=sys.stderr)
 
 
-_load_next_sitecustomize()
+def _triggers(text: str) -> "list[str] | None":
+    """The packages whose import starts skipinject; ``None``: start now (no or unreadable list)."""
+    import json
 
-if os.environ.get("SKIPINJECT_CONFIG"):
+    try:
+        if text.startswith("z1:"):
+            import base64
+            import zlib
+
+            text = zlib.decompressobj().decompress(base64.b85decode(text[3:]), 1 << 22).decode()
+        triggers = json.loads(text).get("triggers")
+    except Exception:
+        return None  # the full start reports what is wrong with the configuration
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) for t in triggers):
+        return None
+    return triggers
+
+
+class _StartOnImport:
+    """A meta-path finder that runs a callback right after a watched top-level package is imported."""
+
+    def __init__(self, packages: "list[str]") -> None:
+        self.pending = set(packages)
+        self._finding = False
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> object:
+        if name not in self.pending or self._finding:
+            return None
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        spec.loader = _FireAfterExec(spec.loader, self)
+        return spec
+
+    def fire(self, name: str) -> None:
+        self.pending.discard(name)
+        if not self.pending or name != "ray":
+            self.pending.clear()
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+        try:
+            from skipinject import bootstrap
+
+            if name == "ray" and self.pending:
+                bootstrap.hand_on_from_env()
+            else:
+                bootstrap.start_from_env()
+        except Exception as exc:  # never break the user's process
+            print(f"skipinject: not active in process {os.getpid()}: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+class _FireAfterExec:
+    """The real loader, and the finder's callback once the module has run (the real loader is put back)."""
+
+    def __init__(self, loader: object, finder: _StartOnImport) -> None:
+        self.loader = loader
+        self.finder = finder
+
+    def create_module(self, spec: object) -> object:
+        return self.loader.create_module(spec)  # type: ignore[attr-defined]
+
+    def exec_module(self, module: object) -> None:
+        module.__spec__.loader = module.__loader__ = self.loader  # type: ignore[attr-defined]
+        self.loader.exec_module(module)  # type: ignore[attr-defined]
+        self.finder.fire(module.__name__)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.loader, name)
+
+
+def _start() -> None:
+    text = os.environ.get("SKIPINJECT_CONFIG")
+    if not text:
+        return
+    triggers = _triggers(text)
+    if triggers is not None and not any(t in sys.modules for t in triggers):
+        sys.meta_path.insert(0, _StartOnImport([*triggers, "ray"]))
+        return
     try:
         from skipinject.bootstrap import start_from_env
 
         start_from_env()
     except Exception as exc:  # never break the user's process
         print(f"skipinject: not active in process {os.getpid()}: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+_load_next_sitecustomize()
+_start()

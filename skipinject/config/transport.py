@@ -14,8 +14,10 @@ import json
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
-from skipinject.config.schema import RoleConfig, role_config
+from skipinject.config.schema import ROLE_KEYS, Action, MismatchPolicy, RoleConfig
+from skipinject.config.steps import StepSet
 from skipinject.errors import ConfigError
 
 #: Largest serialised configuration handed to children. Linux caps one environment string at
@@ -36,6 +38,8 @@ class Config:
     #: directly instead of scanning every installed distribution's entry points.
     plugin_sources: Mapping[str, str] = field(default_factory=dict)
     roles: Mapping[str, RoleConfig] = field(default_factory=dict)
+    #: Top-level packages whose first import starts skipinject in a child process (lazy start-up).
+    triggers: tuple[str, ...] = ()
 
     def role(self, name: str) -> RoleConfig:
         return self.roles.get(name, RoleConfig())
@@ -52,7 +56,12 @@ class Config:
             values["steps"] = cfg.steps.format()
             values["action"], values["on_mismatch"] = cfg.action.value, cfg.on_mismatch.value
             roles[name] = values
-        body = {"version": SERIAL_VERSION, "plugins": self.plugins, "sources": dict(self.plugin_sources)}
+        body = {
+            "version": SERIAL_VERSION,
+            "plugins": self.plugins,
+            "sources": dict(self.plugin_sources),
+            "triggers": list(self.triggers),
+        }
         text = json.dumps({**body, "roles": roles}, sort_keys=True, separators=(",", ":"))
         if len(text) > _COMPRESS_ABOVE:
             text = _COMPRESSED + base64.b85encode(zlib.compress(text.encode(), 9)).decode()
@@ -90,9 +99,34 @@ class Config:
             roles_data = data["roles"]
             if not isinstance(roles_data, dict):
                 raise ValueError("roles is not a mapping")
-            roles = {str(name): role_config(str(name), values) for name, values in roles_data.items()}
-            return cls(plugins=plugins, plugin_sources=sources, roles=roles)
+            triggers = data.get("triggers") or []
+            if not isinstance(triggers, list) or not all(isinstance(t, str) and t.isidentifier() for t in triggers):
+                raise ValueError("triggers is not a list of package names")
+            roles = {str(name): _serialised_role(str(name), values) for name, values in roles_data.items()}
+            return cls(plugins=plugins, plugin_sources=sources, roles=roles, triggers=tuple(triggers))
         except ConfigError as exc:
             raise ConfigError(f"cannot read the serialised skipinject config: {exc}") from exc
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError, zlib.error) as exc:
             raise ConfigError(f"cannot read the serialised skipinject config: {type(exc).__name__}: {exc}") from exc
+
+
+def _serialised_role(name: str, values: Any) -> RoleConfig:
+    """A role as :meth:`Config.to_json` wrote it, checked strictly without OmegaConf (children start fast)."""
+    if not isinstance(values, dict) or set(values) != set(ROLE_KEYS):
+        raise ValueError(f"role {name!r} does not have exactly the keys {', '.join(ROLE_KEYS)}")
+    for key in ("enable", "trust_upstream", "trust_dir_permissions"):
+        if type(values[key]) is not bool:
+            raise ValueError(f"skip.{name}.{key} is not a boolean")
+    if not isinstance(values["dump_dir"], str) or not values["dump_dir"] or "\x00" in values["dump_dir"]:
+        raise ValueError(f"skip.{name}.dump_dir is not a path")
+    if not isinstance(values["steps"], str):
+        raise ValueError(f"skip.{name}.steps is not a step list")
+    return RoleConfig(
+        enable=values["enable"],
+        dump_dir=values["dump_dir"],
+        steps=StepSet.parse(values["steps"], f"skip.{name}.steps"),
+        action=Action(values["action"]),
+        trust_upstream=values["trust_upstream"],
+        on_mismatch=MismatchPolicy(values["on_mismatch"]),
+        trust_dir_permissions=values["trust_dir_permissions"],
+    )

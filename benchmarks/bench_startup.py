@@ -1,0 +1,89 @@
+"""What skipinject adds to the start-up of every Python process of a run (CPU time, not wall time).
+
+A run's configuration reaches each process through ``SKIPINJECT_CONFIG`` and a ``sitecustomize``;
+this measures, per process, the CPU time over plain Python of: a process that never imports a
+target package (most helper processes), a process that imports verl (where skipinject really
+starts: plugins, engine, hooks), and the runner itself. Each case is the median of N runs,
+with the load average beside it.
+
+    python benchmarks/bench_startup.py [--runs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_ms(argv: list[str], env: dict[str, str]) -> float:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return 1000 * ((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
+
+
+def median_ms(argv: list[str], env: dict[str, str], runs: int) -> float:
+    cpu_ms(argv, env)  # warm the page cache and .pyc files
+    return statistics.median(cpu_ms(argv, env) for _ in range(runs))
+
+
+def run_config() -> str:
+    """The configuration the runner exports for ``skip.rollout.enable=True`` (printed by the runner)."""
+    code = "import os; print(os.environ['SKIPINJECT_CONFIG'])"
+    out = subprocess.run(
+        [sys.executable, "-m", "skipinject", "-c", code, "skip.rollout.enable=True", "skip.rollout.steps=[1-3]"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=9)
+    args = parser.parse_args()
+    plain = {k: v for k, v in os.environ.items() if not k.startswith(("SKIPINJECT", "VERL_SKIP"))}
+    child = {
+        **plain,
+        "SKIPINJECT_CONFIG": run_config(),
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [os.path.join(ROOT, "skipinject", "_bootstrap"), plain.get("PYTHONPATH")])
+        ),
+    }
+    py = sys.executable
+    cases = [
+        ("process without a target package", [py, "-c", "pass"], plain, [py, "-c", "pass"], child),
+        ("process importing verl", [py, "-c", "import verl"], plain, [py, "-c", "import verl"], child),
+        (
+            "process importing verl's agent loop (rollout target)",
+            [py, "-c", "import verl.experimental.agent_loop.agent_loop"],
+            plain,
+            [py, "-c", "import verl.experimental.agent_loop.agent_loop"],
+            child,
+        ),
+        (
+            "the runner (`python -m skipinject -c pass`, rollout on)",
+            [py, "-c", "pass"],
+            plain,
+            [py, "-m", "skipinject", "-c", "pass", "skip.rollout.enable=True"],
+            plain,
+        ),
+    ]
+    print(f"CPU ms per process, median of {args.runs}; load {os.getloadavg()[0]:.2f}")
+    print("| process | plain Python | with skipinject | added |")
+    print("|---|---:|---:|---:|")
+    for label, base_argv, base_env, argv, env in cases:
+        base = median_ms(base_argv, base_env, args.runs)
+        ours = median_ms(argv, env, args.runs)
+        print(f"| {label} | {base:.0f} | {ours:.0f} | {ours - base:+.0f} |")
+
+
+if __name__ == "__main__":
+    main()
