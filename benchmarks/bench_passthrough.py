@@ -115,9 +115,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200_000)
     args = parser.parse_args()
     results = measure(args.calls)
-    print(
-        f"pass-through of a step not chosen, ns per call (best of 7 x {args.calls}); load {os.getloadavg()[0]:.2f}"
-    )
+    print(f"pass-through of a step not chosen, ns per call (best of 7 x {args.calls}); load {os.getloadavg()[0]:.2f}")
     print(
         "| convention | bare | upstream annotate | skipinject | upstream overhead | skipinject overhead"
         " | ratio (upstream/skipinject overhead) |"
