@@ -40,6 +40,20 @@ def injector() -> Iterator[object]:
 
 
 @pytest.fixture(autouse=True)
+def _inline_saves(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Misses save in the calling thread, so tests can look at the cache right after a call.
+
+    The background writer itself is tested where a test is marked ``background_saves`` (and in
+    every end-to-end run, which goes through real subprocesses).
+    """
+    if request.node.get_closest_marker("background_saves"):
+        return
+    from skipinject.engine.background import WRITER
+
+    monkeypatch.setattr(WRITER, "submit", lambda key, job: job())
+
+
+@pytest.fixture(autouse=True)
 def _stop_bootstrap() -> Iterator[None]:
     yield
     from skipinject import bootstrap

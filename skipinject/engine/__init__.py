@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from skipinject.config import Config
+from skipinject.engine.background import WRITER
 from skipinject.engine.builtin_guard import BUILTIN_SKIP_INIT, BuiltinGuard
 from skipinject.engine.phases import ClockInterceptor, TargetInterceptor
 from skipinject.engine.runtime import RoleRuntime
@@ -79,6 +80,7 @@ class Engine:
             logger.debug("skipinject active for %s", ", ".join(self.runtimes))
 
     def stop(self) -> None:
+        WRITER.flush()
         for path in self._paths:
             self.injector.uninstrument(path)
         self._paths.clear()

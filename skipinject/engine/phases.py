@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from skipinject.engine.background import WRITER
 from skipinject.engine.runtime import REGENERATE, RoleRuntime
 from skipinject.roles import CLOCK, Call, Phase, StepSource, Target
 
@@ -130,11 +131,17 @@ class ClockInterceptor:
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
         self._enter(call)
-        return proceed()
+        try:
+            return proceed()
+        finally:
+            WRITER.flush()  # the run is over (or failed): its caches are complete before the process may end
 
     async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:
         self._enter(call)
-        return await proceed()
+        try:
+            return await proceed()
+        finally:
+            await asyncio.to_thread(WRITER.flush)
 
     def _enter(self, call: Call) -> None:
         if call.instance is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.config import Action, MismatchPolicy, RoleConfig
+from skipinject.engine.background import WRITER
 from skipinject.engine.decision import Plan, plan_step
 from skipinject.engine.layout import project_dir
 from skipinject.errors import CacheMissError, CorruptCacheError, PromptMismatchError
@@ -119,7 +120,8 @@ class RoleRuntime:
     # ------------------------------------------------------------ deciding
 
     def plan(self, call: Call, step: int) -> Plan:
-        """See :func:`skipinject.engine.decision.plan_step`."""
+        """See :func:`skipinject.engine.decision.plan_step` (after this project's pending saves)."""
+        WRITER.flush(self.store_for(call).project_dir)
         return plan_step(self, call, step)
 
     # ------------------------------------------------------------ serving
@@ -221,27 +223,26 @@ class RoleRuntime:
     def save(self, plan: Plan, call: Call, result: Any, inputs: Sequence[str] | None = None) -> None:
         """Save a freshly computed result for ``plan.step``; failures are logged, never raised.
 
-        ``inputs``: the call's fingerprint taken before the target ran (else taken now).
+        Encoding and a private copy happen now (the caller gets ``result`` afterwards and may change
+        it); writing happens in the background writer. ``inputs``: the call's fingerprint taken
+        before the target ran (else taken now).
         """
         if result is None:
             return
         started = time.perf_counter()
         try:
-            payload = self.codec.encode(result)
-            directory = plan.store.save(
-                plan.step, payload, {"inputs": list(inputs) if inputs is not None else self.fingerprint(call)}
-            )
+            snapshot = private_copy(self.codec.encode(result))
+            meta = {"inputs": list(inputs) if inputs is not None else self.fingerprint(call)}
         except Exception as exc:
-            self.once(
-                ("save", str(plan.store.project_dir), plan.step),
-                logging.WARNING,
-                "%s step %d: could not save the cache to %s (%s: %s); training goes on without it",
-                self.name,
-                plan.step,
-                plan.store.step_dir(plan.step),
-                type(exc).__name__,
-                exc,
-            )
+            self._save_failed(plan, exc)
+            return
+        WRITER.submit(plan.store.project_dir, lambda: self._write(plan, snapshot, meta, started))
+
+    def _write(self, plan: Plan, payload: Payload, meta: dict[str, Any], started: float) -> None:
+        try:
+            directory = plan.store.save(plan.step, payload, meta)
+        except Exception as exc:
+            self._save_failed(plan, exc)
             return
         logger.info(
             "%s step %d: saved %s rows to %s in %.3f s",
@@ -252,7 +253,28 @@ class RoleRuntime:
             time.perf_counter() - started,
         )
 
+    def _save_failed(self, plan: Plan, exc: Exception) -> None:
+        self.once(
+            ("save", str(plan.store.project_dir), plan.step),
+            logging.WARNING,
+            "%s step %d: could not save the cache to %s (%s: %s); training goes on without it",
+            self.name,
+            plan.step,
+            plan.store.step_dir(plan.step),
+            type(exc).__name__,
+            exc,
+        )
+
     def after_miss(self, call: Call, result: Any) -> Any:
         if self.role.on_miss is None:
             return result
         return self.role.on_miss(result, call)
+
+
+def private_copy(payload: Payload) -> Payload:
+    """``payload`` with its own tensors and JSON tree: later in-place changes to the result cannot reach it."""
+    import json
+
+    tensors = {name: tensor.detach().clone() for name, tensor in payload.tensors.items()}
+    objects = json.loads(json.dumps(payload.objects, separators=(",", ":"), allow_nan=True))
+    return Payload(tensors=tensors, objects=objects, rows=payload.rows)

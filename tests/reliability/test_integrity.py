@@ -351,8 +351,11 @@ def test_damage_is_detected_reported_once_and_regenerated(
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from skipinject.engine.background import WRITER
+
     dump = tmp_path_factory.mktemp("pristine") / "dump"
     h.call(h.runtime(dump), h.ToyTarget(), STEP)
+    WRITER.flush()  # module-scoped: built before the per-test inline-save fixture applies
     return dump
 
 

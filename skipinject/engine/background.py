@@ -1,0 +1,81 @@
+"""Saving off the training step's critical path: a bounded queue and one writer thread per process.
+
+On a miss the training call pays only for encoding the result and a private copy of it (tensors
+cloned, the JSON tree copied), so what is written equals what training saw when the call
+returned, whatever training does to the batch afterwards. Writing, fsync and checksums happen in
+the writer thread. The queue holds at most :data:`MAX_PENDING` saves (a full queue makes the next
+miss wait: memory stays bounded); reads of a project wait for its pending saves first, the
+trainer's ``fit`` waits for all of them when it returns, and so does interpreter exit. A process
+killed meanwhile leaves no half-written step: the store's commit protocol sees to that.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import queue
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+logger = logging.getLogger("skipinject")
+
+#: Saves waiting or being written at once, per process.
+MAX_PENDING = 2
+
+
+class BackgroundWriter:
+    """Runs save jobs in order in one daemon thread; ``flush`` waits for a key's (or every) job."""
+
+    def __init__(self, max_pending: int = MAX_PENDING) -> None:
+        self._jobs: queue.Queue[tuple[Hashable, Callable[[], Any]]] = queue.Queue(maxsize=max_pending)
+        self._pending: collections.Counter[Hashable] = collections.Counter()
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def submit(self, key: Hashable, job: Callable[[], Any]) -> None:
+        """Queue ``job`` (blocks while the queue is full)."""
+        self._ensure_thread()
+        with self._changed:
+            self._pending[key] += 1
+        self._jobs.put((key, job))
+
+    def flush(self, key: Hashable | None = None) -> None:
+        """Wait until the jobs of ``key`` (``None``: all jobs) are done."""
+        if self._thread is None or self._thread is threading.current_thread():
+            return
+        with self._changed:
+            self._changed.wait_for(
+                lambda: (self._pending[key] if key is not None else sum(self._pending.values())) == 0
+            )
+
+    def pending(self) -> int:
+        with self._changed:
+            return sum(self._pending.values())
+
+    def _ensure_thread(self) -> None:
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="skipinject-writer", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            key, job = self._jobs.get()
+            try:
+                job()
+            except Exception:  # the job logs its own failures; nothing may kill the writer
+                logger.exception("skipinject: a background save failed")
+            finally:
+                with self._changed:
+                    self._pending[key] -= 1
+                    if self._pending[key] <= 0:
+                        del self._pending[key]
+                    self._changed.notify_all()
+
+
+#: The writer of this process.
+WRITER = BackgroundWriter()
+atexit.register(WRITER.flush)

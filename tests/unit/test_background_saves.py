@@ -1,0 +1,139 @@
+"""Misses are written off the training call's critical path, and what is written is what training saw."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from skipinject import Payload, Role, StepSource, Target
+from skipinject.config import Config, RoleConfig
+from skipinject.engine import Engine
+from skipinject.engine.background import WRITER, BackgroundWriter
+from skipinject.store import StepStore
+
+pytestmark = pytest.mark.background_saves
+
+
+class TensorCodec:
+    """A result that is one tensor (training changes it in place afterwards)."""
+
+    def encode(self, result: torch.Tensor) -> Payload:
+        return Payload(
+            tensors={"x": result}, objects={"meta": {"rows": int(result.shape[0])}}, rows=int(result.shape[0])
+        )
+
+    def decode(self, payload: Payload, call: Any) -> torch.Tensor:
+        return payload.tensors["x"].clone()
+
+
+class Trainer:
+    global_steps = 0
+
+    def generate(self, n: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.float32)
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Any:
+    module = type(sys)("si_background_targets")
+    module.Trainer = type("Trainer", (Trainer,), {})  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    role = Role(
+        name="bg",
+        targets=[Target("si_background_targets:Trainer.generate")],
+        step=StepSource.attribute("global_steps"),
+        codec=TensorCodec(),
+    )
+    settings = RoleConfig(enable=True, steps=(1, 2, 3), dump_dir=str(tmp_path))
+    started = Engine(Config(roles={"bg": settings}), {"bg": (role, "bg")})
+    started.start()
+    yield module
+    started.stop()
+    del sys.modules[module.__name__]
+
+
+def test_written_data_is_what_the_call_returned_even_if_training_changes_it(engine: Any, tmp_path: Path) -> None:
+    trainer = engine.Trainer()
+    trainer.global_steps = 1
+    result = trainer.generate(1000)
+    result.mul_(-1)  # training changes the batch in place while (or before) the writer runs
+    WRITER.flush()
+    store = StepStore(tmp_path / "skipinject_default" / "bg", "bg", {})
+    (payload,) = store.load(store.verified(1))
+    assert torch.equal(payload.tensors["x"], torch.arange(1000, dtype=torch.float32))
+
+
+def test_a_read_of_the_project_waits_for_its_pending_save(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_save = StepStore.save
+    gate = threading.Event()
+
+    def slow_save(self: StepStore, *args: Any, **kwargs: Any) -> Any:
+        gate.wait(30)
+        return real_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepStore, "save", slow_save)
+    trainer = engine.Trainer()
+    trainer.global_steps = 2
+    started = time.perf_counter()
+    first = trainer.generate(10)
+    assert time.perf_counter() - started < 20, "the miss waited for the write"
+    assert WRITER.pending() == 1
+    threading.Timer(0.2, gate.set).start()
+    second = trainer.generate(10)  # the same step again: the read waits for the save, then hits
+    assert torch.equal(first, second) and WRITER.pending() == 0
+
+
+def test_the_queue_is_bounded() -> None:
+    writer = BackgroundWriter(max_pending=2)
+    gate = threading.Event()
+    running: list[int] = []
+
+    def job(i: int) -> Any:
+        return lambda: (running.append(i), gate.wait(30))
+
+    for i in range(3):  # one running, two queued
+        writer.submit("k", job(i))
+    while not running:
+        time.sleep(0.01)
+    blocked = threading.Thread(target=writer.submit, args=("k", job(3)))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive(), "a fourth save must wait while the queue is full"
+    gate.set()
+    blocked.join(30)
+    writer.flush()
+    assert writer.pending() == 0 and sorted(running) == [0, 1, 2, 3]
+
+
+def test_pending_saves_finish_before_the_interpreter_exits(tmp_path: Path) -> None:
+    program = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_background_saves import TensorCodec, Trainer
+from skipinject import Role, StepSource, Target
+from skipinject.config import Config, RoleConfig
+from skipinject.engine import Engine
+import skipinject.store.step_store as step_store
+real = step_store.StepStore.save
+def slow(self, *a, **k):
+    import time; time.sleep(1.0); return real(self, *a, **k)
+step_store.StepStore.save = slow
+mod = type(sys)("si_exit_targets")
+mod.Trainer = type("Trainer", (Trainer,), {{}})
+sys.modules["si_exit_targets"] = mod
+role = Role(name="bg", targets=[Target("si_exit_targets:Trainer.generate")], step=StepSource.attribute("global_steps"),
+            codec=TensorCodec())
+settings = RoleConfig(enable=True, steps=(1,), dump_dir={str(tmp_path)!r})
+Engine(Config(roles={{"bg": settings}}), {{"bg": (role, "bg")}}).start()
+t = mod.Trainer(); t.global_steps = 1; t.generate(5)
+"""
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "skipinject_default" / "bg" / "1" / "meta.json").is_file()
