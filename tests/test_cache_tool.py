@@ -502,3 +502,56 @@ def test_progress_bar_only_on_a_terminal():
     with Progress(100, "verify", stream=tty, delay=0) as bar:
         bar.update(50)
         assert "verify:  50%|" in tty.getvalue()
+
+
+# ---------------------------------------------------------------- real runs' caches (tests/e2e calls this)
+
+
+def check_real_dump(dump: Path, roles: set[str], scratch: Path) -> None:
+    """Every command on a dump dir a real verl run wrote; then on a damaged copy of it."""
+    import shutil
+
+    def cli(*argv: Any) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "skipinject", "cache", *map(str, argv)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+    proc = cli("ls", dump, "--json")
+    assert proc.returncode == 0, proc.stderr
+    steps = json.loads(proc.stdout)["steps"]
+    assert {s["role"] for s in steps} == roles, steps
+    assert all(s["state"] == "complete" and s["rows"] and s["writer"].get("verl") for s in steps), steps
+    assert cli("ls", dump).returncode == 0
+    proc = cli("verify", dump)
+    assert proc.returncode == 0 and " 0 damaged" in proc.stdout, proc.stdout + proc.stderr
+    by_role: dict[str, list[dict[str, Any]]] = {}
+    for step in steps:
+        by_role.setdefault(step["role"], []).append(step)
+    for role, found in by_role.items():
+        found.sort(key=lambda s: s["step"])
+        proc = cli("show", found[0]["path"], "--json")
+        assert proc.returncode == 0, proc.stderr
+        shown = json.loads(proc.stdout)
+        assert shown["role"] == role and shown["rows"] == found[0]["rows"] and shown["fields"], shown
+        if len(found) > 1:
+            proc = cli("diff", found[0]["path"], found[1]["path"], "--json")
+            assert proc.returncode in (0, 1), proc.stderr
+            assert json.loads(proc.stdout)["steps"][0]["fields"]
+    proc = cli("diff", dump, dump)
+    assert proc.returncode == 0 and "no differences" in proc.stdout, proc.stdout + proc.stderr
+
+    copy = scratch / "damaged-copy"
+    shutil.copytree(dump, copy, symlinks=True)
+    victim = next(copy.rglob("tensors-*.bin"))
+    with open(victim, "r+b") as handle:
+        handle.seek(victim.stat().st_size // 2)
+        byte = handle.read(1)
+        handle.seek(-1, 1)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    proc = cli("verify", copy)
+    assert proc.returncode == 1 and "checksum mismatch" in proc.stdout, proc.stdout + proc.stderr
+    proc = cli("prune", copy, "--keep-last", "1", "--dry-run", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["dry_run"] is True
+
+
+def test_check_real_dump_helper_on_a_store_written_dump(dump: Path, tmp_path: Path):
+    check_real_dump(dump, {"rollout", "reward", "rollout_tq"}, tmp_path)
