@@ -617,7 +617,7 @@ def _unsafe(item: Item, root_real: Path, now: float) -> str | None:
         info = lstat_regular(path)
         if info is None:
             continue
-        if (path not in named or item.state == "partial") and now - info.st_mtime < MIN_AGE:
+        if (path not in named or item.state != "complete") and now - info.st_mtime < MIN_AGE:
             return f"a save may still be writing it ({path.name} changed {now - info.st_mtime:.0f} s ago)"
     return None
 

@@ -217,6 +217,10 @@ def _classify(step_dir: Path, project: str, layout: str, role_dir: str | None) -
         return items  # verl < 0.9 wrote its own meta.json here; skipinject never writes genstep_ dirs
     if meta_entry is not None:
         item = _our_step(step_dir, project, layout, role_dir, step, foreign is not None)
+        if item is not None and item.state == "damaged":
+            item.rows, item.size, item.mtime = None, 0, 0.0  # what a damaged meta.json claims is not shown
+            item.files = [step_dir / META_NAME, *ours_data]
+            _measure(item)
         if item is not None:
             items.append(item)
             return items
