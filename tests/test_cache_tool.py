@@ -507,7 +507,7 @@ def test_progress_bar_only_on_a_terminal():
 # ---------------------------------------------------------------- real runs' caches (tests/e2e calls this)
 
 
-def check_real_dump(dump: Path, roles: set[str], scratch: Path) -> None:
+def check_real_dump(dump: Path, roles: set[str], scratch: Path, tokenizer: Path | None = None) -> None:
     """Every command on a dump dir a real verl run wrote; then on a damaged copy of it."""
     import shutil
 
@@ -532,6 +532,9 @@ def check_real_dump(dump: Path, roles: set[str], scratch: Path) -> None:
         assert proc.returncode == 0, proc.stderr
         shown = json.loads(proc.stdout)
         assert shown["role"] == role and shown["rows"] == found[0]["rows"] and shown["fields"], shown
+        if tokenizer is not None and role == "rollout":
+            proc = cli("show", found[0]["path"], "--tokenizer", tokenizer, "--rows", "2")
+            assert proc.returncode == 0 and "batch.responses (decoded):" in proc.stdout, proc.stdout + proc.stderr
         if len(found) > 1:
             proc = cli("diff", found[0]["path"], found[1]["path"], "--json")
             assert proc.returncode in (0, 1), proc.stderr
@@ -555,3 +558,16 @@ def check_real_dump(dump: Path, roles: set[str], scratch: Path) -> None:
 
 def test_check_real_dump_helper_on_a_store_written_dump(dump: Path, tmp_path: Path):
     check_real_dump(dump, {"rollout", "reward", "rollout_tq"}, tmp_path)
+
+
+def test_foreign_file_that_is_no_pickle_is_damaged_and_a_bad_tokenizer_is_one_line(dump: Path, tmp_path, capsys):
+    layout = dump / f"{EXP}_{PROJ}" / LAYOUT
+    (layout / "6").mkdir()
+    (layout / "6" / "gen_batch.dp").write_bytes(b"garbage that is no pickle")
+    (layout / "6" / "meta.json").write_text(json.dumps({"global_steps": 6}))
+    code, out, _ = run(capsys, "verify", layout / "6")
+    assert code == 1 and "not a pickle or torch.save file" in out
+    code, _, err = run(capsys, "show", layout / "1", "--tokenizer", tmp_path / "no-model")
+    assert code == 2 and "cannot load a tokenizer" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "show", layout / "6")
+    assert code == 2 and "import --trust" in err

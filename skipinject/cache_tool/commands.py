@@ -20,6 +20,7 @@ from skipinject.cache_tool.scan import (
     OUR_PREFIXES,
     STEP_RE,
     Item,
+    load_meta_json,
     lstat_regular,
     open_step,
     precheck,
@@ -275,7 +276,8 @@ def load_step(step_dir: Path) -> tuple[dict[str, Any], Any, str]:
     """(meta, decoded value, codec name) of a verified step; raises CorruptCacheError."""
     if not STEP_RE.match(step_dir.name):
         raise CommandError(f"{step_dir}: not a step directory (its name is not a step number)")
-    if not (step_dir / META_NAME).exists():
+    ours = (step_dir / META_NAME).exists() and load_meta_json(step_dir / META_NAME) is not None
+    if not ours:
         hint = ""
         if (step_dir / "gen_batch.dp").exists() or (step_dir / "0" / "tq_batch.pt").exists():
             hint = " (it holds verl's own pickles: `skipinject cache import --trust` converts them)"

@@ -121,9 +121,9 @@ def test_v0_user_roles_cache_then_hit(v0_runs: V0Runs):
     assert one == two
 
 
-def test_cache_tool_on_the_v0_runs_caches(v0_runs: V0Runs, tmp_path: Path):
+def test_cache_tool_on_the_v0_runs_caches(assets: Any, v0_runs: V0Runs, tmp_path: Path):
     """``skipinject cache ls/verify/show/diff/prune`` on what the V0 runs (rollout + user roles) wrote."""
-    check_real_dump(v0_runs.dump, {"rollout", *USER_ROLES}, tmp_path)
+    check_real_dump(v0_runs.dump, {"rollout", *USER_ROLES}, tmp_path, tokenizer=assets.model_dir)
 
 
 def test_v0_repeat_serves_nearest_step_reports_other_prompts_and_never_skips_validation(assets: Any, v0_runs: V0Runs):
