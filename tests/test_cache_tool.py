@@ -300,7 +300,7 @@ def test_diff_two_runs_project_dirs(tmp_path: Path, capsys):
     assert code == 0 and "no differences" in out and out.count("identical") == 5
     StepStore(two["layout"], "rollout", context()).save(4, DataProtoCodec().encode(make_batch(4)))
     code, doc = run_json(capsys, "diff", one["project"], two["project"])
-    assert code == 1 and doc["only"] == [{"side": "b", "step": f"{LAYOUT}/rollout/4"}]
+    assert code == 1 and doc["only"] == [{"side": "b", "step": f"{LAYOUT}/4"}]
 
 
 # ---------------------------------------------------------------- import

@@ -407,7 +407,7 @@ def _pair_steps(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[tuple[s
         out = {}
         for item in scan(root):
             if item.kind == "skipinject" and item.state == "complete":
-                out[f"{item.layout}/{item.role}/{item.step}"] = item.path
+                out[item.path.relative_to(root).as_posix()] = item.path
         return out
 
     ka, kb = keyed(a), keyed(b)
