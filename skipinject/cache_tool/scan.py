@@ -120,7 +120,7 @@ class Item:
     mtime: float = 0.0  # newest modification time of those files
     meta: dict[str, Any] | None = field(default=None, repr=False)
 
-    def record(self, root: Path | None = None) -> dict[str, Any]:
+    def record(self) -> dict[str, Any]:
         """The stable JSON form (docs/cache-tool.md)."""
         return {
             "path": str(self.path),
