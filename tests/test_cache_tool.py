@@ -571,3 +571,20 @@ def test_foreign_file_that_is_no_pickle_is_damaged_and_a_bad_tokenizer_is_one_li
     assert code == 2 and "cannot load a tokenizer" in err and len(err.strip().splitlines()) == 1
     code, _, err = run(capsys, "show", layout / "6")
     assert code == 2 and "import --trust" in err
+
+
+def test_prune_partial_removes_abandoned_leftovers_only(dump: Path, capsys):
+    """Files no meta.json names: removed when the store's garbage rule calls them abandoned (old and their
+    writer gone), kept while their writer process lives."""
+    step = dump / f"{EXP}_{PROJ}" / LAYOUT / "1"
+    old = int(time.time()) - 7200
+    dead = step / f"tensors-{old}-999999999-0123abcd.bin"
+    alive = step / f"objects-{old}-{os.getppid()}-4567abcd.json"
+    dead.write_bytes(b"x" * 1000)
+    alive.write_text("{}")
+    age(step, 3600)
+    code, doc = run_json(capsys, "prune", dump, "--partial", "--dry-run")
+    assert code == 0 and doc["leftovers"] == {"files": 1, "bytes": 1000} and dead.exists()
+    code, doc = run_json(capsys, "prune", dump, "--partial")
+    assert doc["leftovers"]["files"] == 1 and not dead.exists() and alive.exists()
+    assert run(capsys, "verify", dump)[0] == 0

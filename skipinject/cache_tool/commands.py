@@ -540,8 +540,12 @@ def cmd_prune(
             chosen.append((item, "damaged"))
     removed, skipped = [], []
     files_total = bytes_total = 0
+    garbage_found = _leftovers(items, now) if partial else None
     for item, reason in chosen:
         problem = _unsafe(item, root_real, now)
+        abandoned = garbage_found is None or set(item.files) <= garbage_found[1]
+        if problem is None and item.state == "partial" and not abandoned:
+            problem = "a save may still be writing it (its writer is alive, or it changed in the last 10 minutes)"
         if problem:
             skipped.append({"path": str(item.path), "reason": problem})
             continue
@@ -549,8 +553,14 @@ def cmd_prune(
         files_total += count
         bytes_total += size
         removed.append({"path": str(item.path), "role": item.role, "step": item.step, "reason": reason, "size": size})
-    leftovers = _leftovers(root, now, dry_run) if partial else None
-    if leftovers is not None:
+    leftovers = None
+    if garbage_found is not None:
+        from skipinject.store import garbage
+
+        gone = {Path(entry["path"]) for entry in removed}
+        rest = [leftover for leftover in garbage_found[0] if not gone & set(leftover.path.parents)]
+        counted = (len(rest), sum(leftover.size for leftover in rest))
+        leftovers = counted if dry_run else garbage.remove_leftovers(rest)
         files_total += leftovers[0]
         bytes_total += leftovers[1]
     if as_json:
@@ -648,15 +658,13 @@ def _remove(item: Item) -> tuple[int, int]:
     return count, size
 
 
-def _leftovers(root: Path, now: float, dry_run: bool) -> tuple[int, int] | None:
-    """Stale temporary and superseded files of committed steps (the store's garbage API, if present)."""
+def _leftovers(items: Sequence[Item], now: float) -> tuple[list[Any], set[Path]] | None:
+    """Abandoned files of our saves (the store's rule, :mod:`skipinject.store.garbage`), or None without it."""
     try:
-        from skipinject.store import garbage  # type: ignore[attr-defined]
+        from skipinject.store import garbage
     except ImportError:
         return None
-    found = []
-    for project in (p for p in root.iterdir() if p.is_dir() and not p.is_symlink()):
-        found += garbage.find_leftovers(project, now=now)
-    if dry_run:
-        return len(found), sum(getattr(f, "size", 0) for f in found)
-    return tuple(garbage.remove_leftovers(found))  # type: ignore[return-value]
+    found: list[Any] = []
+    for store_dir in sorted({item.path.parent for item in items if item.kind == "skipinject"}):
+        found += garbage.find_leftovers(store_dir, now=now)
+    return found, {leftover.path for leftover in found}

@@ -128,7 +128,7 @@ def text_rows(value: Any, limit: int, width: int = 100) -> list[str] | None:
         rows = list(value[:limit])
     else:
         return None
-    if not rows or not all(isinstance(r, (str, bytes, list)) for r in rows):
+    if not rows or not all(isinstance(r, (str, bytes, list)) for r in rows) or not any(len(r) for r in rows):
         return None
     out = []
     for row in rows:
