@@ -588,3 +588,13 @@ def test_prune_partial_removes_abandoned_leftovers_only(dump: Path, capsys):
     code, doc = run_json(capsys, "prune", dump, "--partial")
     assert doc["leftovers"]["files"] == 1 and not dead.exists() and alive.exists()
     assert run(capsys, "verify", dump)[0] == 0
+
+
+def test_import_context_from_verls_default_names(tmp_path: Path, capsys):
+    dump = tmp_path / "dump"
+    layout = dump / "default_experiment_name_my_proj" / LAYOUT
+    batch = _upstream_v0(layout, 2, 2)
+    code, out, _ = run(capsys, "import", layout / "2", "--trust")
+    assert code == 0, out
+    store = StepStore(layout, "rollout", context(experiment="default_experiment_name", project="my_proj"))
+    assert same_batch(DataProtoCodec().decode(store.load(store.verified(2))[0]), batch)

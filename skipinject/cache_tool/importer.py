@@ -23,6 +23,8 @@ from skipinject.cache_tool.scan import LAYOUT_RE, V0_FILE, V0_INPUT_FILE, Item, 
 from skipinject.errors import CorruptCacheError
 from skipinject.store import META_NAME, StepStore
 
+#: verl's defaults for trainer.experiment_name / trainer.project_name (``layout_of`` uses them too).
+DEFAULT_EXPERIMENT, DEFAULT_PROJECT = "default_experiment_name", "default_project_name"
 _SAMPLE_ID = re.compile(r"(?:uid_)?sample_[0-9]{1,18}_[0-9]{1,18}")
 WARNING = (
     "verl's caches are pickles (gen_batch.dp, tq_batch.pt): loading one runs whatever code it holds. "
@@ -43,6 +45,10 @@ def context_for(layout_dir: Path, experiment: str | None, project: str | None) -
             experiment, project = found
         elif name.count("_") == 1:
             experiment, project = name.split("_")
+        elif name.startswith(f"{DEFAULT_EXPERIMENT}_"):
+            experiment, project = DEFAULT_EXPERIMENT, name[len(DEFAULT_EXPERIMENT) + 1 :]
+        elif name.endswith(f"_{DEFAULT_PROJECT}"):
+            experiment, project = name[: -len(DEFAULT_PROJECT) - 1], DEFAULT_PROJECT
         else:
             raise CommandError(
                 f"{layout_dir.parent}: cannot tell the experiment name from the project name in {name!r}; "
