@@ -378,7 +378,11 @@ def cmd_diff(a: Path, b: Path, *, as_json: bool) -> int:
         only: list[tuple[str, str]] = []
     else:
         pairs, only = _pair_steps(a, b)
-    reports = [_diff_steps(x, y) for x, y in pairs]
+    reports = []
+    with Progress(len(pairs), "diff", unit="steps") as bar:
+        for x, y in pairs:
+            reports.append(_diff_steps(x, y))
+            bar.update(1, x.name)
     differ = bool(only) or any(r["differs"] for r in reports)
     if as_json:
         emit_json(

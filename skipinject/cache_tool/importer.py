@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.cache_tool.commands import FOUND, OK, USAGE, CommandError, existing_dir
+from skipinject.cache_tool.progress import Progress
 from skipinject.cache_tool.render import emit_json, schema
 from skipinject.cache_tool.scan import LAYOUT_RE, V0_FILE, V0_INPUT_FILE, Item, load_meta_json, read_bounded, scan
 from skipinject.errors import CorruptCacheError
@@ -199,14 +200,16 @@ def cmd_import(
             print(f"{len(items)} verl cache step(s) found, none imported. {WARNING}")
         return USAGE if items else OK
     results = []
-    for item in items:
-        try:
-            results.append(import_item(item, role=role, experiment=experiment, project=project))
-        except CommandError as exc:
-            results.append({"source": str(item.path), "kind": item.kind, "status": "failed", "error": str(exc)})
-        except Exception as exc:  # a broken pickle must not stop the others
-            error = f"{type(exc).__name__}: {exc}"
-            results.append({"source": str(item.path), "kind": item.kind, "status": "failed", "error": error})
+    with Progress(sum(i.size for i in items), "import") as bar:
+        for item in items:
+            try:
+                results.append(import_item(item, role=role, experiment=experiment, project=project))
+            except CommandError as exc:
+                results.append({"source": str(item.path), "kind": item.kind, "status": "failed", "error": str(exc)})
+            except Exception as exc:  # a broken pickle must not stop the others
+                error = f"{type(exc).__name__}: {exc}"
+                results.append({"source": str(item.path), "kind": item.kind, "status": "failed", "error": error})
+            bar.update(item.size, f"step {item.step}")
     failed = [r for r in results if r["status"] == "failed"]
     if as_json:
         emit_json({"schema": schema("import"), "trusted": True, "steps": results})
