@@ -129,6 +129,13 @@ def _when(created: str | None, mtime: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime)) if mtime else "-"
 
 
+def _span(first: str, last: str) -> str:
+    """``2026-11-30 14:25 .. 14:33`` (the date once when both are on the same day)."""
+    if first == last:
+        return first
+    return f"{first} .. {last[11:]}" if first[:10] == last[:10] else f"{first} .. {last}"
+
+
 def _groups(items: Sequence[Item]) -> list[dict[str, Any]]:
     """Items of one project, layout, role, state and writer, with their steps as ranges."""
     grouped: dict[tuple[Any, ...], list[Item]] = {}
@@ -150,11 +157,7 @@ def _groups(items: Sequence[Item]) -> list[dict[str, Any]]:
                 "count": len(members),
                 "rows": sum(r for r in rows if r is not None) if any(r is not None for r in rows) else None,
                 "size": sum(i.size for i in members),
-                "created": whens[0]
-                if whens[0] == whens[-1]
-                else f"{whens[0]} .. {whens[-1][-5:]}"
-                if whens[0][:10] == whens[-1][:10]
-                else f"{whens[0]} .. {whens[-1]}",
+                "created": _span(whens[0], whens[-1]),
                 "written_by": written_by,
             }
         )
