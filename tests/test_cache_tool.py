@@ -507,11 +507,21 @@ def test_progress_bar_only_on_a_terminal():
 # ---------------------------------------------------------------- real runs' caches (tests/e2e calls this)
 
 
-def check_real_dump(dump: Path, roles: set[str], scratch: Path, tokenizer: Path | None = None) -> None:
-    """Every command on a dump dir a real verl run wrote; then on a damaged copy of it."""
+def check_real_dump(
+    dump: Path, roles: set[str], scratch: Path, tokenizer: Path | None = None, *, in_process: bool = False
+) -> None:
+    """Every command on a dump dir a real verl run wrote (through ``python -m skipinject cache``, or
+    in this process with ``in_process``); then on a damaged copy of it."""
+    import contextlib
+    import io
     import shutil
 
     def cli(*argv: Any) -> subprocess.CompletedProcess[str]:
+        if in_process:
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main([str(a) for a in argv])
+            return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
         command = [sys.executable, "-m", "skipinject", "cache", *map(str, argv)]
         return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
@@ -557,7 +567,7 @@ def check_real_dump(dump: Path, roles: set[str], scratch: Path, tokenizer: Path 
 
 
 def test_check_real_dump_helper_on_a_store_written_dump(dump: Path, tmp_path: Path):
-    check_real_dump(dump, {"rollout", "reward", "rollout_tq"}, tmp_path)
+    check_real_dump(dump, {"rollout", "reward", "rollout_tq"}, tmp_path, in_process=True)
 
 
 def test_foreign_file_that_is_no_pickle_is_damaged_and_a_bad_tokenizer_is_one_line(dump: Path, tmp_path, capsys):
