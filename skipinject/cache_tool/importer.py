@@ -97,14 +97,32 @@ def guess_role(batch: Any) -> str:
     return "rollout"
 
 
+def _load_dataproto(path: Path) -> Any:
+    """verl's pickled DataProto, by the rollout plugin's loader (what ``skip.rollout.trust_upstream`` uses).
+
+    Unpickling stays in the plugins that own verl's formats; nothing in ``skipinject/`` unpickles.
+    """
+    try:
+        from skipinject_rollout.common import GEN_BATCH
+    except ImportError as exc:
+        raise CommandError("importing gen_batch.dp needs the rollout plugin (plugins/rollout) installed") from exc
+    return GEN_BATCH.load(path)  # trusted: --trust
+
+
+def _load_tq_parts(step_dir: Path) -> list[dict[str, Any]]:
+    """verl's ``{step}/{k}/tq_batch.pt`` parts, by the rollout_tq plugin's loader (``trust_upstream``)."""
+    try:
+        from skipinject_rollout_tq.transfer import load_upstream
+    except ImportError as exc:
+        raise CommandError("importing tq_batch.pt needs the rollout_tq plugin (plugins/rollout_tq) installed") from exc
+    return load_upstream(step_dir)  # trusted: --trust
+
+
 def _fingerprint(input_path: Path) -> list[str] | None:
     """verl < 0.9 kept the input batch (``new_batch.dp``): the rollout roles' input fingerprint of it."""
-    try:
-        from skipinject_rollout.common import prompt_fingerprint
-        from verl.protocol import DataProto
-    except ImportError:
-        return None
-    batch = DataProto.load_from_disk(str(input_path))  # trusted: --trust
+    from skipinject_rollout.common import prompt_fingerprint
+
+    batch = _load_dataproto(input_path)
 
     class _Call:
         pass
@@ -121,8 +139,6 @@ def import_item(item: Item, *, role: str | None, experiment: str | None, project
     context = context_for(layout_dir, experiment, project)
     record: dict[str, Any] = {"source": str(item.path), "kind": item.kind, "step": step}
     if item.kind == "verl-v1":
-        import torch
-
         from skipinject.codecs import TensorDictCodec
 
         role_name = role or "rollout_tq"
@@ -133,9 +149,11 @@ def import_item(item: Item, *, role: str | None, experiment: str | None, project
         writer = store.begin(step)
         rows = 0
         try:
-            for index, path in enumerate(item.files):
-                value = torch.load(path, weights_only=False, map_location="cpu")  # trusted: --trust
-                if not isinstance(value, dict) or not {"tensordict", "keys", "tags"} <= set(value):
+            values = _load_tq_parts(item.path)
+            if len(values) != len(item.files):
+                raise CorruptCacheError(f"{item.path}: {len(values)} parts loaded, {len(item.files)} found")
+            for index, (path, value) in enumerate(zip(item.files, values, strict=True)):
+                if not {"tensordict", "keys", "tags"} <= set(value):
                     raise CorruptCacheError(f"{path}: not a TransferQueue batch payload")
                 payload = codec.encode(dict(value))
                 rows += payload.rows or 0
@@ -147,12 +165,10 @@ def import_item(item: Item, *, role: str | None, experiment: str | None, project
             writer.abort()
             raise
     else:
-        from verl.protocol import DataProto
-
         from skipinject.codecs import DataProtoCodec
 
         source = item.path / V0_FILE
-        batch = DataProto.load_from_disk(str(source))  # trusted: --trust
+        batch = _load_dataproto(source)
         role_name = role or guess_role(batch)
         store = StepStore(layout_dir, role_name, context)
         if _already(store, step):
