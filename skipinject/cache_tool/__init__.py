@@ -1,12 +1,139 @@
-"""``skipinject cache ...``: see, verify, show, compare, import and prune what is cached."""
+"""``skipinject cache ...``: see, verify, show, compare, import and prune what is cached.
+
+Built on the store's reader (:class:`~skipinject.store.StepStore`) and writer
+(:class:`~skipinject.store.StepWriter`), like the engine. Exit status: 0 fine, 1 something was
+found (damaged steps, differences, failed imports), 2 bad usage or path, 3 an internal error.
+The ``--json`` documents are described in ``docs/cache-tool.md``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+from skipinject.errors import SkipInjectError
+
+DESCRIPTION = "See, verify, show, compare, import and prune skipinject's (and verl's own) rollout caches."
+
+
+def default_dump_dir() -> Path:
+    from skipinject.config import DEFAULT_DUMP_DIR
+
+    return Path(DEFAULT_DUMP_DIR).expanduser()
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="skipinject cache", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    dump_help = "dump directory (default: skip.<role>.dump_dir's default, ~/.verl/rollout_dump)"
+
+    p = sub.add_parser("ls", help="list projects, layouts, roles and steps, with size, age, writer and state")
+    p.add_argument("dump_dir", nargs="?", type=Path, help=dump_help)
+    p.add_argument("-l", "--steps", action="store_true", help="one line per step instead of per step range")
+    p.add_argument("--json", action="store_true", help="machine-readable output (schema skipinject.cache.ls/1)")
+
+    p = sub.add_parser("verify", help="check sizes, checksums and format of every step; exit 1 if any is damaged")
+    p.add_argument("paths", nargs="*", type=Path, metavar="PATH", help="dump, project, layout or step directories")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("show", help="what one step holds: fields, dtypes, shapes, rows, inputs, first text rows")
+    p.add_argument("step_path", type=Path, metavar="STEP_PATH")
+    p.add_argument("--rows", type=int, default=3, help="text rows to show per field (default 3)")
+    p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer (model directory) to decode token ids")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("diff", help="compare two steps, or two runs' project directories; exit 1 if they differ")
+    p.add_argument("a", type=Path, metavar="A")
+    p.add_argument("b", type=Path, metavar="B")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("import", help="convert verl's own pickled caches into skipinject's format (needs --trust)")
+    p.add_argument("paths", nargs="+", type=Path, metavar="PATH")
+    p.add_argument(
+        "--trust", action="store_true", help="load the pickles (they run code when loaded: only caches you trust)"
+    )
+    p.add_argument("--role", help="role to import gen_batch.dp as (default: rollout, or async_rollout by sample ids)")
+    p.add_argument("--experiment", help="trainer.experiment_name, when the directory name is ambiguous")
+    p.add_argument("--project", help="trainer.project_name, when the directory name is ambiguous")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("prune", help="remove steps and leftovers of interrupted saves (never verl's pickles)")
+    p.add_argument("dump_dir", nargs="?", type=Path, help=dump_help)
+    p.add_argument("--keep-last", type=int, metavar="N", help="keep the N highest steps of each role")
+    p.add_argument("--older-than", metavar="AGE", help="remove steps created longer ago than AGE (30m, 12h, 7d)")
+    p.add_argument("--partial", action="store_true", help="remove interrupted saves (data without meta.json)")
+    p.add_argument("--damaged", action="store_true", help="remove steps whose meta.json or files are damaged")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p.add_argument("--json", action="store_true")
+    return parser
 
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``skipinject cache``; returns the exit status."""
-    print("skipinject: error: `skipinject cache` is not implemented yet", file=sys.stderr)
-    return 2
+    from skipinject.cache_tool import commands
+
+    try:
+        args = build_parser().parse_args(list(argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        if args.command == "ls":
+            root = args.dump_dir or default_dump_dir()
+            return commands.cmd_ls(root, as_json=args.json, per_step=args.steps, default=args.dump_dir is None)
+        if args.command == "verify":
+            return commands.cmd_verify(args.paths or [default_dump_dir()], as_json=args.json)
+        if args.command == "show":
+            return commands.cmd_show(args.step_path, as_json=args.json, rows=args.rows, tokenizer=args.tokenizer)
+        if args.command == "diff":
+            return commands.cmd_diff(args.a, args.b, as_json=args.json)
+        if args.command == "import":
+            from skipinject.cache_tool.importer import cmd_import
+
+            return cmd_import(
+                args.paths,
+                trust=args.trust,
+                role=args.role,
+                experiment=args.experiment,
+                project=args.project,
+                as_json=args.json,
+            )
+        if args.command == "prune":
+            return commands.cmd_prune(
+                args.dump_dir or default_dump_dir(),
+                keep_last=args.keep_last,
+                older_than=None if args.older_than is None else commands.parse_age(args.older_than),
+                partial=args.partial,
+                damaged=args.damaged,
+                dry_run=args.dry_run,
+                as_json=args.json,
+            )
+    except (commands.CommandError, SkipInjectError) as exc:
+        print(f"skipinject cache {args.command}: error: {exc}", file=sys.stderr)
+        return commands.USAGE
+    except OSError as exc:
+        print(f"skipinject cache {args.command}: error: {exc}", file=sys.stderr)
+        return commands.USAGE
+    except KeyboardInterrupt:
+        print(f"skipinject cache {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("SKIPINJECT_DEBUG"):
+            raise
+        print(
+            f"skipinject cache {args.command}: internal error: {type(exc).__name__}: {exc} "
+            "(set SKIPINJECT_DEBUG=1 for a traceback)",
+            file=sys.stderr,
+        )
+        return 3
+    raise AssertionError(args.command)

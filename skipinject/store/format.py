@@ -12,7 +12,6 @@ FORMAT = "skipinject"
 FORMAT_VERSION = 2
 META_NAME = "meta.json"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_STALE_SECONDS = 600.0
 
 
 def _meta_digest(meta: Mapping[str, Any]) -> str:

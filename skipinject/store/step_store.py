@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo, _digest_parallel, file_checksum
-from skipinject.store.format import _SAFE_NAME, _STALE_SECONDS, FORMAT, FORMAT_VERSION, META_NAME, _meta_digest
+from skipinject.store.format import _SAFE_NAME, FORMAT, FORMAT_VERSION, META_NAME, _meta_digest
+from skipinject.store.garbage import collect
 from skipinject.store.payload import Payload, StepEntry
 from skipinject.store.tensorfile import map_file, read_tensors
 from skipinject.store.writer import StepWriter
@@ -173,17 +172,6 @@ class StepStore:
                 raise CorruptCacheError(f"{directory}: meta.json names an unsafe file {name!r}")
             yield (directory / sub / name if sub else directory / name), {**spec, "kind": kind}
 
-    def collect_garbage(self, step: int, meta: Mapping[str, Any]) -> None:
-        """Delete our data files that the current ``meta.json`` does not name and that are stale."""
-        directory = self.step_dir(step)
-        keep = {path for part in meta["parts"] for path, _ in self._part_files(directory, part)}
-        now = time.time()
-        dirs = [directory] + [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
-        for folder in dirs:
-            for path in folder.iterdir():
-                ours = path.name.startswith(("tensors-", "objects-", ".tensors-", ".objects-", ".meta.json.tmp"))
-                if not ours or path in keep:
-                    continue
-                with contextlib.suppress(OSError):
-                    if now - path.stat().st_mtime > _STALE_SECONDS:
-                        path.unlink()
+    def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]:
+        """Remove abandoned leftovers of this step's saves now (see :mod:`skipinject.store.garbage`)."""
+        return collect(self.project_dir, step=step)

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import platform
+import stat
 import time
 import uuid
 from collections.abc import Mapping
@@ -13,8 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from skipinject._version import __version__
+from skipinject.errors import CorruptCacheError
 from skipinject.store.checksums import _digest
 from skipinject.store.format import _SAFE_NAME, FORMAT, FORMAT_VERSION, META_NAME, _meta_digest
+from skipinject.store.garbage import ACTIVE_WRITE_IDS, collect
 from skipinject.store.payload import Payload
 from skipinject.store.tensorfile import write_tensors
 
@@ -34,9 +37,11 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _write_file_atomic(path: Path, write: Any) -> None:
-    """Write through a temporary name, fsync, then rename: the name holds all or nothing."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+def _write_file_atomic(path: Path, write: Any, write_id: str | None = None) -> None:
+    """Write through a temporary name, fsync, then rename: the name holds all or nothing.
+
+    The temporary name carries the writer's id (see :mod:`skipinject.store.garbage`)."""
+    tmp = path.with_name(f".{path.name}.tmp-{write_id or uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as handle:
             write(handle)
@@ -75,6 +80,7 @@ class StepWriter:
         self.store = store
         self.step = step
         self.write_id = f"{int(time.time())}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        ACTIVE_WRITE_IDS.add(self.write_id)
         self.parts: dict[str, dict[str, Any]] = {}
         self._written: list[Path] = []
         self._created: list[Path] = []
@@ -88,18 +94,24 @@ class StepWriter:
         if part and not _SAFE_NAME.match(part):
             raise ValueError(f"bad part name {part!r}")
         part_dir = self.directory / part if part else self.directory
+        if os.path.lexists(self.directory):
+            _refuse_link(self.directory)
         self._created.extend(make_private_dirs(part_dir))
+        for directory in {self.directory, part_dir}:
+            _refuse_link(directory)
         algo = self.store.checksum_algo
         checksums: dict[str, str] = {}
         tensors_path = part_dir / f"tensors-{self.write_id}.bin"
         self._written.append(tensors_path)
         _write_file_atomic(
-            tensors_path, lambda h: checksums.__setitem__("tensors", write_tensors(h, payload.tensors, algo))
+            tensors_path,
+            lambda h: checksums.__setitem__("tensors", write_tensors(h, payload.tensors, algo)),
+            self.write_id,
         )
         objects_path = part_dir / f"objects-{self.write_id}.json"
         self._written.append(objects_path)
         blob = json.dumps(payload.objects, separators=(",", ":"), allow_nan=True).encode()
-        _write_file_atomic(objects_path, lambda h: h.write(blob))
+        _write_file_atomic(objects_path, lambda h: h.write(blob), self.write_id)
         checksums["objects"] = _digest(blob, algo)
         files: dict[str, Any] = {}
         for kind, path in (("tensors", tensors_path), ("objects", objects_path)):
@@ -126,12 +138,14 @@ class StepWriter:
         )
         record["meta_checksum"] = _meta_digest(record)
         text = json.dumps(record, indent=1, sort_keys=True).encode()
-        _write_file_atomic(self.directory / META_NAME, lambda h: h.write(text))
+        _refuse_link(self.directory)
+        _write_file_atomic(self.directory / META_NAME, lambda h: h.write(text), self.write_id)
         _fsync_dir(self.directory)
         self._written.clear()
         self._created.clear()
-        with contextlib.suppress(OSError):  # the step is committed; garbage is someone else's problem now
-            self.store.collect_garbage(self.step, record)
+        ACTIVE_WRITE_IDS.discard(self.write_id)
+        # the step is committed; leftovers of earlier or concurrent saves are collected (never raises)
+        collect(self.store.project_dir, step=self.step)
         return self.directory
 
     def abort(self) -> None:
@@ -144,6 +158,15 @@ class StepWriter:
                 directory.rmdir()
         self._written.clear()
         self._created.clear()
+        ACTIVE_WRITE_IDS.discard(self.write_id)
+
+
+def _refuse_link(directory: Path) -> None:
+    """Never write through a step or part directory that is a symlink (or not a directory)."""
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a directory"
+        raise CorruptCacheError(f"{directory} is {kind}; not writing through it")
 
 
 def _part_order(name: str) -> tuple[int, str]:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import SKIPINJECT_FULLY_ASYNC, SKIPINJECT_MAIN_PPO, harness, rollout_records, skip_lines
+from tests.test_cache_tool import check_real_dump
 
 pytestmark = pytest.mark.e2e
 
@@ -120,6 +121,11 @@ def test_v0_user_roles_cache_then_hit(v0_runs: V0Runs):
     assert one == two
 
 
+def test_cache_tool_on_the_v0_runs_caches(assets: Any, v0_runs: V0Runs, tmp_path: Path):
+    """``skipinject cache ls/verify/show/diff/prune`` on what the V0 runs (rollout + user roles) wrote."""
+    check_real_dump(v0_runs.dump, {"rollout", *USER_ROLES}, tmp_path, tokenizer=assets.model_dir)
+
+
 def test_v0_repeat_serves_nearest_step_reports_other_prompts_and_never_skips_validation(assets: Any, v0_runs: V0Runs):
     third, calls = _run(
         assets,
@@ -156,3 +162,4 @@ def test_fully_async_rollout_cache_then_hit(assets: Any, tmp_path: Path):
     second, calls_2 = _run(assets, tmp_path, "async2", overrides, SKIPINJECT_FULLY_ASYNC, harness.run_fully_async)
     assert calls_2 == 0, "feed indices 1-4 are served from the cache"
     assert sum("hit, served step" in line for line in skip_lines(second, "async_rollout")) == 4
+    check_real_dump(dump, {"async_rollout"}, tmp_path)

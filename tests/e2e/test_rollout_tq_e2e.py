@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import SKIPINJECT_MAIN_PPO, harness, rollout_records, skip_lines
+from tests.test_cache_tool import check_real_dump
 
 pytestmark = pytest.mark.e2e
 
@@ -99,3 +100,4 @@ def test_v1_rollout_tq_cache_then_hit(assets: Any, tmp_path: Path, trainer_mode:
     assert sorted(one) == sorted(two) == [1, 2]
     for step in (1, 2):
         assert two[step] == one[step], f"step {step}: run 2 trained on other trajectories than run 1 generated"
+    check_real_dump(dump, {ROLE}, tmp_path)  # `skipinject cache ...` on the k-part steps these runs wrote

@@ -1,0 +1,280 @@
+"""What a loaded step holds, field by field: decode with the codec named in the cache, flatten, compare."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from skipinject.store import Payload
+
+#: Codecs ``show`` and ``diff`` decode by the name the cache records (``objects["codec"]``).
+KNOWN_CODECS = ("DataProto", "TensorDict")
+
+
+def _codec(name: str) -> Any:
+    from skipinject.codecs import DataProtoCodec, TensorDictCodec
+
+    return {"DataProto": DataProtoCodec, "TensorDict": TensorDictCodec}[name]()
+
+
+def decode(payloads: Sequence[Payload]) -> tuple[Any, str]:
+    """The step as the engine would replay it (parts merged), and the codec name.
+
+    A codec this tool does not know (a user role's own) is shown as its raw payload: the tensor
+    file's tensors and the JSON tree.
+    """
+    names = {p.objects.get("codec") for p in payloads}
+    name = names.pop() if len(names) == 1 else None
+    if name in KNOWN_CODECS:
+        codec = _codec(name)
+        values = [codec.decode(p) for p in payloads]
+        if len(values) == 1:
+            return values[0], name
+        try:
+            return codec.merge(values), name
+        except Exception:
+            return {f"part{i}": value for i, value in enumerate(values)}, name
+    raw: dict[str, Any] = {}
+    for index, payload in enumerate(payloads):
+        prefix = f"part{index}." if len(payloads) > 1 else ""
+        for key, tensor in payload.tensors.items():
+            raw[f"{prefix}tensors.{key}"] = tensor
+        for key, value in payload.objects.items():
+            raw[f"{prefix}objects.{key}"] = value
+    return raw, str(name) if name else "raw"
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Leaf fields by dotted name: tensors, numpy arrays, lists and plain values."""
+    out: dict[str, Any] = {}
+    kind = type(value).__name__
+    if hasattr(value, "non_tensor_batch") and hasattr(value, "meta_info") and hasattr(value, "batch"):
+        if value.batch is not None:
+            out.update(flatten(value.batch, f"{prefix}batch."))
+        for key, column in value.non_tensor_batch.items():
+            out[f"{prefix}non_tensor_batch.{key}"] = column
+        for key, item in dict(value.meta_info).items():
+            out[f"{prefix}meta_info.{key}"] = item
+        return out
+    if kind == "TensorDict":
+        for key in value.keys():
+            out.update(flatten(value.get(key), f"{prefix}{key}."))
+        return out
+    if kind in ("NonTensorStack",):
+        return {prefix.rstrip("."): value.tolist()}
+    if kind == "NonTensorData":
+        return {prefix.rstrip("."): value.data}
+    nested = isinstance(value, Mapping) and not prefix.startswith("objects.") and all(isinstance(k, str) for k in value)
+    if nested and (not prefix or _has_container(value)):
+        for key, item in value.items():
+            out.update(flatten(item, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def _has_container(value: Mapping[str, Any]) -> bool:
+    return any(type(v).__name__ in ("TensorDict", "Tensor", "ndarray") for v in value.values())
+
+
+# ---------------------------------------------------------------- describing
+
+
+@dataclass
+class FieldInfo:
+    name: str
+    kind: str  # tensor | jagged | array | list | value
+    dtype: str
+    shape: str
+    rows: int | None
+
+    def record(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "dtype": self.dtype, "shape": self.shape, "rows": self.rows}
+
+
+def _is_jagged(value: Any) -> bool:
+    return bool(getattr(value, "is_nested", False))
+
+
+def describe(name: str, value: Any) -> FieldInfo:
+    kind = type(value).__name__
+    if kind in ("Tensor", "NestedTensor") or hasattr(value, "is_nested"):
+        dtype = str(value.dtype).removeprefix("torch.")
+        if _is_jagged(value):
+            rows = value.size(0)
+            shape = [str(rows), "j", *[str(d) for d in value.shape[2:]]] if value.dim() > 1 else [str(rows)]
+            return FieldInfo(name, "jagged", dtype, "(" + ", ".join(shape) + ")", rows)
+        shape_list = list(value.shape)
+        return FieldInfo(name, "tensor", dtype, str(tuple(shape_list)), shape_list[0] if shape_list else None)
+    if kind == "ndarray":
+        rows = value.shape[0] if value.ndim else None
+        return FieldInfo(name, "array", str(value.dtype), str(tuple(value.shape)), rows)
+    if isinstance(value, (list, tuple)):
+        types = sorted({type(v).__name__ for v in value})
+        return FieldInfo(name, "list", "|".join(types[:3]) or "-", f"({len(value)},)", len(value))
+    return FieldInfo(name, "value", type(value).__name__, "-", None)
+
+
+def text_rows(value: Any, limit: int, width: int = 100) -> list[str] | None:
+    """The first rows of a text-like field (strings, chat messages, JSON records), else None."""
+    kind = type(value).__name__
+    if kind == "ndarray":
+        if value.dtype.kind not in ("U", "S", "O") or value.ndim != 1:
+            return None
+        rows = list(value[:limit])
+    elif isinstance(value, (list, tuple)):
+        rows = list(value[:limit])
+    else:
+        return None
+    if not rows or not all(isinstance(r, (str, bytes, list)) for r in rows) or not any(len(r) for r in rows):
+        return None
+    out = []
+    for row in rows:
+        text = row if isinstance(row, str) else json.dumps(row, default=str, ensure_ascii=False)
+        text = text.replace("\n", "\\n")
+        out.append(text if len(text) <= width else text[: width - 1] + "…")
+    return out
+
+
+# ---------------------------------------------------------------- comparing
+
+
+@dataclass
+class FieldDiff:
+    name: str
+    status: str  # same | differs | only-a | only-b | shape | dtype
+    rows: int | None = None  # rows compared
+    rows_differing: int | None = None
+    max_abs: float | None = None
+    mean_abs: float | None = None
+    note: str = ""
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "status": self.status,
+            "rows": self.rows,
+            "rows_differing": self.rows_differing,
+            "max_abs_diff": _finite(self.max_abs),
+            "mean_abs_diff": _finite(self.mean_abs),
+            "note": self.note,
+        }
+
+
+def _finite(value: float | None) -> float | str | None:
+    if value is None or math.isfinite(value):
+        return value
+    return str(value)
+
+
+def compare_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[FieldDiff]:
+    out = []
+    for name in sorted(set(a) | set(b)):
+        if name not in b:
+            out.append(FieldDiff(name, "only-a"))
+        elif name not in a:
+            out.append(FieldDiff(name, "only-b"))
+        else:
+            try:
+                out.append(compare(name, a[name], b[name]))
+            except Exception as exc:  # a comparison must not end the report
+                out.append(FieldDiff(name, "differs", note=f"not comparable ({type(exc).__name__}: {exc})"))
+    return out
+
+
+def _as_rows(value: Any) -> list[Any] | None:
+    kind = type(value).__name__
+    if hasattr(value, "is_nested") and _is_jagged(value):
+        return list(value.unbind(0))
+    if kind == "ndarray" and value.dtype.kind == "O":
+        return list(value)
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return None
+
+
+def _same(x: Any, y: Any) -> bool:
+    import numpy as np
+    import torch
+
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return (
+            isinstance(x, torch.Tensor)
+            and isinstance(y, torch.Tensor)
+            and x.shape == y.shape
+            and x.dtype == y.dtype
+            and bool(torch.equal(x, y))
+        )
+    if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+        return bool(np.array_equal(np.asarray(x, dtype=object), np.asarray(y, dtype=object)))
+    try:
+        return bool(x == y) and type(x) is type(y)
+    except Exception:
+        return json.dumps(x, default=str, sort_keys=True) == json.dumps(y, default=str, sort_keys=True)
+
+
+def compare(name: str, a: Any, b: Any) -> FieldDiff:
+    import numpy as np
+    import torch
+
+    dense_a = isinstance(a, (torch.Tensor, np.ndarray)) and not _is_jagged(a) and _not_object(a)
+    dense_b = isinstance(b, (torch.Tensor, np.ndarray)) and not _is_jagged(b) and _not_object(b)
+    if dense_a and dense_b:
+        ta = torch.as_tensor(a) if isinstance(a, np.ndarray) and a.dtype.kind in "biufc" else a
+        tb = torch.as_tensor(b) if isinstance(b, np.ndarray) and b.dtype.kind in "biufc" else b
+        if isinstance(ta, np.ndarray) or isinstance(tb, np.ndarray):  # strings and other numpy dtypes
+            ra, rb = list(np.asarray(a)), list(np.asarray(b))
+            return _row_diff(name, ra, rb)
+        if tuple(ta.shape) != tuple(tb.shape):
+            return FieldDiff(name, "shape", note=f"{tuple(ta.shape)} vs {tuple(tb.shape)}")
+        if ta.dtype != tb.dtype:
+            return FieldDiff(name, "dtype", note=f"{ta.dtype} vs {tb.dtype}".replace("torch.", ""))
+        rows = ta.shape[0] if ta.dim() else 1
+        unequal = ta != tb
+        if ta.dtype.is_floating_point or ta.dtype.is_complex:
+            unequal &= ~(torch.isnan(ta) & torch.isnan(tb))
+        per_row = unequal.reshape(rows, -1).any(dim=1) if ta.dim() else unequal.reshape(1)
+        differing = int(per_row.sum())
+        result = FieldDiff(name, "differs" if differing else "same", rows, differing)
+        if ta.dtype != torch.bool and ta.numel():
+            delta = (ta.to(torch.float64) - tb.to(torch.float64)).abs()
+            delta = torch.nan_to_num(delta, nan=0.0)
+            result.max_abs = float(delta.max())
+            result.mean_abs = float(delta.mean())
+        return result
+    ra, rb = _as_rows(a), _as_rows(b)
+    if ra is not None and rb is not None:
+        return _row_diff(name, ra, rb)
+    return FieldDiff(name, "same" if _same(a, b) else "differs")
+
+
+def _not_object(value: Any) -> bool:
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    return kind != "O"
+
+
+def _row_diff(name: str, ra: list[Any], rb: list[Any]) -> FieldDiff:
+    if len(ra) != len(rb):
+        return FieldDiff(name, "shape", note=f"{len(ra)} rows vs {len(rb)}")
+    import torch
+
+    differing = 0
+    max_abs, total, count, numeric = 0.0, 0.0, 0, True
+    for x, y in zip(ra, rb, strict=True):
+        if not _same(x, y):
+            differing += 1
+        if numeric and isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape:
+            if x.dtype == torch.bool or not x.numel():
+                continue
+            delta = torch.nan_to_num((x.to(torch.float64) - y.to(torch.float64)).abs(), nan=0.0)
+            max_abs = max(max_abs, float(delta.max()))
+            total += float(delta.sum())
+            count += delta.numel()
+        else:
+            numeric = False
+    result = FieldDiff(name, "differs" if differing else "same", len(ra), differing)
+    if numeric and count:
+        result.max_abs, result.mean_abs = max_abs, total / count
+    return result

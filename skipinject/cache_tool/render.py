@@ -1,0 +1,63 @@
+"""Output: aligned tables, human sizes and ages, and the JSON documents of ``--json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+#: Version of every ``--json`` document (``"schema": "skipinject.cache.<command>/<SCHEMA_VERSION>"``).
+SCHEMA_VERSION = 1
+
+
+def schema(command: str) -> str:
+    return f"skipinject.cache.{command}/{SCHEMA_VERSION}"
+
+
+def human_size(size: int | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    if size is None:
+        return "-"
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.4g}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[str] = ()) -> str:
+    """An aligned plain-text table; columns named in ``right`` are right-aligned."""
+    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        parts = []
+        for i, cell in enumerate(row):
+            last = i == len(row) - 1
+            if headers[i] in right:
+                parts.append(cell.rjust(widths[i]))
+            else:
+                parts.append(cell if last else cell.ljust(widths[i]))
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def emit_json(document: Mapping[str, Any], out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    json.dump(document, out, indent=1, sort_keys=False, default=str)
+    out.write("\n")
+
+
+def shorten(text: str, width: int = 100) -> str:
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= width else text[: width - 1] + "…"

@@ -1,0 +1,301 @@
+"""Leftovers of killed or concurrent saves: found without following links, removed only when abandoned.
+
+A save writes data files under fresh names (``tensors-<write id>.bin``, ``objects-<write id>.json``,
+through ``.<name>.tmp-<...>`` temporaries) and publishes them by replacing ``meta.json``. A save that
+was killed, failed, or lost a race to a concurrent save of the same step leaves files that no
+committed ``meta.json`` names. They are collected by any later save in the same project (after its
+commit, at most once per :data:`SCAN_INTERVAL` per project and process) and by the cache tooling.
+
+The rule ("clearly abandoned"): a file is a leftover when it matches one of our own name patterns, no
+committed ``meta.json`` of its step directory names it, and
+
+* its last modification is at least ``min_age`` (:data:`ABANDONED_AFTER`, 10 minutes) old, and
+* the writer named by its write id ``{unix_time}-{pid}-{uuid8}`` is gone: no process with that pid
+  exists on this host; or the pid is this process and none of its open writers has that id; or the
+  file is older than :data:`PID_REUSE_AFTER` (a day; pids are reused).
+
+A writer on *another* host sharing the file system is protected by the age rule only: it must not
+leave a file untouched for 10 minutes before committing it. A step directory whose ``meta.json``
+exists but cannot be read is left alone entirely (its files may be evidence, or a newer format).
+Nothing here follows a symbolic link or leaves ``project_dir``; each file is checked again right
+before it is unlinked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import stat
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+ABANDONED_AFTER = 600.0
+PID_REUSE_AFTER = 86400.0
+#: A later save scans its whole project at most this often per process (its own step: every time).
+SCAN_INTERVAL = 600.0
+#: meta.json files larger than this are not read here (the store's own limit is the same).
+_META_LIMIT = 16 << 20
+
+_STEP_NAME = re.compile(r"[0-9]{1,12}")
+_PART_NAME = re.compile(r"[0-9]{1,6}")
+_DATA_NAME = re.compile(r"(?:tensors-[0-9A-Za-z_.-]+\.bin|objects-[0-9A-Za-z_.-]+\.json)")
+_TMP_NAME = re.compile(r"\.(?:tensors-|objects-|meta\.json)[0-9A-Za-z_.-]*\.tmp-[0-9A-Za-z_-]+")
+_WRITE_ID = re.compile(r"([0-9]{9,12})-([0-9]{1,10})-([0-9a-f]{8})")
+
+#: Write ids of this process's writers that have not committed or aborted yet.
+ACTIVE_WRITE_IDS: set[str] = set()
+_LAST_SCAN: dict[str, float] = {}
+_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A file (or an empty part directory, ``size == 0``) that an abandoned save left behind."""
+
+    path: Path
+    size: int
+    reason: str
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a pid we wrote: do not pretend to know
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _writer_gone(name: str, age: float) -> bool:
+    """Whether the writer named in a file name is certainly not writing any more (see module doc)."""
+    match = _WRITE_ID.search(name)
+    if match is None or age >= PID_REUSE_AFTER:
+        return True
+    pid = int(match.group(2))
+    if pid == os.getpid():
+        return match.group(0) not in ACTIVE_WRITE_IDS
+    return not _pid_alive(pid)
+
+
+def _ours(name: str) -> bool:
+    return bool(_DATA_NAME.fullmatch(name) or _TMP_NAME.fullmatch(name))
+
+
+def _named_by_meta(step_fd: int) -> set[str] | None:
+    """``part/name`` of every file the step's meta.json names; empty if it has none; None if unreadable."""
+    try:
+        fd = os.open("meta.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=step_fd)
+    except FileNotFoundError:
+        return set()
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _META_LIMIT:
+            return None
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            data = handle.read(_META_LIMIT + 1)
+        meta = json.loads(data)
+        named = set()
+        for part in meta["parts"]:
+            sub = part.get("dir", "") or ""
+            for spec in part["files"].values():
+                named.add(f"{sub}/{spec['name']}")
+        return named
+    except Exception:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _open_dir(name: str | Path, dir_fd: int | None = None) -> int | None:
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+
+
+def _abandoned(name: str, info: os.stat_result, now: float, min_age: float) -> bool:
+    age = now - info.st_mtime
+    return stat.S_ISREG(info.st_mode) and age >= min_age and _writer_gone(name, age)
+
+
+def _scan_folder(
+    folder_fd: int, folder: Path, sub: str, named: set[str], now: float, min_age: float, out: list[Leftover]
+) -> None:
+    try:
+        names = os.listdir(folder_fd)
+    except OSError:
+        return
+    for name in names:
+        if not _ours(name) or f"{sub}/{name}" in named:
+            continue
+        try:
+            info = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if not _abandoned(name, info, now, min_age):
+            continue
+        if name.startswith("."):
+            reason = "temporary file of an interrupted save"
+        elif named:
+            reason = "data file not named by the step's meta.json (replaced, or a losing concurrent save)"
+        else:
+            reason = "data file of a save that never committed (no meta.json)"
+        out.append(Leftover(folder / name, info.st_size, reason))
+
+
+def _scan_step(
+    project_fd: int, project_dir: Path, step_name: str, now: float, min_age: float, out: list[Leftover]
+) -> None:
+    step_fd = _open_dir(step_name, project_fd)
+    if step_fd is None:
+        return  # a symlink, not a directory, or unreadable: not ours to touch
+    try:
+        named = _named_by_meta(step_fd)
+        if named is None:
+            return
+        step_dir = project_dir / step_name
+        _scan_folder(step_fd, step_dir, "", named, now, min_age, out)
+        try:
+            children = os.listdir(step_fd)
+        except OSError:
+            return
+        for child in children:
+            if not _PART_NAME.fullmatch(child):
+                continue
+            part_fd = _open_dir(child, step_fd)
+            if part_fd is None:
+                continue
+            try:
+                found: list[Leftover] = []
+                _scan_folder(part_fd, step_dir / child, child, named, now, min_age, found)
+                out.extend(found)
+                if not named and _part_dir_empty_after(part_fd, found):
+                    info = os.fstat(part_fd)
+                    if now - info.st_mtime >= min_age:
+                        out.append(Leftover(step_dir / child, 0, "part directory of a save that never committed"))
+            finally:
+                os.close(part_fd)
+    finally:
+        os.close(step_fd)
+
+
+def _part_dir_empty_after(part_fd: int, removed: list[Leftover]) -> bool:
+    try:
+        names = set(os.listdir(part_fd))
+    except OSError:
+        return False
+    return names <= {item.path.name for item in removed}
+
+
+def find_leftovers(project_dir: Path, *, now: float | None = None, min_age: float = ABANDONED_AFTER) -> list[Leftover]:
+    """Abandoned files of our own saves under ``project_dir`` (its step directories and their parts)."""
+    now = time.time() if now is None else now
+    project_fd = _open_dir(project_dir)
+    if project_fd is None:
+        return []
+    out: list[Leftover] = []
+    try:
+        try:
+            names = os.listdir(project_fd)
+        except OSError:
+            return []
+        for name in names:
+            if _STEP_NAME.fullmatch(name):
+                _scan_step(project_fd, Path(project_dir), name, now, min_age, out)
+    finally:
+        os.close(project_fd)
+    return out
+
+
+def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONED_AFTER) -> tuple[int, int]:
+    """Unlink leftovers (files first, then empty part directories); returns (files removed, bytes).
+
+    Each file is checked again right before it is unlinked (no symlink, still abandoned with the
+    same ``min_age``, still not named by its step's meta.json); anything that changed is kept.
+    """
+    items = list(leftovers)
+    files = bytes_ = 0
+    now = time.time()
+    for item in sorted(items, key=lambda i: i.size == 0 and i.reason.startswith("part directory")):
+        parent_fd = _open_dir(item.path.parent)
+        if parent_fd is None:
+            continue
+        try:
+            if item.reason.startswith("part directory"):
+                with contextlib.suppress(OSError):
+                    os.rmdir(item.path.name, dir_fd=parent_fd)  # only ever succeeds when empty
+                continue
+            try:
+                info = os.stat(item.path.name, dir_fd=parent_fd, follow_symlinks=False)
+                if not _recheck(item, info, parent_fd, now, min_age):
+                    continue
+                os.unlink(item.path.name, dir_fd=parent_fd)
+            except OSError:
+                continue
+            files += 1
+            bytes_ += info.st_size
+        finally:
+            os.close(parent_fd)
+    return files, bytes_
+
+
+def _recheck(item: Leftover, info: os.stat_result, parent_fd: int, now: float, min_age: float) -> bool:
+    name = item.path.name
+    if not _ours(name) or not _abandoned(name, info, now, min_age):
+        return False
+    step_fd, sub, opened = parent_fd, "", None
+    if _PART_NAME.fullmatch(item.path.parent.name) and _STEP_NAME.fullmatch(item.path.parent.parent.name):
+        opened = step_fd = _open_dir("..", parent_fd)  # type: ignore[assignment]
+        sub = item.path.parent.name
+        if step_fd is None:
+            return False
+    try:
+        named = _named_by_meta(step_fd)
+    finally:
+        if opened is not None:
+            os.close(opened)
+    return named is not None and f"{sub}/{name}" not in named
+
+
+def collect(project_dir: Path, *, step: int | None = None, force: bool = False) -> tuple[int, int]:
+    """After a commit: remove leftovers of ``step`` now, and of the whole project at most once per
+    :data:`SCAN_INTERVAL` per process. Never raises; returns (files removed, bytes)."""
+    try:
+        key = str(project_dir)
+        now = time.monotonic()
+        with _LOCK:
+            last = _LAST_SCAN.get(key)
+            whole = force or last is None or now - last >= SCAN_INTERVAL
+            if whole:
+                _LAST_SCAN[key] = now
+        if whole:
+            found = find_leftovers(project_dir)
+        elif step is not None:
+            found = _step_leftovers(project_dir, str(int(step)))
+        else:
+            return 0, 0
+        return remove_leftovers(found)
+    except Exception:
+        return 0, 0
+
+
+def _step_leftovers(project_dir: Path, step_name: str) -> list[Leftover]:
+    project_fd = _open_dir(project_dir)
+    if project_fd is None:
+        return []
+    out: list[Leftover] = []
+    try:
+        _scan_step(project_fd, Path(project_dir), step_name, time.time(), ABANDONED_AFTER, out)
+    finally:
+        os.close(project_fd)
+    return out
