@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from skipinject._version import __version__
+from skipinject.cluster import node_identity
 from skipinject.errors import CorruptCacheError
 
 if TYPE_CHECKING:
@@ -411,6 +412,7 @@ class StepWriter:
                 "parts": [self.parts[name] for name in sorted(self.parts, key=_part_order)],
                 "rows": sum(p["rows"] or 0 for p in self.parts.values()),
                 "writer": writer_versions(),
+                "node": node_identity(),  # which node wrote the step (multi-node clusters, issue 12)
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
         )
