@@ -81,7 +81,9 @@ def _kill_group(proc: subprocess.Popen, grace: float = 60.0) -> None:
 
 
 def _kill_by_temp_dir(temp_dir: str) -> None:
-    """Kill what is left of a cluster of ours: processes naming its own temp directory."""
+    """Kill what is left of a cluster of ours (processes naming its own temp directory), then remove it."""
+    import shutil
+
     import psutil
 
     mine = []
@@ -93,6 +95,7 @@ def _kill_by_temp_dir(temp_dir: str) -> None:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     psutil.wait_procs(mine, timeout=30)
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 class Node:
