@@ -31,6 +31,7 @@ __all__ = ["ENV_CONFIG", "ENV_DISABLE", "ENV_LOG_LEVEL", "configure_logging", "d
 
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "_bootstrap")
 RAY_SETUP_HOOK = "skipinject.bootstrap.ray_worker_setup"
+ENV_CHAINED_HOOK = "SKIPINJECT_CHAINED_SETUP_HOOK"
 
 logger = logging.getLogger("skipinject")
 
@@ -126,43 +127,134 @@ def hand_on_from_env() -> None:
 
 
 def ray_worker_setup() -> None:
-    """Ray's ``worker_process_setup_hook``: start in workers that did not get our sitecustomize."""
-    start_from_env()
+    """Ray's ``worker_process_setup_hook``: start in workers that did not get our sitecustomize.
+
+    Workers on nodes whose raylet was started without skipinject's environment (every node of a
+    cluster started before the run, every other node of any cluster) get ``SKIPINJECT_CONFIG``
+    from the job's ``runtime_env`` only. Here they start skipinject, hand it on to the Python
+    processes they start (this node's bootstrap directory first on ``PYTHONPATH``), then run
+    the user's own setup hook if the job had one (``SKIPINJECT_CHAINED_SETUP_HOOK``).
+    """
+    if start_from_env() is not None:
+        export_bootstrap_path()
+    chained = os.environ.get(ENV_CHAINED_HOOK)
+    if chained:
+        from importlib import import_module
+
+        module, _, attr = chained.rpartition(".")
+        getattr(import_module(module), attr)()
+
+
+def export_bootstrap_path(env: dict[str, str] | None = None) -> None:
+    """Put this installation's bootstrap directory first on ``PYTHONPATH`` (if not there)."""
+    target: Any = os.environ if env is None else env
+    paths = [p for p in target.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if BOOTSTRAP_DIR not in paths:
+        target["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *paths])
 
 
 def export(config: Config, env: dict[str, str] | None = None) -> dict[str, str]:
     """Put ``config`` and the bootstrap directory into ``env`` (default: this process's)."""
     target: Any = os.environ if env is None else env
     target[ENV_CONFIG] = config.to_json()
-    paths = [p for p in target.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if BOOTSTRAP_DIR not in paths:
-        target["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *paths])
+    export_bootstrap_path(target)
     return target
 
 
 def _patch_ray_init(config: Config) -> None:
     from skipinject.injector import INJECTOR
 
-    INJECTOR.instrument("ray:init", _RayInitInterceptor(config.to_json()), owner="skipinject/processes")
+    INJECTOR.instrument("ray:init", _RayInitInterceptor(config), owner="skipinject/processes")
+
+
+def _chain_setup_hooks(user_hook: Any) -> Any:
+    """A callable setup hook that starts skipinject, then runs the user's callable hook.
+
+    Ray pickles it by value (cloudpickle) and runs it in every worker of the job; it needs a
+    ``__name__``, which a closure has.
+    """
+
+    def skipinject_then_user_setup_hook() -> Any:
+        ray_worker_setup()
+        return user_hook()
+
+    return skipinject_then_user_setup_hook
 
 
 class _RayInitInterceptor:
-    """Adds our config to the job's ``runtime_env`` so workers on every node start skipinject."""
+    """Adds our config to the job's ``runtime_env`` so workers on every node start skipinject.
 
-    def __init__(self, config_json: str) -> None:
-        self.config_json = config_json
+    Works whatever the program connects to (a new local cluster, ``address=...``, ``"auto"``,
+    ``RAY_ADDRESS``): the job's ``runtime_env`` applies to all its workers on all nodes. The
+    ``runtime_env`` may be a dict or a ``RuntimeEnv`` (its type is kept), or come in a
+    ``job_config``; a setup hook of the user's is chained after ours, never dropped. After
+    ``ray.init`` returns, a cluster of several nodes with a node-local cache gets one warning.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.config_json = config.to_json()
+
+    def amend(self, runtime_env: Any) -> Any:
+        """A copy of ``runtime_env`` (dict or ``RuntimeEnv``, maybe ``None``) with our variable and hook."""
+        import copy
+
+        amended = copy.copy(runtime_env) if runtime_env else {}
+        env_vars = dict(amended.get("env_vars") or {})
+        env_vars.setdefault(ENV_CONFIG, self.config_json)
+        user_hook = amended.get("worker_process_setup_hook")
+        if _job_setup_hook_injected():
+            pass  # `ray job submit` set a hook for the job: a second one would make ray.init fail
+        elif not user_hook or user_hook == RAY_SETUP_HOOK:
+            amended["worker_process_setup_hook"] = RAY_SETUP_HOOK
+        elif isinstance(user_hook, str):
+            env_vars.setdefault(ENV_CHAINED_HOOK, user_hook)
+            amended["worker_process_setup_hook"] = RAY_SETUP_HOOK
+        elif callable(user_hook):
+            amended["worker_process_setup_hook"] = _chain_setup_hooks(user_hook)
+        amended["env_vars"] = env_vars
+        return amended
 
     def sync(self, call: Any, proceed: Any) -> Any:
         kwargs = call.kwargs
-        runtime_env = kwargs.get("runtime_env")
-        runtime_env = dict(runtime_env) if runtime_env else {}
-        env = dict(runtime_env.get("env_vars") or {})
-        env.setdefault(ENV_CONFIG, self.config_json)
-        runtime_env["env_vars"] = env
-        if not runtime_env.get("worker_process_setup_hook"):
-            runtime_env["worker_process_setup_hook"] = RAY_SETUP_HOOK
-        kwargs["runtime_env"] = runtime_env
-        return proceed()
+        job_config = kwargs.get("job_config")
+        if kwargs.get("runtime_env") is None and getattr(job_config, "runtime_env", None):
+            import copy
+
+            job_config = copy.copy(job_config)  # the user's JobConfig is left as it was
+            job_config.set_runtime_env(self.amend(job_config.runtime_env))
+            kwargs["job_config"] = job_config
+        else:
+            kwargs["runtime_env"] = self.amend(kwargs.get("runtime_env"))
+        result = proceed()
+        self.check_cluster()
+        return result
+
+    def check_cluster(self) -> None:
+        """Warn (once) when the cluster has several nodes and a role's cache is node-local."""
+        try:
+            from skipinject import cluster
+
+            nodes = cluster.ray_alive_nodes()
+            if nodes > 1:
+                cluster.warn_if_cache_not_shared(cluster.enabled_role_settings(self.config), nodes)
+        except Exception as exc:  # a check must never break the program's ray.init
+            logger.debug("cluster check failed: %s: %s", type(exc).__name__, exc)
 
     async def run_async(self, call: Any, proceed: Any) -> Any:  # pragma: no cover - ray.init is sync
         return self.sync(call, proceed)
+
+
+def _job_setup_hook_injected() -> bool:
+    """Whether ``ray job submit`` already gave this job a ``worker_process_setup_hook``."""
+    import json
+
+    text = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not text:
+        return False
+    try:
+        runtime_env = json.loads(text).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return False
+    env_vars = runtime_env.get("env_vars") or {}
+    return bool(runtime_env.get("worker_process_setup_hook") or env_vars.get("__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"))

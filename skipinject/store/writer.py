@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from skipinject._version import __version__
+from skipinject.cluster import node_identity
 from skipinject.errors import CorruptCacheError
 from skipinject.store.checksums import _digest
 from skipinject.store.format import _SAFE_NAME, FORMAT, FORMAT_VERSION, META_NAME, _meta_digest
@@ -133,6 +134,7 @@ class StepWriter:
                 "parts": [self.parts[name] for name in sorted(self.parts, key=_part_order)],
                 "rows": sum(p["rows"] or 0 for p in self.parts.values()),
                 "writer": writer_versions(),
+                "node": node_identity(),  # which node wrote the step (multi-node clusters)
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
         )

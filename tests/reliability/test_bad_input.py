@@ -38,6 +38,7 @@ from tests.reliability import helpers as h
 def parse_steps(text: str, key: str = "steps") -> StepSet:
     return StepSet.parse(text, key)
 
+
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("rollout", "toy")
 COUNTS: dict[str, list[int]] = {}  # parser -> [examples, rejected with our error, raw exceptions]
