@@ -186,6 +186,33 @@ class StepStore:
             os.close(fd)
         return f"{directory} holds data files but no meta.json (an earlier save was interrupted)" if found else None
 
+    def upstream_file(self, step: int, name: str) -> Path | None:
+        """verl's own cache file ``name`` of a step (e.g. ``gen_batch.dp``) if it is a regular file in a
+        real, trusted step directory; None otherwise (a link, a pipe, an untrusted directory). Never raises."""
+        pieces = name.split("/")
+        if len(pieces) > 2 or not all(_SAFE_NAME.match(p) and ".." not in p for p in pieces):
+            return None
+        try:
+            fd = self._open_step(step)
+        except Exception:
+            return None
+        try:
+            parent_fd, leaf = fd, name
+            sub, _, rest = name.partition("/")
+            if rest:  # one part directory level, e.g. "0/tq_batch.pt"
+                parent_fd, leaf = open_dir(sub, fd), rest
+            try:
+                fd2, _ = open_regular(leaf, parent_fd, self.step_dir(step) / name)
+                os.close(fd2)
+            finally:
+                if parent_fd != fd:
+                    os.close(parent_fd)
+        except Exception:
+            return None
+        finally:
+            os.close(fd)
+        return self.step_dir(step) / name
+
     # ------------------------------------------------------------ reading
 
     def read_meta(self, step: int) -> dict[str, Any]:
