@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -103,8 +104,26 @@ def huge_meta(store: StepStore) -> None:
         handle.truncate(1 << 40)  # a sparse TiB: read_bytes() would ask for it all
 
 
+def _fifo(path: Path) -> None:
+    """A named pipe, plus a thread that opens its writing end every few seconds: a reader blocked on
+    it is released (and then takes longer than allowed) instead of hanging the suite forever."""
+    os.mkfifo(path)
+
+    def unblock() -> None:
+        end = time.monotonic() + 180
+        while time.monotonic() < end and os.path.lexists(path):
+            time.sleep(SECONDS + 1)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO unless a reader is waiting
+            except OSError:
+                continue
+            os.close(fd)
+
+    threading.Thread(target=unblock, daemon=True).start()
+
+
 def fifo_meta(store: StepStore) -> None:
-    _replace(h.meta_path(store, STEP), lambda p: os.mkfifo(p))
+    _replace(h.meta_path(store, STEP), _fifo)
 
 
 def meta_links_to_device(store: StepStore) -> None:
@@ -123,7 +142,7 @@ def fifo_tensors(store: StepStore) -> None:
     meta = h.read_meta_raw(store, STEP)
     meta["parts"][0]["files"]["tensors"]["size"] = 0
     h.write_meta_raw(store, STEP, meta)
-    _replace(path, lambda p: os.mkfifo(p))
+    _replace(path, _fifo)
 
 
 def tensors_link_out(store: StepStore) -> None:
