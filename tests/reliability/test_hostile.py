@@ -317,6 +317,7 @@ def test_step_names_that_are_not_ascii_numbers(tmp_path: Path, caplog: Any, ledg
     project = _store(dump).project_dir
     for name in ("²", "١٢", "0003", "3\n", "٣"):
         (project / name).mkdir()
+        (project / name / "meta.json").write_bytes((project / "3" / "meta.json").read_bytes())
     caplog.clear()
     target = h.ToyTarget()
     lost = 0
