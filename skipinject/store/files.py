@@ -130,7 +130,7 @@ def read_fd(fd: int, size: int, shown: Path) -> bytes:
     chunks = []
     left = size + 1
     while left > 0:
-        chunk = os.read(fd, min(left, 1 << 24))
+        chunk = os.read(fd, min(left, 0x7FFFF000))  # one read (no copy on join) for any real file
         if not chunk:
             break
         chunks.append(chunk)
