@@ -315,10 +315,19 @@ class HitInfo:
 
 @dataclass(frozen=True)
 class UpstreamFormat:
-    """verl's own cache file for a role: found, reported, and loaded only when trusted."""
+    """verl's own cache file for a role: found, reported, and loaded only when trusted.
+
+    ``directory``: the step's directory in the project directory, as a ``str.format`` pattern of
+    ``step`` (verl >= 0.9: ``"{step}"``; verl < 0.9's RolloutSkip: ``"genstep_{step:06d}"``).
+    """
 
     file_name: str
     load: Callable[[Any], Any]
+    directory: str = "{step}"
+
+    def directory_of(self, step: int) -> str | None:
+        """The step's directory name, or None for the default ``{step}``."""
+        return None if self.directory == "{step}" else self.directory.format(step=step)
 
 
 @dataclass(frozen=True)
@@ -345,9 +354,16 @@ class Role:
     #: Sub-directory of the project directory holding this role's steps; ``None``: the role's name,
     #: ``""``: the project directory itself (upstream's layout, used by the rollout roles).
     cache_subdir: str | None = None
-    #: Upstream's cache file for this role, if any (``gen_batch.dp``), and how to read it once trusted.
-    upstream: UpstreamFormat | None = None
+    #: Upstream's cache files for this role, if any (``gen_batch.dp``), and how to read them once trusted;
+    #: one format or several (e.g. verl 0.9's layout and the older ``genstep_*`` one), tried in order.
+    upstream: UpstreamFormat | Sequence[UpstreamFormat] | None = None
     description: str = ""
+
+    @property
+    def upstream_formats(self) -> tuple[UpstreamFormat, ...]:
+        if self.upstream is None:
+            return ()
+        return (self.upstream,) if isinstance(self.upstream, UpstreamFormat) else tuple(self.upstream)
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():

@@ -139,3 +139,30 @@ def test_empty_part_directories_of_uncommitted_steps_go_too(tmp_path: Path) -> N
     files, size = remove_leftovers(find_leftovers(store.project_dir))
     assert (files, size) == (4, 5850)
     assert not part.exists() and not any(p.exists() for p in planted)
+
+
+def test_upstream_file_only_from_real_trusted_step_dirs(tmp_path: Path) -> None:
+    store = StepStore(tmp_path / "proj", "toy", {})
+    (store.step_dir(1) / "0").mkdir(parents=True)
+    (store.step_dir(1) / "gen_batch.dp").write_bytes(b"x")
+    (store.step_dir(1) / "0" / "tq_batch.pt").write_bytes(b"x")
+    assert store.upstream_file(1, "gen_batch.dp") == store.step_dir(1) / "gen_batch.dp"
+    assert store.upstream_file(1, "0/tq_batch.pt") == store.step_dir(1) / "0" / "tq_batch.pt"
+    assert store.upstream_file(1, "../1/gen_batch.dp") is None
+    store.step_dir(2).symlink_to(store.step_dir(1))
+    assert store.upstream_file(2, "gen_batch.dp") is None
+    os.mkfifo(store.step_dir(1) / "fifo.dp")
+    assert store.upstream_file(1, "fifo.dp") is None
+    os.chmod(store.step_dir(1), 0o777)
+    assert store.upstream_file(1, "gen_batch.dp") is None
+
+
+def test_interrupted_names_data_files_without_meta(tmp_path: Path) -> None:
+    store = StepStore(tmp_path / "proj", "toy", {})
+    assert store.interrupted(1) is None
+    _killed_save(store.step_dir(1) / "0", _dead_pid())
+    assert "interrupted" in (store.interrupted(1) or "")
+    store.save(2, _payload())
+    assert store.interrupted(2) is None
+    store.step_dir(3).symlink_to(store.step_dir(1))
+    assert store.interrupted(3) is None

@@ -307,12 +307,7 @@ def open_step(step_dir: Path) -> tuple[StepStore, dict[str, Any]]:
 
 def named_files(store: StepStore, step: int, meta: dict[str, Any]) -> Iterator[tuple[Path, dict[str, Any]]]:
     """Every data file ``meta.json`` names, with its record (the store's own reading of parts)."""
-    directory = store.step_dir(step)
-    parts = meta.get("parts")
-    if not isinstance(parts, list) or not parts:
-        raise CorruptCacheError(f"{directory}: meta.json names no parts")
-    for part in parts:
-        yield from store._part_files(directory, part)
+    yield from store.named_files(step, meta)
 
 
 def precheck(store: StepStore, step: int, meta: dict[str, Any]) -> list[tuple[Path, int]]:

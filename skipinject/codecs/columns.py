@@ -53,6 +53,24 @@ def decode_column(column: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
     return rows
 
 
+MAX_DIMS = 64
+
+
+def check_shape(shape: Any, rows: int) -> list[int]:
+    """A column's shape, checked to hold exactly ``rows`` items without building more containers than
+    there are rows (every leading product is at most ``rows``): a tiny file cannot claim a huge column."""
+    if type(shape) is not list or len(shape) > MAX_DIMS or not all(type(d) is int and d >= 0 for d in shape):
+        raise CodecError(f"cache holds a column with a malformed shape {str(shape)[:80]}")
+    product = 1
+    for dim in shape:
+        product *= dim
+        if product > max(rows, 64):
+            raise CodecError(f"cache column of {rows} rows claims the shape {shape[:8]}")
+    if product != rows and shape:
+        raise CodecError(f"cache column of {rows} rows claims the shape {shape[:8]}")
+    return shape
+
+
 def _object_array(rows: list[Any], shape: Sequence[int]) -> Any:
     import numpy as np
 
@@ -75,7 +93,8 @@ def encode_array_column(array: Any, field: str, sink: TensorSink) -> dict[str, A
 def decode_array_column(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Any:
     kind = spec.get("k")
     if kind == "objects":
-        return _object_array(decode_column(spec["column"], tensors), spec["shape"])
+        rows = decode_column(spec["column"], tensors)
+        return _object_array(rows, check_shape(spec["shape"], len(rows)))
     if kind == "array":
         return from_jsonable(spec["v"], tensors)
     raise CodecError(f"cache holds a non-tensor column of unknown kind {kind!r}")

@@ -203,14 +203,36 @@ def _decode_numpy(tag: str, obj: dict[str, Any], tensors: Mapping[str, torch.Ten
             value = base64.b64decode(value)
         return dtype.type(value)
     if tag == "ndt":
+        if dtype.kind not in _NUMPY_TENSOR_KINDS:
+            raise CodecError(f"cache names a numpy dtype {dtype.str!r} that the tensor file does not hold")
         array = _tensor_ref(tensors, obj["ref"]).numpy()
         return array if array.dtype == dtype else array.astype(dtype)
     flat = obj["v"]
+    if dtype.kind in "US":
+        _check_string_array(dtype, flat)
     if dtype.kind == "c":
         flat = [complex(re, im) for re, im in flat]
     elif dtype.kind == "S":
         flat = [base64.b64decode(item) for item in flat]
     return np.array(flat, dtype=dtype).reshape(obj["shape"])
+
+
+#: A fixed-width string array may take this many bytes of memory per byte of its JSON text, plus
+#: :data:`STRING_ARRAY_ALLOWANCE` (numpy pads every item to the widest, so a forged dtype such as
+#: ``<U1000000000`` would otherwise claim gigabytes per element).
+STRING_ARRAY_FACTOR = 64
+STRING_ARRAY_ALLOWANCE = 64 << 10
+
+
+def _check_string_array(dtype: Any, flat: Any) -> None:
+    if type(flat) is not list:
+        raise CodecError("cache holds a string array whose values are not a list")
+    text = 3 * len(flat) + 64 + sum(len(item) for item in flat if type(item) is str)
+    if dtype.itemsize * len(flat) > STRING_ARRAY_FACTOR * text + STRING_ARRAY_ALLOWANCE:
+        raise CodecError(
+            f"cache holds a {dtype.str} array of {len(flat)} items ({dtype.itemsize * len(flat)} bytes) "
+            f"from {text} bytes of JSON: out of proportion"
+        )
 
 
 def _numpy_dtype(text: Any) -> Any:

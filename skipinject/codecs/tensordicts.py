@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from skipinject.codecs.columns import decode_column, encode_column
+from skipinject.codecs.columns import check_shape, decode_column, encode_column
 from skipinject.codecs.tagged_json import _Encoder, from_jsonable, to_jsonable
 from skipinject.codecs.tensors import TensorSink, decode_tensor, encode_tensor
 from skipinject.errors import CodecError
@@ -82,7 +82,8 @@ def decode_tensordict(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tenso
     for key, field in spec["fields"].items():
         kind = field.get("k")
         if kind == "nts":
-            source[key] = _build_stack(decode_column(field["column"], tensors), field["shape"])
+            rows = decode_column(field["column"], tensors)
+            source[key] = _build_stack(rows, check_shape(field["shape"], len(rows)))
         elif kind == "ntd":
             source[key] = NonTensorData(from_jsonable(field["v"], tensors), batch_size=batch_size)
         elif kind == "td":

@@ -86,6 +86,25 @@ def encode_tensor(tensor: torch.Tensor, label: str, sink: TensorSink) -> dict[st
     return {"k": "nested", "buffer": sink.add(flat, f"{label}.buffer"), "sizes": sink.add(sizes, f"{label}.sizes")}
 
 
+def _check_jagged(values: Any, offsets: Any, lengths: Any, ragged_idx: Any) -> None:
+    """Offsets (and lengths) must describe rows inside ``values``: torch does not check them, and a
+    forged offset would make a loaded tensor read memory outside its buffer."""
+    import torch
+
+    if type(ragged_idx) is not int or not 1 <= ragged_idx <= values.dim():
+        raise CodecError(f"cache holds a jagged tensor with a bad ragged dimension {ragged_idx!r}")
+    extent = values.shape[ragged_idx - 1]
+    if offsets.dim() != 1 or offsets.dtype not in (torch.int64, torch.int32) or offsets.numel() < 1:
+        raise CodecError("cache holds a jagged tensor with malformed offsets")
+    ends = offsets[1:] if lengths is None else offsets[:-1] + lengths if lengths.shape == offsets[:-1].shape else None
+    if ends is None or (lengths is not None and bool((lengths < 0).any())):
+        raise CodecError("cache holds a jagged tensor with malformed lengths")
+    if bool((offsets < 0).any()) or bool((offsets > extent).any()) or bool((ends > extent).any()):
+        raise CodecError("cache holds a jagged tensor whose offsets point outside its values")
+    if lengths is None and bool((offsets[1:] < offsets[:-1]).any()):
+        raise CodecError("cache holds a jagged tensor whose offsets decrease")
+
+
 def decode_tensor(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Inverse of :func:`encode_tensor`. Dense tensors come back as the loaded (memory-mapped) tensor."""
     import torch
@@ -95,12 +114,12 @@ def decode_tensor(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) 
         return _tensor_ref(tensors, spec.get("ref"))
     if kind == "jagged":
         lengths = spec.get("lengths")
-        return torch.nested.nested_tensor_from_jagged(
-            _tensor_ref(tensors, spec.get("values")),
-            offsets=_tensor_ref(tensors, spec.get("offsets")),
-            lengths=None if lengths is None else _tensor_ref(tensors, lengths),
-            jagged_dim=int(spec.get("ragged_idx", 1)),
-        )
+        values = _tensor_ref(tensors, spec.get("values"))
+        offsets = _tensor_ref(tensors, spec.get("offsets"))
+        lengths_t = None if lengths is None else _tensor_ref(tensors, lengths)
+        ragged_idx = spec.get("ragged_idx", 1)
+        _check_jagged(values, offsets, lengths_t, ragged_idx)
+        return torch.nested.nested_tensor_from_jagged(values, offsets=offsets, lengths=lengths_t, jagged_dim=ragged_idx)
     if kind == "nested":
         flat = _tensor_ref(tensors, spec.get("buffer"))
         sizes = _tensor_ref(tensors, spec.get("sizes")).tolist()

@@ -20,7 +20,7 @@ from skipinject.store import StepEntry, StepStore
 
 if TYPE_CHECKING:
     from skipinject.engine.runtime import RoleRuntime
-    from skipinject.roles import Call
+    from skipinject.roles import Call, UpstreamFormat
 
 logger = logging.getLogger("skipinject")
 
@@ -33,6 +33,7 @@ class Plan:
     step: int
     entry: StepEntry | None = None
     upstream_file: Path | None = None
+    upstream_format: UpstreamFormat | None = None
     reason: str = ""
 
     @property
@@ -49,7 +50,7 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
     store = role.store_for(call)
     action = role.settings.action
     problems: list[str] = []
-    upstream: Path | None = None
+    found: tuple[Path, UpstreamFormat] | None = None
     try:
         candidates = repeat_order(store, step) if action is Action.repeat else [step]
         for candidate in candidates:
@@ -69,12 +70,13 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
             else:
                 reason = f"repeat: no cached step below {step}, smallest above"
             return Plan(store, step, entry=entry, reason=reason)
-        upstream = upstream_file(role, store, step)
+        found = upstream_file(role, store, step)
     except OSError as exc:
         problems.append(f"cannot read the cache directory {store.project_dir} ({type(exc).__name__}: {exc})")
-    if upstream is not None:
+    if found is not None:
+        upstream = found[0]
         if role.settings.trust_upstream:
-            return Plan(store, step, upstream_file=upstream, reason="trusted upstream cache")
+            return Plan(store, step, upstream_file=upstream, upstream_format=found[1], reason="trusted upstream cache")
         role.once(
             ("untrusted", str(upstream)),
             logging.WARNING,
@@ -87,8 +89,9 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
             role.name,
         )
     where = store.step_dir(step)
-    if not problems and _interrupted_save(where):
-        problems.append(f"{where} holds data files but no meta.json (an earlier save was interrupted)")
+    interrupted = None if problems else store.interrupted(step)
+    if interrupted:
+        problems.append(interrupted)
     if action is Action.strict:
         detail = "; ".join(problems) or f"no cache at {where}"
         raise CacheMissError(f"{role.name} step {step}: skip.{role.name}.action=strict and {detail}")
@@ -112,17 +115,10 @@ def repeat_order(store: StepStore, step: int) -> list[int]:
     return [step, *available[:index][::-1], *(s for s in available[index:] if s != step)]
 
 
-def upstream_file(role: RoleRuntime, store: StepStore, step: int) -> Path | None:
-    if role.role.upstream is None:
-        return None
-    path = store.step_dir(step) / role.role.upstream.file_name
-    return path if path.is_file() else None
-
-
-def _interrupted_save(step_dir: Path) -> bool:
-    """Data files but no ``meta.json`` in a step directory: a save there was interrupted."""
-    try:
-        folders = [step_dir, *(p for p in step_dir.iterdir() if p.is_dir())]
-        return any(f.name.startswith(("tensors-", "objects-")) for folder in folders for f in folder.iterdir())
-    except OSError:
-        return False
+def upstream_file(role: RoleRuntime, store: StepStore, step: int) -> tuple[Path, UpstreamFormat] | None:
+    """verl's own cache of ``step`` (the first of the role's upstream formats found), if any."""
+    for upstream in role.role.upstream_formats:
+        path = store.upstream_file(step, upstream.file_name, upstream.directory_of(step))
+        if path is not None:
+            return path, upstream
+    return None

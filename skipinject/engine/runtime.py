@@ -112,7 +112,13 @@ class RoleRuntime:
         with self._lock:
             store = self._stores.get(project)
             if store is None:
-                store = self._stores[project] = StepStore(project, self.role.name, context)
+                store = self._stores[project] = StepStore(
+                    project,
+                    self.role.name,
+                    context,
+                    trust_permissions=self.settings.trust_dir_permissions,
+                    dump_dir=Path(self.settings.dump_dir).expanduser().resolve(),
+                )
                 if config is None:
                     logger.info("%s: no verl trainer config seen; caching under %s", self.name, project)
             return store
@@ -131,8 +137,8 @@ class RoleRuntime:
         started = time.perf_counter()
         try:
             if plan.upstream_file is not None:
-                assert self.role.upstream is not None
-                result = self.role.upstream.load(plan.upstream_file)
+                assert plan.upstream_format is not None
+                result = plan.upstream_format.load(plan.upstream_file)
                 source = str(plan.upstream_file)
             else:
                 assert plan.entry is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 import zlib
 from pathlib import Path
@@ -30,14 +31,18 @@ def _checksum_algo() -> str:
 
 
 def file_checksum(path: Path, algo: str) -> str:
-    """Checksum of a whole file, read through mmap (the pages are then warm for the load)."""
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size == 0:
-            view: Any = b""
-            return _digest(view, algo)
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+    """Checksum of a whole regular file (never a link, pipe or device), read through mmap."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCacheError(f"{path}: not a regular file")
+        if info.st_size == 0:
+            return _digest(b"", algo)
+        with mmap.mmap(fd, info.st_size, access=mmap.ACCESS_READ) as mapped:
             return _digest_parallel(mapped, algo)
+    finally:
+        os.close(fd)
 
 
 def _digest(data: Any, algo: str) -> str:

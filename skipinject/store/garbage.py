@@ -40,6 +40,7 @@ PID_REUSE_AFTER = 86400.0
 SCAN_INTERVAL = 600.0
 #: meta.json files larger than this are not read here (the store's own limit is the same).
 _META_LIMIT = 16 << 20
+META_NAME = "meta.json"
 
 _STEP_NAME = re.compile(r"[0-9]{1,12}")
 _PART_NAME = re.compile(r"[0-9]{1,6}")
@@ -160,6 +161,8 @@ def _scan_step(
     if step_fd is None:
         return  # a symlink, not a directory, or unreadable: not ours to touch
     try:
+        if _clean_commit(step_fd):
+            return
         named = _named_by_meta(step_fd)
         if named is None:
             return
@@ -187,6 +190,36 @@ def _scan_step(
                 os.close(part_fd)
     finally:
         os.close(step_fd)
+
+
+def _clean_commit(step_fd: int) -> bool:
+    """A committed step holding only the files of one write (the usual case): nothing to collect, and
+    no need to parse its meta.json. Cheap: directory listings only."""
+    try:
+        names = os.listdir(step_fd)
+        if META_NAME not in names:
+            return False
+        ids = set()
+        listings = [names]
+        for child in names:
+            if _PART_NAME.fullmatch(child):
+                part_fd = _open_dir(child, step_fd)
+                if part_fd is None:
+                    continue
+                try:
+                    listings.append(os.listdir(part_fd))
+                finally:
+                    os.close(part_fd)
+        for listing in listings:
+            for name in listing:
+                if _TMP_NAME.fullmatch(name):
+                    return False
+                if _DATA_NAME.fullmatch(name):
+                    match = _WRITE_ID.search(name)
+                    ids.add(match.group(0) if match else name)
+        return len(ids) <= 1
+    except OSError:
+        return False
 
 
 def _part_dir_empty_after(part_fd: int, removed: list[Leftover]) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import mmap
-import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.checksums import _Hasher
+from skipinject.store.files import MAX_INDEX_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -85,16 +85,27 @@ def write_tensors(handle: Any, tensors: Mapping[str, torch.Tensor], algo: str) -
     return hasher.hexdigest()
 
 
-def map_file(path: Path) -> mmap.mmap | None:
-    """Map a whole file copy-on-write (writes through the mapping never reach the file)."""
-    with open(path, "rb") as handle:
-        if os.fstat(handle.fileno()).st_size == 0:
-            return None
-        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+#: torch's own limit on the number of dimensions.
+MAX_DIMS = 64
 
 
 def read_tensors(mapped: mmap.mmap | None, path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of a mapped tensor file, as views of the mapping. Runs no code from the file."""
+    """Tensors of a mapped tensor file, as views of the mapping. Runs no code from the file.
+
+    Work and memory are bounded by the file's size: the index is at most :data:`MAX_INDEX_BYTES`
+    and inside the file, every tensor's bytes lie inside the file, and a tensor without elements
+    may not claim more rows/columns (the product of its non-zero dimensions) than the file has
+    bytes. Any failure is a :class:`CorruptCacheError`.
+    """
+    try:
+        return _read_tensors(mapped, path)
+    except CorruptCacheError:
+        raise
+    except Exception as exc:  # ValueError, TypeError, RuntimeError from torch, RecursionError, MemoryError
+        raise CorruptCacheError(f"{path}: tensor file index is damaged ({type(exc).__name__}: {exc})") from exc
+
+
+def _read_tensors(mapped: mmap.mmap | None, path: Path) -> dict[str, torch.Tensor]:
     import torch
 
     size = 0 if mapped is None else len(mapped)
@@ -102,29 +113,30 @@ def read_tensors(mapped: mmap.mmap | None, path: Path) -> dict[str, torch.Tensor
         raise CorruptCacheError(f"{path}: not a skipinject tensor file")
     (header_len,) = struct.unpack_from("<Q", mapped, len(TENSORS_MAGIC))
     data_start = len(TENSORS_MAGIC) + 8 + header_len
-    if data_start > size or data_start % _ALIGN:
+    if data_start > size or data_start % _ALIGN or header_len > MAX_INDEX_BYTES:
         raise CorruptCacheError(f"{path}: tensor file index is damaged")
-    try:
-        index = json.loads(mapped[len(TENSORS_MAGIC) + 8 : data_start])["tensors"]
-        tensors = {}
-        for entry in index:
-            name, dtype_name, shape = entry["name"], entry["dtype"], entry["shape"]
-            offset, nbytes = entry["offset"], entry["nbytes"]
-            if dtype_name not in TENSOR_DTYPES or not all(type(d) is int and d >= 0 for d in shape):
-                raise ValueError(f"bad dtype or shape for {name!r}")
-            dtype = getattr(torch, dtype_name)
-            count = math.prod(shape)
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            if type(offset) is not int or offset < 0 or offset % _ALIGN or nbytes != count * itemsize:
-                raise ValueError(f"bad extent for {name!r}")
-            if data_start + offset + nbytes > size:
-                raise ValueError(f"{name!r} runs past the end of the file")
-            if count == 0:
-                tensors[name] = torch.empty(shape, dtype=dtype)
-            else:
-                tensors[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=data_start + offset).view(
-                    shape
-                )
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptCacheError(f"{path}: tensor file index is damaged ({exc})") from exc
+    index = json.loads(mapped[len(TENSORS_MAGIC) + 8 : data_start])["tensors"]
+    if type(index) is not list:
+        raise ValueError("the index is not a list")
+    tensors = {}
+    for entry in index:
+        name, dtype_name, shape = entry["name"], entry["dtype"], entry["shape"]
+        offset, nbytes = entry["offset"], entry["nbytes"]
+        if type(name) is not str or dtype_name not in TENSOR_DTYPES or type(shape) is not list:
+            raise ValueError(f"bad name, dtype or shape for {name!r:.80}")
+        if len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d <= size << 3 for d in shape):
+            raise ValueError(f"bad shape for {name!r:.80}")
+        dtype = getattr(torch, dtype_name)
+        count = math.prod(shape)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if type(offset) is not int or offset < 0 or offset % _ALIGN or nbytes != count * itemsize:
+            raise ValueError(f"bad extent for {name!r:.80}")
+        if data_start + offset + nbytes > size:
+            raise ValueError(f"{name!r:.80} runs past the end of the file")
+        if count == 0:
+            if math.prod(d for d in shape if d) > size:
+                raise ValueError(f"empty tensor {name!r:.80} claims a shape {shape} larger than the file")
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        else:
+            tensors[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=data_start + offset).view(shape)
     return tensors

@@ -35,10 +35,10 @@ TITLES = {
 
 SUMMARIES = {
     "crash": "a saving process SIGKILLed before every fsync/rename and at random times (1- and 2-part steps)",
-    "integrity": "{n} kinds of damaged, forged or foreign caches; random byte flips; forged meta.json fuzzing",
+    "integrity": "{n} kinds of damaged, forged, hostile or foreign caches; random byte flips; forged meta.json fuzzing",
     "concurrency": "4 writers and 4 readers of one step at once",
     "disk": "disk full (real tmpfs, ENOSPC at a random byte), read-only dump_dir, unlistable cache dir",
-    "trust": "planted upstream pickles, hostile names in config and meta.json, unpickling in the source",
+    "trust": "planted upstream pickles, hostile names, directories other users control, symlinked steps",
     "bad input": "generated overrides, steps, configs, sample ids, targets, plugin lists; the runner",
 }
 
@@ -65,11 +65,57 @@ FOUND = """\
   `TargetPath.parse` crashed on non-strings; sample ids accepted a trailing newline and non-ASCII
   digits.
 
+* Hostile files in a shared cache (issue 10): a meta.json of 200,000 nested lists raised
+  `RecursionError` into the training call; a sparse 1 TiB meta.json raised `MemoryError`; a meta.json
+  that is a named pipe hung the run forever, one linked to `/dev/zero` read without end; a step
+  directory named `²` (passes `str.isdigit()`) crashed `action=repeat` with a `ValueError`; forged
+  indexes with matching checksums made a few KB allocate 400 MB (`<U50000000`), build 2e8
+  NonTensorStacks or 1e9 Python lists (a 0-byte tensor claiming 1e9 rows), and jagged offsets could
+  point outside their buffer; an 8 GiB sparse tensor file was hashed in full before its checksum
+  failed; a cache in a world-writable or foreign-owned directory was served as "own cache"; a step
+  directory that is a symlink was loaded and written through; leftovers of killed saves stayed forever
+  unless the same step was saved again.
+
 Not covered here: power loss (only SIGKILL: data files are fsynced before they are renamed and named
 by meta.json, and every file is checked against meta.json on load, so a lost directory entry
-shows up as a missing file, i.e. a regenerated step); symlinks planted inside `dump_dir` (whoever can
-write there can replace the cache anyway); files left by killed or losing concurrent writers stay
-until the next save of that step finds them older than 10 minutes.
+shows up as a missing file, i.e. a regenerated step); a file truncated *while* it is mapped by a
+reader (SIGBUS; only someone who can write the step directory can do that, and trusted directories
+are writable by their owner only); writers on other hosts of a shared file system are protected from
+garbage collection by the 10-minute age rule only.
+
+## Bounds on a load
+
+Every file of a cache is read under one discipline (`skipinject/store/files.py`): opened relative to
+its step directory's descriptor with `O_NOFOLLOW|O_NONBLOCK` (step and part directories with
+`O_DIRECTORY|O_NOFOLLOW`, so nothing is reached through a link), the opened descriptor `fstat`-ed
+and required to be a regular file, its size compared with meta.json's record before a byte is read
+or hashed. meta.json is at most 16 MiB and 32 levels deep; a tensor file's index at most 64 MiB;
+JSON deeper than the interpreter's recursion limit is a parse error; a file of 64 MiB or more must
+occupy at least 1/64 of its size on disk (a sparse forgery is refused before it is hashed). Every
+failure of any type is one `CorruptCacheError` line (strict: it stops the run).
+
+With that, a verified load does one pass over the files' bytes, and the memory it allocates is at
+most **the tensor file's copy-on-write mapping + 64 times the objects file's size + 64 KiB per
+fixed-width string array**: every container a column builds is backed by a row on disk (its leading
+shape products may not exceed its rows), a tensor without elements may not claim more rows than its
+file has bytes, a string array may take at most 64 bytes per byte of its JSON, and jagged offsets
+must lie inside their values.
+
+## Directory trust and leftovers
+
+Like ssh's `StrictModes`, an existing dump, project, step or part directory that is group- or
+world-writable without the sticky bit, or owned by another user (not root), is refused for loading
+in one warning line naming the directory and the fix (`chmod go-w`, or
+`skip.<role>.trust_dir_permissions=true` to opt in); step and part directories that are symlinks are
+neither loaded nor written through.
+
+Leftovers of killed or concurrent saves (`skipinject/store/garbage.py`) are collected after any
+successful commit in the same project (the saved step every time, the whole project at most once per
+10 minutes per process) and by the cache tooling. A file is collected only when it matches our own
+names, no committed meta.json of its step names it, it was last modified 10 minutes ago or more, and
+its writer (the pid in its write id `{unix_time}-{pid}-{uuid8}`) is gone from this host, or is this
+process with no open writer of that id, or the file is over a day old (pids are reused). Each file
+is checked again right before it is unlinked; a step whose meta.json cannot be read is left alone.
 """
 
 INTRO = """\
@@ -100,6 +146,12 @@ How the faults are made:
   whose unpickling creates a marker file; hostile names in the run config and in meta.json.
 * **bad input**: hypothesis-generated overrides, step lists, serialised configs, sample ids,
   target paths and `VERL_SKIP_PLUGINS` values; the runner in subprocesses.
+* **hostile caches** (`test_hostile.py`, rows in *integrity*, *trust*, *crash*, *bad input*): files
+  that are not what they claim (nested or huge JSON, pipes, links to devices or out of the step,
+  sparse files), forged indexes with matching checksums whose claims are out of proportion to the
+  bytes, step names that are not ASCII numbers, directories other users control, symlinked steps,
+  leftovers of killed saves. Each must be decided in under 5 s with under 64 MiB allocated (checked
+  with `tracemalloc`), in one warning line.
 """
 
 

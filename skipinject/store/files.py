@@ -1,0 +1,204 @@
+"""One reading discipline for every file of a cache, and the directory trust rules.
+
+* Files: opened relative to their step (or part) directory's descriptor with
+  ``O_NOFOLLOW | O_NONBLOCK``, the directories themselves with ``O_DIRECTORY | O_NOFOLLOW``, so no
+  link is followed out of the step directory; the *opened* descriptor is ``fstat``-ed and must be a
+  regular file (never a FIFO, device, socket or directory); its size is compared with the recorded
+  size before a byte is read or hashed; JSON is parsed only below a size limit and a nesting limit.
+* Directories (like ssh's ``StrictModes``): the dump directory, the project directories below it,
+  the step and its part directories must be owned by this user (or root) and not writable by group
+  or others unless the sticky bit is set; step and part directories must not be symlinks. A
+  directory that fails is refused for loading unless the user opts in (``trust_permissions``).
+
+Every failure is a :class:`~skipinject.errors.CorruptCacheError` (a missing file stays
+``FileNotFoundError``: a miss); nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from skipinject.errors import CorruptCacheError
+
+#: meta.json is a few KB (plus one short fingerprint per row); anything larger is not ours.
+MAX_META_BYTES = 16 << 20
+#: meta.json nests 4 levels deep (parts -> files -> spec); allow some room for user metadata.
+MAX_META_DEPTH = 32
+#: The JSON index at the head of a tensor file (~100 bytes per tensor).
+MAX_INDEX_BYTES = 64 << 20
+#: A file this large must occupy at least 1/SPARSE_FACTOR of its size on disk (not a sparse forgery).
+SPARSE_MIN_SIZE = 64 << 20
+SPARSE_FACTOR = 64
+
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def _why(exc: OSError) -> str:
+    return f"{type(exc).__name__}: {exc.strerror or exc}"
+
+
+def open_dir(path: Path | str, dir_fd: int | None = None, *, shown: Path | None = None) -> int:
+    """A directory descriptor, never through a symlink. ENOENT stays FileNotFoundError."""
+    shown = shown or Path(path)
+    try:
+        return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            try:
+                is_link = stat.S_ISLNK(os.lstat(path, dir_fd=dir_fd).st_mode)
+            except OSError:
+                is_link = exc.errno == errno.ELOOP
+            kind = "a symbolic link" if is_link else "not a directory"
+            raise CorruptCacheError(
+                f"{shown} is {kind}; not loaded (a step is read only from a real directory)"
+            ) from exc
+        raise CorruptCacheError(f"{shown}: cannot open the directory ({_why(exc)})") from exc
+
+
+def open_regular(name: str, dir_fd: int, shown: Path, expected_size: Any = None) -> tuple[int, os.stat_result]:
+    """Open ``name`` in ``dir_fd`` as a regular file (checked on the opened descriptor).
+
+    ``expected_size``: the size meta.json records; a file of another size is refused before it is read.
+    """
+    try:
+        before = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CorruptCacheError(f"{shown}: cannot read it ({_why(exc)})") from exc
+    if not stat.S_ISREG(before.st_mode):
+        raise CorruptCacheError(f"{shown}: cannot read it (not a regular file but {_kind(before.st_mode)})")
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CorruptCacheError(f"{shown}: cannot read it ({_why(exc)})") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCacheError(f"{shown}: cannot read it (not a regular file but {_kind(info.st_mode)})")
+        if expected_size is not None:
+            if type(expected_size) is not int or expected_size < 0:
+                raise CorruptCacheError(f"{shown}: meta.json records no valid size ({expected_size!r})")
+            if info.st_size != expected_size:
+                raise CorruptCacheError(f"{shown}: {info.st_size} bytes, meta.json says {expected_size} (truncated?)")
+        check_not_sparse(info, shown)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a pipe"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return f"file type {stat.S_IFMT(mode):o}"
+
+
+def check_not_sparse(info: os.stat_result, shown: Path) -> None:
+    """Refuse a large file that occupies a tiny fraction of its size (a sparse forgery: hashing it
+    would cost its full size while the disk holds almost nothing). Files skipinject writes are dense."""
+    blocks = getattr(info, "st_blocks", None)
+    if blocks is None or info.st_size < SPARSE_MIN_SIZE:
+        return
+    if blocks * 512 * SPARSE_FACTOR < info.st_size:
+        raise CorruptCacheError(
+            f"{shown}: {info.st_size} bytes, but only {blocks * 512} on disk (a sparse file, not written by skipinject)"
+        )
+
+
+def read_fd(fd: int, size: int, shown: Path) -> bytes:
+    """Exactly ``size`` bytes (the fstat-ed size); a file that grew or shrank meanwhile is refused."""
+    chunks = []
+    left = size + 1
+    while left > 0:
+        chunk = os.read(fd, min(left, 0x7FFFF000))  # one read (no copy on join) for any real file
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    data = b"".join(chunks)
+    if len(data) != size:
+        raise CorruptCacheError(f"{shown}: changed while being read ({len(data)} bytes, expected {size})")
+    return data
+
+
+def map_fd(fd: int, size: int) -> mmap.mmap | None:
+    """Map an open file copy-on-write (writes through the mapping never reach the file)."""
+    if size == 0:
+        return None
+    return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+
+
+def json_depth_ok(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests at most ``limit`` containers deep (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return False
+        if type(item) is dict:
+            stack.extend((v, depth + 1) for v in item.values() if type(v) in (dict, list))
+        elif type(item) is list:
+            stack.extend((v, depth + 1) for v in item if type(v) in (dict, list))
+    return True
+
+
+def parse_json(data: bytes, shown: Path, *, what: str = "JSON file", max_depth: int | None = None) -> Any:
+    """``json.loads`` whose every failure (syntax, nesting, huge numbers, memory) is a CorruptCacheError.
+
+    Nesting is bounded by the interpreter's recursion limit while parsing (the C parser raises
+    RecursionError, reported here), and by ``max_depth`` after it when given.
+    """
+    try:
+        value = json.loads(data)
+    except RecursionError as exc:
+        raise CorruptCacheError(f"{shown}: unreadable {what} (JSON nested too deeply)") from exc
+    except MemoryError as exc:
+        raise CorruptCacheError(f"{shown}: unreadable {what} (too large to parse)") from exc
+    except Exception as exc:
+        raise CorruptCacheError(f"{shown}: unreadable {what} ({type(exc).__name__}: {exc})") from exc
+    if max_depth is not None and not json_depth_ok(value, max_depth):
+        raise CorruptCacheError(f"{shown}: unreadable {what} (JSON nested more than {max_depth} levels deep)")
+    return value
+
+
+# ---------------------------------------------------------------- directory trust
+
+
+def untrusted_reason(info: os.stat_result) -> str | None:
+    """Why a directory with this ``stat`` is not trusted (ssh StrictModes), or None."""
+    uid = os.geteuid()
+    if info.st_uid not in (uid, 0):
+        return f"is owned by uid {info.st_uid}, not by you (uid {uid})"
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        who = " and ".join(w for bit, w in ((0o020, "group"), (0o002, "others")) if info.st_mode & bit)
+        return f"is writable by {who} (mode {stat.S_IMODE(info.st_mode):03o}, no sticky bit)"
+    return None
+
+
+def trust_problem(path: Path, info: os.stat_result, role: str) -> str:
+    why = untrusted_reason(info)
+    fix = "chown it to you" if "owned by" in (why or "") else f"chmod go-w {path}"
+    return (
+        f"{path} {why}: another user could plant or replace a cache there; refused for loading. "
+        f"Fix: {fix}, or set skip.{role}.trust_dir_permissions=true to load it anyway"
+    )
