@@ -52,7 +52,7 @@ class TargetInterceptor:
 
     def __init__(self, runtime: RoleRuntime, target: Target) -> None:
         self.runtime = runtime
-        self.phase: Phase = target.phase or WHOLE_CALL
+        self.phase: Phase | WholeCall = target.phase or WHOLE_CALL
         self.every_step = target.every_step
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
