@@ -1,13 +1,20 @@
 # Two commands do everything on a fresh machine:
 #   make demo   — set up, then run real verl (main_ppo, GRPO, CPU) twice: cache miss, then hit
 #   make test   — set up, then run the whole test suite (end-to-end runs included)
+# Test tiers (conftest.py): test-unit (no verl/Ray/pip, < 2 min), test-integration, test-e2e.
+# make lint needs no full setup: ruff + mypy from requirements/lint.txt in their own small venv.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 STAMP  := $(VENV)/.skipinject-installed
+LINT_VENV  := .venv-lint
+LINT_STAMP := $(LINT_VENV)/.installed
+PYTEST := $(BIN)/python -m pytest
+# The unit tier by directory (plugins' verl-free tests go in plugins/<name>/tests/unit/).
+UNIT_PATHS := tests/unit tests/reliability $(wildcard plugins/*/tests/unit)
 
-.PHONY: setup demo test test-fast example bench lint clean
+.PHONY: setup demo test test-unit test-integration test-e2e test-fast example bench lint clean
 
 setup: $(STAMP)
 
@@ -24,10 +31,19 @@ demo: setup
 	$(BIN)/python examples/verl_cpu/demo.py
 
 test: setup
-	$(BIN)/python -m pytest -q --durations=20
+	$(PYTEST) -q --durations=20
+
+test-unit: setup
+	$(PYTEST) -q -m unit $(UNIT_PATHS)
+
+test-integration: setup
+	$(PYTEST) -q --durations=10 -m integration
+
+test-e2e: setup
+	$(PYTEST) -q --durations=10 -m e2e tests/e2e
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not e2e"
+	$(PYTEST) -q -m "not e2e"
 
 example: setup
 	$(BIN)/python examples/toy/run_example.py
@@ -35,8 +51,15 @@ example: setup
 bench: setup
 	$(BIN)/python benchmarks/bench_store.py
 
-lint: setup
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+$(LINT_STAMP): requirements/lint.txt
+	test -x $(LINT_VENV)/bin/python || $(PYTHON) -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/python -m pip install -q --no-deps -r requirements/lint.txt
+	touch $@
+
+lint: $(LINT_STAMP)
+	$(LINT_VENV)/bin/ruff check .
+	$(LINT_VENV)/bin/ruff format --check .
+	$(LINT_VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LINT_VENV) .demo .pytest_cache .ruff_cache .mypy_cache

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -153,9 +154,9 @@ def export_bootstrap_path(env: dict[str, str] | None = None) -> None:
         target["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *paths])
 
 
-def export(config: Config, env: dict[str, str] | None = None) -> dict[str, str]:
+def export(config: Config, env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
     """Put ``config`` and the bootstrap directory into ``env`` (default: this process's)."""
-    target: Any = os.environ if env is None else env
+    target: MutableMapping[str, str] = os.environ if env is None else env
     target[ENV_CONFIG] = config.to_json()
     export_bootstrap_path(target)
     return target

@@ -115,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from skipinject import bootstrap
     from skipinject.config import Config, apply_overrides, apply_settings, environment, load_file, split_overrides
-    from skipinject.plugin_manager import ENV_PLUGINS, load_plugins
+    from skipinject.config.environment import ENV_PLUGINS
+    from skipinject.plugin_manager import load_plugins
 
     selection = options.get("plugins")
     selection_text = str(selection) if isinstance(selection, str) else os.environ.get(ENV_PLUGINS)

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import FrameType, ModuleType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import wrapt
 
@@ -65,7 +65,13 @@ class _Binding(enum.Enum):
     CLASS = "classmethod"
 
 
-class SkipinjectWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
+if TYPE_CHECKING:  # wrapt's stubs make FunctionWrapper generic; wrapt 1.x cannot subscript it at run time
+    _FunctionWrapper = wrapt.FunctionWrapper[Any, Any]
+else:
+    _FunctionWrapper = wrapt.FunctionWrapper
+
+
+class SkipinjectWrapper(_FunctionWrapper):
     """Our wrapper type: recognising it is how we never wrap a target twice."""
 
     def __init__(self, wrapped: Any, wrapper: Any, path: str) -> None:

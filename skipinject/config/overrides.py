@@ -58,7 +58,9 @@ def parse_overrides(
             continue
         try:
             parsed = OmegaConf.from_dotlist([f"v={raw}"])
-            value = OmegaConf.to_container(parsed, resolve=True)["v"]  # type: ignore[index]
+            container = OmegaConf.to_container(parsed, resolve=True)
+            assert isinstance(container, dict)  # from_dotlist always builds a mapping
+            value = container["v"]
         except Exception as exc:  # OmegaConf's grammar errors, and YAML's underneath
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"{dotted}={raw}: cannot parse the value ({reason})") from exc

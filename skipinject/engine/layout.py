@@ -26,7 +26,7 @@ def layout_of(config: Any) -> tuple[str, dict[str, Any]]:
     gbs = select(config, "data.gen_batch_size")
     if gbs is None:
         gbs = select(config, "data.train_batch_size", 0)
-    context = {
+    context: dict[str, Any] = {
         "experiment_name": str(select(config, "trainer.experiment_name", "default_experiment_name")),
         "project_name": str(select(config, "trainer.project_name", "default_project_name")),
         "gbs": int(gbs),

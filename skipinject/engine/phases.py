@@ -103,7 +103,7 @@ class TargetInterceptor:
 
     def __init__(self, runtime: RoleRuntime, target: Target) -> None:
         self.runtime = runtime
-        self.phase: Phase = target.phase or WHOLE_CALL
+        self.phase: Phase | WholeCall = target.phase or WHOLE_CALL
         self.every_step = target.every_step
         steps = runtime.settings.steps
         chosen = frozenset(steps) if len(steps) <= _HASHED_STEPS else steps

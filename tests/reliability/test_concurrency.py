@@ -14,8 +14,13 @@ import multiprocessing as mp
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from skipinject.store import StepStore
 from tests.reliability import helpers as h
+
+# Processes writing and reading one step for tens of seconds: too slow for the unit tier.
+pytestmark = pytest.mark.integration
 
 WRITERS = 4
 READERS = 4

@@ -47,6 +47,7 @@ class AdvantageCodec:
         missing = [f for f in FIELDS if f not in keys]
         if missing:
             raise CodecError(f"compute_advantage returned a batch without {', '.join(missing)}; nothing to cache")
+        assert tensors is not None  # FIELDS is not empty: a result without a batch was refused above
         sink = TensorSink()
         fields = {name: encode_tensor(tensors[name], name, sink) for name in FIELDS}
         objects = {"codec": CODEC, "codec_version": CODEC_VERSION, "fields": fields}

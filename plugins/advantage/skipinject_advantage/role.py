@@ -50,7 +50,8 @@ def cannot_fire(config: Any) -> str | None:
 def _row_bytes(tensor: Any) -> bytes:
     import torch
 
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data: bytes = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return data
 
 
 def input_fingerprint(call: Call) -> list[str] | None:
@@ -63,6 +64,7 @@ def input_fingerprint(call: Call) -> list[str] | None:
     keys = () if tensors is None else tensors.keys()
     if "token_level_rewards" not in keys:
         return None
+    assert tensors is not None
     settings = json.dumps(
         [str(call.argument(name)) for name in ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo")]
     ).encode()

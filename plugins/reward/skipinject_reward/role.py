@@ -58,6 +58,7 @@ def input_fingerprint(call: Call) -> list[str] | None:
     keys = () if tensors is None else tensors.keys()
     if "input_ids" not in keys:
         return None
+    assert tensors is not None
     ids = tensors["input_ids"]
     mask = tensors["attention_mask"] if "attention_mask" in keys else None
     non_tensor = getattr(batch, "non_tensor_batch", None) or {}

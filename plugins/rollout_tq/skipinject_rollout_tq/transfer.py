@@ -121,7 +121,11 @@ def select_rows(data: Any, plan: Remap, step: int) -> Any:
     from verl.utils.tensordict_utils import index_select_tensor_dict
 
     selected = index_select_tensor_dict(data, list(plan.rows))
-    values = {"uid": plan.uids, "session_id": plan.sessions, "global_steps": [step] * len(plan.rows)}
+    values: dict[str, list[Any]] = {
+        "uid": plan.uids,
+        "session_id": plan.sessions,
+        "global_steps": [step] * len(plan.rows),
+    }
     for name in ROW_FIELDS:
         if isinstance(selected.get(name, None), (NonTensorStack, NonTensorData)):
             selected[name] = NonTensorStack.from_list([NonTensorData(value) for value in values[name]])

@@ -177,33 +177,6 @@ def test_trampoline_gives_awaiting_callers_an_awaitable_and_sync_callers_a_value
     assert recorder.seen[-1][0] == "sync"
 
 
-def test_real_verl_auto_await_keeps_its_contract(injector: Injector):
-    auto_await = pytest.importorskip("verl.utils.ray_utils").auto_await
-    module = type(sys)("verl_auto_await_probe")
-
-    class Manager:
-        @auto_await
-        async def generate(self, x: int) -> int:
-            await asyncio.sleep(0)
-            return x + 1
-
-    module.Manager = Manager
-    sys.modules[module.__name__] = module
-    try:
-        injector.instrument("verl_auto_await_probe:Manager.generate", Recorder())
-        assert Manager().generate(1) == 1002
-
-        async def awaiting() -> int:
-            pending = Manager().generate(1)
-            assert inspect.iscoroutine(pending)
-            return await pending
-
-        assert asyncio.run(awaiting()) == 1002
-    finally:
-        injector.uninstrument_all()
-        sys.modules.pop(module.__name__)
-
-
 def test_async_target_returns_a_coroutine(fresh_module_name: str, injector: Injector):
     module = importlib.import_module(fresh_module_name)
     injector.instrument(f"{fresh_module_name}:Worker.amethod", Recorder())

@@ -23,6 +23,11 @@ pytest.importorskip("transfer_queue")
 
 import transfer_queue as tq
 from omegaconf import OmegaConf
+from skipinject.codecs import TensorDictCodec
+from skipinject.config import Config, RoleConfig
+from skipinject.engine import Engine
+from skipinject.roles import CLOCK
+from skipinject.store import StepStore
 from skipinject_rollout_tq.phases import StepBook, parameter_sync_step
 from skipinject_rollout_tq.plugin import cannot_fire, make_role
 from skipinject_rollout_tq.transfer import CachedBatch, group_rows, inject, prepare, remap, select_rows
@@ -30,12 +35,6 @@ from tensordict import TensorDict
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
-
-from skipinject.codecs import TensorDictCodec
-from skipinject.config import Config, RoleConfig
-from skipinject.engine import Engine
-from skipinject.roles import CLOCK
-from skipinject.store import StepStore
 
 N = 2
 BATCH = 4

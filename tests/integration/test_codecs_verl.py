@@ -1,32 +1,26 @@
-"""Codecs: real DataProto / TensorDict results survive the store unchanged, and never change it."""
+"""Codecs on verl's types: real DataProto / TensorDict results survive the store unchanged, and never change it.
+
+The verl-free codec tests are in ``tests/unit/test_codecs.py``."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from tensordict import NonTensorData, NonTensorStack, TensorDict
+from tensordict import NonTensorStack, TensorDict
 from verl.protocol import DataProto
 from verl.utils import tensordict_utils as tu
 
-from skipinject.codecs import DataProtoCodec, TensorDictCodec, TensorSink, from_jsonable, to_jsonable
-from skipinject.codecs.columns import decode_column, encode_column
-from skipinject.codecs.tensordicts import non_tensor_items
+from skipinject.codecs import DataProtoCodec, TensorDictCodec
 from skipinject.errors import CodecError, CorruptCacheError
 from skipinject.store import Payload, StepStore
-
-ROOT = Path(__file__).resolve().parent.parent
-
+from tests.codec_checks import assert_td_equal, round_trip, same
 
 # ---------------------------------------------------------------- fixtures
 
@@ -155,27 +149,6 @@ def tq_sample_result(prompts: int = 3, n: int = 2, step: int = 3) -> tuple[Tenso
 # ---------------------------------------------------------------- comparisons
 
 
-def same(a: Any, b: Any) -> bool:
-    """Deep equality that also requires equal types (tuple is not list) and treats nan as nan."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float | np.floating):
-        return a == b or (math.isnan(a) and math.isnan(b))
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, set | frozenset):
-        return a == b
-    if isinstance(a, np.ndarray):
-        return (
-            a.dtype == b.dtype and a.shape == b.shape and all(same(x, y) for x, y in zip(a.flat, b.flat, strict=True))
-        )
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    return a == b
-
-
 def assert_dataproto_equal(a: DataProto, b: DataProto) -> None:
     assert (a.batch is None) == (b.batch is None)
     if a.batch is not None:
@@ -189,33 +162,6 @@ def assert_dataproto_equal(a: DataProto, b: DataProto) -> None:
         assert isinstance(other, np.ndarray) and other.shape == value.shape and other.dtype == value.dtype, key
         assert same(value, other), key
     assert same(a.meta_info, b.meta_info)
-
-
-def assert_td_equal(a: TensorDict, b: TensorDict) -> None:
-    assert type(b) is TensorDict and a.batch_size == b.batch_size
-    assert sorted(a.keys()) == sorted(b.keys())
-    for key in a.keys():
-        x, y = a.get(key), b.get(key)
-        assert type(x) is type(y), key
-        if isinstance(x, NonTensorStack):
-            assert x.batch_size == y.batch_size and same(x.tolist(), y.tolist()), key
-        elif isinstance(x, NonTensorData):
-            assert same(x.data, y.data) and x.batch_size == y.batch_size, key
-        elif isinstance(x, TensorDict):
-            assert_td_equal(x, y)
-        elif x.is_nested:
-            assert y.is_nested and x.layout == y.layout and x.dtype == y.dtype, key
-            assert getattr(x, "_ragged_idx", None) == getattr(y, "_ragged_idx", None), key
-            xs, ys = x.unbind(), y.unbind()
-            assert len(xs) == len(ys) and all(same(p, q) for p, q in zip(xs, ys, strict=True)), key
-        else:
-            assert same(x, y), key
-
-
-def round_trip(store: StepStore, step: int, codec: Any, result: Any) -> Any:
-    store.save(step, codec.encode(result), {})
-    [payload] = store.load(store.verified(step))
-    return codec.decode(payload)
 
 
 @pytest.fixture
@@ -331,9 +277,6 @@ def test_wrong_codec_or_version_is_refused() -> None:
         DataProtoCodec().decode(payload)
 
 
-# ---------------------------------------------------------------- TensorDict (V1 / TransferQueue)
-
-
 def test_tq_sample_round_trip_select_and_concat(store: StepStore) -> None:
     original, _, _ = tq_sample_result()
     assert original.get("responses").layout == torch.jagged
@@ -358,48 +301,6 @@ def test_upstream_shaped_payload_round_trip(store: StepStore) -> None:
     assert decoded["tags"] == tags and decoded["keys"] == keys and decoded["global_steps"] == 3
     merged = TensorDictCodec().merge([decoded, decoded])
     assert merged["keys"] == keys + keys and len(merged["tensordict"]) == 2 * len(td)
-
-
-@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
-def test_tensordict_layouts(store: StepStore) -> None:
-    ragged2 = torch.nested.as_nested_tensor([torch.ones(3, 2), torch.zeros(3, 5)], layout=torch.jagged)
-    assert ragged2._ragged_idx == 2
-    base = torch.nested.nested_tensor_from_jagged(torch.arange(10.0), offsets=torch.tensor([0, 4, 10]))
-    with_lengths = torch.nested.narrow(
-        base.values().view(2, 5), 1, torch.tensor([0, 1]), torch.tensor([2, 3]), layout=torch.jagged
-    )
-    strided = torch.nested.as_nested_tensor([torch.ones(3, 2), torch.zeros(4, 5)], layout=torch.strided)
-    td = TensorDict(
-        {
-            "ragged2": ragged2,
-            "with_lengths": with_lengths,
-            "strided": strided,
-            "dense": torch.arange(6).reshape(2, 3),
-            "scalar_per_row": torch.tensor([1.5, 2.5]),
-            "sub": TensorDict({"x": torch.ones(2, 2), "tag": NonTensorStack("a", "b")}, batch_size=2),
-            "grid": NonTensorStack(NonTensorStack("a", "b"), NonTensorStack("c", "d")),
-            "mixed": NonTensorStack(torch.arange(3), None),
-        },
-        batch_size=2,
-    )
-    td["meta"] = NonTensorData({"validate": False, "global_steps": 3})
-    decoded = round_trip(store, 6, TensorDictCodec(), td)
-    assert_td_equal(td, decoded)
-    assert decoded.get("with_lengths").lengths().tolist() == [2, 3]
-    assert decoded.get("grid").batch_size == (2, 2)
-
-
-def test_fast_non_tensor_items_match_the_constructor() -> None:
-    rows = ["a", {"k": [1]}, None, [{"role": "user"}], torch.arange(2), 3.5]
-    fast = non_tensor_items(rows)
-    slow = [NonTensorData(row) for row in rows]
-    for f, s in zip(fast, slow, strict=True):
-        assert type(f) is type(s) and set(f.__dict__) == set(s.__dict__)
-        assert f._non_tensordict.keys() == s._non_tensordict.keys() and f.data is s.data
-        assert f._tensordict.batch_size == s._tensordict.batch_size and f._tensordict.device == s._tensordict.device
-    assert len({id(item._tensordict) for item in fast}) == len(rows)
-    stack = NonTensorStack(*fast)
-    assert stack.tolist()[:4] == rows[:4] and stack.batch_size == (len(rows),)
 
 
 # ---------------------------------------------------------------- in-place safety
@@ -447,77 +348,6 @@ def test_damaged_tensor_file_is_detected(store: StepStore) -> None:
     tensor_file.write_bytes(bytes(data))
     with pytest.raises(CorruptCacheError, match="checksum mismatch"):
         store.verified(9)
-
-
-# ---------------------------------------------------------------- tagged JSON
-
-
-def test_columns_dedupe_by_identity_and_scalar_value() -> None:
-    shared = {"a": [1, 2]}
-    equal_but_distinct = {"a": [1, 2]}
-    rows = [shared, shared, equal_but_distinct, "x", "x", 1, True, 1.0]
-    column = encode_column(rows, "col")
-    assert len(column["u"]) == 6
-    decoded = decode_column(json.loads(json.dumps(column)))
-    assert same(decoded, rows)
-    assert decoded[0] is decoded[1] and decoded[0] is not decoded[2]
-
-
-def test_large_values_go_to_tensors_small_ones_inline() -> None:
-    sink = TensorSink()
-    value = {"big": np.arange(5000, dtype=np.uint16), "small": np.arange(3.0), "t": torch.ones(2, dtype=torch.bfloat16)}
-    encoded = to_jsonable(value, "v", sink=sink)
-    assert len(sink.tensors) == 1 and encoded["big"]["__si__"] == "ndt"
-    assert same(from_jsonable(json.loads(json.dumps(encoded)), sink.tensors), value)
-    with pytest.raises(CodecError, match="cannot cache v"):
-        to_jsonable(torch.ones(5000), "v")  # without a tensor file, big tensors are refused
-
-
-keys = st.one_of(
-    st.text(max_size=5), st.integers(), st.none(), st.booleans(), st.tuples(st.integers(), st.text(max_size=2))
-)
-leaves = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(),
-    st.binary(max_size=8),
-    st.integers(-(2**31), 2**31 - 1).map(np.int32),
-    st.floats(width=32).map(np.float32),
-    st.booleans().map(np.bool_),
-)
-trees = st.recursive(
-    leaves,
-    lambda children: st.one_of(
-        st.lists(children, max_size=4),
-        st.lists(children, max_size=3).map(tuple),
-        st.dictionaries(st.text(max_size=6), children, max_size=4),
-        st.dictionaries(keys, children, max_size=3),
-        st.dictionaries(st.just("__si__"), children, max_size=1),
-        st.frozensets(st.integers(), max_size=3),
-        st.lists(st.integers(-5, 5), max_size=6).map(lambda xs: np.array(xs, dtype=np.int64)),
-        st.lists(children, max_size=3).map(lambda xs: np.fromiter(xs, dtype=object, count=len(xs))),
-    ),
-    max_leaves=12,
-)
-
-
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(trees)
-def test_jsonable_round_trip(value: Any) -> None:
-    encoded = to_jsonable(value, "value")
-    text = json.dumps(encoded, allow_nan=True)  # what the store writes
-    assert same(from_jsonable(json.loads(text)), value)
-
-
-def test_import_is_cheap() -> None:
-    code = (
-        "import sys, skipinject.codecs\n"
-        "print(sorted(m for m in ('torch', 'numpy', 'verl', 'tensordict') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
 
 
 def test_payload_is_what_the_store_takes() -> None:

@@ -19,14 +19,13 @@ import torch
 pytest.importorskip("verl")
 
 from omegaconf import OmegaConf
+from skipinject import bootstrap
+from skipinject.config import Config, RoleConfig
+from skipinject.plugin_manager import load_plugins
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 from verl.experimental.fully_async_policy.fully_async_rollouter import FullyAsyncAgentLoopManager
 from verl.protocol import DataProto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-
-from skipinject import bootstrap
-from skipinject.config import Config, RoleConfig
-from skipinject.plugin_manager import load_plugins
 
 PROMPT_LEN, RESPONSE_LEN, N = 6, 4, 2
 
