@@ -146,7 +146,7 @@ def ray_worker_setup() -> None:
         getattr(import_module(module), attr)()
 
 
-def export_bootstrap_path(env: dict[str, str] | None = None) -> None:
+def export_bootstrap_path(env: MutableMapping[str, str] | None = None) -> None:
     """Put this installation's bootstrap directory first on ``PYTHONPATH`` (if not there)."""
     target: Any = os.environ if env is None else env
     paths = [p for p in target.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -66,15 +66,15 @@ class _StartOnImport:
             self._finding = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return None
-        spec.loader = _FireAfterExec(spec.loader, self)
+        spec.loader = _FireAfterExec(spec.loader, self)  # type: ignore[assignment]
         return spec
 
     def fire(self, name: str) -> None:
         self.pending.discard(name)
         if not self.pending or name != "ray":
             self.pending.clear()
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
+            if self in sys.meta_path:  # type: ignore[comparison-overlap]
+                sys.meta_path.remove(self)  # type: ignore[arg-type]
         try:
             from skipinject import bootstrap
 
@@ -111,7 +111,7 @@ def _start() -> None:
         return
     triggers = _triggers(text)
     if triggers is not None and not any(t in sys.modules for t in triggers):
-        sys.meta_path.insert(0, _StartOnImport([*triggers, "ray"]))
+        sys.meta_path.insert(0, _StartOnImport([*triggers, "ray"]))  # type: ignore[arg-type]
         return
     try:
         from skipinject.bootstrap import start_from_env

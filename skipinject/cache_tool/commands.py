@@ -93,7 +93,18 @@ def cmd_ls(root: Path, *, as_json: bool, per_step: bool, default: bool) -> int:
             ]
             for i in items
         ]
-        heads = ("PROJECT", "LAYOUT", "ROLE", "STEP", "PARTS", "ROWS", "SIZE", "CREATED", "WRITTEN BY", "STATE")
+        heads: tuple[str, ...] = (
+            "PROJECT",
+            "LAYOUT",
+            "ROLE",
+            "STEP",
+            "PARTS",
+            "ROWS",
+            "SIZE",
+            "CREATED",
+            "WRITTEN BY",
+            "STATE",
+        )
         print(table(heads, rows, right=("STEP", "PARTS", "ROWS", "SIZE")), end="")
     else:
         rows = [
@@ -305,7 +316,7 @@ def cmd_show(step_dir: Path, *, as_json: bool, rows: int, tokenizer: str | None)
             texts[name] = found
     decoded = _decode_tokens(flat, tokenizer, rows) if tokenizer else {}
     inputs = meta.get("inputs") if isinstance(meta.get("inputs"), list) else None
-    summary = {
+    summary: dict[str, Any] = {
         "path": str(step_dir),
         "role": meta.get("role"),
         "step": meta.get("step"),
@@ -545,7 +556,8 @@ def cmd_prune(
             chosen.append((item, "interrupted save"))
         if damaged and item.state == "damaged":
             chosen.append((item, "damaged"))
-    removed, skipped = [], []
+    removed: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
     files_total = bytes_total = 0
     garbage_found = _leftovers(items, now) if partial else None
     for item, reason in chosen:

@@ -244,9 +244,9 @@ def compare(name: str, a: Any, b: Any) -> FieldDiff:
             result.max_abs = float(delta.max())
             result.mean_abs = float(delta.mean())
         return result
-    ra, rb = _as_rows(a), _as_rows(b)
-    if ra is not None and rb is not None:
-        return _row_diff(name, ra, rb)
+    rows_a, rows_b = _as_rows(a), _as_rows(b)
+    if rows_a is not None and rows_b is not None:
+        return _row_diff(name, rows_a, rows_b)
     return FieldDiff(name, "same" if _same(a, b) else "differs")
 
 

@@ -206,8 +206,8 @@ def _classify(step_dir: Path, project: str, layout: str, role_dir: str | None) -
         items.append(foreign)
 
     ours_data = [step_dir / n for n in files if n.startswith(OUR_PREFIXES)]
-    for sub, names in sub_files.items():
-        ours_data += [step_dir / sub / n for n in names if n.startswith(OUR_PREFIXES)]
+    for sub_name, sub_entries in sub_files.items():
+        ours_data += [step_dir / sub_name / n for n in sub_entries if n.startswith(OUR_PREFIXES)]
     meta_entry = files.get(META_NAME)
     if meta_entry is None and META_NAME in {e.name for e in entries}:
         problem = f"{step_dir}/meta.json: not a regular file"

@@ -8,6 +8,7 @@ default phase, :class:`WholeCall`, treats one call as one unit.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -73,12 +74,12 @@ def compile_passes(
             return type(step) is int and step not in chosen
 
         return meta_passes
-    readers = []
+    readers: list[Callable[[Any], Any]] = []
     for part in (source, *source.fallbacks):
         if part.kind == "attribute":
-            readers.append(lambda instance, name=part.name: getattr(instance, name, None))
+            readers.append(functools.partial(_attribute, name=part.name))
         elif part.kind == "clock":
-            readers.append(lambda instance, name=part.name: getattr(CLOCK.instance, name, None))
+            readers.append(functools.partial(_clock_attribute, name=part.name))
         else:
             break  # from here on the step needs the whole call
     if len(readers) != 1 + len(source.fallbacks):
@@ -92,6 +93,14 @@ def compile_passes(
         return False
 
     return attribute_passes
+
+
+def _attribute(instance: Any, name: str) -> Any:
+    return getattr(instance, name, None)
+
+
+def _clock_attribute(instance: Any, name: str) -> Any:
+    return getattr(CLOCK.instance, name, None)
 
 
 def _never_passes(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
