@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import SKIPINJECT_FULLY_ASYNC, SKIPINJECT_MAIN_PPO, harness, rollout_records, skip_lines
-from tests.test_cache_tool import check_real_dump
+from tests.integration.test_cache_tool import check_real_dump
 
 pytestmark = pytest.mark.e2e
 
