@@ -180,9 +180,15 @@ def test_decode_builds_rows_without_per_row_constructors(tmp_path: Path, monkeyp
     assert tds._stack_shortcut_ok()  # checked once against the constructor before counting
     monkeypatch.setattr(NonTensorData, "__init__", count_ntd)
     monkeypatch.setattr(NonTensorStack, "__init__", count_stack)
+    from skipinject.codecs import results
+
+    during: list[bool] = []
+    real_decode = results.decode_tensordict
+    monkeypatch.setattr(results, "decode_tensordict", lambda *a: during.append(gc.isenabled()) or real_decode(*a))
     assert gc.isenabled()
     decoded = TensorDictCodec().decode(payload)
     monkeypatch.undo()
+    assert during == [False], "one GC pause covers the whole decode"
     assert gc.isenabled(), "the garbage collector is switched back on"
     assert calls["ntd"] <= len(columns) and calls["stack"] == 0, calls
     assert [row["row"] for row in tu.get(decoded, "c3")] == [r % 64 for r in range(rows)]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from skipinject.codecs.columns import decode_column, encode_column
@@ -189,8 +191,6 @@ def non_tensor_items(rows: Sequence[Any]) -> list[Any]:
     them over and over). If the template's state is not the layout this relies on (another
     tensordict version), or a row is not plain, the public constructor is used.
     """
-    import gc
-
     from tensordict import NonTensorData, TensorDict
 
     if not rows:
@@ -220,9 +220,7 @@ def non_tensor_items(rows: Sequence[Any]) -> list[Any]:
     new = object.__new__
     set_state = object.__setattr__
     append = items.append
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         for row in rows[1:]:
             if type(row) not in _PLAIN_ROWS:
                 append(NonTensorData(row))
@@ -232,10 +230,19 @@ def non_tensor_items(rows: Sequence[Any]) -> list[Any]:
             item = new(NonTensorData)
             set_state(item, "__dict__", {**extra, "_tensordict": empty, "_non_tensordict": {**fields, "data": row}})
             append(item)
+    return items
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the block (and back on after it if it was on)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
     finally:
         if collecting:
             gc.enable()
-    return items
 
 
 def _string_only_dict() -> type:
