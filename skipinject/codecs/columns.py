@@ -32,13 +32,46 @@ def encode_column(items: Sequence[Any], field: str, sink: TensorSink | None = No
         index.append(position)
     encoder = _Encoder(sink)
     if uniques and len(uniques) <= DEDUP_MAX_UNIQUE_FRACTION * len(items):
-        values = [encoder.enc(item, f"{field}[{row}]") for item, row in zip(uniques, first_rows, strict=True)]
+        values = _encode_rows(encoder, uniques, first_rows, field)
         column: dict[str, Any] = {TAG: "column", "n": len(items), "u": values, "i": index}
     else:
-        values = [encoder.enc(item, f"{field}[{i}]") for i, item in enumerate(items)]
+        values = _encode_rows(encoder, items, range(len(items)), field)
         column = {TAG: "column", "n": len(items), "u": values}
     column["plain"] = not encoder.tagged
     return column
+
+
+class _NotPlain(Exception):
+    pass
+
+
+_JSON_LEAVES = frozenset({str, int, float, bool, type(None)})
+
+
+def _plain_copy(value: Any) -> Any:
+    """What ``_Encoder.enc`` gives for a plain JSON value (a copy; no tag), without building the
+    error path of every element; raises :class:`_NotPlain` for anything else."""
+    kind = type(value)
+    if kind in _JSON_LEAVES:
+        return value
+    if kind is list:
+        return [_plain_copy(item) for item in value]
+    if kind is dict:
+        if TAG in value or not all(type(key) is str for key in value):
+            raise _NotPlain
+        return {key: _plain_copy(item) for key, item in value.items()}
+    raise _NotPlain
+
+
+def _encode_rows(encoder: _Encoder, values: Sequence[Any], rows: Sequence[int], field: str) -> list[Any]:
+    out = []
+    append = out.append
+    for value, row in zip(values, rows, strict=True):
+        try:
+            append(_plain_copy(value))
+        except (_NotPlain, RecursionError):
+            append(encoder.enc(value, f"{field}[{row}]"))
+    return out
 
 
 def decode_column(column: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> list[Any]:

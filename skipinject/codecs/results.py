@@ -7,7 +7,7 @@ from typing import Any
 
 from skipinject.codecs.columns import decode_array_column, encode_array_column
 from skipinject.codecs.tagged_json import CODEC_VERSION, from_jsonable, to_jsonable
-from skipinject.codecs.tensordicts import decode_tensordict, encode_tensordict
+from skipinject.codecs.tensordicts import decode_tensordict, encode_tensordict, gc_paused
 from skipinject.codecs.tensors import TensorSink
 from skipinject.errors import CodecError
 from skipinject.store.payload import Payload
@@ -109,12 +109,17 @@ class TensorDictCodec:
         objects = payload.objects
         _header(objects, self.name)
         tensors = payload.tensors
-        if "td" in objects:
-            return decode_tensordict(objects["td"], tensors)
-        out = {}
-        for key, entry in objects["mapping"].items():
-            out[key] = decode_tensordict(entry["td"], tensors) if "td" in entry else from_jsonable(entry["v"], tensors)
-        return out
+        # One GC pause over the whole decode: between columns, collections over the tens of thousands of
+        # fresh row objects cost more than building them (16k rows: 1.39 s with, 0.47 s without).
+        with gc_paused():
+            if "td" in objects:
+                return decode_tensordict(objects["td"], tensors)
+            out = {}
+            for key, entry in objects["mapping"].items():
+                out[key] = (
+                    decode_tensordict(entry["td"], tensors) if "td" in entry else from_jsonable(entry["v"], tensors)
+                )
+            return out
 
     def merge(self, results: Sequence[Any]) -> Any:
         """Several parts (``parameter_sync_step > 1``) as one: TensorDicts concatenated (jagged fields

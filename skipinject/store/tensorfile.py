@@ -69,24 +69,82 @@ def write_tensors(handle: Any, tensors: Mapping[str, torch.Tensor], algo: str) -
         offset += nbytes + _padding(nbytes)
     header = json.dumps({"tensors": index}, separators=(",", ":")).encode()
     header += b" " * _padding(len(TENSORS_MAGIC) + 8 + len(header))
-    hasher = _Hasher(algo)
-    for chunk in (TENSORS_MAGIC, struct.pack("<Q", len(header)), header):
-        handle.write(chunk)
-        hasher.update(chunk)
+    chunks: list[Any] = [TENSORS_MAGIC, struct.pack("<Q", len(header)), header]
     for view, entry in zip(views, index, strict=True):
         if view is None:
             continue
-        handle.write(view)
-        hasher.update(view)
+        chunks.append(view)
         pad = bytes(_padding(entry["nbytes"]))
         if pad:
-            handle.write(pad)
-            hasher.update(pad)
+            chunks.append(pad)
+    return _write_and_hash(handle, chunks, algo)
+
+
+#: Below this many bytes a tensor file is written and hashed in one thread.
+_OVERLAP_MIN_BYTES = 64 << 20
+#: Written bytes handed to the kernel's writeback at a time (Linux), so the final fsync waits less.
+_WRITEBACK_STEP = 64 << 20
+
+
+def _write_and_hash(handle: Any, chunks: list[Any], algo: str) -> str:
+    """Write ``chunks`` in order and return their checksum.
+
+    For a large file the checksum runs in a second thread, chunk by chunk in order, while this one
+    writes (xxhash and file writes release the GIL), and on Linux the bytes written so far are
+    handed to the kernel's writeback every ``_WRITEBACK_STEP`` bytes (``sync_file_range``, which
+    only starts the disk writes: durability still comes from the caller's fsync).
+    """
+    hasher = _Hasher(algo)
+    total = sum(memoryview(chunk).nbytes for chunk in chunks)
+    if total < _OVERLAP_MIN_BYTES:
+        for chunk in chunks:
+            handle.write(chunk)
+            hasher.update(chunk)
+        return hasher.hexdigest()
+    from concurrent.futures import ThreadPoolExecutor
+
+    writeback = _writeback_starter(handle)
+    written = flushed = handle.tell()
+    with ThreadPoolExecutor(1, thread_name_prefix="skipinject-hash") as pool:
+        hashed = [pool.submit(hasher.update, chunk) for chunk in chunks]
+        for chunk in chunks:
+            handle.write(chunk)
+            written += memoryview(chunk).nbytes
+            if writeback is not None and written - flushed >= _WRITEBACK_STEP:
+                handle.flush()
+                writeback(flushed, written - flushed)
+                flushed = written
+        for done in hashed:
+            done.result()
     return hasher.hexdigest()
 
 
 #: torch's own limit on the number of dimensions.
 MAX_DIMS = 64
+
+
+def _writeback_starter(handle: Any) -> Any:
+    """``start(offset, nbytes)``: begin writing that range of ``handle`` to disk (Linux), or None."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fd = handle.fileno()
+        libc = ctypes.CDLL(None, use_errno=True)
+        sync_file_range = libc.sync_file_range
+        sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        sync_file_range.restype = ctypes.c_int
+    except (AttributeError, OSError, ValueError):
+        return None
+    start_write = 2  # SYNC_FILE_RANGE_WRITE: start writeback of dirty pages, do not wait
+
+    def start(offset: int, nbytes: int) -> None:
+        sync_file_range(fd, offset, nbytes, start_write)  # best effort: a failure only means no head start
+
+    return start
 
 
 def read_tensors(mapped: mmap.mmap | None, path: Path) -> dict[str, torch.Tensor]:

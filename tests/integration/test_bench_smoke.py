@@ -25,3 +25,22 @@ def test_bench_store_quick(tmp_path: Path) -> None:
         assert figures[table]["rows"] == 64
         assert figures[table]["ours_load_ms"] > 0 and figures[table]["upstream_load_ms"] > 0
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up its files"
+
+
+def test_bench_scaling_quick(tmp_path: Path) -> None:
+    args = ["--dp-rows", "16", "32", "--v1-rows", "16", "32", "--dp-lengths", "8", "16"]
+    args += ["--v1-lengths", "8", "16", "--repeat", "1", "--json", "--dir", str(tmp_path)]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_scaling.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| rows | tensor MB |" in out.stdout and "load avg" in out.stdout
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    for table in ("dataproto", "v1"):
+        assert [f["rows"] for f in figures[table]] == [16, 32]
+        assert all(f["ours_load_ms"] > 0 and f["ours_decode_ms"] > 0 for f in figures[table])
+    assert list(tmp_path.iterdir()) == [], "the benchmark cleans up its files"

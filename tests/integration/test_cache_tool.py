@@ -18,8 +18,8 @@ from skipinject.cache_tool import main
 from skipinject.cache_tool.scan import scan
 from skipinject.codecs import DataProtoCodec, TensorDictCodec
 from skipinject.store import StepStore
-from tests.reliability.helpers import make_batch, same_batch
 from tests.integration.test_codecs_verl import tq_sample_result
+from tests.reliability.helpers import make_batch, same_batch
 
 EXP, PROJ = "exp", "proj"
 LAYOUT = "GBS4_N2_in32_out16"
