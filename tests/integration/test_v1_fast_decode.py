@@ -17,7 +17,8 @@ from skipinject.codecs import tensordicts as tds
 from skipinject.codecs.columns import encode_column
 from skipinject.codecs.tagged_json import to_jsonable
 from skipinject.store import StepStore
-from tests.test_codecs import assert_td_equal, file_digests, same, tq_sample_result
+from tests.codec_checks import assert_td_equal, same
+from tests.integration.test_codecs_verl import file_digests, tq_sample_result
 
 transfer = pytest.importorskip("skipinject_rollout_tq.transfer")
 
