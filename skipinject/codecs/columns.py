@@ -64,7 +64,7 @@ def _plain_copy(value: Any) -> Any:
 
 
 def _encode_rows(encoder: _Encoder, values: Sequence[Any], rows: Sequence[int], field: str) -> list[Any]:
-    out = []
+    out: list[Any] = []
     append = out.append
     for value, row in zip(values, rows, strict=True):
         try:

@@ -237,8 +237,11 @@ def test_config_names_summary(ledger: Any) -> None:
 
 @pytest.fixture(scope="module")
 def cached_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from skipinject.engine.background import WRITER
+
     dump = tmp_path_factory.mktemp("meta-names") / "dump"
     h.call(h.runtime(dump), h.ToyTarget(), 1)
+    WRITER.flush()  # module-scoped: built before the per-test inline-save fixture applies
     return dump
 
 

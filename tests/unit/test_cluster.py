@@ -131,6 +131,7 @@ def test_amend_adds_config_and_hook_and_keeps_the_users_env_vars():
     assert _interceptor().amend(None)["worker_process_setup_hook"] == bootstrap.RAY_SETUP_HOOK
 
 
+@pytest.mark.integration  # builds Ray's RuntimeEnv / JobConfig
 def test_amend_keeps_a_runtime_env_object_and_does_not_modify_it():
     from ray.runtime_env import RuntimeEnv
 
@@ -165,6 +166,7 @@ def test_worker_setup_runs_the_chained_module_hook(monkeypatch: pytest.MonkeyPat
     assert calls == [1]
 
 
+@pytest.mark.integration  # builds Ray's RuntimeEnv / JobConfig
 def test_job_config_runtime_env_is_amended_not_replaced():
     from ray.job_config import JobConfig
 
