@@ -32,8 +32,24 @@ SAMPLES = (
     "verl.trainer.ppo.v1.replay_buffer:ReplayBufferAsync.sample",
 )
 
+#: The V1 TransferQueue trainer exists in verl >= 0.9 only.
+V1_VERL = ">=0.9"
+
 #: Upstream's file of part 0 of a step; the loader reads every part of that step.
 TQ_BATCH = UpstreamFormat(f"0/{UPSTREAM_FILE}", load_upstream_file)
+
+
+def _installed_verl_matches(spec: str) -> bool:
+    """Whether the installed verl is in ``spec``; ``True`` when verl is absent or its version unreadable."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return SpecifierSet(spec).contains(Version(version("verl")), prereleases=True)
+    except (PackageNotFoundError, InvalidVersion):
+        return True
 
 
 def cannot_fire(config: Any) -> str | None:
@@ -52,13 +68,14 @@ def make_role(book: StepBook | None = None) -> Role:
     return Role(
         name="rollout_tq",
         targets=[
-            Target(SUBMIT, phase=SubmitPhase(book)),
-            *(Target(path, phase=SamplePhase(book), every_step=True) for path in SAMPLES),
-            Target(WARMUP, phase=WarmupOff(), every_step=True),
+            Target(SUBMIT, phase=SubmitPhase(book), verl=V1_VERL),
+            *(Target(path, phase=SamplePhase(book), every_step=True, verl=V1_VERL) for path in SAMPLES),
+            Target(WARMUP, phase=WarmupOff(), every_step=True, verl=V1_VERL),
         ],
         step=StepSource.clock("global_steps").or_else(StepSource.argument("global_steps")),
         codec=TensorDictCodec(),
-        clocks=[FIT],
+        # The V1 trainer's fit does not exist before verl 0.9: no clock there (nothing to time).
+        clocks=[FIT] if _installed_verl_matches(V1_VERL) else [],
         builtin="rollout_tq",
         check=cannot_fire,
         cache_subdir="",
