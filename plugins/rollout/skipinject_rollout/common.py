@@ -10,6 +10,25 @@ from typing import Any
 
 from skipinject import Call, HitInfo, UpstreamFormat
 
+
+def installed_verl_matches(spec: str) -> bool:
+    """Whether the installed verl is in ``spec`` (``">=0.9"``); ``True`` when verl is absent or unreadable.
+
+    For clock targets, which carry no version range of their own: a clock of a trainer that does
+    not exist in this verl is left out instead of being listed as missing. Development builds count
+    as their release (``0.10.0.dev0`` is in ``>=0.9``).
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return SpecifierSet(spec).contains(Version(version("verl")), prereleases=True)
+    except (PackageNotFoundError, InvalidVersion):
+        return True
+
+
 #: Non-tensor keys the V0 trainer keeps on its own batch and compares in ``batch.union(output)``.
 #: ``uid`` is random per run, so a cached one never matches; the others are replaced by this
 #: call's values once a mismatch has been reported (``on_mismatch``).
