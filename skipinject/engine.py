@@ -566,7 +566,9 @@ def target_applies(target: Target, verl_version: str | None) -> bool:
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
-    return Version(verl_version) in SpecifierSet(target.verl)
+    # A development or pre-release build (``0.10.0.dev0``, from verl's git) counts as its release;
+    # ``in`` alone would exclude it from every range.
+    return SpecifierSet(target.verl).contains(Version(verl_version), prereleases=True)
 
 
 class Engine:
