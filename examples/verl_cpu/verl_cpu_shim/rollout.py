@@ -1,6 +1,6 @@
 """An ``hf`` rollout backend: HF ``generate`` on CPU behind verl's server-mode interfaces.
 
-verl 0.9.1 only runs rollouts through token-in/token-out *servers* (vLLM, SGLang,
+verl 0.7 to 0.9 only runs rollouts through token-in/token-out *servers* (vLLM, SGLang,
 TRT-LLM), none of which runs on CPU. Three pieces stand in for them:
 
 * :class:`HFGenerationServer` -- the Ray actor that holds a HF causal LM and answers
@@ -282,9 +282,10 @@ class HFReplica(RolloutReplica):
     """Rollout replica backed by one :class:`HFGenerationServer` actor (single node)."""
 
     async def launch_servers(self) -> None:
-        if self.is_reward_model or self.is_teacher_model:
+        # is_teacher_model / name_suffix exist from verl 0.8 on.
+        if self.is_reward_model or getattr(self, "is_teacher_model", False):
             raise NotImplementedError("the hf rollout serves only the policy")
-        name = server_actor_name(self.replica_rank, 0, self.name_suffix)
+        name = server_actor_name(self.replica_rank, 0, getattr(self, "name_suffix", ""))
         server_cls = ray.remote(HFGenerationServer)
         server = server_cls.options(name=name, max_concurrency=self.max_concurrency, num_cpus=0).remote(
             config=self.config,
