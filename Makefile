@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 STAMP  := $(VENV)/.skipinject-installed
 
-.PHONY: setup demo test test-fast example bench lint clean
+.PHONY: setup demo test test-fast test-verl-matrix venv-verl example bench lint clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,16 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q --durations=20
 
+# An older verl's environment, .venvs/verl-$(VERL), from requirements/verl-$(VERL).txt (idempotent).
+# `make test` builds the ones its verl matrix tests need by itself.
+VERL ?= 0.8.0
+venv-verl:
+	$(PYTHON) tests/verl_matrix/envs.py $(VERL)
+
+# Only the older-verl runs; SKIPINJECT_VERL_MATRIX=all (or a comma list) picks the versions.
+test-verl-matrix: setup
+	$(BIN)/python -m pytest -q --durations=20 -m verl_matrix
+
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not e2e"
 
@@ -39,4 +49,4 @@ lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venvs .demo .pytest_cache .ruff_cache
