@@ -293,28 +293,37 @@ def has_use_v1(version: str) -> bool:
 def _version_overrides(version: str) -> list[str]:
     """What a verl older than 0.9 needs on top of the common overrides (README.md says why).
 
-    * The custom reward function is read from the top-level ``custom_reward_function`` (it is
-      also under ``reward.`` from 0.7 on).
+    * Before 0.8 the V0 trainer runs verl's legacy FSDP workers: FSDP1 refuses CPU parameters,
+      so ``fsdp_config.strategy=fsdp2`` for actor and reference; their auto-wrap policy finds no
+      layer class in transformers 5's Qwen2, so it is named.
     * Before 0.7 the trainer's default ``rollout.mode`` is ``sync`` (worker-group generation,
       no CPU backend); ``async`` goes through the agent loop and the shim's ``hf`` server.
     """
     release = _release(version)
-    if release >= (0, 9):
+    if release >= (0, 8):
         return []
-    overrides = []
+    overrides = [
+        f"{prefix}actor_rollout_ref.{worker}.fsdp_config.{key}"
+        for worker in ("actor", "ref")
+        for prefix, key in (
+            ("", "strategy=fsdp2"),
+            ("+", "wrap_policy.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]"),
+        )
+    ]
     if release < (0, 7):
         overrides.append("actor_rollout_ref.rollout.mode=async")
     return overrides
 
 
 def _reward_overrides(assets: Assets, version: str) -> list[str]:
-    release = _release(version)
-    if release >= (0, 9):
+    """The toy reward function: under ``reward.`` from verl 0.7 on, top-level before.
+
+    (0.7 and 0.8 still have a top-level ``custom_reward_function``, deprecated, whose ``name``
+    defaults to null: setting its path there breaks the reward workers.)
+    """
+    if _release(version) >= (0, 7):
         return [f"reward.custom_reward_function.path={assets.reward_file}"]
-    overrides = [f"custom_reward_function.path={assets.reward_file}"]
-    if release >= (0, 7):
-        overrides.append(f"reward.custom_reward_function.path={assets.reward_file}")
-    return overrides
+    return [f"custom_reward_function.path={assets.reward_file}"]
 
 
 def _common_overrides(assets: Assets, *, experiment: str, project: str, version: str | None = None) -> list[str]:
