@@ -100,3 +100,31 @@ def test_builtin_rollout_skip_stays_on_when_the_role_cannot_act(caplog):
         phase.run(runtime, call, 0, lambda: wrapped.append(1))
     assert wrapped == [1], "verl 0.6's sync path: skipinject cannot act, so the user's built-in still does"
     assert any("left on" in r.getMessage() for r in caplog.records)
+
+
+def test_harness_overrides_follow_the_launchers_verl(tmp_path):
+    import sys
+
+    from tests.conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "examples" / "verl_cpu"))
+    try:
+        import harness
+    finally:
+        sys.path.remove(str(ROOT / "examples" / "verl_cpu"))
+    assets = harness._assets_at(tmp_path)
+
+    def keys(version: str) -> set[str]:
+        overrides = harness.main_ppo_overrides(assets, use_v1=False, total_steps=2, verl=version)
+        return {o.split("=", 1)[0].lstrip("+") for o in overrides}
+
+    assert "trainer.use_v1" in keys("0.9.1") and "trainer.use_v1" in keys("0.10.0.dev0")
+    for version in ("0.8.0", "0.7.1", "0.6.1"):
+        assert "trainer.use_v1" not in keys(version), version
+        with pytest.raises(ValueError, match="no V1 trainer"):
+            harness.main_ppo_overrides(assets, use_v1=True, total_steps=2, verl=version)
+    assert "reward.custom_reward_function.path" in keys("0.7.1")
+    assert "custom_reward_function.path" in keys("0.6.1") and "reward.custom_reward_function.path" not in keys("0.6.1")
+    assert "actor_rollout_ref.rollout.mode" in keys("0.6.1") and "actor_rollout_ref.rollout.mode" not in keys("0.7.1")
+    assert "actor_rollout_ref.actor.fsdp_config.strategy" in keys("0.7.1")
+    assert "actor_rollout_ref.actor.fsdp_config.strategy" not in keys("0.8.0")

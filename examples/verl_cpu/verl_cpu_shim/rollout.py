@@ -33,7 +33,19 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
-from verl.workers.rollout.utils import ensure_async_iterator
+
+try:
+    from verl.workers.rollout.utils import ensure_async_iterator
+except ImportError:  # verl < 0.7
+
+    async def ensure_async_iterator(iterable: Any) -> AsyncIterator[Any]:
+        if hasattr(iterable, "__aiter__"):
+            async for item in iterable:
+                yield item
+        else:
+            for item in iterable:
+                yield item
+
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +299,8 @@ class HFReplica(RolloutReplica):
             raise NotImplementedError("the hf rollout serves only the policy")
         name = server_actor_name(self.replica_rank, 0, getattr(self, "name_suffix", ""))
         server_cls = ray.remote(HFGenerationServer)
-        server = server_cls.options(name=name, max_concurrency=self.max_concurrency, num_cpus=0).remote(
+        concurrency = getattr(self, "max_concurrency", 1000)  # a replica property from verl 0.7 on
+        server = server_cls.options(name=name, max_concurrency=concurrency, num_cpus=0).remote(
             config=self.config,
             model_config=self.model_config,
             rollout_mode=self.rollout_mode,
