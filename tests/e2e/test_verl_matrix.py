@@ -81,12 +81,21 @@ class MatrixRuns:
     calls: tuple[int, int]
 
 
+def assets_for(python: Path, root: Path) -> Any:
+    """The harness assets built by the env's own transformers (0.6's transformers 4 cannot read 5's files)."""
+    code = "import sys; from pathlib import Path; import harness; harness.build_assets(Path(sys.argv[1]))"
+    env = {**os.environ, "PYTHONPATH": str(harness.HERE), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    subprocess.run([str(python), "-c", code, str(root)], check=True, env=env, timeout=300, capture_output=True)
+    return harness.build_assets(root)  # already current: returns the paths without rebuilding
+
+
 @pytest.fixture(scope="module", params=_params())
-def matrix(request: pytest.FixtureRequest, assets: Any, tmp_path_factory: pytest.TempPathFactory) -> MatrixRuns:
+def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> MatrixRuns:
     version = request.param
     python = envs.build(version)
     assert harness.verl_version(python) == version
     tmp = tmp_path_factory.mktemp(f"verl-{version}")
+    assets = assets_for(python, tmp / "assets")
     dump, builtin_dump = tmp / "dump", tmp / "builtin"
     listing = subprocess.run(
         [str(python), "-m", "skipinject", "--list"], capture_output=True, text=True, cwd=tmp, timeout=300
