@@ -32,7 +32,7 @@ from tests.verl_matrix import envs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.verl_matrix]
 
-OLDER = ("0.8.0", "0.7.1")
+OLDER = ("0.8.0", "0.7.1", "0.6.1")
 #: Run by ``make test`` (and so in CI) unless SKIPINJECT_VERL_MATRIX says otherwise.
 DEFAULT_VERSIONS = ("0.8.0",)
 BUILTIN_WARNING = "verl's built-in rollout skip is enabled and skipinject's rollout role is on"
