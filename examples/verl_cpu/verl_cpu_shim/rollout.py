@@ -293,6 +293,12 @@ class HFGenerationServer:
 class HFReplica(RolloutReplica):
     """Rollout replica backed by one :class:`HFGenerationServer` actor (single node)."""
 
+    if getattr(RolloutReplica.get_ray_class_with_init_args, "__isabstractmethod__", False):  # verl 0.6
+
+        def get_ray_class_with_init_args(self) -> Any:
+            """Standalone/colocated workers: not needed by the hf server (verl 0.6 declares it abstract)."""
+            raise NotImplementedError("the hf rollout runs in hybrid mode only on this verl")
+
     async def launch_servers(self) -> None:
         # is_teacher_model / name_suffix exist from verl 0.8 on.
         if self.is_reward_model or getattr(self, "is_teacher_model", False):
