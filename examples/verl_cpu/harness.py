@@ -297,7 +297,8 @@ def _version_overrides(version: str) -> list[str]:
       so ``fsdp_config.strategy=fsdp2`` for actor and reference; their auto-wrap policy finds no
       layer class in transformers 5's Qwen2, so it is named.
     * Before 0.7 the trainer's default ``rollout.mode`` is ``sync`` (worker-group generation,
-      no CPU backend); ``async`` goes through the agent loop and the shim's ``hf`` server.
+      no CPU backend); ``async`` goes through the agent loop and the shim's ``hf`` server, and
+      needs ``data.return_raw_chat=True``.
     """
     release = _release(version)
     if release >= (0, 8):
@@ -311,7 +312,8 @@ def _version_overrides(version: str) -> list[str]:
         )
     ]
     if release < (0, 7):
-        overrides.append("actor_rollout_ref.rollout.mode=async")
+        # The agent loop reads the chat messages (``raw_prompt``), which 0.6's dataset returns only when asked.
+        overrides += ["actor_rollout_ref.rollout.mode=async", "data.return_raw_chat=True"]
     return overrides
 
 
