@@ -14,7 +14,7 @@ PYTEST := $(BIN)/python -m pytest
 # The unit tier by directory (plugins' verl-free tests go in plugins/<name>/tests/unit/).
 UNIT_PATHS := tests/unit tests/reliability $(wildcard plugins/*/tests/unit)
 
-.PHONY: setup demo test test-unit test-integration test-e2e test-fast example bench lint clean
+.PHONY: setup demo test test-unit test-integration test-e2e test-fast test-verl-matrix venv-verl example bench lint clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,16 @@ test-integration: setup
 test-e2e: setup
 	$(PYTEST) -q --durations=10 -m e2e tests/e2e
 
+# An older verl's environment, .venvs/verl-$(VERL), from requirements/verl-$(VERL).txt (idempotent).
+# `make test` builds the ones its verl matrix tests need by itself.
+VERL ?= 0.8.0
+venv-verl:
+	$(PYTHON) tests/verl_matrix/envs.py $(VERL)
+
+# Only the older-verl runs; SKIPINJECT_VERL_MATRIX=all (or a comma list) picks the versions.
+test-verl-matrix: setup
+	$(BIN)/python -m pytest -q --durations=20 -m verl_matrix
+
 test-fast: setup
 	$(PYTEST) -q -m "not e2e"
 
@@ -62,4 +72,4 @@ lint: $(LINT_STAMP)
 	$(LINT_VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(LINT_VENV) .demo .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(LINT_VENV) .venvs .demo .pytest_cache .ruff_cache .mypy_cache

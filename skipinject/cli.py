@@ -156,7 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         bootstrap.export(config)
         _export_plugin_paths(plugins, owners)
         try:
-            bootstrap.start(config, plugins)
+            engine = bootstrap.start(config, plugins)
+            if engine is not None:
+                engine.check_targets()
         except SkipInjectError as exc:
             print(f"skipinject: error: {exc}", file=sys.stderr)
             return 2

@@ -11,7 +11,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["is_run_config", "run_config_of", "select", "verl_version", "version_matches"]
+__all__ = ["is_run_config", "module_exists", "run_config_of", "select", "verl_version", "version_matches"]
 
 
 def select(config: Any, dotted: str, default: Any = None) -> Any:
@@ -75,3 +75,31 @@ def version_matches(specifier: str | None, version: str | None) -> bool:
     except InvalidVersion:
         return False
     return SpecifierSet(specifier).contains(parsed, prereleases=True)
+
+
+def module_exists(dotted: str) -> bool:
+    """Whether module ``dotted`` can be found, without importing it or its packages (file system only)."""
+    import importlib.machinery
+    import sys
+
+    if dotted in sys.modules:
+        return True
+    parts = dotted.split(".")
+    search: list[str] | None = None
+    for index in range(len(parts)):
+        name = ".".join(parts[: index + 1])
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            spec = getattr(loaded, "__spec__", None)
+        else:
+            try:
+                spec = importlib.machinery.PathFinder.find_spec(name, search)
+            except (ImportError, ValueError):
+                return False
+        if spec is None:
+            return False
+        locations = getattr(spec, "submodule_search_locations", None)
+        search = list(locations) if locations is not None else None
+        if search is None and index < len(parts) - 1:
+            return False
+    return True

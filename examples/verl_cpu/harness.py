@@ -1,4 +1,4 @@
-"""Run the real verl 0.9.1 trainers for a few GRPO steps on a CPU-only machine.
+"""Run the real verl trainers (0.9.1; V0 also on 0.8.0 and 0.7.1) for a few GRPO steps on a CPU-only machine.
 
 Everything a test needs is here: tiny local assets (model, tokenizer, data, reward),
 the Hydra overrides, the environment that loads :mod:`verl_cpu_shim` in every verl
@@ -56,6 +56,7 @@ __all__ = [
     "run_fully_async",
     "run_main_ppo",
     "skip_role",
+    "verl_version",
 ]
 
 logger = logging.getLogger(__name__)
@@ -261,8 +262,75 @@ def cache_dir(dump_dir: Path, *, experiment: str = "e", project: str = "p", gbs:
     return Path(dump_dir) / f"{experiment}_{project}" / name
 
 
-def _common_overrides(assets: Assets, *, experiment: str, project: str) -> list[str]:
+def verl_version(python: str | os.PathLike[str] | None = None) -> str:
+    """The verl version installed for ``python`` (default: this interpreter), e.g. ``"0.9.1"``."""
+    if python is None or Path(python) == Path(sys.executable):
+        from importlib.metadata import version
+
+        return version("verl")
+    code = "from importlib.metadata import version; print(version('verl'))"
+    return subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.9.1"`` -> ``(0, 9, 1)`` (pre/dev/local suffixes ignored: a dev build counts as its release)."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+        if not piece.isdigit():
+            break
+    return tuple(parts)
+
+
+def has_use_v1(version: str) -> bool:
+    """verl >= 0.9 has ``trainer.use_v1``; older ones reject the key (``not in struct``)."""
+    return _release(version) >= (0, 9)
+
+
+def _version_overrides(version: str) -> list[str]:
+    """What a verl older than 0.9 needs on top of the common overrides (README.md says why).
+
+    * Before 0.8 the V0 trainer runs verl's legacy FSDP workers: FSDP1 refuses CPU parameters,
+      so ``fsdp_config.strategy=fsdp2`` for actor and reference; their auto-wrap policy finds no
+      layer class in transformers 5's Qwen2, so it is named.
+    * Before 0.7 the trainer's default ``rollout.mode`` is ``sync`` (worker-group generation,
+      no CPU backend); ``async`` goes through the agent loop and the shim's ``hf`` server, and
+      needs ``data.return_raw_chat=True``.
+    """
+    release = _release(version)
+    if release >= (0, 8):
+        return []
+    overrides = [
+        f"{prefix}actor_rollout_ref.{worker}.fsdp_config.{key}"
+        for worker in ("actor", "ref")
+        for prefix, key in (
+            ("", "strategy=fsdp2"),
+            ("+", "wrap_policy.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]"),
+        )
+    ]
+    if release < (0, 7):
+        # The agent loop reads the chat messages (``raw_prompt``), which 0.6's dataset returns only when asked.
+        overrides += ["actor_rollout_ref.rollout.mode=async", "data.return_raw_chat=True"]
+    return overrides
+
+
+def _reward_overrides(assets: Assets, version: str) -> list[str]:
+    """The toy reward function: under ``reward.`` from verl 0.7 on, top-level before.
+
+    (0.7 and 0.8 still have a top-level ``custom_reward_function``, deprecated, whose ``name``
+    defaults to null: setting its path there breaks the reward workers.)
+    """
+    if _release(version) >= (0, 7):
+        return [f"reward.custom_reward_function.path={assets.reward_file}"]
+    return [f"custom_reward_function.path={assets.reward_file}"]
+
+
+def _common_overrides(assets: Assets, *, experiment: str, project: str, version: str | None = None) -> list[str]:
     """Overrides every CPU run needs, whatever the trainer (README.md says why each is there)."""
+    version = version or verl_version()
     return [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={assets.train_file}",
@@ -278,7 +346,7 @@ def _common_overrides(assets: Assets, *, experiment: str, project: str) -> list[
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
         "actor_rollout_ref.rollout.agent.num_workers=1",
-        f"reward.custom_reward_function.path={assets.reward_file}",
+        *_reward_overrides(assets, version),
         "trainer.device=cpu",
         "trainer.nnodes=1",
         "trainer.n_gpus_per_node=1",
@@ -288,6 +356,7 @@ def _common_overrides(assets: Assets, *, experiment: str, project: str) -> list[
         "trainer.test_freq=-1",
         f"trainer.project_name={project}",
         f"trainer.experiment_name={experiment}",
+        *_version_overrides(version),
     ]
 
 
@@ -333,6 +402,7 @@ def main_ppo_overrides(
     experiment: str = "e",
     project: str = "p",
     extra: Sequence[str] = (),
+    verl: str | None = None,
 ) -> list[str]:
     """Hydra overrides for ``verl.trainer.main_ppo``: a ``total_steps``-step GRPO run on CPU.
 
@@ -348,7 +418,13 @@ def main_ppo_overrides(
       :func:`cache_dir` ``(dump_dir, experiment=..., project=...)``.
     * ``experiment`` / ``project``: ``trainer.experiment_name`` / ``trainer.project_name``.
     * ``extra`` is appended last, so it wins over the defaults (Hydra: last one wins).
+    * ``verl``: the verl version the launcher runs (default: the one installed for this
+      interpreter, :func:`verl_version`). verl < 0.9 has no ``trainer.use_v1`` (and no V1
+      trainer): the key is left out, and ``use_v1=True`` is an error.
     """
+    verl = verl or verl_version()
+    if use_v1 and not has_use_v1(verl):
+        raise ValueError(f"verl {verl} has no V1 trainer (trainer.use_v1 exists from verl 0.9 on)")
     if trainer_mode not in V1_MODES:
         raise ValueError(f"trainer_mode must be one of {V1_MODES}, not {trainer_mode!r}")
     if not use_v1 and trainer_mode != "sync":
@@ -360,11 +436,11 @@ def main_ppo_overrides(
     if parameter_sync_step < 1 or TRAIN_BATCH % parameter_sync_step:
         raise ValueError(f"parameter_sync_step must divide the train batch {TRAIN_BATCH}")
 
-    overrides = _common_overrides(assets, experiment=experiment, project=project)
+    overrides = _common_overrides(assets, experiment=experiment, project=project, version=verl)
     overrides += [
         f"data.train_batch_size={TRAIN_BATCH}",
         f"trainer.total_training_steps={total_steps}",
-        f"trainer.use_v1={use_v1}",
+        *([f"trainer.use_v1={use_v1}"] if has_use_v1(verl) else []),
         *_batch_overrides(TRAIN_BATCH // parameter_sync_step),
     ]
     fake_gpus = 1

@@ -28,7 +28,7 @@ from skipinject.engine.runtime import RoleRuntime
 from skipinject.errors import ConfigError
 from skipinject.injector import INJECTOR, Injector
 from skipinject.roles import Role
-from skipinject.verl_compat import is_run_config, verl_version, version_matches
+from skipinject.verl_compat import is_run_config, module_exists, verl_version, version_matches
 
 logger = logging.getLogger("skipinject")
 
@@ -78,6 +78,33 @@ class Engine:
             self._instrument(BUILTIN_SKIP_INIT, BuiltinGuard(self), "skipinject/builtin-guard")
         if self.runtimes:
             logger.debug("skipinject active for %s", ", ".join(self.runtimes))
+
+    def check_targets(self) -> list[str]:
+        """Warn once per enabled role that cannot act in this install (the runner calls it at start):
+        no target meant for the installed verl, or a target whose module does not exist (e.g. moved in
+        a newer verl). Looks modules up on the file system only: nothing is imported. Returns the lines.
+        """
+        installed = verl_version()
+        lines = []
+        for name, runtime in self.runtimes.items():
+            targets = [t for t in runtime.role.targets if version_matches(t.verl, installed)]
+            if not targets:
+                ranges = ", ".join(sorted({t.verl or "any" for t in runtime.role.targets}))
+                lines.append(
+                    f"skip.{name} is enabled but has no target for the installed verl {installed} "
+                    f"(its targets are for verl {ranges}); it will not act in this run"
+                )
+                continue
+            for target in targets:
+                module = target.path.partition(":")[0]
+                if not module_exists(module):
+                    lines.append(
+                        f"skip.{name}: target {target.path} does not exist in this install (no module {module}); "
+                        "this target will not act (see `python -m skipinject --list`)"
+                    )
+        for line in lines:
+            logger.warning("%s", line)
+        return lines
 
     def stop(self) -> None:
         WRITER.flush()

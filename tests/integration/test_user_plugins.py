@@ -143,8 +143,8 @@ def test_list_shows_every_plugin_role_target_and_range(user_plugins: None) -> No
     assert "plugin rollout (skipinject-rollout" in out
     assert "  role reward: step from clock:global_steps" in out
     assert "  role advantage: step from clock:global_steps" in out
-    assert "target verl.trainer.ppo.ray_trainer:extract_reward  verl >=0.8  [ok]" in out
-    assert "target verl.trainer.ppo.ray_trainer:compute_reward  verl <0.8  [not for this verl]" in out
+    assert "target verl.trainer.ppo.ray_trainer:extract_reward  verl >=0.7.1  [ok]" in out
+    assert "target verl.trainer.ppo.ray_trainer:compute_reward  verl <0.7.1  [not for this verl]" in out
     assert f"target {ADVANTAGE_TARGET}  verl any  [ok]" in out
     assert "clock  verl.trainer.ppo.ray_trainer:RayPPOTrainer.fit  [ok]" in out
     assert "FAILED" not in out

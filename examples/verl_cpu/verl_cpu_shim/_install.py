@@ -1,7 +1,14 @@
-"""Register the shim's pieces with verl's own extension points (idempotent)."""
+"""Register the shim's pieces with verl's own extension points (idempotent).
+
+verl >= 0.9 has a platform registry (``verl.plugin.platform``): the shim registers a ``cpu``
+platform there. Older verls (0.6 to 0.8) have none; :mod:`verl_cpu_shim.legacy` patches their
+device helpers instead. The ``hf`` rollout and the ``cpu_store`` checkpoint engine register the
+same way in every verl that has those registries.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 logger = logging.getLogger(__name__)
@@ -15,19 +22,35 @@ def _load_hf_replica() -> type:
     return HFReplica
 
 
+def has_platform_registry() -> bool:
+    """Whether this verl has ``verl.plugin.platform`` (0.9 and later)."""
+    try:
+        return importlib.util.find_spec("verl.plugin.platform") is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def install() -> None:
-    """Register the ``cpu`` platform, gloo init, ``hf`` rollout and ``cpu_store`` engine."""
+    """Register the ``cpu`` platform (or patch the device helpers), gloo init, ``hf`` rollout, ``cpu_store``."""
     global _installed
     if _installed:
         return
+    if has_platform_registry():
+        from . import platform  # noqa: F401  (its decorator registers it)
+        from .distributed import patch_process_group_init
+
+        patch_process_group_init()
+    else:
+        from .legacy import install_legacy
+
+        install_legacy()
     from verl.workers.rollout import base as rollout_base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from . import checkpoint, platform  # noqa: F401  (their decorators register them)
-    from .distributed import patch_process_group_init
     from .rollout import BACKEND_NAME
 
-    patch_process_group_init()
+    if importlib.util.find_spec("verl.checkpoint_engine") is not None:
+        from . import checkpoint  # noqa: F401  (its decorator registers it)
     rollout_base._ROLLOUT_REGISTRY[(BACKEND_NAME, "async")] = "verl_cpu_shim.rollout.HFServerAdapter"
     RolloutReplicaRegistry.register(BACKEND_NAME, _load_hf_replica)
     _installed = True

@@ -1,6 +1,6 @@
 """An ``hf`` rollout backend: HF ``generate`` on CPU behind verl's server-mode interfaces.
 
-verl 0.9.1 only runs rollouts through token-in/token-out *servers* (vLLM, SGLang,
+verl 0.7 to 0.9 only runs rollouts through token-in/token-out *servers* (vLLM, SGLang,
 TRT-LLM), none of which runs on CPU. Three pieces stand in for them:
 
 * :class:`HFGenerationServer` -- the Ray actor that holds a HF causal LM and answers
@@ -33,7 +33,19 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
-from verl.workers.rollout.utils import ensure_async_iterator
+
+try:
+    from verl.workers.rollout.utils import ensure_async_iterator
+except ImportError:  # verl < 0.7
+
+    async def ensure_async_iterator(iterable: Any) -> AsyncIterator[Any]:
+        if hasattr(iterable, "__aiter__"):
+            async for item in iterable:
+                yield item
+        else:
+            for item in iterable:
+                yield item
+
 
 logger = logging.getLogger(__name__)
 
@@ -281,12 +293,20 @@ class HFGenerationServer:
 class HFReplica(RolloutReplica):
     """Rollout replica backed by one :class:`HFGenerationServer` actor (single node)."""
 
+    if getattr(RolloutReplica.get_ray_class_with_init_args, "__isabstractmethod__", False):  # verl 0.6
+
+        def get_ray_class_with_init_args(self) -> Any:
+            """Standalone/colocated workers: not needed by the hf server (verl 0.6 declares it abstract)."""
+            raise NotImplementedError("the hf rollout runs in hybrid mode only on this verl")
+
     async def launch_servers(self) -> None:
-        if self.is_reward_model or self.is_teacher_model:
+        # is_teacher_model / name_suffix exist from verl 0.8 on.
+        if self.is_reward_model or getattr(self, "is_teacher_model", False):
             raise NotImplementedError("the hf rollout serves only the policy")
-        name = server_actor_name(self.replica_rank, 0, self.name_suffix)
+        name = server_actor_name(self.replica_rank, 0, getattr(self, "name_suffix", ""))
         server_cls = ray.remote(HFGenerationServer)
-        server = server_cls.options(name=name, max_concurrency=self.max_concurrency, num_cpus=0).remote(
+        concurrency = getattr(self, "max_concurrency", 1000)  # a replica property from verl 0.7 on
+        server = server_cls.options(name=name, max_concurrency=concurrency, num_cpus=0).remote(
             config=self.config,
             model_config=self.model_config,
             rollout_mode=self.rollout_mode,

@@ -1,7 +1,7 @@
 """How the trainer's reward of a step is cached: ``(reward_tensor, reward_extra_infos_dict)``.
 
 That pair is what verl's reward functions return to ``RayPPOTrainer.fit`` (``extract_reward`` from
-0.8 on, ``compute_reward`` before). The tensor goes to the tensor file; the extra infos (numpy
+0.7.1 on, ``compute_reward`` before). The tensor goes to the tensor file; the extra infos (numpy
 arrays or lists per key) to skipinject's tagged JSON, so loading never runs code.
 """
 

@@ -3,14 +3,14 @@
 ``fit`` gets a step's reward from one module-level function of ``verl.trainer.ppo.ray_trainer``,
 patched there because that is where ``fit`` looks it up:
 
-* verl >= 0.8: ``extract_reward(batch)``. The rule-based or custom reward function
+* verl >= 0.7.1: ``extract_reward(batch)``. The rule-based or custom reward function
   (``reward.custom_reward_function.path``) already ran per sample inside the rollout's agent loop
   (verl's reward loop), and a colocated reward model in ``_compute_reward_colocate``; this is where
   the trainer turns that into ``(reward_tensor, reward_extra_infos_dict)`` for training.
-* verl < 0.8: ``compute_reward(data, reward_fn)``, which runs the reward function itself.
+* verl < 0.7.1 (0.7.0 and older): ``compute_reward(data, reward_fn)``, which runs the reward function itself.
 
 On a hit the trainer trains on the cached reward of the step, the reward function is not
-called (verl < 0.8) and the batch's own scores are ignored (verl >= 0.8). Calls carry no step,
+called (verl < 0.7.1) and the batch's own scores are ignored (verl >= 0.7.1). Calls carry no step,
 so the step is the trainer's ``global_steps`` captured entering ``fit``. Validation batches
 (``meta_info["validate"]``) always run the original.
 """
@@ -26,8 +26,8 @@ from skipinject import Call, Role, StepSource, Target, hookimpl, select
 from skipinject_reward.codec import RewardCodec, batch_of
 
 TARGETS = (
-    Target("verl.trainer.ppo.ray_trainer:extract_reward", verl=">=0.8"),
-    Target("verl.trainer.ppo.ray_trainer:compute_reward", verl="<0.8"),
+    Target("verl.trainer.ppo.ray_trainer:extract_reward", verl=">=0.7.1"),
+    Target("verl.trainer.ppo.ray_trainer:compute_reward", verl="<0.7.1"),
 )
 CLOCK = "verl.trainer.ppo.ray_trainer:RayPPOTrainer.fit"
 #: Per-row non-tensor inputs of a reward function (the answer to score against and its source).

@@ -3,7 +3,8 @@
 ``FullyAsyncAgentLoopManager.generate_sequences_single`` is called once per prompt, many at a
 time. Each call finds its own step in its sample id, ``[uid_]sample_<epoch>_<feed_index>``:
 the feed index (the Rollouter's running count of prompts fed, from 1) is the step. Nothing about
-the step is shared between concurrent calls.
+the step is shared between concurrent calls. The fully async policy's Rollouter module exists in
+verl >= 0.8 only (the target declares that range).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def feed_index(call: Call) -> int | None:
 
 ASYNC_ROLLOUT = Role(
     name="async_rollout",
-    targets=[Target(TARGET)],
+    targets=[Target(TARGET, verl=">=0.8")],
     step=StepSource.per_call(feed_index),
     builtin="async_rollout",
     fingerprint=prompt_fingerprint,

@@ -8,7 +8,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject import Call, HitInfo, UpstreamFormat
+from skipinject import Call, HitInfo, UpstreamFormat, verl_version, version_matches
+
+
+def installed_verl_matches(spec: str) -> bool:
+    """Whether the installed verl is in ``spec`` (``">=0.9"``); ``True`` when verl is absent.
+
+    For clock targets, which carry no version range of their own: a clock of a trainer that does
+    not exist in this verl is left out instead of being listed as missing. Development builds count
+    as their release (``0.10.0.dev0`` is in ``>=0.9``).
+    """
+    installed = verl_version()
+    return installed is None or version_matches(spec, installed)
+
 
 #: Non-tensor keys the V0 trainer keeps on its own batch and compares in ``batch.union(output)``.
 #: ``uid`` is random per run, so a cached one never matches; the others are replaced by this
@@ -88,3 +100,5 @@ def _load_pickled_dataproto(path: Path) -> Any:
 
 #: verl's own cache of a rollout step: a pickled DataProto, loaded only when the user trusts it.
 GEN_BATCH = UpstreamFormat("gen_batch.dp", _load_pickled_dataproto)
+#: verl < 0.9's RolloutSkip: ``genstep_{step:06d}/gen_batch.dp`` beside the step directories.
+GENSTEP_BATCH = UpstreamFormat("gen_batch.dp", _load_pickled_dataproto, directory="genstep_{step:06d}")

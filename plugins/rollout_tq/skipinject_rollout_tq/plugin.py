@@ -17,7 +17,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from skipinject import Role, StepSource, Target, TensorDictCodec, UpstreamFormat, hookimpl, select
+from skipinject import (
+    Role,
+    StepSource,
+    Target,
+    TensorDictCodec,
+    UpstreamFormat,
+    hookimpl,
+    select,
+    verl_version,
+    version_matches,
+)
 
 from skipinject_rollout_tq.phases import SamplePhase, StepBook, SubmitPhase, WarmupOff
 from skipinject_rollout_tq.transfer import UPSTREAM_FILE, load_upstream_file
@@ -31,8 +41,17 @@ SAMPLES = (
     "verl.trainer.ppo.v1.replay_buffer:ReplayBufferAsync.sample",
 )
 
+#: The V1 TransferQueue trainer exists in verl >= 0.9 only.
+V1_VERL = ">=0.9"
+
 #: Upstream's file of part 0 of a step; the loader reads every part of that step.
 TQ_BATCH = UpstreamFormat(f"0/{UPSTREAM_FILE}", load_upstream_file)
+
+
+def _installed_verl_matches(spec: str) -> bool:
+    """Whether the installed verl is in ``spec``; ``True`` when verl is absent."""
+    installed = verl_version()
+    return installed is None or version_matches(spec, installed)
 
 
 def cannot_fire(config: Any) -> str | None:
@@ -51,13 +70,14 @@ def make_role(book: StepBook | None = None) -> Role:
     return Role(
         name="rollout_tq",
         targets=[
-            Target(SUBMIT, phase=SubmitPhase(book)),
-            *(Target(path, phase=SamplePhase(book), every_step=True) for path in SAMPLES),
-            Target(WARMUP, phase=WarmupOff(), every_step=True),
+            Target(SUBMIT, phase=SubmitPhase(book), verl=V1_VERL),
+            *(Target(path, phase=SamplePhase(book), every_step=True, verl=V1_VERL) for path in SAMPLES),
+            Target(WARMUP, phase=WarmupOff(), every_step=True, verl=V1_VERL),
         ],
         step=StepSource.clock("global_steps").or_else(StepSource.argument("global_steps")),
         codec=TensorDictCodec(),
-        clocks=[FIT],
+        # The V1 trainer's fit does not exist before verl 0.9: no clock there (nothing to time).
+        clocks=[FIT] if _installed_verl_matches(V1_VERL) else [],
         builtin="rollout_tq",
         check=cannot_fire,
         cache_subdir="",

@@ -1,0 +1,139 @@
+"""Device patches for verls without a platform registry (``verl.plugin``: verl >= 0.9 only).
+
+verl 0.6 to 0.8 pick the device in :mod:`verl.utils.device` (cuda, else npu, else cpu) and ask it for
+the torch device module, the collective backend and the Ray resource. On a CPU-only host the
+device name is already ``"cpu"``, but the rest points at accelerators. This module, imported
+through ``VERL_USE_EXTERNAL_MODULES`` right after ``verl.utils.device`` itself:
+
+* replaces ``get_torch_device`` (a CPU stand-in with the ``torch.cuda``-style calls verl makes),
+  ``get_nccl_backend`` (``gloo``) and ``get_resource_name`` (``GPU``: fake Ray GPUs) there and in
+  the verl modules already holding them by name;
+* makes ``torch.distributed.init_process_group`` take plain ``gloo`` for a backend string whose
+  every entry is a CPU one (``"cpu:gloo,cpu:gloo"`` is what verl builds; torch rejects it);
+* makes Ray placement groups asked for device ``cpu`` (``trainer.device=cpu``) reserve the fake
+  ``GPU`` resource: verl names the bundle after the device, and Ray has no ``cpu`` resource;
+* lets FSDP's ``EngineRegistry`` (0.7+) find the engine it registered for ``cuda`` under ``cpu``;
+* takes the unpad/pad helpers from ``verl.utils.npu_flash_attn_utils`` (plain torch + einops)
+  instead of ``flash_attn``, which has no CPU build.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import sys
+from typing import Any
+
+from .device_module import cpu_device_module
+
+logger = logging.getLogger(__name__)
+
+_PATCHED = "__verl_cpu_shim_patched__"
+
+
+def _replace_everywhere(module_name: str, name: str, replacement: Any) -> None:
+    module = importlib.import_module(module_name)
+    original = getattr(module, name, None)
+    setattr(module, name, replacement)
+    if original is None:
+        return
+    for loaded_name, loaded in list(sys.modules.items()):
+        if loaded_name.startswith("verl.") and getattr(loaded, name, None) is original:
+            setattr(loaded, name, replacement)
+
+
+def _patch_device() -> None:
+    import verl.utils.device as device
+
+    if getattr(device, _PATCHED, False):
+        return
+    _replace_everywhere("verl.utils.device", "get_torch_device", lambda: cpu_device_module)
+    _replace_everywhere("verl.utils.device", "get_nccl_backend", lambda: "gloo")
+    _replace_everywhere("verl.utils.device", "get_resource_name", lambda: "GPU")
+    setattr(device, _PATCHED, True)
+
+
+def _all_cpu(backend: Any) -> bool:
+    if not isinstance(backend, str) or "," not in backend:
+        return False
+    entries = [part.strip() for part in backend.split(",") if part.strip()]
+    return all(part.startswith("cpu:") for part in entries)
+
+
+def _patch_process_group_init() -> None:
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if args and _all_cpu(args[0]):
+            args = ("gloo", *args[1:])
+        if _all_cpu(kwargs.get("backend")):
+            kwargs["backend"] = "gloo"
+        return original(*args, **kwargs)
+
+    setattr(init_process_group, _PATCHED, True)
+    dist.init_process_group = init_process_group
+
+
+def _patch_placement_groups() -> None:
+    from verl.single_controller.ray.base import RayResourcePool
+
+    original = RayResourcePool.get_placement_groups
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def get_placement_groups(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("device_name") == "cpu":
+            kwargs["device_name"] = "cuda"  # verl maps "cuda" to the Ray resource "GPU"
+        return original(self, *args, **kwargs)
+
+    setattr(get_placement_groups, _PATCHED, True)
+    RayResourcePool.get_placement_groups = get_placement_groups
+
+
+def _patch_engine_registry() -> None:
+    try:
+        from verl.workers.engine.base import EngineRegistry
+    except ImportError:  # verl 0.6 has no engine registry
+        return
+    original = EngineRegistry.__dict__["get_engine_cls"].__func__
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def get_engine_cls(cls: type, model_type: str, backend: str) -> Any:
+        devices = cls._engines.get(model_type, {}).get(backend, {})
+        if "cpu" not in devices and "cuda" in devices:
+            devices["cpu"] = devices["cuda"]
+        return original(cls, model_type, backend)
+
+    setattr(get_engine_cls, _PATCHED, True)
+    EngineRegistry.get_engine_cls = classmethod(get_engine_cls)
+
+
+def _patch_attention_helpers() -> None:
+    try:
+        import verl.utils.attention_utils as attention
+        from verl.utils import npu_flash_attn_utils as plain
+    except ImportError:
+        return
+    helpers = (plain.index_first_axis, plain.pad_input, plain.rearrange, plain.unpad_input)
+    if hasattr(attention, "_get_attention_functions"):
+        attention._get_attention_functions = lambda: helpers
+        attention._index_first_axis, attention._pad_input, attention._rearrange, attention._unpad_input = helpers
+
+
+def install_legacy() -> None:
+    """Apply every patch (idempotent)."""
+    _patch_device()
+    _patch_process_group_init()
+    _patch_placement_groups()
+    _patch_engine_registry()
+    _patch_attention_helpers()
+    logger.debug("verl_cpu_shim: device patches for verl without verl.plugin installed")

@@ -1,0 +1,130 @@
+"""Which targets each verl version gets, and the guard against verl < 0.9's built-in ``RolloutSkip``.
+
+No verl needed: version ranges are checked against version strings, and the guard's phase runs
+against a stand-in role runtime. The real older verls run in ``tests/e2e/test_verl_matrix.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+from skipinject_advantage.role import ADVANTAGE
+from skipinject_reward.role import REWARD
+from skipinject_rollout.async_rollout import ASYNC_ROLLOUT
+from skipinject_rollout.legacy import BUILTIN_WRAP, BuiltinSkipOff
+from skipinject_rollout.rollout import ROLLOUT, cannot_fire
+from skipinject_rollout_tq.plugin import make_role
+
+from skipinject.roles import Call
+from skipinject.verl_compat import version_matches
+
+VERSIONS = ("0.6.1", "0.7.0", "0.7.1", "0.8.0", "0.9.1")
+
+
+def applied(role: Any, version: str) -> set[str]:
+    return {t.path.rsplit(":", 1)[1] for t in role.targets if version_matches(t.verl, version)}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_each_role_targets_what_exists_in_that_verl(version: str):
+    release = tuple(int(x) for x in version.split("."))
+    rollout = {"AgentLoopManager.generate_sequences"}
+    if release < (0, 9):
+        rollout.add("RolloutSkip.wrap_generate_sequences")
+    assert applied(ROLLOUT, version) == rollout
+    assert applied(REWARD, version) == {"extract_reward" if release >= (0, 7, 1) else "compute_reward"}
+    assert applied(ADVANTAGE, version) == {"compute_advantage"}
+    assert bool(applied(ASYNC_ROLLOUT, version)) == (release >= (0, 8))
+    assert bool(applied(make_role(), version)) == (release >= (0, 9))
+
+
+def test_rollout_guard_is_for_the_older_builtin_only_and_sees_every_call():
+    guard = [t for t in ROLLOUT.targets if t.path == BUILTIN_WRAP]
+    assert len(guard) == 1 and guard[0].every_step and isinstance(guard[0].phase, BuiltinSkipOff)
+    assert guard[0].verl == "<0.9"
+
+
+def test_dev_build_of_a_newer_verl_counts_as_that_release():
+    v1_submit = next(t for t in make_role().targets if t.path.endswith("_add_batch_to_generate"))
+    assert version_matches(v1_submit.verl, "0.10.0.dev0")
+    assert version_matches(v1_submit.verl, "0.9.2rc1")
+
+
+def test_rollout_check_warns_on_the_sync_worker_group_path():
+    assert "mode=sync" in cannot_fire(OmegaConf.create({"actor_rollout_ref": {"rollout": {"mode": "sync"}}}))
+    assert cannot_fire(OmegaConf.create({"actor_rollout_ref": {"rollout": {"mode": "async"}}})) is None
+    assert "use_v1=True" in cannot_fire(OmegaConf.create({"trainer": {"use_v1": True}}))
+
+
+class _Runtime:
+    """What the guard's phase uses of a role runtime."""
+
+    def __init__(self) -> None:
+        self.role = ROLLOUT
+        self.name = ROLLOUT.name
+        self._seen: set[Any] = set()
+
+    def once(self, key: Any, level: int, message: str, *args: Any) -> None:
+        if key not in self._seen:
+            self._seen.add(key)
+            logging.getLogger("skipinject").log(level, message, *args)
+
+
+class _Trainer:
+    def __init__(self, **config: Any) -> None:
+        self.config = OmegaConf.create({"trainer": {"total_training_steps": 2}, **config})
+
+
+def _call(trainer: _Trainer) -> Call:
+    return Call(BUILTIN_WRAP, lambda: None, trainer, (), {})
+
+
+def test_builtin_rollout_skip_is_not_wrapped_while_the_role_acts(caplog):
+    runtime, phase, wrapped = _Runtime(), BuiltinSkipOff(cannot_fire), []
+    call = _call(_Trainer(actor_rollout_ref={"rollout": {"mode": "async"}}))
+    with caplog.at_level(logging.WARNING, logger="skipinject"):
+        assert phase.run(runtime, call, 0, lambda: wrapped.append(1)) is None
+        assert asyncio.run(phase.run_async(runtime, call, 0, lambda: wrapped.append(1))) is None
+    assert wrapped == []
+    assert sum("RolloutSkip is turned off" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_builtin_rollout_skip_stays_on_when_the_role_cannot_act(caplog):
+    runtime, phase, wrapped = _Runtime(), BuiltinSkipOff(cannot_fire), []
+    call = _call(_Trainer(actor_rollout_ref={"rollout": {"mode": "sync"}}))
+    with caplog.at_level(logging.WARNING, logger="skipinject"):
+        phase.run(runtime, call, 0, lambda: wrapped.append(1))
+    assert wrapped == [1], "verl 0.6's sync path: skipinject cannot act, so the user's built-in still does"
+    assert any("left on" in r.getMessage() for r in caplog.records)
+
+
+def test_harness_overrides_follow_the_launchers_verl(tmp_path):
+    import sys
+
+    from tests.conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "examples" / "verl_cpu"))
+    try:
+        import harness
+    finally:
+        sys.path.remove(str(ROOT / "examples" / "verl_cpu"))
+    assets = harness._assets_at(tmp_path)
+
+    def keys(version: str) -> set[str]:
+        overrides = harness.main_ppo_overrides(assets, use_v1=False, total_steps=2, verl=version)
+        return {o.split("=", 1)[0].lstrip("+") for o in overrides}
+
+    assert "trainer.use_v1" in keys("0.9.1") and "trainer.use_v1" in keys("0.10.0.dev0")
+    for version in ("0.8.0", "0.7.1", "0.6.1"):
+        assert "trainer.use_v1" not in keys(version), version
+        with pytest.raises(ValueError, match="no V1 trainer"):
+            harness.main_ppo_overrides(assets, use_v1=True, total_steps=2, verl=version)
+    assert "reward.custom_reward_function.path" in keys("0.7.1")
+    assert "custom_reward_function.path" in keys("0.6.1") and "reward.custom_reward_function.path" not in keys("0.6.1")
+    assert "actor_rollout_ref.rollout.mode" in keys("0.6.1") and "actor_rollout_ref.rollout.mode" not in keys("0.7.1")
+    assert "actor_rollout_ref.actor.fsdp_config.strategy" in keys("0.7.1")
+    assert "actor_rollout_ref.actor.fsdp_config.strategy" not in keys("0.8.0")
