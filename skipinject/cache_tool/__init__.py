@@ -9,7 +9,6 @@ The ``--json`` documents are described in ``docs/cache-tool.md``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -82,11 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``skipinject cache``; returns the exit status."""
     from skipinject.cache_tool import commands
+    from skipinject.config import environment
+    from skipinject.errors import ConfigError
 
     try:
         args = build_parser().parse_args(list(argv))
     except SystemExit as exc:
         return int(exc.code or 0)
+    try:
+        show_traceback = environment.debug()
+    except ConfigError as exc:
+        print(f"skipinject cache: error: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.command == "ls":
             root = args.dump_dir or default_dump_dir()
@@ -128,7 +134,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"skipinject cache {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        if os.environ.get("SKIPINJECT_DEBUG"):
+        if show_traceback:
             raise
         print(
             f"skipinject cache {args.command}: internal error: {type(exc).__name__}: {exc} "

@@ -5,6 +5,7 @@
 ``SKIPINJECT_LOG_LEVEL``    ``DEBUG``, ``INFO`` (default), ``WARNING``, ``ERROR`` or ``CRITICAL``
 ``VERL_SKIP_PLUGINS``       which plugins load (see :mod:`skipinject.plugin_manager`)
 ``SKIPINJECT_CONFIG``       the runner's validated configuration, for child processes
+``SKIPINJECT_DEBUG``        ``1``: ``skipinject cache`` shows a traceback for an internal error
 ==========================  =====================================================================
 
 A bad value is a :class:`~skipinject.errors.ConfigError` naming the variable: the runner exits 2
@@ -22,6 +23,7 @@ ENV_CONFIG = "SKIPINJECT_CONFIG"
 ENV_DISABLE = "SKIPINJECT_DISABLE"
 ENV_LOG_LEVEL = "SKIPINJECT_LOG_LEVEL"
 ENV_PLUGINS = "VERL_SKIP_PLUGINS"
+ENV_DEBUG = "SKIPINJECT_DEBUG"
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = ("1", "true", "yes", "on")
@@ -30,13 +32,22 @@ _FALSE = ("", "0", "false", "no", "off")
 
 def disabled(environ: Mapping[str, str] | None = None) -> bool:
     """``SKIPINJECT_DISABLE`` as a boolean."""
-    raw = (os.environ if environ is None else environ).get(ENV_DISABLE, "")
+    return _flag(ENV_DISABLE, environ)
+
+
+def debug(environ: Mapping[str, str] | None = None) -> bool:
+    """``SKIPINJECT_DEBUG`` as a boolean."""
+    return _flag(ENV_DEBUG, environ)
+
+
+def _flag(name: str, environ: Mapping[str, str] | None) -> bool:
+    raw = (os.environ if environ is None else environ).get(name, "")
     value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
-    raise ConfigError(f"{ENV_DISABLE}={_show(raw)}: expected 1 or 0 (true/false, yes/no, on/off)")
+    raise ConfigError(f"{name}={_show(raw)}: expected 1 or 0 (true/false, yes/no, on/off)")
 
 
 def log_level(environ: Mapping[str, str] | None = None) -> str:
@@ -53,6 +64,7 @@ def log_level(environ: Mapping[str, str] | None = None) -> str:
 def check(environ: Mapping[str, str] | None = None) -> None:
     """Validate every variable the runner reads before the program starts (raises ConfigError)."""
     disabled(environ)
+    debug(environ)
     log_level(environ)
 
 
