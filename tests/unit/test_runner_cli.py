@@ -29,6 +29,7 @@ def test_dash_c_runs_code_like_python() -> None:
     [
         ({"SKIPINJECT_LOG_LEVEL": "chatty"}, "SKIPINJECT_LOG_LEVEL"),
         ({"SKIPINJECT_DISABLE": "sometimes"}, "SKIPINJECT_DISABLE"),
+        ({"SKIPINJECT_DEBUG": "verbose"}, "SKIPINJECT_DEBUG"),
         ({"VERL_SKIP_PLUGINS": "rollout,,rollout,-nope_xyz"}, "nope_xyz"),
     ],
 )
@@ -66,3 +67,9 @@ def test_too_many_scattered_steps_are_refused_before_the_program_starts(tmp_path
     assert (
         proc.returncode == 2 and len(lines) == 1 and "skip.rollout.steps" in lines[0] and "started" not in proc.stdout
     )
+
+
+def test_cache_tool_validates_its_variable_too() -> None:
+    proc = run(["cache", "ls", "/nonexistent-dump-dir"], SKIPINJECT_DEBUG="verbose")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "SKIPINJECT_DEBUG" in lines[0]
