@@ -12,7 +12,7 @@ LINT_VENV  := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 PYTEST := $(BIN)/python -m pytest
 # The unit tier by directory (plugins' verl-free tests go in plugins/<name>/tests/unit/).
-UNIT_PATHS := tests/unit tests/reliability $(wildcard plugins/*/tests/unit)
+UNIT_PATHS := tests/unit $(wildcard plugins/*/tests/unit)
 
 .PHONY: setup demo test test-unit test-integration test-e2e test-fast test-verl-matrix venv-verl example bench lint clean
 

@@ -54,6 +54,8 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
     try:
         candidates = repeat_order(store, step) if action is Action.repeat else [step]
         for candidate in candidates:
+            if candidate != step and not store.is_committed(candidate):
+                continue  # another role's step, or none of ours: not a candidate for repeat
             try:
                 entry = store.verified(candidate)
             except FileNotFoundError:
@@ -109,8 +111,11 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
 
 
 def repeat_order(store: StepStore, step: int) -> list[int]:
-    """``step``, then the cached steps below it (largest first), then those above (smallest first)."""
-    available = store.steps_on_disk()
+    """``step``, then the steps on disk below it (largest first), then those above (smallest first).
+
+    Names only: the candidates are read one by one in this order until one is usable.
+    """
+    available = store.step_numbers_on_disk()
     index = bisect.bisect_left(available, step)
     return [step, *available[:index][::-1], *(s for s in available[index:] if s != step)]
 

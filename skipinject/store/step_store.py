@@ -157,6 +157,25 @@ class StepStore:
             found.append(int(name))
         return sorted(found)
 
+    def step_numbers_on_disk(self) -> list[int]:
+        """Step numbers of the project's step directories, sorted: names only (one directory listing,
+        no ``stat`` or read per step), so ``repeat`` over thousands of cached steps stays cheap.
+        Names that are not plain ASCII numbers and symlinks are skipped; an untrusted or missing
+        project gives ``[]``. Whether a step is usable is for :meth:`verified` to say."""
+        try:
+            self.check_trust()
+        except (FileNotFoundError, CacheError):
+            return []
+        try:
+            with os.scandir(self.project_dir) as entries:
+                return sorted(
+                    int(entry.name)
+                    for entry in entries
+                    if STEP_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)
+                )
+        except FileNotFoundError:
+            return []
+
     def is_committed(self, step: int) -> bool:
         """The step has a valid ``meta.json`` of this role (its data files are not verified)."""
         try:

@@ -244,7 +244,7 @@ def test_unreadable_cache_directory(
 ) -> None:
     dump = tmp_path / "dump"
     h.call(h.runtime(dump), h.ToyTarget(), 1)
-    real_iterdir, real_is_file = Path.iterdir, Path.is_file
+    real_iterdir, real_is_file, real_scandir = Path.iterdir, Path.is_file, os.scandir
 
     def denied(path: Path) -> bool:
         return str(path).startswith(str(dump))
@@ -259,8 +259,14 @@ def test_unreadable_cache_directory(
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
         return real_is_file(self)
 
+    def scandir(path: Any = ".") -> Any:
+        if denied(Path(os.fsdecode(path)) if not isinstance(path, int) else Path("/")):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_scandir(path)
+
     monkeypatch.setattr(Path, "iterdir", iterdir)
     monkeypatch.setattr(Path, "is_file", is_file)
+    monkeypatch.setattr(os, "scandir", scandir)
     target = h.ToyTarget()
     caplog.set_level(logging.WARNING, logger="skipinject")
     rt = h.runtime(dump, action="repeat")
