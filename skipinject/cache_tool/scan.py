@@ -407,11 +407,12 @@ def step_ranges(steps: list[int]) -> str:
     """``[1, 2, 3, 5]`` -> ``"1-3,5"``."""
     out: list[str] = []
     values = sorted(set(steps))
-    start = prev = None
+    start: int | None = None
+    prev = 0  # read only once start is set
     for value in values:
         if start is None:
             start = prev = value
-        elif value == prev + 1:  # type: ignore[operator]
+        elif value == prev + 1:
             prev = value
         else:
             out.append(str(start) if start == prev else f"{start}-{prev}")
