@@ -6,18 +6,25 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skipinject.store import Payload
+
+if TYPE_CHECKING:
+    from skipinject.codecs import DataProtoCodec, TensorDictCodec
 
 #: Codecs ``show`` and ``diff`` decode by the name the cache records (``objects["codec"]``).
 KNOWN_CODECS = ("DataProto", "TensorDict")
 
 
-def _codec(name: str) -> Any:
+def _codec(name: str) -> DataProtoCodec | TensorDictCodec:
     from skipinject.codecs import DataProtoCodec, TensorDictCodec
 
-    return {"DataProto": DataProtoCodec, "TensorDict": TensorDictCodec}[name]()
+    codecs: dict[str, type[DataProtoCodec | TensorDictCodec]] = {
+        "DataProto": DataProtoCodec,
+        "TensorDict": TensorDictCodec,
+    }
+    return codecs[name]()
 
 
 def decode(payloads: Sequence[Payload]) -> tuple[Any, str]:
