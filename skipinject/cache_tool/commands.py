@@ -20,6 +20,7 @@ from skipinject.cache_tool.scan import (
     OUR_PREFIXES,
     STEP_RE,
     Item,
+    ItemRecord,
     load_meta_json,
     lstat_regular,
     open_step,
@@ -178,13 +179,17 @@ def _groups(items: Sequence[Item]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- verify
 
 
+class CheckedRecord(ItemRecord):
+    status: str
+
+
 @dataclass
 class Checked:
     item: Item
     status: str  # ok | damaged | partial | foreign
     problems: list[str]
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> CheckedRecord:
         return {**self.item.record(), "status": self.status, "problems": self.problems}
 
 

@@ -6,18 +6,25 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from skipinject.store import Payload
+
+if TYPE_CHECKING:
+    from skipinject.codecs import DataProtoCodec, TensorDictCodec
 
 #: Codecs ``show`` and ``diff`` decode by the name the cache records (``objects["codec"]``).
 KNOWN_CODECS = ("DataProto", "TensorDict")
 
 
-def _codec(name: str) -> Any:
+def _codec(name: str) -> DataProtoCodec | TensorDictCodec:
     from skipinject.codecs import DataProtoCodec, TensorDictCodec
 
-    return {"DataProto": DataProtoCodec, "TensorDict": TensorDictCodec}[name]()
+    codecs: dict[str, type[DataProtoCodec | TensorDictCodec]] = {
+        "DataProto": DataProtoCodec,
+        "TensorDict": TensorDictCodec,
+    }
+    return codecs[name]()
 
 
 def decode(payloads: Sequence[Payload]) -> tuple[Any, str]:
@@ -82,6 +89,14 @@ def _has_container(value: Mapping[str, Any]) -> bool:
 # ---------------------------------------------------------------- describing
 
 
+class FieldRecord(TypedDict):
+    name: str
+    kind: str
+    dtype: str
+    shape: str
+    rows: int | None
+
+
 @dataclass
 class FieldInfo:
     name: str
@@ -90,7 +105,7 @@ class FieldInfo:
     shape: str
     rows: int | None
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> FieldRecord:
         return {"name": self.name, "kind": self.kind, "dtype": self.dtype, "shape": self.shape, "rows": self.rows}
 
 
@@ -141,6 +156,16 @@ def text_rows(value: Any, limit: int, width: int = 100) -> list[str] | None:
 # ---------------------------------------------------------------- comparing
 
 
+class FieldDiffRecord(TypedDict):
+    name: str
+    status: str
+    rows: int | None
+    rows_differing: int | None
+    max_abs_diff: float | str | None
+    mean_abs_diff: float | str | None
+    note: str
+
+
 @dataclass
 class FieldDiff:
     name: str
@@ -151,7 +176,7 @@ class FieldDiff:
     mean_abs: float | None = None
     note: str = ""
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> FieldDiffRecord:
         return {
             "name": self.name,
             "status": self.status,

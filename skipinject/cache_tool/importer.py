@@ -122,14 +122,12 @@ def _fingerprint(input_path: Path) -> list[str] | None:
     """verl < 0.9 kept the input batch (``new_batch.dp``): the rollout roles' input fingerprint of it."""
     from skipinject_rollout.common import prompt_fingerprint
 
+    from skipinject.roles import Call
+
     batch = _load_dataproto(input_path)
-
-    class _Call:
-        pass
-
-    call = _Call()
-    call.batch = batch  # type: ignore[attr-defined]
-    rows = prompt_fingerprint(call)  # type: ignore[arg-type]
+    # The roles read ``call.batch``: the first argument of the call they intercepted.
+    call = Call(target="skipinject cache import", function=_fingerprint, instance=None, args=(batch,), kwargs={})
+    rows = prompt_fingerprint(call)
     return None if rows is None else [str(r) for r in rows]
 
 

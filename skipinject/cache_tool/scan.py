@@ -19,7 +19,7 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store import FORMAT, META_NAME, StepStore
@@ -99,6 +99,24 @@ def _is_file(entry: os.DirEntry[str]) -> bool:
 # ---------------------------------------------------------------- items
 
 
+class ItemRecord(TypedDict):
+    """An :class:`Item`'s stable JSON form (docs/cache-tool.md)."""
+
+    path: str
+    project: str
+    layout: str
+    role: str
+    step: int | None
+    state: str
+    kind: str
+    rows: int | None
+    size: int
+    parts: int
+    created: str | None
+    writer: dict[str, str]
+    problems: list[str]
+
+
 @dataclass
 class Item:
     """One cached step of one kind: skipinject's format, or verl's own pickles beside or instead."""
@@ -120,7 +138,7 @@ class Item:
     mtime: float = 0.0  # newest modification time of those files
     meta: dict[str, Any] | None = field(default=None, repr=False)
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> ItemRecord:
         """The stable JSON form (docs/cache-tool.md)."""
         return {
             "path": str(self.path),
@@ -407,11 +425,12 @@ def step_ranges(steps: list[int]) -> str:
     """``[1, 2, 3, 5]`` -> ``"1-3,5"``."""
     out: list[str] = []
     values = sorted(set(steps))
-    start = prev = None
+    start: int | None = None
+    prev = 0  # read only once start is set
     for value in values:
         if start is None:
             start = prev = value
-        elif value == prev + 1:  # type: ignore[operator]
+        elif value == prev + 1:
             prev = value
         else:
             out.append(str(start) if start == prev else f"{start}-{prev}")

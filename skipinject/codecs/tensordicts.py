@@ -6,7 +6,7 @@ import contextlib
 import gc
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from skipinject.codecs.columns import check_shape, decode_column, encode_column
 from skipinject.codecs.tagged_json import _Encoder, from_jsonable, to_jsonable
@@ -246,9 +246,9 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _string_only_dict() -> type:
+def _string_only_dict() -> type[dict[str, Any]]:
     try:
         from tensordict.utils import _StringOnlyDict
     except ImportError:  # pragma: no cover - other tensordict versions
         return dict
-    return _StringOnlyDict
+    return cast("type[dict[str, Any]]", _StringOnlyDict)  # a dict subclass; tensordict is untyped here

@@ -54,7 +54,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _tensor_ref(tensors: Mapping[str, torch.Tensor], name: Any) -> torch.Tensor:
+def _tensor_ref(tensors: Mapping[str, torch.Tensor], name: object) -> torch.Tensor:
     if not isinstance(name, str) or name not in tensors:
         raise CodecError(f"cache refers to a tensor {name!r} that its tensor file does not hold")
     return tensors[name]
@@ -86,7 +86,9 @@ def encode_tensor(tensor: torch.Tensor, label: str, sink: TensorSink) -> dict[st
     return {"k": "nested", "buffer": sink.add(flat, f"{label}.buffer"), "sizes": sink.add(sizes, f"{label}.sizes")}
 
 
-def _check_jagged(values: Any, offsets: Any, lengths: Any, ragged_idx: Any) -> None:
+def _check_jagged(
+    values: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor | None, ragged_idx: object
+) -> None:
     """Offsets (and lengths) must describe rows inside ``values``: torch does not check them, and a
     forged offset would make a loaded tensor read memory outside its buffer."""
     import torch

@@ -8,9 +8,12 @@ import stat
 import struct
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from skipinject.errors import CorruptCacheError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12 on
 
 # ---------------------------------------------------------------- checksums
 
@@ -45,13 +48,21 @@ def file_checksum(path: Path, algo: str) -> str:
         os.close(fd)
 
 
-def _digest(data: Any, algo: str) -> str:
+class _XXH3(Protocol):
+    """The part of an ``xxhash.xxh3_64`` object used here (xxhash is optional, so not imported to type)."""
+
+    def update(self, data: Buffer, /) -> None: ...
+
+    def digest(self) -> bytes: ...
+
+
+def _digest(data: Buffer, algo: str) -> str:
     hasher = _Hasher(algo)
     hasher.update(data)
     return hasher.hexdigest()
 
 
-def _digest_parallel(data: Any, algo: str) -> str:
+def _digest_parallel(data: bytes | mmap.mmap, algo: str) -> str:
     """:func:`_digest`, with the chunks of a tree checksum hashed in threads (xxhash releases the GIL)."""
     workers = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if algo != "xxh3_64-tree" or len(data) <= _TREE_CHUNK or workers < 2:
@@ -73,20 +84,20 @@ def _digest_parallel(data: Any, algo: str) -> str:
 class _Leaf:
     """A plain (non-tree) checksum being computed."""
 
-    def __init__(self, algo: str, data: Any = b"") -> None:
+    def __init__(self, algo: str, data: Buffer = b"") -> None:
         self.algo = algo
         if algo == "xxh3_64":
             try:
                 import xxhash
             except ImportError as exc:
                 raise CorruptCacheError("cache was checksummed with xxh3_64 but xxhash is not installed") from exc
-            self._xxh = xxhash.xxh3_64(data)
+            self._xxh: _XXH3 = xxhash.xxh3_64(data)
         elif algo == "crc32":
             self._crc = zlib.crc32(data)
         else:
             raise CorruptCacheError(f"unknown checksum algorithm {algo!r}")
 
-    def update(self, data: Any) -> None:
+    def update(self, data: Buffer) -> None:
         if self.algo == "xxh3_64":
             self._xxh.update(data)
         else:
@@ -113,7 +124,7 @@ class _Hasher:
         self._filled = 0
         self._digests: list[bytes] = []
 
-    def update(self, data: Any) -> None:
+    def update(self, data: Buffer) -> None:
         if not self.tree:
             self._leaf.update(data)
             return

@@ -64,10 +64,11 @@ def open_dir(path: Path | str, dir_fd: int | None = None, *, shown: Path | None 
         raise CorruptCacheError(f"{shown}: cannot open the directory ({_why(exc)})") from exc
 
 
-def open_regular(name: str, dir_fd: int, shown: Path, expected_size: Any = None) -> tuple[int, os.stat_result]:
+def open_regular(name: str, dir_fd: int, shown: Path, expected_size: object = None) -> tuple[int, os.stat_result]:
     """Open ``name`` in ``dir_fd`` as a regular file (checked on the opened descriptor).
 
-    ``expected_size``: the size meta.json records; a file of another size is refused before it is read.
+    ``expected_size``: the size meta.json records (checked here: any JSON value); a file of another size
+    is refused before it is read.
     """
     try:
         before = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)

@@ -286,12 +286,13 @@ def _recheck(item: Leftover, info: os.stat_result, parent_fd: int, now: float, m
     name = item.path.name
     if not _ours(name) or not _abandoned(name, info, now, min_age):
         return False
-    step_fd, sub, opened = parent_fd, "", None
+    step_fd, sub = parent_fd, ""
+    opened: int | None = None
     if _PART_NAME.fullmatch(item.path.parent.name) and _STEP_NAME.fullmatch(item.path.parent.parent.name):
-        opened = step_fd = _open_dir("..", parent_fd)  # type: ignore[assignment]
-        sub = item.path.parent.name
-        if step_fd is None:
+        opened = _open_dir("..", parent_fd)
+        if opened is None:
             return False
+        step_fd, sub = opened, item.path.parent.name
     try:
         named = _named_by_meta(step_fd)
     finally:

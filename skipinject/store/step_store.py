@@ -271,14 +271,14 @@ class StepStore:
             os.close(fd)
         meta = parse_json(data, path, what="meta.json", max_depth=MAX_META_DEPTH)
         try:
-            self._check_meta(meta, path, step)
+            return self._check_meta(meta, path, step)
         except CacheError:
             raise
         except Exception as exc:
             raise CorruptCacheError(f"{path}: meta.json is malformed ({type(exc).__name__}: {exc})") from exc
-        return meta
 
-    def _check_meta(self, meta: Any, path: Path, step: int) -> None:
+    def _check_meta(self, meta: object, path: Path, step: int) -> dict[str, Any]:
+        """``meta`` (parsed JSON) once checked to be this role's and step's ``meta.json``."""
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CorruptCacheError(f"{path}: not a skipinject cache (no format marker)")
         if meta.get("format_version") != FORMAT_VERSION:
@@ -303,6 +303,7 @@ class StepStore:
             raise CorruptCacheError(
                 f"{path}: meta.json is malformed (unknown checksum algorithm {_short(meta.get('checksum_algo'))})"
             )
+        return meta
 
     def verified(self, step: int) -> StepEntry:
         """The step's entry after checking every file it names; raises CorruptCacheError.

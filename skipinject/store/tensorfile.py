@@ -6,9 +6,9 @@ import json
 import math
 import mmap
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, BinaryIO
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.checksums import _Hasher
@@ -16,6 +16,7 @@ from skipinject.store.files import MAX_INDEX_BYTES
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Buffer
 
 
 TENSORS_MAGIC = b"SKIPTNS1"
@@ -49,7 +50,7 @@ def _padding(size: int) -> int:
     return -size % _ALIGN
 
 
-def write_tensors(handle: Any, tensors: Mapping[str, torch.Tensor], algo: str) -> str:
+def write_tensors(handle: BinaryIO, tensors: Mapping[str, torch.Tensor], algo: str) -> str:
     """Write the tensor file to ``handle``; returns its checksum. Contiguous CPU tensors are not copied."""
     import torch
 
@@ -69,7 +70,7 @@ def write_tensors(handle: Any, tensors: Mapping[str, torch.Tensor], algo: str) -
         offset += nbytes + _padding(nbytes)
     header = json.dumps({"tensors": index}, separators=(",", ":")).encode()
     header += b" " * _padding(len(TENSORS_MAGIC) + 8 + len(header))
-    chunks: list[Any] = [TENSORS_MAGIC, struct.pack("<Q", len(header)), header]
+    chunks: list[Buffer] = [TENSORS_MAGIC, struct.pack("<Q", len(header)), header]
     for view, entry in zip(views, index, strict=True):
         if view is None:
             continue
@@ -86,7 +87,7 @@ _OVERLAP_MIN_BYTES = 64 << 20
 _WRITEBACK_STEP = 64 << 20
 
 
-def _write_and_hash(handle: Any, chunks: list[Any], algo: str) -> str:
+def _write_and_hash(handle: BinaryIO, chunks: list[Buffer], algo: str) -> str:
     """Write ``chunks`` in order and return their checksum.
 
     For a large file the checksum runs in a second thread, chunk by chunk in order, while this one
@@ -123,7 +124,7 @@ def _write_and_hash(handle: Any, chunks: list[Any], algo: str) -> str:
 MAX_DIMS = 64
 
 
-def _writeback_starter(handle: Any) -> Any:
+def _writeback_starter(handle: BinaryIO) -> Callable[[int, int], None] | None:
     """``start(offset, nbytes)``: begin writing that range of ``handle`` to disk (Linux), or None."""
     import sys
 

@@ -9,9 +9,9 @@ import platform
 import stat
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from skipinject._version import __version__
 from skipinject.cluster import node_identity
@@ -38,7 +38,7 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _write_file_atomic(path: Path, write: Any, write_id: str | None = None) -> None:
+def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id: str | None = None) -> None:
     """Write through a temporary name, fsync, then rename: the name holds all or nothing.
 
     The temporary name carries the writer's id (see :mod:`skipinject.store.garbage`)."""
