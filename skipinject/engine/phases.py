@@ -42,7 +42,9 @@ class WholeCall:
                 return result
         inputs = role.fingerprint(call)
         result = await proceed()
-        await asyncio.to_thread(role.save, plan, call, result, inputs)
+        # Awaiting callers (the fully async Rollouter) run many samples at once and may be stopped
+        # without an exit hook: their samples are written before they are returned.
+        await asyncio.to_thread(functools.partial(role.save, plan, call, result, inputs, background=False))
         return role.after_miss(call, result)
 
 

@@ -226,12 +226,15 @@ class RoleRuntime:
 
     # ------------------------------------------------------------ saving
 
-    def save(self, plan: Plan, call: Call, result: Any, inputs: Sequence[str] | None = None) -> None:
+    def save(
+        self, plan: Plan, call: Call, result: Any, inputs: Sequence[str] | None = None, *, background: bool = True
+    ) -> None:
         """Save a freshly computed result for ``plan.step``; failures are logged, never raised.
 
         Encoding and a private copy happen now (the caller gets ``result`` afterwards and may change
-        it); writing happens in the background writer. ``inputs``: the call's fingerprint taken
-        before the target ran (else taken now).
+        it); writing happens in the background writer, or here with ``background=False`` (callers
+        already off the training thread, whose process may end without waiting for the writer).
+        ``inputs``: the call's fingerprint taken before the target ran (else taken now).
         """
         if result is None:
             return
@@ -242,7 +245,10 @@ class RoleRuntime:
         except Exception as exc:
             self._save_failed(plan, exc)
             return
-        WRITER.submit(plan.store.project_dir, lambda: self._write(plan, snapshot, meta, started))
+        if background:
+            WRITER.submit(plan.store.project_dir, lambda: self._write(plan, snapshot, meta, started))
+        else:
+            self._write(plan, snapshot, meta, started)
 
     def _write(self, plan: Plan, payload: Payload, meta: dict[str, Any], started: float) -> None:
         try:

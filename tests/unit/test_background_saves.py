@@ -137,3 +137,35 @@ t = mod.Trainer(); t.global_steps = 1; t.generate(5)
     proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "skipinject_default" / "bg" / "1" / "meta.json").is_file()
+
+
+def test_awaiting_callers_are_written_before_the_call_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fully async Rollouter's samples: its actor may be stopped with no exit hook, so no background write."""
+    import asyncio
+
+    module = type(sys)("si_async_background_targets")
+
+    class AsyncTrainer:
+        global_steps = 1
+
+        async def generate(self, n: int) -> torch.Tensor:
+            return torch.arange(n, dtype=torch.float32)
+
+    module.AsyncTrainer = AsyncTrainer  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    monkeypatch.setattr(WRITER, "submit", lambda key, job: None)  # a background job would never run
+    role = Role(
+        name="bg",
+        targets=[Target("si_async_background_targets:AsyncTrainer.generate")],
+        step=StepSource.attribute("global_steps"),
+        codec=TensorCodec(),
+    )
+    settings = RoleConfig(enable=True, steps=(1,), dump_dir=str(tmp_path))
+    engine = Engine(Config(roles={"bg": settings}), {"bg": (role, "bg")})
+    engine.start()
+    try:
+        asyncio.run(module.AsyncTrainer().generate(4))
+    finally:
+        engine.stop()
+        del sys.modules[module.__name__]
+    assert (tmp_path / "skipinject_default" / "bg" / "1" / "meta.json").is_file()
