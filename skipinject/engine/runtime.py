@@ -232,9 +232,10 @@ class RoleRuntime:
         """Save a freshly computed result for ``plan.step``; failures are logged, never raised.
 
         Encoding and a private copy happen now (the caller gets ``result`` afterwards and may change
-        it); writing happens in the background writer, or here with ``background=False`` (callers
-        already off the training thread, whose process may end without waiting for the writer).
-        ``inputs``: the call's fingerprint taken before the target ran (else taken now).
+        it); writing happens in the background writer when the engine knows where the run ends (the
+        role has clocks: the trainer's ``fit`` returning waits for it; a Ray actor may be killed
+        without running exit hooks), else here, as with ``background=False`` (callers already off
+        the training thread). ``inputs``: the call's fingerprint taken before the target ran.
         """
         if result is None:
             return
@@ -245,7 +246,7 @@ class RoleRuntime:
         except Exception as exc:
             self._save_failed(plan, exc)
             return
-        if background:
+        if background and self.role.clocks:
             WRITER.submit(plan.store.project_dir, lambda: self._write(plan, snapshot, meta, started))
         else:
             self._write(plan, snapshot, meta, started)

@@ -36,6 +36,9 @@ class TensorCodec:
 class Trainer:
     global_steps = 0
 
+    def fit(self) -> None:
+        """The run's end: its return waits for the background writer (the role's clock)."""
+
     def generate(self, n: int) -> torch.Tensor:
         return torch.arange(n, dtype=torch.float32)
 
@@ -50,6 +53,7 @@ def engine(tmp_path: Path) -> Any:
         targets=[Target("si_background_targets:Trainer.generate")],
         step=StepSource.attribute("global_steps"),
         codec=TensorCodec(),
+        clocks=["si_background_targets:Trainer.fit"],
     )
     settings = RoleConfig(enable=True, steps=(1, 2, 3), dump_dir=str(tmp_path))
     started = Engine(Config(roles={"bg": settings}), {"bg": (role, "bg")})
@@ -129,7 +133,7 @@ mod = type(sys)("si_exit_targets")
 mod.Trainer = type("Trainer", (Trainer,), {{}})
 sys.modules["si_exit_targets"] = mod
 role = Role(name="bg", targets=[Target("si_exit_targets:Trainer.generate")], step=StepSource.attribute("global_steps"),
-            codec=TensorCodec())
+            codec=TensorCodec(), clocks=["si_exit_targets:Trainer.fit"])
 settings = RoleConfig(enable=True, steps=(1,), dump_dir={str(tmp_path)!r})
 Engine(Config(roles={{"bg": settings}}), {{"bg": (role, "bg")}}).start()
 t = mod.Trainer(); t.global_steps = 1; t.generate(5)
@@ -165,6 +169,31 @@ def test_awaiting_callers_are_written_before_the_call_returns(tmp_path: Path, mo
     engine.start()
     try:
         asyncio.run(module.AsyncTrainer().generate(4))
+    finally:
+        engine.stop()
+        del sys.modules[module.__name__]
+    assert (tmp_path / "skipinject_default" / "bg" / "1" / "meta.json").is_file()
+
+
+def test_roles_without_a_clock_write_before_the_call_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No clock: nothing tells the engine where the run ends (a Ray actor may be killed), so no background write."""
+    module = type(sys)("si_noclock_targets")
+    module.Trainer = type("Trainer", (Trainer,), {})  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    monkeypatch.setattr(WRITER, "submit", lambda key, job: None)  # a background job would never run
+    role = Role(
+        name="bg",
+        targets=[Target("si_noclock_targets:Trainer.generate")],
+        step=StepSource.attribute("global_steps"),
+        codec=TensorCodec(),
+    )
+    settings = RoleConfig(enable=True, steps=(1,), dump_dir=str(tmp_path))
+    engine = Engine(Config(roles={"bg": settings}), {"bg": (role, "bg")})
+    engine.start()
+    try:
+        trainer = module.Trainer()
+        trainer.global_steps = 1
+        trainer.generate(3)
     finally:
         engine.stop()
         del sys.modules[module.__name__]
