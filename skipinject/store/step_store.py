@@ -135,28 +135,6 @@ class StepStore:
 
     # ------------------------------------------------------------ listing
 
-    def steps_on_disk(self) -> list[int]:
-        """Steps with a valid skipinject ``meta.json`` of this role (no data verified). Directory names
-        that are not plain ASCII numbers, symlinks and untrusted directories are skipped. Listing
-        errors of the project directory itself are raised as ``OSError``."""
-        try:
-            self.check_trust()
-        except (FileNotFoundError, CacheError):
-            return []
-        if not self.project_dir.is_dir():
-            return []
-        found = []
-        for child in self.project_dir.iterdir():
-            name = child.name
-            if not STEP_NAME.fullmatch(name):
-                continue
-            try:
-                self.read_meta(int(name))
-            except (OSError, CacheError):
-                continue
-            found.append(int(name))
-        return sorted(found)
-
     def step_numbers_on_disk(self) -> list[int]:
         """Step numbers of the project's step directories, sorted: names only (one directory listing,
         no ``stat`` or read per step), so ``repeat`` over thousands of cached steps stays cheap.

@@ -387,7 +387,7 @@ def test_a_writable_dump_dir_is_refused_at_the_store(tmp_path: Path, ledger: Any
     lost = 0
     with pytest.raises(CorruptCacheError, match="chmod go-w"):
         store.verified(STEP)
-    lost += int(store.steps_on_disk() != [])
+    lost += int(store.step_numbers_on_disk() != [])
     trusting = StepStore(project, "toy", h.CONTEXT, dump_dir=dump, trust_permissions=True)
     lost += int(not trusting.load(trusting.verified(STEP)))
     ledger("trust", "dump_dir writable by others (StepStore(dump_dir=...))", 1, "refused, fix named", lost)
