@@ -135,7 +135,10 @@ def is_node_local(path: str | os.PathLike[str], mountinfo: str | None = None) ->
     only warns about what it knows.
     """
     if is_url(str(path)):
-        return False
+        scheme, _, rest = str(path).partition("://")
+        if scheme.lower() not in ("file", "local"):
+            return False
+        path = rest
     kind = fs_type(path, mountinfo)
     if kind is None:
         return False

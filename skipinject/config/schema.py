@@ -120,6 +120,11 @@ def role_config(
             raise ConfigError(f"{dotted}={shown}: {_expected(key)}") from exc
         if key == "dump_dir" and (not converted.strip() or "\x00" in converted):
             raise ConfigError(f"{dotted}={shown}: expected a directory path")
+        if key == "dump_dir" and "://" in converted:
+            from skipinject.store.remote import check_url, is_url
+
+            if is_url(converted) and not converted.lower().startswith(("file://", "local://")):
+                check_url(converted, dotted)
         changes[key] = converted
     return replace(cfg, **changes)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from skipinject.store.remote import RemotePath, split_dump_dir
 from skipinject.verl_compat import select
 
 #: The project directory of calls made without a verl trainer config in sight.
@@ -41,14 +42,21 @@ def layout_of(config: Any) -> tuple[str, dict[str, Any]]:
     return relative, context
 
 
-def project_dir(dump_dir: str, config: Any, subdir: str) -> tuple[Path, dict[str, Any]]:
-    """The directory holding one role's steps for a run with ``config`` (``None``: no trainer seen)."""
-    root = Path(dump_dir).expanduser().resolve()
+def project_dir(dump_dir: str, config: Any, subdir: str) -> tuple[Path | RemotePath, dict[str, Any]]:
+    """The directory holding one role's steps for a run with ``config`` (``None``: no trainer seen):
+    a local ``Path``, or a :class:`RemotePath` when ``dump_dir`` is a URL of a remote store."""
+    root = split_dump_dir(dump_dir)
     if config is not None:
         relative, context = layout_of(config)
     else:
         relative, context = DEFAULT_PROJECT, {}
-    directory = root / relative
     if subdir:
-        directory = directory / path_safe(subdir)
-    return directory, context
+        relative = f"{relative}/{path_safe(subdir)}"
+    if isinstance(root, Path):
+        return root / relative, context
+    from skipinject.store.remote import open_remote
+
+    _, location = open_remote(root)
+    for piece in relative.split("/"):
+        location = location / piece
+    return location, context

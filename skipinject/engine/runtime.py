@@ -21,6 +21,7 @@ from skipinject.engine.layout import project_dir
 from skipinject.errors import CacheMissError, CorruptCacheError, PromptMismatchError
 from skipinject.roles import Call, Codec, HitInfo, Role
 from skipinject.store import Payload, StepStore
+from skipinject.store.remote import RemotePath, RemoteStepStore, open_remote, split_dump_dir
 
 logger = logging.getLogger("skipinject")
 
@@ -35,7 +36,7 @@ class RoleRuntime:
         self.role = role
         self.settings = settings
         self.owner = owner
-        self._stores: dict[Path, StepStore] = {}
+        self._stores: dict[Path | RemotePath, StepStore] = {}
         self._lock = threading.Lock()
         self._warned: set[Any] = set()
         self._default_codec: Codec | None = None
@@ -112,16 +113,23 @@ class RoleRuntime:
         with self._lock:
             store = self._stores.get(project)
             if store is None:
-                store = self._stores[project] = StepStore(
-                    project,
-                    self.role.name,
-                    context,
-                    trust_permissions=self.settings.trust_dir_permissions,
-                    dump_dir=Path(self.settings.dump_dir).expanduser().resolve(),
-                )
+                store = self._stores[project] = self._open_store(project, context)
                 if config is None:
                     logger.info("%s: no verl trainer config seen; caching under %s", self.name, project)
             return store
+
+    def _open_store(self, project: Path | RemotePath, context: dict[str, Any]) -> StepStore:
+        root = split_dump_dir(self.settings.dump_dir)
+        if isinstance(project, RemotePath):
+            fs, _ = open_remote(str(root))
+            return RemoteStepStore(project, self.role.name, context, fs)
+        return StepStore(
+            project,
+            self.role.name,
+            context,
+            trust_permissions=self.settings.trust_dir_permissions,
+            dump_dir=root if isinstance(root, Path) else None,
+        )
 
     # ------------------------------------------------------------ deciding
 

@@ -29,15 +29,17 @@ class StepEntry:
     directory: Path
     meta: Mapping[str, Any]
     #: Tensor files mapped (and checksummed) by :meth:`StepStore.verified`, reused by ``load``.
-    mapped: dict[Path, mmap.mmap] = field(default_factory=dict, compare=False, repr=False)
+    mapped: dict[Path, mmap.mmap | bytearray] = field(default_factory=dict, compare=False, repr=False)
     #: Bytes of the other files, read (and checksummed) once by :meth:`StepStore.verified`.
     blobs: dict[Path, bytes] = field(default_factory=dict, compare=False, repr=False)
 
     def release(self) -> None:
         """Drop what :meth:`StepStore.verified` read (mappings no tensor uses yet are closed)."""
         for mapped in self.mapped.values():
+            close = getattr(mapped, "close", None)  # a remote store's files are plain bytearrays
             try:
-                mapped.close()
+                if close is not None:
+                    close()
             except BufferError:  # a tensor still views it: it stays until that tensor goes
                 pass
         self.mapped.clear()

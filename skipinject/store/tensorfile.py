@@ -148,7 +148,7 @@ def _writeback_starter(handle: BinaryIO) -> Callable[[int, int], None] | None:
     return start
 
 
-def read_tensors(mapped: mmap.mmap | None, path: Path) -> dict[str, torch.Tensor]:
+def read_tensors(mapped: mmap.mmap | bytearray | None, path: Path) -> dict[str, torch.Tensor]:
     """Tensors of a mapped tensor file, as views of the mapping. Runs no code from the file.
 
     Work and memory are bounded by the file's size: the index is at most :data:`MAX_INDEX_BYTES`
@@ -164,7 +164,7 @@ def read_tensors(mapped: mmap.mmap | None, path: Path) -> dict[str, torch.Tensor
         raise CorruptCacheError(f"{path}: tensor file index is damaged ({type(exc).__name__}: {exc})") from exc
 
 
-def _read_tensors(mapped: mmap.mmap | None, path: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(mapped: mmap.mmap | bytearray | None, path: Path) -> dict[str, torch.Tensor]:
     import torch
 
     size = 0 if mapped is None else len(mapped)

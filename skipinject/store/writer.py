@@ -121,6 +121,19 @@ class StepWriter:
 
     def commit(self, meta: Mapping[str, Any]) -> Path:
         """Publish the step: write ``meta.json`` last, atomically. Returns the step directory."""
+        text = self.meta_record(meta)
+        _refuse_link(self.directory)
+        _write_file_atomic(self.directory / META_NAME, lambda h: h.write(text), self.write_id)
+        _fsync_dir(self.directory)
+        self._written.clear()
+        self._created.clear()
+        ACTIVE_WRITE_IDS.discard(self.write_id)
+        # the step is committed; leftovers of earlier or concurrent saves are collected (never raises)
+        collect(self.store.project_dir, step=self.step)
+        return self.directory
+
+    def meta_record(self, meta: Mapping[str, Any]) -> bytes:
+        """The ``meta.json`` committing the parts written so far, with ``meta`` (role-specific keys)."""
         record = dict(meta)
         record.update(
             {
@@ -139,16 +152,7 @@ class StepWriter:
             }
         )
         record["meta_checksum"] = _meta_digest(record)
-        text = json.dumps(record, indent=1, sort_keys=True).encode()
-        _refuse_link(self.directory)
-        _write_file_atomic(self.directory / META_NAME, lambda h: h.write(text), self.write_id)
-        _fsync_dir(self.directory)
-        self._written.clear()
-        self._created.clear()
-        ACTIVE_WRITE_IDS.discard(self.write_id)
-        # the step is committed; leftovers of earlier or concurrent saves are collected (never raises)
-        collect(self.store.project_dir, step=self.step)
-        return self.directory
+        return json.dumps(record, indent=1, sort_keys=True).encode()
 
     def abort(self) -> None:
         """Remove what this writer wrote, and the directories it created if empty (best effort)."""

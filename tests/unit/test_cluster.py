@@ -72,8 +72,11 @@ def test_is_node_local_by_file_system_type(tmp_path: Path, kind: str, local: boo
 
 
 def test_urls_are_not_node_local_and_unknown_is_not_claimed_local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    for url in ("s3://bucket/dump", "hdfs://nn:8020/dump", "gs://b/d", "file:///tmp/x"):
+    for url in ("s3://bucket/dump", "hdfs://nn:8020/dump", "gs://b/d"):
         assert cluster.is_url(url) and not cluster.is_node_local(url, mountinfo())
+    # file:// is a path on this node: it is judged by the file system it is on
+    assert cluster.is_node_local("file:///srv/x", mountinfo())
+    assert not cluster.is_node_local("file:///srv/x", mountinfo(("/srv", "nfs4")))
     assert not cluster.is_url("/tmp/a://b") and not cluster.is_url("relative/dir")
     monkeypatch.setattr(cluster, "MOUNTINFO", str(tmp_path / "no-such-mountinfo"))
     assert cluster.fs_type(tmp_path) is None

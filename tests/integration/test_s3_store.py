@@ -1,0 +1,173 @@
+"""``dump_dir=s3://...`` against a real S3-compatible server (moto in server mode) through s3fs.
+
+Writers run in their own processes, and are killed with SIGKILL mid-upload or before the commit:
+what a reader then sees is a whole step or none. Two writers of one step leave one whole step.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from skipinject.errors import CorruptCacheError
+from skipinject.store.remote import RemoteStepStore, open_remote
+from tests.integration.s3_server import create_bucket, s3_environment, s3_server
+from tests.remote_checks import check_engine_round_trip
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+WRITER = Path(__file__).parents[1] / "fixtures" / "s3_writer.py"
+BUCKET = "skipinject-tests"
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with s3_server(str(log)) as url:
+        create_bucket(url, BUCKET)
+        yield url
+
+
+@pytest.fixture
+def s3_env(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    env = s3_environment(endpoint)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    import fsspec
+
+    fsspec.AbstractFileSystem.clear_instance_cache()  # a fresh client reads this environment
+    return env
+
+
+@pytest.fixture
+def url(s3_env: dict[str, str]) -> str:
+    return f"s3://{BUCKET}/{uuid.uuid4().hex}"
+
+
+def store_at(url: str) -> RemoteStepStore:
+    fs, root = open_remote(url)
+    return RemoteStepStore(root / "project", "toy", {"run": 1}, fs)
+
+
+def write(
+    url: str, step: int, value: int, mode: str, *extra: str, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(WRITER), url, str(step), str(value), mode, *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=check,
+    )
+
+
+def values(store: RemoteStepStore, step: int) -> list[int]:
+    return [int(part.objects["value"]) for part in store.load(store.verified(step))]
+
+
+def test_a_step_saved_by_one_process_is_verified_and_loaded_by_another(url: str):
+    write(url, 3, 30, "ok")
+    store = store_at(url)
+    assert store.step_numbers_on_disk() == [3] and values(store, 3) == [30]
+    assert store.read_meta(3)["node"]["hostname"]
+
+
+def test_a_writer_killed_mid_upload_leaves_no_object_and_no_step(url: str):
+    killed = write(url, 5, 50, "kill-mid-upload", check=False)
+    assert killed.returncode == -9, killed.stderr
+    store = store_at(url)
+    with pytest.raises(FileNotFoundError):
+        store.verified(5)
+    visible = [p for p in store.fs.find(store.location.path) if "/tensors-" in p]
+    assert visible == [], "an interrupted multipart upload publishes nothing"
+    write(url, 5, 51, "ok")
+    assert values(store, 5) == [51]
+
+
+def test_a_writer_killed_before_the_commit_leaves_no_step_and_is_reported(url: str):
+    killed = write(url, 6, 60, "kill-before-meta", check=False)
+    assert killed.returncode == -9, killed.stderr
+    store = store_at(url)
+    assert not store.is_committed(6)
+    with pytest.raises(FileNotFoundError):
+        store.verified(6)
+    assert "no meta.json (an earlier save was interrupted)" in (store.interrupted(6) or "")
+    write(url, 6, 61, "ok")
+    assert values(store, 6) == [61] and store.interrupted(6) is None
+
+
+def test_two_writers_of_one_step_leave_one_whole_step(url: str, tmp_path: Path):
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    writers = [
+        subprocess.Popen(
+            [sys.executable, str(WRITER), url, "9", str(value), "barrier", str(barrier)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for value in (1, 2)
+    ]
+    outputs = [w.communicate(timeout=600) for w in writers]
+    assert all(w.returncode == 0 for w in writers), outputs
+    store = store_at(url)
+    loaded = values(store, 9)
+    assert loaded in ([1, 1], [2, 2]), "both parts come from one writer"
+    winner = store.read_meta(9)
+    named = json.dumps(winner["parts"])
+    ids = [out.split()[-1] for out, _ in outputs]
+    assert sum(write_id in named for write_id in ids) == 1
+
+
+def test_an_object_changed_on_the_server_is_reported_never_loaded(url: str):
+    write(url, 2, 20, "ok")
+    store = store_at(url)
+    (tensor_file,) = [p for p in store.fs.find(store.location.path) if "/tensors-" in p]
+    data = store.fs.cat_file(tensor_file)
+    store.fs.pipe_file(tensor_file, data[:-1] + bytes([data[-1] ^ 0xFF]))
+    with pytest.raises(CorruptCacheError, match="checksum mismatch"):
+        store.verified(2)
+    store.fs.pipe_file(tensor_file, data + b"trailing")
+    with pytest.raises(CorruptCacheError, match=r"bytes, meta\.json records"):
+        store.verified(2)
+
+
+def test_a_real_dataproto_round_trips_through_s3_unchanged(url: str):
+    import numpy as np
+    import torch
+    from tensordict import TensorDict
+    from verl import DataProto
+
+    from skipinject.codecs import DataProtoCodec
+
+    batch = DataProto(
+        batch=TensorDict({"responses": torch.arange(24).view(4, 6), "mask": torch.ones(4, 6)}, batch_size=[4]),
+        non_tensor_batch={"uid": np.array(["a", "a", "b", "b"], dtype=object)},
+        meta_info={"temperature": 1.0},
+    )
+    codec = DataProtoCodec()
+    store = store_at(url)
+    store.save(1, codec.encode(batch))
+    (payload,) = store.load(store.verified(1))
+    back = codec.decode(payload)
+    assert torch.equal(back.batch["responses"], batch.batch["responses"])
+    assert list(back.non_tensor_batch["uid"]) == ["a", "a", "b", "b"] and back.meta_info == batch.meta_info
+
+
+@pytest.fixture
+def toy(toy_path: Path) -> Any:
+    import toy_targets
+
+    return toy_targets
+
+
+def test_the_engine_saves_then_serves_steps_from_s3(toy: Any, url: str, caplog):
+    check_engine_round_trip(toy, url, caplog)

@@ -1,0 +1,268 @@
+"""``dump_dir`` as an fsspec URL: the same format, commit rule and checks, on fsspec's in-memory store.
+
+The real S3 server (moto) runs in ``tests/integration/test_s3_store.py``; these tests use
+``memory://`` so every guarantee is checked in the fast tier: a step is complete or absent, sizes
+are checked before reading and checksums after, ``meta.json`` is put last, two writers of a step
+leave one whole step, leftovers are collected only once abandoned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from skipinject import bootstrap
+from skipinject.config import Config, apply_overrides
+from skipinject.errors import ConfigError, CorruptCacheError
+from skipinject.store import Payload
+from skipinject.store.remote import RemotePath, RemoteStepStore, is_url, open_remote, split_dump_dir
+from tests.remote_checks import check_engine_round_trip, generate, start
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def url() -> str:
+    return f"memory://skipinject-tests/{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def store(url: str) -> RemoteStepStore:
+    fs, root = open_remote(url)
+    return RemoteStepStore(root / "project", "toy", {"run": 1}, fs)
+
+
+def payload(value: int, rows: int = 4) -> Payload:
+    return Payload(tensors={"x": torch.full((rows, 3), value)}, objects={"value": value}, rows=rows)
+
+
+def loaded_value(store: RemoteStepStore, step: int) -> int:
+    (part,) = store.load(store.verified(step))
+    assert torch.equal(part.tensors["x"], torch.full((4, 3), part.objects["value"]))
+    return int(part.objects["value"])
+
+
+def objects(store: RemoteStepStore, step: int) -> dict[str, int]:
+    return {entry["name"].rsplit("/", 1)[1]: entry["size"] for entry in store.fs.ls(store._at(step).path)}
+
+
+# ---------------------------------------------------------------- locations and config
+
+
+def test_urls_are_remote_and_file_urls_are_local_paths(tmp_path: Path):
+    assert is_url("s3://bucket/dir") and is_url("memory://x") and not is_url("/tmp/a://b")
+    assert split_dump_dir("s3://bucket/dir/") == "s3://bucket/dir"
+    assert split_dump_dir(f"file://{tmp_path}") == tmp_path.resolve()
+    assert split_dump_dir(str(tmp_path)) == tmp_path.resolve()
+    location = RemotePath("s3://", "bucket/a") / "b" / "3"
+    assert str(location) == "s3://bucket/a/b/3" and location.name == "3" and str(location.parent) == "s3://bucket/a/b"
+
+
+def test_a_url_no_installed_fsspec_implementation_opens_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^skip\.rollout\.dump_dir=nosuchproto://b/x: fsspec knows no protocol"):
+        apply_overrides(Config(), [("skip.rollout.dump_dir", "nosuchproto://b/x")], ["rollout"])
+    config = apply_overrides(Config(), [("skip.rollout.dump_dir", "memory://bucket/x")], ["rollout"])
+    assert config.roles["rollout"].dump_dir == "memory://bucket/x"
+
+
+# ---------------------------------------------------------------- commit and read
+
+
+def test_save_then_verified_load_and_listing(store: RemoteStepStore):
+    store.save(3, payload(3))
+    store.save(12, payload(12))
+    assert store.step_numbers_on_disk() == [3, 12]
+    assert loaded_value(store, 3) == 3 and loaded_value(store, 12) == 12
+    assert store.is_committed(3) and not store.is_committed(4)
+    with pytest.raises(FileNotFoundError):
+        store.verified(4)
+    meta = store.read_meta(3)
+    assert meta["node"]["hostname"] and meta["step"] == 3
+
+
+def test_meta_json_is_put_last_after_every_data_file(store: RemoteStepStore, monkeypatch):
+    order: list[str] = []
+    fs = store.fs
+    real_open, real_pipe = fs.open, fs.pipe_file
+
+    def spy_open(path: str, mode: str = "rb", **kw: Any) -> Any:
+        handle = real_open(path, mode, **kw)
+        if "w" in mode:
+            real_close = handle.close
+
+            def close() -> None:
+                real_close()
+                order.append(path.rsplit("/", 1)[1].split("-")[0])
+
+            handle.close = close
+        return handle
+
+    def spy_pipe(path: str, value: bytes, **kw: Any) -> Any:
+        result = real_pipe(path, value, **kw)
+        order.append(path.rsplit("/", 1)[1].split("-")[0])
+        return result
+
+    monkeypatch.setattr(fs, "open", spy_open)
+    monkeypatch.setattr(fs, "pipe_file", spy_pipe)
+    writer = store.begin(5)
+    writer.add_part(payload(1), part="0")
+    writer.add_part(payload(2), part="1")
+    writer.commit({})
+    assert order == ["tensors", "objects", "tensors", "objects", "meta.json"]
+
+
+def test_an_upload_that_fails_leaves_nothing_visible_and_the_step_absent(store: RemoteStepStore, monkeypatch):
+    import skipinject.store.remote as remote
+
+    def broken(handle: Any, tensors: Any, algo: str) -> str:
+        handle.write(b"partial bytes")
+        raise ConnectionError("network gone")
+
+    monkeypatch.setattr(remote, "write_tensors", broken)
+    with pytest.raises(ConnectionError):
+        store.save(2, payload(2))
+    assert not store.fs.exists(store._at(2).path) or objects(store, 2) == {}
+    with pytest.raises(FileNotFoundError):
+        store.verified(2)
+
+
+def test_an_interrupted_save_is_reported_not_loaded_and_saved_again(store: RemoteStepStore):
+    writer = store.begin(7)
+    writer.add_part(payload(7))  # the process dies here: data uploaded, no meta.json
+    assert "holds data files but no meta.json" in (store.interrupted(7) or "")
+    assert not store.is_committed(7)
+    with pytest.raises(FileNotFoundError):
+        store.verified(7)
+    store.save(7, payload(70))
+    assert store.interrupted(7) is None and loaded_value(store, 7) == 70
+
+
+def test_two_writers_of_one_step_leave_one_whole_step(store: RemoteStepStore, monkeypatch):
+    first, second = store.begin(4), store.begin(4)
+    first.add_part(payload(1), part="0")
+    second.add_part(payload(2), part="0")
+    first.add_part(payload(1), part="1")
+    second.add_part(payload(2), part="1")
+    second.commit({})
+    assert {p.objects["value"] for p in store.load(store.verified(4))} == {2}
+    first.commit({})  # the last meta.json wins, naming only its own writer's files
+    assert {p.objects["value"] for p in store.load(store.verified(4))} == {1}
+    names = json.dumps(store.read_meta(4)["parts"])
+    assert first.write_id in names and second.write_id not in names
+    # the loser's files are kept while they could belong to a writer still uploading, then collected
+    assert any(second.write_id in name for name in objects(store, 4)) or any(
+        second.write_id in entry for entry in store.fs.find(store._at(4).path)
+    )
+    import skipinject.store.remote as remote
+
+    monkeypatch.setattr(remote, "ABANDONED_AFTER", -1.0)
+    removed, freed = store.collect_garbage(4)
+    assert removed == 4 and freed > 0
+    assert not any(second.write_id in entry for entry in store.fs.find(store._at(4).path))
+    assert {p.objects["value"] for p in store.load(store.verified(4))} == {1}
+
+
+# ---------------------------------------------------------------- hostile objects
+
+
+def _rewrite(store: RemoteStepStore, step: int, kind: str, change: Any) -> None:
+    for entry in store.fs.find(store._at(step).path):
+        if entry.rsplit("/", 1)[1].startswith(kind):
+            store.fs.pipe_file(entry, change(store.fs.cat_file(entry)))
+
+
+@pytest.mark.parametrize(
+    ("kind", "change", "message"),
+    [
+        ("tensors", lambda b: b[:-1] + bytes([b[-1] ^ 1]), "checksum mismatch"),
+        ("tensors", lambda b: b + b"x" * 100, "bytes, meta.json records"),
+        ("objects", lambda b: b[:-2], "bytes, meta.json records"),
+        ("meta.json", lambda b: b.replace(b'"rows": 4', b'"rows": 5'), "edited or damaged"),
+        ("meta.json", lambda b: b"{" * 100000, "meta.json"),
+        ("meta.json", lambda b: b"\xff\xfe not json", "meta.json"),
+    ],
+)
+def test_damaged_objects_are_reported_never_loaded(store: RemoteStepStore, kind: str, change: Any, message: str):
+    store.save(1, payload(1))
+    _rewrite(store, 1, kind, change)
+    with pytest.raises(CorruptCacheError, match=message):
+        store.verified(1)
+
+
+def test_a_huge_object_is_refused_by_its_size_before_a_byte_is_read(store: RemoteStepStore, monkeypatch):
+    store.save(1, payload(1))
+    big = store._at(1, "meta.json").path
+    store.fs.pipe_file(big, b" " * (16 << 20) + b"{}")
+    reads: list[str] = []
+    real_open = store.fs.open
+    monkeypatch.setattr(store.fs, "open", lambda path, *a, **kw: reads.append(path) or real_open(path, *a, **kw))
+    with pytest.raises(CorruptCacheError, match=r"far larger than any meta\.json; not read"):
+        store.read_meta(1)
+    assert reads == []
+
+
+@pytest.mark.parametrize("name", ["../../escape.bin", "/etc/passwd", "meta.json", "a/b.bin", ""])
+def test_unsafe_file_names_in_meta_json_are_refused(store: RemoteStepStore, name: str):
+    store.save(1, payload(1))
+    meta = store.read_meta(1)
+    meta["parts"][0]["files"]["tensors"]["name"] = name
+    from skipinject.store.format import _meta_digest
+
+    meta["meta_checksum"] = _meta_digest(meta)
+    store.fs.pipe_file(store._at(1, "meta.json").path, json.dumps(meta).encode())
+    with pytest.raises(CorruptCacheError, match="unsafe file"):
+        store.verified(1)
+
+
+def test_a_missing_data_file_is_reported(store: RemoteStepStore):
+    store.save(1, payload(1))
+    for entry in store.fs.find(store._at(1).path):
+        if "/objects-" in entry:
+            store.fs.rm_file(entry)
+    with pytest.raises(CorruptCacheError, match="missing"):
+        store.verified(1)
+
+
+def test_step_listing_ignores_foreign_names(store: RemoteStepStore):
+    store.save(2, payload(2))
+    for name in ("01/x", "abc/x", "3x/x", "-1/x", "²/x"):
+        store.fs.pipe_file(f"{store.location.path}/{name}", b"")
+    assert store.step_numbers_on_disk() == [2]
+
+
+# ---------------------------------------------------------------- through the engine
+
+
+@pytest.fixture
+def toy(toy_path: Path) -> Any:
+    import toy_targets
+
+    return toy_targets
+
+
+def test_engine_caches_a_step_in_a_remote_store_then_serves_it(toy: Any, url: str, caplog):
+    first = check_engine_round_trip(toy, url, caplog)
+    start(url, steps=(5,), action="repeat")
+    assert generate(toy, (5,)) == [first[1]], "repeat lists the remote steps and serves the nearest below"
+
+
+def test_engine_regenerates_a_damaged_remote_step(toy: Any, url: str, caplog):
+    start(url, steps=(1,))
+    generate(toy, (1,))
+    fs, root = open_remote(url)
+    (tensor_file,) = [p for p in fs.find(root.path) if "/tensors-" in p]
+    fs.pipe_file(tensor_file, fs.cat_file(tensor_file)[:-1] + b"\x00")
+    bootstrap.stop()
+    start(url, steps=(1,))
+    toy.CALLS.clear()
+    with caplog.at_level(logging.WARNING, logger="skipinject"):
+        generate(toy, (1,))
+    assert toy.CALLS == ["generate"]
+    assert any(
+        "cache unusable, not loaded" in r.getMessage() and "checksum mismatch" in r.getMessage() for r in caplog.records
+    )
