@@ -232,7 +232,7 @@ class Driver:
         _kill_group(self.proc, grace=30)
 
 
-def skip_args(program_args: list[str], cache: Path) -> list[str]:
+def skip_args(program_args: list[str], cache: Path | str) -> list[str]:
     return [
         "--plugins",
         "toy",
@@ -323,3 +323,54 @@ def test_job_that_connects_to_a_running_cluster_reaches_an_actor_on_the_other_no
     for stderr in stderrs:
         # Two nodes, a cache under /tmp (node-local): one warning with the fix, in the driver only.
         assert stderr.count(WARNING_FIX) == 1, stderr[-4000:]
+
+
+def test_a_cache_in_an_object_store_serves_a_run_that_lands_on_another_node(
+    toy_site: Path, ray_auth: dict[str, str], logs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """``dump_dir=s3://...`` (a real S3-compatible server): run 1's actor saves step 2 on worker node
+    A; A is gone and run 2's actor lands on a new worker node B, which is served run 1's step."""
+    from tests.integration.s3_server import create_bucket, s3_environment, s3_server
+
+    pytest.importorskip("s3fs")
+    info = tmp_path / "address"
+    with s3_server(str(logs / "moto.log")) as endpoint:
+        create_bucket(endpoint, "shared-cache")
+        cache = "s3://shared-cache/dump"
+        env = ray_env(toy_site, ray_auth, **s3_environment(endpoint))  # every node can reach the store
+        with nodes(env, logs) as started:
+            head = Node("head", env, logs)
+            started.append(head)
+            port = free_port()
+            head.start(
+                "--head", f"--port={port}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}"
+            )
+            address = f"127.0.0.1:{port}"
+            info.write_text(address)
+            results, stderrs = [], []
+            for run in (1, 2):
+                worker = Node(f"worker-{run}", env, logs)
+                started.append(worker)
+                worker.start(*worker_node_args(address))
+                driver_env = {**env, "RAY_DEDUP_LOGS": "0"}
+                driver = Driver(driver_env, logs, f"s3-{run}", skip_args(["address", "2", str(info)], cache))
+                try:
+                    results.append(driver.finish())
+                    stderrs.append(driver.stderr())
+                finally:
+                    driver.kill()
+                worker.stop()
+        one, two = results
+        assert one["node_id"] != two["node_id"], "run 2's actor runs on another node than run 1's"
+        assert one["calls"].count("generate") == 2 and two["calls"].count("generate") == 1
+        assert two["outputs"] == one["outputs"]
+        for stderr in stderrs:
+            assert WARNING_FIX not in stderr, "an object store is shared by every node: no warning"
+        import fsspec
+
+        for key, value in s3_environment(endpoint).items():
+            monkeypatch.setenv(key, value)
+        fsspec.AbstractFileSystem.clear_instance_cache()
+        fs, _ = fsspec.core.url_to_fs(cache)
+        meta = json.loads(fs.cat_file("shared-cache/dump/skipinject_default/toy/2/meta.json"))
+        assert meta["node"]["ray_node_id"] == one["node_id"], "meta.json records the node that wrote the step"
