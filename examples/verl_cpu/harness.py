@@ -388,7 +388,11 @@ def _batch_overrides(mini_batch: int) -> list[str]:
 
 
 def _skip_dump_dir(role: str, dump_dir: Path | str | None) -> list[str]:
-    return [] if dump_dir is None else [f"skip.{role}.dump_dir={Path(dump_dir).resolve()}"]
+    if dump_dir is None:
+        return []
+    if isinstance(dump_dir, str) and "://" in dump_dir:  # a remote store's URL (s3://...): as given
+        return [f"skip.{role}.dump_dir={dump_dir}"]
+    return [f"skip.{role}.dump_dir={Path(dump_dir).resolve()}"]
 
 
 def main_ppo_overrides(
