@@ -44,3 +44,18 @@ def test_bench_scaling_quick(tmp_path: Path) -> None:
         assert [f["rows"] for f in figures[table]] == [16, 32]
         assert all(f["ours_load_ms"] > 0 and f["ours_decode_ms"] > 0 for f in figures[table])
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up its files"
+
+
+def test_bench_remote_quick(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_remote.py"), "--quick", "--json", "--dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| hit, verified and usable |" in out.stdout and "moto server on localhost" in out.stdout
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["rows"] == 64 and figures["remote_load_ms"] > 0 and figures["remote_save_ms"] > 0
+    assert list(tmp_path.iterdir()) == [], "the benchmark cleans up its files"
