@@ -25,6 +25,21 @@ def default_dump_dir() -> Path:
     return Path(DEFAULT_DUMP_DIR).expanduser()
 
 
+def local_path(text: str) -> Path:
+    """A command-line path; ``file://`` URLs are local paths, other URLs are refused in one line."""
+    from skipinject.store.remote import is_url, split_dump_dir
+
+    if is_url(text):
+        where = split_dump_dir(text)
+        if not isinstance(where, Path):
+            raise argparse.ArgumentTypeError(
+                f"{text}: a remote store's URL; skipinject cache reads local directories only "
+                "(the training run itself reads and writes remote stores)"
+            )
+        return where
+    return Path(text)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
@@ -39,27 +54,29 @@ def build_parser() -> argparse.ArgumentParser:
     dump_help = "dump directory (default: skip.<role>.dump_dir's default, ~/.verl/rollout_dump)"
 
     p = sub.add_parser("ls", help="list projects, layouts, roles and steps, with size, age, writer and state")
-    p.add_argument("dump_dir", nargs="?", type=Path, help=dump_help)
+    p.add_argument("dump_dir", nargs="?", type=local_path, help=dump_help)
     p.add_argument("-l", "--steps", action="store_true", help="one line per step instead of per step range")
     p.add_argument("--json", action="store_true", help="machine-readable output (schema skipinject.cache.ls/1)")
 
     p = sub.add_parser("verify", help="check sizes, checksums and format of every step; exit 1 if any is damaged")
-    p.add_argument("paths", nargs="*", type=Path, metavar="PATH", help="dump, project, layout or step directories")
+    p.add_argument(
+        "paths", nargs="*", type=local_path, metavar="PATH", help="dump, project, layout or step directories"
+    )
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("show", help="what one step holds: fields, dtypes, shapes, rows, inputs, first text rows")
-    p.add_argument("step_path", type=Path, metavar="STEP_PATH")
+    p.add_argument("step_path", type=local_path, metavar="STEP_PATH")
     p.add_argument("--rows", type=int, default=3, help="text rows to show per field (default 3)")
     p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer (model directory) to decode token ids")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("diff", help="compare two steps, or two runs' project directories; exit 1 if they differ")
-    p.add_argument("a", type=Path, metavar="A")
-    p.add_argument("b", type=Path, metavar="B")
+    p.add_argument("a", type=local_path, metavar="A")
+    p.add_argument("b", type=local_path, metavar="B")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("import", help="convert verl's own pickled caches into skipinject's format (needs --trust)")
-    p.add_argument("paths", nargs="+", type=Path, metavar="PATH")
+    p.add_argument("paths", nargs="+", type=local_path, metavar="PATH")
     p.add_argument(
         "--trust", action="store_true", help="load the pickles (they run code when loaded: only caches you trust)"
     )
@@ -69,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("prune", help="remove steps and leftovers of interrupted saves (never verl's pickles)")
-    p.add_argument("dump_dir", nargs="?", type=Path, help=dump_help)
+    p.add_argument("dump_dir", nargs="?", type=local_path, help=dump_help)
     p.add_argument("--keep-last", type=int, metavar="N", help="keep the N highest steps of each role")
     p.add_argument("--older-than", metavar="AGE", help="remove steps created longer ago than AGE (30m, 12h, 7d)")
     p.add_argument("--partial", action="store_true", help="remove interrupted saves (data without meta.json)")

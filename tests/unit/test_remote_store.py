@@ -266,3 +266,13 @@ def test_engine_regenerates_a_damaged_remote_step(toy: Any, url: str, caplog):
     assert any(
         "cache unusable, not loaded" in r.getMessage() and "checksum mismatch" in r.getMessage() for r in caplog.records
     )
+
+
+def test_the_cache_tool_refuses_a_remote_url_in_one_line_and_reads_file_urls(tmp_path: Path, capsys):
+    from skipinject.cache_tool import main
+
+    assert main(["ls", "s3://bucket/dump"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "s3://bucket/dump: a remote store's URL; skipinject cache reads local directories only" in err
+    assert main(["ls", f"file://{tmp_path}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dump_dir"] == str(tmp_path.resolve())
