@@ -211,7 +211,10 @@ def warn_if_cache_not_shared(roles: Mapping[str, Any], nodes: int) -> bool:
         "node are not found by a run whose trainer lands on another. Fix: %s",
         nodes,
         ", ".join(f"skip.{name} ({path})" for name, path in sorted(local.items())),
-        "; ".join(f"set skip.{name}.dump_dir to a shared file system path" for name in sorted(local)),
+        "; ".join(
+            f"set skip.{name}.dump_dir to a shared file system path or an object store URL (s3://bucket/dir)"
+            for name in sorted(local)
+        ),
     )
     return True
 
