@@ -89,12 +89,24 @@ def run(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, work
     figures["file_mb"] = sum(spec["size"] for _, spec in remote.named_files(1, remote.read_meta(1))) / 1e6
     for key, load in (("upstream_load", upstream_load), ("local_load", lambda: hit(local))):
         measure(figures, key, load, repeat)
+    raw_transfer(figures, fs, remote, root, repeat)
     loaded = measure(figures, "remote_load", lambda: hit(remote), repeat)
     check_equal(batch, loaded)
     del loaded
     with contextlib.suppress(Exception):
         fs.rm(root.path, recursive=True)
     return figures
+
+
+def raw_transfer(figures: dict[str, Any], fs: Any, store: RemoteStepStore, root: Any, repeat: int) -> None:
+    """The server's own speed, for scale: one PUT and one GET of the tensor file's bytes."""
+    named = store.named_files(1, store.read_meta(1))
+    [tensor_at] = [at for at, spec in named if spec["kind"] == "tensors"]
+    blob = fs.cat_file(tensor_at.path)  # type: ignore[attr-defined]
+    target = f"{root.path}/raw.bin"
+    measure(figures, "raw_put", lambda: fs.pipe_file(target, blob), repeat)
+    measure(figures, "raw_get", lambda: fs.cat_file(target), repeat)
+    figures["raw_mb"] = len(blob) / 1e6
 
 
 def report(f: dict[str, Any]) -> str:
@@ -113,6 +125,12 @@ def report(f: dict[str, Any]) -> str:
             f"| {name} | {up:.1f} | {local:.1f} | {remote:.1f} | {remote / local:.1f}x | "
             f"{mb / (remote / 1000):.0f} | {f[f'remote_{key}_cpu_ms']:.0f} |"
         )
+    raw = f["raw_mb"]
+    lines.append(
+        f"\nThe server alone, for scale: one PUT of the {raw:.0f} MB tensor file {f['raw_put_ms']:.0f} ms "
+        f"({raw / (f['raw_put_ms'] / 1000):.0f} MB/s), one GET {f['raw_get_ms']:.0f} ms "
+        f"({raw / (f['raw_get_ms'] / 1000):.0f} MB/s)."
+    )
     return "\n".join(lines)
 
 

@@ -269,7 +269,7 @@ def dump_child(
 ) -> None:
     """Child process: save one step (one or several parts); optionally die at a chosen operation."""
     _install_kill_switch(kill_at, progress)
-    store = StepStore(Path(project), "toy", CONTEXT)
+    store = open_store(project)
     conn.send("ready")
     if parts == ("",) or list(parts) == [""]:
         store.save(step, payloads[0], {"inputs": None})
@@ -282,9 +282,24 @@ def dump_child(
     conn.close()
 
 
-def writer_proc(project: str, step: int, writer: int, rounds: int, numel: int, parts: int, out: Any) -> None:
+def open_store(project: str, env: dict[str, str] | None = None) -> StepStore:
+    """The store of ``project``: a local directory, or a remote store's URL (``env``: how to reach it)."""
+    if "://" not in project:
+        return StepStore(Path(project), "toy", CONTEXT)
+    import os
+
+    os.environ.update(env or {})
+    from skipinject.store.remote import RemoteStepStore, open_remote
+
+    fs, location = open_remote(project)
+    return RemoteStepStore(location, "toy", CONTEXT, fs)
+
+
+def writer_proc(
+    project: str, step: int, writer: int, rounds: int, numel: int, parts: int, out: Any, env: Any = None
+) -> None:
     """Concurrency: save the same step ``rounds`` times with this writer's values."""
-    store = StepStore(Path(project), "toy", CONTEXT)
+    store = open_store(project, env)
     written = []
     for r in range(rounds):
         value = float(writer * 1000 + r)
@@ -299,15 +314,15 @@ def writer_proc(project: str, step: int, writer: int, rounds: int, numel: int, p
     out.put(("writer", writer, written))
 
 
-def reader_proc(project: str, step: int, reader: int, stop: Any, out: Any) -> None:
+def reader_proc(project: str, step: int, reader: int, stop: Any, out: Any, env: Any = None) -> None:
     """Concurrency: verify and load the step until told to stop; classify every attempt."""
     from skipinject.errors import CacheError
 
-    store = StepStore(Path(project), "toy", CONTEXT)
+    store = open_store(project, env)
     counts = {"hit": 0, "miss": 0, "miss_after_hit": 0, "torn": 0, "error": 0}
     seen: set[float] = set()
     errors: list[str] = []
-    while not (store.step_dir(step) / META_NAME).exists():  # do not starve the writers before their first commit
+    while not store.is_committed(step):  # do not starve the writers before their first commit
         time.sleep(0.005)
     while not stop.is_set() or counts["hit"] == 0:
         try:

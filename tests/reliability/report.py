@@ -23,7 +23,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "reliability.md"
-AREAS = ("crash", "integrity", "concurrency", "disk", "trust", "bad input")
+AREAS = ("crash", "integrity", "concurrency", "disk", "trust", "bad input", "object store")
 TITLES = {
     "crash": "Crash safety (SIGKILL)",
     "integrity": "Integrity (damaged or foreign caches)",
@@ -31,6 +31,7 @@ TITLES = {
     "disk": "Full and read-only disks",
     "trust": "Trust (no code from caches, no path escapes)",
     "bad input": "Bad input",
+    "object store": "Object stores (dump_dir=s3://..., a real S3 server)",
 }
 
 SUMMARIES = {
@@ -40,6 +41,7 @@ SUMMARIES = {
     "disk": "disk full (real tmpfs, ENOSPC at a random byte), read-only dump_dir, unlistable cache dir",
     "trust": "planted upstream pickles, hostile names, directories other users control, symlinked steps",
     "bad input": "generated overrides, steps, configs, sample ids, targets, plugin lists; the runner",
+    "object store": "uploads SIGKILLed at random times, bit flips on the server, concurrent writers and readers",
 }
 
 FOUND = """\

@@ -194,16 +194,27 @@ def test_damaged_objects_are_reported_never_loaded(store: RemoteStepStore, kind:
         store.verified(1)
 
 
-def test_a_huge_object_is_refused_by_its_size_before_a_byte_is_read(store: RemoteStepStore, monkeypatch):
+def test_a_huge_meta_json_is_refused_after_a_bounded_read(store: RemoteStepStore, monkeypatch):
     store.save(1, payload(1))
-    big = store._at(1, "meta.json").path
-    store.fs.pipe_file(big, b" " * (16 << 20) + b"{}")
-    reads: list[str] = []
-    real_open = store.fs.open
-    monkeypatch.setattr(store.fs, "open", lambda path, *a, **kw: reads.append(path) or real_open(path, *a, **kw))
-    with pytest.raises(CorruptCacheError, match=r"far larger than any meta\.json; not read"):
+    store.fs.pipe_file(store._at(1, "meta.json").path, b" " * (64 << 20) + b"{}")
+    fetched: list[int] = []
+    real_cat = store.fs.cat_file
+    monkeypatch.setattr(store.fs, "cat_file", lambda *a, **kw: fetched.append(len(data := real_cat(*a, **kw))) or data)
+    with pytest.raises(CorruptCacheError, match=r"far larger than any meta\.json"):
         store.read_meta(1)
-    assert reads == []
+    assert fetched == [(16 << 20) + 1], "one request, at most 16 MiB + 1 bytes"
+
+
+def test_a_data_object_larger_than_recorded_is_refused_before_a_byte_is_read(store: RemoteStepStore, monkeypatch):
+    store.save(1, payload(1))
+    (tensor_file,) = [p for p in store.fs.find(store._at(1).path) if "/tensors-" in p]
+    store.fs.pipe_file(tensor_file, b"x" * (64 << 20))
+    opened: list[str] = []
+    real_open = store.fs.open
+    monkeypatch.setattr(store.fs, "open", lambda path, *a, **kw: opened.append(path) or real_open(path, *a, **kw))
+    with pytest.raises(CorruptCacheError, match=r"bytes, meta\.json records"):
+        store.verified(1)
+    assert tensor_file not in opened
 
 
 @pytest.mark.parametrize("name", ["../../escape.bin", "/etc/passwd", "meta.json", "a/b.bin", ""])
