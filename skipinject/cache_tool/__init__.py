@@ -33,11 +33,20 @@ def local_path(text: str) -> Path:
         where = split_dump_dir(text)
         if not isinstance(where, Path):
             raise argparse.ArgumentTypeError(
-                f"{text}: a remote store's URL; skipinject cache reads local directories only "
-                "(the training run itself reads and writes remote stores)"
+                f"{text}: a remote store's URL; only `skipinject cache ls` and `verify` read those"
             )
         return where
     return Path(text)
+
+
+def location(text: str) -> Path | str:
+    """A local path, or a remote store's URL (``ls`` and ``verify`` read both)."""
+    from skipinject.store.remote import split_dump_dir
+
+    try:
+        return local_path(text)
+    except argparse.ArgumentTypeError:
+        return str(split_dump_dir(text))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,13 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     dump_help = "dump directory (default: skip.<role>.dump_dir's default, ~/.verl/rollout_dump)"
 
     p = sub.add_parser("ls", help="list projects, layouts, roles and steps, with size, age, writer and state")
-    p.add_argument("dump_dir", nargs="?", type=local_path, help=dump_help)
+    p.add_argument("dump_dir", nargs="?", type=location, help=dump_help + "; or a URL such as s3://bucket/dir")
     p.add_argument("-l", "--steps", action="store_true", help="one line per step instead of per step range")
     p.add_argument("--json", action="store_true", help="machine-readable output (schema skipinject.cache.ls/1)")
 
     p = sub.add_parser("verify", help="check sizes, checksums and format of every step; exit 1 if any is damaged")
     p.add_argument(
-        "paths", nargs="*", type=local_path, metavar="PATH", help="dump, project, layout or step directories"
+        "paths", nargs="*", type=location, metavar="PATH", help="dump, project, layout or step directories, or URLs"
     )
     p.add_argument("--json", action="store_true")
 

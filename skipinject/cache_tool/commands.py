@@ -54,16 +54,25 @@ def _writer_text(writer: dict[str, str]) -> str:
 # ---------------------------------------------------------------- ls
 
 
-def cmd_ls(root: Path, *, as_json: bool, per_step: bool, default: bool) -> int:
-    if default and not root.exists():
+def _scan_any(root: Path | str, problems: list[str]) -> list[Item]:
+    """Items of a local directory (which must exist) or of a remote store's URL."""
+    if isinstance(root, str):
+        from skipinject.cache_tool.remote import scan_remote
+
+        return scan_remote(root, problems)
+    existing_dir(root)
+    return scan(root, problems)
+
+
+def cmd_ls(root: Path | str, *, as_json: bool, per_step: bool, default: bool) -> int:
+    if default and isinstance(root, Path) and not root.exists():
         if as_json:
             emit_json({"schema": schema("ls"), "dump_dir": str(root), "steps": [], "groups": [], "problems": []})
         else:
             print(f"nothing cached in {root} (it does not exist)")
         return OK
-    existing_dir(root)
     problems: list[str] = []
-    items = scan(root, problems)
+    items = _scan_any(root, problems)
     groups = _groups(items)
     if as_json:
         emit_json(
@@ -203,6 +212,11 @@ def verify_item(item: Item) -> Checked:
         return Checked(item, "damaged", list(item.problems))
     if item.state == "partial":
         return Checked(item, "partial", list(item.problems))
+    if not isinstance(item.path, Path):  # a step in a remote store
+        from skipinject.cache_tool.remote import verify_remote
+
+        problems = verify_remote(item)
+        return Checked(item, "damaged" if problems else "ok", problems)
     if item.state == "foreign":
         problems = []
         for path in item.files:
@@ -244,12 +258,11 @@ def _head(path: Path) -> bytes:
         os.close(fd)
 
 
-def cmd_verify(paths: Sequence[Path], *, as_json: bool) -> int:
+def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
     items: list[Item] = []
     unreadable: list[str] = []
     for path in paths:
-        existing_dir(path)
-        items += scan(path, unreadable)
+        items += _scan_any(path, unreadable)
     total = sum(i.size for i in items if i.state == "complete")
     results = []
     with Progress(total, "verify") as bar:

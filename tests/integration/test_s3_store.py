@@ -171,3 +171,29 @@ def toy(toy_path: Path) -> Any:
 
 def test_the_engine_saves_then_serves_steps_from_s3(toy: Any, url: str, caplog):
     check_engine_round_trip(toy, url, caplog)
+
+
+def test_the_cache_tool_lists_and_verifies_steps_in_s3(url: str, s3_env: dict[str, str]):
+    import os
+
+    write(url, 1, 10, "ok")
+    write(url, 2, 20, "kill-before-meta", check=False)
+    env = {**os.environ, **s3_env}
+    listed = subprocess.run(
+        [sys.executable, "-m", "skipinject", "cache", "ls", url, "--steps", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    )
+    states = {s["step"]: s["state"] for s in json.loads(listed.stdout)["steps"]}
+    assert states == {1: "complete", 2: "partial"}
+    verified = subprocess.run(
+        [sys.executable, "-m", "skipinject", "cache", "verify", url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert verified.returncode == 0 and "1 ok, 0 damaged, 1 partial" in verified.stdout, verified.stdout

@@ -38,7 +38,7 @@ def store(url: str) -> RemoteStepStore:
 
 
 def payload(value: int, rows: int = 4) -> Payload:
-    return Payload(tensors={"x": torch.full((rows, 3), value)}, objects={"value": value}, rows=rows)
+    return Payload(tensors={"x": torch.full((rows, 3), value)}, objects={"codec": "toy", "value": value}, rows=rows)
 
 
 def loaded_value(store: RemoteStepStore, step: int) -> int:
@@ -279,11 +279,41 @@ def test_engine_regenerates_a_damaged_remote_step(toy: Any, url: str, caplog):
     )
 
 
-def test_the_cache_tool_refuses_a_remote_url_in_one_line_and_reads_file_urls(tmp_path: Path, capsys):
+def test_the_cache_tool_lists_and_verifies_a_remote_store(url: str, capsys):
     from skipinject.cache_tool import main
 
-    assert main(["ls", "s3://bucket/dump"]) == 2
+    fs, root = open_remote(url)
+    layout = root / "e_p" / "GBS4_N2_in8_out8"
+    RemoteStepStore(layout, "rollout", {"run": 1}, fs).save(1, payload(1))
+    RemoteStepStore(layout, "rollout", {"run": 1}, fs).save(2, payload(2))
+    RemoteStepStore(layout / "reward", "reward", {"run": 1}, fs).save(1, payload(1))
+    RemoteStepStore(layout, "rollout", {"run": 1}, fs).begin(3).add_part(payload(3))  # interrupted
+    assert main(["ls", url, "--json", "--steps"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    states = {(s["role"], s["step"]): s["state"] for s in listed["steps"]}
+    assert states == {
+        ("rollout", 1): "complete",
+        ("rollout", 2): "complete",
+        ("reward", 1): "complete",
+        ("-", 3): "partial",
+    }
+    assert all(s["layout"] == "GBS4_N2_in8_out8" and s["project"] == "e_p" for s in listed["steps"])
+    assert main(["verify", url]) == 0  # partial steps are reported, not damage
+    out = capsys.readouterr().out
+    assert "verified 4 step(s)" in out and "3 ok, 0 damaged, 1 partial" in out
+    (tensor_file,) = [p for p in fs.find(layout.path + "/2") if "/tensors-" in p]
+    fs.pipe_file(tensor_file, fs.cat_file(tensor_file)[:-1] + b"\x01")
+    assert main(["verify", url, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    damaged = [s for s in report["steps"] if s["status"] == "damaged"]
+    assert [s["step"] for s in damaged] == [2] and "checksum mismatch" in damaged[0]["problems"][0]
+
+
+def test_the_cache_tool_reads_urls_only_where_it_can(tmp_path: Path, capsys):
+    from skipinject.cache_tool import main
+
+    assert main(["show", "s3://bucket/dump/1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "s3://bucket/dump: a remote store's URL; skipinject cache reads local directories only" in err
+    assert "s3://bucket/dump/1: a remote store's URL; only `skipinject cache ls` and `verify` read those" in err
     assert main(["ls", f"file://{tmp_path}", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dump_dir"] == str(tmp_path.resolve())

@@ -1,0 +1,133 @@
+"""``skipinject cache ls|verify`` on a remote store's URL (``s3://bucket/dir``...).
+
+One recursive listing of the URL gives every object's name and size; steps are the directories
+holding our ``meta.json`` (committed) or only our data files (partial). ``meta.json`` is read in
+one bounded request and checked by :class:`~skipinject.store.remote.RemoteStepStore`, which also
+verifies every file for ``verify`` — the same reader the training run uses. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any
+
+from skipinject.cache_tool.scan import LAYOUT_RE, Item
+from skipinject.errors import CorruptCacheError
+from skipinject.store.format import FORMAT, META_NAME
+from skipinject.store.remote import RemotePath, RemoteStepStore, open_remote
+from skipinject.store.step_store import _DATA_NAME, _PART_NAME, STEP_NAME
+
+
+def _where(parts: list[str]) -> tuple[str, str, str | None]:
+    """(project, layout, role directory or None) from the names between the root and a step."""
+    for index in range(len(parts) - 1, -1, -1):
+        if LAYOUT_RE.match(parts[index]):
+            role_dir = parts[index + 1] if index + 1 < len(parts) else None
+            return (parts[index - 1] if index else "-"), parts[index], role_dir
+    return (parts[-1] if parts else "-"), "-", None
+
+
+def _step_of(relative: list[str], committed: set[tuple[str, ...]]) -> tuple[str, ...] | None:
+    """The step directory (as name parts) a data file belongs to, or None."""
+    folder = tuple(relative[:-1])
+    if not folder:
+        return None
+    if folder in committed:
+        return folder
+    if len(folder) > 1 and folder[:-1] in committed and _PART_NAME.fullmatch(folder[-1]):
+        return folder[:-1]
+    if len(folder) > 1 and _PART_NAME.fullmatch(folder[-1]) and STEP_NAME.fullmatch(folder[-2]):
+        return folder[:-1]
+    return folder if STEP_NAME.fullmatch(folder[-1]) else None
+
+
+def scan_remote(url: str, problems: list[str]) -> list[Item]:
+    """Every step under ``url``: committed (``meta.json`` read and checked), damaged or partial."""
+    fs, root = open_remote(url)
+    try:
+        listing: dict[str, Any] = fs.find(root.path, detail=True)
+    except FileNotFoundError:
+        return []
+    prefix = root.path.rstrip("/") + "/"
+    sizes: dict[tuple[str, ...], int] = {}
+    for name, info in listing.items():
+        if str(name).startswith(prefix):
+            sizes[tuple(str(name)[len(prefix) :].split("/"))] = int(info.get("size") or 0)
+    committed = {rel[:-1] for rel in sizes if rel[-1] == META_NAME and len(rel) > 1 and STEP_NAME.fullmatch(rel[-2])}
+    members: dict[tuple[str, ...], list[tuple[str, ...]]] = {step: [] for step in committed}
+    for rel in sizes:
+        if _DATA_NAME.fullmatch(rel[-1]):
+            step = _step_of(list(rel), committed)
+            if step is not None:
+                members.setdefault(step, []).append(rel)
+    items = []
+    for step_parts in sorted(members, key=lambda s: (s[:-1], int(s[-1]))):
+        project, layout, role_dir = _where(list(step_parts[:-1]))
+        location = root
+        for piece in step_parts:
+            location = location / piece
+        files = members[step_parts]
+        item = Item(location, project, layout, role_dir or "-", int(step_parts[-1]), "partial")  # type: ignore[arg-type]
+        item.size = sum(sizes[rel] for rel in files)
+        if step_parts in committed:
+            item.size += sizes[(*step_parts, META_NAME)]
+            _read_commit(item, fs, location)
+        else:
+            item.problems.append(f"{location}: data files but no meta.json (a save was interrupted, or is running)")
+        items.append(item)
+    return items
+
+
+def _read_commit(item: Item, fs: Any, location: RemotePath) -> None:
+    """Fill ``item`` from its ``meta.json`` (checked by the store's reader) or mark it damaged."""
+    try:
+        store, meta = open_remote_step(fs, location)
+    except (CorruptCacheError, OSError) as exc:
+        item.state, item.problems = "damaged", [str(exc)]
+        return
+    item.state = "complete"
+    item.role = meta["role"]
+    item.meta = meta
+    item.rows = meta.get("rows") if type(meta.get("rows")) is int else None
+    item.parts = len(meta["parts"])
+    item.created = meta.get("created") if isinstance(meta.get("created"), str) else None
+    writer = meta.get("writer")
+    item.writer = {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}
+    del store
+
+
+def open_remote_step(fs: Any, location: RemotePath) -> tuple[RemoteStepStore, dict[str, Any]]:
+    """The store holding a remote step (role and context from its own ``meta.json``) and its checked meta."""
+    import json
+
+    raw = fs.cat_file(posixpath.join(location.path, META_NAME), start=0, end=(16 << 20) + 1)
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCacheError(f"{location}/meta.json: unreadable meta.json ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CorruptCacheError(f"{location}/meta.json: not a skipinject commit record (no format marker)")
+    role, context = meta.get("role"), meta.get("context", {})
+    if not isinstance(role, str) or not isinstance(context, dict):
+        raise CorruptCacheError(
+            f"{location}/meta.json: malformed (role {role!r:.80}, context {type(context).__name__})"
+        )
+    store = RemoteStepStore(location.parent, role, context, fs)
+    return store, store.read_meta(int(location.name))
+
+
+def verify_remote(item: Item) -> list[str]:
+    """Problems of a complete remote step after reading and checking every file (``[]``: ok)."""
+    location: RemotePath = item.path  # type: ignore[assignment]
+    fs, _ = open_remote(str(location))
+    try:
+        store, _ = open_remote_step(fs, location)
+        payloads = store.load(store.verified(int(location.name)))
+        for index, payload in enumerate(payloads):
+            if not isinstance(payload.objects.get("codec"), str):
+                raise CorruptCacheError(f"{location}: part {index} names no codec")
+    except (CorruptCacheError, OSError) as exc:
+        return [str(exc)]
+    except Exception as exc:
+        return [f"{location}: {type(exc).__name__}: {exc}"]
+    return []
