@@ -70,7 +70,8 @@ def scan_remote(url: str, problems: list[str]) -> list[Item]:
         item = Item(location, project, layout, role_dir or "-", int(step_parts[-1]), "partial")  # type: ignore[arg-type]
         item.size = sum(sizes[rel] for rel in files)
         if step_parts in committed:
-            item.size += sizes[(*step_parts, META_NAME)]
+            meta_key = (*step_parts, META_NAME)
+            item.size += sizes[meta_key]
             _read_commit(item, fs, location)
         else:
             item.problems.append(f"{location}: data files but no meta.json (a save was interrupted, or is running)")
