@@ -154,6 +154,10 @@ How the faults are made:
   bytes, step names that are not ASCII numbers, directories other users control, symlinked steps,
   leftovers of killed saves. Each must be decided in under 5 s with under 64 MiB allocated (checked
   with `tracemalloc`), in one warning line.
+* **object store** (`test_object_store.py`): `dump_dir` in a real S3-compatible server (moto in
+  server mode, through s3fs): a process uploading a two-part step (multipart uploads) SIGKILLed at
+  seeded random times, random bit flips in objects on the server, writers and readers of one step
+  in separate processes at once.
 """
 
 
