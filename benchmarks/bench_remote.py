@@ -45,18 +45,14 @@ from skipinject.store.remote import RemoteStepStore, open_remote  # noqa: E402
 @contextlib.contextmanager
 def object_store(endpoint: str | None, bucket: str | None, workdir: Path) -> Iterator[str]:
     """The URL of an empty prefix in an S3 bucket: a local moto server unless ``endpoint`` is given."""
-    import fsspec
-
     if endpoint is not None:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
-        fsspec.AbstractFileSystem.clear_instance_cache()
         yield f"s3://{bucket}/skipinject-bench-{uuid.uuid4().hex[:8]}"
         return
-    from tests.integration.s3_server import create_bucket, s3_environment, s3_server
+    from tests.integration.s3_server import create_bucket, s3_server, use_server
 
     with s3_server(str(workdir / "moto.log")) as url:
-        os.environ.update(s3_environment(url))
-        fsspec.AbstractFileSystem.clear_instance_cache()
+        use_server(url, os.environ)
         create_bucket(url, "bench")
         yield "s3://bench/dump"
 

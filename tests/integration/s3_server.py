@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 
 def _free_port() -> int:
@@ -62,6 +63,20 @@ def s3_server(log_path: str | None = None, timeout: float = 120.0) -> Iterator[s
             process.kill()
             process.wait()
         log.close()
+
+
+def use_server(endpoint: str, environ: Any) -> None:
+    """Point this process's S3 clients at ``endpoint``: set the variables in ``environ`` (``os.environ``
+    or a ``monkeypatch``) and drop s3fs's cached filesystems, which keep the endpoint they were made
+    with (fsspec caches instances per class, by their arguments: not by the environment)."""
+    for key, value in s3_environment(endpoint).items():
+        if hasattr(environ, "setenv"):
+            environ.setenv(key, value)
+        else:
+            environ[key] = value
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def create_bucket(endpoint: str, name: str) -> None:

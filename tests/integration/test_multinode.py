@@ -330,7 +330,7 @@ def test_a_cache_in_an_object_store_serves_a_run_that_lands_on_another_node(
 ):
     """``dump_dir=s3://...`` (a real S3-compatible server): run 1's actor saves step 2 on worker node
     A; A is gone and run 2's actor lands on a new worker node B, which is served run 1's step."""
-    from tests.integration.s3_server import create_bucket, s3_environment, s3_server
+    from tests.integration.s3_server import create_bucket, s3_environment, s3_server, use_server
 
     pytest.importorskip("s3fs")
     info = tmp_path / "address"
@@ -368,9 +368,7 @@ def test_a_cache_in_an_object_store_serves_a_run_that_lands_on_another_node(
             assert WARNING_FIX not in stderr, "an object store is shared by every node: no warning"
         import fsspec
 
-        for key, value in s3_environment(endpoint).items():
-            monkeypatch.setenv(key, value)
-        fsspec.AbstractFileSystem.clear_instance_cache()
+        use_server(endpoint, monkeypatch)
         fs, _ = fsspec.core.url_to_fs(cache)
         meta = json.loads(fs.cat_file("shared-cache/dump/skipinject_default/toy/2/meta.json"))
         assert meta["node"]["ray_node_id"] == one["node_id"], "meta.json records the node that wrote the step"

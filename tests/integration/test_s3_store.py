@@ -18,7 +18,7 @@ import pytest
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.remote import RemoteStepStore, open_remote
-from tests.integration.s3_server import create_bucket, s3_environment, s3_server
+from tests.integration.s3_server import create_bucket, s3_environment, s3_server, use_server
 from tests.remote_checks import check_engine_round_trip
 
 pytest.importorskip("s3fs")
@@ -38,13 +38,8 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture
 def s3_env(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    env = s3_environment(endpoint)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    import fsspec
-
-    fsspec.AbstractFileSystem.clear_instance_cache()  # a fresh client reads this environment
-    return env
+    use_server(endpoint, monkeypatch)
+    return s3_environment(endpoint)
 
 
 @pytest.fixture
