@@ -88,7 +88,10 @@ def test_rows_made_on_first_use_are_the_constructors() -> None:
     assert type(items) is tds._Rows and list.__len__(items) == len(ROWS) and items._pending is None
     assert items[0] is first  # made once
     for fast, slow in zip(items, reference.tensordicts, strict=True):
-        assert type(fast) is type(slow) and set(fast.__dict__) == set(slow.__dict__)
+        assert type(fast) is type(slow) and list(fast.__dict__) == list(slow.__dict__)  # same keys, same order
+        assert list(fast._tensordict.__dict__) == list(slow._tensordict.__dict__)
+        assert type(fast._tensordict._tensordict) is type(slow._tensordict._tensordict)
+        assert list(fast._non_tensordict) == list(slow._non_tensordict)
         assert fast.batch_size == slow.batch_size == torch.Size([]) and same(fast.data, slow.data)
     assert len({id(item._tensordict) for item in items}) == len(ROWS)  # rows stay independent
     items[1]._tensordict["x"] = torch.ones(())
