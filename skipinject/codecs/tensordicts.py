@@ -215,7 +215,7 @@ def non_tensor_stack(rows: Sequence[Any]) -> Any:
     The stack is built at once, with the attributes the public constructor gives it (checked once
     per process against the constructor, see :func:`_stack_layout`); its ``tensordicts`` list is a
     :class:`LazyRows` that makes its ``NonTensorData`` items (with :func:`non_tensor_items`) the
-    first time anything reads or changes it, and is a plain list from then on. A hit therefore
+    first time anything reads or changes it, and has list's own methods from then on. A hit therefore
     costs nothing per row for the fields training code never reads, and the fields it reads cost
     what building them eagerly cost. If the layout check fails, the rows are built at once by the
     public constructor.
