@@ -50,14 +50,23 @@ def table(title: str, results: list[dict[str, Any]]) -> list[str]:
         "| hit ms (upstream / skipinject, ratio) | hit us/row | hit ms/MB | load avg |",
         "|---:|---:|---|---:|---:|---|---:|---:|---|",
     ]
+    fields = any("ours_fields_ms" in f for f in results)
+    if fields:  # V1: the hit followed by tu.get of every non-tensor field (rows made on first read)
+        column = " | hit + read all fields ms (upstream / skipinject, ratio) | load avg |"
+        lines[2] = lines[2].replace(" | load avg |", column)
+        lines[3] = "|---:|---:|---|---:|---:|---|---:|---:|---|---|"
     for f in results:
         rows, mb = f["rows"], f["tensor_mb"]
         up_s, us_s = f["upstream_save_ms"], f["ours_save_ms"]
         up_l, us_l = f["upstream_load_ms"], f["ours_load_ms"]
+        read = ""
+        if fields:
+            up_f, us_f = f["upstream_fields_ms"], f["ours_fields_ms"]
+            read = f"| {up_f:.0f} / {us_f:.0f}, {up_f / us_f:.1f}x "
         lines.append(
             f"| {rows} | {mb:.0f} | {up_s:.0f} / {us_s:.0f}, {up_s / us_s:.1f}x | {us_s * 1000 / rows:.1f} "
             f"| {us_s / mb:.2f} | {up_l:.0f} / {us_l:.0f}, {up_l / us_l:.1f}x | {us_l * 1000 / rows:.1f} "
-            f"| {us_l / mb:.3f} | {f['load'][0]:.1f}-{f['load'][1]:.1f} |"
+            f"| {us_l / mb:.3f} {read}| {f['load'][0]:.1f}-{f['load'][1]:.1f} |"
         )
     return lines
 

@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -182,8 +183,11 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(figures: dict[str, Any], key: str, fn: Callable[[], Any], repeat: int) -> Any:
-    """Median wall and CPU ms over ``repeat`` runs (after one warm-up run) into ``figures``; the last result."""
+def measure(
+    figures: dict[str, Any], key: str, fn: Callable[[], Any], repeat: int, after: Callable[[], Any] | None = None
+) -> Any:
+    """Median wall and CPU ms over ``repeat`` runs (after one warm-up run) into ``figures``; the last result.
+    ``after`` runs after each run, outside the timing."""
     walls, cpus = [], []
     result = None
     for i in range(repeat + 1):
@@ -194,22 +198,67 @@ def measure(figures: dict[str, Any], key: str, fn: Callable[[], Any], repeat: in
         if i:
             walls.append((time.perf_counter() - wall) * 1000)
             cpus.append((cpu_seconds() - cpu) * 1000)
+        if after is not None:
+            after()
     figures[f"{key}_ms"] = statistics.median(walls)
     figures[f"{key}_min_ms"] = min(walls)
     figures[f"{key}_cpu_ms"] = statistics.median(cpus)
     return result
 
 
+class NewFiles:
+    """Saves as a training run makes them: each to a new file (upstream) or step (skipinject), the
+    previous one deleted after the timed save. (Saving over one path would time writes into the page
+    cache pages the truncated file just freed, which only the side that truncates gets.)"""
+
+    def __init__(self, workdir: Path, name: str, store: StepStore) -> None:
+        self.workdir, self.name, self.store, self.count = workdir, name, store, 0
+
+    @property
+    def path(self) -> Path:
+        return self.workdir / f"{self.count}-{self.name}"
+
+    def upstream(self, save: Callable[[Path], Any]) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        def run() -> Any:
+            self.count += 1
+            return save(self.path)
+
+        def after() -> None:
+            for old in self.workdir.glob(f"*-{self.name}"):
+                if old != self.path:
+                    old.unlink()
+
+        return run, after
+
+    def ours(self, save: Callable[[int], Any]) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        def run() -> Any:
+            self.count += 1
+            return save(self.count)
+
+        def after() -> None:
+            if self.count > 1:
+                shutil.rmtree(self.store.step_dir(self.count - 1))
+
+        return run, after
+
+
 def run(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, workdir: Path) -> dict[str, Any]:
     batch = build_batch(rows, prompt_len, response_len, n)
     codec = DataProtoCodec()
-    upstream_path = workdir / "gen_batch.dp"
     store = StepStore(workdir / "store", "rollout", {"bench": True})
     figures: dict[str, Any] = {"rows": rows, "tensor_mb": tensor_bytes(batch) / 1e6}
 
-    measure(figures, "upstream_save", lambda: batch.save_to_disk(upstream_path), repeat)
+    upstream_files = NewFiles(workdir, "gen_batch.dp", store)
+    save, after = upstream_files.upstream(batch.save_to_disk)
+    measure(figures, "upstream_save", save, repeat, after)
+    upstream_path = upstream_files.path
     measure(figures, "ours_encode", lambda: codec.encode(batch), repeat)
-    measure(figures, "ours_save", lambda: store.save(1, codec.encode(batch), {}), repeat)
+    steps = NewFiles(workdir, "", store)
+    save, after = steps.ours(lambda step: store.save(step, codec.encode(batch), {}))
+    measure(figures, "ours_save", save, repeat, after)
+    store.save(1, codec.encode(batch), {})
+    if steps.count != 1:
+        shutil.rmtree(store.step_dir(steps.count))
     # What a miss costs the training call: encode and a private copy; the write runs in the background.
     measure(figures, "ours_miss_call", lambda: private_copy(codec.encode(batch)), repeat)
     figures["upstream_file_mb"] = upstream_path.stat().st_size / 1e6
@@ -267,12 +316,21 @@ def run_v1(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, w
 
     batch = build_tq_batch(rows, prompt_len, response_len, n)
     codec = TensorDictCodec()
-    upstream_path = workdir / "tq_batch.pt"
     store = StepStore(workdir / "store_v1", "rollout_tq", {"bench": True})
     figures: dict[str, Any] = {"rows": rows, "tensor_mb": tensor_bytes(batch) / 1e6}
-    measure(figures, "upstream_save", lambda: torch.save(batch, upstream_path), repeat)
+    upstream_files = NewFiles(workdir, "tq_batch.pt", store)
+    save, after = upstream_files.upstream(lambda path: torch.save(batch, path))
+    measure(figures, "upstream_save", save, repeat, after)
+    save, after = upstream_files.upstream(lambda path: save_fsynced(batch, path))
+    measure(figures, "upstream_save_fsync", save, repeat, after)
+    upstream_path = upstream_files.path
     measure(figures, "ours_encode", lambda: codec.encode(batch), repeat)
-    measure(figures, "ours_save", lambda: store.save(1, codec.encode(batch), {}), repeat)
+    steps = NewFiles(workdir, "", store)
+    save, after = steps.ours(lambda step: store.save(step, codec.encode(batch), {}))
+    measure(figures, "ours_save", save, repeat, after)
+    store.save(1, codec.encode(batch), {})
+    if steps.count != 1:
+        shutil.rmtree(store.step_dir(steps.count))
     figures["upstream_file_mb"] = upstream_path.stat().st_size / 1e6
     files = store.read_meta(1)["parts"][0]["files"]
     figures["ours_files_mb"] = sum(spec["size"] for spec in files.values()) / 1e6
@@ -292,6 +350,12 @@ def run_v1(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, w
     loaded = measure(figures, "upstream_load", upstream_load, repeat)
     del loaded
     loaded = measure(figures, "ours_load", ours_load, repeat)
+    del loaded
+    # What reading the rows then costs: verl's tu.get of every non-tensor field (NonTensorStack.tolist()).
+    # skipinject's hit makes a field's row objects the first time it is read; torch.load made them all.
+    loaded = measure(figures, "upstream_fields", lambda: read_fields(upstream_load()), repeat)
+    del loaded
+    loaded = measure(figures, "ours_fields", lambda: read_fields(ours_load()), repeat)
     from verl.utils.tensordict_utils import assert_tensordict_eq
 
     assert_tensordict_eq(batch["tensordict"], loaded["tensordict"])
@@ -300,6 +364,25 @@ def run_v1(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, w
     del loaded
     hit_stages(figures, store, codec, repeat)
     return figures
+
+
+def save_fsynced(batch: Any, path: Path) -> None:
+    """``torch.save`` made durable as skipinject's save is (the file fsynced)."""
+    with open(path, "wb") as handle:
+        torch.save(batch, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_fields(loaded: dict[str, Any]) -> dict[str, Any]:
+    """Every non-tensor field's rows read as training code reads them (verl's ``tu.get``)."""
+    from verl.utils import tensordict_utils as tu
+
+    td = loaded["tensordict"]
+    for key in list(td.keys()):
+        if not isinstance(td.get(key), torch.Tensor):
+            tu.get(td, key)
+    return loaded
 
 
 def check_equal(a: Any, b: Any) -> None:
@@ -321,6 +404,10 @@ def table(title: str, upstream: str, f: dict[str, Any]) -> list[str]:
         (f"save ({upstream} vs encode + write + fsync + checksum)", "upstream_save", "ours_save"),
         ("warm load, usable (ours: verify + load + decode + touch)", "upstream_load", "ours_load"),
     ]
+    if "upstream_save_fsync_ms" in f:
+        rows.insert(1, ("save, upstream's file fsynced too (`torch.save` + fsync)", "upstream_save_fsync", "ours_save"))
+    if "ours_fields_ms" in f:
+        rows.append(("warm load, usable, then every non-tensor field read (tu.get)", "upstream_fields", "ours_fields"))
     if "ours_miss_call_ms" in f:
         rows.insert(
             1,

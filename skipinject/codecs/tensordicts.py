@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -66,8 +67,14 @@ def _flatten_stack(stack: Any, path: str, out: list[Any]) -> None:
 
     if getattr(stack, "stack_dim", 0) != 0:
         raise CodecError(f"cannot cache {path}: NonTensorStack stacked on dim {stack.stack_dim} is not supported")
+    items = stack.tensordicts
+    if type(items) is LazyRows:
+        pending = items._pending
+        if pending is not None:  # a hit's rows nobody has read: their decoded values, no items made
+            out.extend(pending)
+            return
     append = out.append
-    for item in stack.tensordicts:
+    for item in items:
         if type(item) is NonTensorData:
             data = _plain_data(item)
             append(item.data if data is _NO_DATA else data)
@@ -101,7 +108,7 @@ def _plain_data(item: Any) -> Any:
 
 def decode_tensordict(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Any:
     """Inverse of :func:`encode_tensordict`."""
-    from tensordict import NonTensorData, TensorDict
+    from tensordict import NonTensorData
 
     batch_size = list(spec["batch_size"])
     source: dict[str, Any] = {}
@@ -116,7 +123,71 @@ def decode_tensordict(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tenso
             source[key] = decode_tensordict(field["td"], tensors)
         else:
             source[key] = decode_tensor(field, tensors)
-    return TensorDict(source, batch_size=batch_size, device=spec.get("device"))
+    return _assemble(source, batch_size, spec.get("device"))
+
+
+def _assemble(source: dict[str, Any], batch_size: list[int], device: Any) -> Any:
+    """``TensorDict(source, batch_size=batch_size, device=device)``.
+
+    Without a device, and when every value's leading dims are ``batch_size``, the TensorDict is made
+    with tensordict's own ``_new_unsafe``, which skips the constructor's per-value validation; that
+    validation reads every row of a ``NonTensorStack`` (``_has_names``), which would make the rows
+    :class:`LazyRows` defers. Anything else (a device, a mismatch the constructor reports) goes
+    through the public constructor.
+    """
+    from tensordict import TensorDict
+
+    if device is None and _td_shortcut_ok() and all(_leading(value, batch_size) for value in source.values()):
+        import torch
+
+        return TensorDict._new_unsafe(source, batch_size=torch.Size(batch_size), device=None)
+    return TensorDict(source, batch_size=batch_size, device=device)
+
+
+def _leading(value: Any, batch_size: list[int]) -> bool:
+    """Whether ``value``'s leading dims are ``batch_size`` (without reading a stack's rows)."""
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+    if isinstance(value, (NonTensorStack, NonTensorData)) or type(value) is TensorDict:
+        shape = list(value.batch_size)
+    elif _is_tensor(value):
+        try:  # strided nested tensors have no shape, only the sizes of their regular dims
+            shape = [value.size(dim) for dim in range(min(len(batch_size), value.dim()))]
+        except RuntimeError:
+            return False
+    else:
+        return False
+    return shape[: len(batch_size)] == batch_size
+
+
+_td_unsafe_ok: bool | None = None
+
+
+def _td_shortcut_ok() -> bool:
+    """Whether ``_new_unsafe`` gives the public constructor's TensorDict on this tensordict version
+    (same attributes but the constructor's lazily set validator cache; checked once)."""
+    global _td_unsafe_ok
+    if _td_unsafe_ok is None:
+        import torch
+        from tensordict import NonTensorStack, TensorDict
+
+        _td_unsafe_ok = False
+        try:
+            source = {"x": torch.ones(2, 3), "s": NonTensorStack("a", "b")}
+            slow = TensorDict(dict(source), batch_size=[2])
+            fast = TensorDict._new_unsafe(dict(source), batch_size=torch.Size([2]), device=None)
+        except Exception:  # any failure: use the public constructor
+            return False
+        slow_state = {k: v for k, v in slow.__dict__.items() if k != "_validate_value_cached"}
+        fast_state = dict(fast.__dict__)
+        _td_unsafe_ok = (
+            type(fast) is TensorDict
+            and slow_state.keys() == fast_state.keys()
+            and type(slow_state.pop("_tensordict")) is type(fast_state["_tensordict"])
+            and dict(fast_state.pop("_tensordict")) == source
+            and fast_state == slow_state
+        )
+    return _td_unsafe_ok
 
 
 def _build_stack(rows: list[Any], shape: Sequence[int]) -> Any:
@@ -133,52 +204,151 @@ _PLAIN_ROWS = (str, int, float, bool, type(None), list, dict, tuple)
 #: attributes of a ``NonTensorStack``; the fast paths below rebuild exactly these or step aside.
 _INNER_STATE = {"_device", "_tensordict", "_batch_size", "_td_dim_names"}
 _STACK_STATE = {"_is_locked", "stack_dim", "_batch_size", "tensordicts", "hook_out", "hook_in"}
-_stack_unsafe_ok: bool | None = None
+#: The constructor's ``NonTensorStack`` state for rows of batch size ``[]``, once checked (see
+#: :func:`_stack_layout`); ``False`` when this tensordict's layout is not the one relied on.
+_stack_state: dict[str, Any] | bool | None = None
 
 
 def non_tensor_stack(rows: Sequence[Any]) -> Any:
-    """``NonTensorStack(*[NonTensorData(row) for row in rows])``, about 20x faster.
+    """What ``NonTensorStack(*[NonTensorData(row) for row in rows])`` gives, its rows made on first use.
 
-    The rows come from :func:`non_tensor_items`; the stack is assembled by tensordict's own
-    ``_new_lazy_unsafe`` (what its ``stack``/indexing use internally), which skips the per-item
-    batch-size and device validation of the public constructor. That shortcut is taken only if, on
-    this tensordict version, it builds the same attributes as the constructor (checked once).
+    The stack is built at once, with the attributes the public constructor gives it (checked once
+    per process against the constructor, see :func:`_stack_layout`); its ``tensordicts`` list is a
+    :class:`LazyRows` that makes its ``NonTensorData`` items (with :func:`non_tensor_items`) the
+    first time anything reads or changes it, and has list's own methods from then on. A hit therefore
+    costs nothing per row for the fields training code never reads, and the fields it reads cost
+    what building them eagerly cost. If the layout check fails, the rows are built at once by the
+    public constructor.
     """
     from tensordict import NonTensorStack
 
-    items = non_tensor_items(rows)
-    if not items or not _stack_shortcut_ok():
-        return NonTensorStack(*items)
-    return NonTensorStack._new_lazy_unsafe(*items)
+    state = _stack_layout()
+    if not rows or state is False:
+        return NonTensorStack(*non_tensor_items(rows))
+    assert isinstance(state, dict)
+    stack = NonTensorStack.__new__(NonTensorStack)
+    stack.__dict__.update(state)
+    stack.__dict__["tensordicts"] = LazyRows(rows)
+    stack.__dict__["_batch_size"] = _size(len(rows))
+    return stack
 
 
-def _stack_shortcut_ok() -> bool:
-    global _stack_unsafe_ok
-    if _stack_unsafe_ok is None:
+def _size(rows: int) -> Any:
+    import torch
+
+    return torch.Size([rows])
+
+
+def _stack_layout() -> dict[str, Any] | bool:
+    """The state the public constructor gives a ``NonTensorStack`` of two rows (minus its items and
+    batch size), if a stack built from it behaves the same; else ``False`` (checked once)."""
+    global _stack_state
+    if _stack_state is None:
         from tensordict import NonTensorData, NonTensorStack
 
-        _stack_unsafe_ok = False
-        make = getattr(NonTensorStack, "_new_lazy_unsafe", None)
-        if make is not None:
-            items = [NonTensorData("a"), NonTensorData({"b": 1})]
-            try:
-                fast, slow = make(*items), NonTensorStack(*items)
-            except Exception:  # any failure: use the public constructor
-                return False
-            fast_state, slow_state = dict(fast.__dict__), dict(slow.__dict__)
-            _stack_unsafe_ok = (
-                type(fast) is NonTensorStack
-                and set(slow_state) == _STACK_STATE
-                and fast_state.keys() == slow_state.keys()
-                and _same_items(fast_state.pop("tensordicts"), items)
-                and _same_items(slow_state.pop("tensordicts"), items)
-                and fast_state == slow_state
+        _stack_state = False
+        rows = ["a", {"b": 1}]
+        try:
+            slow = NonTensorStack(*[NonTensorData(row) for row in rows])
+            state = dict(slow.__dict__)
+            fast = NonTensorStack.__new__(NonTensorStack)
+            fast.__dict__.update(state)
+            fast.__dict__["tensordicts"] = LazyRows(rows)
+            fast.__dict__["_batch_size"] = _size(len(rows))
+            usable = (
+                set(state) == _STACK_STATE
+                and type(state["tensordicts"]) is list
+                and all(type(item) is NonTensorData and item.batch_size == () for item in state["tensordicts"])
+                and state["_batch_size"] == _size(len(rows))
+                and fast.batch_size == slow.batch_size
+                and fast.tolist() == slow.tolist()
+                and type(fast.tensordicts) is _Rows
+                and list(fast.__dict__) == list(state)
+                and all(fast.__dict__[key] == state[key] for key in state if key not in ("tensordicts", "_batch_size"))
             )
-    return _stack_unsafe_ok
+        except Exception:  # any failure: use the public constructor
+            return False
+        if usable:
+            _stack_state = {**state, "tensordicts": None}  # the constructor's key order
+    return _stack_state
 
 
-def _same_items(got: Any, items: list[Any]) -> bool:
-    return type(got) is list and len(got) == len(items) and all(a is b for a, b in zip(got, items, strict=True))
+_FILL_LOCK = threading.Lock()
+
+
+class _Rows(list):  # type: ignore[type-arg]  # holds tensordict's untyped NonTensorData items
+    """The items of a decoded ``NonTensorStack`` once made: a list (list subclasses are pickled and
+    copied as plain lists, so a hit's batch saved with ``torch.save`` holds no skipinject type)."""
+
+    __slots__ = ("_pending",)
+    _pending: Sequence[Any] | None
+
+    def _fill(self) -> None:
+        with _FILL_LOCK:
+            pending = self._pending
+            if pending is None:  # another thread made them
+                return
+            list.extend(self, non_tensor_items(pending))
+            self._pending = None
+            self.__class__ = _Rows
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.__reduce__()
+
+    def __reduce__(self) -> Any:
+        if type(self) is LazyRows:
+            self._fill()
+        return (list, (list.copy(self),))
+
+    def __copy__(self) -> list[Any]:
+        return list(self)
+
+
+class LazyRows(_Rows):
+    """A ``NonTensorStack``'s ``tensordicts`` list whose items are made on first use.
+
+    Until then the list's own storage is empty and ``len()`` answers from the rows; every other list
+    operation (Python-level: indexing, iteration, comparisons, ``+``, ``*``, ``in``, ``repr``, the
+    named methods, copy, pickle) first makes every item (:func:`non_tensor_items`, under a lock) and
+    turns the object into a :class:`_Rows`, a list subclass with list's own C methods, so every later
+    access costs what a plain list's does. C code that reads a list's storage directly (``PySequence_Fast``,
+    ``list_extend``...) does so only for exact lists, and goes through ``__iter__`` for this one.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, rows: Sequence[Any]) -> None:  # the list's storage stays empty until used
+        self._pending = rows
+
+    def __len__(self) -> int:
+        pending = self._pending
+        return list.__len__(self) if pending is None else len(pending)
+
+    def __radd__(self, other: Any) -> Any:
+        self._fill()
+        return list.__add__(other, self) if isinstance(other, list) else NotImplemented
+
+
+def _filling(name: str) -> Any:
+    method = getattr(list, name)
+
+    def call(self: _Rows, *args: Any, **kwargs: Any) -> Any:
+        if self._pending is not None:
+            self._fill()
+        return method(self, *args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+for _name in (
+    "__getitem__", "__setitem__", "__delitem__", "__iter__", "__reversed__", "__contains__",
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__add__", "__iadd__", "__mul__",
+    "__rmul__", "__imul__", "__repr__", "__sizeof__", "append", "clear", "copy", "count", "extend",
+    "index", "insert", "pop", "remove", "reverse", "sort",
+):  # fmt: skip
+    setattr(LazyRows, _name, _filling(_name))
+del _name
 
 
 def non_tensor_items(rows: Sequence[Any]) -> list[Any]:
@@ -216,7 +386,8 @@ def non_tensor_items(rows: Sequence[Any]) -> list[Any]:
     if not usable:
         items.extend(NonTensorData(row) for row in rows[1:])
         return items
-    extra = {key: value for key, value in state.items() if key not in ("_tensordict", "_non_tensordict")}
+    # dict.copy() then setting the keys it already has: ~35% faster than {**d, k: v}, same key order.
+    copy_inner, copy_state, copy_fields = inner_state.copy, state.copy, fields.copy
     key_dict = type(inner_state["_tensordict"])
     new = object.__new__
     set_state = object.__setattr__
@@ -227,9 +398,16 @@ def non_tensor_items(rows: Sequence[Any]) -> list[Any]:
                 append(NonTensorData(row))
                 continue
             empty = new(TensorDict)
-            set_state(empty, "__dict__", {**inner_state, "_tensordict": key_dict()})
+            empty_state = copy_inner()
+            empty_state["_tensordict"] = key_dict()
+            set_state(empty, "__dict__", empty_state)
+            own_fields = copy_fields()
+            own_fields["data"] = row
+            item_state = copy_state()
+            item_state["_tensordict"] = empty
+            item_state["_non_tensordict"] = own_fields
             item = new(NonTensorData)
-            set_state(item, "__dict__", {**extra, "_tensordict": empty, "_non_tensordict": {**fields, "data": row}})
+            set_state(item, "__dict__", item_state)
             append(item)
     return items
 
