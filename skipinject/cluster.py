@@ -59,9 +59,23 @@ _warned = False
 
 
 def is_url(path: str) -> bool:
-    """``scheme://...`` (s3://, hdfs://, file://...): not a path on this node."""
+    """``scheme://...`` (s3://, hdfs://, file://...)."""
     scheme, sep, _ = str(path).partition("://")
     return bool(sep) and scheme.replace("+", "").replace("-", "").replace(".", "").isalnum()
+
+
+#: URL schemes that name this node's own file system (``file:///srv/cache`` is ``/srv/cache``).
+LOCAL_SCHEMES = ("file", "local")
+
+
+def is_remote(path: str) -> bool:
+    """A URL of a store other than this node's file system (s3://, gs://, hdfs://...)."""
+    return is_url(path) and str(path).partition("://")[0].lower() not in LOCAL_SCHEMES
+
+
+def local_path_text(path: str) -> str:
+    """``path`` without a ``file://`` (or ``local://``) scheme; other text as it is."""
+    return str(path).partition("://")[2] if is_url(path) and not is_remote(path) else str(path)
 
 
 def _unescape(field: str) -> str:
@@ -134,11 +148,9 @@ def is_node_local(path: str | os.PathLike[str], mountinfo: str | None = None) ->
     Unknown (no ``/proc/self/mountinfo``, e.g. not Linux) counts as not node-local: skipinject
     only warns about what it knows.
     """
-    if is_url(str(path)):
-        scheme, _, rest = str(path).partition("://")
-        if scheme.lower() not in ("file", "local"):
-            return False
-        path = rest
+    if is_remote(str(path)):
+        return False
+    path = local_path_text(str(path))
     kind = fs_type(path, mountinfo)
     if kind is None:
         return False
@@ -235,8 +247,10 @@ def enabled_role_settings(config: Any) -> dict[str, Any]:
 __all__ = [
     "fs_type",
     "is_node_local",
+    "is_remote",
     "is_shared_fs_type",
     "is_url",
+    "local_path_text",
     "node_identity",
     "parse_mountinfo",
     "ray_alive_nodes",

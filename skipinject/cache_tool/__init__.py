@@ -27,26 +27,20 @@ def default_dump_dir() -> Path:
 
 def local_path(text: str) -> Path:
     """A command-line path; ``file://`` URLs are local paths, other URLs are refused in one line."""
-    from skipinject.store.remote import is_url, split_dump_dir
+    from skipinject.cluster import is_remote, local_path_text
 
-    if is_url(text):
-        where = split_dump_dir(text)
-        if not isinstance(where, Path):
-            raise argparse.ArgumentTypeError(
-                f"{text}: a remote store's URL; only `skipinject cache ls` and `verify` read those"
-            )
-        return where
-    return Path(text)
+    if is_remote(text):
+        raise argparse.ArgumentTypeError(
+            f"{text}: a remote store's URL; only `skipinject cache ls` and `verify` read those"
+        )
+    return Path(local_path_text(text))
 
 
 def location(text: str) -> Path | str:
     """A local path, or a remote store's URL (``ls`` and ``verify`` read both)."""
-    from skipinject.store.remote import split_dump_dir
+    from skipinject.cluster import is_remote
 
-    try:
-        return local_path(text)
-    except argparse.ArgumentTypeError:
-        return str(split_dump_dir(text))
+    return text.rstrip("/") if is_remote(text) else local_path(text)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -8,11 +8,13 @@ verifies every file for ``verify`` — the same reader the training run uses. No
 
 from __future__ import annotations
 
+import json
 import posixpath
 from typing import Any
 
-from skipinject.cache_tool.scan import LAYOUT_RE, Item
+from skipinject.cache_tool.scan import LAYOUT_RE, Item, step_identity
 from skipinject.errors import CorruptCacheError
+from skipinject.store.files import MAX_META_BYTES
 from skipinject.store.format import FORMAT, META_NAME
 from skipinject.store.remote import RemotePath, RemoteStepStore, open_remote
 from skipinject.store.step_store import _DATA_NAME, _PART_NAME, STEP_NAME
@@ -82,7 +84,7 @@ def scan_remote(url: str, problems: list[str]) -> list[Item]:
 def _read_commit(item: Item, fs: Any, location: RemotePath) -> None:
     """Fill ``item`` from its ``meta.json`` (checked by the store's reader) or mark it damaged."""
     try:
-        store, meta = open_remote_step(fs, location)
+        _, meta = open_remote_step(fs, location)
     except (CorruptCacheError, OSError) as exc:
         item.state, item.problems = "damaged", [str(exc)]
         return
@@ -94,25 +96,18 @@ def _read_commit(item: Item, fs: Any, location: RemotePath) -> None:
     item.created = meta.get("created") if isinstance(meta.get("created"), str) else None
     writer = meta.get("writer")
     item.writer = {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}
-    del store
 
 
 def open_remote_step(fs: Any, location: RemotePath) -> tuple[RemoteStepStore, dict[str, Any]]:
     """The store holding a remote step (role and context from its own ``meta.json``) and its checked meta."""
-    import json
-
-    raw = fs.cat_file(posixpath.join(location.path, META_NAME), start=0, end=(16 << 20) + 1)
+    raw = fs.cat_file(posixpath.join(location.path, META_NAME), start=0, end=MAX_META_BYTES + 1)
+    if len(raw) > MAX_META_BYTES:
+        raise CorruptCacheError(f"{location}/meta.json: larger than {MAX_META_BYTES} bytes; not a meta.json")
     try:
         meta = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise CorruptCacheError(f"{location}/meta.json: unreadable meta.json ({exc})") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CorruptCacheError(f"{location}/meta.json: not a skipinject commit record (no format marker)")
-    role, context = meta.get("role"), meta.get("context", {})
-    if not isinstance(role, str) or not isinstance(context, dict):
-        raise CorruptCacheError(
-            f"{location}/meta.json: malformed (role {role!r:.80}, context {type(context).__name__})"
-        )
+    role, context = step_identity(meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None, location)
     store = RemoteStepStore(location.parent, role, context, fs)
     return store, store.read_meta(int(location.name))
 

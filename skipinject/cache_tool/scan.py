@@ -303,6 +303,19 @@ def load_meta_json(path: Path) -> dict[str, Any] | None:
     return meta
 
 
+def step_identity(meta: dict[str, Any] | None, step_dir: object) -> tuple[str, dict[str, Any]]:
+    """The role and trainer context a step's ``meta.json`` claims (a store is opened with them, and
+    then checks the whole file); CorruptCacheError when it is not ours or they are malformed."""
+    if meta is None:
+        raise CorruptCacheError(f"{step_dir}/meta.json: not a skipinject commit record (no format marker)")
+    role, context = meta.get("role"), meta.get("context", {})
+    if not isinstance(role, str) or not isinstance(context, dict):
+        raise CorruptCacheError(
+            f"{step_dir}/meta.json: malformed (role {role!r:.80}, context {type(context).__name__})"
+        )
+    return role, context
+
+
 def open_step(step_dir: Path) -> tuple[StepStore, dict[str, Any]]:
     """The store holding ``step_dir`` (role and context from its own ``meta.json``) and the checked meta.
 
@@ -312,12 +325,7 @@ def open_step(step_dir: Path) -> tuple[StepStore, dict[str, Any]]:
     """
     if not STEP_RE.match(step_dir.name):
         raise CorruptCacheError(f"{step_dir}: not a step directory (its name is not a step number)")
-    meta = load_meta_json(step_dir / META_NAME)
-    if meta is None:
-        raise CorruptCacheError(f"{step_dir}/meta.json: not a skipinject commit record (no format marker)")
-    role, context = meta.get("role"), meta.get("context", {})
-    if not isinstance(role, str) or not isinstance(context, dict):
-        raise CorruptCacheError(f"{step_dir}/meta.json: malformed (role {role!r}, context {type(context).__name__})")
+    role, context = step_identity(load_meta_json(step_dir / META_NAME), step_dir)
     store = StepStore(step_dir.parent, role, context)
     checked = store.read_meta(int(step_dir.name))
     return store, checked

@@ -226,6 +226,13 @@ def non_tensor_stack(rows: Sequence[Any]) -> Any:
     if not rows or state is False:
         return NonTensorStack(*non_tensor_items(rows))
     assert isinstance(state, dict)
+    return _lazy_stack(state, rows)
+
+
+def _lazy_stack(state: dict[str, Any], rows: Sequence[Any]) -> Any:
+    """A ``NonTensorStack`` with the constructor's ``state``, holding ``rows`` as :class:`LazyRows`."""
+    from tensordict import NonTensorStack
+
     stack = NonTensorStack.__new__(NonTensorStack)
     stack.__dict__.update(state)
     stack.__dict__["tensordicts"] = LazyRows(rows)
@@ -251,10 +258,7 @@ def _stack_layout() -> dict[str, Any] | bool:
         try:
             slow = NonTensorStack(*[NonTensorData(row) for row in rows])
             state = dict(slow.__dict__)
-            fast = NonTensorStack.__new__(NonTensorStack)
-            fast.__dict__.update(state)
-            fast.__dict__["tensordicts"] = LazyRows(rows)
-            fast.__dict__["_batch_size"] = _size(len(rows))
+            fast = _lazy_stack(state, rows)
             usable = (
                 set(state) == _STACK_STATE
                 and type(state["tensordicts"]) is list

@@ -121,9 +121,11 @@ def role_config(
         if key == "dump_dir" and (not converted.strip() or "\x00" in converted):
             raise ConfigError(f"{dotted}={shown}: expected a directory path")
         if key == "dump_dir" and "://" in converted:
-            from skipinject.store.remote import check_url, is_url
+            from skipinject.cluster import is_remote
 
-            if is_url(converted) and not converted.lower().startswith(("file://", "local://")):
+            if is_remote(converted):
+                from skipinject.store.remote import check_url
+
                 check_url(converted, dotted)
         changes[key] = converted
     return replace(cfg, **changes)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from skipinject.cluster import is_remote, local_path_text
 from skipinject.errors import CacheError, ConfigError, CorruptCacheError
 from skipinject.store.checksums import _digest, _Hasher
 from skipinject.store.files import MAX_META_BYTES, MAX_META_DEPTH, parse_json
@@ -50,25 +51,11 @@ WRITE_PIECE = 8 << 20
 ABANDONED_AFTER = 3600.0
 
 
-def is_url(dump_dir: str) -> bool:
-    """``scheme://...`` with a scheme of letters, digits, ``+``, ``-`` or ``.``."""
-    scheme, sep, _ = dump_dir.partition("://")
-    return (
-        bool(sep)
-        and bool(scheme)
-        and scheme[0].isalpha()
-        and scheme.replace("+", "").replace("-", "").replace(".", "").isalnum()
-    )
-
-
 def split_dump_dir(dump_dir: str) -> str | Path:
     """A local ``Path`` (``file://`` URLs included) or the URL of a remote store, as given."""
-    if is_url(dump_dir):
-        scheme, _, rest = dump_dir.partition("://")
-        if scheme.lower() not in ("file", "local"):
-            return dump_dir.rstrip("/") or dump_dir
-        dump_dir = rest
-    return Path(dump_dir).expanduser().resolve()
+    if is_remote(dump_dir):
+        return dump_dir.rstrip("/") or dump_dir
+    return Path(local_path_text(dump_dir)).expanduser().resolve()
 
 
 def check_url(dump_dir: str, key: str) -> None:
@@ -136,7 +123,6 @@ class RemoteStepStore(StepStore):
         role: str,
         context: Mapping[str, Any],
         fs: AbstractFileSystem,
-        **_: Any,
     ) -> None:
         # Paths are only shown and compared by the engine, so a RemotePath stands in for a Path.
         super().__init__(project_dir, role, context, trust_permissions=True)  # type: ignore[arg-type]
@@ -177,23 +163,8 @@ class RemoteStepStore(StepStore):
             return []
         return sorted({int(name) for name in names if STEP_NAME.fullmatch(name)})
 
-    def interrupted(self, step: int) -> str | None:
-        """One line if the step holds our data files but no ``meta.json``; never raises."""
-        try:
-            names = self._names(self._at(step))
-            if META_NAME in names:
-                return None
-            found = any(_DATA_NAME.fullmatch(n) for n in names)
-            for sub in names:
-                if found:
-                    break
-                if _PART_NAME.fullmatch(sub):
-                    found = any(_DATA_NAME.fullmatch(n) for n in self._names(self._at(step, sub)))
-        except Exception:
-            return None
-        if not found:
-            return None
-        return f"{self._at(step)} holds data files but no meta.json (an earlier save was interrupted)"
+    def _names_in(self, step: int, sub: str = "") -> list[str]:
+        return self._names(self._at(step, sub) if sub else self._at(step))
 
     def upstream_file(self, step: int, name: str, directory_name: str | None = None) -> Path | None:
         """verl's own caches are pickles on local disks; never looked for in a remote store."""

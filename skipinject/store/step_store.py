@@ -163,36 +163,38 @@ class StepStore:
         return True
 
     def interrupted(self, step: int) -> str | None:
-        """One line if the step directory holds our data files but no ``meta.json`` (a save there was
-        interrupted), else None. Follows no links; never raises."""
-        directory = self.step_dir(step)
+        """One line if the step holds our data files (directly or in a part directory) but no
+        ``meta.json`` (a save there was interrupted), else None. Never raises."""
+
+        def holds_data(sub: str = "") -> bool:
+            try:
+                return any(_DATA_NAME.fullmatch(name) for name in self._names_in(step, sub))
+            except Exception:
+                return False
+
         try:
-            fd = open_dir(directory)
+            names = self._names_in(step)
         except Exception:
             return None
-        try:
-            names = os.listdir(fd)
-            if META_NAME in names:
-                return None
-            found = any(_DATA_NAME.fullmatch(n) for n in names)
-            for sub in names:
-                if found:
-                    break
-                if not _PART_NAME.fullmatch(sub):
-                    continue
-                try:
-                    part_fd = open_dir(sub, fd)
-                except Exception:
-                    continue
-                try:
-                    found = any(_DATA_NAME.fullmatch(n) for n in os.listdir(part_fd))
-                finally:
-                    os.close(part_fd)
-        except Exception:
+        if META_NAME in names:
             return None
+        if not holds_data() and not any(_PART_NAME.fullmatch(sub) and holds_data(sub) for sub in names):
+            return None
+        return f"{self.step_dir(step)} holds data files but no meta.json (an earlier save was interrupted)"
+
+    def _names_in(self, step: int, sub: str = "") -> list[str]:
+        """Names in the step directory, or in its part directory ``sub``; follows no links."""
+        fd = open_dir(self.step_dir(step))
+        try:
+            if not sub:
+                return os.listdir(fd)
+            part_fd = open_dir(sub, fd)
+            try:
+                return os.listdir(part_fd)
+            finally:
+                os.close(part_fd)
         finally:
             os.close(fd)
-        return f"{directory} holds data files but no meta.json (an earlier save was interrupted)" if found else None
 
     def upstream_file(self, step: int, name: str, directory_name: str | None = None) -> Path | None:
         """verl's own cache file ``name`` of a step (e.g. ``gen_batch.dp``) if it is a regular file in a

@@ -10,17 +10,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_store_quick(tmp_path: Path) -> None:
+def run_benchmark(script: str, *args: str) -> tuple[str, dict]:
+    """Run ``benchmarks/<script>`` with ``args``; its stdout and the JSON figures of its last line."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_store.py"), "--quick", "--json", "--dir", str(tmp_path)],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "| warm load, usable" in out.stdout and "upstream/skipinject" in out.stdout
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    return out.stdout, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_bench_store_quick(tmp_path: Path) -> None:
+    stdout, figures = run_benchmark("bench_store.py", "--quick", "--json", "--dir", str(tmp_path))
+    assert "| warm load, usable" in stdout and "upstream/skipinject" in stdout
     for table in ("dataproto", "v1"):
         assert figures[table]["rows"] == 64
         assert figures[table]["ours_load_ms"] > 0 and figures[table]["upstream_load_ms"] > 0
@@ -30,16 +35,8 @@ def test_bench_store_quick(tmp_path: Path) -> None:
 def test_bench_scaling_quick(tmp_path: Path) -> None:
     args = ["--dp-rows", "16", "32", "--v1-rows", "16", "32", "--dp-lengths", "8", "16"]
     args += ["--v1-lengths", "8", "16", "--repeat", "1", "--json", "--dir", str(tmp_path)]
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_scaling.py"), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "| rows | tensor MB |" in out.stdout and "load avg" in out.stdout
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    stdout, figures = run_benchmark("bench_scaling.py", *args)
+    assert "| rows | tensor MB |" in stdout and "load avg" in stdout
     for table in ("dataproto", "v1"):
         assert [f["rows"] for f in figures[table]] == [16, 32]
         assert all(f["ours_load_ms"] > 0 and f["ours_decode_ms"] > 0 for f in figures[table])
@@ -47,15 +44,7 @@ def test_bench_scaling_quick(tmp_path: Path) -> None:
 
 
 def test_bench_remote_quick(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_remote.py"), "--quick", "--json", "--dir", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "| hit, verified and usable |" in out.stdout and "moto server on localhost" in out.stdout
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    stdout, figures = run_benchmark("bench_remote.py", "--quick", "--json", "--dir", str(tmp_path))
+    assert "| hit, verified and usable |" in stdout and "moto server on localhost" in stdout
     assert figures["rows"] == 64 and figures["remote_load_ms"] > 0 and figures["remote_save_ms"] > 0
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up its files"

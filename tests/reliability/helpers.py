@@ -344,6 +344,58 @@ def reader_proc(project: str, step: int, reader: int, stop: Any, out: Any, env: 
     out.put(("reader", reader, counts, sorted(seen), errors[:3]))
 
 
+@dataclass
+class Contention:
+    """What writers and readers of one step did (see :func:`writers_and_readers`)."""
+
+    written: dict[int, list[float]]  # values each writer committed, in order
+    totals: dict[str, int]  # reads: hit, miss, miss_after_hit, torn, error
+    seen: list[list[float]]  # values each reader loaded
+    errors: list[str]
+    exit_codes: list[int | None]
+
+    @property
+    def last_values(self) -> set[float]:
+        return {values[-1] for values in self.written.values()}
+
+    @property
+    def foreign(self) -> int:
+        """Values readers loaded that no writer wrote."""
+        every = {v for values in self.written.values() for v in values}
+        return sum(len(set(values) - every) for values in self.seen)
+
+
+def writers_and_readers(
+    ctx: Any, project: str, step: int, parts: Sequence[int], readers: int, rounds: int, numel: int,
+    env: dict[str, str] | None = None, timeout: float = 300,
+) -> Contention:  # fmt: skip
+    """Writer ``w`` saves ``step`` ``rounds`` times in ``parts[w]`` parts while ``readers`` processes
+    load it in a loop; every process is of ``ctx``."""
+    out = ctx.Queue()
+    stop = ctx.Event()
+    reader_procs = [ctx.Process(target=reader_proc, args=(project, step, r, stop, out, env)) for r in range(readers)]
+    writer_procs = [
+        ctx.Process(target=writer_proc, args=(project, step, w, rounds, numel, n, out, env))
+        for w, n in enumerate(parts)
+    ]
+    for proc in reader_procs + writer_procs:
+        proc.start()
+    results = [out.get(timeout=timeout) for _ in writer_procs]
+    stop.set()
+    results += [out.get(timeout=timeout) for _ in reader_procs]
+    for proc in reader_procs + writer_procs:
+        proc.join(60)
+    totals = {"hit": 0, "miss": 0, "miss_after_hit": 0, "torn": 0, "error": 0}
+    seen, errors = [], []
+    for _, _, counts, values, errs in (r for r in results if r[0] == "reader"):
+        for key in totals:
+            totals[key] += counts[key]
+        seen.append(values)
+        errors += errs
+    written = {r[1]: r[2] for r in results if r[0] == "writer"}
+    return Contention(written, totals, seen, errors, [p.exitcode for p in reader_procs + writer_procs])
+
+
 def iter_dirs(root: Path) -> Iterator[Path]:
     yield root
     yield from (p for p in root.rglob("*") if p.is_dir())

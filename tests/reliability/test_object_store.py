@@ -150,33 +150,13 @@ def test_random_byte_flips_in_objects_on_the_server_are_never_loaded(url: str, l
 
 def test_writers_and_readers_of_one_step_in_s3(url: str, s3_env: dict[str, str], ledger: Any) -> None:
     writers, readers, rounds, numel = 3, 3, 10, 20_000
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    stop = ctx.Event()
-    procs = [ctx.Process(target=h.reader_proc, args=(url, 5, r, stop, out, s3_env)) for r in range(readers)]
-    writer_procs = [
-        ctx.Process(target=h.writer_proc, args=(url, 5, w, rounds, numel, 1 if w == 0 else 2, out, s3_env))
-        for w in range(writers)
-    ]
-    for proc in procs + writer_procs:
-        proc.start()
-    results = [out.get(timeout=600) for _ in writer_procs]
-    stop.set()
-    results += [out.get(timeout=600) for _ in procs]
-    for proc in procs + writer_procs:
-        proc.join(60)
-    written = {w: values for kind, w, values in (r[:3] for r in results if r[0] == "writer")}
-    last_values = {values[-1] for values in written.values()}
-    totals = {"hit": 0, "miss": 0, "miss_after_hit": 0, "torn": 0, "error": 0}
-    errors: list[str] = []
-    for _, _, counts, _, errs in (r for r in results if r[0] == "reader"):
-        for key in totals:
-            totals[key] += counts[key]
-        errors += errs
+    parts = [1 if w == 0 else 2 for w in range(writers)]
+    run = h.writers_and_readers(mp.get_context("spawn"), url, 5, parts, readers, rounds, numel, s3_env, timeout=600)
+    totals = run.totals
     final = _state(h.open_store(url), 5)
-    final_ok = final in last_values
-    lost = totals["torn"] + totals["error"] + totals["miss_after_hit"] + int(not final_ok)
-    lost += sum(1 for p in procs + writer_procs if p.exitcode != 0)
+    final_ok = final in run.last_values
+    lost = totals["torn"] + totals["error"] + totals["miss_after_hit"] + run.foreign + int(not final_ok)
+    lost += sum(1 for c in run.exit_codes if c != 0)
     ledger(
         "object store",
         f"{writers} processes saving one step {rounds}x each (1- and 2-part) to S3 while {readers} read it",
@@ -185,4 +165,4 @@ def test_writers_and_readers_of_one_step_in_s3(url: str, s3_env: dict[str, str],
         f"{totals['miss_after_hit']} lost after a hit; final step = one writer's last write: {final_ok}",
         lost,
     )
-    assert lost == 0, (totals, errors, final)
+    assert lost == 0, (totals, run.errors, final)

@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 
 from skipinject import bootstrap
+from skipinject.cluster import is_remote
 from skipinject.config import Config, apply_overrides
 from skipinject.errors import ConfigError, CorruptCacheError
 from skipinject.store import Payload
-from skipinject.store.remote import RemotePath, RemoteStepStore, is_url, open_remote, split_dump_dir
+from skipinject.store.remote import RemotePath, RemoteStepStore, open_remote, split_dump_dir
 from tests.remote_checks import check_engine_round_trip, generate, start
 
 torch = pytest.importorskip("torch")
@@ -55,7 +56,8 @@ def objects(store: RemoteStepStore, step: int) -> dict[str, int]:
 
 
 def test_urls_are_remote_and_file_urls_are_local_paths(tmp_path: Path):
-    assert is_url("s3://bucket/dir") and is_url("memory://x") and not is_url("/tmp/a://b")
+    assert is_remote("s3://bucket/dir") and is_remote("memory://x") and not is_remote("/tmp/a://b")
+    assert not is_remote("file:///tmp/x") and not is_remote("LOCAL://x")
     assert split_dump_dir("s3://bucket/dir/") == "s3://bucket/dir"
     assert split_dump_dir(f"file://{tmp_path}") == tmp_path.resolve()
     assert split_dump_dir(str(tmp_path)) == tmp_path.resolve()
