@@ -242,6 +242,16 @@ class NewFiles:
         return run, after
 
 
+def measure_our_saves(figures: dict[str, Any], store: StepStore, workdir: Path, encode: Any, repeat: int) -> None:
+    """``ours_save``: encode + save, each timed run to a new step; leaves exactly step 1 saved."""
+    steps = NewFiles(workdir, "", store)
+    save, after = steps.ours(lambda step: store.save(step, encode(), {}))
+    measure(figures, "ours_save", save, repeat, after)
+    store.save(1, encode(), {})
+    if steps.count != 1:
+        shutil.rmtree(store.step_dir(steps.count))
+
+
 def run(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, workdir: Path) -> dict[str, Any]:
     batch = build_batch(rows, prompt_len, response_len, n)
     codec = DataProtoCodec()
@@ -253,12 +263,7 @@ def run(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, work
     measure(figures, "upstream_save", save, repeat, after)
     upstream_path = upstream_files.path
     measure(figures, "ours_encode", lambda: codec.encode(batch), repeat)
-    steps = NewFiles(workdir, "", store)
-    save, after = steps.ours(lambda step: store.save(step, codec.encode(batch), {}))
-    measure(figures, "ours_save", save, repeat, after)
-    store.save(1, codec.encode(batch), {})
-    if steps.count != 1:
-        shutil.rmtree(store.step_dir(steps.count))
+    measure_our_saves(figures, store, workdir, lambda: codec.encode(batch), repeat)
     # What a miss costs the training call: encode and a private copy; the write runs in the background.
     measure(figures, "ours_miss_call", lambda: private_copy(codec.encode(batch)), repeat)
     figures["upstream_file_mb"] = upstream_path.stat().st_size / 1e6
@@ -325,12 +330,7 @@ def run_v1(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, w
     measure(figures, "upstream_save_fsync", save, repeat, after)
     upstream_path = upstream_files.path
     measure(figures, "ours_encode", lambda: codec.encode(batch), repeat)
-    steps = NewFiles(workdir, "", store)
-    save, after = steps.ours(lambda step: store.save(step, codec.encode(batch), {}))
-    measure(figures, "ours_save", save, repeat, after)
-    store.save(1, codec.encode(batch), {})
-    if steps.count != 1:
-        shutil.rmtree(store.step_dir(steps.count))
+    measure_our_saves(figures, store, workdir, lambda: codec.encode(batch), repeat)
     figures["upstream_file_mb"] = upstream_path.stat().st_size / 1e6
     files = store.read_meta(1)["parts"][0]["files"]
     figures["ours_files_mb"] = sum(spec["size"] for spec in files.values()) / 1e6
