@@ -252,6 +252,15 @@ class PhaseContext(Protocol):
         """Find the verified entry to serve for ``step`` (by the role's action), or say why there is none;
         logs the decision; raises :class:`~skipinject.errors.CacheMissError` for ``action=strict``."""
 
+    def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
+        """Run ``job`` (a write to ``store``) after the store's earlier jobs, off the training thread.
+
+        Jobs of one store run in order; :meth:`plan` waits for the store's pending ones, the end of
+        the run (the role's clock returning) for all; at most two wait at once (the next call blocks).
+        Without a clock the job runs at once. ``job`` must log its own failures and may only use data
+        nothing else changes (e.g. :meth:`~skipinject.store.Payload.private_copy` of an encoded result).
+        """
+
 
 class Phase(Protocol):
     """How one target's calls are handled once the engine decided the step may skip.

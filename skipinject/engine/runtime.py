@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from skipinject.engine.background import WRITER
 from skipinject.engine.decision import Plan, plan_step
 from skipinject.engine.layout import project_dir
 from skipinject.errors import CacheMissError, CorruptCacheError, PromptMismatchError
-from skipinject.roles import Call, Codec, HitInfo, Role
+from skipinject.roles import Call, Codec, HitInfo, Role, StepCache
 from skipinject.store import Payload, StepStore
 from skipinject.store.remote import RemotePath, RemoteStepStore, open_remote, split_dump_dir
 
@@ -249,15 +249,29 @@ class RoleRuntime:
             return
         started = time.perf_counter()
         try:
-            snapshot = private_copy(self.codec.encode(result))
+            snapshot = self.codec.encode(result).private_copy()
             meta = {"inputs": list(inputs) if inputs is not None else self.fingerprint(call)}
         except Exception as exc:
             self._save_failed(plan, exc)
             return
-        if background and self.role.clocks:
-            WRITER.submit(plan.store.project_dir, lambda: self._write(plan, snapshot, meta, started))
+        if background:
+            self.in_background(plan.store, lambda: self._write(plan, snapshot, meta, started))
         else:
             self._write(plan, snapshot, meta, started)
+
+    def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
+        """Run ``job`` (a write to ``store``) after the store's earlier jobs, off the calling thread.
+
+        Only when the engine knows where the run ends (the role has clocks: the trainer's ``fit``
+        returning waits for every job; a Ray actor may be killed without running exit hooks); else
+        ``job`` runs now. A read of the store (:meth:`plan`) waits for its pending jobs first; at most
+        :data:`~skipinject.engine.background.MAX_PENDING` jobs wait at once (the next call blocks).
+        ``job`` must log its own failures.
+        """
+        if self.role.clocks:
+            WRITER.submit(store.project_dir, job)
+        else:
+            job()
 
     def _write(self, plan: Plan, payload: Payload, meta: dict[str, Any], started: float) -> None:
         try:
@@ -290,12 +304,3 @@ class RoleRuntime:
         if self.role.on_miss is None:
             return result
         return self.role.on_miss(result, call)
-
-
-def private_copy(payload: Payload) -> Payload:
-    """``payload`` with its own tensors and JSON tree: later in-place changes to the result cannot reach it."""
-    import json
-
-    tensors = {name: tensor.detach().clone() for name, tensor in payload.tensors.items()}
-    objects = json.loads(json.dumps(payload.objects, separators=(",", ":"), allow_nan=True))
-    return Payload(tensors=tensors, objects=objects, rows=payload.rows)

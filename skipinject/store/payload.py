@@ -20,6 +20,18 @@ class Payload:
     objects: dict[str, Any] = field(default_factory=dict)
     rows: int | None = None
 
+    def private_copy(self) -> Payload:
+        """A copy with its own tensors and JSON tree: later in-place changes to the result cannot reach it.
+
+        A miss saved in the background is copied first, so what is written is what training saw
+        when the call returned, whatever training (or a transport's buffer reuse) does afterwards.
+        """
+        import json
+
+        tensors = {name: tensor.detach().clone() for name, tensor in self.tensors.items()}
+        objects = json.loads(json.dumps(self.objects, separators=(",", ":"), allow_nan=True))
+        return Payload(tensors=tensors, objects=objects, rows=self.rows)
+
 
 @dataclass(frozen=True)
 class StepEntry:

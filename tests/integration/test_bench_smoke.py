@@ -29,6 +29,7 @@ def test_bench_store_quick(tmp_path: Path) -> None:
     for table in ("dataproto", "v1"):
         assert figures[table]["rows"] == 64
         assert figures[table]["ours_load_ms"] > 0 and figures[table]["upstream_load_ms"] > 0
+        assert figures[table]["ours_miss_call_ms"] > 0, "what a miss costs the training call, both paths"
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up its files"
 
 

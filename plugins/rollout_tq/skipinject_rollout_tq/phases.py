@@ -53,10 +53,15 @@ class _SavingStep:
 
     step: int
     expected: int
-    writer: StepWriting | None  # None: nothing (more) to save for this step
-    written: int = 0
+    writer: StepWriting | None  # None: nothing (more) to save for this step (the sampling side's view)
+    written: int = 0  # parts handed to the background writer
     rows: int = 0
     started: float = field(default_factory=time.perf_counter)
+    #: The background jobs' view of ``writer``: ``None`` once a part failed (later parts are dropped).
+    writing: StepWriting | None = None
+
+    def __post_init__(self) -> None:
+        self.writing = self.writer
 
 
 class StepBook:
@@ -234,7 +239,7 @@ class SamplePhase:
             return
         del self.book.saving[store.project_dir]
         if current.writer is not None:
-            current.writer.abort()
+            role.in_background(store, current.writer.abort)  # after the parts still being written
             logger.warning(
                 "%s step %d: only %d of %d mini-batches were sampled before step %d began; the step is not cached",
                 role.name,
@@ -258,48 +263,75 @@ class SamplePhase:
         return current
 
     def _save_part(self, role: PhaseContext, store: StepCache, saving: _SavingStep, batch: Any, step: int) -> None:
+        """Read the mini-batch back and copy it now; write it (and commit the step after the last) in the background.
+
+        The copy is what training sampled, whatever TransferQueue's buffers or the trainer do with
+        the data afterwards; the write, fsync and checksums run in the engine's background writer,
+        in order with this store's other jobs (the next step's submit waits for them).
+        """
         assert saving.writer is not None
         part = saving.written
         try:
-            payload = role.codec.encode(snapshot(batch, step))
-            saving.writer.add_part(payload, part=str(part))
-            saving.written += 1
-            saving.rows += payload.rows or 0
-            if saving.written < saving.expected:
+            payload = role.codec.encode(snapshot(batch, step)).private_copy()
+        except Exception as exc:
+            role.in_background(store, saving.writer.abort)
+            saving.writer = None
+            self._save_failed(role, store, saving, part, exc)
+            return
+        saving.written += 1
+        saving.rows += payload.rows or 0
+        last = saving.written == saving.expected
+        role.in_background(store, lambda: self._write_part(role, store, saving, payload, part, last))
+        if last:
+            saving.writer = None  # nothing more to save for this step; the job above commits it
+
+    def _write_part(
+        self, role: PhaseContext, store: StepCache, saving: _SavingStep, payload: Any, part: int, last: bool
+    ) -> None:
+        """The background job of one mini-batch: write it, and commit the step if it is the last."""
+        writer = saving.writing
+        if writer is None:  # an earlier part of this step failed: the step is not cached
+            return
+        try:
+            writer.add_part(payload, part=str(part))
+            if not last:
                 logger.info(
                     "%s step %d: saved mini-batch %d of %d (%s trajectories); the step is committed after the last",
                     role.name,
-                    step,
+                    saving.step,
                     part + 1,
                     saving.expected,
                     payload.rows,
                 )
                 return
-            directory = saving.writer.commit({"parameter_sync_step": saving.expected, "trajectories": saving.rows})
+            directory = writer.commit({"parameter_sync_step": saving.expected, "trajectories": saving.rows})
         except Exception as exc:
-            saving.writer.abort()
-            saving.writer = None
-            role.once(
-                ("save", str(store.project_dir), step),
-                logging.WARNING,
-                "%s step %d: could not save mini-batch %d to %s (%s: %s); training goes on without the cache",
-                role.name,
-                step,
-                part,
-                store.step_dir(step),
-                type(exc).__name__,
-                exc,
-            )
+            writer.abort()
+            saving.writing = None
+            self._save_failed(role, store, saving, part, exc)
             return
-        saving.writer = None
         logger.info(
             "%s step %d: saved %d trajectories in %d part(s) to %s in %.3f s",
             role.name,
-            step,
+            saving.step,
             saving.rows,
             saving.expected,
             directory,
             time.perf_counter() - saving.started,
+        )
+
+    @staticmethod
+    def _save_failed(role: PhaseContext, store: StepCache, saving: _SavingStep, part: int, exc: Exception) -> None:
+        role.once(
+            ("save", str(store.project_dir), saving.step),
+            logging.WARNING,
+            "%s step %d: could not save mini-batch %d to %s (%s: %s); training goes on without the cache",
+            role.name,
+            saving.step,
+            part,
+            store.step_dir(saving.step),
+            type(exc).__name__,
+            exc,
         )
 
 

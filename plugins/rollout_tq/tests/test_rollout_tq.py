@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,10 @@ from omegaconf import OmegaConf
 from skipinject.codecs import TensorDictCodec
 from skipinject.config import Config, RoleConfig
 from skipinject.engine import Engine
+from skipinject.engine.background import WRITER
 from skipinject.roles import CLOCK
 from skipinject.store import StepStore
+from skipinject.store.writer import StepWriter
 from skipinject_rollout_tq.phases import StepBook, parameter_sync_step
 from skipinject_rollout_tq.plugin import cannot_fire, make_role
 from skipinject_rollout_tq.transfer import CachedBatch, group_rows, inject, prepare, remap, select_rows
@@ -125,6 +128,11 @@ def transfer_queue() -> Iterator[None]:
 @pytest.fixture
 def clean_tq(transfer_queue: None) -> Iterator[None]:
     yield
+    clear_tq()
+
+
+def clear_tq() -> None:
+    """Empty every TransferQueue partition (a finished or dead run's data is gone)."""
     for partition, items in (tq.kv_list() or {}).items():
         if items:
             tq.kv_clear(keys=list(items), partition_id=partition)
@@ -408,8 +416,7 @@ def test_parameter_sync_step_parts_and_interrupted_step(tmp_path: Path, clean_tq
     assert list((layout / "2" / "0").glob("tensors-*")), "part 0 of step 2 was written"
     assert not (layout / "2" / "meta.json").exists(), "but step 2 was never committed"
     orphan = {p.name for p in (layout / "2" / "0").iterdir()}
-    for partition, items in (tq.kv_list() or {}).items():  # the dead run's TransferQueue is gone too
-        tq.kv_clear(keys=list(items), partition_id=partition)
+    clear_tq()  # the dead run's TransferQueue is gone too
 
     with Session(dump, steps=(1, 2, 3)), caplog.at_level(logging.INFO, logger="skipinject"):
         trainer = make_trainer("separate_async", k=2)
@@ -502,3 +509,105 @@ def test_async_warmup_prefetch_is_off_only_while_the_role_is_enabled(tmp_path: P
     assert sum("warm-up prefetch switched off" in r.getMessage() for r in caplog.records) == 1
     trainer._add_async_warmup_batches(1)
     assert added == [BATCH], "the original runs again once the role is gone"
+
+
+# ---------------------------------------------------------------- saves off the training step
+
+
+class GatedWrites:
+    """Holds every part write of the store until ``open()``: shows what waits for the disk."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_part: str | None = None) -> None:
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        real = StepWriter.add_part
+
+        def add_part(writer: StepWriter, payload: Any, part: str = "") -> None:
+            self.started.set()
+            assert self.gate.wait(120), "the test never opened the gate"
+            if part == fail_part:
+                raise OSError(28, "No space left on device")
+            real(writer, payload, part)
+
+        monkeypatch.setattr(StepWriter, "add_part", add_part)
+
+    def open(self) -> None:
+        self.gate.set()
+
+
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> GatedWrites:
+    return GatedWrites(monkeypatch)
+
+
+def _in_thread(work: Any) -> tuple[threading.Thread, list[Any]]:
+    done: list[Any] = []
+    thread = threading.Thread(target=lambda: done.append(work()), daemon=True)
+    thread.start()
+    return thread, done
+
+
+@pytest.mark.ray
+@pytest.mark.background_saves
+def test_a_miss_step_does_not_wait_for_the_disk_and_saves_what_was_sampled(
+    tmp_path: Path, clean_tq: None, writes: GatedWrites
+):
+    dump = tmp_path / "dump"
+    layout = dump / LAYOUT.format(gbs=BATCH)
+    with Session(dump, steps=(1,)):
+        trainer = make_trainer()
+        thread, done = _in_thread(lambda: train_step(trainer, 1))
+        thread.join(120)
+        assert done, "the training step waited for the cache write"
+        assert writes.started.wait(60), "the write runs in the background"
+        assert not (layout / "1" / "meta.json").exists(), "not committed while its write is held"
+        # TransferQueue's copy is gone (cleared by the step) and its keys hold other data now.
+        sampled = responses(done[0])
+        put_trajectories(done[0]["keys"][0].split("_")[0], 1, seed=99, sessions=range(N))
+        writes.open()
+        WRITER.flush()
+        assert (layout / "1" / "meta.json").exists()
+    clear_tq()
+    with Session(dump, steps=(1,)):
+        trainer = make_trainer()
+        served = train_step(trainer, 1)
+    assert trainer.agent_loop_manager.calls == [], "step 1 was served"
+    assert responses(served) == sampled, "the cache holds what training sampled, not what came later"
+
+
+@pytest.mark.ray
+@pytest.mark.background_saves
+def test_the_next_submit_waits_for_the_pending_save_of_its_store(tmp_path: Path, clean_tq: None, writes: GatedWrites):
+    layout = tmp_path / "dump" / LAYOUT.format(gbs=BATCH)
+    with Session(tmp_path / "dump", steps=(1, 2), action="repeat"):
+        trainer = make_trainer()
+        train_step(trainer, 1)
+        thread, done = _in_thread(lambda: train_step(trainer, 2))
+        thread.join(2)
+        assert not done, "step 2's submit reads the store: it waits for step 1's save"
+        writes.open()
+        thread.join(120)
+        assert done
+    assert len(trainer.agent_loop_manager.calls) == 1, "step 1 was generated, step 2 served"
+    assert sorted(p.name for p in layout.iterdir()) == ["1"], "step 2 was served from step 1 (repeat), not saved"
+
+
+@pytest.mark.ray
+@pytest.mark.background_saves
+def test_a_failed_background_part_leaves_no_step_and_drops_the_later_part(
+    tmp_path: Path, clean_tq: None, monkeypatch: pytest.MonkeyPatch, caplog
+):
+    dump = tmp_path / "dump"
+    layout = dump / LAYOUT.format(gbs=1)
+    writes = GatedWrites(monkeypatch, fail_part="0")
+    writes.open()
+    with Session(dump, steps=(1,)), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer("separate_async", k=2)
+        got = train_step(trainer, 1)
+        WRITER.flush()
+    assert len(got["keys"]) == BATCH * N, "training got both mini-batches"
+    assert not (layout / "1" / "meta.json").exists()
+    assert not list(layout.rglob("tensors-*")), "nothing of the failed step is left"
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("could not save mini-batch 0" in m and "No space left" in m for m in messages) == 1, messages
+    assert not any("saved mini-batch" in m or "saved 8 trajectories" in m for m in messages), messages
