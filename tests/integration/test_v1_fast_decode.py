@@ -197,6 +197,21 @@ def test_decode_builds_rows_without_per_row_constructors(tmp_path: Path, monkeyp
     assert [row["row"] for row in tu.get(decoded, "c3")] == [r % 64 for r in range(rows)]
 
 
+def test_encode_runs_under_one_gc_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Collections over the batch's row objects while the JSON tree grows cost more than the encode itself."""
+    from skipinject.codecs import results
+
+    td = TensorDict({"x": torch.arange(8), "s": NonTensorStack(*[f"r{i}" for i in range(8)])}, batch_size=[8])
+    during: list[bool] = []
+    real_encode = results.encode_tensordict
+    monkeypatch.setattr(results, "encode_tensordict", lambda *a: during.append(gc.isenabled()) or real_encode(*a))
+    assert gc.isenabled()
+    payload = TensorDictCodec().encode({"tensordict": td, "keys": ["k"] * 8})
+    assert during == [False], "the encode ran with the collector paused"
+    assert gc.isenabled(), "the garbage collector is switched back on"
+    assert payload.rows == 8
+
+
 def test_encode_reads_rows_and_plain_values_without_the_slow_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     """Encoding reads each row's data from its state (no tensordict ``__getattr__``) and copies plain
     JSON rows without the tagged encoder; anything else still goes through it, same output."""
