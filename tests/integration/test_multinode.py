@@ -44,10 +44,19 @@ RUN_TIMEOUT = 600.0
 WARNING_FIX = "set skip.toy.dump_dir to a shared file system path"
 
 
+#: Ports handed out in this process: the OS may give a just-closed port again, and two Ray
+#: components (or nodes) told to use one port fail to start.
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, alive: Callable[[], str | None]) -> Any:

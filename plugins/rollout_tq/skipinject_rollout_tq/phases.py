@@ -200,6 +200,7 @@ class SamplePhase:
     With ``parameter_sync_step = k`` the trainer samples k mini-batches per step; they become parts
     ``0..k-1`` of one step commit, published only after the k-th, so a step is loadable only whole.
     Its targets are ``every_step``: a sample at any later step closes (aborts) an unfinished one.
+    Parts are copied in the call and written (and the step committed) by the engine's background writer.
     """
 
     def __init__(self, book: StepBook) -> None:

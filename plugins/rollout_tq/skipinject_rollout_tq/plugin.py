@@ -5,7 +5,8 @@ Targets (verl 0.9.1):
 * ``PPOTrainer._add_batch_to_generate`` (submit): the dataloader always advances; a cached step
   is put into TransferQueue under the new uids instead of submitting the prompts for generation.
 * ``ReplayBuffer.sample`` and ``ReplayBufferAsync.sample`` (sample): after the real sample, the
-  train batch of a generated step is saved; ``parameter_sync_step = k`` gives k parts, one commit.
+  train batch of a generated step is read back and copied in the call, then written in the
+  background; ``parameter_sync_step = k`` gives k parts, one commit.
 * ``PPOTrainer._add_async_warmup_batches``: switched off while the role is enabled (every step).
 
 The step is the trainer's ``global_steps`` (clock: ``PPOTrainer.fit``). The cache lives where
