@@ -256,7 +256,7 @@ class PhaseContext(Protocol):
         """Run ``job`` (a write to ``store``) after the store's earlier jobs, off the training thread.
 
         Jobs of one store run in order; :meth:`plan` waits for the store's pending ones, the end of
-        the run (the role's clock returning) for all; at most two wait at once (the next call blocks).
+        the run (the role's clock returning) for all; only a few wait at once (the next call blocks).
         Without a clock the job runs at once. ``job`` must log its own failures and may only use data
         nothing else changes (e.g. :meth:`~skipinject.store.Payload.private_copy` of an encoded result).
         """

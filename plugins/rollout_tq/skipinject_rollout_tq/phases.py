@@ -57,11 +57,8 @@ class _SavingStep:
     written: int = 0  # parts handed to the background writer
     rows: int = 0
     started: float = field(default_factory=time.perf_counter)
-    #: The background jobs' view of ``writer``: ``None`` once a part failed (later parts are dropped).
-    writing: StepWriting | None = None
-
-    def __post_init__(self) -> None:
-        self.writing = self.writer
+    #: Set by the background job whose part failed: the step is aborted and its later parts are dropped.
+    failed: bool = False
 
 
 class StepBook:
@@ -282,16 +279,23 @@ class SamplePhase:
         saving.written += 1
         saving.rows += payload.rows or 0
         last = saving.written == saving.expected
-        role.in_background(store, lambda: self._write_part(role, store, saving, payload, part, last))
+        writer = saving.writer
+        role.in_background(store, lambda: self._write_part(role, store, saving, writer, payload, part, last))
         if last:
             saving.writer = None  # nothing more to save for this step; the job above commits it
 
     def _write_part(
-        self, role: PhaseContext, store: StepCache, saving: _SavingStep, payload: Any, part: int, last: bool
+        self,
+        role: PhaseContext,
+        store: StepCache,
+        saving: _SavingStep,
+        writer: StepWriting,
+        payload: Any,
+        part: int,
+        last: bool,
     ) -> None:
         """The background job of one mini-batch: write it, and commit the step if it is the last."""
-        writer = saving.writing
-        if writer is None:  # an earlier part of this step failed: the step is not cached
+        if saving.failed:  # an earlier part of this step failed: the step is not cached
             return
         try:
             writer.add_part(payload, part=str(part))
@@ -308,7 +312,7 @@ class SamplePhase:
             directory = writer.commit({"parameter_sync_step": saving.expected, "trajectories": saving.rows})
         except Exception as exc:
             writer.abort()
-            saving.writing = None
+            saving.failed = True
             self._save_failed(role, store, saving, part, exc)
             return
         logger.info(
