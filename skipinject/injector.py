@@ -12,6 +12,9 @@ Rules the rest of skipinject relies on:
   callers an awaitable.
 * A target that does not exist is reported with the plugin and path, never raised into the
   user's program.
+* ``overrides=True`` (for methods): every subclass's own override of the method is patched too,
+  those that exist and those defined later (through the base class's ``__init_subclass__``), so a
+  recipe's trainer that overrides ``fit`` (verl's DAPO trainer) is seen like the base trainer.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import os
 import sys
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType, ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -118,6 +121,8 @@ class _Patch:
     attribute: str = ""
     original: Any = _MISSING  # what was in parent.__dict__ (``_MISSING``: it was inherited)
     convention: Convention | None = None
+    overrides: bool = False  # also patch subclasses' own overrides (methods only)
+    patched_overrides: list[_Patch] = field(default_factory=list)
 
 
 def _never(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -179,18 +184,23 @@ class Injector:
         self._patches: dict[str, _Patch] = {}
         self._hooked_modules: set[str] = set()  # modules with a pending post-import hook
         self._lock = threading.RLock()
+        #: Base classes whose ``__init_subclass__`` we replaced: (what was in their __dict__, ours, patches).
+        self._subclass_hooks: dict[type, tuple[Any, Any, list[_Patch]]] = {}
 
     # ------------------------------------------------------------ public API
 
-    def instrument(self, path: str, interceptor: Interceptor, *, owner: str = "") -> None:
-        """Patch ``path`` now if its module is imported, else as soon as it is."""
+    def instrument(self, path: str, interceptor: Interceptor, *, owner: str = "", overrides: bool = False) -> None:
+        """Patch ``path`` now if its module is imported, else as soon as it is.
+
+        ``overrides``: a method's overrides in subclasses (existing and future) are patched too.
+        """
         target = TargetPath.parse(path)
         with self._lock:
             key = str(target)
             if key in self._patches:
                 logger.debug("%s is already instrumented (by %s)", key, self._patches[key].owner)
                 return
-            self._patches[key] = _Patch(target, interceptor, owner)
+            self._patches[key] = _Patch(target, interceptor, owner, overrides=overrides)
             if target.module in sys.modules:
                 self._apply(self._patches[key], sys.modules[target.module])
             elif target.module not in self._hooked_modules:
@@ -272,6 +282,77 @@ class Injector:
             patch.convention.value if patch.convention else "?",
             patch.owner,
         )
+        if patch.overrides and binding is _Binding.METHOD and isinstance(parent, type):
+            self._follow_subclasses(patch, parent)
+
+    # ------------------------------------------------------------ overrides in subclasses
+
+    def _follow_subclasses(self, patch: _Patch, base: Any) -> None:
+        """Patch the overrides of ``patch``'s method in every subclass of ``base``, now and later."""
+        pending: list[type] = list(base.__subclasses__())
+        seen: set[type] = set()
+        while pending:
+            cls = pending.pop()
+            if cls in seen:
+                continue
+            seen.add(cls)
+            self._patch_override(patch, cls)
+            pending.extend(cls.__subclasses__())
+        hook = self._subclass_hooks.get(base)
+        if hook is not None:
+            hook[2].append(patch)
+            return
+        own = vars(base).get("__init_subclass__", _MISSING)
+        patches = [patch]
+        injector = self
+
+        def __init_subclass__(cls: Any, /, **kwargs: Any) -> None:
+            if own is _MISSING:
+                super(base, cls).__init_subclass__(**kwargs)
+            else:
+                own.__get__(None, cls)(**kwargs)
+            with injector._lock:
+                for each in list(patches):
+                    injector._patch_override(each, cls)
+
+        ours: Any = classmethod(__init_subclass__)
+        type.__setattr__(base, "__init_subclass__", ours)
+        self._subclass_hooks[base] = (own, ours, patches)
+
+    def _patch_override(self, patch: _Patch, cls: type) -> None:
+        raw = vars(cls).get(patch.attribute, _MISSING)
+        if raw is _MISSING or isinstance(raw, SkipinjectWrapper) or not inspect.isfunction(raw):
+            return
+        child = _Patch(
+            TargetPath(cls.__module__, f"{cls.__qualname__}.{patch.attribute}"), patch.interceptor, patch.owner
+        )
+        try:
+            wrapper = _build_wrapper(child, raw, _Binding.METHOD, raw)
+            setattr(cls, patch.attribute, wrapper)
+        except Exception as exc:  # a class that refuses the attribute must not break its definition
+            logger.warning("%s: cannot patch the override %s: %s", patch.owner or "skipinject", child.path, exc)
+            return
+        child.parent, child.attribute, child.original, child.applied = cls, patch.attribute, raw, True
+        patch.patched_overrides.append(child)
+        logger.debug("patched the override %s of %s for %s", child.path, patch.path, patch.owner)
+
+    def _unfollow_subclasses(self, patch: _Patch) -> None:
+        for child in patch.patched_overrides:
+            self._restore(child)
+        patch.patched_overrides.clear()
+        for base, (own, ours, patches) in list(self._subclass_hooks.items()):
+            if patch not in patches:
+                continue
+            patches.remove(patch)
+            if patches:
+                continue
+            del self._subclass_hooks[base]
+            if vars(base).get("__init_subclass__") is not ours:
+                logger.warning("%s.__init_subclass__ was replaced after we patched it; leaving it", base.__qualname__)
+            elif own is _MISSING:
+                type.__delattr__(base, "__init_subclass__")
+            else:
+                type.__setattr__(base, "__init_subclass__", own)
 
     @staticmethod
     def _classify(parent: Any, raw: Any) -> tuple[_Binding, Any]:
@@ -285,8 +366,9 @@ class Injector:
             return _Binding.METHOD, raw
         return _Binding.FUNCTION, raw
 
-    @staticmethod
-    def _restore(patch: _Patch) -> None:
+    def _restore(self, patch: _Patch) -> None:
+        if patch.overrides:
+            self._unfollow_subclasses(patch)
         current = vars(patch.parent).get(patch.attribute) if hasattr(patch.parent, "__dict__") else None
         if not isinstance(current, SkipinjectWrapper):
             logger.warning("%s was replaced by someone else after we patched it; leaving it", patch.path)

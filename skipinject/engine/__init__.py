@@ -5,6 +5,7 @@ Its parts, in the order a call meets them:
 
 * :mod:`~skipinject.engine.phases` — the interceptors and the default one-call-one-unit phase;
 * :mod:`~skipinject.engine.runtime` — a role's settings and cache in this process;
+* :mod:`~skipinject.engine.calls` — the calls of one step: recorded as its parts, replayed in order;
 * :mod:`~skipinject.engine.decision` — which cached step serves a call (``cache``/``repeat``/``strict``);
 * :mod:`~skipinject.engine.layout` — where the run's steps live (upstream's directory names);
 * :mod:`~skipinject.engine.builtin_guard` — verl's own SkipManager turned off for our roles.
@@ -14,6 +15,7 @@ Every decision is one line on the ``skipinject`` logger.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
@@ -73,10 +75,12 @@ class Engine:
             clocks.extend(c for c in role.clocks if c not in clocks)
         clock = ClockInterceptor(self)
         for path in clocks:
-            self._instrument(path, clock, "skipinject/clock")
+            # A recipe's trainer overriding fit (verl's DAPO trainer) runs its own fit: that is the clock too.
+            self._instrument(path, clock, "skipinject/clock", overrides=True)
         if any(rt.role.builtin for rt in self.runtimes.values()):
             self._instrument(BUILTIN_SKIP_INIT, BuiltinGuard(self), "skipinject/builtin-guard")
         if self.runtimes:
+            atexit.register(self.end_of_run)  # after the writer's own exit flush was registered: runs first
             logger.debug("skipinject active for %s", ", ".join(self.runtimes))
 
     def check_targets(self) -> list[str]:
@@ -106,15 +110,23 @@ class Engine:
             logger.warning("%s", line)
         return lines
 
-    def stop(self) -> None:
+    def end_of_run(self) -> None:
+        """The run ended (the trainer's ``fit`` returned, the engine stops, the interpreter exits):
+        every open step is committed and every pending write done before this returns."""
+        for runtime in list(self.runtimes.values()):
+            runtime.close_all()
         WRITER.flush()
+
+    def stop(self) -> None:
+        self.end_of_run()
+        atexit.unregister(self.end_of_run)
         for path in self._paths:
             self.injector.uninstrument(path)
         self._paths.clear()
         self.runtimes.clear()
 
-    def _instrument(self, path: str, interceptor: Any, owner: str) -> None:
-        self.injector.instrument(path, interceptor, owner=owner)
+    def _instrument(self, path: str, interceptor: Any, owner: str, *, overrides: bool = False) -> None:
+        self.injector.instrument(path, interceptor, owner=owner, overrides=overrides)
         self._paths.append(path)
 
     def observe_config(self, config: Any) -> None:

@@ -2,17 +2,16 @@
 
 A patched call goes: validation batches (and calls without a step) run the original untouched;
 steps not in ``skip.<role>.steps`` run the original; otherwise the target's phase decides. The
-default phase, :class:`WholeCall`, treats one call as one unit.
+default phase, :class:`WholeCall`, serves or records each call of a step as one of its parts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from typing import TYPE_CHECKING, Any
 
-from skipinject.engine.background import WRITER
 from skipinject.engine.runtime import REGENERATE, RoleRuntime
 from skipinject.roles import CLOCK, Call, Phase, StepSource, Target
 
@@ -21,31 +20,43 @@ if TYPE_CHECKING:
 
 
 class WholeCall:
-    """One call is one unit: serve it from the cache, or run it and save what it returned."""
+    """Each call of a step is one unit: call k of a cached step is served its part k; a recorded
+    step's calls run the target and are saved as its parts (see :mod:`skipinject.engine.calls`)."""
 
     def run(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
-        plan = role.plan(call, step)
-        if plan.entry is not None or plan.upstream_file is not None:
-            result = role.serve(plan, call)
-            if result is not REGENERATE:
-                return result
-        inputs = role.fingerprint(call)  # before the target runs: it may change its inputs
-        result = proceed()
-        role.save(plan, call, result, inputs)
-        return role.after_miss(call, result)
+        record, index = role.enter(call, step)
+        try:
+            if not record.recording:
+                result = role.serve_call(record, index, call)
+                if result is not REGENERATE:
+                    return result
+                if not record.recording:  # a later call of a replayed step: run it, save nothing
+                    return role.after_miss(call, proceed())
+            inputs = role.fingerprint(call)  # before the target runs: it may change its inputs
+            result = proceed()
+            role.record(record, index, call, result, inputs)
+            return role.after_miss(call, result)
+        finally:
+            role.leave(record)
 
     async def run_async(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
-        plan = await asyncio.to_thread(role.plan, call, step)
-        if plan.entry is not None or plan.upstream_file is not None:
-            result = await asyncio.to_thread(role.serve, plan, call)
-            if result is not REGENERATE:
-                return result
-        inputs = role.fingerprint(call)
-        result = await proceed()
-        # Awaiting callers (the fully async Rollouter) run many samples at once and may be stopped
-        # without an exit hook: their samples are written before they are returned.
-        await asyncio.to_thread(functools.partial(role.save, plan, call, result, inputs, background=False))
-        return role.after_miss(call, result)
+        record, index = await asyncio.to_thread(role.enter, call, step)
+        try:
+            if not record.recording:
+                result = await asyncio.to_thread(role.serve_call, record, index, call)
+                if result is not REGENERATE:
+                    return result
+                if not record.recording:
+                    return role.after_miss(call, await proceed())
+            inputs = role.fingerprint(call)
+            result = await proceed()
+            # Awaiting callers (the fully async Rollouter) run many samples at once and may be stopped
+            # without an exit hook: their samples are written before they are returned.
+            save = functools.partial(role.record, record, index, call, result, inputs, background=False)
+            await asyncio.to_thread(save)
+            return role.after_miss(call, result)
+        finally:
+            await asyncio.to_thread(role.leave, record)
 
 
 WHOLE_CALL = WholeCall()
@@ -56,11 +67,12 @@ _HASHED_STEPS = 1 << 16
 
 
 def compile_passes(
-    source: StepSource, chosen: Any, every_step: bool
+    source: StepSource, chosen: Any, every_step: bool, open_steps: Sized = ()
 ) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], bool]:
     """``passes(instance, args, kwargs)``: True when a call surely runs the original — its step is a
     plain int read with a few look-ups and not in ``chosen``. Anything else (named arguments,
-    extractors, values that are not ints, no step) is False and left to the full path.
+    extractors, values that are not ints, no step) is False and left to the full path, and so is
+    every call while ``open_steps`` is not empty (a step waits for the run to move past it).
     """
     if every_step:
         return _never_passes
@@ -68,6 +80,8 @@ def compile_passes(
         key = source.name
 
         def meta_passes(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+            if open_steps:
+                return False
             try:
                 meta = (args[0] if args else next(iter(kwargs.values()))).meta_info
             except (AttributeError, StopIteration):
@@ -88,6 +102,8 @@ def compile_passes(
         return _never_passes
 
     def attribute_passes(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        if open_steps:
+            return False
         for read in readers:
             step = read(instance)
             if step is not None:
@@ -119,7 +135,7 @@ class TargetInterceptor:
         steps = runtime.settings.steps
         chosen = frozenset(steps) if len(steps) <= _HASHED_STEPS else steps
         #: Asked by the injector first on every call, before a Call exists (see compile_passes).
-        self.passes = compile_passes(runtime.role.step, chosen, target.every_step)
+        self.passes = compile_passes(runtime.role.step, chosen, target.every_step, runtime.steps.open)
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
         step = self.runtime.applicable_step(call, any_step=self.every_step)
@@ -145,14 +161,14 @@ class ClockInterceptor:
         try:
             return proceed()
         finally:
-            WRITER.flush()  # the run is over (or failed): its caches are complete before the process may end
+            self.engine.end_of_run()  # the run is over (or failed): its steps are committed before the process may end
 
     async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:
         self._enter(call)
         try:
             return await proceed()
         finally:
-            await asyncio.to_thread(WRITER.flush)
+            await asyncio.to_thread(self.engine.end_of_run)
 
     def _enter(self, call: Call) -> None:
         if call.instance is not None:

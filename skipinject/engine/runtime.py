@@ -11,11 +11,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from skipinject.config import Action, MismatchPolicy, RoleConfig
 from skipinject.engine.background import WRITER
+from skipinject.engine.calls import StepBook, StepCalls, part_name, recorded_inputs
 from skipinject.engine.decision import Plan, plan_step
 from skipinject.engine.layout import project_dir
 from skipinject.errors import CacheMissError, CorruptCacheError, PromptMismatchError
@@ -40,6 +42,8 @@ class RoleRuntime:
         self._lock = threading.Lock()
         self._warned: set[Any] = set()
         self._default_codec: Codec | None = None
+        #: The steps this process's calls are in (see :mod:`skipinject.engine.calls`).
+        self.steps = StepBook(clocked=bool(role.clocks))
 
     # ------------------------------------------------------------ helpers for phases
 
@@ -101,6 +105,7 @@ class RoleRuntime:
                 self.role.step.describe(),
             )
             return None
+        self.moved_to(step)
         if not any_step and not self.settings.allows(step):
             return None
         return step
@@ -138,24 +143,85 @@ class RoleRuntime:
         WRITER.flush(self.store_for(call).project_dir)
         return plan_step(self, call, step)
 
+    # ------------------------------------------------------------ the calls of a step
+
+    def enter(self, call: Call, step: int) -> tuple[StepCalls, int]:
+        """Begin a call at ``step``: its step's record (planned at the step's first call) and its index.
+
+        Steps the run has moved past are closed first (their commit is queued before this step's
+        plan reads the store). Every ``enter`` that returns is followed by one :meth:`leave`.
+        """
+        store = self.store_for(call)
+        record, passed = self.steps.get(store.project_dir, step)
+        self.close(passed)
+        with record.lock:
+            if record.plan is None:
+                record.plan = self.plan(call, step)
+            index = record.started
+            record.started += 1
+            record.running += 1
+        return record, index
+
+    def leave(self, record: StepCalls) -> None:
+        """A call of ``record`` ended: commit the step if the run moved past it (or, without a clock, now)."""
+        with record.lock:
+            record.running -= 1
+            due = record.running == 0 and (record.closed or not self.steps.clocked)
+        if due:
+            self._commit(record)
+
+    def moved_to(self, step: int) -> None:
+        """The run is at ``step`` (a call of this role was seen there): close the steps it moved past."""
+        if self.steps.open:
+            self.close(self.steps.moved_to(step))
+
+    def close_all(self) -> None:
+        """The run ended (``fit`` returned, the engine stops, the interpreter exits): close every step."""
+        self.close(self.steps.take_all())
+
+    def close(self, records: Sequence[StepCalls]) -> None:
+        for record in records:
+            with record.lock:
+                record.closed = True
+                record.payloads = None if record.running == 0 else record.payloads
+                due = record.running == 0
+            if due:
+                self._commit(record)
+
     # ------------------------------------------------------------ serving
 
-    def serve(self, plan: Plan, call: Call) -> Any:
-        """Load the planned entry and return the result, or ``REGENERATE`` to run the target."""
+    def serve_call(self, record: StepCalls, index: int, call: Call) -> Any:
+        """Call ``index`` of a replayed step: its recorded result, or ``REGENERATE`` to run the target.
+
+        A failure to load or a mismatch at the step's first call turns the step into a recording
+        (it is generated and saved anew); at a later call, only that call runs the target.
+        """
+        plan = record.plan
+        assert plan is not None
         started = time.perf_counter()
         try:
+            if record.payloads is None:
+                if plan.upstream_file is not None:
+                    assert plan.upstream_format is not None
+                    record.payloads = [plan.upstream_format.load(plan.upstream_file)]
+                    record.recorded_inputs = [None]
+                else:
+                    assert plan.entry is not None
+                    record.payloads = self._load_calls(plan, record)
+            if index >= record.recorded_calls:
+                return self._extra_call(record, index)
             if plan.upstream_file is not None:
-                assert plan.upstream_format is not None
-                result = plan.upstream_format.load(plan.upstream_file)
+                result = record.payloads[index]
                 source = str(plan.upstream_file)
             else:
                 assert plan.entry is not None
-                payloads = plan.store.load(plan.entry)
-                result = self.decode(payloads, call)
+                result = self.codec.decode(record.payloads[index], call)
                 source = str(plan.entry.directory)
+        except CacheMissError:
+            raise
         except Exception as exc:  # whatever is wrong with the cache, it is not trained on
             if self.settings.action is Action.strict:
-                if isinstance(exc, (CorruptCacheError, CacheMissError)):
+                if isinstance(exc, CorruptCacheError):
                     raise
                 where = plan.entry.directory if plan.entry else plan.upstream_file
                 raise CorruptCacheError(
@@ -169,25 +235,28 @@ class RoleRuntime:
                 type(exc).__name__,
                 exc,
             )
-            return REGENERATE
+            return self._regenerate(record, index)
         elapsed = time.perf_counter() - started
-        mismatched, compared = self._compare_inputs(plan, call)
+        mismatched, compared = self._compare_inputs(record.recorded_inputs[index], call)
+        calls = record.recorded_calls
+        which = f" call {index + 1} of {calls}" if calls > 1 else ""
         if mismatched:
             policy = self.settings.on_mismatch
             message = (
-                f"{self.name} step {plan.step}: the cache served (step {plan.served_step}) was generated from "
+                f"{self.name} step {plan.step}{which}: the cache served (step {plan.served_step}) was generated from "
                 f"other inputs in {mismatched} of {compared} rows (changed data order, seed or step); "
             )
             if policy is MismatchPolicy.fail:
                 raise PromptMismatchError(message + f"skip.{self.name}.on_mismatch=fail")
             if policy is MismatchPolicy.regenerate:
                 logger.warning("%s", message + "regenerating (on_mismatch=regenerate)")
-                return REGENERATE
+                return self._regenerate(record, index)
             logger.warning("%s", message + "training on them anyway (on_mismatch=warn)")
         logger.info(
-            "%s step %d: hit, served step %d (%s) from %s in %.3f s; target not called",
+            "%s step %d: hit%s, served step %d (%s) from %s in %.3f s; target not called",
             self.name,
             plan.step,
+            f" ({which.strip()})" if which else "",
             plan.served_step,
             plan.reason,
             source,
@@ -198,7 +267,57 @@ class RoleRuntime:
             result = self.role.on_hit(result, call, info)
         return result
 
+    def _load_calls(self, plan: Plan, record: StepCalls) -> list[Payload]:
+        """Every recorded call of the planned entry (one part each), with their recorded inputs."""
+        assert plan.entry is not None
+        payloads = plan.store.load(plan.entry)
+        meta = plan.entry.meta
+        calls = meta.get("calls", 1)
+        if type(calls) is not int or calls != len(payloads):
+            raise CorruptCacheError(
+                f"{plan.entry.directory}: meta.json records {str(calls)[:40]!r} calls but holds {len(payloads)} parts"
+            )
+        record.recorded_inputs = recorded_inputs(meta, calls)
+        return payloads
+
+    def _extra_call(self, record: StepCalls, index: int) -> Any:
+        plan = record.plan
+        assert plan is not None
+        calls = record.recorded_calls
+        where = plan.entry.directory if plan.entry is not None else plan.upstream_file
+        if self.settings.action is Action.strict:
+            raise CacheMissError(
+                f"{self.name} step {plan.step}: skip.{self.name}.action=strict and call {index + 1} of this step "
+                f"has nothing to serve ({where} holds {calls} call{'s' if calls != 1 else ''})"
+            )
+        self.once(
+            ("extra", id(record)),
+            logging.INFO,
+            "%s step %d: this run calls the target more often than the cached step %d holds (%d call%s, in %s); "
+            "running the target for call %d and any later ones (not saved)",
+            self.name,
+            plan.step,
+            plan.served_step,
+            calls,
+            "s" if calls != 1 else "",
+            where,
+            index + 1,
+        )
+        return REGENERATE
+
+    def _regenerate(self, record: StepCalls, index: int) -> Any:
+        """The cache cannot serve call ``index``: at the step's first call, record the step anew."""
+        with record.lock:
+            plan = record.plan
+            if index == 0 and record.started == 1 and plan is not None:
+                record.plan = replace(plan, entry=None, upstream_file=None, upstream_format=None, reason="regenerated")
+                record.payloads = None
+            else:
+                record.regenerated = True
+        return REGENERATE
+
     def decode(self, payloads: Sequence[Payload], call: Call) -> Any:
+        """The result of a one-call step."""
         if len(payloads) != 1:
             raise CorruptCacheError(f"{self.name}: expected one part, the cache has {len(payloads)}")
         return self.codec.decode(payloads[0], call)
@@ -219,10 +338,7 @@ class RoleRuntime:
             return None
         return None if rows is None else [str(r) for r in rows]
 
-    def _compare_inputs(self, plan: Plan, call: Call) -> tuple[int, int]:
-        if plan.entry is None:
-            return 0, 0
-        stored = plan.entry.meta.get("inputs")
+    def _compare_inputs(self, stored: Any, call: Call) -> tuple[int, int]:
         if not isinstance(stored, list):
             return 0, 0
         current = self.fingerprint(call)
@@ -234,30 +350,127 @@ class RoleRuntime:
 
     # ------------------------------------------------------------ saving
 
-    def save(
-        self, plan: Plan, call: Call, result: Any, inputs: Sequence[str] | None = None, *, background: bool = True
+    def record(
+        self,
+        record: StepCalls,
+        index: int,
+        call: Call,
+        result: Any,
+        inputs: Sequence[str] | None = None,
+        *,
+        background: bool = True,
     ) -> None:
-        """Save a freshly computed result for ``plan.step``; failures are logged, never raised.
+        """Save call ``index``'s fresh result as the step's part ``index``; failures are logged, never raised.
 
         Encoding and a private copy happen now (the caller gets ``result`` afterwards and may change
         it); writing happens in the background writer when the engine knows where the run ends (the
         role has clocks: the trainer's ``fit`` returning waits for it; a Ray actor may be killed
         without running exit hooks), else here, as with ``background=False`` (callers already off
-        the training thread). ``inputs``: the call's fingerprint taken before the target ran.
+        the training thread). ``inputs``: the call's fingerprint taken before the target ran. The
+        step is committed by :meth:`leave` or :meth:`close`.
         """
-        if result is None:
+        plan = record.plan
+        assert plan is not None
+        if record.failed:
             return
-        started = time.perf_counter()
+        if result is None:
+            self._drop_step(record, f"call {index + 1} returned None")
+            return
         try:
             snapshot = self.codec.encode(result).private_copy()
-            meta = {"inputs": list(inputs) if inputs is not None else self.fingerprint(call)}
         except Exception as exc:
-            self._save_failed(plan, exc)
+            self._drop_step(record, f"cannot encode call {index + 1} ({type(exc).__name__}: {exc})")
             return
+        with record.lock:
+            if record.writer is None:
+                record.writer = plan.store.begin(plan.step)
+            writer = record.writer
+            record.inputs[index] = list(inputs) if inputs is not None else self.fingerprint(call)
+            record.parts += 1
+            record.rows += snapshot.rows or 0
+
+        def write() -> None:
+            if record.failed:
+                return
+            try:
+                writer.add_part(snapshot, part=part_name(index))
+            except Exception as exc:
+                self._drop_step(record, f"cannot write call {index + 1} ({type(exc).__name__}: {exc})", in_job=True)
+
         if background:
-            self.in_background(plan.store, lambda: self._write(plan, snapshot, meta, started))
+            self.in_background(plan.store, write)
         else:
-            self._write(plan, snapshot, meta, started)
+            write()
+
+    def _commit(self, record: StepCalls) -> None:
+        """Queue the commit of a recorded step's parts (after their writes, in order)."""
+        plan = record.plan
+        with record.lock:
+            writer = record.writer
+            if plan is None or writer is None or record.failed or record.parts <= record.committed_parts:
+                return
+            meta = record.commit_meta()
+            record.committed_parts = record.parts
+        store = plan.store
+
+        def commit() -> None:
+            if record.failed:
+                return
+            try:
+                directory = writer.commit(meta)
+            except Exception as exc:
+                self._drop_step(record, f"cannot commit ({type(exc).__name__}: {exc})", in_job=True)
+                return
+            calls = meta["calls"]
+            if calls == 1:
+                logger.info(
+                    "%s step %d: saved %s rows to %s in %.3f s",
+                    self.name,
+                    plan.step,
+                    record.rows,
+                    directory,
+                    time.perf_counter() - record.began,
+                )
+            else:
+                logger.info(
+                    "%s step %d: saved %d calls (%d rows) to %s in %.3f s",
+                    self.name,
+                    plan.step,
+                    calls,
+                    record.rows,
+                    directory,
+                    time.perf_counter() - record.began,
+                )
+
+        self.in_background(store, commit)
+
+    def _drop_step(self, record: StepCalls, why: str, *, in_job: bool = False) -> None:
+        """A part of the step cannot be saved: nothing of the step is cached (one warning).
+
+        ``in_job``: called from a write job (the writer thread): the writer is aborted right here.
+        """
+        plan = record.plan
+        assert plan is not None
+        with record.lock:
+            already = record.failed
+            record.failed = True
+            writer = record.writer
+        if already:
+            return
+        if writer is not None:
+            if in_job:
+                writer.abort()
+            else:
+                self.in_background(plan.store, writer.abort)
+        self.once(
+            ("save", str(plan.store.project_dir), plan.step),
+            logging.WARNING,
+            "%s step %d: could not save the cache to %s (%s); training goes on without it",
+            self.name,
+            plan.step,
+            plan.store.step_dir(plan.step),
+            why,
+        )
 
     def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
         """Run ``job`` (a write to ``store``) after the store's earlier jobs, off the calling thread.
@@ -272,33 +485,6 @@ class RoleRuntime:
             WRITER.submit(store.project_dir, job)
         else:
             job()
-
-    def _write(self, plan: Plan, payload: Payload, meta: dict[str, Any], started: float) -> None:
-        try:
-            directory = plan.store.save(plan.step, payload, meta)
-        except Exception as exc:
-            self._save_failed(plan, exc)
-            return
-        logger.info(
-            "%s step %d: saved %s rows to %s in %.3f s",
-            self.name,
-            plan.step,
-            payload.rows if payload.rows is not None else "?",
-            directory,
-            time.perf_counter() - started,
-        )
-
-    def _save_failed(self, plan: Plan, exc: Exception) -> None:
-        self.once(
-            ("save", str(plan.store.project_dir), plan.step),
-            logging.WARNING,
-            "%s step %d: could not save the cache to %s (%s: %s); training goes on without it",
-            self.name,
-            plan.step,
-            plan.store.step_dir(plan.step),
-            type(exc).__name__,
-            exc,
-        )
 
     def after_miss(self, call: Call, result: Any) -> Any:
         if self.role.on_miss is None:

@@ -320,6 +320,7 @@ class RemoteStepWriter(StepWriter):
         """Upload one part's files (invisible to readers until :meth:`commit`)."""
         if part and not _SAFE_NAME.match(part):
             raise ValueError(f"bad part name {part!r}")
+        ACTIVE_WRITE_IDS.add(self.write_id)  # again, after a commit (a step growing call by call)
         store = self.store
         folder = store._at(self.step, part) if part else store._at(self.step)
         algo = store.checksum_algo

@@ -91,9 +91,12 @@ class StepWriter:
         return self.store.step_dir(self.step)
 
     def add_part(self, payload: Payload, part: str = "") -> None:
-        """Write one part's files (invisible to readers until :meth:`commit`)."""
+        """Write one part's files (invisible to readers until :meth:`commit`).
+
+        Parts may follow a commit (a step growing call by call): the next commit publishes them too."""
         if part and not _SAFE_NAME.match(part):
             raise ValueError(f"bad part name {part!r}")
+        ACTIVE_WRITE_IDS.add(self.write_id)  # again, after a commit: not collected while being written
         part_dir = self.directory / part if part else self.directory
         if os.path.lexists(self.directory):
             _refuse_link(self.directory)

@@ -58,6 +58,7 @@ def engine(tmp_path: Path) -> Any:
     settings = RoleConfig(enable=True, steps=(1, 2, 3), dump_dir=str(tmp_path))
     started = Engine(Config(roles={"bg": settings}), {"bg": (role, "bg")})
     started.start()
+    module.dump_dir = tmp_path  # type: ignore[attr-defined]
     yield module
     started.stop()
     del sys.modules[module.__name__]
@@ -68,21 +69,23 @@ def test_written_data_is_what_the_call_returned_even_if_training_changes_it(engi
     trainer.global_steps = 1
     result = trainer.generate(1000)
     result.mul_(-1)  # training changes the batch in place while (or before) the writer runs
-    WRITER.flush()
+    trainer.fit()  # the run ends (the clock returns): the step is committed, every write done
     store = StepStore(tmp_path / "skipinject_default" / "bg", "bg", {})
     (payload,) = store.load(store.verified(1))
     assert torch.equal(payload.tensors["x"], torch.arange(1000, dtype=torch.float32))
 
 
 def test_a_read_of_the_project_waits_for_its_pending_save(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_save = StepStore.save
+    from skipinject.store.writer import StepWriter
+
+    real_add_part = StepWriter.add_part
     gate = threading.Event()
 
-    def slow_save(self: StepStore, *args: Any, **kwargs: Any) -> Any:
+    def slow_add_part(self: StepWriter, *args: Any, **kwargs: Any) -> Any:
         gate.wait(30)
-        return real_save(self, *args, **kwargs)
+        return real_add_part(self, *args, **kwargs)
 
-    monkeypatch.setattr(StepStore, "save", slow_save)
+    monkeypatch.setattr(StepWriter, "add_part", slow_add_part)
     trainer = engine.Trainer()
     trainer.global_steps = 2
     started = time.perf_counter()
@@ -90,8 +93,16 @@ def test_a_read_of_the_project_waits_for_its_pending_save(engine: Any, monkeypat
     assert time.perf_counter() - started < 20, "the miss waited for the write"
     assert WRITER.pending() == 1
     threading.Timer(0.2, gate.set).start()
-    second = trainer.generate(10)  # the same step again: the read waits for the save, then hits
-    assert torch.equal(first, second) and WRITER.pending() == 0
+    trainer.global_steps = 3
+    trainer.generate(10)  # the next step: step 2 is committed, and step 3's read waits for it
+    store = StepStore(engine_dump(engine) / "skipinject_default" / "bg", "bg", {})
+    (payload,) = store.load(store.verified(2))  # committed before step 3's call returned
+    assert torch.equal(payload.tensors["x"], first)
+    assert WRITER.pending() <= 1, "only step 3's own save may still be pending"
+
+
+def engine_dump(module: Any) -> Path:
+    return Path(module.dump_dir)
 
 
 def test_the_queue_is_bounded() -> None:
@@ -124,11 +135,11 @@ from test_background_saves import TensorCodec, Trainer
 from skipinject import Role, StepSource, Target
 from skipinject.config import Config, RoleConfig
 from skipinject.engine import Engine
-import skipinject.store.step_store as step_store
-real = step_store.StepStore.save
+import skipinject.store.writer as writer
+real = writer.StepWriter.add_part
 def slow(self, *a, **k):
     import time; time.sleep(1.0); return real(self, *a, **k)
-step_store.StepStore.save = slow
+writer.StepWriter.add_part = slow
 mod = type(sys)("si_exit_targets")
 mod.Trainer = type("Trainer", (Trainer,), {{}})
 sys.modules["si_exit_targets"] = mod

@@ -200,3 +200,89 @@ def test_target_whose_module_is_never_imported_changes_nothing(injector: Injecto
     injector.instrument("no_such_module_xyz.sub:Thing.method", Recorder())
     assert not injector.is_patched("no_such_module_xyz.sub:Thing.method")
     assert "no_such_module_xyz" not in sys.modules
+
+
+class Witness(Recorder):
+    """Records each call and passes its result through unchanged."""
+
+    def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
+        self.seen.append(("sync", call.target, call.instance))
+        return proceed()
+
+
+@pytest.mark.parametrize("order", ["import_first", "hooks_first"])
+def test_overrides_in_subclasses_are_patched_now_and_later_and_restored(
+    fresh_module_name: str, injector: Injector, order: str
+):
+    """A recipe's trainer overriding fit (verl's DAPO trainer) is seen like the base trainer's fit."""
+    path = f"{fresh_module_name}:Trainer.fit"
+    recorder = Witness()
+
+    def existing_subclass(base: type) -> type:
+        class Existing(base):  # type: ignore[misc,valid-type]
+            def fit(self, steps: int) -> list[Any]:
+                return ["existing", *super().fit(steps)]
+
+        return Existing
+
+    if order == "import_first":  # a subclass defined before the patch: found by walking the subclasses
+        module = importlib.import_module(fresh_module_name)
+        Existing = existing_subclass(module.Trainer)
+        injector.instrument(path, recorder, overrides=True)
+    else:
+        injector.instrument(path, recorder, overrides=True)
+        module = importlib.import_module(fresh_module_name)
+        Existing = existing_subclass(module.Trainer)
+
+    class Recipe(module.Trainer):  # a recipe's own fit, not calling the base one
+        def fit(self, steps: int) -> list[Any]:
+            return ["recipe", steps]
+
+    class Deeper(Recipe):
+        def fit(self, steps: int) -> list[Any]:
+            return ["deeper", steps]
+
+    class Plain(module.Trainer):  # no override: the base's wrapper serves it
+        pass
+
+    assert Recipe().fit(1) == ["recipe", 1] and Deeper().fit(2) == ["deeper", 2]
+    assert len(Plain().fit(1)) == 2
+    assert Existing().fit(1)[0] == "existing"
+    seen = [who for _, _, who in recorder.seen]
+    assert [type(who).__name__ for who in seen] == ["Recipe", "Deeper", "Plain", "Existing", "Existing"]
+    injector.uninstrument(path)
+    assert not isinstance(Recipe.__dict__["fit"], SkipinjectWrapper)
+    assert not isinstance(module.Trainer.__dict__["fit"], SkipinjectWrapper)
+    assert "__init_subclass__" not in module.Trainer.__dict__, "the subclass hook is removed again"
+    recorder.seen.clear()
+
+    class After(module.Trainer):
+        def fit(self, steps: int) -> list[Any]:
+            return ["after"]
+
+    assert After().fit(1) == ["after"] and Recipe().fit(1) == ["recipe", 1] and recorder.seen == []
+
+
+def test_overrides_keep_the_base_class_own_init_subclass(fresh_module_name: str, injector: Injector):
+    module = importlib.import_module(fresh_module_name)
+    registered: list[str] = []
+
+    class Base:
+        def __init_subclass__(cls, tag: str = "", **kwargs: Any) -> None:
+            super().__init_subclass__(**kwargs)
+            registered.append(tag or cls.__name__)
+
+        def fit(self) -> int:
+            return 1
+
+    module.Base = Base
+    original = Base.__dict__["__init_subclass__"]
+    injector.instrument(f"{fresh_module_name}:Base.fit", Recorder(), overrides=True)
+
+    class Child(Base, tag="child"):
+        def fit(self) -> int:
+            return 2
+
+    assert registered == ["child"] and Child().fit() == 1002
+    injector.uninstrument(f"{fresh_module_name}:Base.fit")
+    assert Base.__dict__["__init_subclass__"] is original and Child().fit() == 2

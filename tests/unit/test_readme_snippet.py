@@ -157,8 +157,12 @@ def test_miss_then_hit_loaded_by_module_path(
     assert any(line.startswith("judge step 1: hit, served step 1") for line in skip_log)
     assert (dump / "skipinject_default" / "judge" / "1" / "meta.json").is_file()
 
-    # Scores cached for other responses are reported (fingerprint), a wrong-sized cache not served.
-    trainer.score_with_judge(["4", "13", "another answer!"])
+    # Later runs: scores cached for other responses are reported (fingerprint), a wrong-sized cache not served.
+    bootstrap.stop()
+    bootstrap.start(config, plugins)
+    MyTrainer(global_steps=1).score_with_judge(["4", "13", "another answer!"])
     assert any("other inputs in 1 of 3 rows" in line for line in skip_log)
-    assert trainer.score_with_judge(["just one"]) == [0.8]
+    bootstrap.stop()
+    bootstrap.start(config, plugins)
+    assert MyTrainer(global_steps=1).score_with_judge(["just one"]) == [0.8]
     assert len(CALLS) == 2

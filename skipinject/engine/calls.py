@@ -1,0 +1,150 @@
+"""Several calls in one step: the k-th call of a chosen step is part k of that step's one commit.
+
+A trainer may call a target more than once with the same step: DAPO's dynamic sampling draws
+generation batches until enough groups survive its filter, agent loops call per turn, a user role
+runs per micro-batch. The first call of a step decides for the whole step (its :class:`Plan`:
+serve a cached step, or record this one); the step's later calls follow that decision:
+
+* **recording** — every call runs the target, and its result becomes the step's next part
+  (call 0 in the step directory itself, as a one-call step always was; call k in ``{k}/``). A
+  call is never served a result recorded in the same run. The step is committed once, when the
+  run has moved past it: a call of the role at another step, the trainer's ``fit`` returning,
+  the engine stopping or the interpreter exiting. Roles without a clock have no trainer that
+  tells where a step ends (e.g. the fully async Rollouter's per-sample calls, whose actor may be
+  killed without exit hooks): they commit after every call, the step growing by one part a call.
+* **replaying** — call k is served part k and checked against call k's recorded inputs. A call
+  beyond what was recorded runs the target (one line); it is not saved. Fewer calls are fine.
+
+If a part cannot be encoded or written, the whole step is dropped (one line): a step is replayed
+only as the sequence of calls that made it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from skipinject.engine.decision import Plan
+    from skipinject.roles import StepWriting
+    from skipinject.store import Payload
+
+#: Steps a role without a clock remembers as recorded in this run (a later call of one of them is
+#: recorded too, never served); the oldest are forgotten first.
+REMEMBERED_STEPS = 4096
+
+
+def part_name(index: int) -> str:
+    """Where call ``index`` of a step is stored: the step directory itself for call 0, else ``{index}``."""
+    return "" if index == 0 else str(index)
+
+
+@dataclass
+class StepCalls:
+    """One step of one role's cache, as the calls of this run meet it."""
+
+    step: int
+    project: Hashable
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    plan: Plan | None = None
+    started: int = 0  # calls begun (the next call's index)
+    running: int = 0  # calls begun and not finished
+    closed: bool = False  # the run moved past the step (commit when the last running call ends)
+    # -- recording
+    writer: StepWriting | None = None
+    inputs: dict[int, list[str] | None] = field(default_factory=dict)
+    rows: int = 0
+    parts: int = 0  # parts handed to the writer
+    failed: bool = False
+    committed_parts: int = 0
+    began: float = field(default_factory=time.perf_counter)
+    # -- replaying
+    payloads: Sequence[Payload] | None = None
+    recorded_inputs: list[Any] = field(default_factory=list)
+    regenerated: bool = False  # a replayed call ran the target after all (mismatch, load error)
+
+    @property
+    def recording(self) -> bool:
+        return self.plan is not None and self.plan.entry is None and self.plan.upstream_file is None
+
+    @property
+    def recorded_calls(self) -> int:
+        return len(self.payloads) if self.payloads is not None else 0
+
+    def commit_meta(self) -> dict[str, Any]:
+        """The role-level part of ``meta.json``: how many calls the step holds and each one's inputs."""
+        calls = self.parts
+        meta: dict[str, Any] = {"inputs": self.inputs.get(0), "calls": calls}
+        if calls > 1:
+            meta["call_inputs"] = [self.inputs.get(index) for index in range(calls)]
+        return meta
+
+
+def recorded_inputs(meta: Mapping[str, Any], calls: int) -> list[Any]:
+    """Each recorded call's input digests (``None`` where unknown), from a committed ``meta.json``.
+
+    Caches of one call (every cache written before calls were recorded per step) keep theirs in ``inputs``.
+    """
+    per_call = meta.get("call_inputs")
+    if isinstance(per_call, list) and len(per_call) == calls:
+        return list(per_call)
+    return [meta.get("inputs")] + [None] * (calls - 1)
+
+
+class StepBook:
+    """The steps a role's calls are in, in this process.
+
+    ``open`` holds the steps that end when the run moves past them (roles with a clock): while it
+    is not empty the targets' fast path is off, so the first call at another step — chosen or
+    not — reaches the engine and closes them. Roles without a clock keep recent steps in
+    ``remembered`` (bounded), each committed after every call.
+    """
+
+    def __init__(self, clocked: bool) -> None:
+        self.clocked = clocked
+        self.lock = threading.Lock()
+        self.open: dict[tuple[Hashable, int], StepCalls] = {}
+        self.remembered: OrderedDict[tuple[Hashable, int], StepCalls] = OrderedDict()
+
+    def get(self, project: Hashable, step: int) -> tuple[StepCalls, list[StepCalls]]:
+        """The step's record (new if none), and the records the run has moved past (clocked roles)."""
+        key = (project, step)
+        with self.lock:
+            passed: list[StepCalls] = []
+            if self.clocked:
+                passed = self._take_other(step)
+                record = self.open.get(key)
+                if record is None:
+                    record = self.open[key] = StepCalls(step, project)
+            else:
+                record = self.remembered.get(key)
+                if record is None:
+                    record = self.remembered[key] = StepCalls(step, project)
+                    while len(self.remembered) > REMEMBERED_STEPS:
+                        self.remembered.popitem(last=False)
+                else:
+                    self.remembered.move_to_end(key)
+            return record, passed
+
+    def moved_to(self, step: int) -> list[StepCalls]:
+        """The run is at ``step``: the open steps it has moved past (taken out of ``open``)."""
+        with self.lock:
+            return self._take_other(step)
+
+    def take_all(self) -> list[StepCalls]:
+        with self.lock:
+            records = list(self.open.values())
+            self.open.clear()
+            return records
+
+    def _take_other(self, step: int) -> list[StepCalls]:
+        if not self.open:
+            return []
+        passed = [record for (_, at), record in self.open.items() if at != step]
+        for record in passed:
+            del self.open[(record.project, record.step)]
+        return passed
