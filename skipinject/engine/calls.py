@@ -136,9 +136,11 @@ class StepBook:
             return self._take_other(step)
 
     def take_all(self) -> list[StepCalls]:
+        """The run ended: every open step (taken out), and the remembered ones forgotten (each committed)."""
         with self.lock:
             records = list(self.open.values())
             self.open.clear()
+            self.remembered.clear()
             return records
 
     def _take_other(self, step: int) -> list[StepCalls]:

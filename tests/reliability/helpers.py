@@ -215,6 +215,14 @@ def call(rt: RoleRuntime, target: Callable[[Any], Any], step: int, *, trainer: A
     return interceptor.sync(invocation, lambda: target(batch))
 
 
+def end_run(rt: RoleRuntime) -> None:
+    """The run ends (the trainer's fit returns): every open step of ``rt`` is committed, every write done."""
+    from skipinject.engine.background import WRITER
+
+    rt.close_all()
+    WRITER.flush()
+
+
 def project_dir(rt: RoleRuntime, trainer: Any = None) -> Path:
     invocation = Call(TOY_TARGET, lambda b: b, trainer if trainer is not None else Trainer(), (Batch(0),), {})
     return rt.store_for(invocation).project_dir

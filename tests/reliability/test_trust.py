@@ -92,6 +92,7 @@ def test_planted_upstream_pickle_is_reported_kept_and_regenerated_beside(
     rt = h.runtime(dump, role=role)
     target = h.ToyTarget()
     result = h.call(rt, target, 3)
+    h.end_run(rt)
     reports = [m for m in h.records(caplog) if file_name.split("/")[-1] in m]
     lost += int(marker.exists()) + int(target.calls != [3]) + int(len(reports) != 1)
     lost += int("trust_upstream" not in (reports or [""])[0])
@@ -106,6 +107,7 @@ def test_planted_upstream_pickle_is_reported_kept_and_regenerated_beside(
             path.unlink()
     caplog.clear()
     h.call(rt, target, 3)
+    h.end_run(rt)
     lost += len([m for m in h.records(caplog) if file_name.split("/")[-1] in m])
 
     # the next run hits skipinject's own cache; the pickle is still not touched

@@ -41,6 +41,7 @@ def test_advantage_miss_then_hit_on_real_compute_advantage(
         assert out is batch
         first[step] = out.batch["advantages"].clone()
     assert len(counted_compute_advantage) == 2
+    enter_fit(3)  # a fit that returns: the end of a run, which commits the step still open (step 2)
     assert len(_lines(skip_log, ": miss (")) == 2 and len(_lines(skip_log, "saved 8 rows")) == 2
     step_dir = tmp_path / "e_p" / "GBS4_N2_in5_out6" / "advantage" / "1"
     assert (step_dir / "meta.json").is_file()

@@ -27,8 +27,8 @@ def test_reward_miss_then_hit_on_real_extract_reward(
     _trainer = enter_fit(1)
     reward_1, extra_1 = ray_trainer.extract_reward(_reward_batch(1))
     assert isinstance(extra_1["acc"], np.ndarray)
+    bootstrap.stop()  # the run ends: its open step is committed
     assert len(counted_extract_reward) == 1 and _lines(skip_log, "reward step 1: saved 8 rows")
-    bootstrap.stop()
 
     # Run 2: same responses, but the reward function (say an LLM judge) would score them otherwise now.
     start(config, plugins)

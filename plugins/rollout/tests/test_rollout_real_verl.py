@@ -133,6 +133,8 @@ def test_sync_caller_gets_a_dataproto_and_awaiting_caller_an_awaitable(tmp_path:
     _, gen = trainer_batch(PROMPTS, 1)
     out = mgr.generate_sequences(gen)
     assert isinstance(out, DataProto) and len(out) == len(PROMPTS) * N
+    bootstrap.stop()  # run 2 (a new engine) awaits the same step
+    start(tmp_path, steps=(1,))
 
     async def awaiting() -> Any:
         pending = mgr.generate_sequences(gen)
@@ -141,7 +143,7 @@ def test_sync_caller_gets_a_dataproto_and_awaiting_caller_an_awaitable(tmp_path:
 
     again = asyncio.run(awaiting())
     assert isinstance(again, DataProto)
-    assert calls == [4, 4], "the awaiting call was served from the cache of the first"
+    assert calls == [4, 4], "run 1's call ran on both workers; run 2's awaiting call was served from its cache"
     assert torch.equal(again.batch["responses"], out.batch["responses"])
 
 
@@ -157,10 +159,10 @@ def test_miss_saves_hit_serves_and_union_accepts(tmp_path: Path, caplog):
         first[step] = out
         batch.repeat(N, interleave=True).union(out)
     assert len(calls) == 4
+    bootstrap.stop()  # the run ends: its last step is committed
     step_dir = tmp_path / "exp_proj" / f"GBS4_N{N}_in{PROMPT_LEN}_out{RESPONSE_LEN}" / "1"
     assert (step_dir / "meta.json").is_file() and not (step_dir / "gen_batch.dp").exists()
 
-    bootstrap.stop()
     start(tmp_path, steps=(1, 2))
     calls.clear()
     with caplog.at_level(logging.INFO, logger="skipinject"):
@@ -183,6 +185,8 @@ def test_other_prompts_are_reported_in_one_line_and_in_the_metrics(tmp_path: Pat
     calls: list[int] = []
     mgr = manager(calls)
     mgr.generate_sequences(trainer_batch(PROMPTS, 1)[1])
+    bootstrap.stop()
+    start(tmp_path, steps=(1,))  # run 2 meets step 1 with other prompts
     shuffled = [PROMPTS[1], PROMPTS[0], PROMPTS[2], "a new prompt"]
     with caplog.at_level(logging.INFO, logger="skipinject"):
         out = mgr.generate_sequences(trainer_batch(shuffled, 1)[1])
@@ -233,6 +237,7 @@ def test_builtin_skip_manager_is_turned_off_with_one_warning(tmp_path: Path, cap
         SkipManager.init(config)
         SkipManager.set_step(1)
         mgr.generate_sequences(trainer_batch(PROMPTS, 1)[1])
+    bootstrap.stop()  # the run ends: its step is committed
     try:
         assert "rollout" not in SkipManager.skip_instances
         warnings = [r.getMessage() for r in caplog.records if "built-in skip.rollout" in r.getMessage()]
