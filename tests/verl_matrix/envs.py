@@ -5,9 +5,9 @@
 
 Each lock is ``requirements/verl-<version>.txt`` (``requirements/lock.txt`` for 0.9.1): exact
 ``==`` pins installed with ``--no-deps`` after ``torch==2.13.0`` (an unpinned torch pulls a
-multi-GB CUDA build; verl's own pins conflict with what it really needs on CPU). skipinject (with the
-built-in roles) and every plugin distribution under ``plugins/`` are then installed editable. A stamp holding a hash of the lock
-and of the project metadata makes a second call a no-op.
+multi-GB CUDA build; verl's own pins conflict with what it really needs on CPU). skipinject (with
+the built-in roles) and every plugin distribution under ``plugins/`` are then installed editable.
+A stamp holding a hash of the lock and of the project metadata makes a second call a no-op.
 """
 
 from __future__ import annotations
