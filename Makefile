@@ -11,10 +11,14 @@ STAMP  := $(VENV)/.skipinject-installed
 LINT_VENV  := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 PYTEST := $(BIN)/python -m pytest
+# Distributions of older set-ups whose roles now ship inside skipinject's own wheel.
+OBSOLETE_DISTS := skipinject-rollout skipinject-rollout-tq
+BUILD_STAMP := $(VENV)/.build-installed
+DIST := dist
 # The unit tier by directory (plugins' verl-free tests go in plugins/<name>/tests/unit/).
 UNIT_PATHS := tests/unit $(wildcard plugins/*/tests/unit)
 
-.PHONY: setup demo test test-unit test-integration test-e2e test-fast test-verl-matrix venv-verl example bench lint clean
+.PHONY: setup dist demo test test-unit test-integration test-e2e test-fast test-verl-matrix venv-verl example bench lint clean
 
 setup: $(STAMP)
 
@@ -24,8 +28,21 @@ $(STAMP): requirements/lock.txt pyproject.toml $(wildcard plugins/*/pyproject.to
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q --no-deps -r requirements/lock.txt
+	$(BIN)/python -m pip uninstall -q -y $(OBSOLETE_DISTS) 2>/dev/null || true
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e . $(addprefix -e ,$(PLUGINS))
 	touch $@
+
+# Release artefacts: an sdist and a wheel of every distribution (skipinject, whose wheel holds the
+# built-in roles, and each plugins/*) in dist/, built from the sdists as a release is; no network
+# (hatchling is in the lock, build from requirements/build.txt).
+$(BUILD_STAMP): requirements/build.txt | $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps -r requirements/build.txt
+	touch $@
+
+dist: setup $(BUILD_STAMP)
+	rm -rf $(DIST)
+	$(BIN)/python -m build --no-isolation --outdir $(DIST) .
+	for plugin in $(PLUGINS); do $(BIN)/python -m build --no-isolation --outdir $(DIST) $$plugin || exit 1; done
 
 demo: setup
 	$(BIN)/python examples/verl_cpu/demo.py
@@ -72,4 +89,4 @@ lint: $(LINT_STAMP)
 	$(LINT_VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(LINT_VENV) .venvs .demo .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(LINT_VENV) .venvs .demo $(DIST) .pytest_cache .ruff_cache .mypy_cache

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from skipinject._version import __version__
 from skipinject.errors import SkipInjectError
 
 if TYPE_CHECKING:
@@ -34,7 +33,7 @@ options:
                   YAML file with a top-level `skip:` mapping of role settings (the command line wins)
   -c CODE         run CODE as `python -c` would
   --list          show plugins, their roles and targets, and whether each target exists here; then exit
-  --version       show versions and exit
+  --version       show the versions of skipinject, its plugin API, each plugin and verl's stack; exit
   -h, --help      show this help and exit
 
 skip.<role>.<key>=<value> in ARGS configures a role; keys: enable, dump_dir, steps, action
@@ -110,7 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE, end="")
         return 0
     if options.get("version"):
-        print(_versions())
+        from skipinject.listing import render_versions
+
+        print(render_versions(), end="")
         return 0
 
     from skipinject import bootstrap
@@ -153,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     bootstrap.configure_logging()
     if config.enabled_roles and not bootstrap.disabled():
+        from skipinject.stack import warn_if_untested
+
+        warn_if_untested()
         bootstrap.export(config)
         _export_plugin_paths(plugins, owners)
         try:
@@ -223,15 +227,3 @@ def _run(script: str | None, module: str | None, args: list[str], code: str | No
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(script, run_name="__main__")
     return 0
-
-
-def _versions() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    parts = [f"skipinject {__version__}"]
-    for dist in ("verl", "wrapt", "pluggy"):
-        try:
-            parts.append(f"{dist} {version(dist)}")
-        except PackageNotFoundError:
-            parts.append(f"{dist} (not installed)")
-    return ", ".join(parts)

@@ -1,4 +1,5 @@
-"""``skipinject --list``: every plugin, its roles and targets, and whether each resolves here."""
+"""``skipinject --list``: every plugin, its roles and targets, and whether each resolves here;
+``skipinject --version``: the versions of skipinject, its plugin API, every installed plugin and the verl stack."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import importlib
 import inspect
 from importlib.metadata import PackageNotFoundError, version
 
-from skipinject.plugin_manager import PluginSet
+from skipinject import stack
+from skipinject._version import API_VERSION, __version__
+from skipinject.plugin_manager import ENTRY_POINT_GROUP, PluginSet, installed_entry_points
 from skipinject.roles import TargetPath
 from skipinject.verl_compat import version_matches
 
@@ -49,4 +52,22 @@ def render(plugins: PluginSet) -> str:
         lines.append(f"plugin {name}: FAILED TO LOAD: {error}")
     if not plugins.plugins and not plugins.failures:
         lines.append("no plugins installed (entry-point group skipinject.plugins)")
+    return "\n".join(lines) + "\n"
+
+
+def render_versions() -> str:
+    """skipinject and its plugin API, each installed plugin (from entry-point metadata: nothing is
+    imported) with its distribution and version, then the verl stack against the tested versions."""
+    lines = [f"skipinject {__version__} (plugin API {API_VERSION[0]}.{API_VERSION[1]})"]
+    entry_points = installed_entry_points()
+    width = max((len(name) for name in entry_points), default=0)
+    for name in sorted(entry_points):
+        dist = getattr(entry_points[name], "dist", None)
+        dist_name, dist_version = getattr(dist, "name", None), getattr(dist, "version", None)
+        origin = f"{dist_name} {dist_version}" if dist_name else "(no distribution)"
+        built_in = " (built in)" if dist_name == "skipinject" else ""
+        lines.append(f"plugin {name:<{width}}  {origin}{built_in}")
+    if not entry_points:
+        lines.append(f"no plugins installed (entry-point group {ENTRY_POINT_GROUP})")
+    lines.append(", ".join(component.describe() for component in stack.components()))
     return "\n".join(lines) + "\n"

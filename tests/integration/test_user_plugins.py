@@ -140,7 +140,7 @@ def test_list_shows_every_plugin_role_target_and_range(user_plugins: None) -> No
     assert "verl: 0.9.1" in out
     assert "plugin reward (skipinject-reward 0.1.0)" in out
     assert "plugin advantage (skipinject-advantage 0.1.0)" in out
-    assert "plugin rollout (skipinject-rollout" in out
+    assert "plugin rollout (skipinject 0.1.0)" in out  # built in: shipped in the core wheel
     assert "  role reward: step from clock:global_steps" in out
     assert "  role advantage: step from clock:global_steps" in out
     assert "target verl.trainer.ppo.ray_trainer:extract_reward  verl >=0.7.1  [ok]" in out

@@ -5,9 +5,9 @@
 
 Each lock is ``requirements/verl-<version>.txt`` (``requirements/lock.txt`` for 0.9.1): exact
 ``==`` pins installed with ``--no-deps`` after ``torch==2.13.0`` (an unpinned torch pulls a
-multi-GB CUDA build; verl's own pins conflict with what it really needs on CPU). skipinject and
-every plugin under ``plugins/`` are then installed editable. A stamp holding a hash of the lock
-and of the project metadata makes a second call a no-op.
+multi-GB CUDA build; verl's own pins conflict with what it really needs on CPU). skipinject (with
+the built-in roles) and every plugin distribution under ``plugins/`` are then installed editable.
+A stamp holding a hash of the lock and of the project metadata makes a second call a no-op.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TORCH = "torch==2.13.0"
 VERSIONS = ("0.9.1", "0.8.0", "0.7.1", "0.6.1")
 NEWEST = "0.9.1"
+#: Distributions of older set-ups whose roles now ship inside skipinject's own wheel.
+OBSOLETE = ("skipinject-rollout", "skipinject-rollout-tq")
 
 
 def lock_file(version: str) -> Path:
@@ -76,6 +78,8 @@ def build(version: str, *, quiet: bool = True) -> Path:
     pip = [str(py), "-m", "pip", "install", *q, "--disable-pip-version-check"]
     subprocess.run([*pip, TORCH], check=True)
     subprocess.run([*pip, "--no-deps", "-r", str(lock_file(version))], check=True)
+    uninstall = [str(py), "-m", "pip", "uninstall", "-q", "-y", "--disable-pip-version-check", *OBSOLETE]
+    subprocess.run(uninstall, check=True, capture_output=True)  # pip skips, with a warning, what is absent
     editable = [a for p in [ROOT, *_plugins()] for a in ("-e", str(p))]
     subprocess.run([*pip, "--no-deps", "--no-build-isolation", *editable], check=True)
     _stamp(version).write_text(_digest(version))

@@ -1,0 +1,104 @@
+"""The verl stack skipinject runs in: torch, tensordict, ray and verl, and the versions tested.
+
+skipinject does not declare these as dependencies: they are the verl environment's own, and
+installing skipinject must never upgrade or replace them (a resolver fight over a CUDA torch).
+Instead the runner compares what is installed with :data:`TESTED` at start and says in one warning
+when anything is outside it. Versions come from the distributions' metadata: nothing is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+logger = logging.getLogger("skipinject")
+
+#: The versions the test suite runs against (the locks in ``requirements/``: verl 0.9.1 fully,
+#: 0.8.0, 0.7.1 and 0.6.1 end to end; torch, tensordict and ray as those locks pin them).
+TESTED: Mapping[str, str] = {
+    "verl": ">=0.6.1,<0.10",
+    "torch": ">=2.13,<2.14",
+    "tensordict": ">=0.10,<0.11",
+    "ray": ">=2.60,<2.61",
+}
+#: Needed by every cache (the codecs); the others may be absent (a program that is not verl).
+REQUIRED = ("torch",)
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution``, or ``None``."""
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class Component:
+    """One package of the stack: its installed version and whether it is in the tested range."""
+
+    name: str
+    installed: str | None
+    tested: str
+
+    @property
+    def in_range(self) -> bool:
+        """Installed and inside the tested range. A local or pre-release build counts as its release
+        (``2.13.0+cu128`` and NGC's ``2.13.0a0+git...`` are torch 2.13.0)."""
+        if self.installed is None:
+            return False
+        try:
+            release = Version(Version(self.installed).base_version)
+            return SpecifierSet(self.tested).contains(release)
+        except (InvalidSpecifier, InvalidVersion):
+            return False
+
+    def describe(self) -> str:
+        """``torch 2.13.0+cpu``, with the tested range when outside it."""
+        if self.installed is None:
+            return f"{self.name} (not installed)"
+        if self.in_range:
+            return f"{self.name} {self.installed}"
+        return f"{self.name} {self.installed} (untested: tested {self.tested})"
+
+
+def components(lookup: Callable[[str], str | None] = installed_version) -> list[Component]:
+    """The stack as installed, in :data:`TESTED`'s order."""
+    return [Component(name, lookup(name), tested) for name, tested in TESTED.items()]
+
+
+def outside_tested(found: list[Component]) -> list[Component]:
+    """Installed packages outside their tested range, and required ones that are missing."""
+    return [
+        c for c in found if (c.installed is not None and not c.in_range) or (c.installed is None and c.name in REQUIRED)
+    ]
+
+
+def warning_text(found: list[Component]) -> str | None:
+    """The one start-up warning for ``found``, or ``None`` when the stack is as tested."""
+    outside = outside_tested(found)
+    if not outside:
+        return None
+    tested = ", ".join(f"{name} {spec}" for name, spec in TESTED.items())
+    have = ", ".join(
+        f"{c.name} not installed (it comes with verl)" if c.installed is None else f"{c.name} {c.installed}"
+        for c in outside
+    )
+    return (
+        f"this environment has {have}: outside the versions skipinject is tested with ({tested}); "
+        "skipinject leaves them as they are and runs, but if a role misbehaves, report it with the output "
+        "of `python -m skipinject --version`"
+    )
+
+
+def warn_if_untested(lookup: Callable[[str], str | None] = installed_version) -> str | None:
+    """Log the start-up warning (one line) when the stack is outside :data:`TESTED`; return it."""
+    text = warning_text(components(lookup))
+    if text is not None:
+        logger.warning("%s", text)
+    return text
