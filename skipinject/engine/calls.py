@@ -22,7 +22,6 @@ only as the sequence of calls that made it.
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,7 +60,7 @@ class StepCalls:
     parts: int = 0  # parts handed to the writer
     failed: bool = False
     committed_parts: int = 0
-    began: float = field(default_factory=time.perf_counter)
+    saving_seconds: float = 0.0  # encoding, copying, writing and committing the parts (not generating them)
     # -- replaying
     payloads: Sequence[Payload] | None = None
     recorded_inputs: list[Any] = field(default_factory=list)

@@ -376,6 +376,7 @@ class RoleRuntime:
         if result is None:
             self._drop_step(record, f"call {index + 1} returned None")
             return
+        started = time.perf_counter()
         try:
             snapshot = self.codec.encode(result).private_copy()
         except Exception as exc:
@@ -388,12 +389,15 @@ class RoleRuntime:
             record.inputs[index] = list(inputs) if inputs is not None else self.fingerprint(call)
             record.parts += 1
             record.rows += snapshot.rows or 0
+            record.saving_seconds += time.perf_counter() - started
 
         def write() -> None:
             if record.failed:
                 return
+            began = time.perf_counter()
             try:
                 writer.add_part(snapshot, part=part_name(index))
+                record.saving_seconds += time.perf_counter() - began
             except Exception as exc:
                 self._drop_step(record, f"cannot write call {index + 1} ({type(exc).__name__}: {exc})", in_job=True)
 
@@ -416,8 +420,10 @@ class RoleRuntime:
         def commit() -> None:
             if record.failed:
                 return
+            began = time.perf_counter()
             try:
                 directory = writer.commit(meta)
+                record.saving_seconds += time.perf_counter() - began
             except Exception as exc:
                 self._drop_step(record, f"cannot commit ({type(exc).__name__}: {exc})", in_job=True)
                 return
@@ -429,7 +435,7 @@ class RoleRuntime:
                     plan.step,
                     record.rows,
                     directory,
-                    time.perf_counter() - record.began,
+                    record.saving_seconds,
                 )
             else:
                 logger.info(
@@ -439,7 +445,7 @@ class RoleRuntime:
                     calls,
                     record.rows,
                     directory,
-                    time.perf_counter() - record.began,
+                    record.saving_seconds,
                 )
 
         self.in_background(store, commit)
