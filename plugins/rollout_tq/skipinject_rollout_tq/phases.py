@@ -252,12 +252,16 @@ class SubmitPhase:
                 exc,
             )
             return False
-        earlier = prompt_groups()  # prompt groups of earlier steps still in the replay buffer
+        notes: list[str] = []
+        try:
+            earlier = prompt_groups()  # prompt groups of earlier steps still in the replay buffer
+        except Exception as exc:  # only the note below depends on it
+            earlier = 0
+            notes.append(f"could not count the groups already in the replay buffer ({type(exc).__name__}: {exc})")
         remapped = inject(ready)
         meta: Mapping[str, Any] = plan.entry.meta if plan.entry is not None else {}
         with self.book.lock:
             self.book.last_served[store.project_dir] = ServedRecord(step, _count(meta.get("carried_over")))
-        notes: list[str] = []
         exact = self._draw_recorded(call, plan.served_step, step, meta, len(uids), notes)
         if earlier:
             exact = False
@@ -559,8 +563,9 @@ class SamplePhase:
 
         ``prompts_drawn``: prompts the dataloader gave the step (the submit's, ``prompts_submitted``,
         plus each refill's, ``refills``), absent if a draw went unseen; ``carried_over``: prompt
-        groups left in the replay buffer for later steps (always 0 in ``sync`` mode, which drains
-        and drops its surplus).
+        groups left in the replay buffer for later steps (0 unless groups of earlier steps were in
+        it: group filtering's ``sync`` sampling drops its surplus, and refills replace evicted
+        groups one for one).
         """
         record: dict[str, Any] = {}
         draws = self.book.draws_of(store, step)
