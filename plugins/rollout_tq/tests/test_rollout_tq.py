@@ -372,31 +372,44 @@ def messages_of(caplog: pytest.LogCaptureFixture, text: str, level: int = loggin
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize(
+    ("mode", "k", "refill"),
+    [
+        # sync: 2 evictions give 2 x 2 = 4 refill credits; one in-flight batch of 4 fits them all (rows 8-11),
+        # then the surplus of 2 sampleable groups is dropped.
+        pytest.param("sync", 1, 4, id="sync"),
+        # async: each evicted group is replaced by one refill (rows 8-9); two mini-batches of 2.
+        pytest.param("separate_async", 2, 2, id="separate_k2"),
+    ],
+)
 def test_dapo_served_step_draws_what_the_recorded_step_drew_and_generates_nothing(
-    tmp_path: Path, clean_tq: None, caplog
+    tmp_path: Path, clean_tq: None, caplog, mode: str, k: int, refill: int
 ):
     dump = tmp_path / "dump"
     layout = dump / LAYOUT.format(gbs=1)
+    drawn = BATCH + refill
     with Session(dump, steps=(2,)), caplog.at_level(logging.INFO, logger="skipinject"):
-        trainer = make_trainer(dapo=True, uniform=UNIFORM)
+        trainer = make_trainer(mode, k, dapo=True, uniform=UNIFORM)
         first = {step: train_step(trainer, step) for step in (1, 2, 3)}
-    assert trainer.agent_loop_manager.indices == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    step3 = list(range(4 + drawn, 8 + drawn))
+    assert trainer.agent_loop_manager.indices == [[0, 1, 2, 3], [4, 5, 6, 7], list(range(8, 4 + drawn)), step3]
     meta = json.loads((layout / "2" / "meta.json").read_text())
-    assert meta["rows"] == BATCH * N
-    assert (meta["prompts_drawn"], meta["prompts_submitted"], meta["refills"], meta["carried_over"]) == (8, 4, [4], 0)
-    assert len(messages_of(caplog, "rollout_tq step 2: refill of 4 prompts generated")) == 1
-    assert len(messages_of(caplog, "the step drew 8 prompts (4 + refills [4])")) == 1
+    assert meta["rows"] == BATCH * N and len(meta["parts"]) == k
+    record = (meta["prompts_drawn"], meta["prompts_submitted"], meta["refills"], meta["carried_over"])
+    assert record == (drawn, BATCH, [refill], 0)
+    assert len(messages_of(caplog, f"rollout_tq step 2: refill of {refill} prompts generated")) == 1
+    assert len(messages_of(caplog, f"the step drew {drawn} prompts ({BATCH} + refills [{refill}])")) == 1
     caplog.clear()
 
     with Session(dump, steps=(2,)), caplog.at_level(logging.INFO, logger="skipinject"):
-        trainer = make_trainer(dapo=True, uniform=UNIFORM)
+        trainer = make_trainer(mode, k, dapo=True, uniform=UNIFORM)
         second = {step: train_step(trainer, step) for step in (1, 2, 3)}
-    # Step 2 was served: no submit, no refill. Its 8 prompts were drawn, so step 3 got rows 12-15 as in run 1.
-    assert trainer.agent_loop_manager.indices == [[0, 1, 2, 3], [12, 13, 14, 15]]
+    # Step 2 was served: no submit, no refill. It drew what run 1 drew, so step 3 got run 1's prompts.
+    assert trainer.agent_loop_manager.indices == [[0, 1, 2, 3], step3]
     assert responses(second[2]) == responses(first[2]), "trained on what run 1 sampled at step 2"
     assert sorted(map(str, second[3]["raw_prompt"])) == sorted(map(str, first[3]["raw_prompt"]))
     [hit] = messages_of(caplog, "hit, served step 2")
-    assert "drew 8 prompts as the recorded step did (4 + 4 that its refills drew, dropped ungenerated)" in hit
+    assert f"drew {drawn} prompts as the recorded step did ({BATCH} + {refill} that its refills drew" in hit
     assert not messages_of(caplog, "", logging.WARNING), "an exact replay warns of nothing"
     assert not (layout / "3").exists()
 
