@@ -415,6 +415,37 @@ def test_dapo_served_step_draws_what_the_recorded_step_drew_and_generates_nothin
 
 
 @pytest.mark.ray
+def test_a_record_without_its_draws_serves_the_step_and_says_the_dataloader_may_drift(
+    tmp_path: Path, clean_tq: None, caplog
+):
+    # verl's own cache (tq_batch.pt, trusted) records no draws: the step is served, the dataloader
+    # gives the submit's prompts only, and the hit line says later steps may see other prompts.
+    dump = tmp_path / "dump"
+    layout = dump / LAYOUT.format(gbs=1)
+    with Session(dump, steps=(2,)):
+        trainer = make_trainer(dapo=True, uniform=UNIFORM)
+        for step in (1, 2):
+            train_step(trainer, step)
+    store = _store(layout, step=2)
+    payload = TensorDictCodec().decode(store.load(store.verified(2))[0])
+    for path in (layout / "2").rglob("*"):
+        if path.is_file():
+            path.unlink()
+    (layout / "2" / "0").mkdir(exist_ok=True)
+    torch.save(payload, layout / "2" / "0" / "tq_batch.pt")
+    clear_tq()
+
+    with Session(dump, steps=(2,), trust_upstream=True), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer(dapo=True, uniform=UNIFORM)
+        for step in (1, 2, 3):
+            train_step(trainer, step)
+    assert trainer.agent_loop_manager.indices == [[0, 1, 2, 3], [8, 9, 10, 11]], "step 3 drew right after the submit"
+    [hit] = messages_of(caplog, "hit, served step 2", logging.WARNING)
+    assert "the record does not say how many prompts the step drew" in hit
+    assert "later steps may see other prompts than the recorded run" in hit
+
+
+@pytest.mark.ray
 def test_a_refill_at_a_served_step_is_generated_and_said(tmp_path: Path, clean_tq: None, caplog):
     # Row 2's group has one trajectory (a failed session): it passes the filter in run 1, but served
     # to n=2 sessions it is cycled into two equal ones, which the filter evicts in run 2.
@@ -623,8 +654,8 @@ def test_upstream_tq_batch_is_reported_not_loaded_unless_trusted(tmp_path: Path,
     assert responses(trusted) == responses(first)
 
 
-def _store(layout: Path) -> StepStore:
-    meta = json.loads((layout / "1" / "meta.json").read_text())
+def _store(layout: Path, step: int = 1) -> StepStore:
+    meta = json.loads((layout / str(step) / "meta.json").read_text())
     return StepStore(layout, "rollout_tq", meta["context"])
 
 
