@@ -4,6 +4,9 @@ Targets (verl 0.9.1):
 
 * ``PPOTrainer._add_batch_to_generate`` (submit): the dataloader always advances; a cached step
   is put into TransferQueue under the new uids instead of submitting the prompts for generation.
+* ``PPOTrainer._add_prompts_to_generate`` (refill; the replay buffer's ``refill_fn``): at a chosen
+  step, the prompts group filtering (DAPO) and failed-group refills draw are counted for the step's
+  record; a served step drew them already in its submit (``prompts_drawn`` of the record).
 * ``ReplayBuffer.sample`` and ``ReplayBufferAsync.sample`` (sample): after the real sample, the
   train batch of a generated step is read back and copied in the call, then written in the
   background; ``parameter_sync_step = k`` gives k parts, one commit.
@@ -30,11 +33,12 @@ from skipinject import (
     version_matches,
 )
 
-from skipinject_rollout_tq.phases import SamplePhase, StepBook, SubmitPhase, WarmupOff
+from skipinject_rollout_tq.phases import RefillPhase, SamplePhase, StepBook, SubmitPhase, WarmupOff
 from skipinject_rollout_tq.transfer import UPSTREAM_FILE, load_upstream_file
 
 TRAINER = "verl.trainer.ppo.v1.trainer_base:PPOTrainer"
 SUBMIT = f"{TRAINER}._add_batch_to_generate"
+REFILL = f"{TRAINER}._add_prompts_to_generate"
 WARMUP = f"{TRAINER}._add_async_warmup_batches"
 FIT = f"{TRAINER}.fit"
 SAMPLES = (
@@ -72,6 +76,7 @@ def make_role(book: StepBook | None = None) -> Role:
         name="rollout_tq",
         targets=[
             Target(SUBMIT, phase=SubmitPhase(book), verl=V1_VERL),
+            Target(REFILL, phase=RefillPhase(book), verl=V1_VERL),
             *(Target(path, phase=SamplePhase(book), every_step=True, verl=V1_VERL) for path in SAMPLES),
             Target(WARMUP, phase=WarmupOff(), every_step=True, verl=V1_VERL),
         ],
@@ -83,7 +88,8 @@ def make_role(book: StepBook | None = None) -> Role:
         check=cannot_fire,
         cache_subdir="",
         upstream=TQ_BATCH,
-        description="V1 TransferQueue trainer: submit (inject cached trajectories) and sample (save them)",
+        description="V1 TransferQueue trainer: submit (inject cached trajectories), refill (count DAPO's draws) "
+        "and sample (save them)",
     )
 
 

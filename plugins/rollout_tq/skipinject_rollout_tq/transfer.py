@@ -163,6 +163,14 @@ def inject(injection: Injection, partition: str = TRAIN) -> Remap:
     return plan
 
 
+def prompt_groups(partition: str = TRAIN) -> int:
+    """Prompt groups in ``partition`` now (pending, running, or terminal but not sampled yet)."""
+    import transfer_queue as tq
+
+    listing = tq.kv_list(partition) or {}
+    return sum(1 for tag in listing.get(partition, {}).values() if tag.get("is_prompt", False))
+
+
 def snapshot(batch_meta: Any, step: int) -> dict[str, Any]:
     """A sampled batch (``KVBatchMeta``) read back from TransferQueue, in the cached-step shape."""
     import transfer_queue as tq

@@ -98,6 +98,7 @@ def test_installed_plugin_provides_the_role_through_its_entry_point():
     paths = {target.path: target.every_step for target in role.targets}
     assert paths == {
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_batch_to_generate": False,
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_prompts_to_generate": False,
         "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample": True,
         "verl.trainer.ppo.v1.replay_buffer:ReplayBufferAsync.sample": True,
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_async_warmup_batches": True,
@@ -138,17 +139,21 @@ def clear_tq() -> None:
             tq.kv_clear(keys=list(items), partition_id=partition)
 
 
-def trajectory(uid: str, session: int, step: int, seed: int) -> dict[str, Any]:
-    """One trajectory's fields, shaped like AgentLoopWorkerTQ's (jagged prompt/response lengths)."""
+def trajectory(uid: str, session: int, step: int, seed: int, uniform: bool = False) -> dict[str, Any]:
+    """One trajectory's fields, shaped like AgentLoopWorkerTQ's (jagged prompt/response lengths).
+
+    ``uniform``: every session of the prompt gets reward 0 (a group DAPO's filter evicts).
+    """
     prompt_len, response_len = 3 + seed % 4, 1 + (seed * 7 + session) % 6
     prompts = torch.arange(prompt_len, dtype=torch.int64) + seed
     responses = torch.arange(response_len, dtype=torch.int64) * (session + 2) + seed
+    reward = 0.0 if uniform else float(seed + session + 1) / 10
     return {
         "prompts": prompts,
         "responses": responses,
         "input_ids": torch.cat([prompts, responses]),
         "response_mask": torch.ones(response_len, dtype=torch.int64),
-        "rm_scores": torch.full((response_len,), float(seed + session) / 10),
+        "rm_scores": torch.cat([torch.zeros(response_len - 1), torch.tensor([reward])]),
         "uid": uid,
         "session_id": session,
         "global_steps": step,
@@ -157,8 +162,10 @@ def trajectory(uid: str, session: int, step: int, seed: int) -> dict[str, Any]:
     }
 
 
-def put_trajectories(uid: str, step: int, seed: int, sessions: range, partition: str = "train") -> list[str]:
-    fields = [trajectory(uid, session, step, seed) for session in sessions]
+def put_trajectories(
+    uid: str, step: int, seed: int, sessions: range, partition: str = "train", uniform: bool = False
+) -> list[str]:
+    fields = [trajectory(uid, session, step, seed, uniform) for session in sessions]
     keys = [f"{uid}_{session}_0" for session in sessions]
     tags = [
         {
@@ -176,23 +183,32 @@ def put_trajectories(uid: str, step: int, seed: int, sessions: range, partition:
 
 
 class StandInAgentLoopManager:
-    """Generates n trajectories per submitted prompt straight into TransferQueue, then marks it finished."""
+    """Generates n trajectories per submitted prompt straight into TransferQueue, then marks it finished.
 
-    def __init__(self) -> None:
+    Prompts whose dataset index is in ``uniform`` get the same reward in every session (DAPO's
+    filter evicts them); those in ``short`` get one trajectory only (the other sessions failed).
+    """
+
+    def __init__(self, uniform: frozenset[int] = frozenset(), short: frozenset[int] = frozenset()) -> None:
         self.calls: list[list[str]] = []
+        self.indices: list[list[int]] = []
+        self.uniform = uniform
+        self.short = short
 
     def generate_sequences(self, batch: TensorDict) -> None:
         uids = [str(u) for u in batch["uid"]]
         self.calls.append(uids)
         indices = [int(i) for i in batch["index"]]
+        self.indices.append(indices)
         step = int(batch["global_steps"])
         for uid, index in zip(uids, indices, strict=True):
             tq.kv_put(key=uid, partition_id="train", tag={"status": "running"})
-            put_trajectories(uid, step, seed=index, sessions=range(N))
+            sessions = range(1 if index in self.short else N)
+            put_trajectories(uid, step, seed=index, sessions=sessions, uniform=index in self.uniform)
             tq.kv_put(key=uid, partition_id="train", tag={"status": "finished"})
 
 
-def run_config(mode: str = "sync", k: int = 1) -> Any:
+def run_config(mode: str = "sync", k: int = 1, dapo: bool = False) -> Any:
     return OmegaConf.create(
         {
             "trainer": {
@@ -201,9 +217,10 @@ def run_config(mode: str = "sync", k: int = 1) -> Any:
                 "project_name": "p",
                 "v1": {"trainer_mode": mode, mode: {"parameter_sync_step": k}},
             },
+            "algorithm": {"filter_groups": {"enable": dapo, "metric": "reward"}},
             "data": {
                 "train_batch_size": BATCH,
-                "gen_batch_size": 1 if mode != "sync" else None,
+                "gen_batch_size": 1 if mode != "sync" or dapo else None,
                 "max_prompt_length": 8,
                 "max_response_length": 8,
             },
@@ -224,9 +241,19 @@ def dataloader(rows: int = 64, chunk: int = BATCH) -> list[dict[str, Any]]:
     ]
 
 
-def make_trainer(mode: str = "sync", k: int = 1) -> Any:
-    """verl's real V1 trainer class with only the state its submit path reads."""
-    config = run_config(mode, k)
+def make_trainer(
+    mode: str = "sync",
+    k: int = 1,
+    dapo: bool = False,
+    uniform: frozenset[int] = frozenset(),
+    short: frozenset[int] = frozenset(),
+) -> Any:
+    """verl's real V1 trainer class with only the state its submit path reads.
+
+    ``dapo``: group filtering on, as ``PPOTrainer._build_replay_buffer`` sets it up: the buffer
+    refills through the trainer's real (patched) ``_add_prompts_to_generate``, one prompt per fetch.
+    """
+    config = run_config(mode, k, dapo)
     trainer = object.__new__(get_trainer_cls(mode))
     trainer.config = config
     trainer.trainer_mode = mode
@@ -234,8 +261,9 @@ def make_trainer(mode: str = "sync", k: int = 1) -> Any:
     trainer.train_dataloader = dataloader(chunk=config.data.gen_batch_size or BATCH)
     trainer.train_dataloader_it = None
     trainer.global_steps = 0
-    trainer.agent_loop_manager = StandInAgentLoopManager()
+    trainer.agent_loop_manager = StandInAgentLoopManager(uniform, short)
     buffer_cls = ReplayBuffer if mode == "sync" else ReplayBufferAsync
+    sync_gen_batch = 1 if dapo else BATCH
     trainer.replay_buffer = buffer_cls(
         trainer_mode=mode,
         trainer_config=config.trainer.v1[mode],
@@ -243,8 +271,10 @@ def make_trainer(mode: str = "sync", k: int = 1) -> Any:
         max_off_policy_strategy="drop",
         sampler_kwargs={},
         poll_interval=0.05,
+        refill_fn=trainer._add_prompts_to_generate,
+        filter_groups_metric="reward" if dapo else None,
         train_batch_size=BATCH if mode == "sync" else None,
-        gen_batch_size=BATCH if mode == "sync" else None,
+        gen_batch_size=sync_gen_batch if mode == "sync" else None,
     )
     CLOCK.enter(trainer)
     return trainer
@@ -325,6 +355,154 @@ def test_sync_miss_saves_then_hit_injects_without_generating(tmp_path: Path, cle
     assert all(
         tag["global_steps"] == tag["min_global_steps"] == tag["max_global_steps"] == 1 for tag in second[1]["tags"]
     )
+
+
+# Rows 4-7 are step 2's submit (one prompt per fetch): 5 and 6 get uniform rewards, so group filtering
+# evicts them and the replay buffer refills 2 x 2 = 4 prompts (rows 8-11) before it samples.
+UNIFORM = frozenset({5, 6})
+
+
+def messages_of(caplog: pytest.LogCaptureFixture, text: str, level: int = logging.INFO) -> list[str]:
+    """skipinject's log lines holding ``text``, at ``level`` or above."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "skipinject" and text in r.getMessage() and r.levelno >= level
+    ]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("mode", "k", "refill"),
+    [
+        # sync: 2 evictions give 2 x 2 = 4 refill credits; one in-flight batch of 4 fits them all (rows 8-11),
+        # then the surplus of 2 sampleable groups is dropped.
+        pytest.param("sync", 1, 4, id="sync"),
+        # async: each evicted group is replaced by one refill (rows 8-9); two mini-batches of 2.
+        pytest.param("separate_async", 2, 2, id="separate_k2"),
+    ],
+)
+def test_dapo_served_step_draws_what_the_recorded_step_drew_and_generates_nothing(
+    tmp_path: Path, clean_tq: None, caplog, mode: str, k: int, refill: int
+):
+    dump = tmp_path / "dump"
+    layout = dump / LAYOUT.format(gbs=1)
+    drawn = BATCH + refill
+    with Session(dump, steps=(2,)), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer(mode, k, dapo=True, uniform=UNIFORM)
+        first = {step: train_step(trainer, step) for step in (1, 2, 3)}
+    step3 = list(range(4 + drawn, 8 + drawn))
+    assert trainer.agent_loop_manager.indices == [[0, 1, 2, 3], [4, 5, 6, 7], list(range(8, 4 + drawn)), step3]
+    meta = json.loads((layout / "2" / "meta.json").read_text())
+    assert meta["rows"] == BATCH * N and len(meta["parts"]) == k
+    record = (meta["prompts_drawn"], meta["prompts_submitted"], meta["refills"], meta["carried_over"])
+    assert record == (drawn, BATCH, [refill], 0)
+    assert len(messages_of(caplog, f"rollout_tq step 2: refill of {refill} prompts generated")) == 1
+    assert len(messages_of(caplog, f"the step drew {drawn} prompts ({BATCH} + refills [{refill}])")) == 1
+    caplog.clear()
+
+    with Session(dump, steps=(2,)), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer(mode, k, dapo=True, uniform=UNIFORM)
+        second = {step: train_step(trainer, step) for step in (1, 2, 3)}
+    # Step 2 was served: no submit, no refill. It drew what run 1 drew, so step 3 got run 1's prompts.
+    assert trainer.agent_loop_manager.indices == [[0, 1, 2, 3], step3]
+    assert responses(second[2]) == responses(first[2]), "trained on what run 1 sampled at step 2"
+    assert sorted(map(str, second[3]["raw_prompt"])) == sorted(map(str, first[3]["raw_prompt"]))
+    [hit] = messages_of(caplog, "hit, served step 2")
+    assert f"drew {drawn} prompts as the recorded step did ({BATCH} + {refill} that its refills drew" in hit
+    assert not messages_of(caplog, "", logging.WARNING), "an exact replay warns of nothing"
+    assert not (layout / "3").exists()
+
+
+@pytest.mark.ray
+def test_a_record_without_its_draws_serves_the_step_and_says_the_dataloader_may_drift(
+    tmp_path: Path, clean_tq: None, caplog
+):
+    # verl's own cache (tq_batch.pt, trusted) records no draws: the step is served, the dataloader
+    # gives the submit's prompts only, and the hit line says later steps may see other prompts.
+    dump = tmp_path / "dump"
+    layout = dump / LAYOUT.format(gbs=1)
+    with Session(dump, steps=(2,)):
+        trainer = make_trainer(dapo=True, uniform=UNIFORM)
+        for step in (1, 2):
+            train_step(trainer, step)
+    store = _store(layout, step=2)
+    payload = TensorDictCodec().decode(store.load(store.verified(2))[0])
+    for path in (layout / "2").rglob("*"):
+        if path.is_file():
+            path.unlink()
+    (layout / "2" / "0").mkdir(exist_ok=True)
+    torch.save(payload, layout / "2" / "0" / "tq_batch.pt")
+    clear_tq()
+
+    with Session(dump, steps=(2,), trust_upstream=True), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer(dapo=True, uniform=UNIFORM)
+        for step in (1, 2, 3):
+            train_step(trainer, step)
+    assert trainer.agent_loop_manager.indices == [[0, 1, 2, 3], [8, 9, 10, 11]], "step 3 drew right after the submit"
+    [hit] = messages_of(caplog, "hit, served step 2", logging.WARNING)
+    assert "the record does not say how many prompts the step drew" in hit
+    assert "later steps may see other prompts than the recorded run" in hit
+
+
+@pytest.mark.ray
+def test_a_refill_at_a_served_step_is_generated_and_said(tmp_path: Path, clean_tq: None, caplog):
+    # Row 2's group has one trajectory (a failed session): it passes the filter in run 1, but served
+    # to n=2 sessions it is cycled into two equal ones, which the filter evicts in run 2.
+    dump = tmp_path / "dump"
+    with Session(dump, steps=(1,)):
+        trainer = make_trainer(dapo=True, short=frozenset({2}))
+        first = train_step(trainer, 1)
+    assert len(first["keys"]) == BATCH * N - 1
+
+    with Session(dump, steps=(1,)), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer(dapo=True)
+        train_step(trainer, 1)
+        train_step(trainer, 2)
+    assert trainer.agent_loop_manager.indices == [[4, 5], [6, 7, 8, 9]], "the refill ran; step 2 drew after it"
+    [warning] = messages_of(caplog, "rollout_tq step 1: the replay buffer asks for 2 more prompts", logging.WARNING)
+    assert "generating them" in warning and "2 prompts ahead of the recorded run" in warning
+
+
+@pytest.mark.ray
+def test_groups_left_in_the_buffer_around_a_served_step_are_said(tmp_path: Path, clean_tq: None, caplog):
+    # A group of an earlier step in the buffer (as a resumed run re-issues them): sync sampling takes the
+    # oldest first, so one of step 2's own groups is left over, and the record says so.
+    def foreign(step: int) -> None:
+        put_trajectories("old", step - 1, seed=40, sessions=range(N))
+        tq.kv_put(key="old", partition_id="train", tag={"is_prompt": True, "status": "finished", "global_steps": 1})
+
+    dump = tmp_path / "dump"
+    layout = dump / LAYOUT.format(gbs=BATCH)
+    with Session(dump, steps=(2,)):
+        trainer = make_trainer()
+        train_step(trainer, 1)
+        trainer.global_steps = 2
+        foreign(2)
+        recorded = train_step(trainer, 2)
+    assert "old_0_0" in recorded["keys"]
+    meta = json.loads((layout / "2" / "meta.json").read_text())
+    assert (meta["prompts_drawn"], meta["carried_over"]) == (4, 1)
+    clear_tq()
+
+    with Session(dump, steps=(2,)), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer()
+        train_step(trainer, 1)
+        train_step(trainer, 2)
+        train_step(trainer, 3)
+    [after] = messages_of(caplog, "rollout_tq step 3: served step 2's record says", logging.WARNING)
+    assert "carried 1 prompt groups" in after and "step 3 trains on other prompts than the recorded run" in after
+    clear_tq()
+
+    caplog.clear()
+    with Session(dump, steps=(2,)), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer()
+        train_step(trainer, 1)
+        trainer.global_steps = 2
+        foreign(2)
+        train_step(trainer, 2)
+    [hit] = messages_of(caplog, "hit, served step 2", logging.WARNING)
+    assert "1 prompt groups of earlier steps are still in the replay buffer" in hit
 
 
 @pytest.mark.ray
@@ -476,8 +654,8 @@ def test_upstream_tq_batch_is_reported_not_loaded_unless_trusted(tmp_path: Path,
     assert responses(trusted) == responses(first)
 
 
-def _store(layout: Path) -> StepStore:
-    meta = json.loads((layout / "1" / "meta.json").read_text())
+def _store(layout: Path, step: int = 1) -> StepStore:
+    meta = json.loads((layout / str(step) / "meta.json").read_text())
     return StepStore(layout, "rollout_tq", meta["context"])
 
 
