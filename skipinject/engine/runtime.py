@@ -127,13 +127,14 @@ class RoleRuntime:
         root = split_dump_dir(self.settings.dump_dir)
         if isinstance(project, RemotePath):
             fs, _ = open_remote(str(root))
-            return RemoteStepStore(project, self.role.name, context, fs)
+            return RemoteStepStore(project, self.role.name, context, fs, plugin=self.owner)
         return StepStore(
             project,
             self.role.name,
             context,
             trust_permissions=self.settings.trust_dir_permissions,
             dump_dir=root if isinstance(root, Path) else None,
+            plugin=self.owner,
         )
 
     # ------------------------------------------------------------ deciding

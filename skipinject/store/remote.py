@@ -123,9 +123,10 @@ class RemoteStepStore(StepStore):
         role: str,
         context: Mapping[str, Any],
         fs: AbstractFileSystem,
+        plugin: str | None = None,
     ) -> None:
         # Paths are only shown and compared by the engine, so a RemotePath stands in for a Path.
-        super().__init__(project_dir, role, context, trust_permissions=True)  # type: ignore[arg-type]
+        super().__init__(project_dir, role, context, trust_permissions=True, plugin=plugin)  # type: ignore[arg-type]
         self.location = project_dir
         self.fs = fs
 

@@ -53,10 +53,14 @@ class StepStore:
         *,
         trust_permissions: bool = False,
         dump_dir: Path | None = None,
+        plugin: str | None = None,
     ) -> None:
         """``trust_permissions``: load from directories other users could write (the user's opt-in,
         ``skip.<role>.trust_dir_permissions``). ``dump_dir``: the cache root; it and every directory
-        from it down to ``project_dir`` are checked too (without it, ``project_dir`` and below)."""
+        from it down to ``project_dir`` are checked too (without it, ``project_dir`` and below).
+        ``plugin``: the plugin providing the role, recorded in ``meta.json`` (``skipinject cache``
+        names it where it is not installed)."""
+        self.plugin = plugin
         self.project_dir = project_dir
         self.role = role
         self.context = dict(context)

@@ -154,6 +154,8 @@ class StepWriter:
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
         )
+        if self.store.plugin:
+            record["plugin"] = self.store.plugin
         record["meta_checksum"] = _meta_digest(record)
         return json.dumps(record, indent=1, sort_keys=True).encode()
 
