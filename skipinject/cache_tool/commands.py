@@ -18,7 +18,6 @@ from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.progress import Progress
 from skipinject.cache_tool.render import emit_json, human_number, human_size, schema, shorten, table
 from skipinject.cache_tool.scan import (
-    OUR_PREFIXES,
     STEP_RE,
     Item,
     ItemRecord,
@@ -30,7 +29,7 @@ from skipinject.cache_tool.scan import (
     step_ranges,
 )
 from skipinject.errors import CorruptCacheError
-from skipinject.store import META_NAME
+from skipinject.store.format import META_NAME, is_ours, is_part_name
 
 OK, FOUND, USAGE = 0, 1, 2
 
@@ -669,11 +668,11 @@ def _our_files(item: Item) -> list[Path]:
         return list(item.files)
     out = []
     directories = [item.path] + [
-        item.path / e.name for e in os.scandir(item.path) if e.is_dir(follow_symlinks=False) and STEP_RE.match(e.name)
+        item.path / e.name for e in os.scandir(item.path) if e.is_dir(follow_symlinks=False) and is_part_name(e.name)
     ]
     for directory in directories:
         for entry in os.scandir(directory):
-            if entry.name.startswith(OUR_PREFIXES) and entry.is_file(follow_symlinks=False):
+            if is_ours(entry.name) and entry.is_file(follow_symlinks=False):
                 out.append(directory / entry.name)
     meta = item.path / META_NAME
     if item.kind == "skipinject" and lstat_regular(meta) is not None:
