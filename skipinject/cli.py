@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from skipinject._version import __version__
+from skipinject.config.schema import settings_help
 from skipinject.errors import SkipInjectError
 
 if TYPE_CHECKING:
@@ -37,9 +38,7 @@ options:
   --version       show versions and exit
   -h, --help      show this help and exit
 
-skip.<role>.<key>=<value> in ARGS configures a role; keys: enable, dump_dir, steps, action
-(cache|repeat|strict), trust_upstream, on_mismatch (warn|regenerate|fail).
-"""
+""" + settings_help()
 
 
 class UsageError(SkipInjectError):
