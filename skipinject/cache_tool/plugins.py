@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from skipinject.errors import SkipInjectError
-from skipinject.roles import Call, Codec, Role
+from skipinject.roles import Call, Codec, Role, UpstreamFormat
 
 logger = logging.getLogger("skipinject")
 
@@ -46,6 +46,20 @@ class InstalledRoles:
                 for role in plugin.roles:
                     self._roles[role.name] = (role, plugin.name)
         return self._roles
+
+    def role(self, name: str) -> Role | None:
+        """The installed role ``name``, or None."""
+        found = self._load().get(name)
+        return None if found is None else found[0]
+
+    def upstream(self, file_name: str) -> tuple[Role, UpstreamFormat] | None:
+        """The installed role declaring verl's cache file ``file_name`` (``gen_batch.dp``, ``0/tq_batch.pt``)
+        and that declaration (whose ``load`` reads it: only with ``--trust``), or None."""
+        for role, _ in self._load().values():
+            for upstream in role.upstream_formats:
+                if upstream.file_name == file_name:
+                    return role, upstream
+        return None
 
     def plugin_of(self, role: str) -> str | None:
         """The name of the installed plugin providing ``role``, or None."""

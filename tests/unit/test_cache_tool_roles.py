@@ -150,3 +150,13 @@ def test_prune_keeps_the_last_step_of_a_third_party_role(dump: Path, capsys: pyt
     assert code == 0 and [(r["role"], r["step"]) for r in doc["removed"]] == [("toy", 1)]
     code, doc = run_json(capsys, "ls", dump)
     assert [(s["role"], s["step"]) for s in doc["steps"]] == [("toy", 2)]
+
+
+def test_the_core_imports_no_plugin_by_name() -> None:
+    """verl's formats and their loaders come from the installed plugins' roles (UpstreamFormat)."""
+    import skipinject
+
+    root = Path(skipinject.__file__).parent
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        assert "import skipinject_" not in text and "from skipinject_" not in text, path
