@@ -1,4 +1,5 @@
-"""Steps under an fsspec URL (``s3://``, ``gs://``, ``hdfs://``, ``memory://``...): one format, one rule.
+"""Steps under an fsspec URL (``s3://``, ``gs://``, ``hdfs://``, ``memory://``...): the :class:`FsspecFiles`
+backend of the one :class:`~skipinject.store.StepStore` (same format, same checks, same commit rule).
 
 Object stores have no rename and no directories, so the commit is the object that appears last:
 every data file is uploaded whole under a fresh name (an object appears complete or not at all;
