@@ -27,7 +27,6 @@ from skipinject.errors import (
     PromptMismatchError,
     SkipInjectError,
     TargetError,
-    UntrustedCacheError,
 )
 from skipinject.roles import (
     Call,
@@ -120,7 +119,6 @@ __all__ = [
     "TargetError",
     "TensorDictCodec",
     "TensorSink",
-    "UntrustedCacheError",
     "UpstreamFormat",
     "__version__",
     "decode_tensor",

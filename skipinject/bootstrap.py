@@ -41,6 +41,10 @@ _engine: Engine | None = None
 _started = False
 
 
+#: Patched so that a job's ``runtime_env`` carries the configuration to workers on every node.
+RAY_INIT = "ray:init"
+
+
 def disabled() -> bool:
     """``SKIPINJECT_DISABLE``; an unreadable value counts as "on" after one error line (children)."""
     try:
@@ -92,11 +96,15 @@ def start(config: Config, plugins: PluginSet | None = None) -> Engine | None:
 
 
 def stop() -> None:
-    """Remove every hook this process installed (tests, or a program that wants out)."""
+    """Remove every hook this process installed (tests, or a program that wants out): the roles'
+    targets and the ``ray.init`` patch, so a later :func:`start` hands on its own configuration."""
     global _engine, _started
+    from skipinject.injector import INJECTOR
+
     with _lock:
         if _engine is not None:
             _engine.stop()
+        INJECTOR.uninstrument(RAY_INIT)
         _engine = None
         _started = False
 
@@ -165,7 +173,7 @@ def export(config: Config, env: MutableMapping[str, str] | None = None) -> Mutab
 def _patch_ray_init(config: Config) -> None:
     from skipinject.injector import INJECTOR
 
-    INJECTOR.instrument("ray:init", _RayInitInterceptor(config), owner="skipinject/processes")
+    INJECTOR.instrument(RAY_INIT, _RayInitInterceptor(config), owner="skipinject/processes")
 
 
 def _chain_setup_hooks(user_hook: Any) -> Any:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from skipinject.config.schema import settings_help
 from skipinject.errors import SkipInjectError
 
 if TYPE_CHECKING:
@@ -36,9 +37,7 @@ options:
   --version       show the versions of skipinject, its plugin API, each plugin and verl's stack; exit
   -h, --help      show this help and exit
 
-skip.<role>.<key>=<value> in ARGS configures a role; keys: enable, dump_dir, steps, action
-(cache|repeat|strict), trust_upstream, on_mismatch (warn|regenerate|fail).
-"""
+""" + settings_help()
 
 
 class UsageError(SkipInjectError):

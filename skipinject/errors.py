@@ -27,10 +27,6 @@ class CorruptCacheError(CacheError):
     """A cache entry exists but fails verification (truncated, edited, other format or role)."""
 
 
-class UntrustedCacheError(CacheError):
-    """A cache entry is in a format that runs code when loaded, and was not trusted."""
-
-
 class CacheMissError(CacheError):
     """``action=strict`` and the step has no usable cache."""
 

@@ -9,15 +9,15 @@ import stat
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from skipinject.cache_tool import fields
+from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.progress import Progress
 from skipinject.cache_tool.render import emit_json, human_number, human_size, schema, shorten, table
 from skipinject.cache_tool.scan import (
-    OUR_PREFIXES,
     STEP_RE,
     Item,
     ItemRecord,
@@ -29,7 +29,7 @@ from skipinject.cache_tool.scan import (
     step_ranges,
 )
 from skipinject.errors import CorruptCacheError
-from skipinject.store import META_NAME
+from skipinject.store.format import META_NAME, is_ours, is_part_name
 
 OK, FOUND, USAGE = 0, 1, 2
 
@@ -190,6 +190,8 @@ def _groups(items: Sequence[Item]) -> list[dict[str, Any]]:
 
 class CheckedRecord(ItemRecord):
     status: str
+    plugin: str | None
+    notes: list[str]
 
 
 @dataclass
@@ -197,17 +199,38 @@ class Checked:
     item: Item
     status: str  # ok | damaged | partial | foreign
     problems: list[str]
+    notes: list[str] = field(default_factory=list)
+    plugin: str | None = None  # the installed plugin providing the step's role
 
     def record(self) -> CheckedRecord:
-        return {**self.item.record(), "status": self.status, "problems": self.problems}
+        return {
+            **self.item.record(),
+            "status": self.status,
+            "problems": self.problems,
+            "plugin": self.plugin,
+            "notes": self.notes,
+        }
 
 
 _PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")  # pickle protocol >= 2; torch.save's zip archive
 
 
-def verify_item(item: Item) -> Checked:
+def verify_item(item: Item, roles: InstalledRoles | None = None) -> Checked:
     """Full check of one item: sizes, checksums, tensor index and JSON tree (skipinject's format);
-    presence, size and file magic only for verl's pickles (loading them would run code)."""
+    presence, size and file magic only for verl's pickles (loading them would run code).
+
+    ``roles``: the installed plugins; a step of a role none of them provides is verified all the
+    same, with a note naming the plugin that would show it."""
+    checked = _verify_item(item)
+    if roles is not None and checked.status == "ok" and item.meta is not None:
+        checked.plugin = roles.plugin_of(item.role)
+        note = roles.missing(item.role, item.meta)
+        if note is not None:
+            checked.notes.append(f"{item.path}: {note}")
+    return checked
+
+
+def _verify_item(item: Item) -> Checked:
     if item.state == "damaged":
         return Checked(item, "damaged", list(item.problems))
     if item.state == "partial":
@@ -233,12 +256,9 @@ def verify_item(item: Item) -> Checked:
     try:
         store, meta = open_step(item.path)
         precheck(store, int(item.path.name), meta)
-        entry = store.verified(int(item.path.name))
-        payloads = store.load(entry)
-        for index, payload in enumerate(payloads):
-            if not isinstance(payload.objects.get("codec"), str):
-                raise CorruptCacheError(f"{item.path}: part {index} names no codec")
-        del payloads, entry
+        # The store's reader checks sizes, checksums, the tensor index and the JSON tree: what a run
+        # checks before it serves a step. No codec is needed, so every role's steps verify alike.
+        store.load(store.verified(int(item.path.name)))
     except (CorruptCacheError, OSError) as exc:
         return Checked(item, "damaged", [str(exc)])
     except Exception as exc:
@@ -265,9 +285,10 @@ def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
         items += _scan_any(path, unreadable)
     total = sum(i.size for i in items if i.state == "complete")
     results = []
+    roles = InstalledRoles()
     with Progress(total, "verify") as bar:
         for item in items:
-            results.append(verify_item(item))
+            results.append(verify_item(item, roles))
             bar.update(item.size if item.state == "complete" else 0, f"{item.role} {item.step}")
     damaged = [r for r in results if r.status == "damaged"]
     if as_json:
@@ -288,6 +309,9 @@ def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
                     print(f"{result.status.upper()}: {problem}")
         for problem in unreadable:
             print(f"UNREADABLE: {problem}")
+        for result in results:
+            for note in result.notes:
+                print(f"NOTE: {note}")
         counts = {s: sum(r.status == s for r in results) for s in ("ok", "damaged", "partial", "foreign")}
         foreign = (
             f", {counts['foreign']} foreign (verl's pickles, not loaded: `skipinject cache import --trust` converts)"
@@ -304,8 +328,8 @@ def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
 # ---------------------------------------------------------------- show
 
 
-def load_step(step_dir: Path) -> tuple[dict[str, Any], Any, str]:
-    """(meta, decoded value, codec name) of a verified step; raises CorruptCacheError."""
+def load_step(step_dir: Path, roles: InstalledRoles) -> tuple[dict[str, Any], fields.Decoded]:
+    """The meta and decoded value of a verified step (by its role's own codec); raises CorruptCacheError."""
     if not STEP_RE.match(step_dir.name):
         raise CommandError(f"{step_dir}: not a step directory (its name is not a step number)")
     ours = (step_dir / META_NAME).exists() and load_meta_json(step_dir / META_NAME) is not None
@@ -318,14 +342,15 @@ def load_step(step_dir: Path) -> tuple[dict[str, Any], Any, str]:
     precheck(store, int(step_dir.name), meta)
     entry = store.verified(int(step_dir.name))
     payloads = store.load(entry)
-    value, codec = fields.decode(payloads)
-    return dict(entry.meta), value, codec
+    return dict(entry.meta), fields.decode(payloads, entry.meta, roles)
 
 
 def cmd_show(step_dir: Path, *, as_json: bool, rows: int, tokenizer: str | None) -> int:
     existing_dir(step_dir)
-    meta, value, codec = load_step(step_dir)
-    flat = fields.flatten(value)
+    roles = InstalledRoles()
+    meta, step = load_step(step_dir, roles)
+    codec = step.codec
+    flat = fields.flatten(step.value)
     infos = [fields.describe(name, v) for name, v in flat.items()]
     texts = {}
     for name, v in flat.items():
@@ -345,6 +370,9 @@ def cmd_show(step_dir: Path, *, as_json: bool, rows: int, tokenizer: str | None)
         "created": meta.get("created"),
         "writer": meta.get("writer"),
         "inputs": {"rows": len(inputs), "first": inputs[:rows]} if inputs is not None else None,
+        "calls": meta.get("calls") if type(meta.get("calls")) is int else None,
+        "plugin": roles.plugin_of(str(meta.get("role"))),
+        "note": step.note,
     }
     if as_json:
         emit_json(
@@ -362,6 +390,10 @@ def cmd_show(step_dir: Path, *, as_json: bool, rows: int, tokenizer: str | None)
     parts = len(summary["parts"])
     print(f"  role {summary['role']}, step {summary['step']}, {summary['rows']} rows in {parts} part(s)")
     print(f"  codec {codec}; created {summary['created']} by {_writer_text(summary['writer'] or {})}")
+    if summary["plugin"] is not None:
+        print(f"  decoded by plugin {summary['plugin']}")
+    if step.note:
+        print(f"  note: {step.note}")
     print("  context " + ", ".join(f"{k}={v}" for k, v in sorted(context.items())))
     if inputs is not None:
         print(f"  input fingerprint: {len(inputs)} rows, first {', '.join(map(str, inputs[:rows]))}")
@@ -411,9 +443,10 @@ def cmd_diff(a: Path, b: Path, *, as_json: bool) -> int:
     else:
         pairs, only = _pair_steps(a, b)
     reports = []
+    roles = InstalledRoles()
     with Progress(len(pairs), "diff", unit="steps") as bar:
         for x, y in pairs:
-            reports.append(_diff_steps(x, y))
+            reports.append(_diff_steps(x, y, roles))
             bar.update(1, x.name)
     differ = bool(only) or any(r["differs"] for r in reports)
     if as_json:
@@ -452,15 +485,17 @@ def _pair_steps(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[tuple[s
     return pairs, only
 
 
-def _diff_steps(a: Path, b: Path) -> dict[str, Any]:
-    report: dict[str, Any] = {"a": str(a), "b": str(b), "meta": [], "fields": [], "problems": []}
+def _diff_steps(a: Path, b: Path, roles: InstalledRoles) -> dict[str, Any]:
+    report: dict[str, Any] = {"a": str(a), "b": str(b), "meta": [], "fields": [], "problems": [], "notes": []}
     try:
-        meta_a, value_a, _ = load_step(a)
-        meta_b, value_b, _ = load_step(b)
+        meta_a, decoded_a = load_step(a, roles)
+        meta_b, decoded_b = load_step(b, roles)
     except (CorruptCacheError, OSError, CommandError) as exc:
         report["problems"].append(str(exc))
         report["differs"] = True
         return report
+    value_a, value_b = decoded_a.value, decoded_b.value
+    report["notes"] = sorted({note for note in (decoded_a.note, decoded_b.note) if note})
     for key in ("role", "step", "rows", "context", "writer"):
         if meta_a.get(key) != meta_b.get(key):
             report["meta"].append({"key": key, "a": meta_a.get(key), "b": meta_b.get(key)})
@@ -484,6 +519,8 @@ def _print_step_diff(report: dict[str, Any]) -> None:
     print(f"A {report['a']}\nB {report['b']}")
     for problem in report["problems"]:
         print(f"  cannot compare: {problem}")
+    for note in report.get("notes", []):
+        print(f"  note: {note}")
     for item in report["meta"]:
         print(f"  meta {item['key']}: {item['a']!r} vs {item['b']!r}")
     if report.get("inputs_differing"):
@@ -631,11 +668,11 @@ def _our_files(item: Item) -> list[Path]:
         return list(item.files)
     out = []
     directories = [item.path] + [
-        item.path / e.name for e in os.scandir(item.path) if e.is_dir(follow_symlinks=False) and STEP_RE.match(e.name)
+        item.path / e.name for e in os.scandir(item.path) if e.is_dir(follow_symlinks=False) and is_part_name(e.name)
     ]
     for directory in directories:
         for entry in os.scandir(directory):
-            if entry.name.startswith(OUR_PREFIXES) and entry.is_file(follow_symlinks=False):
+            if is_ours(entry.name) and entry.is_file(follow_symlinks=False):
                 out.append(directory / entry.name)
     meta = item.path / META_NAME
     if item.kind == "skipinject" and lstat_regular(meta) is not None:

@@ -1,4 +1,4 @@
-"""What a loaded step holds, field by field: decode with the codec named in the cache, flatten, compare."""
+"""What a loaded step holds, field by field: decode with the role's own codec, flatten, compare."""
 
 from __future__ import annotations
 
@@ -8,42 +8,79 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from skipinject.roles import Codec, MergingCodec
 from skipinject.store import Payload
 
 if TYPE_CHECKING:
-    from skipinject.codecs import DataProtoCodec, TensorDictCodec
+    from skipinject.cache_tool.plugins import InstalledRoles
 
-#: Codecs ``show`` and ``diff`` decode by the name the cache records (``objects["codec"]``).
+#: Codecs whose header (``objects["codec"]``) names them; a step of a role whose plugin is not
+#: installed is still decoded by them when its header says so (they are skipinject's own).
 KNOWN_CODECS = ("DataProto", "TensorDict")
 
 
-def _codec(name: str) -> DataProtoCodec | TensorDictCodec:
+def _builtin(name: str) -> Codec:
     from skipinject.codecs import DataProtoCodec, TensorDictCodec
 
-    codecs: dict[str, type[DataProtoCodec | TensorDictCodec]] = {
-        "DataProto": DataProtoCodec,
-        "TensorDict": TensorDictCodec,
-    }
-    return codecs[name]()
+    return DataProtoCodec() if name == "DataProto" else TensorDictCodec()
 
 
-def decode(payloads: Sequence[Payload]) -> tuple[Any, str]:
-    """The step as the engine would replay it (parts merged), and the codec name.
+def codec_name(codec: Codec) -> str:
+    """What ``show`` calls a codec: its ``name`` (the built-ins' header), else its class name."""
+    name = getattr(codec, "name", None)
+    return name if isinstance(name, str) and name else type(codec).__name__
 
-    A codec this tool does not know (a user role's own) is shown as its raw payload: the tensor
-    file's tensors and the JSON tree.
+
+@dataclass
+class Decoded:
+    """A step as the engine would replay it, by which codec, and why it is raw when it is."""
+
+    value: Any
+    codec: str
+    note: str | None = None
+
+
+def decode(payloads: Sequence[Payload], meta: Mapping[str, Any], roles: InstalledRoles) -> Decoded:
+    """The step decoded by its role's own codec (the installed plugin's), parts merged as the engine
+    merges them; the calls of a step of several calls one by one (``call1``, ``call2``, ...).
+
+    Without the role's plugin, skipinject's own codecs decode a payload whose header names them;
+    anything else is shown as its raw payload (the tensor file's tensors and the JSON tree), with a
+    note saying why.
     """
-    names = {p.objects.get("codec") for p in payloads}
-    name = names.pop() if len(names) == 1 else None
-    if name in KNOWN_CODECS:
-        codec = _codec(name)
-        values = [codec.decode(p) for p in payloads]
+    from skipinject.cache_tool.plugins import tool_call
+
+    role = meta.get("role") if isinstance(meta.get("role"), str) else "-"
+    codec = roles.codec(str(role))
+    note = roles.missing(str(role), meta) if codec is None else None
+    if codec is None:
+        names = {p.objects.get("codec") for p in payloads}
+        name = names.pop() if len(names) == 1 else None
+        if name in KNOWN_CODECS:
+            codec, note = _builtin(str(name)), None
+    if codec is None:
+        return Decoded(_raw(payloads), "raw", note)
+    calls = meta.get("calls")
+    try:
+        call = tool_call(str(role))
+        values = [codec.decode(p, call) for p in payloads]
         if len(values) == 1:
-            return values[0], name
-        try:
-            return codec.merge(values), name
-        except Exception:
-            return {f"part{i}": value for i, value in enumerate(values)}, name
+            return Decoded(values[0], codec_name(codec))
+        if type(calls) is int and calls > 1:
+            return Decoded({f"call{i + 1}": v for i, v in enumerate(values)}, codec_name(codec))
+        if isinstance(codec, MergingCodec):
+            try:
+                return Decoded(codec.merge(values), codec_name(codec))
+            except Exception:
+                pass
+        return Decoded({f"part{i}": v for i, v in enumerate(values)}, codec_name(codec))
+    except Exception as exc:  # a codec that needs the run's call, or a payload it refuses
+        why = " ".join(str(exc).split())[:200]
+        note = f"the role's codec {codec_name(codec)} did not decode it here ({type(exc).__name__}: {why}); shown raw"
+        return Decoded(_raw(payloads), "raw", note)
+
+
+def _raw(payloads: Sequence[Payload]) -> dict[str, Any]:
     raw: dict[str, Any] = {}
     for index, payload in enumerate(payloads):
         prefix = f"part{index}." if len(payloads) > 1 else ""
@@ -51,7 +88,7 @@ def decode(payloads: Sequence[Payload]) -> tuple[Any, str]:
             raw[f"{prefix}tensors.{key}"] = tensor
         for key, value in payload.objects.items():
             raw[f"{prefix}objects.{key}"] = value
-    return raw, str(name) if name else "raw"
+    return raw
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -79,7 +116,11 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
         for key, item in value.items():
             out.update(flatten(item, f"{prefix}{key}."))
         return out
-    return {prefix.rstrip("."): value}
+    if not prefix and isinstance(value, tuple):  # a codec's result of several values, e.g. (tensor, dict)
+        for index, item in enumerate(value):
+            out.update(flatten(item, f"{index}."))
+        return out
+    return {prefix.rstrip(".") or "value": value}
 
 
 def _has_container(value: Mapping[str, Any]) -> bool:

@@ -18,10 +18,21 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.cache_tool.commands import FOUND, OK, USAGE, CommandError, existing_dir
+from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.progress import Progress
 from skipinject.cache_tool.render import emit_json, schema
-from skipinject.cache_tool.scan import LAYOUT_RE, V0_FILE, V0_INPUT_FILE, Item, load_meta_json, read_bounded, scan
+from skipinject.cache_tool.scan import (
+    LAYOUT_RE,
+    V0_FILE,
+    V0_INPUT_FILE,
+    V1_FILE,
+    Item,
+    load_meta_json,
+    read_bounded,
+    scan,
+)
 from skipinject.errors import CorruptCacheError
+from skipinject.roles import Call, Role, UpstreamFormat
 from skipinject.store import META_NAME, StepStore
 
 #: verl's defaults for trainer.experiment_name / trainer.project_name (``layout_of`` uses them too).
@@ -97,42 +108,54 @@ def guess_role(batch: Any) -> str:
     return "rollout"
 
 
-def _load_dataproto(path: Path) -> Any:
-    """verl's pickled DataProto, by the rollout plugin's loader (what ``skip.rollout.trust_upstream`` uses).
+def _upstream(roles: InstalledRoles, file_name: str) -> tuple[Role, UpstreamFormat]:
+    """The installed plugin's declaration of verl's cache file ``file_name`` (no plugin is imported by name)."""
+    found = roles.upstream(file_name)
+    if found is None:
+        raise CommandError(
+            f"importing {file_name.rsplit('/', 1)[-1]} needs the plugin whose role declares it installed "
+            "(an UpstreamFormat; plugins/rollout and plugins/rollout_tq for verl's own caches)"
+        )
+    return found
+
+
+def _load_dataproto(roles: InstalledRoles, path: Path) -> Any:
+    """verl's pickled DataProto, by the loader its plugin declares (what ``trust_upstream`` uses).
 
     Unpickling stays in the plugins that own verl's formats; nothing in ``skipinject/`` unpickles.
     """
-    try:
-        from skipinject_rollout.common import GEN_BATCH
-    except ImportError as exc:
-        raise CommandError("importing gen_batch.dp needs the rollout plugin (plugins/rollout) installed") from exc
-    return GEN_BATCH.load(path)  # trusted: --trust
+    return _upstream(roles, V0_FILE)[1].load(path)  # trusted: --trust
 
 
-def _load_tq_parts(step_dir: Path) -> list[dict[str, Any]]:
-    """verl's ``{step}/{k}/tq_batch.pt`` parts, by the rollout_tq plugin's loader (``trust_upstream``)."""
-    try:
-        from skipinject_rollout_tq.transfer import load_upstream
-    except ImportError as exc:
-        raise CommandError("importing tq_batch.pt needs the rollout_tq plugin (plugins/rollout_tq) installed") from exc
-    return load_upstream(step_dir)  # trusted: --trust
+def _load_tq_parts(roles: InstalledRoles, step_dir: Path) -> list[dict[str, Any]]:
+    """verl's ``{step}/{k}/tq_batch.pt`` parts, by the loader their plugin declares (``trust_upstream``):
+    handed part 0, it reads every part of the step."""
+    parts = _upstream(roles, f"0/{V1_FILE}")[1].load(step_dir / "0" / V1_FILE)  # trusted: --trust
+    return list(parts)
 
 
-def _fingerprint(input_path: Path) -> list[str] | None:
-    """verl < 0.9 kept the input batch (``new_batch.dp``): the rollout roles' input fingerprint of it."""
-    from skipinject_rollout.common import prompt_fingerprint
-
-    from skipinject.roles import Call
-
-    batch = _load_dataproto(input_path)
+def _fingerprint(roles: InstalledRoles, input_path: Path, role_name: str) -> list[str] | None:
+    """verl < 0.9 kept the input batch (``new_batch.dp``): the importing role's input fingerprint of it."""
+    role = roles.role(role_name)
+    if role is None or role.fingerprint is None:
+        return None
+    batch = _load_dataproto(roles, input_path)
     # The roles read ``call.batch``: the first argument of the call they intercepted.
     call = Call(target="skipinject cache import", function=_fingerprint, instance=None, args=(batch,), kwargs={})
-    rows = prompt_fingerprint(call)
+    rows = role.fingerprint(call)
     return None if rows is None else [str(r) for r in rows]
 
 
-def import_item(item: Item, *, role: str | None, experiment: str | None, project: str | None) -> dict[str, Any]:
-    """Convert one upstream step; returns its report record."""
+def import_item(
+    item: Item,
+    *,
+    role: str | None,
+    experiment: str | None,
+    project: str | None,
+    roles: InstalledRoles | None = None,
+) -> dict[str, Any]:
+    """Convert one upstream step with the loaders the installed plugins declare; returns its report record."""
+    roles = roles or InstalledRoles()
     layout_dir, step = _target(item)
     context = context_for(layout_dir, experiment, project)
     record: dict[str, Any] = {"source": str(item.path), "kind": item.kind, "step": step}
@@ -147,7 +170,7 @@ def import_item(item: Item, *, role: str | None, experiment: str | None, project
         writer = store.begin(step)
         rows = 0
         try:
-            values = _load_tq_parts(item.path)
+            values = _load_tq_parts(roles, item.path)
             if len(values) != len(item.files):
                 raise CorruptCacheError(f"{item.path}: {len(values)} parts loaded, {len(item.files)} found")
             for index, (path, value) in enumerate(zip(item.files, values, strict=True)):
@@ -166,12 +189,14 @@ def import_item(item: Item, *, role: str | None, experiment: str | None, project
         from skipinject.codecs import DataProtoCodec
 
         source = item.path / V0_FILE
-        batch = _load_dataproto(source)
+        batch = _load_dataproto(roles, source)
         role_name = role or guess_role(batch)
         store = StepStore(layout_dir, role_name, context)
         if _already(store, step):
             return {**record, "role": role_name, "status": "already", "path": str(store.step_dir(step))}
-        inputs = _fingerprint(item.path / V0_INPUT_FILE) if (item.path / V0_INPUT_FILE).is_file() else None
+        inputs = (
+            _fingerprint(roles, item.path / V0_INPUT_FILE, role_name) if (item.path / V0_INPUT_FILE).is_file() else None
+        )
         payload = DataProtoCodec().encode(batch)
         directory = store.save(step, payload, {"inputs": inputs, "imported_from": str(source)})
     store.verified(step)  # what the engine will check before serving it
@@ -214,10 +239,11 @@ def cmd_import(
             print(f"{len(items)} verl cache step(s) found, none imported. {WARNING}")
         return USAGE if items else OK
     results = []
+    roles = InstalledRoles()
     with Progress(sum(i.size for i in items), "import") as bar:
         for item in items:
             try:
-                results.append(import_item(item, role=role, experiment=experiment, project=project))
+                results.append(import_item(item, role=role, experiment=experiment, project=project, roles=roles))
             except CommandError as exc:
                 results.append({"source": str(item.path), "kind": item.kind, "status": "failed", "error": str(exc)})
             except Exception as exc:  # a broken pickle must not stop the others

@@ -14,10 +14,9 @@ from typing import Any
 
 from skipinject.cache_tool.scan import LAYOUT_RE, Item, step_identity
 from skipinject.errors import CorruptCacheError
-from skipinject.store.files import MAX_META_BYTES
-from skipinject.store.format import FORMAT, META_NAME
+from skipinject.store import StepStore
+from skipinject.store.format import DATA_NAME, FORMAT, MAX_META_BYTES, META_NAME, PART_NAME, STEP_NAME
 from skipinject.store.remote import RemotePath, RemoteStepStore, open_remote
-from skipinject.store.step_store import _DATA_NAME, _PART_NAME, STEP_NAME
 
 
 def _where(parts: list[str]) -> tuple[str, str, str | None]:
@@ -36,9 +35,9 @@ def _step_of(relative: list[str], committed: set[tuple[str, ...]]) -> tuple[str,
         return None
     if folder in committed:
         return folder
-    if len(folder) > 1 and folder[:-1] in committed and _PART_NAME.fullmatch(folder[-1]):
+    if len(folder) > 1 and folder[:-1] in committed and PART_NAME.fullmatch(folder[-1]):
         return folder[:-1]
-    if len(folder) > 1 and _PART_NAME.fullmatch(folder[-1]) and STEP_NAME.fullmatch(folder[-2]):
+    if len(folder) > 1 and PART_NAME.fullmatch(folder[-1]) and STEP_NAME.fullmatch(folder[-2]):
         return folder[:-1]
     return folder if STEP_NAME.fullmatch(folder[-1]) else None
 
@@ -58,7 +57,7 @@ def scan_remote(url: str, problems: list[str]) -> list[Item]:
     committed = {rel[:-1] for rel in sizes if rel[-1] == META_NAME and len(rel) > 1 and STEP_NAME.fullmatch(rel[-2])}
     members: dict[tuple[str, ...], list[tuple[str, ...]]] = {step: [] for step in committed}
     for rel in sizes:
-        if _DATA_NAME.fullmatch(rel[-1]):
+        if DATA_NAME.fullmatch(rel[-1]):
             step = _step_of(list(rel), committed)
             if step is not None:
                 members.setdefault(step, []).append(rel)
@@ -98,7 +97,7 @@ def _read_commit(item: Item, fs: Any, location: RemotePath) -> None:
     item.writer = {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}
 
 
-def open_remote_step(fs: Any, location: RemotePath) -> tuple[RemoteStepStore, dict[str, Any]]:
+def open_remote_step(fs: Any, location: RemotePath) -> tuple[StepStore, dict[str, Any]]:
     """The store holding a remote step (role and context from its own ``meta.json``) and its checked meta."""
     raw = fs.cat_file(posixpath.join(location.path, META_NAME), start=0, end=MAX_META_BYTES + 1)
     if len(raw) > MAX_META_BYTES:
@@ -118,10 +117,7 @@ def verify_remote(item: Item) -> list[str]:
     fs, _ = open_remote(str(location))
     try:
         store, _ = open_remote_step(fs, location)
-        payloads = store.load(store.verified(int(location.name)))
-        for index, payload in enumerate(payloads):
-            if not isinstance(payload.objects.get("codec"), str):
-                raise CorruptCacheError(f"{location}: part {index} names no codec")
+        store.load(store.verified(int(location.name)))  # the run's reader: no codec needed
     except (CorruptCacheError, OSError) as exc:
         return [str(exc)]
     except Exception as exc:

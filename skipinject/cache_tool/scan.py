@@ -22,50 +22,23 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from skipinject.errors import CorruptCacheError
-from skipinject.store import FORMAT, META_NAME, StepStore
+from skipinject.store import StepStore
+from skipinject.store.files import read_small
+from skipinject.store.format import FORMAT, MAX_META_BYTES, META_NAME, PART_NAME, STEP_NAME, is_ours
 
 LAYOUT_RE = re.compile(r"^GBS(-?[0-9]+)_N(-?[0-9]+)_in(-?[0-9]+)_out(-?[0-9]+)$")
-STEP_RE = re.compile(r"^[0-9]{1,18}$")
+#: A step directory's name: the store's rule (decimal, no leading zeros), anchored for ``match``.
+STEP_RE = re.compile(rf"^(?:{STEP_NAME.pattern})$")
 GENSTEP_RE = re.compile(r"^genstep_([0-9]{1,18})$")  # verl < 0.9 (verl/utils/rollout_skip.py)
 V0_FILE = "gen_batch.dp"  # verl's pickled DataProto of a rollout step (V0 trainer, fully async)
 V0_INPUT_FILE = "new_batch.dp"  # verl < 0.9 also pickled the input batch beside it
 V1_FILE = "tq_batch.pt"  # verl's torch.save payload of one TransferQueue mini-batch: {step}/{k}/
-OUR_PREFIXES = ("tensors-", "objects-", ".tensors-", ".objects-", ".meta.json.tmp")
-#: A ``meta.json`` larger than this is not read (a fingerprint of a million rows is ~20 MB).
-META_LIMIT = 64 << 20
 MAX_DEPTH = 8
-STATES = ("complete", "partial", "foreign", "damaged")
 
 
-class NotRegularFile(OSError):
-    """A path that should be a regular file is a link, FIFO, device, directory or too large."""
-
-
-def read_bounded(path: Path, limit: int = META_LIMIT) -> bytes:
-    """The bytes of a regular file, never following a symlink, never blocking on a FIFO."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError as exc:
-        if os.path.islink(path):
-            raise NotRegularFile(f"{path}: is a symbolic link") from exc
-        raise
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise NotRegularFile(f"{path}: not a regular file")
-        if info.st_size > limit:
-            raise NotRegularFile(f"{path}: {info.st_size} bytes, more than the {limit} this tool reads")
-        chunks = []
-        remaining = limit + 1
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+def read_bounded(path: Path, limit: int = MAX_META_BYTES) -> bytes:
+    """A small regular file's bytes, by the store's own bounded reader (:func:`read_small`)."""
+    return read_small(path, limit)
 
 
 def lstat_regular(path: Path) -> os.stat_result | None:
@@ -192,7 +165,7 @@ def _classify(step_dir: Path, project: str, layout: str, role_dir: str | None) -
     step = int(genstep.group(1)) if genstep else int(step_dir.name)
     entries = _entries(step_dir)
     files = {e.name: e for e in entries if _is_file(e)}
-    subdirs = sorted((e for e in entries if _is_dir(e) and STEP_RE.match(e.name)), key=lambda e: int(e.name))
+    subdirs = sorted((e for e in entries if _is_dir(e) and PART_NAME.fullmatch(e.name)), key=lambda e: int(e.name))
     sub_files: dict[str, dict[str, os.DirEntry[str]]] = {}
     for sub in subdirs:
         try:
@@ -223,9 +196,9 @@ def _classify(step_dir: Path, project: str, layout: str, role_dir: str | None) -
         _upstream_rows(foreign)
         items.append(foreign)
 
-    ours_data = [step_dir / n for n in files if n.startswith(OUR_PREFIXES)]
+    ours_data = [step_dir / n for n in files if is_ours(n)]
     for sub_name, sub_entries in sub_files.items():
-        ours_data += [step_dir / sub_name / n for n in sub_entries if n.startswith(OUR_PREFIXES)]
+        ours_data += [step_dir / sub_name / n for n in sub_entries if is_ours(n)]
     meta_entry = files.get(META_NAME)
     if meta_entry is None and META_NAME in {e.name for e in entries}:
         problem = f"{step_dir}/meta.json: not a regular file"
@@ -294,9 +267,11 @@ def load_meta_json(path: Path) -> dict[str, Any] | None:
     Raises :class:`CorruptCacheError` when it cannot be read or parsed.
     """
     try:
-        raw = read_bounded(path)
+        raw = read_small(path)
         meta = json.loads(raw)
-    except (OSError, ValueError) as exc:
+    except CorruptCacheError:
+        raise
+    except (OSError, ValueError, RecursionError) as exc:
         raise CorruptCacheError(f"{path}: unreadable meta.json ({exc})") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         return None
@@ -395,9 +370,9 @@ def _looks_like_step(directory: Path, entries: list[os.DirEntry[str]]) -> bool:
     if not (STEP_RE.match(directory.name) or GENSTEP_RE.match(directory.name)):
         return False
     for entry in entries:
-        if entry.name in (META_NAME, V0_FILE, V0_INPUT_FILE) or entry.name.startswith(OUR_PREFIXES):
+        if entry.name in (META_NAME, V0_FILE, V0_INPUT_FILE) or is_ours(entry.name):
             return True
-        if STEP_RE.match(entry.name) and _is_dir(entry):
+        if PART_NAME.fullmatch(entry.name) and _is_dir(entry):
             return True
     return False
 

@@ -20,7 +20,6 @@ from skipinject.config.steps import MAX_STEP, StepSet
 from skipinject.config.transport import MAX_SERIALISED_BYTES, Config
 
 ACTIONS = tuple(action.value for action in Action)
-MISMATCH_POLICIES = tuple(policy.value for policy in MismatchPolicy)
 
 __all__ = [
     "ACTIONS",
@@ -31,7 +30,6 @@ __all__ = [
     "ENV_PLUGINS",
     "MAX_SERIALISED_BYTES",
     "MAX_STEP",
-    "MISMATCH_POLICIES",
     "ROLE_KEYS",
     "Action",
     "Config",

@@ -8,8 +8,10 @@ naming the key and the value, and reads ``steps`` itself (ranges stay ranges).
 from __future__ import annotations
 
 import enum
+import textwrap
+import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from typing import Any
 
 from skipinject.config.steps import StepSet
@@ -40,39 +42,78 @@ class MismatchPolicy(str, enum.Enum):
         return self.value
 
 
-@dataclass
-class RoleSchema:
-    """The keys of ``skip.<role>`` and their defaults, as OmegaConf validates them.
-
-    The first four are upstream's, with upstream's defaults.
-    """
-
-    enable: bool = False
-    dump_dir: str = DEFAULT_DUMP_DIR
-    steps: Any = field(default_factory=list)
-    action: Action = Action.cache
-    #: Load verl's own pickled caches (``gen_batch.dp``, ``tq_batch.pt``): they run code when loaded.
-    trust_upstream: bool = False
-    on_mismatch: MismatchPolicy = MismatchPolicy.warn
-    #: Load from cache directories other users can write to or own (ssh's StrictModes, switched off).
-    trust_dir_permissions: bool = False
-
-
-ROLE_KEYS = tuple(f.name for f in fields(RoleSchema))
-_BOOL_KEYS = {f.name for f in fields(RoleSchema) if f.type in ("bool", bool)}
+def _setting(default: Any = None, *, shown: str, meaning: str, factory: Any = None) -> Any:
+    """A field of :class:`RoleConfig` with what the README's configuration table and the runner's help say."""
+    metadata = {"shown": shown, "meaning": meaning}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class RoleConfig:
-    """The validated settings of one role in this run."""
+    """The validated settings of one role in this run.
 
-    enable: bool = False
-    dump_dir: str = DEFAULT_DUMP_DIR
-    steps: StepSet = field(default_factory=StepSet)
-    action: Action = Action.cache
-    trust_upstream: bool = False
-    on_mismatch: MismatchPolicy = MismatchPolicy.warn
-    trust_dir_permissions: bool = False
+    Every ``skip.<role>`` key is declared here, once: the OmegaConf schema (:data:`RoleSchema`), the
+    transport to child processes (:mod:`skipinject.config.transport`), the runner's help and the
+    README's configuration table all come from these fields (a test keeps the README equal). The
+    first four are upstream's keys, with upstream's defaults.
+    """
+
+    enable: bool = _setting(False, shown="False", meaning="master switch")
+    dump_dir: str = _setting(
+        DEFAULT_DUMP_DIR,
+        shown="~/.verl/rollout_dump",
+        meaning=(
+            "cache root: a local path (`~` expanded; created private to the user, mode 0700), or an fsspec "
+            "URL of a store every node sees (`s3://bucket/dir`, `gs://…`, `hdfs://…`; see [Caches in object "
+            "stores](#caches-in-object-stores))"
+        ),
+    )
+    steps: StepSet = _setting(  # noqa: RUF009  (field() with the README's words)
+        factory=StepSet,
+        shown="[]",
+        meaning=(
+            "steps at which the role may skip; elsewhere the target always runs. Lists `[1,2,3]`, ranges "
+            "`1-128`, mixed `[1-4,10]`; steps are 0 to 10⁹, held as ranges"
+        ),
+    )
+    action: Action = _setting(  # noqa: RUF009  (field() with the README's words)
+        Action.cache,
+        shown="cache",
+        meaning=(
+            "`cache`: own step cached → load it, else run and save. `repeat`: exact step, else the largest "
+            "cached step below, else the smallest above; none → run and save. `strict`: like `cache`, but a "
+            "missing or unusable cache stops the run (for replay you rely on)"
+        ),
+    )
+    #: Load verl's own pickled caches (``gen_batch.dp``, ``tq_batch.pt``): they run code when loaded.
+    trust_upstream: bool = _setting(
+        False,
+        shown="False",
+        meaning=(
+            "load verl's own pickled caches (`gen_batch.dp`, `tq_batch.pt`) found in the cache directory. "
+            "They run code when loaded: only for directories you trust"
+        ),
+    )
+    on_mismatch: MismatchPolicy = _setting(  # noqa: RUF009  (field() with the README's words)
+        MismatchPolicy.warn,
+        shown="warn",
+        meaning=(
+            "a cached result whose inputs (prompts) differ from this call's: `warn` (one line + metric, "
+            "train on it, like upstream but not silently), `regenerate`, or `fail`"
+        ),
+    )
+    #: Load from cache directories other users can write to or own (ssh's StrictModes, switched off).
+    trust_dir_permissions: bool = _setting(
+        False,
+        shown="False",
+        meaning=(
+            "load from cache directories that other users can write to or own (group/world-writable without "
+            "the sticky bit, or another owner: refused by default with one warning naming the directory, "
+            "like ssh's StrictModes)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         # Accept plain values from code (``steps=(1, 2)``, ``action="repeat"``), as the schema would.
@@ -84,6 +125,44 @@ class RoleConfig:
     def allows(self, step: int | None) -> bool:
         """The role may act on ``step`` (enabled and the step chosen)."""
         return self.enable and step is not None and step in self.steps
+
+
+#: Each key's type, resolved once (``bool``, ``str``, ``StepSet`` or one of the enums).
+KEY_TYPES: dict[str, Any] = {f.name: typing.get_type_hints(RoleConfig)[f.name] for f in fields(RoleConfig)}
+ROLE_KEYS = tuple(KEY_TYPES)
+_BOOL_KEYS = {key for key, kind in KEY_TYPES.items() if kind is bool}
+
+
+def _schema_field(f: Any) -> tuple[str, Any, Any]:
+    kind = KEY_TYPES[f.name]
+    if kind is StepSet:  # read by skipinject itself (ranges stay ranges): any value reaches it
+        return f.name, Any, field(default_factory=list)
+    return f.name, kind, field(default=f.default)
+
+
+#: The keys of ``skip.<role>`` and their defaults as OmegaConf validates them: :class:`RoleConfig`'s.
+RoleSchema = make_dataclass("RoleSchema", [_schema_field(f) for f in fields(RoleConfig)])
+
+
+def choices(key: str) -> tuple[str, ...]:
+    """The values an enum key takes (``action``: cache, repeat, strict), else ``()``."""
+    kind = KEY_TYPES[key]
+    return tuple(member.value for member in kind) if isinstance(kind, type) and issubclass(kind, enum.Enum) else ()
+
+
+def settings_help(width: int = 100) -> str:
+    """The runner's help line about ``skip.<role>.<key>`` (every key, with its choices)."""
+    keys = [f"{key} ({'|'.join(choices(key))})" if choices(key) else key for key in ROLE_KEYS]
+    text = "skip.<role>.<key>=<value> in ARGS configures a role; keys: " + ", ".join(keys) + "."
+    return textwrap.fill(text, width, break_on_hyphens=False) + "\n"
+
+
+def readme_table() -> str:
+    """The README's per-role configuration table."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for f in fields(RoleConfig):
+        lines.append(f"| `{f.name}` | `{f.metadata['shown']}` | {f.metadata['meaning']} |")
+    return "\n".join(lines) + "\n"
 
 
 def role_config(

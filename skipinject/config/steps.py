@@ -32,10 +32,6 @@ class StepSet:
     # ------------------------------------------------------------ building
 
     @classmethod
-    def of(cls, steps: Iterable[int]) -> StepSet:
-        return cls((step, step) for step in steps)
-
-    @classmethod
     def parse(cls, text: str, key: str = "steps") -> StepSet:
         """``[1,2,3]``, ``1-128``, ``[1-4,10]``, ``7`` or ``[]``; errors name ``key`` and the text."""
         body = text.strip()

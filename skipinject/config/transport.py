@@ -10,13 +10,14 @@ before the program starts (Linux refuses to start a process with a longer variab
 from __future__ import annotations
 
 import base64
+import enum
 import json
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from skipinject.config.schema import ROLE_KEYS, Action, MismatchPolicy, RoleConfig
+from skipinject.config.schema import KEY_TYPES, ROLE_KEYS, RoleConfig
 from skipinject.config.steps import StepSet
 from skipinject.errors import ConfigError
 
@@ -52,10 +53,7 @@ class Config:
         """Compact text for an environment variable; raises :class:`ConfigError` when it cannot fit."""
         roles = {}
         for name, cfg in self.roles.items():
-            values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
-            values["steps"] = cfg.steps.format()
-            values["action"], values["on_mismatch"] = cfg.action.value, cfg.on_mismatch.value
-            roles[name] = values
+            roles[name] = {f.name: _plain_value(getattr(cfg, f.name)) for f in fields(cfg)}
         body = {
             "version": SERIAL_VERSION,
             "plugins": self.plugins,
@@ -110,23 +108,34 @@ class Config:
             raise ConfigError(f"cannot read the serialised skipinject config: {type(exc).__name__}: {exc}") from exc
 
 
+def _plain_value(value: Any) -> Any:
+    """A setting as JSON: steps as ranges, enums by value, the rest as they are."""
+    if isinstance(value, StepSet):
+        return value.format()
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
 def _serialised_role(name: str, values: Any) -> RoleConfig:
-    """A role as :meth:`Config.to_json` wrote it, checked strictly without OmegaConf (children start fast)."""
+    """A role as :meth:`Config.to_json` wrote it, checked strictly without OmegaConf (children start fast):
+    every key of :class:`RoleConfig`, each by its declared type."""
     if not isinstance(values, dict) or set(values) != set(ROLE_KEYS):
         raise ValueError(f"role {name!r} does not have exactly the keys {', '.join(ROLE_KEYS)}")
-    for key in ("enable", "trust_upstream", "trust_dir_permissions"):
-        if type(values[key]) is not bool:
-            raise ValueError(f"skip.{name}.{key} is not a boolean")
-    if not isinstance(values["dump_dir"], str) or not values["dump_dir"] or "\x00" in values["dump_dir"]:
-        raise ValueError(f"skip.{name}.dump_dir is not a path")
-    if not isinstance(values["steps"], str):
-        raise ValueError(f"skip.{name}.steps is not a step list")
-    return RoleConfig(
-        enable=values["enable"],
-        dump_dir=values["dump_dir"],
-        steps=StepSet.parse(values["steps"], f"skip.{name}.steps"),
-        action=Action(values["action"]),
-        trust_upstream=values["trust_upstream"],
-        on_mismatch=MismatchPolicy(values["on_mismatch"]),
-        trust_dir_permissions=values["trust_dir_permissions"],
-    )
+    settings: dict[str, Any] = {}
+    for key, kind in KEY_TYPES.items():
+        value = values[key]
+        if kind is bool:
+            if type(value) is not bool:
+                raise ValueError(f"skip.{name}.{key} is not a boolean")
+        elif kind is str:
+            if not isinstance(value, str) or not value or "\x00" in value:
+                raise ValueError(f"skip.{name}.{key} is not a path")
+        elif kind is StepSet:
+            if not isinstance(value, str):
+                raise ValueError(f"skip.{name}.{key} is not a step list")
+            value = StepSet.parse(value, f"skip.{name}.{key}")
+        else:
+            value = kind(value)  # an enum: ValueError for anything else
+        settings[key] = value
+    return RoleConfig(**settings)

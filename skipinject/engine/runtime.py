@@ -23,7 +23,8 @@ from skipinject.engine.layout import project_dir
 from skipinject.errors import CacheMissError, CorruptCacheError, PromptMismatchError
 from skipinject.roles import Call, Codec, HitInfo, Role, StepCache
 from skipinject.store import Payload, StepStore
-from skipinject.store.remote import RemotePath, RemoteStepStore, open_remote, split_dump_dir
+from skipinject.store.backend import backend_for, open_root
+from skipinject.store.remote import RemotePath
 
 logger = logging.getLogger("skipinject")
 
@@ -123,17 +124,18 @@ class RoleRuntime:
                     logger.info("%s: no verl trainer config seen; caching under %s", self.name, project)
             return store
 
-    def _open_store(self, project: Path | RemotePath, context: dict[str, Any]) -> StepStore:
-        root = split_dump_dir(self.settings.dump_dir)
-        if isinstance(project, RemotePath):
-            fs, _ = open_remote(str(root))
-            return RemoteStepStore(project, self.role.name, context, fs)
+    def _open_store(self, project: Path, context: dict[str, Any]) -> StepStore:
+        """One store class for every ``dump_dir``; the backend (local files or fsspec) comes from it."""
+        root, fs = open_root(self.settings.dump_dir)
+        trust = self.settings.trust_dir_permissions
         return StepStore(
             project,
             self.role.name,
             context,
-            trust_permissions=self.settings.trust_dir_permissions,
+            trust_permissions=trust,
             dump_dir=root if isinstance(root, Path) else None,
+            plugin=self.owner,
+            backend=backend_for(fs, trust_permissions=trust),
         )
 
     # ------------------------------------------------------------ deciding

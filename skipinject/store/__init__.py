@@ -8,6 +8,10 @@ Layout (upstream's names, so users find caches where verl put them)::
         objects-<write id>.json        # non-tensor values as tagged JSON
         0/ 1/ ...                      # the same per part, for roles saving several parts a step
 
+Where the files are is a backend's business (:mod:`skipinject.store.backend`: local files, or an
+fsspec filesystem for a ``dump_dir`` URL); one :class:`StepStore` holds the format's logic for both.
+Every name, pattern and bound of the format is in :mod:`skipinject.store.format`.
+
 A step is valid only when ``meta.json`` is ours, names every part, and every file it names has
 the recorded size and checksum. Data files get a fresh name per write, so a reader never sees a
 file change under it and an interrupted writer leaves only files no ``meta.json`` names.

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from skipinject.errors import CorruptCacheError
+from skipinject.store.format import TREE_CHUNK
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12 on
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 #: xxh3_64 of the concatenated 8-byte xxh3_64 digests of the file's 32 MiB chunks: the chunks can
 #: be hashed on several cores, which halves a verified hit of a large batch on two.
 CHECKSUM_ALGOS = ("xxh3_64-tree", "xxh3_64", "crc32")
-_TREE_CHUNK = 32 << 20
+_TREE_CHUNK = TREE_CHUNK
 
 
 def _checksum_algo() -> str:

@@ -25,16 +25,24 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.errors import CorruptCacheError
+from skipinject.store.format import MAX_INDEX_BYTES, MAX_META_BYTES, MAX_META_DEPTH, SPARSE_FACTOR, SPARSE_MIN_SIZE
 
-#: meta.json is a few KB (plus one short fingerprint per row); anything larger is not ours.
-MAX_META_BYTES = 16 << 20
-#: meta.json nests 4 levels deep (parts -> files -> spec); allow some room for user metadata.
-MAX_META_DEPTH = 32
-#: The JSON index at the head of a tensor file (~100 bytes per tensor).
-MAX_INDEX_BYTES = 64 << 20
-#: A file this large must occupy at least 1/SPARSE_FACTOR of its size on disk (not a sparse forgery).
-SPARSE_MIN_SIZE = 64 << 20
-SPARSE_FACTOR = 64
+__all__ = [
+    "MAX_INDEX_BYTES",
+    "MAX_META_BYTES",
+    "MAX_META_DEPTH",
+    "SPARSE_FACTOR",
+    "SPARSE_MIN_SIZE",
+    "check_not_sparse",
+    "map_fd",
+    "open_dir",
+    "open_regular",
+    "parse_json",
+    "read_fd",
+    "read_small",
+    "trust_problem",
+    "untrusted_reason",
+]
 
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -203,3 +211,29 @@ def trust_problem(path: Path, info: os.stat_result, role: str) -> str:
         f"{path} {why}: another user could plant or replace a cache there; refused for loading. "
         f"Fix: {fix}, or set skip.{role}.trust_dir_permissions=true to load it anyway"
     )
+
+
+def read_small(path: Path, limit: int = MAX_META_BYTES) -> bytes:
+    """The bytes of a small regular file (a ``meta.json``) by path, for readers that hold no step
+    descriptor (the cache tool's walk): the last component is never followed if it is a link, a FIFO
+    never blocks, the opened descriptor must be a regular file of at most ``limit`` bytes.
+
+    A missing file stays ``FileNotFoundError``; anything else is a :class:`CorruptCacheError`."""
+    try:
+        fd = os.open(path, _FILE_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        kind = "a symbolic link" if exc.errno == errno.ELOOP else _why(exc)
+        raise CorruptCacheError(f"{path}: cannot read it ({kind})") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCacheError(f"{path}: cannot read it (not a regular file but {_kind(info.st_mode)})")
+        if info.st_size > limit:
+            raise CorruptCacheError(f"{path}: {info.st_size} bytes, more than the {limit} any such file may have")
+        return read_fd(fd, info.st_size, path)
+    except OSError as exc:
+        raise CorruptCacheError(f"{path}: cannot read it ({_why(exc)})") from exc
+    finally:
+        os.close(fd)

@@ -1,4 +1,11 @@
-"""What marks a step directory as ours: names, format version, the meta.json self-checksum."""
+"""Every name, pattern and bound of the on-disk format, in one place (docs/cache-format.md).
+
+The store's reader and writer, the garbage collector, the remote store and the cache tool all take
+their names and limits from here, so they cannot disagree about what a step directory, a part
+directory or a data file is (``007`` is no step for any of them: step and part names are decimal
+numbers without leading zeros). :func:`reference_table` renders the table docs/cache-format.md
+holds; a test keeps the two equal (``python -m skipinject.store.format`` prints it).
+"""
 
 from __future__ import annotations
 
@@ -10,11 +17,119 @@ from typing import Any
 
 FORMAT = "skipinject"
 FORMAT_VERSION = 2
+#: The commit record of a step (and of nothing else): written last, replaced atomically.
 META_NAME = "meta.json"
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+#: A step directory: the decimal step number, no sign, no leading zeros, at most 12 digits
+#: (``str.isdigit`` also accepts "²"; ``int("007")`` would make two names one step).
+STEP_NAME = re.compile(r"0|[1-9][0-9]{0,11}")
+#: A part directory of a step (``0/ 1/ ...`` for k parts; ``1/ 2/ ...`` for calls 2, 3, ...): the
+#: same decimal rule, at most 6 digits. Part ``""`` is the step directory itself.
+PART_NAME = re.compile(r"0|[1-9][0-9]{0,5}")
+#: A writer's id ``{unix_time}-{pid}-{8 hex}``: fresh per save, in every data and temporary file name.
+WRITE_ID = re.compile(r"([0-9]{9,12})-([0-9]{1,10})-([0-9a-f]{8})")
+TENSORS_PREFIX, TENSORS_SUFFIX = "tensors-", ".bin"
+OBJECTS_PREFIX, OBJECTS_SUFFIX = "objects-", ".json"
+#: A data file of a part: the tensor file or the objects file of one write.
+DATA_NAME = re.compile(r"(?:tensors-[0-9A-Za-z_.-]+\.bin|objects-[0-9A-Za-z_.-]+\.json)")
+#: A temporary file of a local save (``.{name}.tmp-{8 hex or the write id}``), renamed into place.
+TMP_NAME = re.compile(r"\.(?:tensors-|objects-|meta\.json)[0-9A-Za-z_.-]*\.tmp-[0-9A-Za-z_-]+")
+#: What a name read from meta.json (a part directory, a data file) must look like before it is used.
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+#: meta.json is a few KB (plus one short fingerprint per row); anything larger is not ours.
+MAX_META_BYTES = 16 << 20
+#: meta.json nests 4 levels deep (parts -> files -> spec); some room for role-specific keys.
+MAX_META_DEPTH = 32
+#: The JSON index at the head of a tensor file (~100 bytes per tensor).
+MAX_INDEX_BYTES = 64 << 20
+#: A file this large must occupy at least 1/SPARSE_FACTOR of its size on disk (not a sparse forgery).
+SPARSE_MIN_SIZE = 64 << 20
+SPARSE_FACTOR = 64
+#: The tensor file's magic and the alignment of its data.
+TENSORS_MAGIC = b"SKIPTNS1"
+TENSOR_ALIGN = 64
+#: Chunk of the ``xxh3_64-tree`` checksum.
+TREE_CHUNK = 32 << 20
+
+
+def step_name(step: int) -> str:
+    """The directory name of ``step``."""
+    return str(int(step))
+
+
+def is_step_name(name: str) -> bool:
+    return STEP_NAME.fullmatch(name) is not None
+
+
+def is_part_name(name: str) -> bool:
+    return PART_NAME.fullmatch(name) is not None
+
+
+def is_data_name(name: str) -> bool:
+    return DATA_NAME.fullmatch(name) is not None
+
+
+def is_ours(name: str) -> bool:
+    """A data file or a temporary file of our own saves (what garbage collection and prune may touch)."""
+    return DATA_NAME.fullmatch(name) is not None or TMP_NAME.fullmatch(name) is not None
+
+
+def tensors_name(write_id: str) -> str:
+    return f"{TENSORS_PREFIX}{write_id}{TENSORS_SUFFIX}"
+
+
+def objects_name(write_id: str) -> str:
+    return f"{OBJECTS_PREFIX}{write_id}{OBJECTS_SUFFIX}"
+
+
+def tmp_name(name: str, token: str) -> str:
+    return f".{name}.tmp-{token}"
 
 
 def _meta_digest(meta: Mapping[str, Any]) -> str:
+    """``meta_checksum``: crc32 of the canonical JSON of every other key."""
     body = {k: v for k, v in meta.items() if k != "meta_checksum"}
     text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return f"{zlib.crc32(text) & 0xFFFFFFFF:08x}"
+
+
+meta_digest = _meta_digest
+
+
+def _code(pattern: str) -> str:
+    """A pattern as a markdown table cell (``|`` escaped)."""
+    return "`" + pattern.replace("|", "\\|") + "`"
+
+
+def _mib(size: int) -> str:
+    return f"{size >> 20} MiB"
+
+
+def reference_table() -> str:
+    """The markdown table of names, patterns and bounds docs/cache-format.md holds."""
+    rows = [
+        ("step directory", _code(STEP_NAME.pattern), "decimal step number, no sign, no leading zeros"),
+        ("part directory", _code(PART_NAME.pattern), 'part `""` is the step directory itself'),
+        ("commit record", f"`{META_NAME}`", f"at most {_mib(MAX_META_BYTES)}, {MAX_META_DEPTH} levels deep"),
+        ("tensor file", f"`{tensors_name('{write_id}')}`", f"index at most {_mib(MAX_INDEX_BYTES)}"),
+        ("objects file", f"`{objects_name('{write_id}')}`", "tagged JSON"),
+        ("data file", _code(DATA_NAME.pattern), "what no `meta.json` names is a leftover"),
+        ("temporary file", _code(TMP_NAME.pattern), "a local save's file before its rename"),
+        ("write id", _code(WRITE_ID.pattern), "`{unix_time}-{pid}-{8 hex}`"),
+        ("name from meta.json", _code(SAFE_NAME.pattern), "and not `..`, not `meta.json`"),
+        (
+            "sparse files",
+            f"{_mib(SPARSE_MIN_SIZE)} or more",
+            f"must occupy at least 1/{SPARSE_FACTOR} of their size on disk",
+        ),
+        ("tensor file magic", f"`{TENSORS_MAGIC.decode()}`", f"data {TENSOR_ALIGN}-byte aligned"),
+        ("tree checksum chunk", _mib(TREE_CHUNK), "`xxh3_64-tree`"),
+    ]
+    lines = ["| what | name or pattern | bound or rule |", "|---|---|---|"]
+    lines += [f"| {what} | {name} | {rule} |" for what, name, rule in rows]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(reference_table(), end="")

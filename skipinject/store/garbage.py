@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import stat
 import threading
 import time
@@ -34,19 +33,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from skipinject.store.format import (
+    DATA_NAME,
+    MAX_META_BYTES,
+    META_NAME,
+    PART_NAME,
+    STEP_NAME,
+    TMP_NAME,
+    WRITE_ID,
+    is_ours,
+)
+
 ABANDONED_AFTER = 600.0
 PID_REUSE_AFTER = 86400.0
 #: A later save scans its whole project at most this often per process (its own step: every time).
 SCAN_INTERVAL = 600.0
-#: meta.json files larger than this are not read here (the store's own limit is the same).
-_META_LIMIT = 16 << 20
-META_NAME = "meta.json"
-
-_STEP_NAME = re.compile(r"[0-9]{1,12}")
-_PART_NAME = re.compile(r"[0-9]{1,6}")
-_DATA_NAME = re.compile(r"(?:tensors-[0-9A-Za-z_.-]+\.bin|objects-[0-9A-Za-z_.-]+\.json)")
-_TMP_NAME = re.compile(r"\.(?:tensors-|objects-|meta\.json)[0-9A-Za-z_.-]*\.tmp-[0-9A-Za-z_-]+")
-_WRITE_ID = re.compile(r"([0-9]{9,12})-([0-9]{1,10})-([0-9a-f]{8})")
 
 #: Write ids of this process's writers that have not committed or aborted yet.
 ACTIVE_WRITE_IDS: set[str] = set()
@@ -77,7 +78,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _writer_gone(name: str, age: float) -> bool:
     """Whether the writer named in a file name is certainly not writing any more (see module doc)."""
-    match = _WRITE_ID.search(name)
+    match = WRITE_ID.search(name)
     if match is None or age >= PID_REUSE_AFTER:
         return True
     pid = int(match.group(2))
@@ -86,24 +87,20 @@ def _writer_gone(name: str, age: float) -> bool:
     return not _pid_alive(pid)
 
 
-def _ours(name: str) -> bool:
-    return bool(_DATA_NAME.fullmatch(name) or _TMP_NAME.fullmatch(name))
-
-
 def _named_by_meta(step_fd: int) -> set[str] | None:
     """``part/name`` of every file the step's meta.json names; empty if it has none; None if unreadable."""
     try:
-        fd = os.open("meta.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=step_fd)
+        fd = os.open(META_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=step_fd)
     except FileNotFoundError:
         return set()
     except OSError:
         return None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _META_LIMIT:
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_META_BYTES:
             return None
         with os.fdopen(os.dup(fd), "rb") as handle:
-            data = handle.read(_META_LIMIT + 1)
+            data = handle.read(MAX_META_BYTES + 1)
         meta = json.loads(data)
         named = set()
         for part in meta["parts"]:
@@ -137,7 +134,7 @@ def _scan_folder(
     except OSError:
         return
     for name in names:
-        if not _ours(name) or f"{sub}/{name}" in named:
+        if not is_ours(name) or f"{sub}/{name}" in named:
             continue
         try:
             info = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
@@ -173,7 +170,7 @@ def _scan_step(
         except OSError:
             return
         for child in children:
-            if not _PART_NAME.fullmatch(child):
+            if not PART_NAME.fullmatch(child):
                 continue
             part_fd = _open_dir(child, step_fd)
             if part_fd is None:
@@ -202,7 +199,7 @@ def _clean_commit(step_fd: int) -> bool:
         ids = set()
         listings = [names]
         for child in names:
-            if _PART_NAME.fullmatch(child):
+            if PART_NAME.fullmatch(child):
                 part_fd = _open_dir(child, step_fd)
                 if part_fd is None:
                     continue
@@ -212,10 +209,10 @@ def _clean_commit(step_fd: int) -> bool:
                     os.close(part_fd)
         for listing in listings:
             for name in listing:
-                if _TMP_NAME.fullmatch(name):
+                if TMP_NAME.fullmatch(name):
                     return False
-                if _DATA_NAME.fullmatch(name):
-                    match = _WRITE_ID.search(name)
+                if DATA_NAME.fullmatch(name):
+                    match = WRITE_ID.search(name)
                     ids.add(match.group(0) if match else name)
         return len(ids) <= 1
     except OSError:
@@ -243,7 +240,7 @@ def find_leftovers(project_dir: Path, *, now: float | None = None, min_age: floa
         except OSError:
             return []
         for name in names:
-            if _STEP_NAME.fullmatch(name):
+            if STEP_NAME.fullmatch(name):
                 _scan_step(project_fd, Path(project_dir), name, now, min_age, out)
     finally:
         os.close(project_fd)
@@ -284,11 +281,11 @@ def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONE
 
 def _recheck(item: Leftover, info: os.stat_result, parent_fd: int, now: float, min_age: float) -> bool:
     name = item.path.name
-    if not _ours(name) or not _abandoned(name, info, now, min_age):
+    if not is_ours(name) or not _abandoned(name, info, now, min_age):
         return False
     step_fd, sub = parent_fd, ""
     opened: int | None = None
-    if _PART_NAME.fullmatch(item.path.parent.name) and _STEP_NAME.fullmatch(item.path.parent.parent.name):
+    if PART_NAME.fullmatch(item.path.parent.name) and STEP_NAME.fullmatch(item.path.parent.parent.name):
         opened = _open_dir("..", parent_fd)
         if opened is None:
             return False

@@ -1,4 +1,5 @@
-"""Steps under an fsspec URL (``s3://``, ``gs://``, ``hdfs://``, ``memory://``...): one format, one rule.
+"""Steps under an fsspec URL (``s3://``, ``gs://``, ``hdfs://``, ``memory://``...): the :class:`FsspecFiles`
+backend of the one :class:`~skipinject.store.StepStore` (same format, same checks, same commit rule).
 
 Object stores have no rename and no directories, so the commit is the object that appears last:
 every data file is uploaded whole under a fresh name (an object appears complete or not at all;
@@ -17,26 +18,29 @@ bucket is the store's own access control. ``file://`` URLs are plain local paths
 from __future__ import annotations
 
 import contextlib
-import json
 import posixpath
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from skipinject.cluster import is_remote, local_path_text
 from skipinject.errors import CacheError, ConfigError, CorruptCacheError
-from skipinject.store.checksums import _digest, _Hasher
-from skipinject.store.files import MAX_META_BYTES, MAX_META_DEPTH, parse_json
-from skipinject.store.format import _SAFE_NAME, META_NAME
+from skipinject.store.checksums import _Hasher
+from skipinject.store.format import (
+    DATA_NAME,
+    MAX_META_BYTES,
+    META_NAME,
+    PART_NAME,
+    step_name,
+)
 from skipinject.store.garbage import ACTIVE_WRITE_IDS
-from skipinject.store.payload import Payload, StepEntry
-from skipinject.store.step_store import _DATA_NAME, _PART_NAME, STEP_NAME, StepStore
+from skipinject.store.step_store import StepStore
 from skipinject.store.tensorfile import write_tensors
-from skipinject.store.writer import StepWriter
 
 if TYPE_CHECKING:
+    import torch
     from fsspec import AbstractFileSystem
 
 #: Bytes moved per request when reading a data file (a multiple of the tree checksum's 32 MiB
@@ -114,36 +118,31 @@ def open_remote(url: str) -> tuple[AbstractFileSystem, RemotePath]:
     return fs, RemotePath(f"{scheme}://", str(path).rstrip("/"))
 
 
-class RemoteStepStore(StepStore):
-    """:class:`StepStore` over an fsspec filesystem: the same format, commit rule and checks."""
+def RemoteStepStore(
+    project_dir: RemotePath,
+    role: str,
+    context: Mapping[str, Any],
+    fs: AbstractFileSystem,
+    plugin: str | None = None,
+) -> StepStore:
+    """The :class:`StepStore` of ``project_dir`` in the fsspec filesystem ``fs``."""
+    return StepStore(cast(Path, project_dir), role, context, backend=FsspecFiles(fs), plugin=plugin)
 
-    def __init__(
-        self,
-        project_dir: RemotePath,
-        role: str,
-        context: Mapping[str, Any],
-        fs: AbstractFileSystem,
-    ) -> None:
-        # Paths are only shown and compared by the engine, so a RemotePath stands in for a Path.
-        super().__init__(project_dir, role, context, trust_permissions=True)  # type: ignore[arg-type]
-        self.location = project_dir
+
+def _at(location: Path) -> RemotePath:
+    """A location the store handed this backend: a RemotePath standing in for a Path."""
+    return cast(RemotePath, location)
+
+
+class FsspecFiles:
+    """A store's files in an fsspec filesystem (see the module doc)."""
+
+    checks_owners = False
+
+    def __init__(self, fs: AbstractFileSystem) -> None:
         self.fs = fs
 
-    # ------------------------------------------------------------ locations
-
-    def step_dir(self, step: int) -> Path:
-        return self.location / str(int(step))  # type: ignore[return-value]
-
-    def _at(self, step: int, *names: str) -> RemotePath:
-        location = self.location / str(int(step))
-        for name in names:
-            location = location / name
-        return location
-
-    def begin(self, step: int) -> StepWriter:
-        return RemoteStepWriter(self, step)
-
-    def check_trust(self) -> None:
+    def check_trust(self, chain: list[Path], role: str) -> None:
         """Nothing to check: an object store's access control says who may write it."""
 
     # ------------------------------------------------------------ listing
@@ -155,35 +154,85 @@ class RemoteStepStore(StepStore):
         entries = self.fs.ls(location.path, detail=False)
         return [posixpath.basename(str(entry).rstrip("/")) for entry in entries]
 
-    def step_numbers_on_disk(self) -> list[int]:
-        """Step numbers under the project: one listing, names only; ``[]`` when it cannot be listed."""
-        try:
-            names = self._names(self.location)
-        except Exception:
-            return []
-        return sorted({int(name) for name in names if STEP_NAME.fullmatch(name)})
+    def names(self, location: Path, *, directories: bool = False) -> list[str]:
+        return self._names(_at(location))  # no directories in an object store: names are prefixes
 
-    def _names_in(self, step: int, sub: str = "") -> list[str]:
-        return self._names(self._at(step, sub) if sub else self._at(step))
+    def list_part(self, step_dir: Path, sub: str) -> list[str]:
+        return self._names(_at(step_dir) / sub)
 
-    def upstream_file(self, step: int, name: str, directory_name: str | None = None) -> Path | None:
+    def open_step(self, directory: Path, role: str) -> _RemoteStep:
+        return _RemoteStep(self.fs, _at(directory))
+
+    def is_regular(self, directory: Path, name: str) -> bool:
         """verl's own caches are pickles on local disks; never looked for in a remote store."""
-        return None
+        return False
 
-    # ------------------------------------------------------------ reading
+    # ------------------------------------------------------------ writing
 
-    def _size(self, location: RemotePath) -> int:
-        """The object's size; FileNotFoundError when absent, CorruptCacheError when it is no file."""
+    def prepare(self, step_dir: Path, folder: Path) -> list[Path]:
+        return []  # no directories to create: keys appear with their objects
+
+    def put_tensors(
+        self, location: Path, tensors: Mapping[str, torch.Tensor], algo: str, write_id: str
+    ) -> tuple[int, str]:
+        handle = self.fs.open(_at(location).path, "wb")
+        try:
+            checksum = write_tensors(_Pieces(handle), tensors, algo)  # type: ignore[arg-type]
+            size = int(handle.tell())
+        except BaseException:
+            _discard(handle)
+            raise
+        handle.close()  # the upload completes here: the object appears whole
+        return size, checksum
+
+    def put_bytes(self, location: Path, data: bytes, write_id: str) -> int:
+        self.fs.pipe_file(_at(location).path, data)
+        return len(data)
+
+    def commit(self, step_dir: Path, meta: bytes, write_id: str) -> None:
+        self.fs.pipe_file((_at(step_dir) / META_NAME).path, meta)
+
+    def remove(self, location: Path) -> None:
         with contextlib.suppress(Exception):
-            self.fs.invalidate_cache(location.parent.path)
-        info = self.fs.info(location.path)
-        size = info.get("size")
-        if info.get("type") != "file" or type(size) is not int or size < 0:
-            raise CorruptCacheError(f"{location}: not a regular object")
-        return size
+            self.fs.rm_file(_at(location).path)
 
-    def read_meta(self, step: int) -> dict[str, Any]:
-        location = self._at(step, META_NAME)
+    def collect(self, project: Path, step: int, named: set[str] | None) -> tuple[int, int]:
+        """Remove data files of ``step`` that no ``meta.json`` names (``named``) and that are older than
+        :data:`ABANDONED_AFTER` (interrupted or superseded uploads). Never raises."""
+        removed = freed = 0
+        if named is None:  # no readable meta.json: nothing can be told apart from a live upload
+            return removed, freed
+        try:
+            step_dir = _at(project) / step_name(step)
+            folders = [step_dir] + [step_dir / n for n in self._names(step_dir) if PART_NAME.fullmatch(n)]
+            now = time.time()
+            for folder in folders:
+                for name in self._names(folder):
+                    location = folder / name
+                    if not DATA_NAME.fullmatch(name) or str(location) in named:
+                        continue
+                    if any(write_id in name for write_id in ACTIVE_WRITE_IDS):
+                        continue
+                    info = self.fs.info(location.path)
+                    if now - _modified(info, now) < ABANDONED_AFTER:
+                        continue
+                    self.fs.rm_file(location.path)
+                    removed += 1
+                    freed += int(info.get("size") or 0)
+        except Exception:
+            pass
+        return removed, freed
+
+
+class _RemoteStep:
+    """One remote step: ``meta.json`` in one bounded request, files streamed after a size check."""
+
+    def __init__(self, fs: AbstractFileSystem, directory: RemotePath) -> None:
+        self.fs = fs
+        self.directory = directory
+
+    def read_meta(self) -> bytes:
+        location = self.directory / META_NAME
         try:
             # One ranged GET, no size query first: meta.json is replaced in place by later commits, and
             # a size from one version with the bytes of another would be a spurious damaged step.
@@ -198,15 +247,19 @@ class RemoteStepStore(StepStore):
             raise CorruptCacheError(
                 f"{location}: unreadable meta.json ({type(exc).__name__}: {_one_line(exc)})"
             ) from exc
-        meta = parse_json(bytes(data), location, what="meta.json", max_depth=MAX_META_DEPTH)  # type: ignore[arg-type]
-        try:
-            return self._check_meta(meta, location, step)  # type: ignore[arg-type]
-        except CacheError:
-            raise
-        except Exception as exc:
-            raise CorruptCacheError(f"{location}: meta.json is malformed ({type(exc).__name__}: {exc})") from exc
+        return bytes(data)
 
-    def _read(self, location: RemotePath, size: int, hasher: _Hasher | None) -> bytearray:
+    def _size(self, location: RemotePath) -> int:
+        """The object's size; FileNotFoundError when absent, CorruptCacheError when it is no file."""
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(location.parent.path)
+        info = self.fs.info(location.path)
+        size = info.get("size")
+        if info.get("type") != "file" or type(size) is not int or size < 0:
+            raise CorruptCacheError(f"{location}: not a regular object")
+        return size
+
+    def _stream(self, location: RemotePath, size: int, hasher: _Hasher) -> bytearray:
         """Exactly ``size`` bytes of an object, streamed into memory chunk by chunk (hashed as they come)."""
         buffer = bytearray(size)
         view = memoryview(buffer)
@@ -217,76 +270,32 @@ class RemoteStepStore(StepStore):
                 if not piece:
                     break
                 view[got : got + len(piece)] = piece
-                if hasher is not None:
-                    hasher.update(piece)
+                hasher.update(piece)
                 got += len(piece)
         if got != size:
             raise CorruptCacheError(f"{location}: {got} bytes read, meta.json records {size}")
         return buffer
 
-    def verified(self, step: int) -> StepEntry:
-        """The step's entry after reading and checking every file ``meta.json`` names."""
-        meta = self.read_meta(step)
-        directory = self.step_dir(step)
-        entry = StepEntry(step, directory, meta)
-        try:
-            for location, spec in self.named_files(step, meta):
-                self._verify_file(entry, location, spec)  # type: ignore[arg-type]
-        except BaseException:
-            entry.release()
-            raise
-        return entry
-
-    def _verify_file(self, entry: StepEntry, location: RemotePath, spec: dict[str, Any]) -> None:
-        expected = spec.get("size")
-        if type(expected) is not int or expected < 0:
+    def read(self, sub: str, name: str, size: object, kind: str, algo: str) -> tuple[bytes | bytearray, str]:
+        location = self.directory / sub / name if sub else self.directory / name
+        if type(size) is not int or size < 0:
             raise CorruptCacheError(f"{location}: meta.json records no size")
         try:
-            size = self._size(location)
-            if size != expected:
-                raise CorruptCacheError(f"{location}: {size} bytes, meta.json records {expected}")
-            hasher = _Hasher(entry.meta["checksum_algo"])
-            data = self._read(location, size, hasher)
+            found = self._size(location)
+            if found != size:
+                raise CorruptCacheError(f"{location}: {found} bytes, meta.json records {size}")
+            hasher = _Hasher(algo)
+            data = self._stream(location, size, hasher)
         except FileNotFoundError as exc:
             raise CorruptCacheError(f"{location}: missing (named by meta.json)") from exc
         except CacheError:
             raise
         except Exception as exc:  # network, permission, memory: not a cache we use
             raise CorruptCacheError(f"{location}: cannot read it ({type(exc).__name__}: {_one_line(exc)})") from exc
-        if hasher.hexdigest() != spec.get("checksum"):
-            raise CorruptCacheError(f"{location}: checksum mismatch (the file was damaged or changed)")
-        if spec["kind"] == "tensors":
-            entry.mapped[location] = data  # type: ignore[index]  # tensors are views of it
-        else:
-            entry.blobs[location] = bytes(data)  # type: ignore[index]
+        return (data if kind == "tensors" else bytes(data)), hasher.hexdigest()  # tensors are views of it
 
-    # ------------------------------------------------------------ garbage
-
-    def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]:
-        """Remove data files of ``step`` that no ``meta.json`` names and that are older than
-        :data:`ABANDONED_AFTER` (interrupted or superseded uploads). Never raises."""
-        removed = freed = 0
-        try:
-            named = {str(location) for location, _ in self.named_files(step, meta or self.read_meta(step))}
-            folders = [self._at(step)]
-            folders += [self._at(step, n) for n in self._names(self._at(step)) if _PART_NAME.fullmatch(n)]
-            now = time.time()
-            for folder in folders:
-                for name in self._names(folder):
-                    location = folder / name
-                    if not _DATA_NAME.fullmatch(name) or str(location) in named:
-                        continue
-                    if any(write_id in name for write_id in ACTIVE_WRITE_IDS):
-                        continue
-                    info = self.fs.info(location.path)
-                    if now - _modified(info, now) < ABANDONED_AFTER:
-                        continue
-                    self.fs.rm_file(location.path)
-                    removed += 1
-                    freed += int(info.get("size") or 0)
-        except Exception:
-            pass
-        return removed, freed
+    def close(self) -> None:
+        """Nothing is held open between requests."""
 
 
 def _modified(info: Mapping[str, Any], default: float) -> float:
@@ -305,62 +314,6 @@ def _modified(info: Mapping[str, Any], default: float) -> float:
             with contextlib.suppress(ValueError):
                 return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
     return default
-
-
-class RemoteStepWriter(StepWriter):
-    """Uploads a step's files under fresh names, then ``meta.json`` last (see the module doc)."""
-
-    store: RemoteStepStore
-
-    def __init__(self, store: RemoteStepStore, step: int) -> None:
-        super().__init__(store, step)
-        self._uploaded: list[RemotePath] = []
-
-    def add_part(self, payload: Payload, part: str = "") -> None:
-        """Upload one part's files (invisible to readers until :meth:`commit`)."""
-        if part and not _SAFE_NAME.match(part):
-            raise ValueError(f"bad part name {part!r}")
-        ACTIVE_WRITE_IDS.add(self.write_id)  # again, after a commit (a step growing call by call)
-        store = self.store
-        folder = store._at(self.step, part) if part else store._at(self.step)
-        algo = store.checksum_algo
-        files: dict[str, Any] = {}
-
-        tensors_at = folder / f"tensors-{self.write_id}.bin"
-        self._uploaded.append(tensors_at)
-        handle = store.fs.open(tensors_at.path, "wb")
-        try:
-            checksum = write_tensors(_Pieces(handle), payload.tensors, algo)  # type: ignore[arg-type]
-            size = handle.tell()
-        except BaseException:
-            _discard(handle)
-            raise
-        handle.close()  # the upload completes here: the object appears whole
-        files["tensors"] = {"name": tensors_at.name, "size": size, "checksum": checksum}
-
-        objects_at = folder / f"objects-{self.write_id}.json"
-        self._uploaded.append(objects_at)
-        blob = json.dumps(payload.objects, separators=(",", ":"), allow_nan=True).encode()
-        store.fs.pipe_file(objects_at.path, blob)
-        files["objects"] = {"name": objects_at.name, "size": len(blob), "checksum": _digest(blob, algo)}
-        self.parts[part] = {"dir": part, "rows": payload.rows, "files": files}
-
-    def commit(self, meta: Mapping[str, Any]) -> Path:
-        """Publish the step: put ``meta.json`` (one request) after every data file is uploaded."""
-        text = self.meta_record(meta)
-        self.store.fs.pipe_file(self.store._at(self.step, META_NAME).path, text)
-        self._uploaded.clear()
-        ACTIVE_WRITE_IDS.discard(self.write_id)
-        self.store.collect_garbage(self.step, json.loads(text))
-        return self.directory
-
-    def abort(self) -> None:
-        """Remove what this writer uploaded (best effort)."""
-        for location in self._uploaded:
-            with contextlib.suppress(Exception):
-                self.store.fs.rm_file(location.path)
-        self._uploaded.clear()
-        ACTIVE_WRITE_IDS.discard(self.write_id)
 
 
 class _Pieces:

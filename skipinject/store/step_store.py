@@ -1,49 +1,46 @@
 """One role's steps under one project directory: reading, verifying and loading them.
 
-Every file is read under one discipline (:mod:`skipinject.store.files`): regular files only, opened
-without following links out of the step directory, sizes checked against meta.json before a byte is
-read or hashed, bounded JSON; every failure is a :class:`CorruptCacheError` (a missing step stays
-``FileNotFoundError``). Directories are trusted like ssh's StrictModes unless ``trust_permissions``.
+The format's logic lives here once, for every backend (:mod:`skipinject.store.backend`): which
+files a step has, the meta.json checks, sizes before reading and checksums before decoding, the
+commit rule (through :class:`~skipinject.store.writer.StepWriter`). Where the bytes are is the
+backend's business: :class:`~skipinject.store.local.LocalFiles` (regular files only, opened without
+following links out of the step directory, directories trusted like ssh's StrictModes unless
+``trust_permissions``) or :class:`~skipinject.store.remote.FsspecFiles` (an object store). Every
+failure is a :class:`CorruptCacheError` (a missing step stays ``FileNotFoundError``).
 """
 
 from __future__ import annotations
 
-import os
-import re
+import mmap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from skipinject.errors import CacheError, CorruptCacheError
-from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo, _digest, _digest_parallel
-from skipinject.store.files import (
-    MAX_META_BYTES,
+from skipinject.store.backend import Backend, StepFiles
+from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo
+from skipinject.store.files import parse_json
+from skipinject.store.format import (
+    DATA_NAME,
+    FORMAT,
+    FORMAT_VERSION,
     MAX_META_DEPTH,
-    map_fd,
-    open_dir,
-    open_regular,
-    parse_json,
-    read_fd,
-    trust_problem,
-    untrusted_reason,
+    META_NAME,
+    PART_NAME,
+    SAFE_NAME,
+    STEP_NAME,
+    _meta_digest,
+    step_name,
 )
-from skipinject.store.format import _SAFE_NAME, FORMAT, FORMAT_VERSION, META_NAME, _meta_digest
-from skipinject.store.garbage import collect
 from skipinject.store.payload import Payload, StepEntry
 from skipinject.store.tensorfile import read_tensors
 from skipinject.store.writer import StepWriter
 
-#: A step directory's name: ASCII digits, no leading zero (``str.isdigit`` also accepts "²").
-STEP_NAME = re.compile(r"0|[1-9][0-9]{0,11}")
-_DATA_NAME = re.compile(r"(?:tensors-[0-9A-Za-z_.-]+\.bin|objects-[0-9A-Za-z_.-]+\.json)")
-_PART_NAME = re.compile(r"[0-9]{1,6}")
-
-
-# ---------------------------------------------------------------- reading
+__all__ = ["STEP_NAME", "StepStore"]
 
 
 class StepStore:
-    """The cache of one role under one project directory."""
+    """The cache of one role under one project directory, in a local tree or a remote store."""
 
     def __init__(
         self,
@@ -53,19 +50,43 @@ class StepStore:
         *,
         trust_permissions: bool = False,
         dump_dir: Path | None = None,
+        plugin: str | None = None,
+        backend: Backend | None = None,
     ) -> None:
         """``trust_permissions``: load from directories other users could write (the user's opt-in,
         ``skip.<role>.trust_dir_permissions``). ``dump_dir``: the cache root; it and every directory
-        from it down to ``project_dir`` are checked too (without it, ``project_dir`` and below)."""
+        from it down to ``project_dir`` are checked too (without it, ``project_dir`` and below).
+        ``plugin``: the plugin providing the role, recorded in ``meta.json`` (``skipinject cache``
+        names it where it is not installed). ``backend``: where the files are (default: local files,
+        see :func:`~skipinject.store.backend.backend_for`)."""
+        if backend is None:
+            from skipinject.store.local import LocalFiles
+
+            backend = LocalFiles(trust_permissions=trust_permissions)
+        self.backend = backend
         self.project_dir = project_dir
         self.role = role
         self.context = dict(context)
         self.checksum_algo = _checksum_algo()
-        self.trust_permissions = trust_permissions
+        self.trust_permissions = trust_permissions or not backend.checks_owners
         self.dump_dir = dump_dir
+        self.plugin = plugin
+
+    @property
+    def location(self) -> Path:
+        """The project directory (a RemotePath standing in for a Path in a remote store)."""
+        return self.project_dir
 
     def step_dir(self, step: int) -> Path:
-        return self.project_dir / str(int(step))
+        return self.project_dir / step_name(step)
+
+    def at(self, step: int, *names: str) -> Path:
+        """A location in step ``step``: ``at(3, "0", "meta.json")``."""
+        location = self.step_dir(step)
+        for name in names:
+            if name:
+                location = location / name
+        return location
 
     def begin(self, step: int) -> StepWriter:
         return StepWriter(self, step)
@@ -99,39 +120,12 @@ class StepStore:
         write or that another user owns. A missing directory is ``FileNotFoundError`` (nothing cached)."""
         if self.trust_permissions:
             return
-        for directory in self._trust_chain():
-            try:
-                info = os.stat(directory)
-            except FileNotFoundError:
-                raise
-            except OSError as exc:
-                raise CorruptCacheError(
-                    f"{directory}: cannot check the directory ({type(exc).__name__}: {exc})"
-                ) from exc
-            if untrusted_reason(info) is not None:
-                raise CorruptCacheError(trust_problem(directory, info, self.role))
+        self.backend.check_trust(self._trust_chain(), self.role)
 
-    def _check_fd(self, fd: int, path: Path) -> None:
-        if self.trust_permissions:
-            return
-        info = os.fstat(fd)
-        if untrusted_reason(info) is not None:
-            raise CorruptCacheError(trust_problem(path, info, self.role))
-
-    def _open_step(self, step: int, directory_name: str | None = None) -> int:
-        """The step directory's descriptor (never through a symlink), trust-checked.
-
-        ``directory_name``: another directory of the project holding the step (verl < 0.9's
-        ``genstep_000003``)."""
+    def _open_step(self, step: int) -> StepFiles:
+        """The step directory opened for reading (never through a symlink), trust-checked."""
         self.check_trust()
-        directory = self.step_dir(step) if directory_name is None else self.project_dir / directory_name
-        fd = open_dir(directory)
-        try:
-            self._check_fd(fd, directory)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return self.backend.open_step(self.step_dir(step), self.role)
 
     # ------------------------------------------------------------ listing
 
@@ -145,14 +139,14 @@ class StepStore:
         except (FileNotFoundError, CacheError):
             return []
         try:
-            with os.scandir(self.project_dir) as entries:
-                return sorted(
-                    int(entry.name)
-                    for entry in entries
-                    if STEP_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)
-                )
+            names = self.backend.names(self.project_dir, directories=True)
         except FileNotFoundError:
             return []
+        except Exception:
+            if self.backend.checks_owners:
+                raise
+            return []  # a remote store that cannot be listed holds nothing this run can use
+        return sorted({int(name) for name in names if STEP_NAME.fullmatch(name)})
 
     def is_committed(self, step: int) -> bool:
         """The step has a valid ``meta.json`` of this role (its data files are not verified)."""
@@ -166,89 +160,58 @@ class StepStore:
         """One line if the step holds our data files (directly or in a part directory) but no
         ``meta.json`` (a save there was interrupted), else None. Never raises."""
 
-        def holds_data(sub: str = "") -> bool:
+        def holds_data(names: list[str]) -> bool:
+            return any(DATA_NAME.fullmatch(name) for name in names)
+
+        def part_holds_data(sub: str) -> bool:
             try:
-                return any(_DATA_NAME.fullmatch(name) for name in self._names_in(step, sub))
+                return holds_data(self.backend.list_part(self.step_dir(step), sub))
             except Exception:
                 return False
 
         try:
-            names = self._names_in(step)
+            names = self.backend.names(self.step_dir(step))
         except Exception:
             return None
         if META_NAME in names:
             return None
-        if not holds_data() and not any(_PART_NAME.fullmatch(sub) and holds_data(sub) for sub in names):
+        if not holds_data(names) and not any(PART_NAME.fullmatch(sub) and part_holds_data(sub) for sub in names):
             return None
         return f"{self.step_dir(step)} holds data files but no meta.json (an earlier save was interrupted)"
 
-    def _names_in(self, step: int, sub: str = "") -> list[str]:
-        """Names in the step directory, or in its part directory ``sub``; follows no links."""
-        fd = open_dir(self.step_dir(step))
-        try:
-            if not sub:
-                return os.listdir(fd)
-            part_fd = open_dir(sub, fd)
-            try:
-                return os.listdir(part_fd)
-            finally:
-                os.close(part_fd)
-        finally:
-            os.close(fd)
-
     def upstream_file(self, step: int, name: str, directory_name: str | None = None) -> Path | None:
         """verl's own cache file ``name`` of a step (e.g. ``gen_batch.dp``) if it is a regular file in a
-        real, trusted step directory; None otherwise (a link, a pipe, an untrusted directory). Never raises.
+        real, trusted step directory; None otherwise (a link, a pipe, an untrusted directory, a remote
+        store). Never raises.
 
         ``directory_name``: the step's directory when it is not ``{step}`` (verl < 0.9: ``genstep_000003``)."""
         pieces = name.split("/")
-        if len(pieces) > 2 or not all(_SAFE_NAME.match(p) and ".." not in p for p in pieces):
+        if len(pieces) > 2 or not all(SAFE_NAME.match(p) and ".." not in p for p in pieces):
             return None
-        if directory_name is not None and (not _SAFE_NAME.match(directory_name) or ".." in directory_name):
+        if directory_name is not None and (not SAFE_NAME.match(directory_name) or ".." in directory_name):
             return None
         base = self.step_dir(step) if directory_name is None else self.project_dir / directory_name
         try:
-            fd = self._open_step(step, directory_name)
+            self.check_trust()
         except Exception:
             return None
-        try:
-            parent_fd, leaf = fd, name
-            sub, _, rest = name.partition("/")
-            if rest:  # one part directory level, e.g. "0/tq_batch.pt"
-                parent_fd, leaf = open_dir(sub, fd), rest
-            try:
-                fd2, _ = open_regular(leaf, parent_fd, base / name)
-                os.close(fd2)
-            finally:
-                if parent_fd != fd:
-                    os.close(parent_fd)
-        except Exception:
+        if not self.backend.is_regular(base, name):
             return None
-        finally:
-            os.close(fd)
         return base / name
 
     # ------------------------------------------------------------ reading
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """Read and check a step's ``meta.json`` (format, version, role, context, self-checksum)."""
-        fd = self._open_step(step)
+        files = self._open_step(step)
         try:
-            return self._read_meta(fd, step)
+            return self._read_meta(files, step)
         finally:
-            os.close(fd)
+            files.close()
 
-    def _read_meta(self, step_fd: int, step: int) -> dict[str, Any]:
+    def _read_meta(self, files: StepFiles, step: int) -> dict[str, Any]:
         path = self.step_dir(step) / META_NAME
-        fd, info = open_regular(META_NAME, step_fd, path)
-        try:
-            if info.st_size > MAX_META_BYTES:
-                raise CorruptCacheError(f"{path}: {info.st_size} bytes, far larger than any meta.json; not read")
-            data = read_fd(fd, info.st_size, path)
-        except OSError as exc:
-            raise CorruptCacheError(f"{path}: unreadable meta.json ({type(exc).__name__}: {exc})") from exc
-        finally:
-            os.close(fd)
+        data = files.read_meta()
         meta = parse_json(data, path, what="meta.json", max_depth=MAX_META_DEPTH)
         try:
             return self._check_meta(meta, path, step)
@@ -288,13 +251,13 @@ class StepStore:
     def verified(self, step: int) -> StepEntry:
         """The step's entry after checking every file it names; raises CorruptCacheError.
 
-        ``FileNotFoundError``: no step directory or no ``meta.json`` (nothing cached). Tensor files are
-        checksummed through the copy-on-write mapping that :meth:`load` then uses, other files are read
-        once and kept: the bytes are read once and cannot change between the check and the load.
+        ``FileNotFoundError``: no step directory or no ``meta.json`` (nothing cached). Local tensor files
+        are checksummed through the copy-on-write mapping that :meth:`load` then uses, other files are
+        read once and kept: the bytes are read once and cannot change between the check and the load.
         """
-        step_fd = self._open_step(step)
+        files = self._open_step(step)
         try:
-            meta = self._read_meta(step_fd, step)
+            meta = self._read_meta(files, step)
             directory = self.step_dir(step)
             parts = meta.get("parts")
             if not isinstance(parts, list) or not parts:
@@ -302,53 +265,27 @@ class StepStore:
             entry = StepEntry(step, directory, meta)
             try:
                 for part in parts:
-                    self._verify_part(entry, step_fd, part)
+                    self._verify_part(entry, files, part)
             except BaseException:
                 entry.release()
                 raise
             return entry
         finally:
-            os.close(step_fd)
+            files.close()
 
-    def _verify_part(self, entry: StepEntry, step_fd: int, part: Any) -> None:
-        sub, files = self._part_files(entry.directory, part)
+    def _verify_part(self, entry: StepEntry, files: StepFiles, part: Any) -> None:
+        sub, named = self._part_files(entry.directory, part)
         algo = entry.meta["checksum_algo"]
-        part_fd = step_fd
-        if sub:
-            try:
-                part_fd = open_dir(sub, step_fd, shown=entry.directory / sub)
-            except FileNotFoundError as exc:
-                raise CorruptCacheError(f"{entry.directory / sub}: missing (named by meta.json)") from exc
-        try:
-            if sub:
-                self._check_fd(part_fd, entry.directory / sub)
-            for kind, name, spec in files:
-                path = entry.directory / sub / name if sub else entry.directory / name
-                try:
-                    fd, info = open_regular(name, part_fd, path, spec.get("size"))
-                except FileNotFoundError as exc:
-                    raise CorruptCacheError(f"{path}: missing (named by meta.json)") from exc
-                try:
-                    if kind == "tensors":
-                        mapped = map_fd(fd, info.st_size)
-                        if mapped is not None:
-                            entry.mapped[path] = mapped
-                        checksum = _digest_parallel(b"" if mapped is None else mapped, algo)
-                    else:
-                        blob = read_fd(fd, info.st_size, path)
-                        entry.blobs[path] = blob
-                        checksum = _digest(blob, algo)
-                except CacheError:
-                    raise
-                except Exception as exc:  # OSError, MemoryError, ValueError from mmap: not a cache we use
-                    raise CorruptCacheError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from exc
-                finally:
-                    os.close(fd)
-                if checksum != spec.get("checksum"):
-                    raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
-        finally:
-            if part_fd != step_fd:
-                os.close(part_fd)
+        for kind, name, spec in named:
+            path = entry.directory / sub / name if sub else entry.directory / name
+            data, checksum = files.read(sub, name, spec.get("size"), kind, algo)
+            if kind == "tensors":
+                if isinstance(data, (mmap.mmap, bytearray)) and len(data):
+                    entry.mapped[path] = data  # tensors are views of it
+            else:
+                entry.blobs[path] = bytes(data)
+            if checksum != spec.get("checksum"):
+                raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
 
     def load(self, entry: StepEntry) -> list[Payload]:
         """Load every part of a verified entry. Tensors are views of a copy-on-write file mapping.
@@ -398,7 +335,7 @@ class StepStore:
         if not isinstance(part, Mapping):
             raise CorruptCacheError(f"{directory}: meta.json is malformed (part {_short(part)} is not a record)")
         sub = part.get("dir", "")
-        if not isinstance(sub, str) or (sub and not _SAFE_NAME.match(sub)) or sub in (".", ".."):
+        if not isinstance(sub, str) or (sub and not SAFE_NAME.match(sub)) or sub in (".", ".."):
             raise CorruptCacheError(f"{directory}: meta.json names an unsafe part directory {_short(sub)}")
         files = part.get("files")
         if not isinstance(files, dict) or set(files) != {"tensors", "objects"}:
@@ -406,14 +343,21 @@ class StepStore:
         out = []
         for kind, spec in files.items():
             name = spec.get("name") if isinstance(spec, dict) else None
-            if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name or name == META_NAME:
+            if not isinstance(name, str) or not SAFE_NAME.match(name) or ".." in name or name == META_NAME:
                 raise CorruptCacheError(f"{directory}: meta.json names an unsafe file {_short(name)}")
             out.append((kind, name, spec))
         return sub, out
 
     def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]:
-        """Remove abandoned leftovers of this step's saves now (see :mod:`skipinject.store.garbage`)."""
-        return collect(self.project_dir, step=step)
+        """Remove abandoned leftovers of this step's saves now (see :mod:`skipinject.store.garbage`,
+        and :data:`skipinject.store.remote.ABANDONED_AFTER` for object stores). Never raises."""
+        try:
+            named: set[str] | None = {
+                str(path) for path, _ in self.named_files(step, meta if meta is not None else self.read_meta(step))
+            }
+        except Exception:
+            named = None
+        return self.backend.collect(self.project_dir, step, named)
 
 
 def _short(value: Any, limit: int = 200) -> str:

@@ -12,15 +12,14 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.checksums import _Hasher
-from skipinject.store.files import MAX_INDEX_BYTES
+from skipinject.store.format import MAX_INDEX_BYTES, TENSOR_ALIGN, TENSORS_MAGIC
 
 if TYPE_CHECKING:
     import torch
     from typing_extensions import Buffer
 
 
-TENSORS_MAGIC = b"SKIPTNS1"
-_ALIGN = 64
+_ALIGN = TENSOR_ALIGN
 #: Tensor dtypes the tensor file holds (by ``torch`` attribute name).
 TENSOR_DTYPES = frozenset(
     {

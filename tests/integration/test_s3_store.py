@@ -81,7 +81,7 @@ def test_a_writer_killed_mid_upload_leaves_no_object_and_no_step(url: str):
     store = store_at(url)
     with pytest.raises(FileNotFoundError):
         store.verified(5)
-    visible = [p for p in store.fs.find(store.location.path) if "/tensors-" in p]
+    visible = [p for p in store.backend.fs.find(store.location.path) if "/tensors-" in p]
     assert visible == [], "an interrupted multipart upload publishes nothing"
     write(url, 5, 51, "ok")
     assert values(store, 5) == [51]
@@ -125,12 +125,12 @@ def test_two_writers_of_one_step_leave_one_whole_step(url: str, tmp_path: Path):
 def test_an_object_changed_on_the_server_is_reported_never_loaded(url: str):
     write(url, 2, 20, "ok")
     store = store_at(url)
-    (tensor_file,) = [p for p in store.fs.find(store.location.path) if "/tensors-" in p]
-    data = store.fs.cat_file(tensor_file)
-    store.fs.pipe_file(tensor_file, data[:-1] + bytes([data[-1] ^ 0xFF]))
+    (tensor_file,) = [p for p in store.backend.fs.find(store.location.path) if "/tensors-" in p]
+    data = store.backend.fs.cat_file(tensor_file)
+    store.backend.fs.pipe_file(tensor_file, data[:-1] + bytes([data[-1] ^ 0xFF]))
     with pytest.raises(CorruptCacheError, match="checksum mismatch"):
         store.verified(2)
-    store.fs.pipe_file(tensor_file, data + b"trailing")
+    store.backend.fs.pipe_file(tensor_file, data + b"trailing")
     with pytest.raises(CorruptCacheError, match=r"bytes, meta\.json records"):
         store.verified(2)
 

@@ -409,7 +409,7 @@ def iter_dirs(root: Path) -> Iterator[Path]:
     yield from (p for p in root.rglob("*") if p.is_dir())
 
 
-STORE_MODULES = ("writer", "step_store", "checksums", "tensorfile")
+STORE_MODULES = ("writer", "local", "step_store", "checksums", "tensorfile")
 
 
 def patch_store_open(monkeypatch: Any, replacement: Any) -> None:

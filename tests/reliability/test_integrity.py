@@ -436,47 +436,60 @@ _PATHS = [
     ("created",),
     ("writer",),
 ]
-_META_FUZZ: dict[str, int] = {"examples": 0, "rejected": 0, "accepted": 0, "raw": 0}
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(path=st.sampled_from(_PATHS), value=_JSON, delete=st.booleans())
+def _forge_meta_fuzz(pristine: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
+    """Random JSON at each key path of a valid meta.json, its own checksum recomputed (hypothesis):
+    every outcome counted, a raw exception raised. Each test that needs the counts runs it itself."""
+    counts = {"examples": 0, "rejected": 0, "accepted": 0, "raw": 0}
+
+    @settings(max_examples=200, deadline=None)
+    @given(path=st.sampled_from(_PATHS), value=_JSON, delete=st.booleans())
+    def forge(path: tuple[Any, ...], value: Any, delete: bool) -> None:
+        dump = tmp_path_factory.mktemp("forge") / "dump"
+        shutil.copytree(pristine, dump)
+        store = h.store_of(h.runtime(dump))
+        meta = h.read_meta_raw(store, STEP)
+        node = meta
+        for key in path[:-1]:
+            node = node[key]
+        if delete and isinstance(node, dict):
+            node.pop(path[-1], None)
+        else:
+            node[path[-1]] = value
+        h.write_meta_raw(store, STEP, meta)
+        counts["examples"] += 1
+        try:
+            entry = store.verified(STEP)
+            store.load(entry)
+        except (FileNotFoundError, CorruptCacheError):
+            counts["rejected"] += 1
+            return
+        except Exception as exc:
+            counts["raw"] += 1
+            raise AssertionError(f"forged meta.json {path}={value!r} raised {type(exc).__name__}: {exc}") from exc
+        counts["accepted"] += 1
+
+    forge()
+    return counts
+
+
 def test_forged_meta_only_ever_gives_corrupt_cache_error(
-    pristine: Path, tmp_path_factory: pytest.TempPathFactory, path: tuple[Any, ...], value: Any, delete: bool
+    pristine: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    dump = tmp_path_factory.mktemp("forge") / "dump"
-    shutil.copytree(pristine, dump)
-    store = h.store_of(h.runtime(dump))
-    meta = h.read_meta_raw(store, STEP)
-    node = meta
-    for key in path[:-1]:
-        node = node[key]
-    if delete and isinstance(node, dict):
-        node.pop(path[-1], None)
-    else:
-        node[path[-1]] = value
-    h.write_meta_raw(store, STEP, meta)
-    _META_FUZZ["examples"] += 1
-    try:
-        entry = store.verified(STEP)
-        store.load(entry)
-    except (FileNotFoundError, CorruptCacheError):
-        _META_FUZZ["rejected"] += 1
-        return
-    except Exception as exc:
-        _META_FUZZ["raw"] += 1
-        raise AssertionError(f"forged meta.json {path}={value!r} raised {type(exc).__name__}: {exc}") from exc
-    _META_FUZZ["accepted"] += 1
+    counts = _forge_meta_fuzz(pristine, tmp_path_factory)
+    assert counts["examples"] > 0 and counts["raw"] == 0
 
 
-def test_forged_meta_summary(ledger: Any) -> None:
-    if _META_FUZZ["examples"]:
-        ledger(
-            "integrity",
-            "forged meta.json: random JSON at 18 key paths, own checksum recomputed (hypothesis)",
-            _META_FUZZ["examples"],
-            f"CorruptCacheError {_META_FUZZ['rejected']}, harmless edits accepted {_META_FUZZ['accepted']}, "
-            f"raw exceptions {_META_FUZZ['raw']}",
-            _META_FUZZ["raw"],
-        )
-    assert _META_FUZZ["raw"] == 0
+def test_forged_meta_summary(pristine: Path, tmp_path_factory: pytest.TempPathFactory, ledger: Any) -> None:
+    """Runs the fuzzing itself (alone it records real numbers, never another test's leftovers)."""
+    counts = _forge_meta_fuzz(pristine, tmp_path_factory)
+    ledger(
+        "integrity",
+        "forged meta.json: random JSON at 18 key paths, own checksum recomputed (hypothesis)",
+        counts["examples"],
+        f"CorruptCacheError {counts['rejected']}, harmless edits accepted {counts['accepted']}, "
+        f"raw exceptions {counts['raw']}",
+        counts["raw"],
+    )
+    assert counts["examples"] > 0 and counts["raw"] == 0

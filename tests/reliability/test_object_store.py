@@ -116,7 +116,7 @@ def test_a_writer_killed_at_random_times_during_an_upload(url: str, s3_env: dict
 def test_random_byte_flips_in_objects_on_the_server_are_never_loaded(url: str, ledger: Any) -> None:
     store = h.open_store(url)
     store.save(1, h.plain_payload(4096, 7.0))
-    fs = store.fs  # type: ignore[attr-defined]
+    fs = store.backend.fs  # type: ignore[attr-defined]
     objects = {path: fs.cat_file(path) for path in fs.find(store.location.path)}  # type: ignore[attr-defined]
     rng = random.Random(SEED)
     outcomes = {"rejected": 0, "harmless": 0}

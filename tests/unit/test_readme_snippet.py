@@ -166,3 +166,32 @@ def test_miss_then_hit_loaded_by_module_path(
     bootstrap.start(config, plugins)
     assert MyTrainer(global_steps=1).score_with_judge(["just one"]) == [0.8]
     assert len(CALLS) == 2
+
+
+def test_the_cache_tool_verifies_and_shows_the_readmes_role(
+    importable: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``skipinject cache`` on the README's judge role (a codec storing plain JSON, whose ``decode`` checks
+    the call's responses): verified by sizes and checksums, shown raw with the reason its codec gave."""
+    import json
+
+    from skipinject.cache_tool import main
+
+    monkeypatch.setenv("VERL_SKIP_PLUGINS", "my_recipe_skip")
+    plugins = load_plugins()
+    dump = tmp_path / "dump"
+    overrides, _ = split_overrides(["skip.judge.enable=True", "skip.judge.steps=[1]", f"skip.judge.dump_dir={dump}"])
+    bootstrap.start(Config(roles=apply_overrides(Config(), overrides, plugins.roles).roles), plugins)
+    from my_recipe.trainer import MyTrainer
+
+    MyTrainer(global_steps=1).score_with_judge(["4", "13"])
+    bootstrap.stop()
+    capsys.readouterr()
+
+    assert main(["verify", str(dump)]) == 0
+    assert "1 ok, 0 damaged" in capsys.readouterr().out
+    assert main(["show", str(dump / "skipinject_default" / "judge" / "1"), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["role"] == "judge" and shown["plugin"] == "my_recipe_skip" and shown["codec"] == "raw"
+    assert "ScoresCodec did not decode it here" in shown["note"]
+    assert [f["name"] for f in shown["fields"]] == ["objects.scores"]

@@ -49,7 +49,7 @@ def loaded_value(store: RemoteStepStore, step: int) -> int:
 
 
 def objects(store: RemoteStepStore, step: int) -> dict[str, int]:
-    return {entry["name"].rsplit("/", 1)[1]: entry["size"] for entry in store.fs.ls(store._at(step).path)}
+    return {entry["name"].rsplit("/", 1)[1]: entry["size"] for entry in store.backend.fs.ls(store.at(step).path)}
 
 
 # ---------------------------------------------------------------- locations and config
@@ -89,7 +89,7 @@ def test_save_then_verified_load_and_listing(store: RemoteStepStore):
 
 def test_meta_json_is_put_last_after_every_data_file(store: RemoteStepStore, monkeypatch):
     order: list[str] = []
-    fs = store.fs
+    fs = store.backend.fs
     real_open, real_pipe = fs.open, fs.pipe_file
 
     def spy_open(path: str, mode: str = "rb", **kw: Any) -> Any:
@@ -128,7 +128,7 @@ def test_an_upload_that_fails_leaves_nothing_visible_and_the_step_absent(store: 
     monkeypatch.setattr(remote, "write_tensors", broken)
     with pytest.raises(ConnectionError):
         store.save(2, payload(2))
-    assert not store.fs.exists(store._at(2).path) or objects(store, 2) == {}
+    assert not store.backend.fs.exists(store.at(2).path) or objects(store, 2) == {}
     with pytest.raises(FileNotFoundError):
         store.verified(2)
 
@@ -158,14 +158,14 @@ def test_two_writers_of_one_step_leave_one_whole_step(store: RemoteStepStore, mo
     assert first.write_id in names and second.write_id not in names
     # the loser's files are kept while they could belong to a writer still uploading, then collected
     assert any(second.write_id in name for name in objects(store, 4)) or any(
-        second.write_id in entry for entry in store.fs.find(store._at(4).path)
+        second.write_id in entry for entry in store.backend.fs.find(store.at(4).path)
     )
     import skipinject.store.remote as remote
 
     monkeypatch.setattr(remote, "ABANDONED_AFTER", -1.0)
     removed, freed = store.collect_garbage(4)
     assert removed == 4 and freed > 0
-    assert not any(second.write_id in entry for entry in store.fs.find(store._at(4).path))
+    assert not any(second.write_id in entry for entry in store.backend.fs.find(store.at(4).path))
     assert {p.objects["value"] for p in store.load(store.verified(4))} == {1}
 
 
@@ -173,9 +173,9 @@ def test_two_writers_of_one_step_leave_one_whole_step(store: RemoteStepStore, mo
 
 
 def _rewrite(store: RemoteStepStore, step: int, kind: str, change: Any) -> None:
-    for entry in store.fs.find(store._at(step).path):
+    for entry in store.backend.fs.find(store.at(step).path):
         if entry.rsplit("/", 1)[1].startswith(kind):
-            store.fs.pipe_file(entry, change(store.fs.cat_file(entry)))
+            store.backend.fs.pipe_file(entry, change(store.backend.fs.cat_file(entry)))
 
 
 @pytest.mark.parametrize(
@@ -198,10 +198,11 @@ def test_damaged_objects_are_reported_never_loaded(store: RemoteStepStore, kind:
 
 def test_a_huge_meta_json_is_refused_after_a_bounded_read(store: RemoteStepStore, monkeypatch):
     store.save(1, payload(1))
-    store.fs.pipe_file(store._at(1, "meta.json").path, b" " * (64 << 20) + b"{}")
+    store.backend.fs.pipe_file(store.at(1, "meta.json").path, b" " * (64 << 20) + b"{}")
     fetched: list[int] = []
-    real_cat = store.fs.cat_file
-    monkeypatch.setattr(store.fs, "cat_file", lambda *a, **kw: fetched.append(len(data := real_cat(*a, **kw))) or data)
+    fs = store.backend.fs
+    real_cat = fs.cat_file
+    monkeypatch.setattr(fs, "cat_file", lambda *a, **kw: fetched.append(len(data := real_cat(*a, **kw))) or data)
     with pytest.raises(CorruptCacheError, match=r"far larger than any meta\.json"):
         store.read_meta(1)
     assert fetched == [(16 << 20) + 1], "one request, at most 16 MiB + 1 bytes"
@@ -209,11 +210,12 @@ def test_a_huge_meta_json_is_refused_after_a_bounded_read(store: RemoteStepStore
 
 def test_a_data_object_larger_than_recorded_is_refused_before_a_byte_is_read(store: RemoteStepStore, monkeypatch):
     store.save(1, payload(1))
-    (tensor_file,) = [p for p in store.fs.find(store._at(1).path) if "/tensors-" in p]
-    store.fs.pipe_file(tensor_file, b"x" * (64 << 20))
+    (tensor_file,) = [p for p in store.backend.fs.find(store.at(1).path) if "/tensors-" in p]
+    store.backend.fs.pipe_file(tensor_file, b"x" * (64 << 20))
     opened: list[str] = []
-    real_open = store.fs.open
-    monkeypatch.setattr(store.fs, "open", lambda path, *a, **kw: opened.append(path) or real_open(path, *a, **kw))
+    fs = store.backend.fs
+    real_open = fs.open
+    monkeypatch.setattr(fs, "open", lambda path, *a, **kw: opened.append(path) or real_open(path, *a, **kw))
     with pytest.raises(CorruptCacheError, match=r"bytes, meta\.json records"):
         store.verified(1)
     assert tensor_file not in opened
@@ -227,16 +229,16 @@ def test_unsafe_file_names_in_meta_json_are_refused(store: RemoteStepStore, name
     from skipinject.store.format import _meta_digest
 
     meta["meta_checksum"] = _meta_digest(meta)
-    store.fs.pipe_file(store._at(1, "meta.json").path, json.dumps(meta).encode())
+    store.backend.fs.pipe_file(store.at(1, "meta.json").path, json.dumps(meta).encode())
     with pytest.raises(CorruptCacheError, match="unsafe file"):
         store.verified(1)
 
 
 def test_a_missing_data_file_is_reported(store: RemoteStepStore):
     store.save(1, payload(1))
-    for entry in store.fs.find(store._at(1).path):
+    for entry in store.backend.fs.find(store.at(1).path):
         if "/objects-" in entry:
-            store.fs.rm_file(entry)
+            store.backend.fs.rm_file(entry)
     with pytest.raises(CorruptCacheError, match="missing"):
         store.verified(1)
 
@@ -244,7 +246,7 @@ def test_a_missing_data_file_is_reported(store: RemoteStepStore):
 def test_step_listing_ignores_foreign_names(store: RemoteStepStore):
     store.save(2, payload(2))
     for name in ("01/x", "abc/x", "3x/x", "-1/x", "²/x"):
-        store.fs.pipe_file(f"{store.location.path}/{name}", b"")
+        store.backend.fs.pipe_file(f"{store.location.path}/{name}", b"")
     assert store.step_numbers_on_disk() == [2]
 
 

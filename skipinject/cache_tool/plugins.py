@@ -1,0 +1,102 @@
+"""The installed plugins' roles, as the cache tool sees them: a role's own codec decodes its steps.
+
+Third-party roles are first-class: a step is decoded by the codec of the plugin providing its role
+(the engine's codec for that role, the default ``DataProtoCodec`` when the role declares none), never
+by a convention only the built-in codecs follow. A step of a role no installed plugin provides is still
+listed and verified (sizes, checksums, tensor index and JSON tree are the store's checks, and need
+no codec); ``show`` and ``diff`` then show its raw payload and name the plugin that would decode it.
+
+Plugins are chosen as for a run (``VERL_SKIP_PLUGINS``, else every installed one) and loaded once,
+only by a command that decodes or names them; a plugin that fails to load is left out, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from skipinject.errors import SkipInjectError
+from skipinject.roles import Call, Codec, Role, UpstreamFormat
+
+logger = logging.getLogger("skipinject")
+
+
+class InstalledRoles:
+    """The roles of this environment's plugins, by name (loaded on first use)."""
+
+    def __init__(self, selection: str | None = None) -> None:
+        """``selection``: a ``VERL_SKIP_PLUGINS`` value (``None``: the variable, else every plugin)."""
+        self._selection = selection
+        self._roles: dict[str, tuple[Role, str]] | None = None
+        self.problem: str | None = None
+        self._default_codec: Codec | None = None
+
+    def _load(self) -> dict[str, tuple[Role, str]]:
+        if self._roles is None:
+            from skipinject.plugin_manager import load_plugins
+
+            self._roles = {}
+            try:
+                plugins = load_plugins(self._selection)
+            except SkipInjectError as exc:  # a bad VERL_SKIP_PLUGINS: decode nothing, say why
+                self.problem = str(exc)
+                return self._roles
+            for plugin in plugins.plugins:
+                for role in plugin.roles:
+                    self._roles[role.name] = (role, plugin.name)
+        return self._roles
+
+    def role(self, name: str) -> Role | None:
+        """The installed role ``name``, or None."""
+        found = self._load().get(name)
+        return None if found is None else found[0]
+
+    def upstream(self, file_name: str) -> tuple[Role, UpstreamFormat] | None:
+        """The installed role declaring verl's cache file ``file_name`` (``gen_batch.dp``, ``0/tq_batch.pt``)
+        and that declaration (whose ``load`` reads it: only with ``--trust``), or None."""
+        for role, _ in self._load().values():
+            for upstream in role.upstream_formats:
+                if upstream.file_name == file_name:
+                    return role, upstream
+        return None
+
+    def plugin_of(self, role: str) -> str | None:
+        """The name of the installed plugin providing ``role``, or None."""
+        found = self._load().get(role)
+        return None if found is None else found[1]
+
+    def codec(self, role: str) -> Codec | None:
+        """The codec the engine uses for ``role`` (its own, or the default), None without its plugin."""
+        found = self._load().get(role)
+        if found is None:
+            return None
+        if found[0].codec is not None:
+            return found[0].codec
+        if self._default_codec is None:
+            from skipinject.codecs import DataProtoCodec
+
+            self._default_codec = DataProtoCodec()
+        return self._default_codec
+
+    def missing(self, role: str, meta: Mapping[str, Any]) -> str | None:
+        """One line when no installed plugin provides ``role`` (which plugin would decode it), else None."""
+        if self.plugin_of(role) is not None:
+            return None
+        writer = meta.get("plugin")
+        named = f"plugin {writer!r}" if isinstance(writer, str) and writer else f"the plugin providing role {role!r}"
+        why = f" ({self.problem})" if self.problem else ""
+        return (
+            f"no installed plugin provides role {role!r}{why}: install {named} (or name it in "
+            "VERL_SKIP_PLUGINS) to decode its steps; shown as the raw payload"
+        )
+
+
+def tool_call(role: str) -> Call:
+    """The call a codec is handed outside a run: no instance, no arguments (a codec that needs them
+    fails, and the step is shown raw)."""
+
+    def show() -> None:
+        """Stands in for the role's target."""
+
+    return Call(target=f"skipinject cache ({role})", function=show, instance=None, args=(), kwargs={})

@@ -1,0 +1,119 @@
+"""Where a store's files live, apart from what they are (joblib's store backends, vcrpy's persisters).
+
+:class:`~skipinject.store.StepStore` holds the format's logic once (which files a step has, the
+meta.json checks, the commit rule, checksums before decoding); a :class:`Backend` only moves bytes:
+
+* ``names``: names in a directory (step directories of a project, files of a step or part);
+* ``open_step`` then :meth:`StepFiles.read_meta` / :meth:`StepFiles.read`: bounded reads of one step,
+  sizes checked before a byte is read, checksums computed as the bytes come;
+* ``put_tensors`` / ``put_bytes``: a data file written whole under its final, fresh name;
+* ``commit``: ``meta.json`` replaced last, in one step;
+* ``remove`` / ``collect``: a failed writer's files, and leftovers once abandoned.
+
+:class:`~skipinject.store.local.LocalFiles` keeps every local guarantee (descriptor-relative
+``O_NOFOLLOW`` opens, directory trust, fsync, atomic rename, copy-on-write mappings);
+:class:`~skipinject.store.remote.FsspecFiles` the object-store ones (whole uploads, meta.json put
+last, streamed bounded reads). :func:`open_root` picks one from a ``dump_dir``, in one place.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from skipinject.store.remote import RemotePath
+
+#: A location in a backend: a local path, or a :class:`~skipinject.store.remote.RemotePath` standing in
+#: for one (it joins with ``/`` and has ``name``, ``parent`` and ``str``: all the store uses of a path).
+Location = Path
+
+
+class StepFiles(Protocol):
+    """One step directory opened for reading (closed by :meth:`close`)."""
+
+    def read_meta(self) -> bytes:
+        """``meta.json``'s bytes, at most :data:`~skipinject.store.format.MAX_META_BYTES` (+1 is refused).
+
+        ``FileNotFoundError`` when there is none; any other failure is a CorruptCacheError."""
+
+    def read(
+        self, sub: str, name: str, size: object, kind: str, algo: str
+    ) -> tuple[mmap.mmap | bytes | bytearray, str]:
+        """A data file of part ``sub`` and its checksum: refused (CorruptCacheError) unless it is a
+        regular file of exactly ``size`` bytes, checked before a byte is read; tensor files may come
+        back mapped copy-on-write."""
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    """Moves a store's bytes; knows nothing of the format beyond the names it is handed."""
+
+    #: Whether directory ownership and modes say who may write (local files; an object store's
+    #: own access control decides that instead).
+    checks_owners: bool
+
+    def check_trust(self, chain: list[Location], role: str) -> None:
+        """Refuse (CorruptCacheError naming the fix) directories other users could write."""
+
+    def names(self, location: Location, *, directories: bool = False) -> list[str]:
+        """Names under ``location`` (only sub-directories with ``directories``); FileNotFoundError."""
+
+    def list_part(self, step_dir: Location, sub: str) -> list[str]:
+        """Names in part directory ``sub`` of a step (reached from the step, never through a link)."""
+
+    def open_step(self, directory: Location, role: str) -> StepFiles:
+        """The step ``directory`` opened for reading (never through a link, trust-checked)."""
+
+    def is_regular(self, directory: Location, name: str) -> bool:
+        """``name`` (one level of part directory allowed) is a regular file in a real, trusted step
+        directory. Never raises."""
+
+    def prepare(self, step_dir: Location, folder: Location) -> list[Location]:
+        """Make ``folder`` (the step or a part directory) ready for files; returns what it created."""
+
+    def put_tensors(
+        self, location: Location, tensors: Mapping[str, torch.Tensor], algo: str, write_id: str
+    ) -> tuple[int, str]:
+        """Write a tensor file whole under its final name; its (size, checksum)."""
+
+    def put_bytes(self, location: Location, data: bytes, write_id: str) -> int:
+        """Write ``data`` whole under its final name; its size."""
+
+    def commit(self, step_dir: Location, meta: bytes, write_id: str) -> None:
+        """Replace the step's ``meta.json`` with ``meta``, last and in one step."""
+
+    def remove(self, location: Location) -> None:
+        """Remove a file (or an empty directory) a failed writer left; best effort, never raises."""
+
+    def collect(self, project: Location, step: int, named: set[str] | None) -> tuple[int, int]:
+        """Remove leftovers of ``step`` (files no meta.json names, once abandoned; ``named``: those it names, None
+        when it cannot be read); never raises."""
+
+
+def open_root(dump_dir: str) -> tuple[Path | RemotePath, Any]:
+    """The cache root of ``dump_dir`` and the filesystem it needs: ``(Path, None)`` for a local
+    directory (``file://`` URLs included), ``(RemotePath, fsspec filesystem)`` for a remote store."""
+    from skipinject.store.remote import open_remote, split_dump_dir
+
+    root = split_dump_dir(dump_dir)
+    if isinstance(root, Path):
+        return root, None
+    fs, location = open_remote(root)
+    return location, fs
+
+
+def backend_for(fs: Any, *, trust_permissions: bool = False) -> Backend:
+    """The backend of a root :func:`open_root` returned: local files, or the fsspec filesystem ``fs``."""
+    if fs is None:
+        from skipinject.store.local import LocalFiles
+
+        return LocalFiles(trust_permissions=trust_permissions)
+    from skipinject.store.remote import FsspecFiles
+
+    return FsspecFiles(fs)

@@ -1,0 +1,287 @@
+"""The local backend: a directory tree, with every guarantee of docs/reliability.md.
+
+Reading (:mod:`skipinject.store.files`): a step is opened by its directory's descriptor
+(``O_DIRECTORY|O_NOFOLLOW``), its files relative to it with ``O_NOFOLLOW|O_NONBLOCK``, each opened
+descriptor ``fstat``-ed (a regular file of the recorded size before a byte is read), tensor files
+mapped copy-on-write and checksummed through the mapping; directories other users could write are
+refused unless trusted (ssh's StrictModes). Writing: every file through a temporary name, fsynced,
+renamed into place; ``meta.json`` last, then the directory fsynced; never through a linked
+directory; directories created private to the user (0700).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+from skipinject.errors import CacheError, CorruptCacheError
+from skipinject.store.checksums import _digest, _digest_parallel
+from skipinject.store.files import (
+    map_fd,
+    open_dir,
+    open_regular,
+    read_fd,
+    trust_problem,
+    untrusted_reason,
+)
+from skipinject.store.format import MAX_META_BYTES, META_NAME, tmp_name
+from skipinject.store.garbage import collect
+from skipinject.store.tensorfile import write_tensors
+
+if TYPE_CHECKING:
+    import mmap
+
+    import torch
+
+
+class LocalFiles:
+    """A store's files in a local directory tree (see the module doc)."""
+
+    checks_owners = True
+
+    def __init__(self, *, trust_permissions: bool = False) -> None:
+        """``trust_permissions``: load from directories other users could write (the user's opt-in)."""
+        self.trust_permissions = trust_permissions
+
+    # ------------------------------------------------------------ trust
+
+    def check_trust(self, chain: list[Path], role: str) -> None:
+        if self.trust_permissions:
+            return
+        for directory in chain:
+            try:
+                info = os.stat(directory)
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                raise CorruptCacheError(
+                    f"{directory}: cannot check the directory ({type(exc).__name__}: {exc})"
+                ) from exc
+            if untrusted_reason(info) is not None:
+                raise CorruptCacheError(trust_problem(directory, info, role))
+
+    def check_fd(self, fd: int, path: Path, role: str) -> None:
+        if self.trust_permissions:
+            return
+        info = os.fstat(fd)
+        if untrusted_reason(info) is not None:
+            raise CorruptCacheError(trust_problem(path, info, role))
+
+    # ------------------------------------------------------------ reading
+
+    def names(self, location: Path, *, directories: bool = False) -> list[str]:
+        if directories:
+            with os.scandir(location) as entries:
+                return [entry.name for entry in entries if entry.is_dir(follow_symlinks=False)]
+        fd = open_dir(location)
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
+
+    def list_part(self, step_dir: Path, sub: str) -> list[str]:
+        """Names in part ``sub`` of a step, opened relative to the step's descriptor (no link followed)."""
+        fd = open_dir(step_dir)
+        try:
+            part_fd = open_dir(sub, fd)
+            try:
+                return os.listdir(part_fd)
+            finally:
+                os.close(part_fd)
+        finally:
+            os.close(fd)
+
+    def open_step(self, directory: Path, role: str) -> _LocalStep:
+        fd = open_dir(directory)
+        try:
+            self.check_fd(fd, directory, role)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _LocalStep(self, directory, fd, role)
+
+    def is_regular(self, directory: Path, name: str) -> bool:
+        try:
+            step = self.open_step(directory, "")
+        except Exception:
+            return False
+        try:
+            parent_fd, leaf = step.fd, name
+            sub, _, rest = name.partition("/")
+            if rest:  # one part directory level, e.g. "0/tq_batch.pt"
+                parent_fd, leaf = open_dir(sub, step.fd), rest
+            try:
+                fd, _ = open_regular(leaf, parent_fd, directory / name)
+                os.close(fd)
+            finally:
+                if parent_fd != step.fd:
+                    os.close(parent_fd)
+        except Exception:
+            return False
+        finally:
+            step.close()
+        return True
+
+    # ------------------------------------------------------------ writing
+
+    def prepare(self, step_dir: Path, folder: Path) -> list[Path]:
+        if os.path.lexists(step_dir):
+            _refuse_link(step_dir)
+        created = make_private_dirs(folder)
+        for directory in {step_dir, folder}:
+            _refuse_link(directory)
+        return list(created)
+
+    def put_tensors(
+        self, location: Path, tensors: Mapping[str, torch.Tensor], algo: str, write_id: str
+    ) -> tuple[int, str]:
+        checksums: list[str] = []
+        _write_file_atomic(location, lambda h: checksums.append(write_tensors(h, tensors, algo)), write_id)
+        return location.stat().st_size, checksums[0]
+
+    def put_bytes(self, location: Path, data: bytes, write_id: str) -> int:
+        _write_file_atomic(location, lambda h: h.write(data), write_id)
+        return location.stat().st_size
+
+    def commit(self, step_dir: Path, meta: bytes, write_id: str) -> None:
+        _refuse_link(step_dir)
+        _write_file_atomic(step_dir / META_NAME, lambda h: h.write(meta), write_id)
+        _fsync_dir(step_dir)
+
+    def remove(self, location: Path) -> None:
+        with contextlib.suppress(OSError):
+            if location.is_dir() and not location.is_symlink():
+                location.rmdir()  # only ever succeeds when empty
+            else:
+                location.unlink()
+
+    def collect(self, project: Path, step: int, named: set[str] | None) -> tuple[int, int]:
+        """The garbage rule of :mod:`skipinject.store.garbage` (which rereads meta.json itself)."""
+        return collect(project, step=step)
+
+
+class _LocalStep:
+    """One step directory, held by its descriptor; part directories opened relative to it."""
+
+    def __init__(self, files: LocalFiles, directory: Path, fd: int, role: str) -> None:
+        self.files = files
+        self.directory = directory
+        self.fd = fd
+        self.role = role
+        self._parts: dict[str, int] = {}
+
+    def read_meta(self) -> bytes:
+        path = self.directory / META_NAME
+        fd, info = open_regular(META_NAME, self.fd, path)
+        try:
+            if info.st_size > MAX_META_BYTES:
+                raise CorruptCacheError(f"{path}: {info.st_size} bytes, far larger than any meta.json; not read")
+            return read_fd(fd, info.st_size, path)
+        except OSError as exc:
+            raise CorruptCacheError(f"{path}: unreadable meta.json ({type(exc).__name__}: {exc})") from exc
+        finally:
+            os.close(fd)
+
+    def _part_fd(self, sub: str) -> int:
+        if not sub:
+            return self.fd
+        fd = self._parts.get(sub)
+        if fd is None:
+            shown = self.directory / sub
+            try:
+                fd = open_dir(sub, self.fd, shown=shown)
+            except FileNotFoundError as exc:
+                raise CorruptCacheError(f"{shown}: missing (named by meta.json)") from exc
+            self._parts[sub] = fd
+            self.files.check_fd(fd, shown, self.role)
+        return fd
+
+    def read(
+        self, sub: str, name: str, size: object, kind: str, algo: str
+    ) -> tuple[mmap.mmap | bytes | bytearray, str]:
+        part_fd = self._part_fd(sub)
+        path = self.directory / sub / name if sub else self.directory / name
+        try:
+            fd, info = open_regular(name, part_fd, path, size)
+        except FileNotFoundError as exc:
+            raise CorruptCacheError(f"{path}: missing (named by meta.json)") from exc
+        try:
+            if kind == "tensors":
+                mapped = map_fd(fd, info.st_size)
+                data: mmap.mmap | bytes = b"" if mapped is None else mapped
+                return data, _digest_parallel(data, algo)
+            blob = read_fd(fd, info.st_size, path)
+            return blob, _digest(blob, algo)
+        except CacheError:
+            raise
+        except Exception as exc:  # OSError, MemoryError, ValueError from mmap: not a cache we use
+            raise CorruptCacheError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from exc
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in self._parts.values():
+            os.close(fd)
+        self._parts.clear()
+        os.close(self.fd)
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id: str | None = None) -> None:
+    """Write through a temporary name, fsync, then rename: the name holds all or nothing.
+
+    The temporary name carries the writer's id (see :mod:`skipinject.store.garbage`)."""
+    tmp = path.with_name(tmp_name(path.name, write_id or uuid.uuid4().hex[:8]))
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def make_private_dirs(path: Path) -> list[Path]:
+    """Create ``path`` and missing parents readable by the owner only; returns those it created."""
+    missing = []
+    probe = path
+    while not probe.exists():
+        missing.append(probe)
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    created = []
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        created.append(directory)
+    return created
+
+
+def _refuse_link(directory: Path) -> None:
+    """Never write through a step or part directory that is a symlink (or not a directory)."""
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a directory"
+        raise CorruptCacheError(f"{directory} is {kind}; not writing through it")

@@ -1,0 +1,56 @@
+"""Each role setting declared once (issue 21): RoleConfig's fields drive the OmegaConf schema, the
+transport, the runner's help and the README's configuration table."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+
+from skipinject.cli import USAGE
+from skipinject.config import Config, RoleConfig, RoleSchema, role_config
+from skipinject.config.schema import ROLE_KEYS, choices, readme_table
+from tests.conftest import ROOT
+
+
+def test_the_readme_configuration_table_is_the_settings_table() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Configuration (per role)", 1)[1].strip().split("\n\n", 1)[0]
+    printed = section + "\n"
+    assert printed == readme_table(), "README's table differs from skipinject.config.schema.readme_table()"
+
+
+def test_the_runners_help_names_every_key_and_its_choices() -> None:
+    helped = " ".join(USAGE.split("keys:", 1)[1].split())
+    for key in ROLE_KEYS:
+        assert re.search(rf"\b{key}\b", helped), key
+        for choice in choices(key):
+            assert choice in helped
+    assert "trust_dir_permissions" in helped
+
+
+def test_the_schema_has_the_configs_keys_and_defaults() -> None:
+    from omegaconf import OmegaConf
+
+    assert [f.name for f in fields(RoleSchema)] == [f.name for f in fields(RoleConfig)] == list(ROLE_KEYS)
+    defaults = OmegaConf.to_container(OmegaConf.structured(RoleSchema))
+    assert role_config("r", defaults) == RoleConfig()
+
+
+def test_every_key_travels_to_child_processes() -> None:
+    changed = role_config(
+        "r",
+        {
+            "enable": True,
+            "dump_dir": "/data/skip",
+            "steps": "1-3,7",
+            "action": "strict",
+            "trust_upstream": True,
+            "on_mismatch": "fail",
+            "trust_dir_permissions": True,
+        },
+    )
+    assert {f.name for f in fields(changed) if getattr(changed, f.name) != getattr(RoleConfig(), f.name)} == set(
+        ROLE_KEYS
+    )
+    back = Config.from_json(Config(roles={"r": changed}).to_json())
+    assert back.role("r") == changed
