@@ -290,15 +290,16 @@ def has_use_v1(version: str) -> bool:
     return _release(version) >= (0, 9)
 
 
-def _version_overrides(version: str) -> list[str]:
+def _version_overrides(version: str, rollout_mode: str | None = None) -> list[str]:
     """What a verl older than 0.9 needs on top of the common overrides (README.md says why).
 
     * Before 0.8 the V0 trainer runs verl's legacy FSDP workers: FSDP1 refuses CPU parameters,
       so ``fsdp_config.strategy=fsdp2`` for actor and reference; their auto-wrap policy finds no
       layer class in transformers 5's Qwen2, so it is named.
-    * Before 0.7 the trainer's default ``rollout.mode`` is ``sync`` (worker-group generation,
-      no CPU backend); ``async`` goes through the agent loop and the shim's ``hf`` server, and
-      needs ``data.return_raw_chat=True``.
+    * Before 0.7 the trainer's default ``rollout.mode`` is ``sync`` (worker-group generation); the
+      harness picks ``async`` on 0.6 unless ``rollout_mode="sync"`` is asked for (then the
+      shim's sync ``hf`` rollout generates in the worker). ``async`` goes through the agent loop
+      and the shim's ``hf`` server, and needs ``data.return_raw_chat=True``.
     """
     release = _release(version)
     if release >= (0, 8):
@@ -311,9 +312,12 @@ def _version_overrides(version: str) -> list[str]:
             ("+", "wrap_policy.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]"),
         )
     ]
-    if release < (0, 7):
+    default_mode = "async" if release >= (0, 6) else "sync"  # 0.4/0.5: verl's own HFRollout, no agent loop
+    if release < (0, 7) and (rollout_mode or default_mode) == "async":
         # The agent loop reads the chat messages (``raw_prompt``), which 0.6's dataset returns only when asked.
         overrides += ["actor_rollout_ref.rollout.mode=async", "data.return_raw_chat=True"]
+    elif release < (0, 7):
+        overrides += ["actor_rollout_ref.rollout.mode=sync"]
     return overrides
 
 
@@ -328,7 +332,9 @@ def _reward_overrides(assets: Assets, version: str) -> list[str]:
     return [f"custom_reward_function.path={assets.reward_file}"]
 
 
-def _common_overrides(assets: Assets, *, experiment: str, project: str, version: str | None = None) -> list[str]:
+def _common_overrides(
+    assets: Assets, *, experiment: str, project: str, version: str | None = None, rollout_mode: str | None = None
+) -> list[str]:
     """Overrides every CPU run needs, whatever the trainer (README.md says why each is there)."""
     version = version or verl_version()
     return [
@@ -356,7 +362,7 @@ def _common_overrides(assets: Assets, *, experiment: str, project: str, version:
         "trainer.test_freq=-1",
         f"trainer.project_name={project}",
         f"trainer.experiment_name={experiment}",
-        *_version_overrides(version),
+        *_version_overrides(version, rollout_mode),
     ]
 
 
@@ -407,6 +413,7 @@ def main_ppo_overrides(
     project: str = "p",
     extra: Sequence[str] = (),
     verl: str | None = None,
+    rollout_mode: str | None = None,
 ) -> list[str]:
     """Hydra overrides for ``verl.trainer.main_ppo``: a ``total_steps``-step GRPO run on CPU.
 
@@ -425,8 +432,15 @@ def main_ppo_overrides(
     * ``verl``: the verl version the launcher runs (default: the one installed for this
       interpreter, :func:`verl_version`). verl < 0.9 has no ``trainer.use_v1`` (and no V1
       trainer): the key is left out, and ``use_v1=True`` is an error.
+    * ``rollout_mode``: ``actor_rollout_ref.rollout.mode`` on verl < 0.7 (``sync``: the worker
+      group generates, through the shim's sync ``hf`` rollout on 0.6 and verl's own ``HFRollout``
+      before; default ``async`` on 0.6, ``sync`` before); newer verls have only the agent loop.
     """
     verl = verl or verl_version()
+    if rollout_mode not in (None, "sync", "async"):
+        raise ValueError(f"rollout_mode must be 'sync' or 'async', not {rollout_mode!r}")
+    if rollout_mode == "sync" and _release(verl) >= (0, 7):
+        raise ValueError(f"verl {verl} has no sync rollout mode (actor_rollout_ref.rollout.mode=sync ends with 0.6)")
     if use_v1 and not has_use_v1(verl):
         raise ValueError(f"verl {verl} has no V1 trainer (trainer.use_v1 exists from verl 0.9 on)")
     if trainer_mode not in V1_MODES:
@@ -440,7 +454,9 @@ def main_ppo_overrides(
     if parameter_sync_step < 1 or TRAIN_BATCH % parameter_sync_step:
         raise ValueError(f"parameter_sync_step must divide the train batch {TRAIN_BATCH}")
 
-    overrides = _common_overrides(assets, experiment=experiment, project=project, version=verl)
+    overrides = _common_overrides(
+        assets, experiment=experiment, project=project, version=verl, rollout_mode=rollout_mode
+    )
     overrides += [
         f"data.train_batch_size={TRAIN_BATCH}",
         f"trainer.total_training_steps={total_steps}",

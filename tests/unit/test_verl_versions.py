@@ -37,7 +37,7 @@ def test_each_role_targets_what_exists_in_that_verl(version: str):
         rollout.add("AgentLoopManager.generate_sequences")
     if release < (0, 7):  # the sync worker-group path (actor_rollout_ref.rollout.mode=sync) ends with 0.6
         rollout.add("RayPPOTrainer.init_workers")
-    if release < (0, 9):
+    if (0, 6) <= release < (0, 9):  # verl/utils/rollout_skip.py: 0.6 to 0.8
         rollout.add("RolloutSkip.wrap_generate_sequences")
     assert applied(ROLLOUT, version) == rollout
     assert applied(REWARD, version) == {"extract_reward" if release >= (0, 7, 1) else "compute_reward"}
@@ -49,7 +49,7 @@ def test_each_role_targets_what_exists_in_that_verl(version: str):
 def test_rollout_guard_is_for_the_older_builtin_only_and_sees_every_call():
     guard = [t for t in ROLLOUT.targets if t.path == BUILTIN_WRAP]
     assert len(guard) == 1 and guard[0].every_step and isinstance(guard[0].phase, BuiltinSkipOff)
-    assert guard[0].verl == "<0.9"
+    assert guard[0].verl == ">=0.6,<0.9"
 
 
 def test_dev_build_of_a_newer_verl_counts_as_that_release():

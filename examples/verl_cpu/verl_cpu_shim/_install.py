@@ -52,6 +52,8 @@ def install() -> None:
     if importlib.util.find_spec("verl.checkpoint_engine") is not None:
         from . import checkpoint  # noqa: F401  (its decorator registers it)
     rollout_base._ROLLOUT_REGISTRY[(BACKEND_NAME, "async")] = "verl_cpu_shim.rollout.HFServerAdapter"
+    # verl 0.6's sync (worker-group) rollout mode builds its rollout from the same registry.
+    rollout_base._ROLLOUT_REGISTRY[(BACKEND_NAME, "sync")] = "verl_cpu_shim.sync_rollout.HFSyncRollout"
     RolloutReplicaRegistry.register(BACKEND_NAME, _load_hf_replica)
     _installed = True
     logger.debug("verl_cpu_shim installed")

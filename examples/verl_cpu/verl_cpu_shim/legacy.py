@@ -10,6 +10,7 @@ through ``VERL_USE_EXTERNAL_MODULES`` right after ``verl.utils.device`` itself:
   the verl modules already holding them by name;
 * makes ``torch.distributed.init_process_group`` take plain ``gloo`` for a backend string whose
   every entry is a CPU one (``"cpu:gloo,cpu:gloo"`` is what verl builds; torch rejects it);
+* lets gloo's ``all_gather`` take the 0-d tensor verl 0.6's sync rollout gathers (NCCL accepts it);
 * makes Ray placement groups asked for device ``cpu`` (``trainer.device=cpu``) reserve the fake
   ``GPU`` resource: verl names the bundle after the device, and Ray has no ``cpu`` resource;
 * lets FSDP's ``EngineRegistry`` (0.7+) find the engine it registered for ``cuda`` under ``cpu``;
@@ -80,6 +81,26 @@ def _patch_process_group_init() -> None:
     dist.init_process_group = init_process_group
 
 
+def _patch_all_gather() -> None:
+    """verl 0.6's sync rollout gathers a 0-d timing tensor into 1-element tensors: NCCL accepts
+    that, gloo does not (``invalid tensor size``). Give gloo the 1-element tensor it expects."""
+    import torch.distributed as dist
+
+    original = dist.all_gather
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def all_gather(tensor_list: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(tensor, "dim", None) is not None and tensor.dim() == 0 and tensor_list:
+            if tuple(tensor_list[0].shape) == (1,):
+                tensor = tensor.reshape(1)
+        return original(tensor_list, tensor, *args, **kwargs)
+
+    setattr(all_gather, _PATCHED, True)
+    dist.all_gather = all_gather
+
+
 def _patch_placement_groups() -> None:
     from verl.single_controller.ray.base import RayResourcePool
 
@@ -133,6 +154,7 @@ def install_legacy() -> None:
     """Apply every patch (idempotent)."""
     _patch_device()
     _patch_process_group_init()
+    _patch_all_gather()
     _patch_placement_groups()
     _patch_engine_registry()
     _patch_attention_helpers()

@@ -71,9 +71,9 @@ ROLLOUT = Role(
     targets=[
         Target(TARGET, verl=">=0.5"),
         WORKER_GROUP,
-        # verl < 0.9's built-in (RolloutSkip): not wrapped while this role is on (every step: it is
-        # called once, before step 1).
-        Target(BUILTIN_WRAP, phase=BuiltinSkipOff(cannot_fire), verl="<0.9", every_step=True),
+        # verl 0.6-0.8's built-in (RolloutSkip): not wrapped while this role is on (every step: it is
+        # called once, before step 1). verl 0.4/0.5 have none.
+        Target(BUILTIN_WRAP, phase=BuiltinSkipOff(cannot_fire), verl=">=0.6,<0.9", every_step=True),
     ],
     step=StepSource.meta("global_steps").or_else(StepSource.clock("global_steps")),
     clocks=CLOCKS,
