@@ -92,9 +92,9 @@ def _patch_all_gather() -> None:
 
     @functools.wraps(original)
     def all_gather(tensor_list: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(tensor, "dim", None) is not None and tensor.dim() == 0 and tensor_list:
-            if tuple(tensor_list[0].shape) == (1,):
-                tensor = tensor.reshape(1)
+        zero_d = getattr(tensor, "dim", None) is not None and tensor.dim() == 0
+        if zero_d and tensor_list and tuple(tensor_list[0].shape) == (1,):
+            tensor = tensor.reshape(1)
         return original(tensor_list, tensor, *args, **kwargs)
 
     setattr(all_gather, _PATCHED, True)
@@ -122,6 +122,8 @@ def _patch_engine_registry() -> None:
     try:
         from verl.workers.engine.base import EngineRegistry
     except ImportError:  # verl 0.6 has no engine registry
+        return
+    if "get_engine_cls" not in EngineRegistry.__dict__:  # verl 0.5's registry: not used by its FSDP workers
         return
     original = EngineRegistry.__dict__["get_engine_cls"].__func__
     if getattr(original, _PATCHED, False):

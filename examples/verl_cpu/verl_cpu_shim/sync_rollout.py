@@ -22,7 +22,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.hf_rollout import HFRollout
 
-from .rollout import collect_state_dict, log_event
+from .genlog import log_event
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class HFSyncRollout(HFRollout):
         return None
 
     async def update_weights(self, weights: Any, **kwargs: Any) -> None:
+        from .rollout import collect_state_dict
+
         state = await collect_state_dict(weights)
         _, unexpected = self.module.load_state_dict(state, strict=False)
         if unexpected:
