@@ -70,6 +70,25 @@ def test_rollout_acts_on_the_sync_worker_group_path():
     assert "use_v1=True" in cannot_fire(OmegaConf.create({"trainer": {"use_v1": True}}))
 
 
+class _Batch:
+    def __init__(self, **meta: Any) -> None:
+        self.meta_info = meta
+
+
+def test_rollout_bypasses_validation_and_the_remax_baseline_only():
+    """verl 0.4-0.6's REMAX generates a greedy baseline in the same step (meta do_sample=False): it runs,
+    never served the step's sampled rollout; training and validation calls are told apart by meta."""
+
+    def runs_original(**meta: Any) -> bool:
+        return ROLLOUT.bypass(Call("t", lambda b: b, None, (_Batch(**meta),), {}))
+
+    assert runs_original(validate=True, global_steps=1)
+    assert runs_original(do_sample=False, global_steps=1), "REMAX's baseline"
+    assert not runs_original(global_steps=1), "the step's generation"
+    assert not runs_original(do_sample=True, global_steps=1)
+    assert not runs_original()
+
+
 def test_rollout_check_warns_on_verl_04s_async_server_manager(monkeypatch):
     import skipinject_rollout.rollout as rollout
 

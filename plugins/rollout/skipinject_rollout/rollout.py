@@ -15,8 +15,11 @@ the worker group's method), so exactly one of skipinject's targets acts on a gen
 is ``meta_info["global_steps"]``, else the trainer's clock (verl 0.4 sets no step in the batch).
 Validation batches (``meta_info["validate"]``) always run the original.
 
-REMAX also generates its greedy baseline through the worker group, in the same step: that call is
-the step's next call, and goes where the engine puts a step's further calls.
+REMAX (verl 0.4-0.6) generates a greedy baseline in every step, a second call of the same step
+marked ``meta_info["do_sample"] = False`` (the trainer sets that key on no other generation): it
+always runs the original (:func:`bypass`), so the step's cache holds its sampled rollout only and a
+baseline is never served a sampled rollout of n times its rows. The baseline is 1/n of the step's
+sequences, generated greedily from the same weights in both runs.
 
 On verl < 0.9 the built-in rollout skip is the older ``RolloutSkip`` (0.6-0.8; it wraps the same
 worker-group attribute, or the agent loop manager in 0.8); while this role is enabled it is turned
@@ -25,9 +28,10 @@ off (see :mod:`skipinject_rollout.legacy`), so exactly one mechanism acts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from skipinject import Role, StepSource, Target, hookimpl, select
+from skipinject import Call, Role, StepSource, Target, default_bypass, hookimpl, select
 
 from skipinject_rollout.common import (
     GEN_BATCH,
@@ -49,6 +53,14 @@ WORKER_GROUP = Target(
 V0_FIT = "verl.trainer.ppo.ray_trainer:RayPPOTrainer.fit"
 V1_FIT = "verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit"  # the V1 trainer exists from verl 0.9 on
 CLOCKS = (V0_FIT, V1_FIT) if installed_verl_matches(">=0.9") else (V0_FIT,)
+
+
+def bypass(call: Call) -> bool:
+    """Calls that always run the original: validation, and REMAX's greedy baseline (``do_sample=False``)."""
+    if default_bypass(call):
+        return True
+    meta = getattr(call.batch, "meta_info", None)
+    return isinstance(meta, Mapping) and meta.get("do_sample") is False
 
 
 def cannot_fire(config: Any) -> str | None:
@@ -79,6 +91,7 @@ ROLLOUT = Role(
     clocks=CLOCKS,
     builtin="rollout",
     check=cannot_fire,
+    bypass=bypass,
     fingerprint=prompt_fingerprint,
     on_hit=mark_hit,
     on_miss=mark_miss,
