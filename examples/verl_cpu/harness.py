@@ -304,13 +304,11 @@ def _version_overrides(version: str, rollout_mode: str | None = None) -> list[st
     release = _release(version)
     if release >= (0, 8):
         return []
+    # fsdp_config.strategy exists from 0.6 on (0.4/0.5: actor.strategy, which the reference follows).
+    keys = [("", "strategy=fsdp2")] if release >= (0, 6) else []
+    keys.append(("+", "wrap_policy.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]"))
     overrides = [
-        f"{prefix}actor_rollout_ref.{worker}.fsdp_config.{key}"
-        for worker in ("actor", "ref")
-        for prefix, key in (
-            ("", "strategy=fsdp2"),
-            ("+", "wrap_policy.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]"),
-        )
+        f"{prefix}actor_rollout_ref.{worker}.fsdp_config.{key}" for worker in ("actor", "ref") for prefix, key in keys
     ]
     default_mode = "async" if release >= (0, 6) else "sync"  # 0.4/0.5: verl's own HFRollout, no agent loop
     if release < (0, 7) and (rollout_mode or default_mode) == "async":
@@ -351,7 +349,8 @@ def _common_overrides(
         "actor_rollout_ref.rollout.name=hf",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
-        "actor_rollout_ref.rollout.agent.num_workers=1",
+        # The agent loop's workers (verl 0.5 on; 0.4 has no agent loop).
+        *(["actor_rollout_ref.rollout.agent.num_workers=1"] if _release(version) >= (0, 5) else []),
         *_reward_overrides(assets, version),
         "trainer.device=cpu",
         "trainer.nnodes=1",
@@ -366,13 +365,16 @@ def _common_overrides(
     ]
 
 
-def _ray_overrides(fake_gpus: int) -> list[str]:
+def _ray_overrides(fake_gpus: int, version: str | None = None) -> list[str]:
     """Local Ray: enough logical CPUs for verl's actors and ``fake_gpus`` fake GPU resources.
 
     verl's actors each reserve logical CPUs (TransferQueue alone asks one per storage unit),
     which the 2 real cores could never satisfy; the numbers are only for Ray's scheduler.
-    ``++`` because ``num_gpus`` is in verl's schema only for some entry points.
+    ``++`` because ``num_gpus`` is in verl's schema only for some entry points. verl 0.4/0.5 read
+    a top-level ``ray_init`` and pass no ``num_gpus`` (the shim adds ``VERL_CPU_FAKE_GPUS``).
     """
+    if version is not None and _release(version) < (0, 6):
+        return [f"ray_init.num_cpus={16 if fake_gpus == 1 else 32}"]
     return [
         f"ray_kwargs.ray_init.num_cpus={16 if fake_gpus == 1 else 32}",
         f"++ray_kwargs.ray_init.num_gpus={fake_gpus}",
@@ -477,7 +479,7 @@ def main_ppo_overrides(
             "actor_rollout_ref.rollout.n_gpus_per_node=1",
             "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_store",
         ]
-    overrides += _ray_overrides(fake_gpus)
+    overrides += _ray_overrides(fake_gpus, verl)
     overrides += _skip_dump_dir(skip_role(use_v1=use_v1), dump_dir)
     return overrides + list(extra)
 
@@ -555,13 +557,16 @@ def harness_env(assets: Assets, gen_log: Path | None) -> dict[str, str]:
     """
     current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {
-        "PYTHONPATH": os.pathsep.join(dict.fromkeys([*current, str(HERE)])),
+        # legacy_boot: verl 0.4/0.5 do not read VERL_USE_EXTERNAL_MODULES; its sitecustomize imports the shim.
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys([*current, str(HERE), str(HERE / "legacy_boot")])),
         # verl/__init__.py imports these modules in every process that imports verl.
         "VERL_USE_EXTERNAL_MODULES": "verl_cpu_shim",
         "VERL_PLATFORM": "cpu",
         # verl registers its FSDP engine for cuda/npu only; the engine itself runs on the platform device.
         "VERL_ENGINE_DEVICE": "cuda",
         "VERL_ENGINE_VENDOR": "nvidia",
+        # verl 0.4/0.5's main_ppo calls ray.init without num_gpus: the shim adds this many fake GPUs.
+        "VERL_CPU_FAKE_GPUS": "1",
         # INFO logging hits a verl 0.9.1 bug (logger.info(..., flush=True)) in separate_async.
         "VERL_LOGGING_LEVEL": "WARN",
         "HF_HUB_OFFLINE": "1",

@@ -167,6 +167,13 @@ def test_harness_overrides_follow_the_launchers_verl(tmp_path):
     assert "actor_rollout_ref.rollout.mode" in keys("0.6.1") and "actor_rollout_ref.rollout.mode" not in keys("0.7.1")
     sync = harness.main_ppo_overrides(assets, use_v1=False, total_steps=2, verl="0.6.1", rollout_mode="sync")
     assert "actor_rollout_ref.rollout.mode=sync" in sync and "actor_rollout_ref.rollout.mode=async" not in sync
+    for version in ("0.5.0", "0.4.1"):  # no agent loop on CPU there (0.4: none at all): the worker group
+        overrides = harness.main_ppo_overrides(assets, use_v1=False, total_steps=2, verl=version)
+        assert "actor_rollout_ref.rollout.mode=sync" in overrides, version
+        assert "ray_init.num_cpus" in keys(version) and "ray_kwargs.ray_init.num_cpus" not in keys(version)
+        assert "actor_rollout_ref.actor.fsdp_config.strategy" not in keys(version), "0.4/0.5: actor.strategy only"
+    assert "actor_rollout_ref.rollout.agent.num_workers" in keys("0.5.0")
+    assert "actor_rollout_ref.rollout.agent.num_workers" not in keys("0.4.1")
     with pytest.raises(ValueError, match="no sync rollout mode"):
         harness.main_ppo_overrides(assets, use_v1=False, total_steps=2, verl="0.7.1", rollout_mode="sync")
     assert "actor_rollout_ref.actor.fsdp_config.strategy" in keys("0.7.1")

@@ -11,6 +11,7 @@ through ``VERL_USE_EXTERNAL_MODULES`` right after ``verl.utils.device`` itself:
 * makes ``torch.distributed.init_process_group`` take plain ``gloo`` for a backend string whose
   every entry is a CPU one (``"cpu:gloo,cpu:gloo"`` is what verl builds; torch rejects it);
 * lets gloo's ``all_gather`` take the 0-d tensor verl 0.6's sync rollout gathers (NCCL accepts it);
+* gives Ray fake GPUs (``$VERL_CPU_FAKE_GPUS``) when verl 0.4/0.5's ``main_ppo`` starts it without any;
 * makes Ray placement groups asked for device ``cpu`` (``trainer.device=cpu``) reserve the fake
   ``GPU`` resource: verl names the bundle after the device, and Ray has no ``cpu`` resource;
 * lets FSDP's ``EngineRegistry`` (0.7+) find the engine it registered for ``cuda`` under ``cpu``;
@@ -101,6 +102,28 @@ def _patch_all_gather() -> None:
     dist.all_gather = all_gather
 
 
+def _patch_ray_init() -> None:
+    """verl 0.4/0.5's ``main_ppo`` starts Ray without ``num_gpus``, and their resource pools need GPUs:
+    add ``$VERL_CPU_FAKE_GPUS`` fake ones when the caller gives none (newer verls pass ``num_gpus``)."""
+    import os
+
+    import ray
+
+    original = ray.init
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def init(*args: Any, **kwargs: Any) -> Any:
+        fake = os.environ.get("VERL_CPU_FAKE_GPUS")
+        if fake and "num_gpus" not in kwargs and not kwargs.get("address") and not args:
+            kwargs["num_gpus"] = int(fake)
+        return original(*args, **kwargs)
+
+    setattr(init, _PATCHED, True)
+    ray.init = init
+
+
 def _patch_placement_groups() -> None:
     from verl.single_controller.ray.base import RayResourcePool
 
@@ -157,6 +180,7 @@ def install_legacy() -> None:
     _patch_device()
     _patch_process_group_init()
     _patch_all_gather()
+    _patch_ray_init()
     _patch_placement_groups()
     _patch_engine_registry()
     _patch_attention_helpers()
