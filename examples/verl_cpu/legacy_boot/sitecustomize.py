@@ -14,8 +14,12 @@ import sys
 
 
 def _load_next_sitecustomize() -> None:
+    # Only the path entries after this directory: one before it (skipinject's) is what loaded this one.
     here = os.path.dirname(os.path.abspath(__file__))
-    search = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    entries = [os.path.abspath(p or os.curdir) for p in sys.path]
+    if here not in entries:
+        return
+    search = sys.path[len(entries) - entries[::-1].index(here) :]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", search)
     if spec is None or spec.loader is None:
         return

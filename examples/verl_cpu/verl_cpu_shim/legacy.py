@@ -15,6 +15,7 @@ through ``VERL_USE_EXTERNAL_MODULES`` right after ``verl.utils.device`` itself:
 * makes Ray placement groups asked for device ``cpu`` (``trainer.device=cpu``) reserve the fake
   ``GPU`` resource: verl names the bundle after the device, and Ray has no ``cpu`` resource;
 * lets FSDP's ``EngineRegistry`` (0.7+) find the engine it registered for ``cuda`` under ``cpu``;
+* loads model configs with ``sdpa`` where verl 0.4/0.5 hard-code ``flash_attention_2``;
 * takes the unpad/pad helpers from ``verl.utils.npu_flash_attn_utils`` (plain torch + einops)
   instead of ``flash_attn``, which has no CPU build.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import logging
 import sys
 from typing import Any
@@ -175,6 +177,27 @@ def _patch_attention_helpers() -> None:
         attention._index_first_axis, attention._pad_input, attention._rearrange, attention._unpad_input = helpers
 
 
+def _patch_flash_attention_default() -> None:
+    """verl 0.4/0.5's FSDP workers load the model config with ``attn_implementation="flash_attention_2"``
+    hard-coded (no override): without ``flash_attn`` (no CPU build), ask for ``sdpa`` instead."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        return
+    from transformers import AutoConfig
+
+    original = AutoConfig.__dict__["from_pretrained"].__func__
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("attn_implementation") == "flash_attention_2":
+            kwargs["attn_implementation"] = "sdpa"
+        return original(cls, *args, **kwargs)
+
+    setattr(from_pretrained, _PATCHED, True)
+    AutoConfig.from_pretrained = classmethod(from_pretrained)  # type: ignore[method-assign,assignment]
+
+
 def install_legacy() -> None:
     """Apply every patch (idempotent)."""
     _patch_device()
@@ -184,4 +207,5 @@ def install_legacy() -> None:
     _patch_placement_groups()
     _patch_engine_registry()
     _patch_attention_helpers()
+    _patch_flash_attention_default()
     logger.debug("verl_cpu_shim: device patches for verl without verl.plugin installed")
