@@ -341,7 +341,8 @@ def _common_overrides(
         f"data.val_files={assets.val_file}",
         f"data.max_prompt_length={PROMPT_LEN}",
         f"data.max_response_length={RESPONSE_LEN}",
-        "data.dataloader_num_workers=0",
+        # verl 0.4 reads the key with a default of 8 but has none in its schema: added there.
+        f"{'' if _release(version) >= (0, 5) else '+'}data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={assets.model_dir}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.model.use_remove_padding=False",

@@ -48,9 +48,11 @@ def install() -> None:
     if importlib.util.find_spec("verl.workers.rollout.replica") is None:
         # verl 0.4/0.5: no rollout registries; ``rollout.name=hf`` builds verl's own HFRollout in
         # the worker (sync mode), whose calls only need to show in the generation log.
+        from importlib.metadata import version
+
         from .sync_rollout import log_hf_rollout
 
-        log_hf_rollout()
+        log_hf_rollout(prompts_repeated=not version("verl").startswith("0.4."))
         _installed = True
         logger.debug("verl_cpu_shim installed (verl without rollout registries)")
         return

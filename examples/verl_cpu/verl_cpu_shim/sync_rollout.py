@@ -75,17 +75,39 @@ class HFSyncRollout(HFRollout):
         return output
 
 
-def log_hf_rollout() -> None:
-    """verl 0.4/0.5: log every ``HFRollout.generate_sequences`` call (verl's own rollout for ``hf``)."""
+def log_hf_rollout(*, prompts_repeated: bool = False) -> None:
+    """verl 0.4/0.5: log every ``HFRollout.generate_sequences`` call (verl's own rollout for ``hf``).
+
+    ``prompts_repeated`` (verl 0.5): the trainer already repeats each prompt n times before it calls
+    the worker group, yet 0.5's ``HFRollout`` still samples ``config.n`` sequences per row (n x n in
+    all; the trainer's ``union`` then fails, a verl 0.5 bug of the ``hf`` rollout). Its calls then
+    run with ``n = 1``, as verl 0.5's vLLM rollout does for repeated prompts.
+    """
     original = HFRollout.generate_sequences
     if getattr(original, "__verl_cpu_shim_logged__", False):
         return
 
     @functools.wraps(original)
     def generate_sequences(self: Any, prompts: Any) -> Any:
-        output = original(self, prompts)
+        if prompts_repeated:
+            output = _with_one_sample(self, lambda: original(self, prompts))
+        else:
+            output = original(self, prompts)
         _log_generated(output, prompts)
         return output
 
     generate_sequences.__verl_cpu_shim_logged__ = True  # type: ignore[attr-defined]
     HFRollout.generate_sequences = generate_sequences  # type: ignore[method-assign]
+
+
+def _with_one_sample(rollout: Any, run: Any) -> Any:
+    from omegaconf import open_dict
+
+    config = rollout.config
+    with open_dict(config):
+        n = config.n
+        config.n = 1
+        try:
+            return run()
+        finally:
+            config.n = n
