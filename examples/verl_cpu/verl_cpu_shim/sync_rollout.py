@@ -86,6 +86,15 @@ def log_hf_rollout(*, prompts_repeated: bool = False) -> None:
     original = HFRollout.generate_sequences
     if getattr(original, "__verl_cpu_shim_logged__", False):
         return
+    original_init = HFRollout.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        log_event("server_start", replica=0, mode="sync")  # the generator exists: the log is wired
+
+    HFRollout.__init__ = __init__  # type: ignore[method-assign]
+    _sharding_manager_timing()
 
     @functools.wraps(original)
     def generate_sequences(self: Any, prompts: Any) -> Any:
@@ -111,3 +120,12 @@ def _with_one_sample(rollout: Any, run: Any) -> Any:
             return run()
         finally:
             config.n = n
+
+
+def _sharding_manager_timing() -> None:
+    """verl 0.4's worker reads ``rollout_sharding_manager.timing`` after generating, which its ``hf``
+    rollout's ``BaseShardingManager`` lacks (a verl 0.4 bug of the ``hf`` path): an empty one."""
+    from verl.workers.sharding_manager.base import BaseShardingManager
+
+    if not hasattr(BaseShardingManager, "timing"):
+        BaseShardingManager.timing = {}  # type: ignore[attr-defined]
