@@ -15,6 +15,12 @@ Rules the rest of skipinject relies on:
 * ``overrides=True`` (for methods): every subclass's own override of the method is patched too,
   those that exist and those defined later (through the base class's ``__init_subclass__``), so a
   recipe's trainer that overrides ``fit`` (verl's DAPO trainer) is seen like the base trainer.
+* An *attribute target* (``instrument(path, interceptor, attribute="a.b")``) is for callables bound
+  per instance, which no class-level patch sees (verl's worker groups bind ``generate_sequences``
+  on each instance): the method at ``path`` runs unchanged, and each time it returns, the callable
+  at ``instance.a.b`` is wrapped where it lives (on ``instance.a``). Its calls reach the interceptor
+  with ``Call.instance`` = the instance whose method returned (e.g. the trainer), their convention
+  kept; uninstrument restores the method and every attribute it wrapped.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import FrameType, ModuleType
@@ -111,6 +118,12 @@ def _awaiting_caller(frame: FrameType | None) -> bool:
     return frame is not None and bool(frame.f_code.co_flags & inspect.CO_COROUTINE)
 
 
+def target_key(path: str, attribute: str | None = None) -> str:
+    """How a target is named by :class:`Injector` and in logs: ``module:qualname`` or ``...->attribute``."""
+    text = str(TargetPath.parse(path))
+    return f"{text}->{attribute}" if attribute else text
+
+
 @dataclass
 class _Patch:
     path: TargetPath
@@ -123,50 +136,88 @@ class _Patch:
     convention: Convention | None = None
     overrides: bool = False  # also patch subclasses' own overrides (methods only)
     patched_overrides: list[_Patch] = field(default_factory=list)
+    #: Attribute targets: the dotted attribute of the instance wrapped each time the method returns.
+    instance_attribute: str | None = None
+    #: Attribute targets: ``(holder, name, what holder.__dict__ had)`` of every attribute wrapped.
+    wrapped: list[tuple[Any, str, Any]] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.path}->{self.instance_attribute}" if self.instance_attribute else str(self.path)
 
 
 def _never(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return False
 
 
-def _build_wrapper(patch: _Patch, raw: Any, binding: _Binding, function: Any) -> SkipinjectWrapper:
+def _build_wrapper(
+    patch: _Patch, raw: Any, binding: _Binding, function: Any, owner: Callable[[], Any] | None = None
+) -> SkipinjectWrapper:
+    """The wrapper of one target. ``owner`` (attribute targets): returns the instance the calls are
+    reported with (``Call.instance`` and ``passes``), instead of the one wrapt finds."""
     convention, inner = convention_of(function)
     patch.convention = convention
     interceptor = patch.interceptor
-    label = str(patch.path)
-
+    label = patch.label
     passes = getattr(interceptor, "passes", None) or _never
+    # A bound method wrapped on an instance (attribute targets): a trampoline's coroutine needs its self.
+    bound_self = getattr(function, "__self__", None) if owner is not None else None
+
+    def reported(instance: Any) -> Any:
+        return instance if owner is None else owner()
 
     # Each variant first asks ``passes`` (a step that is surely not chosen): then the original is
     # called at once, with nothing built, logged or inspected — every generation call pays this path.
     if convention is Convention.SYNC:
 
         def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if passes(instance, args, kwargs):
+            if passes(reported(instance), args, kwargs):
                 return wrapped(*args, **kwargs)
-            call = Call(label, function, instance, args, kwargs)
+            call = Call(label, function, reported(instance), args, kwargs)
             return interceptor.sync(call, lambda: wrapped(*args, **kwargs))
 
     elif convention is Convention.ASYNC:
 
         def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if passes(instance, args, kwargs):
+            if passes(reported(instance), args, kwargs):
                 return wrapped(*args, **kwargs)
-            call = Call(label, function, instance, args, kwargs)
+            call = Call(label, function, reported(instance), args, kwargs)
             return interceptor.run_async(call, lambda: wrapped(*args, **kwargs))
 
     else:
 
         def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if passes(instance, args, kwargs):
+            if passes(reported(instance), args, kwargs):
                 return wrapped(*args, **kwargs)  # the trampoline makes its own sync/async choice
-            call = Call(label, function, instance, args, kwargs)
+            call = Call(label, function, reported(instance), args, kwargs)
             if _awaiting_caller(sys._getframe(1)):
-                target = _bind(inner, instance, binding)
+                if bound_self is not None:
+                    target = _bind(inner, bound_self, _Binding.METHOD)
+                else:
+                    target = _bind(inner, instance, binding)
                 return interceptor.run_async(call, lambda: target(*args, **kwargs))
             return interceptor.sync(call, lambda: wrapped(*args, **kwargs))
 
     return SkipinjectWrapper(raw, wrapper, label)
+
+
+def _weak(instance: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(instance)
+    except TypeError:
+        return lambda: instance
+
+
+def _attribute_hook(patch: _Patch, raw: Any, wrap_attribute: Callable[[_Patch, Any], None]) -> SkipinjectWrapper:
+    """The wrapper of an attribute target's method: run it, then wrap the instance's attribute."""
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = wrapped(*args, **kwargs)
+        if instance is not None:
+            wrap_attribute(patch, instance)
+        return result
+
+    return SkipinjectWrapper(raw, wrapper, str(patch.path))
 
 
 def _bind(function: Any, instance: Any, binding: _Binding) -> Any:
@@ -189,41 +240,56 @@ class Injector:
 
     # ------------------------------------------------------------ public API
 
-    def instrument(self, path: str, interceptor: Interceptor, *, owner: str = "", overrides: bool = False) -> None:
+    def instrument(
+        self,
+        path: str,
+        interceptor: Interceptor,
+        *,
+        owner: str = "",
+        attribute: str | None = None,
+        overrides: bool = False,
+    ) -> None:
         """Patch ``path`` now if its module is imported, else as soon as it is.
 
+        ``attribute`` (dotted): ``path`` is a method; each time it returns, ``instance.<attribute>``
+        is wrapped on the object holding it, and its calls go to ``interceptor`` (see the module doc).
         ``overrides``: a method's overrides in subclasses (existing and future) are patched too.
         """
         target = TargetPath.parse(path)
+        if attribute is not None:
+            TargetPath.parse(f"{target}.{attribute}")  # dotted identifiers only
         with self._lock:
-            key = str(target)
+            key = target_key(path, attribute)
             if key in self._patches:
                 logger.debug("%s is already instrumented (by %s)", key, self._patches[key].owner)
                 return
-            self._patches[key] = _Patch(target, interceptor, owner, overrides=overrides)
+            self._patches[key] = _Patch(target, interceptor, owner, overrides=overrides, instance_attribute=attribute)
             if target.module in sys.modules:
                 self._apply(self._patches[key], sys.modules[target.module])
             elif target.module not in self._hooked_modules:
                 self._hooked_modules.add(target.module)
                 wrapt.register_post_import_hook(self._on_import, target.module)
 
-    def uninstrument(self, path: str) -> None:
-        """Undo :meth:`instrument`: restore the original object and forget the target."""
+    def uninstrument(self, path: str, attribute: str | None = None) -> None:
+        """Undo :meth:`instrument`: restore the original object (and every attribute it wrapped)."""
         with self._lock:
-            patch = self._patches.pop(str(TargetPath.parse(path)), None)
+            patch = self._patches.pop(self._key(path, attribute), None)
             if patch is not None and patch.applied:
                 self._restore(patch)
+            if patch is not None:
+                self._restore_attributes(patch)
 
     def uninstrument_all(self) -> None:
         for key in list(self._patches):
             self.uninstrument(key)
 
-    def is_patched(self, path: str) -> bool:
-        patch = self._patches.get(str(TargetPath.parse(path)))
+    def is_patched(self, path: str, attribute: str | None = None) -> bool:
+        patch = self._patches.get(self._key(path, attribute))
         return bool(patch and patch.applied)
 
-    def convention(self, path: str) -> Convention | None:
-        patch = self._patches.get(str(TargetPath.parse(path)))
+    def convention(self, path: str, attribute: str | None = None) -> Convention | None:
+        """The convention of the target (attribute targets: of the attribute last wrapped)."""
+        patch = self._patches.get(self._key(path, attribute))
         return patch.convention if patch else None
 
     @property
@@ -231,6 +297,12 @@ class Injector:
         return list(self._patches)
 
     # ------------------------------------------------------------ internals
+
+    @staticmethod
+    def _key(path: str, attribute: str | None) -> str:
+        if attribute is None and "->" in path:  # a key as :attr:`targets` lists it
+            path, _, attribute = path.partition("->")
+        return target_key(path, attribute)
 
     def _on_import(self, module: ModuleType) -> None:
         with self._lock:
@@ -272,7 +344,19 @@ class Injector:
                 type(current).__name__,
             )
             return
-        wrapper = _build_wrapper(patch, current, binding, function)
+        if patch.instance_attribute is not None:
+            if binding is not _Binding.METHOD or convention_of(function)[0] is not Convention.SYNC:
+                logger.warning(
+                    "%s: target %s is not a plain method (%s); its attribute %s cannot be wrapped",
+                    patch.owner or "skipinject",
+                    patch.path,
+                    binding.value,
+                    patch.instance_attribute,
+                )
+                return
+            wrapper = _attribute_hook(patch, current, self._wrap_attribute)
+        else:
+            wrapper = _build_wrapper(patch, current, binding, function)
         setattr(parent, attribute, wrapper)
         patch.parent, patch.attribute, patch.original, patch.applied = parent, attribute, own, True
         logger.debug(
@@ -353,6 +437,49 @@ class Injector:
                 type.__delattr__(base, "__init_subclass__")
             else:
                 type.__setattr__(base, "__init_subclass__", own)
+
+    def _wrap_attribute(self, patch: _Patch, instance: Any) -> None:
+        """Wrap ``instance.<patch.instance_attribute>`` where it lives (after the method returned)."""
+        names = (patch.instance_attribute or "").split(".")
+        with self._lock:
+            if not patch.applied:  # uninstrumented meanwhile
+                return
+            holder = instance
+            try:
+                for name in names[:-1]:
+                    holder = getattr(holder, name)
+                current = getattr(holder, names[-1])
+            except AttributeError:
+                logger.debug("%s: %s has no attribute %s; not wrapped", patch.label, type(instance).__name__, names)
+                return
+            if isinstance(current, SkipinjectWrapper):
+                return
+            if not callable(current):
+                logger.warning(
+                    "%s: %s is not callable (%s); not wrapped", patch.owner or "skipinject", patch.label, type(current)
+                )
+                return
+            own = vars(holder).get(names[-1], _MISSING) if hasattr(holder, "__dict__") else _MISSING
+            wrapper = _build_wrapper(patch, current, _Binding.FUNCTION, current, owner=_weak(instance))
+            try:
+                setattr(holder, names[-1], wrapper)
+            except (AttributeError, TypeError) as exc:
+                logger.warning("%s: cannot wrap %s (%s)", patch.owner or "skipinject", patch.label, exc)
+                return
+            patch.wrapped.append((holder, names[-1], own))
+        logger.debug("wrapped %s on a %s for %s", patch.label, type(holder).__name__, patch.owner)
+
+    @staticmethod
+    def _restore_attributes(patch: _Patch) -> None:
+        for holder, name, own in patch.wrapped:
+            current = vars(holder).get(name) if hasattr(holder, "__dict__") else None
+            if not isinstance(current, SkipinjectWrapper):
+                logger.warning("%s was replaced by someone else after we wrapped it; leaving it", patch.label)
+            elif own is _MISSING:
+                delattr(holder, name)
+            else:
+                setattr(holder, name, own)
+        patch.wrapped.clear()
 
     @staticmethod
     def _classify(parent: Any, raw: Any) -> tuple[_Binding, Any]:

@@ -45,7 +45,7 @@ def render(plugins: PluginSet) -> str:
             for target in role.targets:
                 wanted = target.verl or "any"
                 state = "not for this verl" if not version_matches(target.verl, verl_version) else resolve(target.path)
-                lines.append(f"    target {target.path}  verl {wanted}  [{state}]")
+                lines.append(f"    target {target.label}  verl {wanted}  [{state}]")
             for clock in role.clocks:
                 lines.append(f"    clock  {clock}  [{resolve(clock)}]")
     for name, error in plugins.failures.items():

@@ -282,6 +282,12 @@ class Target:
 
     ``verl`` is a version specifier (``">=0.9"``): the target is only patched in verls it matches.
     ``every_step`` hands the phase every call of an enabled role, whatever its step.
+
+    ``attribute`` (dotted, e.g. ``"actor_rollout_wg.generate_sequences"``) is for callables bound
+    per instance, which a patch of their class never sees: ``path`` is then a method that runs
+    unchanged, and each time it returns, the callable at ``instance.<attribute>`` is wrapped on the
+    object holding it. Those calls are the target's calls (convention kept, the phase and bypass as
+    for any target), with :attr:`Call.instance` = the instance whose method returned (the trainer).
     """
 
     path: str
@@ -290,9 +296,18 @@ class Target:
     #: The phase sees every call while the role is enabled, not only calls at ``skip.<role>.steps``
     #: (e.g. to switch off a prefetch that would go around the role). Validation calls still bypass.
     every_step: bool = False
+    #: The instance attribute (dotted) wrapped each time the method ``path`` returns, or ``None``.
+    attribute: str | None = None
 
     def __post_init__(self) -> None:
         TargetPath.parse(self.path)
+        if self.attribute is not None:
+            TargetPath.parse(f"{self.path}.{self.attribute}")
+
+    @property
+    def label(self) -> str:
+        """``path``, or ``path->attribute`` for attribute targets (as logs and ``--list`` name it)."""
+        return f"{self.path}->{self.attribute}" if self.attribute else self.path
 
 
 def default_bypass(call: Call) -> bool:

@@ -21,7 +21,7 @@ logger = logging.getLogger("skipinject")
 #: The versions the test suite runs against (the locks in ``requirements/``: verl 0.9.1 fully,
 #: 0.8.0, 0.7.1 and 0.6.1 end to end; torch, tensordict and ray as those locks pin them).
 TESTED: Mapping[str, str] = {
-    "verl": ">=0.6.1,<0.10",
+    "verl": ">=0.4.1,<0.10",
     "torch": ">=2.13,<2.14",
     "tensordict": ">=0.10,<0.11",
     "ray": ">=2.60,<2.61",

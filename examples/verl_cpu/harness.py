@@ -290,30 +290,32 @@ def has_use_v1(version: str) -> bool:
     return _release(version) >= (0, 9)
 
 
-def _version_overrides(version: str) -> list[str]:
+def _version_overrides(version: str, rollout_mode: str | None = None) -> list[str]:
     """What a verl older than 0.9 needs on top of the common overrides (README.md says why).
 
     * Before 0.8 the V0 trainer runs verl's legacy FSDP workers: FSDP1 refuses CPU parameters,
       so ``fsdp_config.strategy=fsdp2`` for actor and reference; their auto-wrap policy finds no
       layer class in transformers 5's Qwen2, so it is named.
-    * Before 0.7 the trainer's default ``rollout.mode`` is ``sync`` (worker-group generation,
-      no CPU backend); ``async`` goes through the agent loop and the shim's ``hf`` server, and
-      needs ``data.return_raw_chat=True``.
+    * Before 0.7 the trainer's default ``rollout.mode`` is ``sync`` (worker-group generation); the
+      harness picks ``async`` on 0.6 unless ``rollout_mode="sync"`` is asked for (then the
+      shim's sync ``hf`` rollout generates in the worker). ``async`` goes through the agent loop
+      and the shim's ``hf`` server, and needs ``data.return_raw_chat=True``.
     """
     release = _release(version)
     if release >= (0, 8):
         return []
+    # fsdp_config.strategy exists from 0.6 on (0.4/0.5: actor.strategy, which the reference follows).
+    keys = [("", "strategy=fsdp2")] if release >= (0, 6) else []
+    keys.append(("+", "wrap_policy.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]"))
     overrides = [
-        f"{prefix}actor_rollout_ref.{worker}.fsdp_config.{key}"
-        for worker in ("actor", "ref")
-        for prefix, key in (
-            ("", "strategy=fsdp2"),
-            ("+", "wrap_policy.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]"),
-        )
+        f"{prefix}actor_rollout_ref.{worker}.fsdp_config.{key}" for worker in ("actor", "ref") for prefix, key in keys
     ]
-    if release < (0, 7):
+    default_mode = "async" if release >= (0, 6) else "sync"  # 0.4/0.5: verl's own HFRollout, no agent loop
+    if release < (0, 7) and (rollout_mode or default_mode) == "async":
         # The agent loop reads the chat messages (``raw_prompt``), which 0.6's dataset returns only when asked.
         overrides += ["actor_rollout_ref.rollout.mode=async", "data.return_raw_chat=True"]
+    elif release < (0, 7):
+        overrides += ["actor_rollout_ref.rollout.mode=sync"]
     return overrides
 
 
@@ -328,7 +330,9 @@ def _reward_overrides(assets: Assets, version: str) -> list[str]:
     return [f"custom_reward_function.path={assets.reward_file}"]
 
 
-def _common_overrides(assets: Assets, *, experiment: str, project: str, version: str | None = None) -> list[str]:
+def _common_overrides(
+    assets: Assets, *, experiment: str, project: str, version: str | None = None, rollout_mode: str | None = None
+) -> list[str]:
     """Overrides every CPU run needs, whatever the trainer (README.md says why each is there)."""
     version = version or verl_version()
     return [
@@ -337,7 +341,8 @@ def _common_overrides(assets: Assets, *, experiment: str, project: str, version:
         f"data.val_files={assets.val_file}",
         f"data.max_prompt_length={PROMPT_LEN}",
         f"data.max_response_length={RESPONSE_LEN}",
-        "data.dataloader_num_workers=0",
+        # verl 0.4 reads the key with a default of 8 but has none in its schema: added there.
+        f"{'' if _release(version) >= (0, 5) else '+'}data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={assets.model_dir}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.model.use_remove_padding=False",
@@ -345,7 +350,8 @@ def _common_overrides(assets: Assets, *, experiment: str, project: str, version:
         "actor_rollout_ref.rollout.name=hf",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
-        "actor_rollout_ref.rollout.agent.num_workers=1",
+        # The agent loop's workers (verl 0.5 on; 0.4 has no agent loop).
+        *(["actor_rollout_ref.rollout.agent.num_workers=1"] if _release(version) >= (0, 5) else []),
         *_reward_overrides(assets, version),
         "trainer.device=cpu",
         "trainer.nnodes=1",
@@ -356,17 +362,20 @@ def _common_overrides(assets: Assets, *, experiment: str, project: str, version:
         "trainer.test_freq=-1",
         f"trainer.project_name={project}",
         f"trainer.experiment_name={experiment}",
-        *_version_overrides(version),
+        *_version_overrides(version, rollout_mode),
     ]
 
 
-def _ray_overrides(fake_gpus: int) -> list[str]:
+def _ray_overrides(fake_gpus: int, version: str | None = None) -> list[str]:
     """Local Ray: enough logical CPUs for verl's actors and ``fake_gpus`` fake GPU resources.
 
     verl's actors each reserve logical CPUs (TransferQueue alone asks one per storage unit),
     which the 2 real cores could never satisfy; the numbers are only for Ray's scheduler.
-    ``++`` because ``num_gpus`` is in verl's schema only for some entry points.
+    ``++`` because ``num_gpus`` is in verl's schema only for some entry points. verl 0.4/0.5 read
+    a top-level ``ray_init`` and pass no ``num_gpus`` (the shim adds ``VERL_CPU_FAKE_GPUS``).
     """
+    if version is not None and _release(version) < (0, 6):
+        return [f"ray_init.num_cpus={16 if fake_gpus == 1 else 32}"]
     return [
         f"ray_kwargs.ray_init.num_cpus={16 if fake_gpus == 1 else 32}",
         f"++ray_kwargs.ray_init.num_gpus={fake_gpus}",
@@ -407,6 +416,7 @@ def main_ppo_overrides(
     project: str = "p",
     extra: Sequence[str] = (),
     verl: str | None = None,
+    rollout_mode: str | None = None,
 ) -> list[str]:
     """Hydra overrides for ``verl.trainer.main_ppo``: a ``total_steps``-step GRPO run on CPU.
 
@@ -425,8 +435,15 @@ def main_ppo_overrides(
     * ``verl``: the verl version the launcher runs (default: the one installed for this
       interpreter, :func:`verl_version`). verl < 0.9 has no ``trainer.use_v1`` (and no V1
       trainer): the key is left out, and ``use_v1=True`` is an error.
+    * ``rollout_mode``: ``actor_rollout_ref.rollout.mode`` on verl < 0.7 (``sync``: the worker
+      group generates, through the shim's sync ``hf`` rollout on 0.6 and verl's own ``HFRollout``
+      before; default ``async`` on 0.6, ``sync`` before); newer verls have only the agent loop.
     """
     verl = verl or verl_version()
+    if rollout_mode not in (None, "sync", "async"):
+        raise ValueError(f"rollout_mode must be 'sync' or 'async', not {rollout_mode!r}")
+    if rollout_mode == "sync" and _release(verl) >= (0, 7):
+        raise ValueError(f"verl {verl} has no sync rollout mode (actor_rollout_ref.rollout.mode=sync ends with 0.6)")
     if use_v1 and not has_use_v1(verl):
         raise ValueError(f"verl {verl} has no V1 trainer (trainer.use_v1 exists from verl 0.9 on)")
     if trainer_mode not in V1_MODES:
@@ -440,7 +457,9 @@ def main_ppo_overrides(
     if parameter_sync_step < 1 or TRAIN_BATCH % parameter_sync_step:
         raise ValueError(f"parameter_sync_step must divide the train batch {TRAIN_BATCH}")
 
-    overrides = _common_overrides(assets, experiment=experiment, project=project, version=verl)
+    overrides = _common_overrides(
+        assets, experiment=experiment, project=project, version=verl, rollout_mode=rollout_mode
+    )
     overrides += [
         f"data.train_batch_size={TRAIN_BATCH}",
         f"trainer.total_training_steps={total_steps}",
@@ -461,7 +480,7 @@ def main_ppo_overrides(
             "actor_rollout_ref.rollout.n_gpus_per_node=1",
             "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_store",
         ]
-    overrides += _ray_overrides(fake_gpus)
+    overrides += _ray_overrides(fake_gpus, verl)
     overrides += _skip_dump_dir(skip_role(use_v1=use_v1), dump_dir)
     return overrides + list(extra)
 
@@ -539,13 +558,16 @@ def harness_env(assets: Assets, gen_log: Path | None) -> dict[str, str]:
     """
     current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {
-        "PYTHONPATH": os.pathsep.join(dict.fromkeys([*current, str(HERE)])),
+        # legacy_boot: verl 0.4/0.5 do not read VERL_USE_EXTERNAL_MODULES; its sitecustomize imports the shim.
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys([*current, str(HERE), str(HERE / "legacy_boot")])),
         # verl/__init__.py imports these modules in every process that imports verl.
         "VERL_USE_EXTERNAL_MODULES": "verl_cpu_shim",
         "VERL_PLATFORM": "cpu",
         # verl registers its FSDP engine for cuda/npu only; the engine itself runs on the platform device.
         "VERL_ENGINE_DEVICE": "cuda",
         "VERL_ENGINE_VENDOR": "nvidia",
+        # verl 0.4/0.5's main_ppo calls ray.init without num_gpus: the shim adds this many fake GPUs.
+        "VERL_CPU_FAKE_GPUS": "1",
         # INFO logging hits a verl 0.9.1 bug (logger.info(..., flush=True)) in separate_async.
         "VERL_LOGGING_LEVEL": "WARN",
         "HF_HUB_OFFLINE": "1",

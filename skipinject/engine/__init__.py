@@ -28,7 +28,7 @@ from skipinject.engine.builtin_guard import BUILTIN_SKIP_INIT, BuiltinGuard
 from skipinject.engine.phases import ClockInterceptor, TargetInterceptor
 from skipinject.engine.runtime import RoleRuntime
 from skipinject.errors import ConfigError
-from skipinject.injector import INJECTOR, Injector
+from skipinject.injector import INJECTOR, Injector, target_key
 from skipinject.roles import Role
 from skipinject.verl_compat import is_run_config, module_exists, verl_version, version_matches
 
@@ -71,7 +71,9 @@ class Engine:
                         installed,
                     )
                     continue
-                self._instrument(target.path, TargetInterceptor(runtime, target), f"{owner}/{name}")
+                self._instrument(
+                    target.path, TargetInterceptor(runtime, target), f"{owner}/{name}", attribute=target.attribute
+                )
             clocks.extend(c for c in role.clocks if c not in clocks)
         clock = ClockInterceptor(self)
         for path in clocks:
@@ -125,9 +127,11 @@ class Engine:
         self._paths.clear()
         self.runtimes.clear()
 
-    def _instrument(self, path: str, interceptor: Any, owner: str, *, overrides: bool = False) -> None:
-        self.injector.instrument(path, interceptor, owner=owner, overrides=overrides)
-        self._paths.append(path)
+    def _instrument(
+        self, path: str, interceptor: Any, owner: str, attribute: str | None = None, *, overrides: bool = False
+    ) -> None:
+        self.injector.instrument(path, interceptor, owner=owner, attribute=attribute, overrides=overrides)
+        self._paths.append(target_key(path, attribute))
 
     def observe_config(self, config: Any) -> None:
         """Run every enabled role's ``check`` against a run config once; warn when it cannot fire."""

@@ -22,7 +22,7 @@ from skipinject_rollout_tq.plugin import make_role
 from skipinject.roles import Call
 from skipinject.verl_compat import version_matches
 
-VERSIONS = ("0.6.1", "0.7.0", "0.7.1", "0.8.0", "0.9.1")
+VERSIONS = ("0.4.1", "0.5.0", "0.6.1", "0.7.0", "0.7.1", "0.8.0", "0.9.1")
 
 
 def applied(role: Any, version: str) -> set[str]:
@@ -32,8 +32,12 @@ def applied(role: Any, version: str) -> set[str]:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_each_role_targets_what_exists_in_that_verl(version: str):
     release = tuple(int(x) for x in version.split("."))
-    rollout = {"AgentLoopManager.generate_sequences"}
-    if release < (0, 9):
+    rollout = set()
+    if release >= (0, 5):  # verl 0.4 has no agent loop (experimental/agent_loop)
+        rollout.add("AgentLoopManager.generate_sequences")
+    if release < (0, 7):  # the sync worker-group path (actor_rollout_ref.rollout.mode=sync) ends with 0.6
+        rollout.add("RayPPOTrainer.init_workers")
+    if (0, 6) <= release < (0, 9):  # verl/utils/rollout_skip.py: 0.6 to 0.8
         rollout.add("RolloutSkip.wrap_generate_sequences")
     assert applied(ROLLOUT, version) == rollout
     assert applied(REWARD, version) == {"extract_reward" if release >= (0, 7, 1) else "compute_reward"}
@@ -45,7 +49,7 @@ def test_each_role_targets_what_exists_in_that_verl(version: str):
 def test_rollout_guard_is_for_the_older_builtin_only_and_sees_every_call():
     guard = [t for t in ROLLOUT.targets if t.path == BUILTIN_WRAP]
     assert len(guard) == 1 and guard[0].every_step and isinstance(guard[0].phase, BuiltinSkipOff)
-    assert guard[0].verl == "<0.9"
+    assert guard[0].verl == ">=0.6,<0.9"
 
 
 def test_dev_build_of_a_newer_verl_counts_as_that_release():
@@ -54,10 +58,43 @@ def test_dev_build_of_a_newer_verl_counts_as_that_release():
     assert version_matches(v1_submit.verl, "0.9.2rc1")
 
 
-def test_rollout_check_warns_on_the_sync_worker_group_path():
-    assert "mode=sync" in cannot_fire(OmegaConf.create({"actor_rollout_ref": {"rollout": {"mode": "sync"}}}))
+def test_rollout_acts_on_the_sync_worker_group_path():
+    """The worker group's own generate_sequences, wrapped on the instance init_workers builds."""
+    target = next(t for t in ROLLOUT.targets if t.attribute)
+    assert target.path == "verl.trainer.ppo.ray_trainer:RayPPOTrainer.init_workers"
+    assert target.attribute == "actor_rollout_wg.generate_sequences"
+    assert target.phase is None, "one call = one unit, as the agent loop manager's (the engine's WholeCall)"
+    sync = OmegaConf.create({"actor_rollout_ref": {"rollout": {"mode": "sync"}}})
+    assert cannot_fire(sync) is None, "no 'cannot act' warning on the sync path any more"
     assert cannot_fire(OmegaConf.create({"actor_rollout_ref": {"rollout": {"mode": "async"}}})) is None
     assert "use_v1=True" in cannot_fire(OmegaConf.create({"trainer": {"use_v1": True}}))
+
+
+class _Batch:
+    def __init__(self, **meta: Any) -> None:
+        self.meta_info = meta
+
+
+def test_rollout_bypasses_validation_only():
+    """Validation always runs the original; verl 0.4-0.6's REMAX baseline (meta do_sample=False) is a
+    training call like the step's sampled one: recorded and replayed as the step's second call."""
+
+    def runs_original(**meta: Any) -> bool:
+        return ROLLOUT.bypass(Call("t", lambda b: b, None, (_Batch(**meta),), {}))
+
+    assert runs_original(validate=True, global_steps=1)
+    assert not runs_original(do_sample=False, global_steps=1), "REMAX's baseline is the step's call 2"
+    assert not runs_original(global_steps=1), "the step's generation"
+    assert not runs_original()
+
+
+def test_rollout_check_warns_on_verl_04s_async_server_manager(monkeypatch):
+    import skipinject_rollout.rollout as rollout
+
+    monkeypatch.setattr(rollout, "installed_verl_matches", lambda spec: version_matches(spec, "0.4.1"))
+    reason = cannot_fire(OmegaConf.create({"actor_rollout_ref": {"rollout": {"mode": "async"}}}))
+    assert reason and "AsyncLLMServerManager" in reason
+    assert cannot_fire(OmegaConf.create({"actor_rollout_ref": {"rollout": {"mode": "sync"}}})) is None
 
 
 class _Runtime:
@@ -83,9 +120,10 @@ def _call(trainer: _Trainer) -> Call:
     return Call(BUILTIN_WRAP, lambda: None, trainer, (), {})
 
 
-def test_builtin_rollout_skip_is_not_wrapped_while_the_role_acts(caplog):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_builtin_rollout_skip_is_not_wrapped_while_the_role_acts(caplog, mode: str):
     runtime, phase, wrapped = _Runtime(), BuiltinSkipOff(cannot_fire), []
-    call = _call(_Trainer(actor_rollout_ref={"rollout": {"mode": "async"}}))
+    call = _call(_Trainer(actor_rollout_ref={"rollout": {"mode": mode}}))
     with caplog.at_level(logging.WARNING, logger="skipinject"):
         assert phase.run(runtime, call, 0, lambda: wrapped.append(1)) is None
         assert asyncio.run(phase.run_async(runtime, call, 0, lambda: wrapped.append(1))) is None
@@ -94,11 +132,11 @@ def test_builtin_rollout_skip_is_not_wrapped_while_the_role_acts(caplog):
 
 
 def test_builtin_rollout_skip_stays_on_when_the_role_cannot_act(caplog):
-    runtime, phase, wrapped = _Runtime(), BuiltinSkipOff(cannot_fire), []
+    runtime, phase, wrapped = _Runtime(), BuiltinSkipOff(lambda config: "a reason of the role's check"), []
     call = _call(_Trainer(actor_rollout_ref={"rollout": {"mode": "sync"}}))
     with caplog.at_level(logging.WARNING, logger="skipinject"):
         phase.run(runtime, call, 0, lambda: wrapped.append(1))
-    assert wrapped == [1], "verl 0.6's sync path: skipinject cannot act, so the user's built-in still does"
+    assert wrapped == [1], "skipinject cannot act, so the user's built-in still does"
     assert any("left on" in r.getMessage() for r in caplog.records)
 
 
@@ -126,5 +164,16 @@ def test_harness_overrides_follow_the_launchers_verl(tmp_path):
     assert "reward.custom_reward_function.path" in keys("0.7.1")
     assert "custom_reward_function.path" in keys("0.6.1") and "reward.custom_reward_function.path" not in keys("0.6.1")
     assert "actor_rollout_ref.rollout.mode" in keys("0.6.1") and "actor_rollout_ref.rollout.mode" not in keys("0.7.1")
+    sync = harness.main_ppo_overrides(assets, use_v1=False, total_steps=2, verl="0.6.1", rollout_mode="sync")
+    assert "actor_rollout_ref.rollout.mode=sync" in sync and "actor_rollout_ref.rollout.mode=async" not in sync
+    for version in ("0.5.0", "0.4.1"):  # no agent loop on CPU there (0.4: none at all): the worker group
+        overrides = harness.main_ppo_overrides(assets, use_v1=False, total_steps=2, verl=version)
+        assert "actor_rollout_ref.rollout.mode=sync" in overrides, version
+        assert "ray_init.num_cpus" in keys(version) and "ray_kwargs.ray_init.num_cpus" not in keys(version)
+        assert "actor_rollout_ref.actor.fsdp_config.strategy" not in keys(version), "0.4/0.5: actor.strategy only"
+    assert "actor_rollout_ref.rollout.agent.num_workers" in keys("0.5.0")
+    assert "actor_rollout_ref.rollout.agent.num_workers" not in keys("0.4.1")
+    with pytest.raises(ValueError, match="no sync rollout mode"):
+        harness.main_ppo_overrides(assets, use_v1=False, total_steps=2, verl="0.7.1", rollout_mode="sync")
     assert "actor_rollout_ref.actor.fsdp_config.strategy" in keys("0.7.1")
     assert "actor_rollout_ref.actor.fsdp_config.strategy" not in keys("0.8.0")

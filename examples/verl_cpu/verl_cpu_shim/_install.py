@@ -1,9 +1,10 @@
 """Register the shim's pieces with verl's own extension points (idempotent).
 
 verl >= 0.9 has a platform registry (``verl.plugin.platform``): the shim registers a ``cpu``
-platform there. Older verls (0.6 to 0.8) have none; :mod:`verl_cpu_shim.legacy` patches their
+platform there. Older verls (0.4 to 0.8) have none; :mod:`verl_cpu_shim.legacy` patches their
 device helpers instead. The ``hf`` rollout and the ``cpu_store`` checkpoint engine register the
-same way in every verl that has those registries.
+same way in every verl that has those registries (0.6 on); 0.4 and 0.5 build verl's own
+``HFRollout`` for ``rollout.name=hf``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,17 @@ def install() -> None:
         from .legacy import install_legacy
 
         install_legacy()
+    if importlib.util.find_spec("verl.workers.rollout.replica") is None:
+        # verl 0.4/0.5: no rollout registries; ``rollout.name=hf`` builds verl's own HFRollout in
+        # the worker (sync mode), whose calls only need to show in the generation log.
+        from importlib.metadata import version
+
+        from .sync_rollout import log_hf_rollout
+
+        log_hf_rollout(prompts_repeated=not version("verl").startswith("0.4."))
+        _installed = True
+        logger.debug("verl_cpu_shim installed (verl without rollout registries)")
+        return
     from verl.workers.rollout import base as rollout_base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
@@ -52,6 +64,8 @@ def install() -> None:
     if importlib.util.find_spec("verl.checkpoint_engine") is not None:
         from . import checkpoint  # noqa: F401  (its decorator registers it)
     rollout_base._ROLLOUT_REGISTRY[(BACKEND_NAME, "async")] = "verl_cpu_shim.rollout.HFServerAdapter"
+    # verl 0.6's sync (worker-group) rollout mode builds its rollout from the same registry.
+    rollout_base._ROLLOUT_REGISTRY[(BACKEND_NAME, "sync")] = "verl_cpu_shim.sync_rollout.HFSyncRollout"
     RolloutReplicaRegistry.register(BACKEND_NAME, _load_hf_replica)
     _installed = True
     logger.debug("verl_cpu_shim installed")

@@ -19,7 +19,6 @@ Set ``VERL_CPU_GEN_LOG=<file>`` to get one JSON line per generate request served
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import threading
@@ -33,6 +32,8 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
+
+from .genlog import log_event
 
 try:
     from verl.workers.rollout.utils import ensure_async_iterator
@@ -50,31 +51,11 @@ except ImportError:  # verl < 0.7
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "hf"
-GEN_LOG_ENV = "VERL_CPU_GEN_LOG"
 
 
 def server_actor_name(replica_rank: int, node_rank: int = 0, suffix: str = "") -> str:
     """Ray name of a replica's server actor (the adapter finds it by this name)."""
     return f"{BACKEND_NAME}_server_{replica_rank}_{node_rank}{suffix}"
-
-
-def log_event(event: str, **fields: Any) -> None:
-    """Append one JSON line ``{"event", "pid", "time", **fields}`` to ``$VERL_CPU_GEN_LOG`` (if set).
-
-    Events: ``server_start`` (a generation server loaded its model) and ``generate`` (one
-    request served). One ``os.write`` on an ``O_APPEND`` descriptor per line, so lines
-    written by concurrent processes never interleave.
-    """
-    path = os.environ.get(GEN_LOG_ENV)
-    if not path:
-        return
-    record = {"event": event, "pid": os.getpid(), "time": time.time(), **fields}
-    line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
 
 
 def _model_path(model_config: Any) -> str:

@@ -1,12 +1,27 @@
-"""Role ``rollout``: verl's ``AgentLoopManager.generate_sequences`` (the V0 ``RayPPOTrainer``).
+"""Role ``rollout``: the whole generation of a V0 ``RayPPOTrainer`` step.
 
-One call is one step: the trainer passes the step's whole generation batch, with
-``meta_info["global_steps"]`` set by the trainer (also read from the trainer's clock).
+verl generates through one of two driver-side callables, and the role has a target on each:
 
-On verl < 0.9 the built-in rollout skip is the older ``RolloutSkip``; while this role is enabled
-it is turned off (see :mod:`skipinject_rollout.legacy`), so exactly one mechanism acts. verl 0.6's
-default ``actor_rollout_ref.rollout.mode=sync`` generates through the worker group
-(``actor_rollout_wg.generate_sequences``), not ``AgentLoopManager``: the role warns there.
+* ``AgentLoopManager.generate_sequences`` (verl >= 0.7, and 0.5/0.6 with
+  ``actor_rollout_ref.rollout.mode=async``);
+* the worker group's ``actor_rollout_wg.generate_sequences`` (verl 0.4-0.6 with their default
+  ``rollout.mode=sync``). verl binds it on each worker-group instance in ``init_workers``, so no
+  class-level patch sees it: the target wraps that attribute of the trainer each time
+  ``RayPPOTrainer.init_workers`` returns (an attribute target). The trainer calls it with the whole
+  batch (the same object the worker group then splits between ranks), in ``fit`` and ``_validate``.
+
+A trainer calls exactly one of them (``async_rollout_mode`` chooses, and the agent loop never calls
+the worker group's method), so exactly one of skipinject's targets acts on a generation. The step
+is ``meta_info["global_steps"]``, else the trainer's clock (verl 0.4 sets no step in the batch).
+Validation batches (``meta_info["validate"]``) always run the original.
+
+REMAX (verl 0.4-0.6) generates a greedy baseline in every step, a second call of the same step
+(``meta_info["do_sample"] = False``): like any second call of a step it is recorded as the step's
+call 2 and replayed as such (see the README, "Several calls in one step"), never served call 1.
+
+On verl < 0.9 the built-in rollout skip is the older ``RolloutSkip`` (0.6-0.8; it wraps the same
+worker-group attribute, or the agent loop manager in 0.8); while this role is enabled it is turned
+off (see :mod:`skipinject_rollout.legacy`), so exactly one mechanism acts.
 """
 
 from __future__ import annotations
@@ -26,23 +41,28 @@ from skipinject_rollout.common import (
 from skipinject_rollout.legacy import BUILTIN_WRAP, BuiltinSkipOff
 
 TARGET = "verl.experimental.agent_loop.agent_loop:AgentLoopManager.generate_sequences"
+#: verl 0.4-0.6's sync rollout: the worker group's per-instance method, wrapped after init_workers.
+WORKER_GROUP = Target(
+    "verl.trainer.ppo.ray_trainer:RayPPOTrainer.init_workers",
+    attribute="actor_rollout_wg.generate_sequences",
+    verl="<0.7",
+)
 V0_FIT = "verl.trainer.ppo.ray_trainer:RayPPOTrainer.fit"
 V1_FIT = "verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit"  # the V1 trainer exists from verl 0.9 on
 CLOCKS = (V0_FIT, V1_FIT) if installed_verl_matches(">=0.9") else (V0_FIT,)
 
 
 def cannot_fire(config: Any) -> str | None:
-    """Trainers that never call this target: V1 (verl >= 0.9's default) and verl 0.6's sync rollout."""
+    """Trainers that call neither target: V1 (verl >= 0.9's default), verl 0.4's async server manager."""
     if select(config, "trainer.use_v1") is True:
         return (
             "trainer.use_v1=True runs the V1 TransferQueue trainer, which does not call "
             "AgentLoopManager.generate_sequences; use skip.rollout_tq there, or set trainer.use_v1=False"
         )
-    if select(config, "actor_rollout_ref.rollout.mode") == "sync":
+    if select(config, "actor_rollout_ref.rollout.mode") == "async" and not installed_verl_matches(">=0.5"):
         return (
-            "actor_rollout_ref.rollout.mode=sync generates through the worker group "
-            "(actor_rollout_wg.generate_sequences), not AgentLoopManager.generate_sequences; "
-            "set actor_rollout_ref.rollout.mode=async"
+            "actor_rollout_ref.rollout.mode=async on verl 0.4 generates through AsyncLLMServerManager, which "
+            "skipinject does not handle; use the default actor_rollout_ref.rollout.mode=sync"
         )
     return None
 
@@ -50,10 +70,11 @@ def cannot_fire(config: Any) -> str | None:
 ROLLOUT = Role(
     name="rollout",
     targets=[
-        Target(TARGET),
-        # verl < 0.9's built-in (RolloutSkip): not wrapped while this role is on (every step: it is
-        # called once, before step 1).
-        Target(BUILTIN_WRAP, phase=BuiltinSkipOff(cannot_fire), verl="<0.9", every_step=True),
+        Target(TARGET, verl=">=0.5"),
+        WORKER_GROUP,
+        # verl 0.6-0.8's built-in (RolloutSkip): not wrapped while this role is on (every step: it is
+        # called once, before step 1). verl 0.4/0.5 have none.
+        Target(BUILTIN_WRAP, phase=BuiltinSkipOff(cannot_fire), verl=">=0.6,<0.9", every_step=True),
     ],
     step=StepSource.meta("global_steps").or_else(StepSource.clock("global_steps")),
     clocks=CLOCKS,
@@ -64,7 +85,10 @@ ROLLOUT = Role(
     on_miss=mark_miss,
     cache_subdir="",
     upstream=(GEN_BATCH, GENSTEP_BATCH),
-    description="generation of a whole training step (V0 RayPPOTrainer, trainer.use_v1=False)",
+    description=(
+        "generation of a whole training step (V0 RayPPOTrainer, trainer.use_v1=False): the agent loop "
+        "manager, or on verl < 0.7 with rollout.mode=sync the worker group's generate_sequences"
+    ),
 )
 
 
