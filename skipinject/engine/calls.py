@@ -64,7 +64,6 @@ class StepCalls:
     # -- replaying
     payloads: Sequence[Payload] | None = None
     recorded_inputs: list[Any] = field(default_factory=list)
-    regenerated: bool = False  # a replayed call ran the target after all (mismatch, load error)
 
     @property
     def recording(self) -> bool:

@@ -308,14 +308,13 @@ class RoleRuntime:
         return REGENERATE
 
     def _regenerate(self, record: StepCalls, index: int) -> Any:
-        """The cache cannot serve call ``index``: at the step's first call, record the step anew."""
+        """The cache cannot serve call ``index``: at the step's first call, record the step anew
+        (a later call only runs the target; the step stays as recorded)."""
         with record.lock:
             plan = record.plan
             if index == 0 and record.started == 1 and plan is not None:
                 record.plan = replace(plan, entry=None, upstream_file=None, upstream_format=None, reason="regenerated")
                 record.payloads = None
-            else:
-                record.regenerated = True
         return REGENERATE
 
     def decode(self, payloads: Sequence[Payload], call: Call) -> Any:
