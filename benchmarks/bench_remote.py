@@ -38,8 +38,8 @@ for path in (ROOT / "benchmarks", ROOT):
 from bench_store import build_batch, check_equal, measure, tensor_bytes, touch  # noqa: E402
 
 from skipinject.codecs import DataProtoCodec  # noqa: E402
-from skipinject.store import StepStore  # noqa: E402
-from skipinject.store.remote import RemoteStepStore, open_remote  # noqa: E402
+from skipinject.store import RemoteStepStore, StepStore  # noqa: E402
+from skipinject.store.remote import open_remote  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -1,9 +1,11 @@
 """skipinject: skip and replay verl rollouts on any verl install, without editing verl.
 
 This module is the plugin API (version :data:`API_VERSION`): everything a plugin may rely on is
-exported here and listed in ``__all__``; every other module is internal and may change in any
-release. A plugin may declare the API it was written for as ``SKIPINJECT_API = 1`` (an
-incompatible one is refused in one clear line)::
+exported here and listed in ``__all__`` (API 1.1 added the plugin kit, :mod:`skipinject.plugin_kit`:
+codec headers, row digests, verl ranges; and :meth:`PhaseContext.load`); a plugin's tests may also
+use :mod:`skipinject.testing`. Every other module is internal and may change in any release. A
+plugin may declare the API it was written for as ``SKIPINJECT_API = 1`` (an incompatible one is
+refused in one clear line)::
 
     from skipinject import Role, StepSource, Target, hookimpl
 
@@ -28,13 +30,23 @@ from skipinject.errors import (
     SkipInjectError,
     TargetError,
 )
+from skipinject.plugin_kit import (
+    CodecHeader,
+    attended_tokens,
+    installed_verl_matches,
+    row_digest,
+    row_text,
+    tensor_bytes,
+)
 from skipinject.roles import (
     Call,
     Codec,
     HitInfo,
+    Loaded,
     MergingCodec,
     Phase,
     PhaseContext,
+    Plan,
     Role,
     StepCache,
     StepSource,
@@ -56,7 +68,6 @@ if TYPE_CHECKING:
         to_jsonable,
     )
     from skipinject.config import Action, MismatchPolicy, RoleConfig
-    from skipinject.engine.decision import Plan
     from skipinject.hookspecs import hookimpl
     from skipinject.store import Payload, StepEntry
 
@@ -66,7 +77,6 @@ _LAZY = {
     "DataProtoCodec": "skipinject.codecs",
     "MismatchPolicy": "skipinject.config",
     "Payload": "skipinject.store",
-    "Plan": "skipinject.engine.decision",
     "RoleConfig": "skipinject.config",
     "StepEntry": "skipinject.store",
     "TensorDictCodec": "skipinject.codecs",
@@ -96,10 +106,12 @@ __all__ = [
     "Call",
     "Codec",
     "CodecError",
+    "CodecHeader",
     "ConfigError",
     "CorruptCacheError",
     "DataProtoCodec",
     "HitInfo",
+    "Loaded",
     "MergingCodec",
     "MismatchPolicy",
     "Payload",
@@ -121,13 +133,18 @@ __all__ = [
     "TensorSink",
     "UpstreamFormat",
     "__version__",
+    "attended_tokens",
     "decode_tensor",
     "default_bypass",
     "encode_tensor",
     "from_jsonable",
     "hookimpl",
+    "installed_verl_matches",
+    "row_digest",
+    "row_text",
     "run_config_of",
     "select",
+    "tensor_bytes",
     "to_jsonable",
     "verl_version",
     "version_matches",

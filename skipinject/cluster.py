@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from skipinject.dump_root import LOCAL_SCHEMES, DumpRoot, is_remote, is_url, local_path_text
+
 logger = logging.getLogger("skipinject")
 
 MOUNTINFO = "/proc/self/mountinfo"
@@ -56,26 +58,6 @@ LOCAL_FUSE_TYPES = frozenset({"fuse.lxcfs", "fuse-overlayfs", "fuse.fuse-overlay
 
 _warn_lock = threading.Lock()
 _warned = False
-
-
-def is_url(path: str) -> bool:
-    """``scheme://...`` (s3://, hdfs://, file://...)."""
-    scheme, sep, _ = str(path).partition("://")
-    return bool(sep) and scheme.replace("+", "").replace("-", "").replace(".", "").isalnum()
-
-
-#: URL schemes that name this node's own file system (``file:///srv/cache`` is ``/srv/cache``).
-LOCAL_SCHEMES = ("file", "local")
-
-
-def is_remote(path: str) -> bool:
-    """A URL of a store other than this node's file system (s3://, gs://, hdfs://...)."""
-    return is_url(path) and str(path).partition("://")[0].lower() not in LOCAL_SCHEMES
-
-
-def local_path_text(path: str) -> str:
-    """``path`` without a ``file://`` (or ``local://``) scheme; other text as it is."""
-    return str(path).partition("://")[2] if is_url(path) and not is_remote(path) else str(path)
 
 
 def _unescape(field: str) -> str:
@@ -142,16 +124,17 @@ def is_shared_fs_type(kind: str) -> bool:
     return kind.startswith(("fuse.", "fuseblk.")) and kind not in LOCAL_FUSE_TYPES
 
 
-def is_node_local(path: str | os.PathLike[str], mountinfo: str | None = None) -> bool:
-    """True when ``path`` is known to be on this node only: not a URL, not on a network file system.
+def is_node_local(path: str | os.PathLike[str] | DumpRoot, mountinfo: str | None = None) -> bool:
+    """True when ``path`` (a cache root, or its text) is known to be on this node only: not a URL,
+    not on a network file system.
 
     Unknown (no ``/proc/self/mountinfo``, e.g. not Linux) counts as not node-local: skipinject
     only warns about what it knows.
     """
-    if is_remote(str(path)):
+    root = path if isinstance(path, DumpRoot) else DumpRoot.parse(str(path))
+    if root.path is None:
         return False
-    path = local_path_text(str(path))
-    kind = fs_type(path, mountinfo)
+    kind = fs_type(root.path, mountinfo)
     if kind is None:
         return False
     return not is_shared_fs_type(kind)
@@ -196,9 +179,11 @@ def node_local_dump_dirs(roles: Mapping[str, Any]) -> dict[str, str]:
     """``{role: dump_dir}`` of the given role settings whose ``dump_dir`` is node-local."""
     found = {}
     for name, settings in roles.items():
-        dump_dir = str(getattr(settings, "dump_dir", settings))
-        if is_node_local(dump_dir):
-            found[name] = dump_dir
+        root = getattr(settings, "root", None)
+        if not isinstance(root, DumpRoot):
+            root = DumpRoot.parse(str(getattr(settings, "dump_dir", settings)))
+        if is_node_local(root):
+            found[name] = root.text
     return found
 
 
@@ -245,6 +230,7 @@ def enabled_role_settings(config: Any) -> dict[str, Any]:
 
 
 __all__ = [
+    "LOCAL_SCHEMES",
     "fs_type",
     "is_node_local",
     "is_remote",

@@ -7,19 +7,18 @@ call is handled (its *phase*), and how its result is saved and loaded (its *code
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from skipinject.clock import CLOCK
 from skipinject.errors import TargetError
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from skipinject.config import RoleConfig
-    from skipinject.engine.decision import Plan
-    from skipinject.store import Payload, StepEntry
+    from skipinject.store import Payload, StepEntry, StepStore
 
 
 @dataclass(frozen=True)
@@ -89,30 +88,6 @@ class Call:
         if self.args:
             return self.args[0]
         return next(iter(self.kwargs.values()), None)
-
-
-class Clock:
-    """The latest live instance seen entering a patched method (e.g. a trainer's ``fit``).
-
-    Calls that carry no step of their own read it from here (``trainer.global_steps``). Only a
-    weak reference is kept, so a finished trainer is not held alive.
-    """
-
-    def __init__(self) -> None:
-        self._ref: weakref.ReferenceType[Any] | Callable[[], Any] = lambda: None
-
-    def enter(self, instance: Any) -> None:
-        try:
-            self._ref = weakref.ref(instance)
-        except TypeError:
-            self._ref = lambda: instance
-
-    @property
-    def instance(self) -> Any:
-        return self._ref()
-
-
-CLOCK = Clock()
 
 
 @dataclass(frozen=True)
@@ -230,6 +205,48 @@ class StepCache(Protocol):
     def is_committed(self, step: int) -> bool: ...
 
 
+@dataclass
+class Plan:
+    """What the engine decided for one call: the entry to serve (or trusted upstream file), and why."""
+
+    store: StepStore
+    step: int
+    entry: StepEntry | None = None
+    upstream_file: Path | None = None
+    upstream_format: UpstreamFormat | None = None
+    reason: str = ""
+    #: verl's own cache of the step, found but not loaded (``trust_upstream`` is false).
+    untrusted_upstream: Path | None = None
+
+    @property
+    def served_step(self) -> int:
+        return self.entry.step if self.entry else self.step
+
+    @property
+    def serves(self) -> bool:
+        """Whether there is something to serve (a verified entry or a trusted upstream file)."""
+        return self.entry is not None or self.upstream_file is not None
+
+    @property
+    def source(self) -> Path | None:
+        """Where the served data is: the entry's directory or the upstream file."""
+        return self.entry.directory if self.entry is not None else self.upstream_file
+
+
+@dataclass
+class Loaded:
+    """A planned step loaded with the engine's policy (see :meth:`PhaseContext.load`).
+
+    ``results``: one per recorded part (call or mini-batch), decoded by the role's codec; for a
+    trusted upstream file, the one object its :class:`UpstreamFormat` loaded. ``value``: what the
+    phase's ``prepare`` made of them (``None`` without one)."""
+
+    plan: Plan
+    results: list[Any]
+    value: Any = None
+    seconds: float = 0.0
+
+
 class PhaseContext(Protocol):
     """What a phase may use of its role in this process (the engine provides it)."""
 
@@ -251,6 +268,15 @@ class PhaseContext(Protocol):
     def plan(self, call: Call, step: int) -> Plan:
         """Find the verified entry to serve for ``step`` (by the role's action), or say why there is none;
         logs the decision; raises :class:`~skipinject.errors.CacheMissError` for ``action=strict``."""
+
+    def load(self, call: Call, step: int, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
+        """Plan ``step`` and load what serves it, with the engine's policy (plugin API 1.1).
+
+        ``None`` when nothing serves it (the miss is logged) or it cannot be loaded (one warning): the
+        phase then runs the target. ``action=strict`` raises instead (:class:`~skipinject.errors.CacheMissError`
+        or :class:`~skipinject.errors.CorruptCacheError`). ``prepare`` turns the decoded results into what
+        the phase serves (:attr:`Loaded.value`) under the same policy: a cache that does not fit the
+        call cannot serve it either."""
 
     def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
         """Run ``job`` (a write to ``store``) after the store's earlier jobs, off the training thread.

@@ -11,6 +11,8 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from skipinject.clock import CLOCK
+
 __all__ = ["is_run_config", "module_exists", "run_config_of", "select", "verl_version", "version_matches"]
 
 
@@ -37,8 +39,6 @@ def is_run_config(candidate: Any) -> bool:
 
 def run_config_of(call: Any) -> Any:
     """The verl config of the run a call belongs to: the bound instance's, else the trainer clock's."""
-    from skipinject.roles import CLOCK
-
     for owner in (getattr(call, "instance", None), CLOCK.instance):
         candidate = getattr(owner, "config", None)
         if is_run_config(candidate):

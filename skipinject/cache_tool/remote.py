@@ -14,9 +14,9 @@ from typing import Any
 
 from skipinject.cache_tool.scan import LAYOUT_RE, Item, step_identity
 from skipinject.errors import CorruptCacheError
-from skipinject.store import StepStore
+from skipinject.store import RemoteStepStore, StepStore
 from skipinject.store.format import DATA_NAME, FORMAT, MAX_META_BYTES, META_NAME, PART_NAME, STEP_NAME
-from skipinject.store.remote import RemotePath, RemoteStepStore, open_remote
+from skipinject.store.remote import RemotePath, open_remote
 
 
 def _where(parts: list[str]) -> tuple[str, str, str | None]:

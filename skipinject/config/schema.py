@@ -8,6 +8,7 @@ naming the key and the value, and reads ``steps`` itself (ranges stay ranges).
 from __future__ import annotations
 
 import enum
+import functools
 import textwrap
 import typing
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field, fields, make_dataclass, replace
 from typing import Any
 
 from skipinject.config.steps import StepSet
+from skipinject.dump_root import DumpRoot
 from skipinject.errors import ConfigError
 
 DEFAULT_DUMP_DIR = "~/.verl/rollout_dump"
@@ -122,6 +124,11 @@ class RoleConfig:
         object.__setattr__(self, "action", Action(self.action))
         object.__setattr__(self, "on_mismatch", MismatchPolicy(self.on_mismatch))
 
+    @functools.cached_property
+    def root(self) -> DumpRoot:
+        """``dump_dir`` parsed, once: the root the engine opens this role's stores under."""
+        return DumpRoot.parse(self.dump_dir)
+
     def allows(self, step: int | None) -> bool:
         """The role may act on ``step`` (enabled and the step chosen)."""
         return self.enable and step is not None and step in self.steps
@@ -199,13 +206,8 @@ def role_config(
             raise ConfigError(f"{dotted}={shown}: {_expected(key)}") from exc
         if key == "dump_dir" and (not converted.strip() or "\x00" in converted):
             raise ConfigError(f"{dotted}={shown}: expected a directory path")
-        if key == "dump_dir" and "://" in converted:
-            from skipinject.cluster import is_remote
-
-            if is_remote(converted):
-                from skipinject.store.remote import check_url
-
-                check_url(converted, dotted)
+        if key == "dump_dir":
+            DumpRoot.parse(converted).check(dotted)
         changes[key] = converted
     return replace(cfg, **changes)
 

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from skipinject.engine.phases import RunEvents
 from skipinject.roles import Call
-
-if TYPE_CHECKING:
-    from skipinject.engine import Engine
 
 #: verl's built-in skip is set up here; after it returns, the roles skipinject handles are removed.
 BUILTIN_SKIP_INIT = "verl.utils.skip.skip_manager:SkipManager.init"
@@ -18,7 +16,7 @@ BUILTIN_SKIP_INIT = "verl.utils.skip.skip_manager:SkipManager.init"
 class BuiltinGuard:
     """After verl's ``SkipManager.init``, turns off built-in roles that skipinject handles."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: RunEvents) -> None:
         self.engine = engine
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:

@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from skipinject.engine.decision import Plan
-    from skipinject.roles import StepWriting
+    from skipinject.roles import Plan, StepWriting
     from skipinject.store import Payload
 
 #: Steps a role without a clock remembers as recorded in this run (a later call of one of them is

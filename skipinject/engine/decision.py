@@ -1,54 +1,43 @@
-"""Deciding a call: which verified cache entry serves a step, or why none does.
+"""Deciding a call: which verified cache entry serves a step, or why none does; and what a cache
+that cannot serve does to the run.
 
 ``cache`` serves the step's own entry; ``repeat`` the exact step, else the largest cached step
 below, else the smallest above; ``strict`` is ``cache`` that stops the run when there is nothing to
 serve. A cache that cannot be used (damaged, foreign, unreadable) is never loaded: the decision is
 logged in one line and the step is generated again.
+
+Pure: :func:`plan_step` gets what it needs (the store, the role's settings and upstream formats)
+and returns a :class:`~skipinject.roles.Plan`; the strict/fallback rule for every way a cache can
+fail to serve (nothing there, cannot load, fewer calls than this run makes) is here, once.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from skipinject.config import Action
+from skipinject.config import Action, RoleConfig
 from skipinject.errors import CacheMissError, CorruptCacheError
-from skipinject.store import StepEntry, StepStore
+from skipinject.roles import Plan, UpstreamFormat
+from skipinject.store import StepStore
 
-if TYPE_CHECKING:
-    from skipinject.engine.runtime import RoleRuntime
-    from skipinject.roles import Call, UpstreamFormat
+__all__ = ["Plan", "cannot_load", "nothing_more", "plan_step", "repeat_order", "upstream_file"]
 
 logger = logging.getLogger("skipinject")
 
 
-@dataclass
-class Plan:
-    """What the engine decided for one call: the entry to serve (or trusted upstream file), and why."""
-
-    store: StepStore
-    step: int
-    entry: StepEntry | None = None
-    upstream_file: Path | None = None
-    upstream_format: UpstreamFormat | None = None
-    reason: str = ""
-
-    @property
-    def served_step(self) -> int:
-        return self.entry.step if self.entry else self.step
-
-
-def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
-    """Find the entry to serve (verified), or explain why there is none. Logs the decision in one line.
+def plan_step(name: str, store: StepStore, settings: RoleConfig, upstream: Sequence[UpstreamFormat], step: int) -> Plan:
+    """Find the entry of role ``name`` to serve at ``step`` (verified), or explain why there is none.
+    Logs the decision in one line.
 
     A cache that cannot be used (damaged, foreign, unreadable) is never loaded: the run regenerates
-    the step, or stops with :class:`CacheMissError` for ``action=strict``.
+    the step, or stops with :class:`CacheMissError` for ``action=strict``. verl's own (pickled) cache
+    is served only with ``trust_upstream``; otherwise the plan names it (``untrusted_upstream``), for
+    the caller to report once.
     """
-    store = role.store_for(call)
-    action = role.settings.action
+    action = settings.action
     problems: list[str] = []
     found: tuple[Path, UpstreamFormat] | None = None
     try:
@@ -64,7 +53,7 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
                 problems.append(str(exc))
                 continue
             for problem in problems:
-                logger.warning("%s step %d: cache unusable, not loaded: %s", role.name, step, problem)
+                logger.warning("%s step %d: cache unusable, not loaded: %s", name, step, problem)
             if candidate == step:
                 reason = "own cache"
             elif candidate < step:
@@ -72,42 +61,59 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
             else:
                 reason = f"repeat: no cached step below {step}, smallest above"
             return Plan(store, step, entry=entry, reason=reason)
-        found = upstream_file(role, store, step)
+        found = upstream_file(upstream, store, step)
     except OSError as exc:
         problems.append(f"cannot read the cache directory {store.project_dir} ({type(exc).__name__}: {exc})")
+    untrusted = None
     if found is not None:
-        upstream = found[0]
-        if role.settings.trust_upstream:
-            return Plan(store, step, upstream_file=upstream, upstream_format=found[1], reason="trusted upstream cache")
-        role.once(
-            ("untrusted", str(upstream)),
-            logging.WARNING,
-            "%s step %d: found verl's own cache %s but did not load it: it is a pickle, which runs code "
-            "when loaded. Set skip.%s.trust_upstream=true if you trust it; generating again and caching "
-            "in skipinject's format beside it",
-            role.name,
-            step,
-            upstream,
-            role.name,
-        )
+        if settings.trust_upstream:
+            return Plan(store, step, upstream_file=found[0], upstream_format=found[1], reason="trusted upstream cache")
+        untrusted = found[0]
     where = store.step_dir(step)
     interrupted = None if problems else store.interrupted(step)
     if interrupted:
         problems.append(interrupted)
     if action is Action.strict:
         detail = "; ".join(problems) or f"no cache at {where}"
-        raise CacheMissError(f"{role.name} step {step}: skip.{role.name}.action=strict and {detail}")
+        if untrusted is not None:
+            detail += f" (verl's own cache {untrusted} is not loaded: skip.{name}.trust_upstream is false)"
+        raise CacheMissError(f"{name} step {step}: skip.{name}.action=strict and {detail}")
     if problems:
         logger.warning(
             "%s step %d: cache unusable, not loaded: %s; running the target and saving its result",
-            role.name,
+            name,
             step,
             "; ".join(problems),
         )
-        return Plan(store, step, reason="cache unusable")
+        return Plan(store, step, reason="cache unusable", untrusted_upstream=untrusted)
     reason = f"no cached step in {store.project_dir}" if action is Action.repeat else f"no cache at {where}"
-    logger.info("%s step %d: miss (%s); running the target and saving its result", role.name, step, reason)
-    return Plan(store, step, reason=reason)
+    logger.info("%s step %d: miss (%s); running the target and saving its result", name, step, reason)
+    return Plan(store, step, reason=reason, untrusted_upstream=untrusted)
+
+
+def cannot_load(name: str, settings: RoleConfig, plan: Plan, exc: Exception, instead: str) -> None:
+    """A planned cache failed to load or to fit the call: ``action=strict`` stops the run (one
+    :class:`CorruptCacheError` line, a :class:`CacheMissError` passes as it is); otherwise one warning,
+    and the caller runs the target (``instead`` says what happens then)."""
+    where = plan.entry.directory if plan.entry else plan.upstream_file
+    if isinstance(exc, CacheMissError):
+        raise exc
+    if settings.action is Action.strict:
+        if isinstance(exc, CorruptCacheError):
+            raise exc
+        raise CorruptCacheError(f"{name} step {plan.step}: cannot load {where} ({type(exc).__name__}: {exc})") from exc
+    logger.warning("%s step %d: cannot load %s (%s: %s); %s", name, plan.step, where, type(exc).__name__, exc, instead)
+
+
+def nothing_more(name: str, settings: RoleConfig, plan: Plan, index: int, calls: int) -> None:
+    """Call ``index`` of a served step finds no recorded call (the cache holds ``calls``):
+    ``action=strict`` stops the run; otherwise the caller runs the target for it."""
+    if settings.action is Action.strict:
+        where = plan.entry.directory if plan.entry is not None else plan.upstream_file
+        raise CacheMissError(
+            f"{name} step {plan.step}: skip.{name}.action=strict and call {index + 1} of this step "
+            f"has nothing to serve ({where} holds {calls} call{'s' if calls != 1 else ''})"
+        )
 
 
 def repeat_order(store: StepStore, step: int) -> list[int]:
@@ -120,9 +126,9 @@ def repeat_order(store: StepStore, step: int) -> list[int]:
     return [step, *available[:index][::-1], *(s for s in available[index:] if s != step)]
 
 
-def upstream_file(role: RoleRuntime, store: StepStore, step: int) -> tuple[Path, UpstreamFormat] | None:
+def upstream_file(formats: Sequence[UpstreamFormat], store: StepStore, step: int) -> tuple[Path, UpstreamFormat] | None:
     """verl's own cache of ``step`` (the first of the role's upstream formats found), if any."""
-    for upstream in role.role.upstream_formats:
+    for upstream in formats:
         path = store.upstream_file(step, upstream.file_name, upstream.directory_of(step))
         if path is not None:
             return path, upstream

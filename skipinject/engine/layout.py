@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from skipinject.store.backend import open_root
+from skipinject.dump_root import DumpRoot
 from skipinject.verl_compat import select
 
 #: The project directory of calls made without a verl trainer config in sight.
@@ -42,18 +42,17 @@ def layout_of(config: Any) -> tuple[str, dict[str, Any]]:
     return relative, context
 
 
-def project_dir(dump_dir: str, config: Any, subdir: str) -> tuple[Path, dict[str, Any]]:
+def project_dir(root: DumpRoot, config: Any, subdir: str) -> tuple[Path, dict[str, Any]]:
     """The directory holding one role's steps for a run with ``config`` (``None``: no trainer seen):
     a local ``Path``, or a :class:`~skipinject.store.remote.RemotePath` standing in for one when
-    ``dump_dir`` is a URL of a remote store."""
-    root, _ = open_root(dump_dir)
+    ``root`` is a remote store."""
     if config is not None:
         relative, context = layout_of(config)
     else:
         relative, context = DEFAULT_PROJECT, {}
     if subdir:
         relative = f"{relative}/{path_safe(subdir)}"
-    location = root
+    location = root.location()
     for piece in relative.split("/"):
         location = location / piece
-    return cast(Path, location), context  # a RemotePath stands in for a Path
+    return location, context  # a RemotePath stands in for a Path

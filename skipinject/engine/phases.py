@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sized
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sized
+from typing import Any, Protocol
 
+from skipinject.clock import CLOCK
 from skipinject.engine.runtime import REGENERATE, RoleRuntime
-from skipinject.roles import CLOCK, Call, Phase, StepSource, Target
+from skipinject.roles import Call, Phase, StepSource, Target
 
-if TYPE_CHECKING:
-    from skipinject.engine import Engine
+
+class RunEvents(Protocol):
+    """What the clock and the built-in guard tell the engine (:class:`skipinject.engine.Engine`)."""
+
+    @property
+    def runtimes(self) -> Mapping[str, RoleRuntime]: ...
+
+    def end_of_run(self) -> None: ...
+
+    def observe_config(self, config: Any) -> None: ...
 
 
 class WholeCall:
@@ -153,7 +162,7 @@ class TargetInterceptor:
 class ClockInterceptor:
     """Records the trainer entering ``fit`` (the clock) and checks each role against its config once."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: RunEvents) -> None:
         self.engine = engine
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:

@@ -15,16 +15,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from skipinject.config import Action, MismatchPolicy, RoleConfig
+from skipinject.config import MismatchPolicy, RoleConfig
 from skipinject.engine.background import WRITER
 from skipinject.engine.calls import StepBook, StepCalls, part_name, recorded_inputs
-from skipinject.engine.decision import Plan, plan_step
+from skipinject.engine.decision import cannot_load, nothing_more, plan_step
 from skipinject.engine.layout import project_dir
-from skipinject.errors import CacheMissError, CorruptCacheError, PromptMismatchError
-from skipinject.roles import Call, Codec, HitInfo, Role, StepCache
+from skipinject.errors import CorruptCacheError, PromptMismatchError
+from skipinject.roles import Call, Codec, HitInfo, Loaded, Plan, Role, StepCache
 from skipinject.store import Payload, StepStore
-from skipinject.store.backend import backend_for, open_root
-from skipinject.store.remote import RemotePath
 
 logger = logging.getLogger("skipinject")
 
@@ -39,7 +37,7 @@ class RoleRuntime:
         self.role = role
         self.settings = settings
         self.owner = owner
-        self._stores: dict[Path | RemotePath, StepStore] = {}
+        self._stores: dict[Path, StepStore] = {}  # a RemotePath stands in for a Path
         self._lock = threading.Lock()
         self._warned: set[Any] = set()
         self._default_codec: Codec | None = None
@@ -115,7 +113,7 @@ class RoleRuntime:
         """The store of this run (directory named by the run's verl config, like upstream)."""
         config = call.run_config
         subdir = self.role.name if self.role.cache_subdir is None else self.role.cache_subdir
-        project, context = project_dir(self.settings.dump_dir, config, subdir)
+        project, context = project_dir(self.settings.root, config, subdir)
         with self._lock:
             store = self._stores.get(project)
             if store is None:
@@ -125,25 +123,61 @@ class RoleRuntime:
             return store
 
     def _open_store(self, project: Path, context: dict[str, Any]) -> StepStore:
-        """One store class for every ``dump_dir``; the backend (local files or fsspec) comes from it."""
-        root, fs = open_root(self.settings.dump_dir)
+        """One store class for every ``dump_dir``; the backend (local files or fsspec) comes from its root."""
+        root = self.settings.root
         trust = self.settings.trust_dir_permissions
         return StepStore(
             project,
             self.role.name,
             context,
             trust_permissions=trust,
-            dump_dir=root if isinstance(root, Path) else None,
+            dump_dir=root.path,
             plugin=self.owner,
-            backend=backend_for(fs, trust_permissions=trust),
+            backend=root.backend(trust_permissions=trust),
         )
 
     # ------------------------------------------------------------ deciding
 
     def plan(self, call: Call, step: int) -> Plan:
         """See :func:`skipinject.engine.decision.plan_step` (after this project's pending saves)."""
-        WRITER.flush(self.store_for(call).project_dir)
-        return plan_step(self, call, step)
+        store = self.store_for(call)
+        WRITER.flush(store.project_dir)
+        plan = plan_step(self.name, store, self.settings, self.role.upstream_formats, step)
+        if plan.untrusted_upstream is not None:
+            self.once(
+                ("untrusted", str(plan.untrusted_upstream)),
+                logging.WARNING,
+                "%s step %d: found verl's own cache %s but did not load it: it is a pickle, which runs code "
+                "when loaded. Set skip.%s.trust_upstream=true if you trust it; generating again and caching "
+                "in skipinject's format beside it",
+                self.name,
+                step,
+                plan.untrusted_upstream,
+                self.name,
+            )
+        return plan
+
+    def load(self, call: Call, step: int, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
+        """See :meth:`skipinject.roles.PhaseContext.load`: every part of the planned step, decoded."""
+        plan = self.plan(call, step)
+        if not plan.serves:
+            return None
+        started = time.perf_counter()
+        try:
+            if plan.upstream_file is not None:
+                assert plan.upstream_format is not None
+                results = [plan.upstream_format.load(plan.upstream_file)]
+            else:
+                assert plan.entry is not None
+                results = [self.codec.decode(payload, call) for payload in plan.store.load(plan.entry)]
+            loaded = Loaded(plan, results)
+            if prepare is not None:
+                loaded.value = prepare(loaded)
+        except Exception as exc:  # whatever is wrong with the cache, it is not trained on
+            cannot_load(self.name, self.settings, plan, exc, "running the target instead")
+            return None
+        loaded.seconds = time.perf_counter() - started
+        return loaded
 
     # ------------------------------------------------------------ the calls of a step
 
@@ -208,8 +242,7 @@ class RoleRuntime:
                     record.payloads = [plan.upstream_format.load(plan.upstream_file)]
                     record.recorded_inputs = [None]
                 else:
-                    assert plan.entry is not None
-                    record.payloads = self._load_calls(plan, record)
+                    record.payloads, record.recorded_inputs = self._load_calls(plan)
             if index >= record.recorded_calls:
                 return self._extra_call(record, index)
             if plan.upstream_file is not None:
@@ -219,24 +252,8 @@ class RoleRuntime:
                 assert plan.entry is not None
                 result = self.codec.decode(record.payloads[index], call)
                 source = str(plan.entry.directory)
-        except CacheMissError:
-            raise
         except Exception as exc:  # whatever is wrong with the cache, it is not trained on
-            if self.settings.action is Action.strict:
-                if isinstance(exc, CorruptCacheError):
-                    raise
-                where = plan.entry.directory if plan.entry else plan.upstream_file
-                raise CorruptCacheError(
-                    f"{self.name} step {plan.step}: cannot load {where} ({type(exc).__name__}: {exc})"
-                ) from exc
-            logger.warning(
-                "%s step %d: cannot load %s (%s: %s); running the target instead",
-                self.name,
-                plan.step,
-                plan.entry.directory if plan.entry else plan.upstream_file,
-                type(exc).__name__,
-                exc,
-            )
+            cannot_load(self.name, self.settings, plan, exc, "running the target instead")
             return self._regenerate(record, index)
         elapsed = time.perf_counter() - started
         mismatched, compared = self._compare_inputs(record.recorded_inputs[index], call)
@@ -269,7 +286,7 @@ class RoleRuntime:
             result = self.role.on_hit(result, call, info)
         return result
 
-    def _load_calls(self, plan: Plan, record: StepCalls) -> list[Payload]:
+    def _load_calls(self, plan: Plan) -> tuple[list[Payload], list[Any]]:
         """Every recorded call of the planned entry (one part each), with their recorded inputs."""
         assert plan.entry is not None
         payloads = plan.store.load(plan.entry)
@@ -279,19 +296,14 @@ class RoleRuntime:
             raise CorruptCacheError(
                 f"{plan.entry.directory}: meta.json records {str(calls)[:40]!r} calls but holds {len(payloads)} parts"
             )
-        record.recorded_inputs = recorded_inputs(meta, calls)
-        return payloads
+        return payloads, recorded_inputs(meta, calls)
 
     def _extra_call(self, record: StepCalls, index: int) -> Any:
         plan = record.plan
         assert plan is not None
         calls = record.recorded_calls
-        where = plan.entry.directory if plan.entry is not None else plan.upstream_file
-        if self.settings.action is Action.strict:
-            raise CacheMissError(
-                f"{self.name} step {plan.step}: skip.{self.name}.action=strict and call {index + 1} of this step "
-                f"has nothing to serve ({where} holds {calls} call{'s' if calls != 1 else ''})"
-            )
+        nothing_more(self.name, self.settings, plan, index, calls)
+        where = plan.source
         self.once(
             ("extra", id(record)),
             logging.INFO,

@@ -25,7 +25,7 @@ verified hit costs one pass over the bytes, and in-place writes to a loaded tens
 
 from skipinject.store.format import FORMAT, FORMAT_VERSION, META_NAME
 from skipinject.store.payload import Payload, StepEntry
-from skipinject.store.step_store import StepStore
+from skipinject.store.step_store import RemoteStepStore, StepStore
 from skipinject.store.writer import StepWriter, writer_versions
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "FORMAT_VERSION",
     "META_NAME",
     "Payload",
+    "RemoteStepStore",
     "StepEntry",
     "StepStore",
     "StepWriter",

@@ -13,7 +13,8 @@ meta.json checks, the commit rule, checksums before decoding); a :class:`Backend
 :class:`~skipinject.store.local.LocalFiles` keeps every local guarantee (descriptor-relative
 ``O_NOFOLLOW`` opens, directory trust, fsync, atomic rename, copy-on-write mappings);
 :class:`~skipinject.store.remote.FsspecFiles` the object-store ones (whole uploads, meta.json put
-last, streamed bounded reads). :func:`open_root` picks one from a ``dump_dir``, in one place.
+last, streamed bounded reads). :meth:`skipinject.dump_root.DumpRoot.backend` picks one from a
+``dump_dir``, in one place.
 """
 
 from __future__ import annotations
@@ -21,12 +22,10 @@ from __future__ import annotations
 import mmap
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
-
-    from skipinject.store.remote import RemotePath
 
 #: A location in a backend: a local path, or a :class:`~skipinject.store.remote.RemotePath` standing in
 #: for one (it joins with ``/`` and has ``name``, ``parent`` and ``str``: all the store uses of a path).
@@ -94,26 +93,3 @@ class Backend(Protocol):
     def collect(self, project: Location, step: int, named: set[str] | None) -> tuple[int, int]:
         """Remove leftovers of ``step`` (files no meta.json names, once abandoned; ``named``: those it names, None
         when it cannot be read); never raises."""
-
-
-def open_root(dump_dir: str) -> tuple[Path | RemotePath, Any]:
-    """The cache root of ``dump_dir`` and the filesystem it needs: ``(Path, None)`` for a local
-    directory (``file://`` URLs included), ``(RemotePath, fsspec filesystem)`` for a remote store."""
-    from skipinject.store.remote import open_remote, split_dump_dir
-
-    root = split_dump_dir(dump_dir)
-    if isinstance(root, Path):
-        return root, None
-    fs, location = open_remote(root)
-    return location, fs
-
-
-def backend_for(fs: Any, *, trust_permissions: bool = False) -> Backend:
-    """The backend of a root :func:`open_root` returned: local files, or the fsspec filesystem ``fs``."""
-    if fs is None:
-        from skipinject.store.local import LocalFiles
-
-        return LocalFiles(trust_permissions=trust_permissions)
-    from skipinject.store.remote import FsspecFiles
-
-    return FsspecFiles(fs)

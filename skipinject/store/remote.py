@@ -12,7 +12,7 @@ bounded chunks, reading at most the size ``meta.json`` records; nothing read run
 
 Object stores have no POSIX owners, so ``trust_dir_permissions`` does not apply: who may write the
 bucket is the store's own access control. ``file://`` URLs are plain local paths (see
-:func:`split_dump_dir`), with every local guarantee.
+:class:`skipinject.dump_root.DumpRoot`), with every local guarantee.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from skipinject.cluster import is_remote, local_path_text
-from skipinject.errors import CacheError, ConfigError, CorruptCacheError
+from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.store.checksums import _Hasher
 from skipinject.store.format import (
     DATA_NAME,
@@ -36,7 +35,6 @@ from skipinject.store.format import (
     step_name,
 )
 from skipinject.store.garbage import ACTIVE_WRITE_IDS
-from skipinject.store.step_store import StepStore
 from skipinject.store.tensorfile import write_tensors
 
 if TYPE_CHECKING:
@@ -53,33 +51,6 @@ WRITE_PIECE = 8 << 20
 #: ``meta.json`` names is removed only once it is this old (a writer slower than this would
 #: lose its upload, and simply save the step again next time).
 ABANDONED_AFTER = 3600.0
-
-
-def split_dump_dir(dump_dir: str) -> str | Path:
-    """A local ``Path`` (``file://`` URLs included) or the URL of a remote store, as given."""
-    if is_remote(dump_dir):
-        return dump_dir.rstrip("/") or dump_dir
-    return Path(local_path_text(dump_dir)).expanduser().resolve()
-
-
-def check_url(dump_dir: str, key: str) -> None:
-    """Refuse (ConfigError naming ``key``) a URL no installed fsspec implementation can open.
-
-    Imports fsspec and the protocol's package: only runs for a ``dump_dir`` that is a URL."""
-    scheme = dump_dir.partition("://")[0].lower()
-    try:
-        import fsspec
-    except ImportError as exc:
-        raise ConfigError(
-            f"{key}={dump_dir}: a URL needs fsspec (pip install fsspec and, for {scheme}://, "
-            "its package, e.g. s3fs or gcsfs)"
-        ) from exc
-    try:
-        fsspec.get_filesystem_class(scheme)
-    except ValueError as exc:
-        raise ConfigError(f"{key}={dump_dir}: fsspec knows no protocol {scheme!r}") from exc
-    except ImportError as exc:
-        raise ConfigError(f"{key}={dump_dir}: {_one_line(exc)}") from exc
 
 
 def _one_line(exc: BaseException) -> str:
@@ -116,17 +87,6 @@ def open_remote(url: str) -> tuple[AbstractFileSystem, RemotePath]:
     fs, path = url_to_fs(url)
     scheme = url.partition("://")[0]
     return fs, RemotePath(f"{scheme}://", str(path).rstrip("/"))
-
-
-def RemoteStepStore(
-    project_dir: RemotePath,
-    role: str,
-    context: Mapping[str, Any],
-    fs: AbstractFileSystem,
-    plugin: str | None = None,
-) -> StepStore:
-    """The :class:`StepStore` of ``project_dir`` in the fsspec filesystem ``fs``."""
-    return StepStore(cast(Path, project_dir), role, context, backend=FsspecFiles(fs), plugin=plugin)
 
 
 def _at(location: Path) -> RemotePath:

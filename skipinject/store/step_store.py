@@ -14,7 +14,7 @@ from __future__ import annotations
 import mmap
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.store.backend import Backend, StepFiles
@@ -36,7 +36,12 @@ from skipinject.store.payload import Payload, StepEntry
 from skipinject.store.tensorfile import read_tensors
 from skipinject.store.writer import StepWriter
 
-__all__ = ["STEP_NAME", "StepStore"]
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+    from skipinject.store.remote import RemotePath
+
+__all__ = ["STEP_NAME", "RemoteStepStore", "StepStore"]
 
 
 class StepStore:
@@ -358,6 +363,19 @@ class StepStore:
         except Exception:
             named = None
         return self.backend.collect(self.project_dir, step, named)
+
+
+def RemoteStepStore(
+    project_dir: RemotePath,
+    role: str,
+    context: Mapping[str, Any],
+    fs: AbstractFileSystem,
+    plugin: str | None = None,
+) -> StepStore:
+    """The :class:`StepStore` of ``project_dir`` in the fsspec filesystem ``fs``."""
+    from skipinject.store.remote import FsspecFiles
+
+    return StepStore(cast(Path, project_dir), role, context, backend=FsspecFiles(fs), plugin=plugin)
 
 
 def _short(value: Any, limit: int = 200) -> str:

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from skipinject._version import __version__
 from skipinject.cluster import node_identity
@@ -27,7 +27,21 @@ from skipinject.store.garbage import ACTIVE_WRITE_IDS
 from skipinject.store.payload import Payload
 
 if TYPE_CHECKING:
-    from skipinject.store.step_store import StepStore
+    from skipinject.store.backend import Backend
+
+
+class WritableStore(Protocol):
+    """What a writer uses of its :class:`~skipinject.store.StepStore` (which creates it in ``begin``)."""
+
+    backend: Backend
+    role: str
+    context: dict[str, Any]
+    checksum_algo: str
+    plugin: str | None
+
+    def step_dir(self, step: int) -> Path: ...
+
+    def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]: ...
 
 
 class StepWriter:
@@ -36,7 +50,7 @@ class StepWriter:
     The same for every backend: data files under fresh names (written whole, invisible to readers),
     then ``meta.json`` last; leftovers of earlier or concurrent saves collected after the commit."""
 
-    def __init__(self, store: StepStore, step: int) -> None:
+    def __init__(self, store: WritableStore, step: int) -> None:
         self.store = store
         self.step = step
         self.write_id = f"{int(time.time())}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

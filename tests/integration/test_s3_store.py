@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from skipinject.errors import CorruptCacheError
-from skipinject.store.remote import RemoteStepStore, open_remote
+from skipinject.store import RemoteStepStore
+from skipinject.store.remote import open_remote
 from tests.integration.s3_server import create_bucket, s3_environment, s3_server, use_server
 from tests.remote_checks import check_engine_round_trip
 

@@ -297,7 +297,8 @@ def open_store(project: str, env: dict[str, str] | None = None) -> StepStore:
     import os
 
     os.environ.update(env or {})
-    from skipinject.store.remote import RemoteStepStore, open_remote
+    from skipinject.store import RemoteStepStore
+    from skipinject.store.remote import open_remote
 
     fs, location = open_remote(project)
     return RemoteStepStore(location, "toy", CONTEXT, fs)

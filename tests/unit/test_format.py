@@ -15,9 +15,9 @@ import torch
 
 from skipinject.cache_tool.remote import scan_remote
 from skipinject.cache_tool.scan import scan
-from skipinject.store import Payload, StepStore, format
+from skipinject.store import Payload, RemoteStepStore, StepStore, format
 from skipinject.store.garbage import ABANDONED_AFTER, find_leftovers
-from skipinject.store.remote import RemoteStepStore, open_remote
+from skipinject.store.remote import open_remote
 from tests.conftest import ROOT
 
 DOC = ROOT / "docs" / "cache-format.md"

@@ -19,9 +19,10 @@ import pytest
 from skipinject import bootstrap
 from skipinject.cluster import is_remote
 from skipinject.config import Config, apply_overrides
+from skipinject.dump_root import DumpRoot
 from skipinject.errors import ConfigError, CorruptCacheError
-from skipinject.store import Payload
-from skipinject.store.remote import RemotePath, RemoteStepStore, open_remote, split_dump_dir
+from skipinject.store import Payload, RemoteStepStore
+from skipinject.store.remote import RemotePath, open_remote
 from tests.remote_checks import check_engine_round_trip, generate, start
 
 torch = pytest.importorskip("torch")
@@ -58,9 +59,9 @@ def objects(store: RemoteStepStore, step: int) -> dict[str, int]:
 def test_urls_are_remote_and_file_urls_are_local_paths(tmp_path: Path):
     assert is_remote("s3://bucket/dir") and is_remote("memory://x") and not is_remote("/tmp/a://b")
     assert not is_remote("file:///tmp/x") and not is_remote("LOCAL://x")
-    assert split_dump_dir("s3://bucket/dir/") == "s3://bucket/dir"
-    assert split_dump_dir(f"file://{tmp_path}") == tmp_path.resolve()
-    assert split_dump_dir(str(tmp_path)) == tmp_path.resolve()
+    assert DumpRoot.parse("s3://bucket/dir/") == DumpRoot("s3://bucket/dir/", url="s3://bucket/dir")
+    assert DumpRoot.parse(f"file://{tmp_path}").path == tmp_path.resolve()
+    assert DumpRoot.parse(str(tmp_path)).path == tmp_path.resolve() and not DumpRoot.parse(str(tmp_path)).remote
     location = RemotePath("s3://", "bucket/a") / "b" / "3"
     assert str(location) == "s3://bucket/a/b/3" and location.name == "3" and str(location.parent) == "s3://bucket/a/b"
 

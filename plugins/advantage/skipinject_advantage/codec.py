@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from skipinject import Call, CodecError, Payload, TensorSink, decode_tensor, encode_tensor
+from skipinject import Call, CodecError, CodecHeader, Payload, TensorSink, decode_tensor, encode_tensor
 
 CODEC = "skipinject_advantage"
 CODEC_VERSION = 1
+HEADER = CodecHeader(CODEC, CODEC_VERSION)
 #: What compute_advantage adds to the batch, whatever the estimator.
 FIELDS = ("advantages", "returns")
 
@@ -50,17 +51,13 @@ class AdvantageCodec:
         assert tensors is not None  # FIELDS is not empty: a result without a batch was refused above
         sink = TensorSink()
         fields = {name: encode_tensor(tensors[name], name, sink) for name in FIELDS}
-        objects = {"codec": CODEC, "codec_version": CODEC_VERSION, "fields": fields}
+        objects = {**HEADER.fields(), "fields": fields}
         return Payload(tensors=sink.tensors, objects=objects, rows=len(result))
 
     def decode(self, payload: Payload, call: Call) -> dict[str, Any]:
         """The cached fields, after checking they have the shape of this call's response mask."""
         objects = payload.objects
-        if objects.get("codec") != CODEC or objects.get("codec_version") != CODEC_VERSION:
-            raise CodecError(
-                f"cache was written by codec {objects.get('codec')!r} version {objects.get('codec_version')!r}, "
-                f"expected {CODEC!r} version {CODEC_VERSION}"
-            )
+        HEADER.check(objects)
         fields = objects.get("fields")
         if not isinstance(fields, Mapping) or set(fields) != set(FIELDS):
             raise CodecError(f"cache does not hold exactly {FIELDS}")

@@ -12,12 +12,22 @@ batch is reported (``skip.advantage.on_mismatch``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
 
-from skipinject import Call, HitInfo, Role, StepSource, Target, default_bypass, hookimpl, select
+from skipinject import (
+    Call,
+    HitInfo,
+    Role,
+    StepSource,
+    Target,
+    attended_tokens,
+    default_bypass,
+    hookimpl,
+    row_digest,
+    select,
+)
 
 from skipinject_advantage.codec import AdvantageCodec, batch_of, response_mask_of
 
@@ -47,13 +57,6 @@ def cannot_fire(config: Any) -> str | None:
     return None
 
 
-def _row_bytes(tensor: Any) -> bytes:
-    import torch
-
-    data: bytes = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return data
-
-
 def input_fingerprint(call: Call) -> list[str] | None:
     """One digest per row of what its advantage is computed from.
 
@@ -70,21 +73,14 @@ def input_fingerprint(call: Call) -> list[str] | None:
     ).encode()
     columns = [tensors[name] for name in INPUT_FIELDS if name in keys]
     columns.append(response_mask_of(data))
-    ids = tensors["input_ids"] if "input_ids" in keys else None
-    mask = tensors["attention_mask"] if ids is not None and "attention_mask" in keys else None
+    tokens = attended_tokens(tensors)
     uids = (getattr(data, "non_tensor_batch", None) or {}).get("uid")
     first_row: dict[Any, int] = {}
     rows = []
     for index in range(len(data)):
-        digest = hashlib.blake2b(settings, digest_size=8)
-        if uids is not None:
-            digest.update(str(first_row.setdefault(uids[index], index)).encode())
-        if ids is not None:
-            row = ids[index] if mask is None else ids[index][mask[index].bool()]
-            digest.update(_row_bytes(row))
-        for column in columns:
-            digest.update(_row_bytes(column[index]))
-        rows.append(digest.hexdigest())
+        group = () if uids is None else (str(first_row.setdefault(uids[index], index)),)
+        row = () if tokens is None else (tokens[index],)
+        rows.append(row_digest(settings, *group, *row, *(column[index] for column in columns)))
     return rows
 
 

@@ -10,10 +10,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from skipinject import Call, CodecError, Payload, TensorSink, decode_tensor, encode_tensor, from_jsonable, to_jsonable
+from skipinject import (
+    Call,
+    CodecError,
+    CodecHeader,
+    Payload,
+    TensorSink,
+    decode_tensor,
+    encode_tensor,
+    from_jsonable,
+    to_jsonable,
+)
 
 CODEC = "skipinject_reward"
 CODEC_VERSION = 1
+HEADER = CodecHeader(CODEC, CODEC_VERSION)
 
 
 def batch_of(call: Call) -> Any:
@@ -36,8 +47,7 @@ class RewardCodec:
         reward, extra = result
         sink = TensorSink()
         objects = {
-            "codec": CODEC,
-            "codec_version": CODEC_VERSION,
+            **HEADER.fields(),
             "reward": encode_tensor(reward, "reward_tensor", sink),
             "extra": to_jsonable(dict(extra), "reward_extra_infos_dict", sink=sink),
         }
@@ -45,11 +55,7 @@ class RewardCodec:
 
     def decode(self, payload: Payload, call: Call) -> tuple[Any, dict[str, Any]]:
         objects = payload.objects
-        if objects.get("codec") != CODEC or objects.get("codec_version") != CODEC_VERSION:
-            raise CodecError(
-                f"cache was written by codec {objects.get('codec')!r} version {objects.get('codec_version')!r}, "
-                f"expected {CODEC!r} version {CODEC_VERSION}"
-            )
+        HEADER.check(objects)
         reward = decode_tensor(objects["reward"], payload.tensors)
         extra = from_jsonable(objects["extra"], payload.tensors)
         if not isinstance(extra, dict):

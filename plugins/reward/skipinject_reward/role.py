@@ -17,11 +17,9 @@ so the step is the trainer's ``global_steps`` captured entering ``fit``. Validat
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
-from skipinject import Call, Role, StepSource, Target, hookimpl, select
+from skipinject import Call, Role, StepSource, Target, attended_tokens, hookimpl, row_digest, row_text, select
 
 from skipinject_reward.codec import RewardCodec, batch_of
 
@@ -45,32 +43,15 @@ def cannot_fire(config: Any) -> str | None:
     return None
 
 
-def _row_text(value: Any) -> str:
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    return json.dumps(value, sort_keys=True, default=str)
-
-
 def input_fingerprint(call: Call) -> list[str] | None:
     """One digest per row: its prompt and response tokens and what it is scored against."""
     batch = batch_of(call)
-    tensors = getattr(batch, "batch", None)
-    keys = () if tensors is None else tensors.keys()
-    if "input_ids" not in keys:
+    tokens = attended_tokens(getattr(batch, "batch", None))
+    if tokens is None:
         return None
-    assert tensors is not None
-    ids = tensors["input_ids"]
-    mask = tensors["attention_mask"] if "attention_mask" in keys else None
     non_tensor = getattr(batch, "non_tensor_batch", None) or {}
     columns = [non_tensor[key] for key in ROW_KEYS if key in non_tensor]
-    rows = []
-    for index in range(ids.shape[0]):
-        row = ids[index] if mask is None else ids[index][mask[index].bool()]
-        digest = hashlib.blake2b(row.detach().cpu().numpy().tobytes(), digest_size=8)
-        for column in columns:
-            digest.update(_row_text(column[index]).encode())
-        rows.append(digest.hexdigest())
-    return rows
+    return [row_digest(row, *(row_text(column[index]) for column in columns)) for index, row in enumerate(tokens)]
 
 
 REWARD = Role(

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject import Call, HitInfo, UpstreamFormat, verl_version, version_matches
+from skipinject import Call, HitInfo, UpstreamFormat, attended_tokens, installed_verl_matches, row_digest, row_text
 
-
-def installed_verl_matches(spec: str) -> bool:
-    """Whether the installed verl is in ``spec`` (``">=0.9"``); ``True`` when verl is absent.
-
-    For clock targets, which carry no version range of their own: a clock of a trainer that does
-    not exist in this verl is left out instead of being listed as missing. Development builds count
-    as their release (``0.10.0.dev0`` is in ``>=0.9``).
-    """
-    installed = verl_version()
-    return installed is None or version_matches(spec, installed)
+__all__ = ["GENSTEP_BATCH", "GEN_BATCH", "installed_verl_matches", "mark_hit", "mark_miss", "prompt_fingerprint"]
 
 
 #: Non-tensor keys the V0 trainer keeps on its own batch and compares in ``batch.union(output)``.
@@ -29,33 +18,15 @@ SHARED_KEYS = ("uid", "data_source", "reward_model", "extra_info")
 PROMPT_KEYS = ("raw_prompt", "raw_prompt_ids", "multi_modal_data")
 
 
-def _row_text(value: Any) -> str:
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    return json.dumps(value, sort_keys=True, default=str)
-
-
 def prompt_fingerprint(call: Call) -> Sequence[str] | None:
     """One short digest per input row, from the prompt (chat messages, else token ids)."""
     batch = call.batch
     non_tensor = getattr(batch, "non_tensor_batch", None) or {}
     columns = [non_tensor[key] for key in PROMPT_KEYS if key in non_tensor]
     if not columns:
-        tensors = getattr(batch, "batch", None)
-        if tensors is None or "input_ids" not in tensors.keys():
-            return None
-        ids = tensors["input_ids"]
-        mask = tensors["attention_mask"] if "attention_mask" in tensors.keys() else None
-        rows = []
-        for index in range(ids.shape[0]):
-            row = ids[index] if mask is None else ids[index][mask[index].bool()]
-            rows.append(hashlib.blake2b(row.numpy().tobytes(), digest_size=8).hexdigest())
-        return rows
-    rows = []
-    for index in range(len(columns[0])):
-        text = "\x1f".join(_row_text(column[index]) for column in columns)
-        rows.append(hashlib.blake2b(text.encode(), digest_size=8).hexdigest())
-    return rows
+        tokens = attended_tokens(getattr(batch, "batch", None))
+        return None if tokens is None else [row_digest(row) for row in tokens]
+    return [row_digest("\x1f".join(row_text(column[index]) for column in columns)) for index in range(len(columns[0]))]
 
 
 def mark_hit(result: Any, call: Call, info: HitInfo) -> Any:

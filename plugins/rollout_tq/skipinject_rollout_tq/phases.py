@@ -23,22 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skipinject import CacheError, Call, CorruptCacheError, PhaseContext, StepCache, StepWriting, run_config_of, select
+from skipinject import Call, CorruptCacheError, Loaded, PhaseContext, StepCache, StepWriting, run_config_of, select
 
 from skipinject_rollout_tq.transfer import (
     TRAIN,
     CachedBatch,
     inject,
-    load_upstream,
     prepare,
     prompt_groups,
     snapshot,
-    upstream_parts,
 )
 
 logger = logging.getLogger("skipinject")
-
-_LOAD_ERRORS = (CacheError, OSError, ValueError, RuntimeError, KeyError, TypeError)
 
 
 def _count(value: Any) -> int:
@@ -223,42 +219,32 @@ class SubmitPhase:
             trainer._submit_batch_to_rollout(batch)
 
     def _serve(self, role: PhaseContext, call: Call, store: StepCache, step: int, uids: list[str]) -> bool:
-        """Inject the planned cache into TransferQueue; ``False`` (after logging why) to generate instead."""
-        plan = role.plan(call, step)  # logs a miss; raises CacheMissError for action=strict
-        if plan.entry is None and plan.upstream_file is None:
-            return False
+        """Inject the planned cache into TransferQueue; ``False`` (after the engine logged why) to generate instead."""
         config = run_config_of(call)
         n = rollout_n(config)
-        started = time.perf_counter()
-        try:
-            if plan.entry is not None:
-                source = plan.entry.directory
-                payloads = [role.codec.decode(payload, call) for payload in store.load(plan.entry)]
-            else:
-                assert plan.upstream_file is not None
-                source = plan.upstream_file.parent.parent
-                payloads = self._trusted_upstream(source, parameter_sync_step(config))
-            cached = CachedBatch.from_payloads(payloads, role.codec.merge)  # type: ignore[attr-defined]
-            ready = prepare(cached, uids, n, step)
-        except _LOAD_ERRORS as exc:
-            if role.settings.action == "strict":
-                raise
-            logger.warning(
-                "%s step %d: cannot load %s (%s: %s); generating the step instead",
-                role.name,
-                step,
-                source,
-                type(exc).__name__,
-                exc,
-            )
+        expected = parameter_sync_step(config)
+
+        def ready(loaded: Loaded) -> Any:
+            parts = loaded.results if loaded.plan.entry is not None else _trusted_upstream(loaded, expected)
+            return prepare(CachedBatch.from_payloads(parts, role.codec.merge), uids, n, step)  # type: ignore[attr-defined]
+
+        loaded = role.load(call, step, ready)  # the engine's policy: logs a miss, stops for action=strict
+        if loaded is None:
             return False
+        started = time.perf_counter() - loaded.seconds
+        plan = loaded.plan
+        if plan.entry is not None:
+            source = plan.entry.directory
+        else:
+            assert plan.upstream_file is not None
+            source = plan.upstream_file.parent.parent  # the step: its loader read every part
         notes: list[str] = []
         try:
             earlier = prompt_groups()  # prompt groups of earlier steps still in the replay buffer
         except Exception as exc:  # only the note below depends on it
             earlier = 0
             notes.append(f"could not count the groups already in the replay buffer ({type(exc).__name__}: {exc})")
-        remapped = inject(ready)
+        remapped = inject(loaded.value)
         meta: Mapping[str, Any] = plan.entry.meta if plan.entry is not None else {}
         with self.book.lock:
             self.book.last_served[store.project_dir] = ServedRecord(step, _count(meta.get("carried_over")))
@@ -335,14 +321,15 @@ class SubmitPhase:
             return False
         return True
 
-    @staticmethod
-    def _trusted_upstream(step_dir: Path, expected: int) -> list[dict[str, Any]]:
-        found = len(upstream_parts(step_dir))
-        if found < expected:
-            raise CorruptCacheError(
-                f"verl's cache has {found} of the {expected} mini-batches (parameter_sync_step) of this step"
-            )
-        return load_upstream(step_dir)[:expected]
+
+def _trusted_upstream(loaded: Loaded, expected: int) -> list[dict[str, Any]]:
+    """The first ``expected`` mini-batches of verl's own cache of a step (its loader reads every part)."""
+    parts = loaded.results[0]
+    if len(parts) < expected:
+        raise CorruptCacheError(
+            f"verl's cache has {len(parts)} of the {expected} mini-batches (parameter_sync_step) of this step"
+        )
+    return list(parts[:expected])
 
 
 class RefillPhase:

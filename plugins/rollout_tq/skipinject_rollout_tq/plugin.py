@@ -28,9 +28,8 @@ from skipinject import (
     TensorDictCodec,
     UpstreamFormat,
     hookimpl,
+    installed_verl_matches,
     select,
-    verl_version,
-    version_matches,
 )
 
 from skipinject_rollout_tq.phases import RefillPhase, SamplePhase, StepBook, SubmitPhase, WarmupOff
@@ -51,12 +50,6 @@ V1_VERL = ">=0.9"
 
 #: Upstream's file of part 0 of a step; the loader reads every part of that step.
 TQ_BATCH = UpstreamFormat(f"0/{UPSTREAM_FILE}", load_upstream_file)
-
-
-def _installed_verl_matches(spec: str) -> bool:
-    """Whether the installed verl is in ``spec``; ``True`` when verl is absent."""
-    installed = verl_version()
-    return installed is None or version_matches(spec, installed)
 
 
 def cannot_fire(config: Any) -> str | None:
@@ -83,7 +76,7 @@ def make_role(book: StepBook | None = None) -> Role:
         step=StepSource.clock("global_steps").or_else(StepSource.argument("global_steps")),
         codec=TensorDictCodec(),
         # The V1 trainer's fit does not exist before verl 0.9: no clock there (nothing to time).
-        clocks=[FIT] if _installed_verl_matches(V1_VERL) else [],
+        clocks=[FIT] if installed_verl_matches(V1_VERL) else [],
         builtin="rollout_tq",
         check=cannot_fire,
         cache_subdir="",

@@ -24,11 +24,11 @@ pytest.importorskip("transfer_queue")
 
 import transfer_queue as tq
 from omegaconf import OmegaConf
+from skipinject.clock import CLOCK
 from skipinject.codecs import TensorDictCodec
 from skipinject.config import Config, RoleConfig
 from skipinject.engine import Engine
 from skipinject.engine.background import WRITER
-from skipinject.roles import CLOCK
 from skipinject.store import StepStore
 from skipinject.store.writer import StepWriter
 from skipinject_rollout_tq.phases import StepBook, parameter_sync_step

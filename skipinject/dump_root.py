@@ -1,0 +1,119 @@
+"""A role's ``dump_dir``, parsed once into a :class:`DumpRoot`: a local directory or a remote store's URL.
+
+The config validates it (:meth:`DumpRoot.check`), the engine opens the role's stores from it
+(:meth:`DumpRoot.location`, :meth:`DumpRoot.backend`) and :mod:`skipinject.cluster` asks it whether
+other nodes see it: one reading of the text for all three. Nothing here imports fsspec or the store
+until a root is opened (the config is read in processes that never open a store).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from skipinject.errors import ConfigError
+
+if TYPE_CHECKING:
+    from skipinject.store.backend import Backend
+    from skipinject.store.remote import RemotePath
+
+__all__ = ["LOCAL_SCHEMES", "DumpRoot", "is_remote", "is_url", "local_path_text"]
+
+#: URL schemes that name this node's own file system (``file:///srv/cache`` is ``/srv/cache``).
+LOCAL_SCHEMES = ("file", "local")
+
+
+def is_url(path: str) -> bool:
+    """``scheme://...`` (s3://, hdfs://, file://...)."""
+    scheme, sep, _ = str(path).partition("://")
+    return bool(sep) and scheme.replace("+", "").replace("-", "").replace(".", "").isalnum()
+
+
+def is_remote(path: str) -> bool:
+    """A URL of a store other than this node's file system (s3://, gs://, hdfs://...)."""
+    return is_url(path) and str(path).partition("://")[0].lower() not in LOCAL_SCHEMES
+
+
+def local_path_text(path: str) -> str:
+    """``path`` without a ``file://`` (or ``local://``) scheme; other text as it is."""
+    return str(path).partition("://")[2] if is_url(path) and not is_remote(path) else str(path)
+
+
+@dataclass(frozen=True)
+class DumpRoot:
+    """A cache root: ``path`` (local, ``~`` expanded and resolved; ``file://`` URLs included) or ``url``
+    (a remote store, as given without a trailing ``/``). ``text`` is what the user wrote."""
+
+    text: str
+    path: Path | None = None
+    url: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> DumpRoot:
+        text = str(text)
+        if is_remote(text):
+            return cls(text, url=text.rstrip("/") or text)
+        return cls(text, path=Path(local_path_text(text)).expanduser().resolve())
+
+    @property
+    def remote(self) -> bool:
+        return self.url is not None
+
+    @property
+    def scheme(self) -> str:
+        """The URL's scheme (``s3``), ``""`` for a local root."""
+        return self.url.partition("://")[0].lower() if self.url is not None else ""
+
+    def __str__(self) -> str:
+        return self.url if self.url is not None else str(self.path)
+
+    def check(self, key: str) -> None:
+        """Refuse (ConfigError naming ``key``) a URL no installed fsspec implementation can open.
+
+        Imports fsspec and the protocol's package: only for a root that is a remote URL."""
+        if self.url is None:
+            return
+        scheme = self.scheme
+        try:
+            import fsspec
+        except ImportError as exc:
+            raise ConfigError(
+                f"{key}={self.text}: a URL needs fsspec (pip install fsspec and, for {scheme}://, "
+                "its package, e.g. s3fs or gcsfs)"
+            ) from exc
+        try:
+            fsspec.get_filesystem_class(scheme)
+        except ValueError as exc:
+            raise ConfigError(f"{key}={self.text}: fsspec knows no protocol {scheme!r}") from exc
+        except ImportError as exc:
+            raise ConfigError(f"{key}={self.text}: {' '.join(str(exc).split()) or type(exc).__name__}") from exc
+
+    def location(self) -> Path:
+        """The root as the store joins it: a local ``Path``, or a
+        :class:`~skipinject.store.remote.RemotePath` standing in for one."""
+        if self.path is not None:
+            return self.path
+        return cast(Path, _opened(cast(str, self.url))[1])
+
+    def filesystem(self) -> Any:
+        """The fsspec filesystem of a remote root, ``None`` for a local one."""
+        return None if self.url is None else _opened(self.url)[0]
+
+    def backend(self, *, trust_permissions: bool = False) -> Backend:
+        """Where the root's files are moved: local files, or the remote store's fsspec filesystem."""
+        if self.url is None:
+            from skipinject.store.local import LocalFiles
+
+            return LocalFiles(trust_permissions=trust_permissions)
+        from skipinject.store.remote import FsspecFiles
+
+        return FsspecFiles(_opened(self.url)[0])
+
+
+def _opened(url: str) -> tuple[Any, RemotePath]:
+    """The fsspec filesystem and root location of ``url``; opened on each use, so credentials and
+    endpoints come from the environment as it is then (fsspec keeps its own instance cache)."""
+    from skipinject.store.remote import open_remote
+
+    return open_remote(url)

@@ -1,0 +1,112 @@
+"""Helpers plugins share (plugin API 1.1): codec headers, per-row input digests, verl ranges.
+
+Public like :mod:`skipinject` itself: a role written on the plugin API can use these instead of
+copying them. The built-in roles do. Nothing here imports torch or verl at import time.
+
+* :class:`CodecHeader` — the ``codec``/``codec_version`` pair a codec writes into every payload and
+  checks before it decodes one (a cache of another codec or version is a :class:`CodecError`, so
+  the target runs).
+* :func:`row_digest`, :func:`attended_tokens`, :func:`tensor_bytes`, :func:`row_text` — one short
+  digest per input row for :attr:`skipinject.Role.fingerprint` (a hit computed from other inputs is
+  then reported, ``skip.<role>.on_mismatch``).
+* :func:`installed_verl_matches` — whether a version range holds for the installed verl (for clocks
+  and checks, which carry no range of their own).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from skipinject.errors import CodecError
+from skipinject.verl_compat import verl_version, version_matches
+
+__all__ = [
+    "DIGEST_BYTES",
+    "CodecHeader",
+    "attended_tokens",
+    "installed_verl_matches",
+    "row_digest",
+    "row_text",
+    "tensor_bytes",
+]
+
+#: Size of a row digest (blake2b), in bytes: 16 hex characters in ``meta.json`` per row.
+DIGEST_BYTES = 8
+
+
+@dataclass(frozen=True)
+class CodecHeader:
+    """A codec's name and format version, written into each payload's objects and checked on decode."""
+
+    name: str
+    version: int = 1
+
+    def fields(self) -> dict[str, Any]:
+        """``{"codec": name, "codec_version": version}``: put first into the payload's objects."""
+        return {"codec": self.name, "codec_version": self.version}
+
+    def check(self, objects: Mapping[str, Any]) -> None:
+        """Raise :class:`CodecError` unless ``objects`` were written by this codec and version."""
+        if objects.get("codec") != self.name or objects.get("codec_version") != self.version:
+            raise CodecError(
+                f"cache was written by codec {objects.get('codec')!r} version {objects.get('codec_version')!r}, "
+                f"expected {self.name!r} version {self.version}"
+            )
+
+
+def tensor_bytes(tensor: Any) -> bytes:
+    """A tensor's raw bytes in row-major order, whatever its dtype (``bfloat16`` included) or device."""
+    import torch
+
+    data: bytes = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return data
+
+
+def row_text(value: Any) -> str:
+    """A row's non-tensor value as stable text (sorted JSON; numpy values through ``tolist``)."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def row_digest(*pieces: Any) -> str:
+    """One row's digest over ``pieces`` in order: bytes as they are, text as UTF-8, tensors by their
+    bytes (:func:`tensor_bytes`), anything else by :func:`row_text` (pass ``row_text(value)`` for a
+    value that may itself be a string, so that ``"a"`` and ``["a"]`` differ)."""
+    digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    for piece in pieces:
+        if isinstance(piece, (bytes, bytearray, memoryview)):
+            digest.update(piece)
+        elif isinstance(piece, str):
+            digest.update(piece.encode())
+        elif hasattr(piece, "detach") and hasattr(piece, "dtype"):
+            digest.update(tensor_bytes(piece))
+        else:
+            digest.update(row_text(piece).encode())
+    return digest.hexdigest()
+
+
+def attended_tokens(tensors: Any) -> list[Any] | None:
+    """Each row's ``input_ids`` where ``attention_mask`` is set (padding left out), or ``None`` when
+    the batch's tensors (a TensorDict) have no ``input_ids``."""
+    keys = () if tensors is None else tensors.keys()  # TensorDict refuses ``in`` on itself
+    if "input_ids" not in keys:
+        return None
+    ids = tensors["input_ids"]
+    mask = tensors["attention_mask"] if "attention_mask" in keys else None
+    return [ids[index] if mask is None else ids[index][mask[index].bool()] for index in range(ids.shape[0])]
+
+
+def installed_verl_matches(spec: str) -> bool:
+    """Whether the installed verl is in ``spec`` (``">=0.9"``); ``True`` when verl is absent.
+
+    For clock targets and checks, which carry no version range of their own: a clock of a trainer
+    that does not exist in this verl is left out instead of being listed as missing. Development
+    builds count as their release (``0.10.0.dev0`` is in ``>=0.9``).
+    """
+    installed = verl_version()
+    return installed is None or version_matches(spec, installed)

@@ -1,0 +1,274 @@
+"""A test kit for roles (plugin API 1.1): run a role in this process, call its target, assert hit or miss.
+
+A plugin's tests use it instead of skipinject's own test helpers::
+
+    from skipinject import testing
+
+    with testing.RoleRun("judge", tmp_path, steps="[1]") as run:    # run 1: the target runs, step 1 is saved
+        MyTrainer(global_steps=1).score_with_judge(["4", "13"])
+    run.assert_miss(1)
+    with testing.RoleRun("judge", tmp_path, steps="[1]") as run:    # run 2: served from the cache
+        MyTrainer(global_steps=1).score_with_judge(["4", "13"])
+    run.assert_hit(1)
+
+:class:`RoleRun` resolves ``skip.<role>.*`` as the runner does (the same checks, the installed
+plugins or a ``VERL_SKIP_PLUGINS`` selection), starts the engine on entering and stops it on
+leaving (every open step committed, every patch undone), and keeps the ``skipinject`` log lines of
+the run. :func:`call` calls a target as its caller would (looked up now, so the patch is seen).
+For roles of verl's V0 trainer, :func:`v0_trainer` is a real ``RayPPOTrainer`` that entered the
+patched ``fit`` (the clock of roles whose target carries no step) and :func:`grpo_batch` a GRPO
+training batch as ``fit`` has it; both need verl.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from skipinject import bootstrap
+from skipinject.config import Config, apply_overrides, split_overrides
+from skipinject.roles import TargetPath
+
+if TYPE_CHECKING:
+    from skipinject.engine import Engine
+    from skipinject.plugin_manager import PluginSet
+
+__all__ = ["RoleRun", "call", "grpo_batch", "resolve", "v0_run_config", "v0_trainer"]
+
+
+class _Lines(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+class RoleRun:
+    """One run of ``roles`` (a role name, or several comma-separated) in this process.
+
+    ``steps`` and ``overrides`` (``"skip.<role>.action=repeat"``...) are what a user passes to the
+    runner; ``dump_dir`` is every role's cache root. ``plugins``: a ``VERL_SKIP_PLUGINS`` selection
+    (an installed plugin's name or a module path), default ``roles``.
+    """
+
+    def __init__(
+        self,
+        roles: str,
+        dump_dir: str | Path,
+        steps: str = "[1,2]",
+        *overrides: str,
+        plugins: str | None = None,
+    ) -> None:
+        from skipinject.plugin_manager import load_plugins
+
+        self.roles = [name.strip() for name in roles.split(",") if name.strip()]
+        self.plugins: PluginSet = load_plugins(plugins if plugins is not None else roles)
+        argv = [
+            item
+            for name in self.roles
+            for item in (f"skip.{name}.enable=True", f"skip.{name}.steps={steps}", f"skip.{name}.dump_dir={dump_dir}")
+        ]
+        parsed, rest = split_overrides([*argv, *overrides])
+        if rest:
+            raise ValueError(f"not skip.<role>.<key>=<value> overrides: {rest}")
+        resolved = apply_overrides(Config(), parsed, self.plugins.roles)
+        self.config = Config(plugins=plugins if plugins is not None else roles, roles=resolved.roles)
+        #: The ``skipinject`` log lines of the run (kept after it stopped).
+        self.lines: list[str] = []
+        self.engine: Engine | None = None
+        self._handler = _Lines(self.lines)
+        self._level = logging.NOTSET
+
+    # ------------------------------------------------------------ running
+
+    def start(self) -> RoleRun:
+        """Start the engine (after stopping any other run of this process); logs are collected from here."""
+        bootstrap.stop()
+        log = logging.getLogger("skipinject")
+        self._level = log.level
+        log.addHandler(self._handler)
+        log.setLevel(logging.INFO)
+        self.engine = bootstrap.start(self.config, self.plugins)
+        if self.engine is None or not set(self.roles) <= set(self.engine.runtimes):
+            self.stop()
+            raise RuntimeError(f"skipinject did not start {self.roles} (SKIPINJECT_DISABLE set?)")
+        return self
+
+    def stop(self) -> None:
+        """End the run: open steps are committed, patches undone, log collection stops."""
+        try:
+            bootstrap.stop()
+        finally:
+            log = logging.getLogger("skipinject")
+            log.removeHandler(self._handler)
+            log.setLevel(self._level)
+            self.engine = None
+
+    def __enter__(self) -> RoleRun:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------ what happened
+
+    def lines_with(self, needle: str) -> list[str]:
+        return [line for line in self.lines if needle in line]
+
+    def _role(self, role: str | None) -> str:
+        if role is not None:
+            return role
+        if len(self.roles) != 1:
+            raise ValueError(f"this run has roles {self.roles}: name the one to look at")
+        return self.roles[0]
+
+    def _decisions(self, what: str, step: int | None, role: str | None) -> list[str]:
+        number = r"\d+" if step is None else str(step)
+        pattern = re.compile(rf"{re.escape(self._role(role))} step {number}: {what}")
+        return [line for line in self.lines if pattern.match(line)]
+
+    def hits(self, step: int | None = None, role: str | None = None) -> list[str]:
+        """The run's hit lines (of ``step``), e.g. ``judge step 1: hit, served step 1 (own cache) ...``."""
+        return self._decisions("hit", step, role)
+
+    def misses(self, step: int | None = None, role: str | None = None) -> list[str]:
+        """The run's miss lines (of ``step``): the target ran and its result is saved."""
+        return self._decisions(r"miss \(", step, role)
+
+    def assert_hit(self, step: int, served: int | None = None, role: str | None = None) -> str:
+        """The run served ``step`` from the cache (of step ``served``, default ``step``); its line."""
+        wanted = f"served step {step if served is None else served} "
+        found = [line for line in self.hits(step, role) if wanted in line]
+        assert found, f"no hit of step {step} ({wanted.strip()}) in the run's log:\n" + "\n".join(self.lines)
+        return found[0]
+
+    def assert_miss(self, step: int, role: str | None = None) -> str:
+        """The run ran the target at ``step`` (nothing cached) and saved it; the miss line."""
+        found = self.misses(step, role)
+        assert found, f"no miss of step {step} in the run's log:\n" + "\n".join(self.lines)
+        assert not self.hits(step, role), f"step {step} was also served: {self.hits(step, role)}"
+        return found[0]
+
+
+def resolve(target: str) -> Any:
+    """The callable named ``package.module:Qualified.name``, looked up now (the patched one, once patched)."""
+    path = TargetPath.parse(target)
+    value: Any = importlib.import_module(path.module)
+    for name in path.qualname.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def call(target: str, *args: Any, **kwargs: Any) -> Any:
+    """Call the target ``package.module:function`` as its caller would: looked up where it lives, now."""
+    return resolve(target)(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- verl's V0 trainer (needs verl)
+
+
+def v0_run_config(
+    *, train_batch_size: int = 4, n: int = 2, prompt_length: int = 5, response_length: int = 6, **sections: Any
+) -> Any:
+    """A V0 trainer config (OmegaConf) naming the cache directory ``e_p/GBS{gbs}_N{n}_in{p}_out{r}``."""
+    from omegaconf import OmegaConf
+
+    config: dict[str, Any] = {
+        "trainer": {"experiment_name": "e", "project_name": "p", "use_v1": False},
+        "data": {
+            "train_batch_size": train_batch_size,
+            "max_prompt_length": prompt_length,
+            "max_response_length": response_length,
+        },
+        "actor_rollout_ref": {"rollout": {"n": n}},
+        "algorithm": {"adv_estimator": "grpo", "use_pf_ppo": False},
+    }
+    config.update(sections)
+    return OmegaConf.create(config)
+
+
+class _StopFit(Exception):
+    """Raised by the first thing ``RayPPOTrainer.fit`` touches: ``fit`` entered, and left at once."""
+
+
+class _Executor:
+    @property
+    def _shutdown(self) -> bool:
+        raise _StopFit
+
+
+def v0_trainer(global_steps: int, config: Any = None) -> Any:
+    """A real ``RayPPOTrainer`` at ``global_steps`` that entered the patched ``fit`` and left it at its
+    first line, as a run's trainer does: the clock of the roles, and the end of the run before it
+    (the steps it left open are committed)."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    trainer = RayPPOTrainer.__new__(RayPPOTrainer)
+    trainer.config = v0_run_config() if config is None else config
+    trainer._dump_executor = _Executor()
+    try:
+        trainer.fit()
+    except _StopFit:
+        pass
+    else:
+        raise AssertionError("RayPPOTrainer.fit did not stop at its first line: another verl?")
+    trainer.global_steps = global_steps
+    return trainer
+
+
+def grpo_batch(
+    seed: int = 0, prompts: int = 4, n: int = 2, prompt_len: int = 5, response_len: int = 6, *, scores: Any = None
+) -> Any:
+    """A V0 GRPO training batch (``DataProto``) as ``fit`` has it after the rollout: tokens, masks,
+    outcome rewards, fresh uids. ``scores`` (per row; ``True``: random ones): the reward loop's
+    ``rm_scores`` and extra infos (``acc``) too, as ``extract_reward`` gets the batch."""
+    import uuid
+
+    import numpy as np
+    import torch
+    from verl import DataProto
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = prompts * n
+    lengths = torch.randint(1, response_len + 1, (rows,), generator=gen)
+    response_mask = (torch.arange(response_len)[None, :] < lengths[:, None]).long()
+    prompt_ids = torch.randint(3, 400, (prompts, prompt_len), generator=gen).repeat_interleave(n, dim=0)
+    responses = torch.randint(3, 400, (rows, response_len), generator=gen) * response_mask
+    outcome = torch.rand(rows, generator=gen)
+    token_level_rewards = torch.zeros(rows, response_len)
+    token_level_rewards[torch.arange(rows), lengths - 1] = outcome
+    uids = np.repeat(np.array([str(uuid.uuid4()) for _ in range(prompts)], dtype=object), n)
+    batch = DataProto.from_dict(
+        tensors={
+            "prompts": prompt_ids,
+            "responses": responses,
+            "input_ids": torch.cat([prompt_ids, responses], dim=1),
+            "attention_mask": torch.cat([torch.ones(rows, prompt_len, dtype=torch.long), response_mask], dim=1),
+            "response_mask": response_mask,
+            "token_level_scores": token_level_rewards.clone(),
+            "token_level_rewards": token_level_rewards,
+        },
+        non_tensors={"uid": uids, "data_source": np.array(["toy"] * rows, dtype=object)},
+        meta_info={"global_token_num": [prompt_len] * rows},
+    )
+    if scores is None or scores is False:
+        return batch
+    if scores is True:
+        scores = torch.rand(rows, generator=torch.Generator().manual_seed(100 + seed))
+    rm_scores = torch.zeros(rows, response_len)
+    rm_scores[torch.arange(rows), lengths - 1] = scores
+    batch.batch["rm_scores"] = rm_scores
+    batch.non_tensor_batch["acc"] = np.array((scores > 0.5).tolist())
+    batch.non_tensor_batch["reward_model"] = np.array(
+        [{"style": "rule", "ground_truth": str(i % 4)} for i in range(rows)], dtype=object
+    )
+    batch.meta_info["reward_extra_keys"] = ["acc"]
+    return batch
