@@ -98,7 +98,9 @@ def _inline_saves(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 def _stop_bootstrap() -> Iterator[None]:
     yield
     from skipinject import bootstrap
+    from skipinject.testing import RoleRun
 
+    RoleRun.stop_all()  # a run a test started without ``with``: its log handler goes too
     bootstrap.stop()
 
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 import importlib
 import logging
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from skipinject import bootstrap
 from skipinject.config import Config, apply_overrides, split_overrides
-from skipinject.roles import TargetPath
+from skipinject.roles import Role, TargetPath
 
 if TYPE_CHECKING:
     from skipinject.engine import Engine
@@ -50,35 +51,55 @@ class _Lines(logging.Handler):
 
 
 class RoleRun:
-    """One run of ``roles`` (a role name, or several comma-separated) in this process.
+    """One run of ``roles`` in this process: a role name, several comma-separated, or
+    :class:`~skipinject.Role` objects (a fresh instance, as a plugin's ``make_role()`` returns).
 
-    ``steps`` and ``overrides`` (``"skip.<role>.action=repeat"``...) are what a user passes to the
-    runner; ``dump_dir`` is every role's cache root. ``plugins``: a ``VERL_SKIP_PLUGINS`` selection
-    (an installed plugin's name or a module path), default ``roles``.
+    ``steps`` (``"[1-4]"`` or step numbers), ``overrides`` (``"skip.<role>.action=repeat"``...) and
+    ``settings`` (``action="repeat"``: for every role) are what a user passes to the runner, checked
+    the same way; ``dump_dir`` is every role's cache root. ``plugins``: a ``VERL_SKIP_PLUGINS``
+    selection (an installed plugin's name or a module path), default the role names.
     """
+
+    #: The runs started and not stopped (one at most: starting one stops the others).
+    _running: ClassVar[list[RoleRun]] = []
 
     def __init__(
         self,
-        roles: str,
+        roles: str | Role | Sequence[Role],
         dump_dir: str | Path,
-        steps: str = "[1,2]",
+        steps: str | Iterable[int] = "[1,2]",
         *overrides: str,
         plugins: str | None = None,
+        **settings: Any,
     ) -> None:
-        from skipinject.plugin_manager import load_plugins
+        from skipinject.plugin_manager import LoadedPlugin, PluginSet, SkipPluginManager, load_plugins
 
-        self.roles = [name.strip() for name in roles.split(",") if name.strip()]
-        self.plugins: PluginSet = load_plugins(plugins if plugins is not None else roles)
+        if isinstance(roles, str):
+            self.roles = [name.strip() for name in roles.split(",") if name.strip()]
+            selection = plugins if plugins is not None else roles
+            self.plugins: PluginSet = load_plugins(selection)
+        else:
+            given = [roles] if isinstance(roles, Role) else list(roles)
+            self.roles = [role.name for role in given]
+            selection = None
+            self.plugins = PluginSet(SkipPluginManager(), [LoadedPlugin("test", __name__, None, roles=given)])
+        if not isinstance(steps, str):
+            steps = "[" + ",".join(str(int(step)) for step in steps) + "]"
         argv = [
             item
             for name in self.roles
-            for item in (f"skip.{name}.enable=True", f"skip.{name}.steps={steps}", f"skip.{name}.dump_dir={dump_dir}")
+            for item in (
+                f"skip.{name}.enable=True",
+                f"skip.{name}.steps={steps}",
+                f"skip.{name}.dump_dir={dump_dir}",
+                *(f"skip.{name}.{key}={value}" for key, value in settings.items()),
+            )
         ]
         parsed, rest = split_overrides([*argv, *overrides])
         if rest:
             raise ValueError(f"not skip.<role>.<key>=<value> overrides: {rest}")
         resolved = apply_overrides(Config(), parsed, self.plugins.roles)
-        self.config = Config(plugins=plugins if plugins is not None else roles, roles=resolved.roles)
+        self.config = Config(plugins=selection, roles=resolved.roles)
         #: The ``skipinject`` log lines of the run (kept after it stopped).
         self.lines: list[str] = []
         self.engine: Engine | None = None
@@ -89,7 +110,9 @@ class RoleRun:
 
     def start(self) -> RoleRun:
         """Start the engine (after stopping any other run of this process); logs are collected from here."""
+        RoleRun.stop_all()
         bootstrap.stop()
+        RoleRun._running.append(self)
         log = logging.getLogger("skipinject")
         self._level = log.level
         log.addHandler(self._handler)
@@ -105,10 +128,18 @@ class RoleRun:
         try:
             bootstrap.stop()
         finally:
-            log = logging.getLogger("skipinject")
-            log.removeHandler(self._handler)
-            log.setLevel(self._level)
+            if self in RoleRun._running:
+                RoleRun._running.remove(self)
+                log = logging.getLogger("skipinject")
+                log.removeHandler(self._handler)
+                log.setLevel(self._level)
             self.engine = None
+
+    @classmethod
+    def stop_all(cls) -> None:
+        """Stop every run still going (for a test's teardown: a run started without ``with``)."""
+        for run in list(cls._running):
+            run.stop()
 
     def __enter__(self) -> RoleRun:
         return self.start()

@@ -17,16 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from skipinject import PluginError, bootstrap
-from skipinject.config import Config, apply_overrides, split_overrides
+from skipinject import PluginError
 from skipinject.plugin_manager import ENTRY_POINT_GROUP, load_plugins
-from tests.integration.user_plugins import (
-    ADVANTAGE_TARGET,
-    _reward_batch,
-    call_like_fit,
-    enter_fit,
-    start,
-)
+from skipinject.testing import RoleRun, call, grpo_batch, v0_trainer
+
+ADVANTAGE_TARGET = "verl.trainer.ppo.ray_trainer:compute_advantage"
 
 # ---------------------------------------------------------------- discovery and selection
 
@@ -107,22 +102,18 @@ def test_both_roles_together_through_the_runner_config(
     user_plugins: None, tmp_path: Path, counted_compute_advantage: list[int], counted_extract_reward: list[int]
 ) -> None:
     """``VERL_SKIP_PLUGINS=reward,advantage``: one engine, two user roles, caches in their own subdirs."""
-    from verl.trainer.ppo import ray_trainer
+    from verl.trainer.config import AlgoConfig
 
-    plugins = load_plugins("reward,advantage")
-    argv = [f"skip.{r}.{k}" for r in ("reward", "advantage") for k in ("enable=True", "steps=[1]")]
-    argv += [f"skip.reward.dump_dir={tmp_path}", f"skip.advantage.dump_dir={tmp_path}"]
-    overrides, _ = split_overrides(argv)
-    config = Config(plugins="reward,advantage", roles=apply_overrides(Config(), overrides, plugins.roles).roles)
     for _run in range(2):
-        start(config, plugins)
-        _trainer = enter_fit(1)
-        batch = _reward_batch(1)
-        reward, _extra = ray_trainer.extract_reward(batch)
-        batch.batch["token_level_rewards"] = reward
-        call_like_fit(batch)
-        bootstrap.stop()
+        with RoleRun("reward,advantage", tmp_path, "[1]") as run:
+            _trainer = v0_trainer(1)
+            batch = grpo_batch(1, scores=True)
+            reward, _extra = call("verl.trainer.ppo.ray_trainer:extract_reward", batch)
+            batch.batch["token_level_rewards"] = reward
+            call(ADVANTAGE_TARGET, batch, "grpo", num_repeat=2, config=AlgoConfig(adv_estimator="grpo"))
     assert len(counted_extract_reward) == 1 and len(counted_compute_advantage) == 1
+    run.assert_hit(1, role="reward")
+    run.assert_hit(1, role="advantage")
     project = tmp_path / "e_p" / "GBS4_N2_in5_out6"
     assert sorted(p.name for p in project.iterdir()) == ["advantage", "reward"]
 

@@ -168,6 +168,17 @@ def test_miss_then_hit_loaded_by_module_path(
     assert len(CALLS) == 2
 
 
+def test_the_readmes_test_passes_with_the_test_kit(importable: None, tmp_path: Path, doc: Path) -> None:
+    """The guide's ``tests/test_judge.py`` (``skipinject.testing``) runs as printed."""
+    namespace: dict[str, object] = {}
+    exec(compile(snippets(doc)["plugin-test"], "test_judge.py", "exec"), namespace)
+    test = namespace["test_judge_scores_are_cached_then_served"]
+    test(tmp_path / "dump")  # type: ignore[operator]
+    from my_recipe.trainer import CALLS
+
+    assert len(CALLS) == 1, "run 2 was served"
+
+
 def test_the_cache_tool_verifies_and_shows_the_readmes_role(
     importable: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -20,8 +20,7 @@ pytest.importorskip("verl")
 
 from omegaconf import OmegaConf
 from skipinject import bootstrap
-from skipinject.config import Config, RoleConfig
-from skipinject.plugin_manager import load_plugins
+from skipinject.testing import RoleRun
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 from verl.experimental.fully_async_policy.fully_async_rollouter import FullyAsyncAgentLoopManager
 from verl.protocol import DataProto
@@ -118,9 +117,9 @@ def trainer_batch(prompts: list[str], step: int) -> tuple[DataProto, DataProto]:
     return batch, gen_batch.repeat(repeat_times=N, interleave=True)
 
 
-def start(tmp_path: Path, role: str = "rollout", **settings: Any) -> Any:
-    cfg = RoleConfig(enable=True, dump_dir=str(tmp_path), **settings)
-    return bootstrap.start(Config(roles={role: cfg}), load_plugins(role))
+def start(tmp_path: Path, role: str = "rollout", steps: tuple[int, ...] = (1,), **settings: Any) -> RoleRun:
+    """A run of the installed ``role`` (what the runner starts for ``skip.<role>.*``)."""
+    return RoleRun(role, tmp_path, steps, **settings).start()
 
 
 PROMPTS = ["one two", "three four five", "six", "seven eight"]
@@ -148,7 +147,7 @@ def test_sync_caller_gets_a_dataproto_and_awaiting_caller_an_awaitable(tmp_path:
 
 
 def test_miss_saves_hit_serves_and_union_accepts(tmp_path: Path, caplog):
-    start(tmp_path, steps=(1, 2))
+    run = start(tmp_path, steps=(1, 2))
     calls: list[int] = []
     mgr = manager(calls, carry_uid=True)
     first = {}
@@ -159,11 +158,13 @@ def test_miss_saves_hit_serves_and_union_accepts(tmp_path: Path, caplog):
         first[step] = out
         batch.repeat(N, interleave=True).union(out)
     assert len(calls) == 4
-    bootstrap.stop()  # the run ends: its last step is committed
+    run.stop()  # the run ends: its last step is committed
+    run.assert_miss(1)
+    run.assert_miss(2)
     step_dir = tmp_path / "exp_proj" / f"GBS4_N{N}_in{PROMPT_LEN}_out{RESPONSE_LEN}" / "1"
     assert (step_dir / "meta.json").is_file() and not (step_dir / "gen_batch.dp").exists()
 
-    start(tmp_path, steps=(1, 2))
+    run = start(tmp_path, steps=(1, 2))
     calls.clear()
     with caplog.at_level(logging.INFO, logger="skipinject"):
         for step in (1, 2):
@@ -176,8 +177,9 @@ def test_miss_saves_hit_serves_and_union_accepts(tmp_path: Path, caplog):
             merged = batch.repeat(N, interleave=True).union(out)  # the trainer's next line must accept a hit
             assert len(merged) == len(PROMPTS) * N
     assert calls == []
-    hits = [r.getMessage() for r in caplog.records if ": hit" in r.getMessage()]
-    assert len(hits) == 2 and "rollout step 1: hit, served step 1" in hits[0]
+    assert len(run.hits()) == 2
+    run.assert_hit(1)
+    run.assert_hit(2)
 
 
 def test_other_prompts_are_reported_in_one_line_and_in_the_metrics(tmp_path: Path, caplog):
