@@ -57,6 +57,17 @@ def ledger(request: pytest.FixtureRequest) -> Iterator[Any]:
         row.seconds = round(time.perf_counter() - started, 2)
 
 
+@pytest.fixture(scope="module")
+def module_ledger(request: pytest.FixtureRequest) -> Any:
+    """``module_ledger(...)`` like :func:`ledger`, for a module's own teardown to record what its tests
+    tried together (property tests counting examples): no test reads what other tests counted."""
+
+    def add(area: str, tried: str, trials: int, outcome: str, lost: int) -> None:
+        _LEDGER.rows.append(Row(area, tried, trials, outcome, lost, request.node.nodeid))
+
+    return add
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     target = os.environ.get(SUMMARY_ENV)
     if not target or not _LEDGER.rows:
