@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from skipinject import bootstrap
 from skipinject.config import Config, apply_overrides, split_overrides
+from skipinject.errors import ConfigError
 from skipinject.roles import Role, TargetPath
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ class RoleRun:
         ]
         parsed, rest = split_overrides([*argv, *overrides])
         if rest:
-            raise ValueError(f"not skip.<role>.<key>=<value> overrides: {rest}")
+            raise ConfigError(f"{rest[0]}: not a skip.<role>.<key>=<value> override")
         resolved = apply_overrides(Config(), parsed, self.plugins.roles)
         self.config = Config(plugins=selection, roles=resolved.roles)
         #: The ``skipinject`` log lines of the run (kept after it stopped).
@@ -124,15 +125,17 @@ class RoleRun:
         return self
 
     def stop(self) -> None:
-        """End the run: open steps are committed, patches undone, log collection stops."""
+        """End the run: open steps are committed, patches undone, log collection stops (a run already
+        stopped, or stopped by a later one's start, is left as it is)."""
+        if self not in RoleRun._running:
+            return
         try:
             bootstrap.stop()
         finally:
-            if self in RoleRun._running:
-                RoleRun._running.remove(self)
-                log = logging.getLogger("skipinject")
-                log.removeHandler(self._handler)
-                log.setLevel(self._level)
+            RoleRun._running.remove(self)
+            log = logging.getLogger("skipinject")
+            log.removeHandler(self._handler)
+            log.setLevel(self._level)
             self.engine = None
 
     @classmethod

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from skipinject import Call, CodecError, Payload, Role, StepSource, Target
+from skipinject import Call, CodecError, Payload, Role, StepSource, Target, bootstrap
 from skipinject.testing import RoleRun, call, resolve
 
 
@@ -56,6 +56,8 @@ def test_a_run_misses_then_hits_and_the_asserts_say_so(fresh_module_name: str, t
 def test_settings_are_checked_as_the_runner_checks_them(fresh_module_name: str, tmp_path: Path) -> None:
     from skipinject.errors import ConfigError
 
+    with pytest.raises(ConfigError, match=r"^--verbose: not a skip\.<role>\.<key>=<value> override$"):
+        RoleRun(make_role(fresh_module_name), tmp_path, [1], "--verbose")
     with pytest.raises(ConfigError, match=r"skip\.doubled\.action=sometimes"):
         RoleRun(make_role(fresh_module_name), tmp_path, [1], action="sometimes")
     run = RoleRun(make_role(fresh_module_name), tmp_path, "[1-3]", "skip.doubled.action=repeat")
@@ -70,5 +72,7 @@ def test_a_run_started_without_with_is_stopped_by_the_next(fresh_module_name: st
     first = RoleRun(make_role(fresh_module_name), tmp_path, [1]).start()
     second = RoleRun(make_role(fresh_module_name), tmp_path, [1]).start()
     assert first.engine is None and second.engine is not None
+    first.stop()  # already stopped: the second run goes on
+    assert second.engine is not None and bootstrap._engine is second.engine
     RoleRun.stop_all()
     assert log.handlers == handlers, "no log handler left behind"
