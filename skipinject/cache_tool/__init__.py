@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trust", action="store_true", help="load the pickles (they run code when loaded: only caches you trust)"
     )
-    p.add_argument("--role", help="role to import gen_batch.dp as (default: rollout, or async_rollout by sample ids)")
+    p.add_argument(
+        "--role", help="role to import as (default: the role declaring the file; of several, the one claiming it)"
+    )
     p.add_argument("--experiment", help="trainer.experiment_name, when the directory name is ambiguous")
     p.add_argument("--project", help="trainer.project_name, when the directory name is ambiguous")
     p.add_argument("--json", action="store_true")
