@@ -211,3 +211,26 @@ def test_ls_and_verify_of_a_non_utf8_name_under_a_strict_utf8_stdout(tmp_path: P
     assert [os.fsencode(s["path"]) for s in doc["steps"]] == [
         os.fsencode(root / project / LAYOUT / str(step)) for step in (1, 2)
     ]  # lossless: the undecodable bytes as U+DC80..U+DCFF (surrogateescape), os.fsencode restores them
+
+
+def test_log_lines_of_a_command_are_escaped_too(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A warning the store or a plugin logs while a command runs (naming a cache file) is escaped."""
+    import logging
+
+    from skipinject.cache_tool import ls
+
+    def logging_scan(root: Path | str, problems: list[str]) -> list[Any]:
+        logging.getLogger("skipinject").warning("leftover %s removed", f"{root}/{EVIL}")
+        return []
+
+    monkeypatch.setattr(ls, "scan_any", logging_scan)
+    with caplog.at_level(logging.WARNING, logger="skipinject"):
+        assert main(["ls", str(tmp_path)]) == 0
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert "\x1b" not in line and "\n" not in line and "evil\\e]0;owned" in line
+    capsys.readouterr()
