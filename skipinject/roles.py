@@ -369,11 +369,28 @@ class UpstreamFormat:
 
     ``directory``: the step's directory in the project directory, as a ``str.format`` pattern of
     ``step`` (verl >= 0.9: ``"{step}"``; verl < 0.9's RolloutSkip: ``"genstep_{step:06d}"``).
+    ``file_name``: the file in it; ``"0/name"`` means one ``name`` per part directory ``0/ 1/ ...``.
+
+    The rest tells ``skipinject cache`` what it needs without loading anything (it never unpickles
+    outside ``import --trust``): ``label`` names the kind in its listings (``verl-v0``); ``inputs_file``
+    is the input batch written beside it (verl < 0.9: ``new_batch.dp``), listed with it and the source
+    of an imported step's input fingerprint; ``required`` are files upstream needs beside it to load
+    the step (``verify`` reports them missing); ``rows_key`` is the key of the JSON ``meta.json`` beside
+    each file that counts its rows; ``step_key`` the key of the JSON ``meta.json`` in the step's directory
+    holding the training step, when the directory is named otherwise. ``claims``: when several roles
+    declare one file, whether a loaded value is this role's (``import`` gives a value to the first
+    role that claims it, else to the role declaring the file without ``claims``, which listings name).
     """
 
     file_name: str
     load: Callable[[Any], Any]
     directory: str = "{step}"
+    label: str = "upstream"
+    inputs_file: str | None = None
+    required: tuple[str, ...] = ()
+    rows_key: str | None = None
+    step_key: str | None = None
+    claims: Callable[[Any], bool] | None = None
 
     def directory_of(self, step: int) -> str | None:
         """The step's directory name, or None for the default ``{step}``."""

@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trust", action="store_true", help="load the pickles (they run code when loaded: only caches you trust)"
     )
-    p.add_argument("--role", help="role to import gen_batch.dp as (default: rollout, or async_rollout by sample ids)")
+    p.add_argument(
+        "--role", help="role to import as (default: the role declaring the file; of several, the one claiming it)"
+    )
     p.add_argument("--experiment", help="trainer.experiment_name, when the directory name is ambiguous")
     p.add_argument("--project", help="trainer.project_name, when the directory name is ambiguous")
     p.add_argument("--json", action="store_true")
@@ -101,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``skipinject cache``; returns the exit status."""
-    from skipinject.cache_tool import commands
+    from skipinject.cache_tool.common import USAGE, CommandError
+    from skipinject.cache_tool.quote import escaped_logs, shown
     from skipinject.config import environment
     from skipinject.errors import ConfigError
 
@@ -115,42 +118,11 @@ def main(argv: Sequence[str]) -> int:
         print(f"skipinject cache: error: {exc}", file=sys.stderr)
         return 2
     try:
-        if args.command == "ls":
-            root = args.dump_dir or default_dump_dir()
-            return commands.cmd_ls(root, as_json=args.json, per_step=args.steps, default=args.dump_dir is None)
-        if args.command == "verify":
-            return commands.cmd_verify(args.paths or [default_dump_dir()], as_json=args.json)
-        if args.command == "show":
-            return commands.cmd_show(args.step_path, as_json=args.json, rows=args.rows, tokenizer=args.tokenizer)
-        if args.command == "diff":
-            return commands.cmd_diff(args.a, args.b, as_json=args.json)
-        if args.command == "import":
-            from skipinject.cache_tool.importer import cmd_import
-
-            return cmd_import(
-                args.paths,
-                trust=args.trust,
-                role=args.role,
-                experiment=args.experiment,
-                project=args.project,
-                as_json=args.json,
-            )
-        if args.command == "prune":
-            return commands.cmd_prune(
-                args.dump_dir or default_dump_dir(),
-                keep_last=args.keep_last,
-                older_than=None if args.older_than is None else commands.parse_age(args.older_than),
-                partial=args.partial,
-                damaged=args.damaged,
-                dry_run=args.dry_run,
-                as_json=args.json,
-            )
-    except (commands.CommandError, SkipInjectError) as exc:
-        print(f"skipinject cache {args.command}: error: {exc}", file=sys.stderr)
-        return commands.USAGE
-    except OSError as exc:
-        print(f"skipinject cache {args.command}: error: {exc}", file=sys.stderr)
-        return commands.USAGE
+        with escaped_logs():
+            return _run(args)
+    except (CommandError, SkipInjectError, OSError) as exc:
+        print(f"skipinject cache {args.command}: error: {shown(exc)}", file=sys.stderr)
+        return USAGE
     except KeyboardInterrupt:
         print(f"skipinject cache {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -158,9 +130,53 @@ def main(argv: Sequence[str]) -> int:
         if show_traceback:
             raise
         print(
-            f"skipinject cache {args.command}: internal error: {type(exc).__name__}: {exc} "
+            f"skipinject cache {args.command}: internal error: {type(exc).__name__}: {shown(exc)} "
             "(set SKIPINJECT_DEBUG=1 for a traceback)",
             file=sys.stderr,
         )
         return 3
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Dispatch to the command's module (one per command, each split into select / act / render)."""
+    if args.command == "ls":
+        from skipinject.cache_tool.ls import cmd_ls
+
+        root = args.dump_dir or default_dump_dir()
+        return cmd_ls(root, as_json=args.json, per_step=args.steps, default=args.dump_dir is None)
+    if args.command == "verify":
+        from skipinject.cache_tool.verify import cmd_verify
+
+        return cmd_verify(args.paths or [default_dump_dir()], as_json=args.json)
+    if args.command == "show":
+        from skipinject.cache_tool.show import cmd_show
+
+        return cmd_show(args.step_path, as_json=args.json, rows=args.rows, tokenizer=args.tokenizer)
+    if args.command == "diff":
+        from skipinject.cache_tool.diff import cmd_diff
+
+        return cmd_diff(args.a, args.b, as_json=args.json)
+    if args.command == "import":
+        from skipinject.cache_tool.importer import cmd_import
+
+        return cmd_import(
+            args.paths,
+            trust=args.trust,
+            role=args.role,
+            experiment=args.experiment,
+            project=args.project,
+            as_json=args.json,
+        )
+    if args.command == "prune":
+        from skipinject.cache_tool.prune import cmd_prune, parse_age
+
+        return cmd_prune(
+            args.dump_dir or default_dump_dir(),
+            keep_last=args.keep_last,
+            older_than=None if args.older_than is None else parse_age(args.older_than),
+            partial=args.partial,
+            damaged=args.damaged,
+            dry_run=args.dry_run,
+            as_json=args.json,
+        )
     raise AssertionError(args.command)

@@ -189,7 +189,6 @@ def text_rows(value: Any, limit: int, width: int = 100) -> list[str] | None:
     out = []
     for row in rows:
         text = row if isinstance(row, str) else json.dumps(row, default=str, ensure_ascii=False)
-        text = text.replace("\n", "\\n")
         out.append(text if len(text) <= width else text[: width - 1] + "…")
     return out
 

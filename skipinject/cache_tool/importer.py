@@ -1,45 +1,33 @@
 """``import``: verl's own pickled caches, converted into skipinject's format beside them (``--trust`` only).
 
-verl writes ``{layout}/{step}/gen_batch.dp`` (a pickled DataProto; V0 trainer and fully async),
-``{layout}/{step}/{k}/tq_batch.pt`` (``torch.save`` of a TransferQueue mini-batch; V1 trainer), and
-before 0.9 ``{layout}/genstep_{gen_step:06d}/{gen_batch,new_batch}.dp`` with ``meta.json`` holding
-``global_steps``. Loading any of them runs code from the file, so nothing is loaded without
-``--trust``. The converted step is written by the store's :class:`~skipinject.store.StepWriter`
-with the role's codec, under the role name and trainer context the engine looks for, so the next
-run hits it; verl's files are left where they are.
+What verl's caches look like and how to read them comes from the installed plugins' roles (their
+:class:`~skipinject.roles.UpstreamFormat`s, what ``trust_upstream=true`` uses): the scan finds them,
+the declaring role's loader reads them (loading a pickle runs code from the file, so nothing is loaded
+without ``--trust``), a role whose format ``claims`` the loaded value takes it, and the role's own codec
+encodes it. The converted step is written by the store's :class:`~skipinject.store.StepWriter` under the
+role name and trainer context the engine looks for, so the next run hits it; verl's files are left where
+they are. Nothing here names a role, a verl file or a plugin.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.commands import FOUND, OK, USAGE, CommandError, existing_dir
-from skipinject.cache_tool.plugins import InstalledRoles
+from skipinject.cache_tool.common import FOUND, OK, USAGE, CommandError, existing_dir
+from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.cache_tool.progress import Progress
-from skipinject.cache_tool.render import emit_json, schema
-from skipinject.cache_tool.scan import (
-    LAYOUT_RE,
-    V0_FILE,
-    V0_INPUT_FILE,
-    V1_FILE,
-    Item,
-    load_meta_json,
-    read_bounded,
-    scan,
-)
+from skipinject.cache_tool.render import emit_json, say, schema
+from skipinject.cache_tool.scan import LAYOUT_RE, Item, load_meta_json, read_json, scan
 from skipinject.errors import CorruptCacheError
-from skipinject.roles import Call, Role, UpstreamFormat
+from skipinject.roles import Call
 from skipinject.store import META_NAME, StepStore
 
 #: verl's defaults for trainer.experiment_name / trainer.project_name (``layout_of`` uses them too).
 DEFAULT_EXPERIMENT, DEFAULT_PROJECT = "default_experiment_name", "default_project_name"
-_SAMPLE_ID = re.compile(r"(?:uid_)?sample_[0-9]{1,18}_[0-9]{1,18}")
 WARNING = (
-    "verl's caches are pickles (gen_batch.dp, tq_batch.pt): loading one runs whatever code it holds. "
+    "verl's caches are pickles: loading one runs whatever code it holds. "
     "Import only caches you wrote yourself or otherwise trust, with --trust."
 )
 
@@ -89,57 +77,35 @@ def _known_names(project_dir: Path) -> tuple[str, str] | None:
 
 def _target(item: Item) -> tuple[Path, int]:
     """(layout directory, step) the engine reads this upstream step from."""
-    if item.kind == "verl-0.8":
-        step = item.step or 0
+    key = item.upstream.format.step_key if item.upstream is not None else None
+    step = item.step or 0
+    if key is not None:
         try:
-            record = json.loads(read_bounded(item.path / META_NAME, 1 << 16))
-            step = int(record.get("global_steps", step))
+            step = int(read_json(item.path / META_NAME).get(key, step))
         except Exception:
             pass
-        return item.path.parent, step
-    return item.path.parent, int(item.path.name)
+    return item.path.parent, step
 
 
-def guess_role(batch: Any) -> str:
-    """``async_rollout`` for a fully async sample (uid ``[uid_]sample_<epoch>_<index>``), else ``rollout``."""
-    uids = getattr(batch, "non_tensor_batch", {}).get("uid")
-    if uids is not None and len(uids) and _SAMPLE_ID.fullmatch(str(uids[0])):
-        return "async_rollout"
-    return "rollout"
-
-
-def _upstream(roles: InstalledRoles, file_name: str) -> tuple[Role, UpstreamFormat]:
-    """The installed plugin's declaration of verl's cache file ``file_name`` (no plugin is imported by name)."""
-    found = roles.upstream(file_name)
-    if found is None:
-        raise CommandError(
-            f"importing {file_name.rsplit('/', 1)[-1]} needs the plugin whose role declares it installed "
-            "(an UpstreamFormat; plugins/rollout and plugins/rollout_tq for verl's own caches)"
+def _owner(roles: InstalledRoles, upstream: Upstream, value: Any) -> str:
+    """The role a loaded value belongs to: the first whose declaration of the same file ``claims`` it,
+    else the declaring role that takes the rest."""
+    for other in roles.upstreams():
+        same = (other.format.directory, other.format.file_name) == (
+            upstream.format.directory,
+            upstream.format.file_name,
         )
-    return found
+        if same and other.format.claims is not None and other.format.claims(value):
+            return other.role
+    return upstream.role
 
 
-def _load_dataproto(roles: InstalledRoles, path: Path) -> Any:
-    """verl's pickled DataProto, by the loader its plugin declares (what ``trust_upstream`` uses).
-
-    Unpickling stays in the plugins that own verl's formats; nothing in ``skipinject/`` unpickles.
-    """
-    return _upstream(roles, V0_FILE)[1].load(path)  # trusted: --trust
-
-
-def _load_tq_parts(roles: InstalledRoles, step_dir: Path) -> list[dict[str, Any]]:
-    """verl's ``{step}/{k}/tq_batch.pt`` parts, by the loader their plugin declares (``trust_upstream``):
-    handed part 0, it reads every part of the step."""
-    parts = _upstream(roles, f"0/{V1_FILE}")[1].load(step_dir / "0" / V1_FILE)  # trusted: --trust
-    return list(parts)
-
-
-def _fingerprint(roles: InstalledRoles, input_path: Path, role_name: str) -> list[str] | None:
-    """verl < 0.9 kept the input batch (``new_batch.dp``): the importing role's input fingerprint of it."""
+def _fingerprint(roles: InstalledRoles, upstream: Upstream, input_path: Path, role_name: str) -> list[str] | None:
+    """The importing role's input fingerprint of the input batch verl kept beside (``inputs_file``)."""
     role = roles.role(role_name)
     if role is None or role.fingerprint is None:
         return None
-    batch = _load_dataproto(roles, input_path)
+    batch = upstream.format.load(input_path)  # trusted: --trust
     # The roles read ``call.batch``: the first argument of the call they intercepted.
     call = Call(target="skipinject cache import", function=_fingerprint, instance=None, args=(batch,), kwargs={})
     rows = role.fingerprint(call)
@@ -154,51 +120,40 @@ def import_item(
     project: str | None,
     roles: InstalledRoles | None = None,
 ) -> dict[str, Any]:
-    """Convert one upstream step with the loaders the installed plugins declare; returns its report record."""
+    """Convert one upstream step with the loader and codec the installed plugins declare; its report record."""
     roles = roles or InstalledRoles()
+    upstream = item.upstream
+    if upstream is None:
+        raise CommandError(f"{item.path}: no installed plugin declares this cache")
     layout_dir, step = _target(item)
     context = context_for(layout_dir, experiment, project)
     record: dict[str, Any] = {"source": str(item.path), "kind": item.kind, "step": step}
-    if item.kind == "verl-v1":
-        from skipinject.codecs import TensorDictCodec
-
-        role_name = role or "rollout_tq"
-        store = StepStore(layout_dir, role_name, context)
-        if _already(store, step):
-            return {**record, "role": role_name, "status": "already", "path": str(store.step_dir(step))}
-        codec = TensorDictCodec()
+    value = upstream.format.load(item.files[0])  # trusted: --trust
+    role_name = role or _owner(roles, upstream, value)
+    codec = roles.codec(role_name)
+    if codec is None:
+        raise CommandError(f"no installed plugin provides role {role_name!r} (give --role an installed role)")
+    store = StepStore(layout_dir, role_name, context, plugin=roles.plugin_of(role_name))
+    if _already(store, step):
+        return {**record, "role": role_name, "status": "already", "path": str(store.step_dir(step))}
+    if upstream.per_part:  # the loader, handed part 0, reads every part of the step
+        values = list(value)
+        if len(values) != len(item.files):
+            raise CorruptCacheError(f"{item.path}: {len(values)} parts loaded, {len(item.files)} found")
         writer = store.begin(step)
-        rows = 0
         try:
-            values = _load_tq_parts(roles, item.path)
-            if len(values) != len(item.files):
-                raise CorruptCacheError(f"{item.path}: {len(values)} parts loaded, {len(item.files)} found")
-            for index, (path, value) in enumerate(zip(item.files, values, strict=True)):
-                if not {"tensordict", "keys", "tags"} <= set(value):
-                    raise CorruptCacheError(f"{path}: not a TransferQueue batch payload")
-                payload = codec.encode(dict(value))
-                rows += payload.rows or 0
-                writer.add_part(payload, part=str(index))
-            directory = writer.commit(
-                {"parameter_sync_step": len(item.files), "trajectories": rows, "imported_from": str(item.path)}
-            )
+            for index, part in enumerate(values):
+                writer.add_part(codec.encode(part), part=str(index))
+            directory = writer.commit({"imported_from": str(item.path)})
         except BaseException:
             writer.abort()
             raise
     else:
-        from skipinject.codecs import DataProtoCodec
-
-        source = item.path / V0_FILE
-        batch = _load_dataproto(roles, source)
-        role_name = role or guess_role(batch)
-        store = StepStore(layout_dir, role_name, context)
-        if _already(store, step):
-            return {**record, "role": role_name, "status": "already", "path": str(store.step_dir(step))}
-        inputs = (
-            _fingerprint(roles, item.path / V0_INPUT_FILE, role_name) if (item.path / V0_INPUT_FILE).is_file() else None
-        )
-        payload = DataProtoCodec().encode(batch)
-        directory = store.save(step, payload, {"inputs": inputs, "imported_from": str(source)})
+        inputs_file = upstream.format.inputs_file
+        inputs = None
+        if inputs_file is not None and item.path / inputs_file in item.files:
+            inputs = _fingerprint(roles, upstream, item.path / inputs_file, role_name)
+        directory = store.save(step, codec.encode(value), {"inputs": inputs, "imported_from": str(item.files[0])})
     store.verified(step)  # what the engine will check before serving it
     return {**record, "role": role_name, "status": "imported", "path": str(directory)}
 
@@ -227,19 +182,19 @@ def cmd_import(
     as_json: bool,
 ) -> int:
     items: list[Item] = []
+    roles = InstalledRoles()
     for path in paths:
         existing_dir(path)
-        items += [i for i in scan(path) if i.state == "foreign"]
+        items += [i for i in scan(path, roles=roles) if i.state == "foreign"]
     if not trust:
         if as_json:
             emit_json({"schema": schema("import"), "trusted": False, "found": [i.record() for i in items]})
         else:
             for item in items:
-                print(f"found {item.kind} {item.path}")
-            print(f"{len(items)} verl cache step(s) found, none imported. {WARNING}")
+                say(f"found {item.kind} {item.path}")
+            say(f"{len(items)} verl cache step(s) found, none imported. {WARNING}")
         return USAGE if items else OK
     results = []
-    roles = InstalledRoles()
     with Progress(sum(i.size for i in items), "import") as bar:
         for item in items:
             try:
@@ -256,10 +211,10 @@ def cmd_import(
     else:
         for r in results:
             if r["status"] == "failed":
-                print(f"FAILED {r['source']}: {r['error']}")
+                say(f"FAILED {r['source']}: {r['error']}")
             else:
                 verb = "imported" if r["status"] == "imported" else "already imported"
-                print(f"{verb} {r['source']} -> {r['path']} (role {r['role']}, step {r['step']})")
+                say(f"{verb} {r['source']} -> {r['path']} (role {r['role']}, step {r['step']})")
         done = sum(r["status"] == "imported" for r in results)
-        print(f"{done} step(s) imported, {len(results) - done - len(failed)} already there, {len(failed)} failed")
+        say(f"{done} step(s) imported, {len(results) - done - len(failed)} already there, {len(failed)} failed")
     return FOUND if failed else OK

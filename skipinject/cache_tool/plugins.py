@@ -13,13 +13,49 @@ only by a command that decodes or names them; a plugin that fails to load is lef
 from __future__ import annotations
 
 import logging
+import re
+import string
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from skipinject.errors import SkipInjectError
 from skipinject.roles import Call, Codec, Role, UpstreamFormat
+from skipinject.store.format import STEP_NAME
 
 logger = logging.getLogger("skipinject")
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """verl's own cache of one installed role (its :class:`UpstreamFormat`), as the tool finds it."""
+
+    role: str
+    format: UpstreamFormat
+
+    @property
+    def directory(self) -> re.Pattern[str]:
+        """The step directory's name; group 1 is the step number."""
+        return directory_pattern(self.format.directory)
+
+    @property
+    def per_part(self) -> bool:
+        """One file per part directory (``0/name``, ``1/name`` ...) instead of one in the step."""
+        return self.format.file_name.startswith("0/")
+
+    @property
+    def base_name(self) -> str:
+        return self.format.file_name.rsplit("/", 1)[-1]
+
+
+def directory_pattern(template: str) -> re.Pattern[str]:
+    """``"genstep_{step:06d}"`` -> ``^genstep_([0-9]{1,18})$`` (``{step}``: the store's step rule)."""
+    pieces = []
+    for literal, name, spec, _ in string.Formatter().parse(template):
+        pieces.append(re.escape(literal))
+        if name is not None:
+            pieces.append(f"({STEP_NAME.pattern})" if not spec else "([0-9]{1,18})")
+    return re.compile("^" + "".join(pieces) + "$")
 
 
 class InstalledRoles:
@@ -52,14 +88,11 @@ class InstalledRoles:
         found = self._load().get(name)
         return None if found is None else found[0]
 
-    def upstream(self, file_name: str) -> tuple[Role, UpstreamFormat] | None:
-        """The installed role declaring verl's cache file ``file_name`` (``gen_batch.dp``, ``0/tq_batch.pt``)
-        and that declaration (whose ``load`` reads it: only with ``--trust``), or None."""
-        for role, _ in self._load().values():
-            for upstream in role.upstream_formats:
-                if upstream.file_name == file_name:
-                    return role, upstream
-        return None
+    def upstreams(self) -> list[Upstream]:
+        """Every installed role's upstream formats; for one file, roles that ``claims`` values come
+        first and the one that takes the rest (and names the file in listings) last."""
+        found = [Upstream(role.name, f) for role, _ in self._load().values() for f in role.upstream_formats]
+        return sorted(found, key=lambda u: u.format.claims is None)
 
     def plugin_of(self, role: str) -> str | None:
         """The name of the installed plugin providing ``role``, or None."""

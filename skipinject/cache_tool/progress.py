@@ -6,6 +6,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from skipinject.cache_tool.quote import shown
 from skipinject.cache_tool.render import human_size
 
 
@@ -55,7 +56,8 @@ class Progress:
         eta = (self.total - self.done) / rate if rate > 0 and self.total else 0.0
         line = (
             f"\r{self.label}: {fraction * 100:3.0f}%|{'█' * filled}{' ' * (width - filled)}| "
-            f"{self._fmt(self.done)}/{self._fmt(self.total)} [{elapsed:.0f}s<{eta:.0f}s, {self._fmt(rate)}/s] {note}"
+            f"{self._fmt(self.done)}/{self._fmt(self.total)} [{elapsed:.0f}s<{eta:.0f}s, {self._fmt(rate)}/s] "
+            f"{shown(note)}"
         )
         self.stream.write(line[:160].ljust(100))
         self.stream.flush()

@@ -8,15 +8,14 @@ verifies every file for ``verify`` — the same reader the training run uses. No
 
 from __future__ import annotations
 
-import json
-import posixpath
 from typing import Any
 
 from skipinject.cache_tool.scan import LAYOUT_RE, Item, step_identity
 from skipinject.errors import CorruptCacheError
 from skipinject.store import RemoteStepStore, StepStore
-from skipinject.store.format import DATA_NAME, FORMAT, MAX_META_BYTES, META_NAME, PART_NAME, STEP_NAME
-from skipinject.store.remote import RemotePath, open_remote
+from skipinject.store.files import parse_json
+from skipinject.store.format import DATA_NAME, FORMAT, MAX_META_DEPTH, META_NAME, PART_NAME, STEP_NAME
+from skipinject.store.remote import FsspecFiles, RemotePath, open_remote
 
 
 def _where(parts: list[str]) -> tuple[str, str, str | None]:
@@ -87,6 +86,9 @@ def _read_commit(item: Item, fs: Any, location: RemotePath) -> None:
     except (CorruptCacheError, OSError) as exc:
         item.state, item.problems = "damaged", [str(exc)]
         return
+    except Exception as exc:  # whatever a forged meta.json provokes is a damaged step, never a traceback
+        item.state, item.problems = "damaged", [f"{location}/meta.json: {type(exc).__name__}: {exc}"]
+        return
     item.state = "complete"
     item.role = meta["role"]
     item.meta = meta
@@ -98,14 +100,16 @@ def _read_commit(item: Item, fs: Any, location: RemotePath) -> None:
 
 
 def open_remote_step(fs: Any, location: RemotePath) -> tuple[StepStore, dict[str, Any]]:
-    """The store holding a remote step (role and context from its own ``meta.json``) and its checked meta."""
-    raw = fs.cat_file(posixpath.join(location.path, META_NAME), start=0, end=MAX_META_BYTES + 1)
-    if len(raw) > MAX_META_BYTES:
-        raise CorruptCacheError(f"{location}/meta.json: larger than {MAX_META_BYTES} bytes; not a meta.json")
+    """The store holding a remote step (role and context from its own ``meta.json``) and its checked meta.
+
+    ``meta.json`` is read by the store's backend (one bounded request) and parsed by the store's parser,
+    with the training run's bounds; the store's :meth:`~StepStore.read_meta` then checks it whole."""
+    step = FsspecFiles(fs).open_step(location, "-")  # type: ignore[arg-type]
     try:
-        meta = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCacheError(f"{location}/meta.json: unreadable meta.json ({exc})") from exc
+        raw = step.read_meta()
+    finally:
+        step.close()
+    meta = parse_json(raw, location / META_NAME, what="meta.json", max_depth=MAX_META_DEPTH)  # type: ignore[arg-type]
     role, context = step_identity(meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None, location)
     store = RemoteStepStore(location.parent, role, context, fs)
     return store, store.read_meta(int(location.name))

@@ -1,4 +1,8 @@
-"""Output: aligned tables, human sizes and ages, and the JSON documents of ``--json``."""
+"""Output: aligned tables, human sizes and ages, and the JSON documents of ``--json``.
+
+Every human-readable line goes out through :func:`say` (and every table cell through the same
+:func:`~skipinject.cache_tool.quote.shown`), so no name or value from a cache reaches a terminal raw.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import json
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
+
+from skipinject.cache_tool.quote import shown
 
 #: Version of every ``--json`` document (``"schema": "skipinject.cache.<command>/<SCHEMA_VERSION>"``).
 SCHEMA_VERSION = 1
@@ -37,7 +43,7 @@ def human_number(value: float | None) -> str:
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[str] = ()) -> str:
     """An aligned plain-text table; columns named in ``right`` are right-aligned."""
-    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    cells = [[str(h) for h in headers]] + [["-" if c is None else shown(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = []
     for row in cells:
@@ -52,6 +58,17 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence
     return "\n".join(lines) + "\n"
 
 
+def say(text: object = "", *, err: bool = False) -> None:
+    """Print one line to stdout (or stderr), escaped whole by :func:`shown`: a newline or an escape
+    sequence in a name inside it is shown, never obeyed. Tables are printed by :func:`show_table`."""
+    print(shown(text), file=sys.stderr if err else sys.stdout)
+
+
+def show_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[str] = ()) -> None:
+    """Print :func:`table` (its cells escaped one by one, so the columns stay aligned)."""
+    print(table(headers, rows, right), end="")
+
+
 def emit_json(document: Mapping[str, Any], out: TextIO | None = None) -> None:
     out = out or sys.stdout
     json.dump(document, out, indent=1, sort_keys=False, default=str)
@@ -59,5 +76,5 @@ def emit_json(document: Mapping[str, Any], out: TextIO | None = None) -> None:
 
 
 def shorten(text: str, width: int = 100) -> str:
-    text = text.replace("\n", "\\n")
+    """``text`` cut to ``width`` characters (escaped when printed, by :func:`say`)."""
     return text if len(text) <= width else text[: width - 1] + "…"

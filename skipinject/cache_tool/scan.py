@@ -4,6 +4,10 @@ Every byte under a cache directory is treated as hostile: the walk never follows
 opens anything but a regular file (a FIFO would block), reads ``meta.json`` bounded, and turns
 whatever it cannot make sense of into a ``damaged`` item with one line saying why.
 
+verl's own caches are recognised by the installed plugins' declarations
+(:class:`~skipinject.roles.UpstreamFormat`, through :class:`~skipinject.cache_tool.plugins.InstalledRoles`):
+nothing here knows a role's name or verl's file names.
+
 The store reads one role's steps when the role and the trainer context are known (the engine's
 case). Here neither is: :func:`open_step` reads a ``meta.json`` bounded, takes role and context
 from it, and hands the step to the store's own :class:`~skipinject.store.StepStore` (``read_meta``,
@@ -12,33 +16,30 @@ from it, and hands the step to the store's own :class:`~skipinject.store.StepSto
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
+from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.errors import CorruptCacheError
 from skipinject.store import StepStore
-from skipinject.store.files import read_small
-from skipinject.store.format import FORMAT, MAX_META_BYTES, META_NAME, PART_NAME, STEP_NAME, is_ours
+from skipinject.store.files import parse_json, read_small
+from skipinject.store.format import FORMAT, MAX_META_DEPTH, META_NAME, PART_NAME, STEP_NAME, is_ours
 
 LAYOUT_RE = re.compile(r"^GBS(-?[0-9]+)_N(-?[0-9]+)_in(-?[0-9]+)_out(-?[0-9]+)$")
 #: A step directory's name: the store's rule (decimal, no leading zeros), anchored for ``match``.
 STEP_RE = re.compile(rf"^(?:{STEP_NAME.pattern})$")
-GENSTEP_RE = re.compile(r"^genstep_([0-9]{1,18})$")  # verl < 0.9 (verl/utils/rollout_skip.py)
-V0_FILE = "gen_batch.dp"  # verl's pickled DataProto of a rollout step (V0 trainer, fully async)
-V0_INPUT_FILE = "new_batch.dp"  # verl < 0.9 also pickled the input batch beside it
-V1_FILE = "tq_batch.pt"  # verl's torch.save payload of one TransferQueue mini-batch: {step}/{k}/
 MAX_DEPTH = 8
 
 
-def read_bounded(path: Path, limit: int = MAX_META_BYTES) -> bytes:
-    """A small regular file's bytes, by the store's own bounded reader (:func:`read_small`)."""
-    return read_small(path, limit)
+def read_json(path: Path) -> Any:
+    """A small JSON file (a ``meta.json``, ours or verl's) by the store's own bounded reader and parser:
+    the same byte and nesting bounds as the training run; CorruptCacheError for anything wrong."""
+    return parse_json(read_small(path), path, what="meta.json", max_depth=MAX_META_DEPTH)
 
 
 def lstat_regular(path: Path) -> os.stat_result | None:
@@ -100,7 +101,7 @@ class Item:
     role: str
     step: int | None
     state: str  # complete | partial | foreign | damaged
-    kind: str = "skipinject"  # skipinject | verl-v0 | verl-v1 | verl-0.8
+    kind: str = "skipinject"  # skipinject, or the label of verl's format (verl-v0 | verl-v1 | verl-0.8)
     rows: int | None = None
     size: int = 0
     parts: int = 0
@@ -110,6 +111,7 @@ class Item:
     files: list[Path] = field(default_factory=list)  # regular files that make up this item
     mtime: float = 0.0  # newest modification time of those files
     meta: dict[str, Any] | None = field(default=None, repr=False)
+    upstream: Upstream | None = field(default=None, repr=False)  # the declaration of a foreign item
 
     def record(self) -> ItemRecord:
         """The stable JSON form (docs/cache-tool.md)."""
@@ -139,11 +141,13 @@ def _where(step_dir: Path) -> tuple[str, str, str | None]:
     return step_dir.parent.name, "-", None
 
 
-def classify(step_dir: Path) -> list[Item]:
-    """The items of one step directory (none, one, or ours beside verl's). Never raises."""
+def classify(step_dir: Path, upstreams: Sequence[Upstream] = ()) -> list[Item]:
+    """The items of one step directory (none, one, or ours beside verl's). Never raises.
+
+    ``upstreams``: verl's formats the installed plugins declare (:meth:`InstalledRoles.upstreams`)."""
     project, layout, role_dir = _where(step_dir)
     try:
-        return _classify(step_dir, project, layout, role_dir)
+        return _classify(step_dir, project, layout, role_dir, upstreams)
     except Exception as exc:  # a weird tree is reported, never a traceback
         step = int(step_dir.name) if STEP_RE.match(step_dir.name) else None
         return [
@@ -159,10 +163,51 @@ def classify(step_dir: Path) -> list[Item]:
         ]
 
 
-def _classify(step_dir: Path, project: str, layout: str, role_dir: str | None) -> list[Item]:
+def _foreign(
+    step_dir: Path,
+    where: tuple[str, str, str | None],
+    files: dict[str, os.DirEntry[str]],
+    sub_files: dict[str, dict[str, os.DirEntry[str]]],
+    upstreams: Sequence[Upstream],
+) -> Item | None:
+    """verl's own cache in ``step_dir`` by the first declaration it matches (never loaded here)."""
+    project, layout, role_dir = where
+    for upstream in reversed(upstreams):  # the role taking every value of a file (no ``claims``) names it
+        found = upstream.directory.match(step_dir.name)
+        if found is None:
+            continue
+        paths = []
+        if upstream.per_part:
+            index = 0
+            while upstream.base_name in sub_files.get(str(index), {}):
+                paths.append(step_dir / str(index) / upstream.base_name)
+                index += 1
+        elif upstream.base_name in files:
+            paths.append(step_dir / upstream.base_name)
+            inputs = upstream.format.inputs_file
+            if inputs is not None and inputs in files:
+                paths.append(step_dir / inputs)
+        if not paths:
+            continue
+        item = Item(
+            step_dir,
+            project,
+            layout,
+            role_dir or upstream.role,
+            int(found.group(1)),
+            "foreign",
+            kind=upstream.format.label,
+        )
+        item.files, item.upstream = paths, upstream
+        item.parts = len(paths) if upstream.per_part else 1
+        return item
+    return None
+
+
+def _classify(
+    step_dir: Path, project: str, layout: str, role_dir: str | None, upstreams: Sequence[Upstream]
+) -> list[Item]:
     items: list[Item] = []
-    genstep = GENSTEP_RE.match(step_dir.name)
-    step = int(genstep.group(1)) if genstep else int(step_dir.name)
     entries = _entries(step_dir)
     files = {e.name: e for e in entries if _is_file(e)}
     subdirs = sorted((e for e in entries if _is_dir(e) and PART_NAME.fullmatch(e.name)), key=lambda e: int(e.name))
@@ -174,27 +219,13 @@ def _classify(step_dir: Path, project: str, layout: str, role_dir: str | None) -
             sub_files[sub.name] = {}
 
     # verl's own pickles (never loaded here; only their presence and size).
-    foreign: Item | None = None
-    if V0_FILE in files:
-        kind = "verl-0.8" if genstep else "verl-v0"
-        names = [V0_FILE] + ([V0_INPUT_FILE] if V0_INPUT_FILE in files else [])
-        paths = [step_dir / name for name in names]
-        foreign = Item(step_dir, project, layout, role_dir or "rollout", step, "foreign", kind=kind, files=paths)
-        foreign.parts = 1
-    v1_parts = []
-    for index in range(len(subdirs)):
-        if str(index) in sub_files and V1_FILE in sub_files[str(index)]:
-            v1_parts.append(step_dir / str(index) / V1_FILE)
-        else:
-            break
-    if v1_parts and foreign is None:
-        foreign = Item(step_dir, project, layout, role_dir or "rollout_tq", step, "foreign", kind="verl-v1")
-        foreign.files = v1_parts
-        foreign.parts = len(v1_parts)
+    foreign = _foreign(step_dir, (project, layout, role_dir), files, sub_files, upstreams)
     if foreign is not None:
         _measure(foreign)
         _upstream_rows(foreign)
         items.append(foreign)
+    ours_dir = STEP_RE.match(step_dir.name) is not None
+    step = int(step_dir.name) if ours_dir else (foreign.step if foreign is not None else None)
 
     ours_data = [step_dir / n for n in files if is_ours(n)]
     for sub_name, sub_entries in sub_files.items():
@@ -204,8 +235,8 @@ def _classify(step_dir: Path, project: str, layout: str, role_dir: str | None) -
         problem = f"{step_dir}/meta.json: not a regular file"
         items.append(Item(step_dir, project, layout, role_dir or "-", step, "damaged", problems=[problem]))
         return items
-    if genstep:
-        return items  # verl < 0.9 wrote its own meta.json here; skipinject never writes genstep_ dirs
+    if not ours_dir or step is None:
+        return items  # verl's own directory (genstep_*, with its own meta.json): skipinject never writes it
     if meta_entry is not None:
         item = _our_step(step_dir, project, layout, role_dir, step, foreign is not None)
         if item is not None and item.state == "damaged":
@@ -248,14 +279,14 @@ def _measure(item: Item) -> None:
 
 
 def _upstream_rows(item: Item) -> None:
-    """verl 0.9 writes ``num_trajectories`` beside each ``tq_batch.pt``: rows without unpickling."""
-    if item.kind != "verl-v1":
+    """Rows without unpickling, where verl writes them in a ``meta.json`` beside each file."""
+    key = item.upstream.format.rows_key if item.upstream is not None else None
+    if key is None:
         return
     total = 0
     for path in item.files:
         try:
-            record = json.loads(read_bounded(path.parent / META_NAME, 1 << 16))
-            total += int(record["num_trajectories"])
+            total += int(read_json(path.parent / META_NAME)[key])
         except Exception:
             return
     item.rows = total
@@ -264,15 +295,10 @@ def _upstream_rows(item: Item) -> None:
 def load_meta_json(path: Path) -> dict[str, Any] | None:
     """A step's ``meta.json`` as JSON if it carries skipinject's format marker, else ``None``.
 
-    Raises :class:`CorruptCacheError` when it cannot be read or parsed.
+    Read and parsed by the store's reader with the training run's bounds (size, nesting, numbers);
+    raises :class:`CorruptCacheError` when it cannot be read or parsed.
     """
-    try:
-        raw = read_small(path)
-        meta = json.loads(raw)
-    except CorruptCacheError:
-        raise
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CorruptCacheError(f"{path}: unreadable meta.json ({exc})") from exc
+    meta = read_json(path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         return None
     return meta
@@ -366,18 +392,21 @@ def _our_step(
 # ---------------------------------------------------------------- walking
 
 
-def _looks_like_step(directory: Path, entries: list[os.DirEntry[str]]) -> bool:
-    if not (STEP_RE.match(directory.name) or GENSTEP_RE.match(directory.name)):
+def _looks_like_step(directory: Path, entries: list[os.DirEntry[str]], upstreams: Sequence[Upstream]) -> bool:
+    formats = [u for u in upstreams if u.directory.match(directory.name)]
+    if not STEP_RE.match(directory.name) and not formats:
         return False
+    known = {META_NAME} | {u.base_name for u in formats if not u.per_part}
+    known |= {u.format.inputs_file for u in formats if u.format.inputs_file is not None}
     for entry in entries:
-        if entry.name in (META_NAME, V0_FILE, V0_INPUT_FILE) or is_ours(entry.name):
+        if entry.name in known or is_ours(entry.name):
             return True
         if PART_NAME.fullmatch(entry.name) and _is_dir(entry):
             return True
     return False
 
 
-def step_dirs(root: Path, problems: list[str] | None = None) -> Iterator[Path]:
+def step_dirs(root: Path, problems: list[str] | None = None, upstreams: Sequence[Upstream] = ()) -> Iterator[Path]:
     """Step directories at or under ``root``; never follows a link, never leaves ``root``."""
     stack = [(root, 0)]
     while stack:
@@ -388,7 +417,7 @@ def step_dirs(root: Path, problems: list[str] | None = None) -> Iterator[Path]:
             if problems is not None:
                 problems.append(f"{directory}: cannot list it ({type(exc).__name__}: {exc})")
             continue
-        if _looks_like_step(directory, entries):
+        if _looks_like_step(directory, entries, upstreams):
             yield directory
             continue
         if depth >= MAX_DEPTH:
@@ -397,9 +426,13 @@ def step_dirs(root: Path, problems: list[str] | None = None) -> Iterator[Path]:
         stack.extend((Path(e.path), depth + 1) for e in children)
 
 
-def scan(root: Path, problems: list[str] | None = None) -> list[Item]:
-    """Every item under ``root``, in a stable order (project, layout, role, step)."""
-    items = [item for directory in step_dirs(root, problems) for item in classify(directory)]
+def scan(root: Path, problems: list[str] | None = None, roles: InstalledRoles | None = None) -> list[Item]:
+    """Every item under ``root``, in a stable order (project, layout, role, step).
+
+    ``roles``: the installed plugins whose declarations name verl's own caches (default: as a run
+    would load them)."""
+    upstreams = (roles or InstalledRoles()).upstreams()
+    items = [item for directory in step_dirs(root, problems, upstreams) for item in classify(directory, upstreams)]
     items.sort(key=lambda i: (i.project, i.layout, i.role, i.step if i.step is not None else -1, i.kind))
     return items
 

@@ -41,6 +41,9 @@ SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 MAX_META_BYTES = 16 << 20
 #: meta.json nests 4 levels deep (parts -> files -> spec); some room for role-specific keys.
 MAX_META_DEPTH = 32
+#: Rows of a step or a part (``rows`` in meta.json): more than any batch holds; a larger count is forged
+#: (and its sum over steps would not even print: Python converts at most 4300 digits).
+MAX_ROWS = 1 << 48
 #: The JSON index at the head of a tensor file (~100 bytes per tensor).
 MAX_INDEX_BYTES = 64 << 20
 #: A file this large must occupy at least 1/SPARSE_FACTOR of its size on disk (not a sparse forgery).
@@ -112,6 +115,7 @@ def reference_table() -> str:
         ("step directory", _code(STEP_NAME.pattern), "decimal step number, no sign, no leading zeros"),
         ("part directory", _code(PART_NAME.pattern), 'part `""` is the step directory itself'),
         ("commit record", f"`{META_NAME}`", f"at most {_mib(MAX_META_BYTES)}, {MAX_META_DEPTH} levels deep"),
+        ("row count", "`rows` in `meta.json`", f"an integer from 0 to 2^{MAX_ROWS.bit_length() - 1}, or null"),
         ("tensor file", f"`{tensors_name('{write_id}')}`", f"index at most {_mib(MAX_INDEX_BYTES)}"),
         ("objects file", f"`{objects_name('{write_id}')}`", "tagged JSON"),
         ("data file", _code(DATA_NAME.pattern), "what no `meta.json` names is a leftover"),

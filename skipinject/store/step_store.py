@@ -25,6 +25,7 @@ from skipinject.store.format import (
     FORMAT,
     FORMAT_VERSION,
     MAX_META_DEPTH,
+    MAX_ROWS,
     META_NAME,
     PART_NAME,
     SAFE_NAME,
@@ -247,6 +248,9 @@ class StepStore:
             raise CorruptCacheError(
                 f"{path}: written for other trainer metadata {_short(context)}, this run is {self.context!r}"
             )
+        rows = meta.get("rows")
+        if rows is not None and (type(rows) is not int or not 0 <= rows <= MAX_ROWS):
+            raise CorruptCacheError(f"{path}: meta.json is malformed (rows {_short(rows)} is no row count)")
         if meta.get("checksum_algo") not in CHECKSUM_ALGOS:
             raise CorruptCacheError(
                 f"{path}: meta.json is malformed (unknown checksum algorithm {_short(meta.get('checksum_algo'))})"

@@ -160,3 +160,20 @@ def test_the_core_imports_no_plugin_by_name() -> None:
     for path in root.rglob("*.py"):
         text = path.read_text()
         assert "import skipinject_" not in text and "from skipinject_" not in text, path
+
+
+def test_the_core_names_no_built_in_role_nor_verl_file() -> None:
+    """Role names and verl's file names come from the plugins' declarations (Role, UpstreamFormat):
+    no string in the core's code is one of them (docstrings and help texts may mention them)."""
+    import ast
+
+    import skipinject
+
+    named = {"rollout", "rollout_tq", "async_rollout", "gen_batch.dp", "tq_batch.pt", "new_batch.dp", "0/tq_batch.pt"}
+    root = Path(skipinject.__file__).parent
+    found = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in named:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+    assert found == []

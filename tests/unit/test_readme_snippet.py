@@ -179,11 +179,12 @@ def test_the_readmes_test_passes_with_the_test_kit(importable: None, tmp_path: P
     assert len(CALLS) == 1, "run 2 was served"
 
 
-def test_the_cache_tool_verifies_and_shows_the_readmes_role(
+def test_the_cache_tool_lists_verifies_shows_diffs_and_prunes_the_readmes_role(
     importable: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``skipinject cache`` on the README's judge role (a codec storing plain JSON, whose ``decode`` checks
-    the call's responses): verified by sizes and checksums, shown raw with the reason its codec gave."""
+    the call's responses): listed, verified by sizes and checksums, shown and compared raw with the reason
+    its codec gave, pruned, exactly like a built-in role's."""
     import json
 
     from skipinject.cache_tool import main
@@ -191,18 +192,43 @@ def test_the_cache_tool_verifies_and_shows_the_readmes_role(
     monkeypatch.setenv("VERL_SKIP_PLUGINS", "my_recipe_skip")
     plugins = load_plugins()
     dump = tmp_path / "dump"
-    overrides, _ = split_overrides(["skip.judge.enable=True", "skip.judge.steps=[1]", f"skip.judge.dump_dir={dump}"])
+    steps = "skip.judge.steps=[1,2]"
+    overrides, _ = split_overrides(["skip.judge.enable=True", steps, f"skip.judge.dump_dir={dump}"])
     bootstrap.start(Config(roles=apply_overrides(Config(), overrides, plugins.roles).roles), plugins)
     from my_recipe.trainer import MyTrainer
 
     MyTrainer(global_steps=1).score_with_judge(["4", "13"])
+    MyTrainer(global_steps=2).score_with_judge(["4", "a longer one"])
     bootstrap.stop()
     capsys.readouterr()
 
+    assert main(["ls", str(dump), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["steps"]
+    assert [(s["role"], s["step"], s["state"], s["rows"]) for s in listed] == [
+        ("judge", 1, "complete", 2),
+        ("judge", 2, "complete", 2),
+    ]
     assert main(["verify", str(dump)]) == 0
-    assert "1 ok, 0 damaged" in capsys.readouterr().out
+    assert "2 ok, 0 damaged" in capsys.readouterr().out
+    assert (
+        main(
+            [
+                "diff",
+                str(dump / "skipinject_default" / "judge" / "1"),
+                str(dump / "skipinject_default" / "judge" / "2"),
+                "--json",
+            ]
+        )
+        == 1
+    )
+    (report,) = json.loads(capsys.readouterr().out)["steps"]
+    assert {f["name"]: f["status"] for f in report["fields"]} == {"objects.scores": "differs"}
     assert main(["show", str(dump / "skipinject_default" / "judge" / "1"), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["role"] == "judge" and shown["plugin"] == "my_recipe_skip" and shown["codec"] == "raw"
     assert "ScoresCodec did not decode it here" in shown["note"]
     assert [f["name"] for f in shown["fields"]] == ["objects.scores"]
+    assert main(["prune", str(dump), "--keep-last", "1", "--json"]) == 0
+    assert [(r["role"], r["step"]) for r in json.loads(capsys.readouterr().out)["removed"]] == [("judge", 1)]
+    assert main(["ls", str(dump), "--json"]) == 0
+    assert [(s["role"], s["step"]) for s in json.loads(capsys.readouterr().out)["steps"]] == [("judge", 2)]

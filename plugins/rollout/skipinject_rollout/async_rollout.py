@@ -9,7 +9,9 @@ verl >= 0.8 only (the target declares that range).
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from typing import Any
 
 from skipinject import Call, Role, StepSource, Target, hookimpl
 
@@ -35,6 +37,12 @@ def feed_index(call: Call) -> int | None:
     return parse_sample_id(str(uids[0]))
 
 
+def is_async_batch(batch: Any) -> bool:
+    """Whether verl's ``gen_batch.dp`` holds fully async samples (its uids are sample ids)."""
+    uids = getattr(batch, "non_tensor_batch", {}).get("uid")
+    return uids is not None and len(uids) > 0 and parse_sample_id(str(uids[0])) is not None
+
+
 ASYNC_ROLLOUT = Role(
     name="async_rollout",
     targets=[Target(TARGET, verl=">=0.8")],
@@ -44,7 +52,7 @@ ASYNC_ROLLOUT = Role(
     # No hit/miss marks in meta_info: the fully async trainer concatenates samples and asserts that
     # their meta_info agree, so a served sample must carry exactly what a generated one carries.
     cache_subdir="",
-    upstream=GEN_BATCH,
+    upstream=dataclasses.replace(GEN_BATCH, claims=is_async_batch),
     description="per-sample generation of the fully async Rollouter (step = feed index of the sample id)",
 )
 

@@ -70,6 +70,13 @@ def _load_pickled_dataproto(path: Path) -> Any:
 
 
 #: verl's own cache of a rollout step: a pickled DataProto, loaded only when the user trusts it.
-GEN_BATCH = UpstreamFormat("gen_batch.dp", _load_pickled_dataproto)
+GEN_BATCH = UpstreamFormat("gen_batch.dp", _load_pickled_dataproto, label="verl-v0", required=("meta.json",))
 #: verl < 0.9's RolloutSkip: ``genstep_{step:06d}/gen_batch.dp`` beside the step directories.
-GENSTEP_BATCH = UpstreamFormat("gen_batch.dp", _load_pickled_dataproto, directory="genstep_{step:06d}")
+GENSTEP_BATCH = UpstreamFormat(
+    "gen_batch.dp",
+    _load_pickled_dataproto,
+    directory="genstep_{step:06d}",
+    label="verl-0.8",
+    inputs_file="new_batch.dp",
+    step_key="global_steps",
+)

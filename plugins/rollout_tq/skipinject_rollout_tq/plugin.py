@@ -49,7 +49,8 @@ SAMPLES = (
 V1_VERL = ">=0.9"
 
 #: Upstream's file of part 0 of a step; the loader reads every part of that step.
-TQ_BATCH = UpstreamFormat(f"0/{UPSTREAM_FILE}", load_upstream_file)
+#: verl 0.9 writes ``num_trajectories`` in a ``meta.json`` beside each part's file.
+TQ_BATCH = UpstreamFormat(f"0/{UPSTREAM_FILE}", load_upstream_file, label="verl-v1", rows_key="num_trajectories")
 
 
 def cannot_fire(config: Any) -> str | None:

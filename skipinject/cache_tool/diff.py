@@ -1,0 +1,147 @@
+"""``diff``: two steps, or two runs' directories, field by field; exit 1 when they differ."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from skipinject.cache_tool import fields
+from skipinject.cache_tool.common import FOUND, OK, CommandError, existing_dir
+from skipinject.cache_tool.plugins import InstalledRoles
+from skipinject.cache_tool.progress import Progress
+from skipinject.cache_tool.render import emit_json, human_number, say, schema, show_table
+from skipinject.cache_tool.scan import STEP_RE, scan
+from skipinject.cache_tool.show import load_step
+from skipinject.errors import CorruptCacheError
+from skipinject.store.format import META_NAME
+
+
+def cmd_diff(a: Path, b: Path, *, as_json: bool) -> int:
+    existing_dir(a)
+    existing_dir(b)
+    pairs, only = select(a, b)
+    reports = []
+    roles = InstalledRoles()
+    with Progress(len(pairs), "diff", unit="steps") as bar:
+        for x, y in pairs:
+            reports.append(diff_steps(x, y, roles))  # act
+            bar.update(1, x.name)
+    differ = bool(only) or any(r["differs"] for r in reports)
+    if as_json:
+        emit_json(
+            {
+                "schema": schema("diff"),
+                "a": str(a),
+                "b": str(b),
+                "differs": differ,
+                "steps": reports,
+                "only": [{"side": side, "step": key} for side, key in only],
+            }
+        )
+    else:
+        render(reports, only, differ)
+    return FOUND if differ else OK
+
+
+# ---------------------------------------------------------------- select
+
+
+def select(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[tuple[str, str]]]:
+    """The pairs of steps to compare (two steps, or steps matched by their path below A and B), and
+    the steps only one side has."""
+    if STEP_RE.match(a.name) and STEP_RE.match(b.name) and (a / META_NAME).exists() and (b / META_NAME).exists():
+        return [(a, b)], []
+
+    def keyed(root: Path) -> dict[str, Path]:
+        out = {}
+        for item in scan(root):
+            if item.kind == "skipinject" and item.state == "complete":
+                out[item.path.relative_to(root).as_posix()] = item.path
+        return out
+
+    ka, kb = keyed(a), keyed(b)
+    pairs = [(ka[k], kb[k]) for k in sorted(set(ka) & set(kb))]
+    only = [("a", k) for k in sorted(set(ka) - set(kb))] + [("b", k) for k in sorted(set(kb) - set(ka))]
+    return pairs, only
+
+
+# ---------------------------------------------------------------- act
+
+
+def diff_steps(a: Path, b: Path, roles: InstalledRoles) -> dict[str, Any]:
+    report: dict[str, Any] = {"a": str(a), "b": str(b), "meta": [], "fields": [], "problems": [], "notes": []}
+    try:
+        meta_a, decoded_a = load_step(a, roles)
+        meta_b, decoded_b = load_step(b, roles)
+    except (CorruptCacheError, OSError, CommandError) as exc:
+        report["problems"].append(str(exc))
+        report["differs"] = True
+        return report
+    value_a, value_b = decoded_a.value, decoded_b.value
+    report["notes"] = sorted({note for note in (decoded_a.note, decoded_b.note) if note})
+    for key in ("role", "step", "rows", "context", "writer"):
+        if meta_a.get(key) != meta_b.get(key):
+            report["meta"].append({"key": key, "a": meta_a.get(key), "b": meta_b.get(key)})
+    ia, ib = meta_a.get("inputs"), meta_b.get("inputs")
+    if isinstance(ia, list) and isinstance(ib, list):
+        changed = sum(1 for x, y in zip(ia, ib, strict=False) if x != y) + abs(len(ia) - len(ib))
+        report["inputs_differing"] = changed
+    else:
+        report["inputs_differing"] = None
+    diffs = fields.compare_fields(fields.flatten(value_a), fields.flatten(value_b))
+    report["fields"] = [d.record() for d in diffs]
+    report["differs"] = bool(
+        any(m["key"] != "writer" for m in report["meta"])
+        or report["inputs_differing"]
+        or any(d.status != "same" for d in diffs)
+    )
+    return report
+
+
+# ---------------------------------------------------------------- render
+
+
+def render(reports: list[dict[str, Any]], only: list[tuple[str, str]], differ: bool) -> None:
+    for report in reports:
+        _render_step(report)
+    for side, key in only:
+        say(f"only in {side.upper()}: {key}")
+    if not reports and not only:
+        say("no cached steps to compare")
+    say("differences found" if differ else "no differences")
+
+
+def _amount(value: object) -> object:
+    return human_number(value) if isinstance(value, (int, float)) else value
+
+
+def _render_step(report: dict[str, Any]) -> None:
+    say(f"A {report['a']}")
+    say(f"B {report['b']}")
+    for problem in report["problems"]:
+        say(f"  cannot compare: {problem}")
+    for note in report.get("notes", []):
+        say(f"  note: {note}")
+    for item in report["meta"]:
+        say(f"  meta {item['key']}: {item['a']!r} vs {item['b']!r}")
+    if report.get("inputs_differing"):
+        say(f"  inputs: {report['inputs_differing']} row(s) were generated from other prompts")
+    rows = [
+        [
+            f["name"],
+            f["status"],
+            "-" if f["rows_differing"] is None else f"{f['rows_differing']}/{f['rows']}",
+            _amount(f["max_abs_diff"]),
+            _amount(f["mean_abs_diff"]),
+            f["note"],
+        ]
+        for f in report["fields"]
+        if f["status"] != "same"
+    ]
+    if rows:
+        heads = ("FIELD", "STATUS", "ROWS DIFFERING", "MAX |A-B|", "MEAN |A-B|", "NOTE")
+        show_table(heads, rows, right=("ROWS DIFFERING", "MAX |A-B|", "MEAN |A-B|"))
+    elif not report["problems"]:
+        same = len(report["fields"])
+        say(f"  all {same} field(s) identical")
+    say()

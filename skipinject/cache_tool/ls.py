@@ -1,0 +1,145 @@
+"""``ls``: projects, layouts, roles and steps, with size, age, writer and state (``meta.json`` only)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from skipinject.cache_tool.common import OK, scan_any, writer_text
+from skipinject.cache_tool.render import emit_json, human_size, say, schema, show_table
+from skipinject.cache_tool.scan import Item, step_ranges
+
+
+def cmd_ls(root: Path | str, *, as_json: bool, per_step: bool, default: bool) -> int:
+    if default and isinstance(root, Path) and not root.exists():
+        if as_json:
+            emit_json({"schema": schema("ls"), "dump_dir": str(root), "steps": [], "groups": [], "problems": []})
+        else:
+            say(f"nothing cached in {root} (it does not exist)")
+        return OK
+    problems: list[str] = []
+    items = scan_any(root, problems)  # select
+    groups = group(items)  # act
+    if as_json:
+        emit_json(
+            {
+                "schema": schema("ls"),
+                "dump_dir": str(root),
+                "steps": [item.record() for item in items],
+                "groups": groups,
+                "problems": problems,
+            }
+        )
+    else:
+        render(root, items, groups, problems, per_step=per_step)
+    return OK
+
+
+# ---------------------------------------------------------------- act
+
+
+def when(created: str | None, mtime: float) -> str:
+    if created:
+        return created[:16].replace("T", " ")
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime)) if mtime else "-"
+
+
+def _span(first: str, last: str) -> str:
+    """``2026-11-30 14:25 .. 14:33`` (the date once when both are on the same day)."""
+    if first == last:
+        return first
+    return f"{first} .. {last[11:]}" if first[:10] == last[:10] else f"{first} .. {last}"
+
+
+def group(items: Sequence[Item]) -> list[dict[str, Any]]:
+    """Items of one project, layout, role, state and writer, with their steps as ranges."""
+    grouped: dict[tuple[Any, ...], list[Item]] = {}
+    for item in items:
+        written_by = writer_text(item.writer) if item.kind == "skipinject" else f"{item.kind} (pickle)"
+        key = (item.project, item.layout, item.role, item.state, written_by)
+        grouped.setdefault(key, []).append(item)
+    out = []
+    for (project, layout, role, state, written_by), members in grouped.items():
+        whens = sorted(when(i.created, i.mtime) for i in members)
+        rows = [i.rows for i in members]
+        out.append(
+            {
+                "project": project,
+                "layout": layout,
+                "role": role,
+                "state": state,
+                "steps": step_ranges([i.step for i in members if i.step is not None]),
+                "count": len(members),
+                "rows": sum(r for r in rows if r is not None) if any(r is not None for r in rows) else None,
+                "size": sum(i.size for i in members),
+                "created": _span(whens[0], whens[-1]),
+                "written_by": written_by,
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------- render
+
+
+def render(
+    root: Path | str, items: Sequence[Item], groups: Sequence[dict[str, Any]], problems: list[str], *, per_step: bool
+) -> None:
+    if not items:
+        say(f"nothing cached in {root}")
+    elif per_step:
+        rows = [
+            [
+                i.project,
+                i.layout,
+                i.role,
+                i.step,
+                i.parts,
+                i.rows,
+                human_size(i.size),
+                when(i.created, i.mtime),
+                writer_text(i.writer) if i.kind == "skipinject" else i.kind,
+                i.state,
+            ]
+            for i in items
+        ]
+        heads: tuple[str, ...] = (
+            "PROJECT",
+            "LAYOUT",
+            "ROLE",
+            "STEP",
+            "PARTS",
+            "ROWS",
+            "SIZE",
+            "CREATED",
+            "WRITTEN BY",
+            "STATE",
+        )
+        show_table(heads, rows, right=("STEP", "PARTS", "ROWS", "SIZE"))
+    else:
+        rows = [
+            [
+                g["project"],
+                g["layout"],
+                g["role"],
+                g["steps"],
+                g["rows"],
+                human_size(g["size"]),
+                g["created"] or "-",
+                g["written_by"],
+                g["state"],
+            ]
+            for g in groups
+        ]
+        heads = ("PROJECT", "LAYOUT", "ROLE", "STEPS", "ROWS", "SIZE", "CREATED", "WRITTEN BY", "STATE")
+        show_table(heads, rows, right=("ROWS", "SIZE"))
+        total = sum(i.size for i in items)
+        say(f"{len(items)} step(s), {human_size(total)} in {root}")
+    for item in items:
+        if item.state == "damaged":
+            for problem in item.problems:
+                say(f"damaged: {problem}", err=True)
+    for problem in problems:
+        say(f"unreadable: {problem}", err=True)

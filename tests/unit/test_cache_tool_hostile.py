@@ -1,0 +1,236 @@
+"""``skipinject cache`` on hostile caches (issue 23): names and values printed escaped, forged
+``meta.json`` files ending as damaged entries (never "internal error", exit 3), under a strict
+UTF-8 stdout too. No verl: the steps are written by the store itself, as the engine writes them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from skipinject.cache_tool import main
+from skipinject.store import StepStore
+from skipinject.store.format import meta_digest
+from skipinject.store.payload import Payload
+
+LAYOUT = "GBS4_N2_in32_out16"
+EVIL = "evil\x1b]0;owned\x07\x1b[2J\nPROJ  FORGED ROW"
+
+
+def context(project: str = "e_p") -> dict[str, Any]:
+    return {
+        "experiment_name": project,
+        "project_name": "p",
+        "gbs": 4,
+        "n": 2,
+        "prompt_length": 32,
+        "response_length": 16,
+    }
+
+
+def save(project_dir: Path, step: int, role: str = "tool_test", value: int = 1) -> Path:
+    store = StepStore(project_dir, role, context())
+    payload = Payload(tensors={"x": torch.full((2, 3), value)}, objects={"value": [value, value]}, rows=2)
+    return store.save(step, payload, {"inputs": None})
+
+
+def rewrite_meta(step_dir: Path, edit: Any) -> None:
+    """Edit a step's meta.json and re-seal it (the checksum is a crc32: anyone can forge it)."""
+    meta = json.loads((step_dir / "meta.json").read_text())
+    edit(meta)
+    meta["meta_checksum"] = meta_digest(meta)
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def cli(*argv: Any, encoding: str = "utf-8:strict") -> subprocess.CompletedProcess[bytes]:
+    """The tool in a child whose stdout and stderr are strict UTF-8 (a name that is not UTF-8 can
+    only be printed escaped)."""
+    env = {**os.environ, "PYTHONIOENCODING": encoding}
+    args = [os.fsencode(a) if isinstance(a, (str, Path)) else a for a in argv]
+    return subprocess.run(
+        [sys.executable.encode(), b"-m", b"skipinject", b"cache", *args], capture_output=True, env=env, timeout=120
+    )
+
+
+# ---------------------------------------------------------------- one escaping function
+
+
+def test_shown_escapes_controls_escapes_newlines_and_undecodable_bytes() -> None:
+    from skipinject.cache_tool.quote import shown
+
+    assert shown("plain name 日本 1-2") == "plain name 日本 1-2"
+    assert shown("a\nb\tc\rd\x1b[2Je\x07f\x7f\u202eg\\h") == r"a\nb\tc\rd\e[2Je\x07f\x7f\u202eg\\h"
+    assert shown(os.fsdecode(b"caf\xe9")) == "caf\\xe9"
+
+
+def test_ls_and_verify_print_a_hostile_project_name_escaped_and_json_exact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "dump"
+    save(root / EVIL / LAYOUT, 1)
+    for argv in (("ls", root), ("ls", "-l", root), ("verify", root)):
+        code, out, err = run(capsys, *argv)
+        assert code == 0, err
+        assert "\x1b" not in out + err and "\x07" not in out + err
+        assert "FORGED ROW" not in "\n".join(line for line in out.splitlines() if line.startswith("PROJ  "))
+        assert "evil\\e]0;owned\\x07\\e[2J\\nPROJ  FORGED ROW" in out or argv[0] == "verify"
+    code, out, _ = run(capsys, "ls", root)
+    assert len(out.splitlines()) == 3  # header, one row, the summary: no forged row
+    code, out, _ = run(capsys, "ls", root, "--json")
+    (step,) = json.loads(out)["steps"]
+    assert step["project"] == EVIL and step["path"] == str(root / EVIL / LAYOUT / "1")
+
+
+def test_meta_json_values_and_one_line_errors_are_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "dump"
+    good = save(root / "e_p" / LAYOUT, 1)
+    rewrite_meta(good, lambda meta: meta["writer"].update(skipinject="0.1\x1b[2J\nFORGED"))
+    damaged = save(root / "e_p" / LAYOUT / ("role\x1b[31m\n"), 2)
+    (damaged / "meta.json").write_text((damaged / "meta.json").read_text().replace('"rows"', '"rowz"'))
+    code, out, err = run(capsys, "ls", root)
+    assert "\x1b" not in out + err and "0.1\\e[2J\\nFORGED" in out
+    assert len(err.splitlines()) == 1 and err.startswith("damaged: ") and "role\\e[31m\\n" in err
+    code, out, err = run(capsys, "verify", root)
+    assert code == 1 and "\x1b" not in out + err
+    assert [line for line in out.splitlines() if line.startswith("DAMAGED:")] == [
+        line for line in out.splitlines() if "role\\e[31m\\n" in line
+    ]
+    code, out, err = run(capsys, "show", damaged)
+    assert code == 2 and "\x1b" not in err and len(err.splitlines()) == 1
+    code, out, _ = run(capsys, "show", good)
+    assert code == 0 and "\x1b" not in out and "0.1\\e[2J\\nFORGED" in out
+    code, out, _ = run(capsys, "show", good, "--json")
+    assert json.loads(out)["writer"]["skipinject"] == "0.1\x1b[2J\nFORGED"
+
+
+# ---------------------------------------------------------------- forged meta.json: damaged, never exit 3
+
+
+def deep_meta(step_dir: Path, depth: int = 100_000) -> None:
+    step_dir.mkdir(parents=True, exist_ok=True)
+    (step_dir / "meta.json").write_text('{"format": "skipinject", "x": ' + "[" * depth + "]" * depth + "}")
+
+
+@pytest.mark.parametrize("depth", [100_000, 900])
+def test_show_and_diff_of_a_deeply_nested_meta_json_is_a_damaged_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], depth: int
+) -> None:
+    good = save(tmp_path / "e_p" / LAYOUT, 1)
+    forged = tmp_path / "e_p" / LAYOUT / "2"
+    deep_meta(forged, depth)
+    code, _, err = run(capsys, "show", forged)
+    assert code == 2 and "internal error" not in err and len(err.splitlines()) == 1, err
+    assert "nested" in err
+    code, out, err = run(capsys, "diff", good, forged)
+    assert code == 1 and "internal error" not in err and "cannot compare" in out and "nested" in out, out + err
+    code, out, err = run(capsys, "diff", good, forged, "--json")
+    assert code == 1 and json.loads(out)["steps"][0]["problems"]
+    code, out, err = run(capsys, "ls", tmp_path, "--json")
+    states = {s["step"]: s["state"] for s in json.loads(out)["steps"]}
+    assert code == 0 and states == {1: "complete", 2: "damaged"}
+
+
+HUGE = int("9" * 4300)  # as many digits as Python converts; adding the other steps' rows gives one more
+
+
+def forge_rows(step_dir: Path) -> None:
+    rewrite_meta(step_dir, lambda meta: meta.update(rows=HUGE))
+
+
+def test_ls_of_a_meta_json_with_a_4300_digit_number_lists_everything_else(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "dump"
+    for step in (1, 2, 3):
+        save(root / "e_p" / LAYOUT, step)
+    forge_rows(root / "e_p" / LAYOUT / "2")
+    for argv in (("ls", root), ("ls", "-l", root)):
+        code, out, err = run(capsys, *argv)
+        assert code == 0 and "internal error" not in err, err
+        assert "complete" in out and "damaged" in out and "rows" in err
+    code, out, err = run(capsys, "ls", root, "--json")
+    assert code == 0, err
+    steps = {s["step"]: s["state"] for s in json.loads(out)["steps"]}
+    assert steps == {1: "complete", 2: "damaged", 3: "complete"}
+    code, out, err = run(capsys, "verify", root)
+    assert code == 1 and "internal error" not in err and "2 ok, 1 damaged" in out, out + err
+
+
+def test_ls_of_a_remote_store_with_a_4300_digit_number_lists_everything_else(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    local = tmp_path / "dump"
+    for step in (1, 2):
+        save(local / "e_p" / LAYOUT, step)
+    forge_rows(local / "e_p" / LAYOUT / "2")
+    memory = fsspec.filesystem("memory")
+    path = f"/hostile-{os.getpid()}-{tmp_path.name}"
+    memory.put(str(local), path, recursive=True)
+    try:
+        code, out, err = run(capsys, "ls", f"memory://{path}", "--json")
+        assert code == 0, err
+        steps = {s["step"]: s["state"] for s in json.loads(out)["steps"]}
+        assert steps == {1: "complete", 2: "damaged"}
+        code, out, err = run(capsys, "ls", f"memory://{path}")
+        assert code == 0 and "internal error" not in err and "complete" in out, err
+    finally:
+        memory.rm(path, recursive=True)
+
+
+# ---------------------------------------------------------------- names that are not UTF-8
+
+
+def test_ls_and_verify_of_a_non_utf8_name_under_a_strict_utf8_stdout(tmp_path: Path) -> None:
+    root = tmp_path / "dump"
+    project = os.fsdecode(b"caf\xe9\xff")
+    save(root / project / LAYOUT, 1)
+    damaged = save(root / project / LAYOUT, 2)
+    next(damaged.glob("objects-*.json")).write_text("{}")
+    done = cli("ls", root)
+    assert done.returncode == 0, done.stderr
+    assert b"caf\\xe9\\xff" in done.stdout and b"\xe9" not in done.stdout
+    done = cli("verify", root)
+    assert done.returncode == 1, done.stderr
+    assert b"caf\\xe9\\xff" in done.stdout and b"internal error" not in done.stderr
+    done = cli("ls", root, "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert [os.fsencode(s["path"]) for s in doc["steps"]] == [
+        os.fsencode(root / project / LAYOUT / str(step)) for step in (1, 2)
+    ]  # lossless: the undecodable bytes as U+DC80..U+DCFF (surrogateescape), os.fsencode restores them
+
+
+def test_log_lines_of_a_command_are_escaped_too(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A warning the store or a plugin logs while a command runs (naming a cache file) is escaped."""
+    import logging
+
+    from skipinject.cache_tool import ls
+
+    def logging_scan(root: Path | str, problems: list[str]) -> list[Any]:
+        logging.getLogger("skipinject").warning("leftover %s removed", f"{root}/{EVIL}")
+        return []
+
+    monkeypatch.setattr(ls, "scan_any", logging_scan)
+    with caplog.at_level(logging.WARNING, logger="skipinject"):
+        assert main(["ls", str(tmp_path)]) == 0
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert "\x1b" not in line and "\n" not in line and "evil\\e]0;owned" in line
+    capsys.readouterr()
