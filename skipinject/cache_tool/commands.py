@@ -197,7 +197,7 @@ class CheckedRecord(ItemRecord):
 @dataclass
 class Checked:
     item: Item
-    status: str  # ok | damaged | partial | foreign
+    status: str  # ok | damaged | partial | foreign | untrusted
     problems: list[str]
     notes: list[str] = field(default_factory=list)
     plugin: str | None = None  # the installed plugin providing the step's role
@@ -233,8 +233,8 @@ def verify_item(item: Item, roles: InstalledRoles | None = None) -> Checked:
 def _verify_item(item: Item) -> Checked:
     if item.state == "damaged":
         return Checked(item, "damaged", list(item.problems))
-    if item.state == "partial":
-        return Checked(item, "partial", list(item.problems))
+    if item.state in ("partial", "untrusted"):
+        return Checked(item, item.state, list(item.problems))
     if not isinstance(item.path, Path):  # a step in a remote store
         from skipinject.cache_tool.remote import verify_remote
 
@@ -304,7 +304,7 @@ def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
         )
     else:
         for result in results:
-            if result.status in ("damaged", "partial"):
+            if result.status in ("damaged", "partial", "untrusted"):
                 for problem in result.problems or ["(no detail)"]:
                     print(f"{result.status.upper()}: {problem}")
         for problem in unreadable:
@@ -312,7 +312,7 @@ def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
         for result in results:
             for note in result.notes:
                 print(f"NOTE: {note}")
-        counts = {s: sum(r.status == s for r in results) for s in ("ok", "damaged", "partial", "foreign")}
+        counts = {s: sum(r.status == s for r in results) for s in ("ok", "damaged", "partial", "foreign", "untrusted")}
         foreign = (
             f", {counts['foreign']} foreign (verl's pickles, not loaded: `skipinject cache import --trust` converts)"
             if counts["foreign"]
@@ -321,6 +321,7 @@ def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
         print(
             f"verified {len(results)} step(s), {human_size(total)}: {counts['ok']} ok, {counts['damaged']} damaged, "
             f"{counts['partial']} partial{foreign}"
+            + (f", {counts['untrusted']} untrusted (in directories other users control)" if counts["untrusted"] else "")
         )
     return FOUND if damaged or unreadable else OK
 
@@ -623,7 +624,7 @@ def cmd_prune(
         if problem:
             skipped.append({"path": str(item.path), "reason": problem})
             continue
-        count, size = (len(_our_files(item)), sum(_sizes(_our_files(item)))) if dry_run else _remove(item)
+        count, size = (len(_our_files(item)), sum(_sizes(_our_files(item)))) if dry_run else _remove(item, root)
         files_total += count
         bytes_total += size
         removed.append({"path": str(item.path), "role": item.role, "step": item.step, "reason": reason, "size": size})
@@ -708,28 +709,27 @@ def _unsafe(item: Item, root_real: Path, now: float) -> str | None:
     return None
 
 
-def _remove(item: Item) -> tuple[int, int]:
-    """Delete ``meta.json`` first (the step becomes absent at once), then its data files and empty dirs."""
-    files = _our_files(item)
-    files.sort(key=lambda p: p.name != META_NAME)
-    count = size = 0
-    for path in files:
-        info = lstat_regular(path)
-        if info is None:
-            continue
-        try:
-            path.unlink()
-        except OSError:
-            continue
-        count += 1
-        size += info.st_size
-    for directory in sorted({p.parent for p in files}, key=lambda p: len(p.parts), reverse=True):
-        if directory != item.path:
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-    with contextlib.suppress(OSError):
-        item.path.rmdir()
-    return count, size
+def _remove(item: Item, root: Path) -> tuple[int, int]:
+    """Delete ``meta.json`` first (the step becomes absent at once), then its data files and empty dirs:
+    relative to descriptors opened once from ``root`` (:mod:`skipinject.store.removal`), so a step
+    swapped for a link after the check removes nothing through it."""
+    from skipinject.store.removal import remove_step
+
+    if item.state == "partial":
+        chosen = {p.relative_to(item.path).as_posix() for p in item.files}
+
+        def wanted(part: str, name: str) -> bool:
+            return (f"{part}/{name}" if part else name) in chosen
+
+    else:
+
+        def wanted(part: str, name: str) -> bool:
+            return is_ours(name) or (not part and name == META_NAME and item.kind == "skipinject")
+
+    try:
+        return remove_step(root, item.path, wanted)
+    except (OSError, ValueError):
+        return 0, 0
 
 
 def _leftovers(items: Sequence[Item], now: float) -> tuple[list[Any], set[Path]] | None:

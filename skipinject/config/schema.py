@@ -18,6 +18,8 @@ from skipinject.config.steps import StepSet
 from skipinject.errors import ConfigError
 
 DEFAULT_DUMP_DIR = "~/.verl/rollout_dump"
+#: Longest ``dump_dir`` accepted: Linux's PATH_MAX (a longer path cannot be opened anyway).
+MAX_PATH_CHARS = 4096
 
 
 class Action(str, enum.Enum):
@@ -199,6 +201,11 @@ def role_config(
             raise ConfigError(f"{dotted}={shown}: {_expected(key)}") from exc
         if key == "dump_dir" and (not converted.strip() or "\x00" in converted):
             raise ConfigError(f"{dotted}={shown}: expected a directory path")
+        if key == "dump_dir" and len(converted) > MAX_PATH_CHARS:
+            raise ConfigError(
+                f"{dotted}={_show(converted)}: {len(converted)} characters, longer than any path "
+                f"({MAX_PATH_CHARS}); expected a directory path"
+            )
         if key == "dump_dir" and "://" in converted:
             from skipinject.cluster import is_remote
 

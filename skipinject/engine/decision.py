@@ -49,6 +49,11 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
     """
     store = role.store_for(call)
     action = role.settings.action
+    unusable = role.unusable(store)
+    if unusable is not None:  # reported once, when the store was opened
+        if action is Action.strict:
+            raise CacheMissError(f"{role.name} step {step}: skip.{role.name}.action=strict and {unusable}")
+        return Plan(store, step, reason="cache directory unusable")
     problems: list[str] = []
     found: tuple[Path, UpstreamFormat] | None = None
     try:
@@ -63,8 +68,8 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
             except CorruptCacheError as exc:
                 problems.append(str(exc))
                 continue
-            for problem in problems:
-                logger.warning("%s step %d: cache unusable, not loaded: %s", role.name, step, problem)
+            if problems:
+                logger.warning("%s step %d: cache unusable, not loaded: %s", role.name, step, summary(problems))
             if candidate == step:
                 reason = "own cache"
             elif candidate < step:
@@ -95,19 +100,37 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
     if interrupted:
         problems.append(interrupted)
     if action is Action.strict:
-        detail = "; ".join(problems) or f"no cache at {where}"
+        detail = summary(problems) if problems else f"no cache at {where}"
         raise CacheMissError(f"{role.name} step {step}: skip.{role.name}.action=strict and {detail}")
     if problems:
         logger.warning(
             "%s step %d: cache unusable, not loaded: %s; running the target and saving its result",
             role.name,
             step,
-            "; ".join(problems),
+            summary(problems),
         )
         return Plan(store, step, reason="cache unusable")
     reason = f"no cached step in {store.project_dir}" if action is Action.repeat else f"no cache at {where}"
     logger.info("%s step %d: miss (%s); running the target and saving its result", role.name, step, reason)
     return Plan(store, step, reason=reason)
+
+
+#: A decision's log line quotes at most this many of the candidates it could not use, each cut short.
+EXAMPLES = 3
+EXAMPLE_CHARS = 300
+
+
+def summary(problems: list[str]) -> str:
+    """One bounded line for the candidates a decision could not use: all of them when few, else the
+    count and the first :data:`EXAMPLES` (``repeat`` over a thousand damaged steps logs one line)."""
+
+    def cut(text: str) -> str:
+        return text if len(text) <= EXAMPLE_CHARS else text[:EXAMPLE_CHARS] + "..."
+
+    if len(problems) <= EXAMPLES:
+        return "; ".join(cut(p) for p in problems)
+    shown = "; ".join(cut(p) for p in problems[:EXAMPLES])
+    return f"{len(problems)} cached steps unusable, e.g. {shown}; and {len(problems) - EXAMPLES} more"
 
 
 def repeat_order(store: StepStore, step: int) -> list[int]:

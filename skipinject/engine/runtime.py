@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from skipinject.cluster import local_path_text
 from skipinject.config import Action, MismatchPolicy, RoleConfig
 from skipinject.engine.background import WRITER
 from skipinject.engine.calls import StepBook, StepCalls, part_name, recorded_inputs
@@ -40,6 +41,7 @@ class RoleRuntime:
         self.settings = settings
         self.owner = owner
         self._stores: dict[Path | RemotePath, StepStore] = {}
+        self._unusable: dict[Path | RemotePath, str | None] = {}
         self._lock = threading.Lock()
         self._warned: set[Any] = set()
         self._default_codec: Codec | None = None
@@ -122,12 +124,25 @@ class RoleRuntime:
                 store = self._stores[project] = self._open_store(project, context)
                 if config is None:
                     logger.info("%s: no verl trainer config seen; caching under %s", self.name, project)
+                problem = store.unusable()
+                self._unusable[project] = problem
+                if problem is not None:
+                    logger.warning(
+                        "%s: cache directory unusable (%s); this run neither loads nor saves caches there",
+                        self.name,
+                        problem,
+                    )
             return store
+
+    def unusable(self, store: StepStore) -> str | None:
+        """Why ``store`` cannot be used at all this run (found once, logged once when it was opened)."""
+        return self._unusable.get(store.project_dir)
 
     def _open_store(self, project: Path, context: dict[str, Any]) -> StepStore:
         """One store class for every ``dump_dir``; the backend (local files or fsspec) comes from it."""
         root, fs = open_root(self.settings.dump_dir)
         trust = self.settings.trust_dir_permissions
+        given = Path(local_path_text(self.settings.dump_dir)).expanduser() if fs is None else None
         return StepStore(
             project,
             self.role.name,
@@ -135,7 +150,7 @@ class RoleRuntime:
             trust_permissions=trust,
             dump_dir=root if isinstance(root, Path) else None,
             plugin=self.owner,
-            backend=backend_for(fs, trust_permissions=trust),
+            backend=backend_for(fs, trust_permissions=trust, given_root=given),
         )
 
     # ------------------------------------------------------------ deciding
@@ -372,8 +387,8 @@ class RoleRuntime:
         """
         plan = record.plan
         assert plan is not None
-        if record.failed:
-            return
+        if record.failed or self.unusable(plan.store) is not None:
+            return  # an unusable cache directory was reported once, when the store was opened
         if result is None:
             self._drop_step(record, f"call {index + 1} returned None")
             return

@@ -88,8 +88,10 @@ class Backend(Protocol):
     def commit(self, step_dir: Location, meta: bytes, write_id: str) -> None:
         """Replace the step's ``meta.json`` with ``meta``, last and in one step."""
 
-    def remove(self, location: Location) -> None:
-        """Remove a file (or an empty directory) a failed writer left; best effort, never raises."""
+    def remove(self, location: Location, anchor: Location | None = None) -> None:
+        """Remove a file (or an empty directory) a failed writer left; best effort, never raises.
+
+        ``anchor``: the store's root, from which a local backend walks down without following links."""
 
     def collect(self, project: Location, step: int, named: set[str] | None) -> tuple[int, int]:
         """Remove leftovers of ``step`` (files no meta.json names, once abandoned; ``named``: those it names, None
@@ -108,12 +110,15 @@ def open_root(dump_dir: str) -> tuple[Path | RemotePath, Any]:
     return location, fs
 
 
-def backend_for(fs: Any, *, trust_permissions: bool = False) -> Backend:
-    """The backend of a root :func:`open_root` returned: local files, or the fsspec filesystem ``fs``."""
+def backend_for(fs: Any, *, trust_permissions: bool = False, given_root: Path | None = None) -> Backend:
+    """The backend of a root :func:`open_root` returned: local files, or the fsspec filesystem ``fs``.
+
+    ``given_root``: a local dump directory as the user gave it, before links are resolved (checked
+    by the local backend's trust rules)."""
     if fs is None:
         from skipinject.store.local import LocalFiles
 
-        return LocalFiles(trust_permissions=trust_permissions)
+        return LocalFiles(trust_permissions=trust_permissions, given_root=given_root)
     from skipinject.store.remote import FsspecFiles
 
     return FsspecFiles(fs)
