@@ -54,7 +54,6 @@ def parse_overrides(
             raise ConfigError(f"{dotted}={raw}: expected skip.<role>.<key>=<value>")
         _, role, key = parts
         texts.setdefault(role, {})[key] = raw
-        shown = raw if len(raw) <= 100 else raw[:100] + "..."
         try:
             if key == "steps":
                 # read as text by StepSet (ranges stay ranges); interpolations resolve as in YAML
@@ -65,7 +64,7 @@ def parse_overrides(
                     resolved = cast("dict[str, Any]", container)["v"]
                 roles.setdefault(role, {})[key] = resolved
                 continue
-            check_yaml(raw, f"{dotted}={shown}")
+            check_yaml(raw, f"{dotted}={raw}")
             parsed = OmegaConf.from_dotlist([f"v={raw}"])
             container = OmegaConf.to_container(parsed, resolve=True)
             assert isinstance(container, dict)  # from_dotlist always builds a mapping
@@ -74,7 +73,7 @@ def parse_overrides(
             raise
         except Exception as exc:  # OmegaConf's grammar errors, and YAML's underneath
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"{dotted}={shown}: cannot parse the value ({reason})") from exc
+            raise ConfigError(f"{dotted}={raw}: cannot parse the value ({reason})") from exc
         roles.setdefault(role, {})[key] = value
     return roles, texts
 

@@ -111,9 +111,10 @@ class RoleConfig:
         False,
         shown="False",
         meaning=(
-            "load from cache directories that other users can write to or own (group/world-writable without "
-            "the sticky bit, or another owner: refused by default with one warning naming the directory, "
-            "like ssh's StrictModes)"
+            "load from and save into cache directories that other users can write to or own "
+            "(group/world-writable without the sticky bit, another owner, a `dump_dir` that is another user's "
+            "link or lies in a directory others can write: refused by default with one warning naming the "
+            "directory, like ssh's StrictModes)"
         ),
     )
 

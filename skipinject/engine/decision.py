@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from skipinject.config import Action
-from skipinject.errors import CacheMissError, CorruptCacheError
+from skipinject.errors import CacheMissError, CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepEntry, StepStore
 
 if TYPE_CHECKING:
@@ -35,6 +35,8 @@ class Plan:
     upstream_file: Path | None = None
     upstream_format: UpstreamFormat | None = None
     reason: str = ""
+    #: Whether a fresh result may be saved (not into a step directory another user controls).
+    saves: bool = True
 
     @property
     def served_step(self) -> int:
@@ -53,8 +55,9 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
     if unusable is not None:  # reported once, when the store was opened
         if action is Action.strict:
             raise CacheMissError(f"{role.name} step {step}: skip.{role.name}.action=strict and {unusable}")
-        return Plan(store, step, reason="cache directory unusable")
+        return Plan(store, step, reason="cache directory unusable", saves=False)
     problems: list[str] = []
+    untrusted_own = False  # the step's own directory is another user's: nothing is saved there either
     found: tuple[Path, UpstreamFormat] | None = None
     try:
         candidates = repeat_order(store, step) if action is Action.repeat else [step]
@@ -67,6 +70,7 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
                 continue
             except CorruptCacheError as exc:
                 problems.append(str(exc))
+                untrusted_own = untrusted_own or (candidate == step and isinstance(exc, UntrustedCacheError))
                 continue
             if problems:
                 logger.warning("%s step %d: cache unusable, not loaded: %s", role.name, step, summary(problems))
@@ -104,12 +108,13 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
         raise CacheMissError(f"{role.name} step {step}: skip.{role.name}.action=strict and {detail}")
     if problems:
         logger.warning(
-            "%s step %d: cache unusable, not loaded: %s; running the target and saving its result",
+            "%s step %d: cache unusable, not loaded: %s; running the target and %s",
             role.name,
             step,
             summary(problems),
+            "not saving its result there" if untrusted_own else "saving its result",
         )
-        return Plan(store, step, reason="cache unusable")
+        return Plan(store, step, reason="cache unusable", saves=not untrusted_own)
     reason = f"no cached step in {store.project_dir}" if action is Action.repeat else f"no cache at {where}"
     logger.info("%s step %d: miss (%s); running the target and saving its result", role.name, step, reason)
     return Plan(store, step, reason=reason)
@@ -117,7 +122,7 @@ def plan_step(role: RoleRuntime, call: Call, step: int) -> Plan:
 
 #: A decision's log line quotes at most this many of the candidates it could not use, each cut short.
 EXAMPLES = 3
-EXAMPLE_CHARS = 300
+EXAMPLE_CHARS = 600
 
 
 def summary(problems: list[str]) -> str:

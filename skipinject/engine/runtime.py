@@ -387,8 +387,8 @@ class RoleRuntime:
         """
         plan = record.plan
         assert plan is not None
-        if record.failed or self.unusable(plan.store) is not None:
-            return  # an unusable cache directory was reported once, when the store was opened
+        if record.failed or not plan.saves:
+            return  # an unusable or untrusted cache directory was reported once already
         if result is None:
             self._drop_step(record, f"call {index + 1} returned None")
             return
