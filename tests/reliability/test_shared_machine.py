@@ -22,7 +22,7 @@ from skipinject.cache_tool import commands
 from skipinject.cache_tool.commands import CommandError
 from skipinject.cache_tool.scan import scan
 from tests.reliability import helpers as h
-from tests.reliability.test_races import OTHER_UID, as_other_user
+from tests.reliability.test_races import as_other_user
 
 STEP = 1
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user (os.setuid)")
@@ -109,7 +109,9 @@ def test_run_one_does_not_save_into_directories_another_user_precreated(base: Pa
 
 
 @pytest.mark.parametrize("kind", ["fifo", "devnull", "file"])
-def test_a_dump_dir_that_is_no_directory_gives_one_line_once(tmp_path: Path, kind: str, caplog: Any, ledger: Any) -> None:
+def test_a_dump_dir_that_is_no_directory_gives_one_line_once(
+    tmp_path: Path, kind: str, caplog: Any, ledger: Any
+) -> None:
     if kind == "fifo":
         dump = tmp_path / "fifo"
         os.mkfifo(dump)
