@@ -136,9 +136,9 @@ def cmd_ls(root: Path | str, *, as_json: bool, per_step: bool, default: bool) ->
         total = sum(i.size for i in items)
         print(f"{len(items)} step(s), {human_size(total)} in {root}")
     for item in items:
-        if item.state == "damaged":
+        if item.state in ("damaged", "untrusted"):
             for problem in item.problems:
-                print(f"damaged: {problem}", file=sys.stderr)
+                print(f"{item.state}: {problem}", file=sys.stderr)
     for problem in problems:
         print(f"unreadable: {problem}", file=sys.stderr)
     return OK
