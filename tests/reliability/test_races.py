@@ -197,18 +197,19 @@ def test_garbage_collection_does_not_remove_through_a_swapped_step(shared: Path,
 
 
 def test_a_failed_save_cleans_up_without_following_a_link(tmp_path: Path, ledger: Any) -> None:
-    """The writer's clean-up removes what it wrote relative to the store's root: a step directory
-    replaced by a link meanwhile leads nowhere."""
-    from skipinject.store.local import LocalFiles
-
+    """A writer's clean-up (abort) removes what it wrote relative to the store's root: its step
+    directory replaced meanwhile by a link to a directory holding files of the same names leads
+    nowhere."""
+    dump = tmp_path / "dump"
+    store = StepStore(dump / "proj", "toy", h.CONTEXT, dump_dir=dump)
+    writer = store.begin(3)
+    writer.add_part(h.plain_payload(64, 1.0))
     victim = tmp_path / "victim"
-    victim.mkdir()
-    (victim / "objects-1-1-deadbeef.json").write_bytes(b"victim")
-    root = tmp_path / "dump"
-    (root / "proj").mkdir(parents=True)
-    (root / "proj" / "3").symlink_to(victim)
-    LocalFiles().remove(root / "proj" / "3" / "objects-1-1-deadbeef.json", root)
-    lost = int(not (victim / "objects-1-1-deadbeef.json").exists())
-    ledger("cache tool", "a failed save's clean-up after its step directory became a link", 1,
-           f"victim's files removed: {lost}", lost)  # fmt: skip
+    store.step_dir(3).rename(victim)  # the same names, now someone else's
+    store.step_dir(3).symlink_to(victim)
+    before = {p: p.read_bytes() for p in h.regular_files(victim)}
+    writer.abort()
+    lost = taken(before)
+    ledger("cache tool", "a failed save's clean-up after its step directory became a link to files of the same "
+           "names", 1, f"files removed through the link: {lost}", lost)  # fmt: skip
     assert lost == 0
