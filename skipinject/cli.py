@@ -62,6 +62,8 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, str | bool], str | None, str 
         elif arg.split("=", 1)[0] in ("--plugins", "--skip-config"):
             args.pop(0)
             name = arg.split("=", 1)[0]
+            if name[2:] in options:
+                raise UsageError(f"{name} given twice (the first would be ignored); give it once")
             if "=" in arg:
                 options[name[2:]] = arg.split("=", 1)[1]
             elif args:

@@ -105,7 +105,10 @@ class DumpRoot:
         if self.url is None:
             from skipinject.store.local import LocalFiles
 
-            return LocalFiles(trust_permissions=trust_permissions)
+            # The directory as the user gave it (``~`` expanded, links not resolved): its trust is
+            # checked before a link could redirect it.
+            given = Path(local_path_text(self.text)).expanduser()
+            return LocalFiles(trust_permissions=trust_permissions, given_root=given)
         from skipinject.store.remote import FsspecFiles
 
         return FsspecFiles(_opened(self.url)[0])

@@ -27,6 +27,11 @@ class CorruptCacheError(CacheError):
     """A cache entry exists but fails verification (truncated, edited, other format or role)."""
 
 
+class UntrustedCacheError(CorruptCacheError):
+    """A cache lies where another user could have planted or redirected it (a directory others can
+    write, another owner, a link another user controls): intact perhaps, but not ours to trust."""
+
+
 class CacheMissError(CacheError):
     """``action=strict`` and the step has no usable cache."""
 

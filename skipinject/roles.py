@@ -217,6 +217,8 @@ class Plan:
     reason: str = ""
     #: verl's own cache of the step, found but not loaded (``trust_upstream`` is false).
     untrusted_upstream: Path | None = None
+    #: Whether a fresh result may be saved (not into a step directory another user controls).
+    saves: bool = True
 
     @property
     def served_step(self) -> int:

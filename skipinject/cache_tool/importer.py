@@ -184,6 +184,8 @@ def cmd_import(
     items: list[Item] = []
     roles = InstalledRoles()
     for path in paths:
+        if path.is_symlink():  # as show and verify: the path given is read, never a link's target
+            raise CommandError(f"{path}: a symbolic link; give the directory it points to if you trust it")
         existing_dir(path)
         items += [i for i in scan(path, roles=roles) if i.state == "foreign"]
     if not trust:

@@ -138,8 +138,8 @@ def render(
         total = sum(i.size for i in items)
         say(f"{len(items)} step(s), {human_size(total)} in {root}")
     for item in items:
-        if item.state == "damaged":
+        if item.state in ("damaged", "untrusted"):
             for problem in item.problems:
-                say(f"damaged: {problem}", err=True)
+                say(f"{item.state}: {problem}", err=True)
     for problem in problems:
         say(f"unreadable: {problem}", err=True)

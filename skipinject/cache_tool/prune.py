@@ -126,7 +126,7 @@ def act(
         if problem:
             skipped.append({"path": str(item.path), "reason": problem})
             continue
-        count, size = (len(_our_files(item)), sum(_sizes(_our_files(item)))) if dry_run else remove_step(item)
+        count, size = (len(_our_files(item)), sum(_sizes(_our_files(item)))) if dry_run else remove_step(item, root)
         files_total += count
         bytes_total += size
         removed.append({"path": str(item.path), "role": item.role, "step": item.step, "reason": reason, "size": size})
@@ -195,28 +195,27 @@ def _unsafe(item: Item, root_real: Path, now: float) -> str | None:
     return None
 
 
-def remove_step(item: Item) -> tuple[int, int]:
-    """Delete ``meta.json`` first (the step becomes absent at once), then its data files and empty dirs."""
-    files = _our_files(item)
-    files.sort(key=lambda p: p.name != META_NAME)
-    count = size = 0
-    for path in files:
-        info = lstat_regular(path)
-        if info is None:
-            continue
-        try:
-            path.unlink()
-        except OSError:
-            continue
-        count += 1
-        size += info.st_size
-    for directory in sorted({p.parent for p in files}, key=lambda p: len(p.parts), reverse=True):
-        if directory != item.path:
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-    with contextlib.suppress(OSError):
-        item.path.rmdir()
-    return count, size
+def remove_step(item: Item, root: Path) -> tuple[int, int]:
+    """Delete ``meta.json`` first (the step becomes absent at once), then its data files and empty dirs:
+    relative to descriptors opened once from ``root`` (:mod:`skipinject.store.removal`), so a step
+    swapped for a link after the check removes nothing through it."""
+    from skipinject.store.removal import remove_step as remove_under
+
+    if item.state == "partial":
+        chosen = {p.relative_to(item.path).as_posix() for p in item.files}
+
+        def wanted(part: str, name: str) -> bool:
+            return (f"{part}/{name}" if part else name) in chosen
+
+    else:
+
+        def wanted(part: str, name: str) -> bool:
+            return is_ours(name) or (not part and name == META_NAME and item.kind == "skipinject")
+
+    try:
+        return remove_under(root, item.path, wanted)
+    except (OSError, ValueError):
+        return 0, 0
 
 
 def _leftovers(items: Sequence[Item], now: float) -> tuple[list[Any], set[Path]] | None:

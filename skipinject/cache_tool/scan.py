@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
-from skipinject.errors import CorruptCacheError
+from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepStore
 from skipinject.store.files import parse_json, read_small
 from skipinject.store.format import FORMAT, MAX_META_DEPTH, META_NAME, PART_NAME, STEP_NAME, is_ours
@@ -100,7 +100,7 @@ class Item:
     layout: str
     role: str
     step: int | None
-    state: str  # complete | partial | foreign | damaged
+    state: str  # complete | partial | foreign | damaged | untrusted
     kind: str = "skipinject"  # skipinject, or the label of verl's format (verl-v0 | verl-v1 | verl-0.8)
     rows: int | None = None
     size: int = 0
@@ -382,6 +382,9 @@ def _our_step(
         item.meta = meta
         sized = precheck(store, step, meta)
         item.files += [path for path, _ in sized]
+    except UntrustedCacheError as exc:  # intact perhaps, but in a tree another user controls
+        item.state = "untrusted"
+        item.problems.append(str(exc))
     except (CorruptCacheError, OSError, ValueError, TypeError, AttributeError) as exc:
         item.state = "damaged"
         item.problems.append(str(exc) if isinstance(exc, CorruptCacheError) else f"{step_dir}: {exc}")

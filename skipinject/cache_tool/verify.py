@@ -25,7 +25,7 @@ class CheckedRecord(ItemRecord):
 @dataclass
 class Checked:
     item: Item
-    status: str  # ok | damaged | partial | foreign
+    status: str  # ok | damaged | partial | foreign | untrusted
     problems: list[str]
     notes: list[str] = field(default_factory=list)
     plugin: str | None = None  # the installed plugin providing the step's role
@@ -92,8 +92,8 @@ def verify_item(item: Item, roles: InstalledRoles | None = None) -> Checked:
 def _verify_item(item: Item) -> Checked:
     if item.state == "damaged":
         return Checked(item, "damaged", list(item.problems))
-    if item.state == "partial":
-        return Checked(item, "partial", list(item.problems))
+    if item.state in ("partial", "untrusted"):
+        return Checked(item, item.state, list(item.problems))
     if not isinstance(item.path, Path):  # a step in a remote store
         from skipinject.cache_tool.remote import verify_remote
 
@@ -147,7 +147,7 @@ def _head(path: Path) -> bytes:
 
 def render(results: Sequence[Checked], unreadable: Sequence[str], total: int) -> None:
     for result in results:
-        if result.status in ("damaged", "partial"):
+        if result.status in ("damaged", "partial", "untrusted"):
             for problem in result.problems or ["(no detail)"]:
                 say(f"{result.status.upper()}: {problem}")
     for problem in unreadable:
@@ -155,7 +155,7 @@ def render(results: Sequence[Checked], unreadable: Sequence[str], total: int) ->
     for result in results:
         for note in result.notes:
             say(f"NOTE: {note}")
-    counts = {s: sum(r.status == s for r in results) for s in ("ok", "damaged", "partial", "foreign")}
+    counts = {s: sum(r.status == s for r in results) for s in ("ok", "damaged", "partial", "foreign", "untrusted")}
     foreign = (
         f", {counts['foreign']} foreign (verl's pickles, not loaded: `skipinject cache import --trust` converts)"
         if counts["foreign"]
@@ -164,4 +164,5 @@ def render(results: Sequence[Checked], unreadable: Sequence[str], total: int) ->
     say(
         f"verified {len(results)} step(s), {human_size(total)}: {counts['ok']} ok, {counts['damaged']} damaged, "
         f"{counts['partial']} partial{foreign}"
+        + (f", {counts['untrusted']} untrusted (in directories other users control)" if counts["untrusted"] else "")
     )

@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from skipinject.config.bounded_yaml import check_yaml
 from skipinject.config.schema import role_config
 from skipinject.config.transport import Config
 from skipinject.errors import ConfigError
@@ -53,14 +54,23 @@ def parse_overrides(
             raise ConfigError(f"{dotted}={raw}: expected skip.<role>.<key>=<value>")
         _, role, key = parts
         texts.setdefault(role, {})[key] = raw
-        if key == "steps":
-            roles.setdefault(role, {})[key] = _unquote(raw.strip())
-            continue
         try:
+            if key == "steps":
+                # read as text by StepSet (ranges stay ranges); interpolations resolve as in YAML
+                text = _unquote(raw.strip())
+                resolved: Any = text
+                if "${" in text:
+                    container = OmegaConf.to_container(OmegaConf.create({"v": text}), resolve=True)
+                    resolved = cast("dict[str, Any]", container)["v"]
+                roles.setdefault(role, {})[key] = resolved
+                continue
+            check_yaml(raw, f"{dotted}={raw}")
             parsed = OmegaConf.from_dotlist([f"v={raw}"])
             container = OmegaConf.to_container(parsed, resolve=True)
             assert isinstance(container, dict)  # from_dotlist always builds a mapping
             value = container["v"]
+        except ConfigError:
+            raise
         except Exception as exc:  # OmegaConf's grammar errors, and YAML's underneath
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"{dotted}={raw}: cannot parse the value ({reason})") from exc
@@ -75,19 +85,17 @@ def _unquote(text: str) -> str:
 
 
 def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
-    """The ``skip:`` mapping of a YAML settings file (``{role: {key: value}}``)."""
+    """The ``skip:`` mapping of a YAML settings file (``{role: {key: value}}``).
+
+    Read bounded (a regular file of at most :data:`MAX_FILE_BYTES`, a FIFO never blocks) and checked
+    by :func:`~skipinject.config.bounded_yaml.check_yaml` before OmegaConf parses it."""
     from omegaconf import OmegaConf
 
-    where = Path(path)
+    text = _read_settings(Path(path), f"--skip-config {path}")
+    check_yaml(text, f"--skip-config {path}", "cannot read it")
     try:
-        if not where.is_file():
-            raise ConfigError(f"--skip-config {path}: no such file")
-        if where.stat().st_size > MAX_FILE_BYTES:
-            raise ConfigError(f"--skip-config {path}: larger than {MAX_FILE_BYTES} bytes; not a settings file")
-        loaded = OmegaConf.to_container(OmegaConf.load(where), resolve=True)
-    except ConfigError:
-        raise
-    except Exception as exc:  # OmegaConf's errors, YAML's underneath, OSError
+        loaded = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+    except Exception as exc:  # OmegaConf's errors, YAML's underneath
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise ConfigError(f"--skip-config {path}: cannot read it ({reason[:300]})") from exc
     if not isinstance(loaded, Mapping) or set(loaded) != {"skip"} or not isinstance(loaded["skip"], Mapping):
@@ -100,6 +108,38 @@ def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"skip.{role}: expected a mapping of keys to values, got {type(values).__name__}")
         roles[role] = {str(k): v for k, v in values.items()}
     return roles
+
+
+def _read_settings(where: Path, shown: str) -> str:
+    """A settings file's text: a regular file (checked on the opened descriptor), bounded, UTF-8."""
+    import os
+    import stat
+
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ConfigError(f"{shown}: no such file") from None
+    except OSError as exc:
+        raise ConfigError(f"{shown}: cannot open it ({exc.strerror or exc})") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            from skipinject.store.files import file_kind
+
+            raise ConfigError(f"{shown}: {file_kind(info.st_mode)}, not a settings file")
+        if info.st_size > MAX_FILE_BYTES:
+            raise ConfigError(f"{shown}: larger than {MAX_FILE_BYTES} bytes; not a settings file")
+        data = os.read(fd, MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{shown}: cannot read it ({exc.strerror or exc})") from exc
+    finally:
+        os.close(fd)
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"{shown}: larger than {MAX_FILE_BYTES} bytes; not a settings file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{shown}: not UTF-8 text (byte {exc.start})") from exc
 
 
 def apply_settings(

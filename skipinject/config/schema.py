@@ -20,6 +20,8 @@ from skipinject.dump_root import DumpRoot
 from skipinject.errors import ConfigError
 
 DEFAULT_DUMP_DIR = "~/.verl/rollout_dump"
+#: Longest ``dump_dir`` accepted: Linux's PATH_MAX (a longer path cannot be opened anyway).
+MAX_PATH_CHARS = 4096
 
 
 class Action(str, enum.Enum):
@@ -111,9 +113,10 @@ class RoleConfig:
         False,
         shown="False",
         meaning=(
-            "load from cache directories that other users can write to or own (group/world-writable without "
-            "the sticky bit, or another owner: refused by default with one warning naming the directory, "
-            "like ssh's StrictModes)"
+            "load from and save into cache directories that other users can write to or own "
+            "(group/world-writable without the sticky bit, another owner, a `dump_dir` that is another user's "
+            "link or lies in a directory others can write: refused by default with one warning naming the "
+            "directory, like ssh's StrictModes)"
         ),
     )
 
@@ -206,6 +209,11 @@ def role_config(
             raise ConfigError(f"{dotted}={shown}: {_expected(key)}") from exc
         if key == "dump_dir" and (not converted.strip() or "\x00" in converted):
             raise ConfigError(f"{dotted}={shown}: expected a directory path")
+        if key == "dump_dir" and len(converted) > MAX_PATH_CHARS:
+            raise ConfigError(
+                f"{dotted}={_show(converted)}: {len(converted)} characters, longer than any path "
+                f"({MAX_PATH_CHARS}); expected a directory path"
+            )
         if key == "dump_dir":
             DumpRoot.parse(converted).check(dotted)
         changes[key] = converted

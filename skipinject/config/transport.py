@@ -17,13 +17,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from skipinject.config.schema import KEY_TYPES, ROLE_KEYS, RoleConfig
+from skipinject.config.schema import KEY_TYPES, MAX_PATH_CHARS, ROLE_KEYS, RoleConfig
 from skipinject.config.steps import StepSet
 from skipinject.errors import ConfigError
 
 #: Largest serialised configuration handed to children. Linux caps one environment string at
 #: 128 KiB (MAX_ARG_STRLEN) and all of them together at a fraction of ARG_MAX; stay well inside.
 MAX_SERIALISED_BYTES = 64 << 10
+#: Largest configuration text before compression: the writer refuses more, so a reader refuses a
+#: variable that expands further after decompressing at most this much (a zip bomb costs no more).
+MAX_EXPANDED_BYTES = 512 << 10
 _COMPRESS_ABOVE = 4 << 10
 _COMPRESSED = "z1:"
 SERIAL_VERSION = 2
@@ -61,6 +64,13 @@ class Config:
             "triggers": list(self.triggers),
         }
         text = json.dumps({**body, "roles": roles}, sort_keys=True, separators=(",", ":"))
+        if len(text) > MAX_EXPANDED_BYTES:
+            longest = max(self.roles, key=lambda n: len(self.roles[n].steps.spans))
+            raise ConfigError(
+                f"skip.{longest}.steps: {len(self.roles[longest].steps.spans)} separate steps or ranges are too many "
+                f"to hand to the processes of the run ({len(text)} bytes of settings, at most {MAX_EXPANDED_BYTES}); "
+                "write them as ranges like 1-128"
+            )
         if len(text) > _COMPRESS_ABOVE:
             text = _COMPRESSED + base64.b85encode(zlib.compress(text.encode(), 9)).decode()
         if len(text) > MAX_SERIALISED_BYTES:
@@ -80,9 +90,12 @@ class Config:
                 raise ValueError(f"{len(text)} bytes is longer than any configuration skipinject writes")
             if text.startswith(_COMPRESSED):
                 decompressor = zlib.decompressobj()
-                raw = decompressor.decompress(base64.b85decode(text[len(_COMPRESSED) :]), MAX_SERIALISED_BYTES * 64)
-                if decompressor.unconsumed_tail:
-                    raise ValueError("compressed configuration expands too far")
+                raw = decompressor.decompress(base64.b85decode(text[len(_COMPRESSED) :]), MAX_EXPANDED_BYTES + 1)
+                if decompressor.unconsumed_tail or len(raw) > MAX_EXPANDED_BYTES:
+                    limit = MAX_EXPANDED_BYTES
+                    raise ValueError(
+                        f"compressed configuration expands beyond {limit} bytes, more than skipinject writes"
+                    )
                 text = raw.decode()
             data = json.loads(text)
             if not isinstance(data, dict) or data.get("version") != SERIAL_VERSION:
@@ -129,7 +142,7 @@ def _serialised_role(name: str, values: Any) -> RoleConfig:
             if type(value) is not bool:
                 raise ValueError(f"skip.{name}.{key} is not a boolean")
         elif kind is str:
-            if not isinstance(value, str) or not value or "\x00" in value:
+            if not isinstance(value, str) or not value or "\x00" in value or len(value) > MAX_PATH_CHARS:
                 raise ValueError(f"skip.{name}.{key} is not a path")
         elif kind is StepSet:
             if not isinstance(value, str):

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from skipinject.config import Action, RoleConfig
-from skipinject.errors import CacheMissError, CorruptCacheError
+from skipinject.errors import CacheMissError, CorruptCacheError, UntrustedCacheError
 from skipinject.roles import Plan, UpstreamFormat
 from skipinject.store import StepStore
 
@@ -28,9 +28,17 @@ __all__ = ["Plan", "cannot_load", "nothing_more", "plan_step", "repeat_order", "
 logger = logging.getLogger("skipinject")
 
 
-def plan_step(name: str, store: StepStore, settings: RoleConfig, upstream: Sequence[UpstreamFormat], step: int) -> Plan:
+def plan_step(
+    name: str,
+    store: StepStore,
+    settings: RoleConfig,
+    upstream: Sequence[UpstreamFormat],
+    step: int,
+    unusable: str | None = None,
+) -> Plan:
     """Find the entry of role ``name`` to serve at ``step`` (verified), or explain why there is none.
-    Logs the decision in one line.
+    Logs the decision in one line. ``unusable``: why the store cannot be used at all this run (found
+    and reported once, when it was opened): nothing is loaded or saved then.
 
     A cache that cannot be used (damaged, foreign, unreadable) is never loaded: the run regenerates
     the step, or stops with :class:`CacheMissError` for ``action=strict``. verl's own (pickled) cache
@@ -38,7 +46,12 @@ def plan_step(name: str, store: StepStore, settings: RoleConfig, upstream: Seque
     the caller to report once.
     """
     action = settings.action
+    if unusable is not None:  # reported once, when the store was opened
+        if action is Action.strict:
+            raise CacheMissError(f"{name} step {step}: skip.{name}.action=strict and {unusable}")
+        return Plan(store, step, reason="cache directory unusable", saves=False)
     problems: list[str] = []
+    untrusted_own = False  # the step's own directory is another user's: nothing is saved there either
     found: tuple[Path, UpstreamFormat] | None = None
     try:
         candidates = repeat_order(store, step) if action is Action.repeat else [step]
@@ -51,9 +64,10 @@ def plan_step(name: str, store: StepStore, settings: RoleConfig, upstream: Seque
                 continue
             except CorruptCacheError as exc:
                 problems.append(str(exc))
+                untrusted_own = untrusted_own or (candidate == step and isinstance(exc, UntrustedCacheError))
                 continue
-            for problem in problems:
-                logger.warning("%s step %d: cache unusable, not loaded: %s", name, step, problem)
+            if problems:
+                logger.warning("%s step %d: cache unusable, not loaded: %s", name, step, summary(problems))
             if candidate == step:
                 reason = "own cache"
             elif candidate < step:
@@ -74,18 +88,19 @@ def plan_step(name: str, store: StepStore, settings: RoleConfig, upstream: Seque
     if interrupted:
         problems.append(interrupted)
     if action is Action.strict:
-        detail = "; ".join(problems) or f"no cache at {where}"
+        detail = summary(problems) if problems else f"no cache at {where}"
         if untrusted is not None:
             detail += f" (verl's own cache {untrusted} is not loaded: skip.{name}.trust_upstream is false)"
         raise CacheMissError(f"{name} step {step}: skip.{name}.action=strict and {detail}")
     if problems:
         logger.warning(
-            "%s step %d: cache unusable, not loaded: %s; running the target and saving its result",
+            "%s step %d: cache unusable, not loaded: %s; running the target and %s",
             name,
             step,
-            "; ".join(problems),
+            summary(problems),
+            "not saving its result there" if untrusted_own else "saving its result",
         )
-        return Plan(store, step, reason="cache unusable", untrusted_upstream=untrusted)
+        return Plan(store, step, reason="cache unusable", untrusted_upstream=untrusted, saves=not untrusted_own)
     reason = f"no cached step in {store.project_dir}" if action is Action.repeat else f"no cache at {where}"
     logger.info("%s step %d: miss (%s); running the target and saving its result", name, step, reason)
     return Plan(store, step, reason=reason, untrusted_upstream=untrusted)
@@ -114,6 +129,24 @@ def nothing_more(name: str, settings: RoleConfig, plan: Plan, index: int, calls:
             f"{name} step {plan.step}: skip.{name}.action=strict and call {index + 1} of this step "
             f"has nothing to serve ({where} holds {calls} call{'s' if calls != 1 else ''})"
         )
+
+
+#: A decision's log line quotes at most this many of the candidates it could not use, each cut short.
+EXAMPLES = 3
+EXAMPLE_CHARS = 600
+
+
+def summary(problems: list[str]) -> str:
+    """One bounded line for the candidates a decision could not use: all of them when few, else the
+    count and the first :data:`EXAMPLES` (``repeat`` over a thousand damaged steps logs one line)."""
+
+    def cut(text: str) -> str:
+        return text if len(text) <= EXAMPLE_CHARS else text[:EXAMPLE_CHARS] + "..."
+
+    if len(problems) <= EXAMPLES:
+        return "; ".join(cut(p) for p in problems)
+    shown = "; ".join(cut(p) for p in problems[:EXAMPLES])
+    return f"{len(problems)} cached steps unusable, e.g. {shown}; and {len(problems) - EXAMPLES} more"
 
 
 def repeat_order(store: StepStore, step: int) -> list[int]:

@@ -38,6 +38,7 @@ class RoleRuntime:
         self.settings = settings
         self.owner = owner
         self._stores: dict[Path, StepStore] = {}  # a RemotePath stands in for a Path
+        self._unusable: dict[Path, str | None] = {}
         self._lock = threading.Lock()
         self._warned: set[Any] = set()
         self._default_codec: Codec | None = None
@@ -120,7 +121,19 @@ class RoleRuntime:
                 store = self._stores[project] = self._open_store(project, context)
                 if config is None:
                     logger.info("%s: no verl trainer config seen; caching under %s", self.name, project)
+                problem = store.unusable()
+                self._unusable[project] = problem
+                if problem is not None:
+                    logger.warning(
+                        "%s: cache directory unusable (%s); this run neither loads nor saves caches there",
+                        self.name,
+                        problem,
+                    )
             return store
+
+    def unusable(self, store: StepStore) -> str | None:
+        """Why ``store`` cannot be used at all this run (found once, logged once when it was opened)."""
+        return self._unusable.get(store.project_dir)
 
     def _open_store(self, project: Path, context: dict[str, Any]) -> StepStore:
         """One store class for every ``dump_dir``; the backend (local files or fsspec) comes from its root."""
@@ -142,7 +155,7 @@ class RoleRuntime:
         """See :func:`skipinject.engine.decision.plan_step` (after this project's pending saves)."""
         store = self.store_for(call)
         WRITER.flush(store.project_dir)
-        plan = plan_step(self.name, store, self.settings, self.role.upstream_formats, step)
+        plan = plan_step(self.name, store, self.settings, self.role.upstream_formats, step, self.unusable(store))
         if plan.untrusted_upstream is not None:
             self.once(
                 ("untrusted", str(plan.untrusted_upstream)),
@@ -384,8 +397,8 @@ class RoleRuntime:
         """
         plan = record.plan
         assert plan is not None
-        if record.failed:
-            return
+        if record.failed or not plan.saves:
+            return  # an unusable or untrusted cache directory was reported once already
         if result is None:
             self._drop_step(record, f"call {index + 1} returned None")
             return

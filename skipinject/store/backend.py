@@ -87,8 +87,10 @@ class Backend(Protocol):
     def commit(self, step_dir: Location, meta: bytes, write_id: str) -> None:
         """Replace the step's ``meta.json`` with ``meta``, last and in one step."""
 
-    def remove(self, location: Location) -> None:
-        """Remove a file (or an empty directory) a failed writer left; best effort, never raises."""
+    def remove(self, location: Location, anchor: Location | None = None) -> None:
+        """Remove a file (or an empty directory) a failed writer left; best effort, never raises.
+
+        ``anchor``: the store's root, from which a local backend walks down without following links."""
 
     def collect(self, project: Location, step: int, named: set[str] | None) -> tuple[int, int]:
         """Remove leftovers of ``step`` (files no meta.json names, once abandoned; ``named``: those it names, None

@@ -8,7 +8,9 @@
 * Directories (like ssh's ``StrictModes``): the dump directory, the project directories below it,
   the step and its part directories must be owned by this user (or root) and not writable by group
   or others unless the sticky bit is set; step and part directories must not be symlinks. A
-  directory that fails is refused for loading unless the user opts in (``trust_permissions``).
+  directory that fails is neither loaded from nor saved into unless the user opts in
+  (``trust_permissions``). The dump directory is also checked *as given*, before its links are
+  resolved (:func:`unresolved_problem`): a link another user owns, or a parent others can write.
 
 Every failure is a :class:`~skipinject.errors.CorruptCacheError` (a missing file stays
 ``FileNotFoundError``: a miss); nothing else escapes.
@@ -34,6 +36,7 @@ __all__ = [
     "SPARSE_FACTOR",
     "SPARSE_MIN_SIZE",
     "check_not_sparse",
+    "file_kind",
     "map_fd",
     "open_dir",
     "open_regular",
@@ -41,6 +44,7 @@ __all__ = [
     "read_fd",
     "read_small",
     "trust_problem",
+    "unresolved_problem",
     "untrusted_reason",
 ]
 
@@ -85,7 +89,7 @@ def open_regular(name: str, dir_fd: int, shown: Path, expected_size: object = No
     except OSError as exc:
         raise CorruptCacheError(f"{shown}: cannot read it ({_why(exc)})") from exc
     if not stat.S_ISREG(before.st_mode):
-        raise CorruptCacheError(f"{shown}: cannot read it (not a regular file but {_kind(before.st_mode)})")
+        raise CorruptCacheError(f"{shown}: cannot read it (not a regular file but {file_kind(before.st_mode)})")
     try:
         fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -95,7 +99,7 @@ def open_regular(name: str, dir_fd: int, shown: Path, expected_size: object = No
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise CorruptCacheError(f"{shown}: cannot read it (not a regular file but {_kind(info.st_mode)})")
+            raise CorruptCacheError(f"{shown}: cannot read it (not a regular file but {file_kind(info.st_mode)})")
         if expected_size is not None:
             if type(expected_size) is not int or expected_size < 0:
                 raise CorruptCacheError(f"{shown}: meta.json records no valid size ({expected_size!r})")
@@ -108,7 +112,7 @@ def open_regular(name: str, dir_fd: int, shown: Path, expected_size: object = No
     return fd, info
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
     for test, name in (
         (stat.S_ISLNK, "a symbolic link"),
         (stat.S_ISDIR, "a directory"),
@@ -208,9 +212,37 @@ def trust_problem(path: Path, info: os.stat_result, role: str) -> str:
     why = untrusted_reason(info)
     fix = "chown it to you" if "owned by" in (why or "") else f"chmod go-w {path}"
     return (
-        f"{path} {why}: another user could plant or replace a cache there; refused for loading. "
+        f"{path} {why}: another user could plant or replace a cache there; not loaded or saved. "
         f"Fix: {fix}, or set skip.{role}.trust_dir_permissions=true to load it anyway"
     )
+
+
+def unresolved_problem(path: Path) -> str | None:
+    """Why ``path`` *as given* (before any link in it is resolved) could be redirected by another
+    user, or None: a name in it that is a symbolic link another user owns, or a directory holding
+    one of its names that others can write without the sticky bit (they could replace the name).
+    Checked before the path is resolved: a check of the resolved path cannot see either."""
+    uid = os.geteuid()
+    given = Path(os.path.abspath(path))  # ``..`` removed by text, no link resolved
+    current = Path(given.anchor)
+    for name in given.parts[1:]:
+        try:
+            holder = os.stat(current)
+        except OSError:
+            return None
+        if holder.st_mode & 0o002 and not holder.st_mode & stat.S_ISVTX:
+            return (
+                f"{given}: {current} is writable by others (mode {stat.S_IMODE(holder.st_mode):03o}, no sticky bit), "
+                f"so another user could replace {name!r} in it"
+            )
+        current = current / name
+        try:
+            info = os.lstat(current)
+        except OSError:
+            return None  # missing: created private to the user (and checked again once created)
+        if stat.S_ISLNK(info.st_mode) and info.st_uid not in (uid, 0):
+            return f"{given}: {current} is a symbolic link owned by uid {info.st_uid}, not by you (uid {uid})"
+    return None
 
 
 def read_small(path: Path, limit: int = MAX_META_BYTES) -> bytes:
@@ -229,7 +261,7 @@ def read_small(path: Path, limit: int = MAX_META_BYTES) -> bytes:
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise CorruptCacheError(f"{path}: cannot read it (not a regular file but {_kind(info.st_mode)})")
+            raise CorruptCacheError(f"{path}: cannot read it (not a regular file but {file_kind(info.st_mode)})")
         if info.st_size > limit:
             raise CorruptCacheError(f"{path}: {info.st_size} bytes, more than the {limit} any such file may have")
         return read_fd(fd, info.st_size, path)

@@ -17,13 +17,16 @@ committed ``meta.json`` of its step directory names it, and
 A writer on *another* host sharing the file system is protected by the age rule only: it must not
 leave a file untouched for 10 minutes before committing it. A step directory whose ``meta.json``
 exists but cannot be read is left alone entirely (its files may be evidence, or a newer format).
-Nothing here follows a symbolic link or leaves ``project_dir``; each file is checked again right
+Nothing here follows a symbolic link or leaves ``project_dir``: every directory is reached from the
+project directory's descriptor by :mod:`skipinject.store.removal` (``O_NOFOLLOW`` at every level,
+files unlinked relative to the descriptor they were checked in); each file is checked again right
 before it is unlinked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import stat
@@ -43,6 +46,7 @@ from skipinject.store.format import (
     WRITE_ID,
     is_ours,
 )
+from skipinject.store.removal import open_below, relative_parts, unlink_regular
 
 ABANDONED_AFTER = 600.0
 PID_REUSE_AFTER = 86400.0
@@ -62,6 +66,8 @@ class Leftover:
     path: Path
     size: int
     reason: str
+    #: The project directory it was found from: removal walks down from there, never by path.
+    anchor: Path | None = None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -127,7 +133,14 @@ def _abandoned(name: str, info: os.stat_result, now: float, min_age: float) -> b
 
 
 def _scan_folder(
-    folder_fd: int, folder: Path, sub: str, named: set[str], now: float, min_age: float, out: list[Leftover]
+    folder_fd: int,
+    folder: Path,
+    sub: str,
+    named: set[str],
+    now: float,
+    min_age: float,
+    out: list[Leftover],
+    anchor: Path | None = None,
 ) -> None:
     try:
         names = os.listdir(folder_fd)
@@ -148,7 +161,7 @@ def _scan_folder(
             reason = "data file not named by the step's meta.json (replaced, or a losing concurrent save)"
         else:
             reason = "data file of a save that never committed (no meta.json)"
-        out.append(Leftover(folder / name, info.st_size, reason))
+        out.append(Leftover(folder / name, info.st_size, reason, anchor))
 
 
 def _scan_step(
@@ -164,7 +177,7 @@ def _scan_step(
         if named is None:
             return
         step_dir = project_dir / step_name
-        _scan_folder(step_fd, step_dir, "", named, now, min_age, out)
+        _scan_folder(step_fd, step_dir, "", named, now, min_age, out, project_dir)
         try:
             children = os.listdir(step_fd)
         except OSError:
@@ -177,12 +190,14 @@ def _scan_step(
                 continue
             try:
                 found: list[Leftover] = []
-                _scan_folder(part_fd, step_dir / child, child, named, now, min_age, found)
+                _scan_folder(part_fd, step_dir / child, child, named, now, min_age, found, project_dir)
                 out.extend(found)
                 if not named and _part_dir_empty_after(part_fd, found):
                     info = os.fstat(part_fd)
                     if now - info.st_mtime >= min_age:
-                        out.append(Leftover(step_dir / child, 0, "part directory of a save that never committed"))
+                        out.append(
+                            Leftover(step_dir / child, 0, "part directory of a save that never committed", project_dir)
+                        )
             finally:
                 os.close(part_fd)
     finally:
@@ -250,52 +265,56 @@ def find_leftovers(project_dir: Path, *, now: float | None = None, min_age: floa
 def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONED_AFTER) -> tuple[int, int]:
     """Unlink leftovers (files first, then empty part directories); returns (files removed, bytes).
 
-    Each file is checked again right before it is unlinked (no symlink, still abandoned with the
-    same ``min_age``, still not named by its step's meta.json); anything that changed is kept.
+    Each file's directory is reached from its project directory's descriptor without following a
+    link (:func:`~skipinject.store.removal.open_below`), and the file is checked again there right
+    before it is unlinked relative to that descriptor (a regular file, still abandoned with the same
+    ``min_age``, still not named by its step's meta.json); anything that changed is kept.
     """
     items = list(leftovers)
     files = bytes_ = 0
     now = time.time()
     for item in sorted(items, key=lambda i: i.size == 0 and i.reason.startswith("part directory")):
-        parent_fd = _open_dir(item.path.parent)
-        if parent_fd is None:
+        anchor = item.anchor if item.anchor is not None else _project_of(item.path)
+        try:
+            parts = relative_parts(anchor, item.path)
+            parent_fd = open_below(anchor, parts[:-1])
+        except (OSError, ValueError):
             continue
         try:
             if item.reason.startswith("part directory"):
                 with contextlib.suppress(OSError):
                     os.rmdir(item.path.name, dir_fd=parent_fd)  # only ever succeeds when empty
                 continue
-            try:
-                info = os.stat(item.path.name, dir_fd=parent_fd, follow_symlinks=False)
-                if not _recheck(item, info, parent_fd, now, min_age):
-                    continue
-                os.unlink(item.path.name, dir_fd=parent_fd)
-            except OSError:
+            step_fd = parent_fd if len(parts) == 2 else _open_dir("..", parent_fd)
+            if step_fd is None:
                 continue
-            files += 1
-            bytes_ += info.st_size
+            try:
+                sub = parts[1] if len(parts) == 3 else ""
+                keep = functools.partial(_changed, item, step_fd=step_fd, sub=sub, now=now, min_age=min_age)
+                size = unlink_regular(parent_fd, item.path.name, keep=keep)
+            finally:
+                if step_fd != parent_fd:
+                    os.close(step_fd)
+            if size is not None:
+                files += 1
+                bytes_ += size
         finally:
             os.close(parent_fd)
     return files, bytes_
 
 
-def _recheck(item: Leftover, info: os.stat_result, parent_fd: int, now: float, min_age: float) -> bool:
+def _project_of(path: Path) -> Path:
+    in_part = PART_NAME.fullmatch(path.parent.name) and STEP_NAME.fullmatch(path.parent.parent.name)
+    return path.parent.parent.parent if in_part else path.parent.parent
+
+
+def _changed(item: Leftover, info: os.stat_result, *, step_fd: int, sub: str, now: float, min_age: float) -> bool:
+    """Whether a leftover, looked at again right before its unlink, must be kept after all."""
     name = item.path.name
     if not is_ours(name) or not _abandoned(name, info, now, min_age):
-        return False
-    step_fd, sub = parent_fd, ""
-    opened: int | None = None
-    if PART_NAME.fullmatch(item.path.parent.name) and STEP_NAME.fullmatch(item.path.parent.parent.name):
-        opened = _open_dir("..", parent_fd)
-        if opened is None:
-            return False
-        step_fd, sub = opened, item.path.parent.name
-    try:
-        named = _named_by_meta(step_fd)
-    finally:
-        if opened is not None:
-            os.close(opened)
-    return named is not None and f"{sub}/{name}" not in named
+        return True
+    named = _named_by_meta(step_fd)
+    return named is None or f"{sub}/{name}" in named
 
 
 def collect(project_dir: Path, *, step: int | None = None, force: bool = False) -> tuple[int, int]:

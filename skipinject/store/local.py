@@ -19,18 +19,21 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from skipinject.errors import CacheError, CorruptCacheError
+from skipinject.errors import CacheError, CorruptCacheError, UntrustedCacheError
 from skipinject.store.checksums import _digest, _digest_parallel
 from skipinject.store.files import (
+    file_kind,
     map_fd,
     open_dir,
     open_regular,
     read_fd,
     trust_problem,
+    unresolved_problem,
     untrusted_reason,
 )
 from skipinject.store.format import MAX_META_BYTES, META_NAME, tmp_name
 from skipinject.store.garbage import collect
+from skipinject.store.removal import remove_name
 from skipinject.store.tensorfile import write_tensors
 
 if TYPE_CHECKING:
@@ -44,15 +47,26 @@ class LocalFiles:
 
     checks_owners = True
 
-    def __init__(self, *, trust_permissions: bool = False) -> None:
-        """``trust_permissions``: load from directories other users could write (the user's opt-in)."""
+    def __init__(self, *, trust_permissions: bool = False, given_root: Path | None = None) -> None:
+        """``trust_permissions``: load from directories other users could write (the user's opt-in).
+        ``given_root``: the dump directory as the user gave it (``~`` expanded, links not resolved),
+        checked for links and parents other users control before its resolved form is trusted."""
         self.trust_permissions = trust_permissions
+        self.given_root = given_root
 
     # ------------------------------------------------------------ trust
 
     def check_trust(self, chain: list[Path], role: str) -> None:
-        if self.trust_permissions:
-            return
+        """Every existing directory of ``chain`` must be a directory (a FIFO, ``/dev/null`` or a file
+        as ``dump_dir`` is a CorruptCacheError naming it) and, unless trusted, one only this user
+        (or root) can write; the dump directory as given must not be redirectable by another user."""
+        if not self.trust_permissions and self.given_root is not None:
+            problem = unresolved_problem(self.given_root)
+            if problem is not None:
+                raise UntrustedCacheError(
+                    f"{problem}: another user could redirect the cache; not loaded or saved. Fix: use a "
+                    f"dump_dir only you control, or set skip.{role}.trust_dir_permissions=true to use it anyway"
+                )
         for directory in chain:
             try:
                 info = os.stat(directory)
@@ -62,15 +76,19 @@ class LocalFiles:
                 raise CorruptCacheError(
                     f"{directory}: cannot check the directory ({type(exc).__name__}: {exc})"
                 ) from exc
-            if untrusted_reason(info) is not None:
-                raise CorruptCacheError(trust_problem(directory, info, role))
+            if not stat.S_ISDIR(info.st_mode):
+                raise CorruptCacheError(
+                    f"{directory} is {file_kind(info.st_mode)}, not a directory: nothing is cached there"
+                )
+            if not self.trust_permissions and untrusted_reason(info) is not None:
+                raise UntrustedCacheError(trust_problem(directory, info, role))
 
     def check_fd(self, fd: int, path: Path, role: str) -> None:
         if self.trust_permissions:
             return
         info = os.fstat(fd)
         if untrusted_reason(info) is not None:
-            raise CorruptCacheError(trust_problem(path, info, role))
+            raise UntrustedCacheError(trust_problem(path, info, role))
 
     # ------------------------------------------------------------ reading
 
@@ -153,12 +171,10 @@ class LocalFiles:
         _write_file_atomic(step_dir / META_NAME, lambda h: h.write(meta), write_id)
         _fsync_dir(step_dir)
 
-    def remove(self, location: Path) -> None:
-        with contextlib.suppress(OSError):
-            if location.is_dir() and not location.is_symlink():
-                location.rmdir()  # only ever succeeds when empty
-            else:
-                location.unlink()
+    def remove(self, location: Path, anchor: Path | None = None) -> None:
+        """Reached from ``anchor`` (the dump or project directory) without following a link, never by
+        a path looked up again after a check (:func:`~skipinject.store.removal.remove_name`)."""
+        remove_name(anchor if anchor is not None else location.parent, location)
 
     def collect(self, project: Path, step: int, named: set[str] | None) -> tuple[int, int]:
         """The garbage rule of :mod:`skipinject.store.garbage` (which rereads meta.json itself)."""

@@ -152,7 +152,7 @@ class FsspecFiles:
     def commit(self, step_dir: Path, meta: bytes, write_id: str) -> None:
         self.fs.pipe_file((_at(step_dir) / META_NAME).path, meta)
 
-    def remove(self, location: Path) -> None:
+    def remove(self, location: Path, anchor: Path | None = None) -> None:
         with contextlib.suppress(Exception):
             self.fs.rm_file(_at(location).path)
 

@@ -64,7 +64,7 @@ class StepStore:
         from it down to ``project_dir`` are checked too (without it, ``project_dir`` and below).
         ``plugin``: the plugin providing the role, recorded in ``meta.json`` (``skipinject cache``
         names it where it is not installed). ``backend``: where the files are (default: local files,
-        see :func:`~skipinject.store.backend.backend_for`)."""
+        see :meth:`~skipinject.dump_root.DumpRoot.backend`)."""
         if backend is None:
             from skipinject.store.local import LocalFiles
 
@@ -127,6 +127,26 @@ class StepStore:
         if self.trust_permissions:
             return
         self.backend.check_trust(self._trust_chain(), self.role)
+
+    def unusable(self) -> str | None:
+        """Why this store's existing directories can be neither loaded from nor saved into, or None:
+        a dump or project directory that is not a directory (a FIFO, ``/dev/null``, a file), one other
+        users control, a dump directory another user could redirect. Missing directories are fine
+        (they are created private to the user). Never raises."""
+        try:
+            self.backend.check_trust(self._trust_chain(), self.role)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            return str(exc)
+        return None
+
+    def check_writable(self, directories: list[Path]) -> None:
+        """Before a file is written: the chain from the dump directory and ``directories`` (the step and
+        part directories just prepared) pass the trust rules; a directory another user pre-created
+        (0777, or theirs) is refused with the fix, a CorruptCacheError."""
+        chain = self._trust_chain()
+        self.backend.check_trust(chain + [d for d in directories if d not in chain], self.role)
 
     def _open_step(self, step: int) -> StepFiles:
         """The step directory opened for reading (never through a symlink), trust-checked."""

@@ -73,6 +73,7 @@ class StepWriter:
         backend = self.store.backend
         folder = self.directory / part if part else self.directory
         self._created.extend(backend.prepare(self.directory, folder))
+        self.store.check_writable([self.directory, folder])  # never into a tree another user controls
         algo = self.store.checksum_algo
         tensors_at = folder / tensors_name(self.write_id)
         self._written.append(tensors_at)
@@ -122,8 +123,9 @@ class StepWriter:
 
     def abort(self) -> None:
         """Remove what this writer wrote, and the directories it created if empty (best effort)."""
+        anchor = self.store.dump_dir if self.store.dump_dir is not None else self.store.project_dir
         for location in [*self._written, *reversed(self._created)]:
-            self.store.backend.remove(location)
+            self.store.backend.remove(location, anchor)
         self._written.clear()
         self._created.clear()
         ACTIVE_WRITE_IDS.discard(self.write_id)

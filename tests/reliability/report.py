@@ -23,13 +23,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "reliability.md"
-AREAS = ("crash", "integrity", "concurrency", "disk", "trust", "bad input", "object store")
+AREAS = ("crash", "integrity", "concurrency", "disk", "trust", "cache tool", "bad input", "object store")
 TITLES = {
     "crash": "Crash safety (SIGKILL)",
     "integrity": "Integrity (damaged or foreign caches)",
     "concurrency": "Concurrency",
     "disk": "Full and read-only disks",
     "trust": "Trust (no code from caches, no path escapes)",
+    "cache tool": "Removal (cache tool, garbage collection, clean-up): links and races",
     "bad input": "Bad input",
     "object store": "Object stores (dump_dir=s3://..., a real S3 server)",
 }
@@ -40,7 +41,8 @@ SUMMARIES = {
     "concurrency": "4 writers and 4 readers of one step at once",
     "disk": "disk full (real tmpfs, ENOSPC at a random byte), read-only dump_dir, unlistable cache dir",
     "trust": "planted upstream pickles, hostile names, directories other users control, symlinked steps",
-    "bad input": "generated overrides, steps, configs, sample ids, targets, plugin lists; the runner",
+    "cache tool": "steps swapped for links by another uid mid-removal; untrusted steps under prune --damaged",
+    "bad input": "generated overrides, steps, configs, sample ids, targets, plugin lists; YAML bombs; the runner",
     "object store": "uploads SIGKILLed at random times, bit flips on the server, concurrent writers and readers",
 }
 
@@ -78,6 +80,18 @@ FOUND = """\
   directory that is a symlink was loaded and written through; leftovers of killed saves stayed forever
   unless the same step was saved again.
 
+* Hostile input, round 3 (issue 23): in a shared 1777 dump directory, another user swapping a
+  step for a link between `cache prune`'s check and its removal emptied the victim's step through
+  the link (garbage collection opened the part directory by a path through the swapped step too); a
+  305-byte `--skip-config` of nested YAML aliases ran for more than 90 s, a 202-character
+  command-line value for 76 s and 440 MB; a steps list of 130k items took 25 s to refuse; a 5 kB
+  `SKIPINJECT_CONFIG` decompressing to 4 MB cost a child 8 s and 200 MB; a `dump_dir` that is
+  another user's link, or lies in a directory others can write, was resolved before it was checked;
+  run 1 saved into directories another user pre-created 0777; a `dump_dir` that is a FIFO,
+  `/dev/null` or a file gave two warnings per step; `prune --damaged` took intact steps that were
+  merely untrusted for damaged; `action=repeat` logged a line per unusable candidate (3000 lines for
+  3 calls over 1000 damaged steps).
+
 Not covered here: power loss (only SIGKILL: data files are fsynced before they are renamed and named
 by meta.json, and every file is checked against meta.json on load, so a lost directory entry
 shows up as a missing file, i.e. a regenerated step); a file truncated *while* it is mapped by a
@@ -111,13 +125,46 @@ in one warning line naming the directory and the fix (`chmod go-w`, or
 `skip.<role>.trust_dir_permissions=true` to opt in); step and part directories that are symlinks are
 neither loaded nor written through.
 
+The dump directory is also checked *as given*, before any link in it is resolved: a name in it that
+is a symbolic link another user owns, or a directory holding one of its names that others can write
+without the sticky bit (they could replace the name), refuses it. A tree that fails any of these
+rules is neither loaded from nor saved into (checked again after a save creates its directories, so
+a directory another user pre-created, e.g. 0777, is never written into); this is said in one line
+when the run first opens the store, not once per step. A `dump_dir` that is a FIFO, `/dev/null` or a
+regular file is one such line too. `skipinject cache` lists such steps as `untrusted`, a state of
+their own (`prune --damaged` leaves them).
+
+## Links, races, names and bounds
+
+* **Removal** (`skipinject/store/removal.py`, the one primitive of `cache prune`, `cache import`'s
+  writer, garbage collection and a failed save's clean-up): a directory is reached from the dump or
+  project directory one name at a time with `O_DIRECTORY|O_NOFOLLOW` and held by its descriptor;
+  files are `fstat`-ed and unlinked relative to the descriptor they were listed in (`unlinkat`),
+  directories removed with `rmdir(name, dir_fd=)`. Never a second look-up of a checked path: a step
+  swapped for a link before it is opened removes nothing; one swapped after it was opened is still
+  the directory that was checked. `cache import PATH` refuses a `PATH` that is a link.
+* **Names**: step and part names are ASCII decimal numbers (the format's patterns), data files our
+  own patterns; names read from meta.json must be plain names (no `/`, `..`).
+* **Settings** (`skipinject/config/bounded_yaml.py`): YAML from `--skip-config` and command-line
+  values in flow syntax is first read as an event stream (nothing composed or expanded) and refused
+  in one line naming the key at the first anchor or alias, past 16 levels of nesting or past 10,000
+  values; a settings file is a regular file of at most 1 MiB (a FIFO or directory is named as such).
+  `--skip-config` given twice is an error.
+* **The configuration handed to children** (`SKIPINJECT_CONFIG`): the runner refuses to write more
+  than 64 KiB compressed or 512 KiB expanded, and a child refuses a variable that is longer or
+  expands further, after decompressing at most that much.
+* **Log lines**: one per decision; `repeat` over many unusable candidates gives their count and
+  three examples of at most 600 characters each.
+
 Leftovers of killed or concurrent saves (`skipinject/store/garbage.py`) are collected after any
 successful commit in the same project (the saved step every time, the whole project at most once per
 10 minutes per process) and by the cache tooling. A file is collected only when it matches our own
 names, no committed meta.json of its step names it, it was last modified 10 minutes ago or more, and
 its writer (the pid in its write id `{unix_time}-{pid}-{uuid8}`) is gone from this host, or is this
 process with no open writer of that id, or the file is over a day old (pids are reused). Each file
-is checked again right before it is unlinked; a step whose meta.json cannot be read is left alone.
+is checked again right before it is unlinked (relative to the descriptor of its directory, reached
+from the project directory without following a link); a step whose meta.json cannot be read is left
+alone.
 """
 
 INTRO = """\
@@ -154,6 +201,15 @@ How the faults are made:
   bytes, step names that are not ASCII numbers, directories other users control, symlinked steps,
   leftovers of killed saves. Each must be decided in under 5 s with under 64 MiB allocated (checked
   with `tracemalloc`), in one warning line.
+* **links and races** (`test_races.py`, rows in *cache tool*): a forked child under another uid
+  swaps a step of a shared 1777 dump directory for a link to a victim's private step right after
+  `cache prune`'s check, right before its first unlink, and between garbage collection's scan and
+  its removal; the victim's files must stay byte-identical (each file taken counts as lost).
+* **a shared machine** (`test_shared_machine.py`, `test_bounds.py`): a `dump_dir` that is another
+  user's link or lies in a world-writable directory, directories another user pre-created 0777, a
+  `dump_dir` that is a FIFO, `/dev/null` or a file, `repeat` over 1000 damaged steps; YAML alias
+  bombs, a 130k-item steps list, a decompression bomb in `SKIPINJECT_CONFIG` (the runner in
+  subprocesses with a generous timeout: a bomb must not hang).
 * **object store** (`test_object_store.py`): `dump_dir` in a real S3-compatible server (moto in
   server mode, through s3fs): a process uploading a two-part step (multipart uploads) SIGKILLed at
   seeded random times, random bit flips in objects on the server, writers and readers of one step
@@ -220,7 +276,8 @@ def render(data: dict[str, Any], timing: dict[str, float] | None) -> str:
         "\n*how often*: trials of that fault (for the property tests: generated examples). "
         "*lost*: a partial, damaged, foreign or untrusted cache loaded, a torn read, code from a cache run, "
         "a path outside `dump_dir`, a raw Python exception instead of skipinject's error, a training call that "
-        "failed or a file left behind by a failed save.\n"
+        "failed, a file left behind by a failed save, a file the cache tool (or garbage collection) removed "
+        "that was not its to remove, or a decision logged in more than one line.\n"
     )
     lines.append(FOUND)
     return "\n".join(lines)
