@@ -222,7 +222,7 @@ def v0_run_config(
             "max_prompt_length": prompt_length,
             "max_response_length": response_length,
         },
-        "actor_rollout_ref": {"rollout": {"n": n}},
+        "actor_rollout_ref": dict(rollout={"n": n}),  # verl's section (not the role of that name)
         "algorithm": {"adv_estimator": "grpo", "use_pf_ppo": False},
     }
     config.update(sections)
