@@ -14,6 +14,11 @@ at once:
 The sync worker-group pairs (``actor_rollout_ref.rollout.mode=sync``: 0.6.1-sync, 0.5.0, 0.4.1) also
 validate before training: validation generates the same in both runs (never served from the cache).
 
+Pairs of several worker-group calls per step (:data:`CALL_PAIRS`, verl <= 0.6's sync path):
+``0.6.1-sync-dapo`` and ``0.5.0-dapo`` run DAPO's recipe loop (``tests/fixtures/recipes/dapo_recipe_wg.py``),
+``0.6.1-sync-remax`` REMAX (a sampled and a greedy baseline call per step); run 1 records every call,
+run 2 replays them call by call with 0 generator calls. They are chosen by their id only (or ``all``).
+
 Which pairs run: ``SKIPINJECT_VERL_MATRIX`` (comma list of versions, which pick every pair of that
 version, or pair ids such as ``0.6.1-sync``; ``all``; ``none``), default :data:`DEFAULT_VERSIONS` --
 see ``docs/verl-versions.md`` for the CI choice. Building an environment takes 2.5-6 minutes the
