@@ -39,6 +39,8 @@ def _log_generated(output: Any, prompts: Any) -> None:
         weight_version=-1,
         global_steps=prompts.meta_info.get("global_steps"),
         validate=bool(prompts.meta_info.get("validate", False)),
+        # False for REMAX's greedy baseline (the trainer's meta_info["do_sample"]=False).
+        do_sample=bool(prompts.meta_info.get("do_sample", True)),
     )
 
 
