@@ -130,7 +130,7 @@ def _serialised_role(name: str, values: Any) -> RoleConfig:
                 raise ValueError(f"skip.{name}.{key} is not a boolean")
         elif kind is str:
             if not isinstance(value, str) or not value or "\x00" in value:
-                raise ValueError(f"skip.{name}.{key} is not a path")
+                raise ValueError(f"skip.{name}.{key} is not a text value")
         elif kind is StepSet:
             if not isinstance(value, str):
                 raise ValueError(f"skip.{name}.{key} is not a step list")

@@ -24,6 +24,7 @@ from skipinject.errors import CacheMissError, CorruptCacheError, PromptMismatchE
 from skipinject.roles import Call, Codec, HitInfo, Role, StepCache
 from skipinject.store import Payload, StepStore
 from skipinject.store.backend import backend_for, open_root
+from skipinject.store.compression import compression_for
 from skipinject.store.remote import RemotePath
 
 logger = logging.getLogger("skipinject")
@@ -136,6 +137,7 @@ class RoleRuntime:
             dump_dir=root if isinstance(root, Path) else None,
             plugin=self.owner,
             backend=backend_for(fs, trust_permissions=trust),
+            compression=compression_for(self.settings.compression, root),
         )
 
     # ------------------------------------------------------------ deciding
