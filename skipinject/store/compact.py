@@ -97,76 +97,140 @@ def _narrowed(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
     dtype = _name(tensor.dtype)
     if dtype not in _INTEGERS or tensor.numel() == 0 or dtype in ("uint8", "int8"):
         return tensor, None
-    low, high = int(tensor.min()), int(tensor.max())
+    values = tensor.numpy()
+    low, high = int(values.min()), int(values.max())
     size = tensor.element_size()
     for target in _NARROW:
         lo, hi = _RANGES[target]
         if lo <= low and high <= hi and _itemsize(target) < size:
             import torch
 
-            return tensor.to(getattr(torch, target)), target
+            return torch.from_numpy(values.astype(target)), target
     return tensor, None
+
+
+_BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _bits(tensor: torch.Tensor) -> Any:
+    """The tensor's bytes as a numpy integer array of its shape (comparisons bit for bit: -0.0 is not 0.0,
+    NaN equals itself), or None for complex tensors."""
+    import torch
+
+    if tensor.is_complex():
+        return None
+    return tensor.view(getattr(torch, _BITS[tensor.element_size()])).numpy()
 
 
 def _rows_of(tensor: torch.Tensor) -> bool:
     return bool(tensor.dim() == 2 and tensor.shape[0] > 0 and tensor.shape[1] > 0)
 
 
+def _numpy_dtype(dtype: Any) -> Any:
+    """The numpy dtype of a torch dtype (ValueError for bfloat16, which numpy lacks)."""
+    import torch
+
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError as exc:
+        raise ValueError(f"no numpy dtype for {dtype}") from exc
+
+
 def _run(tensor: torch.Tensor) -> dict[str, Any] | None:
     """``{"run": starts, "end": ends}`` if every row is one run of ones (and zeros elsewhere)."""
-    import torch
-
-    if not _rows_of(tensor) or tensor.is_complex():
+    if not _rows_of(tensor) or tensor.is_complex() or tensor.dtype == _bfloat16():
         return None
-    ones = tensor != 0
-    starts = ones.to(torch.uint8).argmax(dim=1)
-    ends = starts + ones.sum(dim=1)
+    if _run_spec(tensor[:1]) is None:  # row 0 tells most tensors apart at once
+        return None
+    return _run_spec(tensor)
+
+
+def _run_spec(tensor: torch.Tensor) -> dict[str, Any] | None:
+    import numpy as np
+
+    values = tensor.numpy()
+    ones = values != 0
+    first = ones.argmax(axis=1)
+    starts = np.where(ones[np.arange(len(ones)), first], first, 0)
+    ends = starts + ones.sum(axis=1)
     spec = {"run": starts.tolist(), "end": ends.tolist()}
-    return spec if torch.equal(rebuild_run(spec, tensor.shape, tensor.dtype), tensor) else None
+    rebuilt = rebuild_run(spec, list(tensor.shape), tensor.dtype)
+    return spec if np.array_equal(_bits(rebuilt), _bits(tensor)) else None
 
 
-def rebuild_run(spec: Mapping[str, Any], shape: Any, dtype: Any) -> torch.Tensor:
+def rebuild_run(spec: Mapping[str, Any], shape: list[int], dtype: Any) -> torch.Tensor:
+    """Rows of ones on ``[run_b, end_b)`` (clipped to the row), zeros elsewhere: one write per one."""
+    import numpy as np
     import torch
 
-    columns = torch.arange(shape[1])
-    starts = torch.tensor(spec["run"], dtype=torch.int64)[:, None]
-    ends = torch.tensor(spec["end"], dtype=torch.int64)[:, None]
-    return ((columns >= starts) & (columns < ends)).to(dtype)
+    rows, width = shape
+    out = np.zeros((rows, width), dtype=_numpy_dtype(dtype))
+    starts = np.clip(np.asarray(spec["run"], dtype=np.int64), 0, width).tolist()
+    ends = np.clip(np.asarray(spec["end"], dtype=np.int64), 0, width).tolist()
+    for row, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        if start < end:
+            out[row, start:end] = 1
+    return torch.from_numpy(out)
 
 
 def _ramp(tensor: torch.Tensor) -> dict[str, Any] | None:
     """``{"ramp": starts, "top": tops}`` if row ``b`` is ``clamp(j - start_b, 0, top_b)`` (position ids)."""
-    import torch
-
     if not _rows_of(tensor) or _name(tensor.dtype) not in _INTEGERS or _name(tensor.dtype).startswith("uint"):
         return None
-    positive = tensor > 0
-    first = positive.to(torch.uint8).argmax(dim=1)
-    at_first = tensor.gather(1, first[:, None])[:, 0].to(torch.int64)
-    starts = torch.where(positive.any(dim=1), first - at_first, torch.zeros_like(first))
-    tops = tensor.max(dim=1).values.to(torch.int64)
-    spec = {"ramp": starts.tolist(), "top": tops.tolist()}
-    return spec if torch.equal(rebuild_ramp(spec, tensor.shape, tensor.dtype), tensor) else None
+    if _ramp_spec(tensor[:1]) is None:
+        return None
+    return _ramp_spec(tensor)
 
 
-def rebuild_ramp(spec: Mapping[str, Any], shape: Any, dtype: Any) -> torch.Tensor:
+def _ramp_spec(tensor: torch.Tensor) -> dict[str, Any] | None:
+    import numpy as np
+
+    values = tensor.numpy()
+    positive = values > 0
+    first = positive.argmax(axis=1)
+    rows = np.arange(len(values))
+    starts = np.where(positive[rows, first], first - values[rows, first].astype(np.int64), 0)
+    spec = {"ramp": starts.tolist(), "top": values.max(axis=1).astype(np.int64).tolist()}
+    rebuilt = rebuild_ramp(spec, list(tensor.shape), tensor.dtype)
+    return spec if np.array_equal(rebuilt.numpy(), values) else None
+
+
+def rebuild_ramp(spec: Mapping[str, Any], shape: list[int], dtype: Any) -> torch.Tensor:
+    """Row ``b`` = ``clamp(j - ramp_b, 0, top_b)``: zeros, then a ramp, then ``top_b``; one write per element."""
+    import numpy as np
     import torch
 
-    columns = torch.arange(shape[1])
-    starts = torch.tensor(spec["ramp"], dtype=torch.int64)[:, None]
-    tops = torch.tensor(spec["top"], dtype=torch.int64)[:, None]
-    return torch.minimum((columns - starts).clamp_(min=0), tops).to(dtype)
+    rows, width = shape
+    out = np.empty((rows, width), dtype=_numpy_dtype(dtype))
+    starts = np.asarray(spec["ramp"], dtype=np.int64).tolist()
+    tops = np.asarray(spec["top"], dtype=np.int64).tolist()
+    for row, (start, top) in enumerate(zip(starts, tops, strict=True)):
+        if top < 0:
+            raise ValueError("a ramp with a negative top")
+        begin = min(max(start, 0), width)  # zeros before it
+        stop = min(max(start + top, begin), width)  # the ramp: j - start for j in [begin, stop)
+        out[row, :begin] = 0
+        out[row, begin:stop] = np.arange(begin - start, stop - start)
+        out[row, stop:] = top
+    return torch.from_numpy(out)
+
+
+def _bfloat16() -> Any:
+    import torch
+
+    return torch.bfloat16
 
 
 def _concat(plan: Plan, candidates: list[Plan]) -> dict[str, Any] | None:
     """``{"concat": [a, b]}`` if the tensor is stored tensors ``a`` and ``b`` side by side (last dim)."""
-    import torch
+    import numpy as np
 
     tensor = plan.tensor
-    if tensor.dim() < 2:
+    if tensor.dim() < 2 or tensor.is_complex():
         return None
     lead, width = tuple(tensor.shape[:-1]), tensor.shape[-1]
     fits = [c for c in candidates if c.tensor.dtype == tensor.dtype and tuple(c.tensor.shape[:-1]) == lead]
+    bits = None
     for left in fits:
         split = left.tensor.shape[-1]
         if not 0 < split < width:
@@ -174,7 +238,10 @@ def _concat(plan: Plan, candidates: list[Plan]) -> dict[str, Any] | None:
         for right in fits:
             if right is left or right.tensor.shape[-1] != width - split:
                 continue
-            if torch.equal(tensor[..., :split], left.tensor) and torch.equal(tensor[..., split:], right.tensor):
+            bits = _bits(tensor) if bits is None else bits
+            if np.array_equal(bits[..., :split], _bits(left.tensor)) and np.array_equal(
+                bits[..., split:], _bits(right.tensor)
+            ):
                 return {"concat": [left.name, right.name]}
     return None
 
