@@ -226,6 +226,31 @@ def report(f: dict[str, Any], local: list[str], remote: list[str]) -> str:
     return "\n".join(lines)
 
 
+def sizes_report(args: argparse.Namespace) -> str:
+    """Stored bytes of one save of the batch: upstream's pickle and each local compression (no timing)."""
+    batch = build_padded_batch(args.rows, args.prompt_len, args.response_len, args.n)
+    codec = DataProtoCodec()
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-compression-") as tmp:
+        upstream = Path(tmp) / "gen_batch.dp"
+        batch.save_to_disk(upstream)
+        pickle_mb = upstream.stat().st_size / 1e6
+        lines = [
+            f"Padded GRPO batch: {args.rows} rows, {tensor_bytes(batch) / 1e6:.0f} MB of tensors; "
+            f"upstream pickle {pickle_mb:.1f} MB",
+            "",
+            "| store | stored MB | vs pickle |",
+            "|---|---:|---:|",
+        ]
+        for name in args.local:
+            store = StepStore(Path(tmp) / name, "rollout", {"bench": True}, compression=parse_compression(name))
+            store.save(1, codec.encode(batch), {})
+            loaded = codec.decode(store.load(store.verified(1))[0])
+            check_equal(batch, loaded)
+            mb = stored_bytes(store, 1) / 1e6
+            lines.append(f"| skipinject `{name}` | {mb:.1f} | {mb / pickle_mb:.3f}x |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=2048)
@@ -237,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remote", nargs="*", default=["none", "zstd"])
     parser.add_argument("--s3", action="store_true", help="also measure against a local S3 server (moto)")
     parser.add_argument("--quick", action="store_true", help="small batch, 1 repeat (smoke test)")
+    parser.add_argument("--sizes", action="store_true", help="stored sizes only (one save each, nothing timed)")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
     args = parser.parse_args(argv)
@@ -244,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         args.rows, args.prompt_len, args.response_len, args.repeat = 64, 32, 64, 1
     for name in [*args.local, *args.remote]:
         parse_compression(name)
+    if args.sizes:
+        print(sizes_report(args))
+        return 0
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-compression-") as tmp:
         with s3_url(Path(tmp)) if args.s3 else contextlib.nullcontext() as url:  # type: ignore[attr-defined]
