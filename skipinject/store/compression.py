@@ -98,7 +98,8 @@ def compression_for(value: str, root: object) -> Compression | None:
     return parse_compression(value, network_fs=network)
 
 
-def _workers() -> int:
+def workers() -> int:
+    """Threads for work that releases the GIL: the usable cores, at most 8."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(8, cores))
 
@@ -166,7 +167,7 @@ def write_compressed(handle: BinaryIO, pieces: Sequence[Buffer], compression: Co
 
     decoded = 0
     frames: list[int] = []
-    workers = _workers()
+    threads = workers()
 
     def emit(future: Future[bytes]) -> None:
         frame = future.result()
@@ -174,12 +175,12 @@ def write_compressed(handle: BinaryIO, pieces: Sequence[Buffer], compression: Co
         hasher.update(frame)
         frames.append(len(frame))
 
-    with ThreadPoolExecutor(workers, thread_name_prefix="skipinject-zstd") as pool:
+    with ThreadPoolExecutor(threads, thread_name_prefix="skipinject-zstd") as pool:
         in_flight: list[Future[bytes]] = []
         for block in _blocks(pieces, FRAME_BYTES):
             decoded += memoryview(block).nbytes
             in_flight.append(pool.submit(compress, block))
-            if len(in_flight) > 2 * workers:
+            if len(in_flight) > 2 * threads:
                 emit(in_flight.pop(0))
         for future in in_flight:
             emit(future)
@@ -263,14 +264,14 @@ def decompress_into(
             out[at : at + expected] = data
 
         try:
-            workers = min(_workers(), len(jobs))
-            if workers == 1:
+            threads = min(workers(), len(jobs))
+            if threads == 1:
                 for job in jobs:
                     one(job)
             else:
                 from concurrent.futures import ThreadPoolExecutor
 
-                with ThreadPoolExecutor(workers, thread_name_prefix="skipinject-zstd") as pool:
+                with ThreadPoolExecutor(threads, thread_name_prefix="skipinject-zstd") as pool:
                     for done in [pool.submit(one, job) for job in jobs]:
                         done.result()
         except BaseException:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from skipinject.errors import CorruptCacheError
 from skipinject.store.checksums import _Hasher
 from skipinject.store.compact import Plan, check_rebuilt, plan_tensors, rebuild
-from skipinject.store.compression import Compression, Written, write_compressed
+from skipinject.store.compression import Compression, Written, workers, write_compressed
 from skipinject.store.format import MAX_INDEX_BYTES, TENSOR_ALIGN, TENSORS_MAGIC
 
 if TYPE_CHECKING:
@@ -220,7 +220,8 @@ def _read_tensors(mapped: mmap.mmap | bytearray | None, path: Path) -> dict[str,
         raise ValueError("the index is not a list of records")
     check_rebuilt(index, size)
     tensors = {}
-    derived = []
+    derived: list[dict[str, Any]] = []
+    widened: list[tuple[str, torch.dtype]] = []
     seen: set[str] = set()
     for entry in index:
         name, dtype_name, shape = entry["name"], entry["dtype"], entry["shape"]
@@ -252,11 +253,29 @@ def _read_tensors(mapped: mmap.mmap | bytearray | None, path: Path) -> dict[str,
             tensors[name] = torch.empty(shape, dtype=dtype)
         else:
             tensor = torch.frombuffer(mapped, dtype=stored, count=count, offset=data_start + offset).view(shape)
-            tensors[name] = tensor if stored is dtype else tensor.to(dtype)
-    stored_tensors = dict(tensors)
-    for entry in derived:
-        tensors[entry["name"]] = rebuild(entry, stored_tensors, getattr(torch, entry["dtype"]))
+            tensors[name] = tensor
+            if stored is not dtype:
+                widened.append((name, dtype))
+    if widened or derived:
+        _restore(tensors, widened, derived)
     return {entry["name"]: tensors[entry["name"]] for entry in index}
+
+
+def _restore(
+    tensors: dict[str, torch.Tensor], widened: list[tuple[str, torch.dtype]], derived: list[dict[str, Any]]
+) -> None:
+    """Widen narrowed tensors back to their dtype, then rebuild derived ones, in threads (torch's
+    conversions and concatenations release the GIL; each writes fresh memory, which is the cost)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    with ThreadPoolExecutor(workers(), thread_name_prefix="skipinject-rebuild") as pool:
+        done = pool.map(lambda job: tensors[job[0]].to(job[1]), widened)
+        tensors.update({name: value for (name, _), value in zip(widened, done, strict=True)})
+        stored = dict(tensors)
+        built = pool.map(lambda entry: rebuild(entry, stored, getattr(torch, entry["dtype"])), derived)
+        tensors.update({entry["name"]: value for entry, value in zip(derived, built, strict=True)})
 
 
 def _narrows(stored: str, dtype: str) -> bool:
