@@ -112,6 +112,8 @@ class StepWriter:
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
         )
+        if "created" in meta:  # a step stored anew (``cache compact``) keeps when it was generated
+            record["created"] = meta["created"]
         if self.store.plugin:
             record["plugin"] = self.store.plugin
         record["meta_checksum"] = _meta_digest(record)

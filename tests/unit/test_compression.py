@@ -421,3 +421,62 @@ assert "zstandard" in sys.modules
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
     assert done.returncode == 0, done.stderr
+
+
+# ---------------------------------------------------------------- skipinject cache compact
+
+
+def _layout_store(dump: Path, compression: Compression | None = None) -> StepStore:
+    return StepStore(dump / "exp_proj" / "GBS16_N2_in24_out40", "rollout", {"run": 1}, compression=compression)
+
+
+def test_cache_compact_stores_old_steps_compressed_and_keeps_what_they_hold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from skipinject.cache_tool import main
+
+    dump = tmp_path / "dump"
+    store = _layout_store(dump)
+    tensors = padded_batch()
+    for step in (1, 2):
+        store.save(step, Payload(tensors=tensors, objects={"step": step}, rows=16), {"trajectories": step * 10})
+    before = {step: json.loads((store.step_dir(step) / "meta.json").read_text()) for step in (1, 2)}
+    assert main(["compact", str(dump), "--dry-run"]) == 0
+    assert capsys.readouterr().out.count("would compact") == 2
+    assert all(json.loads((store.step_dir(s) / "meta.json").read_text()) == before[s] for s in (1, 2))
+
+    assert main(["compact", str(dump), "--compression", "zstd-5"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("compacted ") == 2, out
+    for step in (1, 2):
+        meta = json.loads((store.step_dir(step) / "meta.json").read_text())
+        assert meta["format_version"] == 3 and meta["trajectories"] == step * 10
+        assert meta["created"] == before[step]["created"]
+        assert all(spec["encoding"] == "zstd" for spec in meta["parts"][0]["files"].values())
+        names = {spec["name"] for spec in meta["parts"][0]["files"].values()}
+        assert names.isdisjoint(spec["name"] for spec in before[step]["parts"][0]["files"].values())
+        part = _load(store, step)
+        assert_same(part.tensors, tensors)
+        assert part.objects == {"step": step}
+    assert main(["compact", str(dump)]) == 0
+    assert capsys.readouterr().out.count("compressed ") == 2  # nothing left to do
+
+
+def test_cache_compact_leaves_a_step_it_cannot_read_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from skipinject.cache_tool import main
+
+    dump = tmp_path / "dump"
+    store = _layout_store(dump)
+    store.save(1, Payload(tensors=padded_batch(), objects={}, rows=16))
+    meta = json.loads((store.step_dir(1) / "meta.json").read_text())
+    data = store.step_dir(1) / meta["parts"][0]["files"]["tensors"]["name"]
+    damaged = bytearray(data.read_bytes())
+    damaged[-1] ^= 1
+    data.write_bytes(bytes(damaged))
+    files = sorted(p.name for p in store.step_dir(1).iterdir())
+    assert main(["compact", str(dump)]) == 1
+    assert "failed" in capsys.readouterr().out
+    assert sorted(p.name for p in store.step_dir(1).iterdir()) == files
+    assert json.loads((store.step_dir(1) / "meta.json").read_text()) == meta
