@@ -480,3 +480,22 @@ def test_cache_compact_leaves_a_step_it_cannot_read_as_it_was(
     assert "failed" in capsys.readouterr().out
     assert sorted(p.name for p in store.step_dir(1).iterdir()) == files
     assert json.loads((store.step_dir(1) / "meta.json").read_text()) == meta
+
+
+def test_jagged_tensors_round_trip_through_a_compressed_store(tmp_path: Path) -> None:
+    """verl's V1 batches: jagged values and offsets (narrowed, then restored to int64)."""
+    tensordict = pytest.importorskip("tensordict")
+    from skipinject.codecs import TensorDictCodec
+
+    lengths = torch.tensor([3, 0, 5, 2])
+    offsets = torch.zeros(5, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    values = torch.randint(0, 151_000, (int(offsets[-1]),), dtype=torch.int64)
+    jagged = torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+    td = tensordict.TensorDict({"responses": jagged}, batch_size=[4])
+    codec = TensorDictCodec()
+    store = _store(tmp_path)
+    store.save(1, codec.encode(td))
+    loaded = codec.decode(_load(store, 1))["responses"]
+    assert loaded.values().dtype == torch.int64 and torch.equal(loaded.values(), values)
+    assert loaded.offsets().dtype == torch.int64 and torch.equal(loaded.offsets(), offsets)
