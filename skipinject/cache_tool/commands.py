@@ -96,7 +96,7 @@ def cmd_ls(root: Path | str, *, as_json: bool, per_step: bool, default: bool) ->
                 i.step,
                 i.parts,
                 i.rows,
-                human_size(i.size),
+                human_size(i.size) + ("" if i.decoded is None else f" ({human_size(i.decoded)} decoded)"),
                 _when(i.created, i.mtime),
                 _writer_text(i.writer) if i.kind == "skipinject" else i.kind,
                 i.state,
@@ -134,7 +134,9 @@ def cmd_ls(root: Path | str, *, as_json: bool, per_step: bool, default: bool) ->
         heads = ("PROJECT", "LAYOUT", "ROLE", "STEPS", "ROWS", "SIZE", "CREATED", "WRITTEN BY", "STATE")
         print(table(heads, rows, right=("ROWS", "SIZE")), end="")
         total = sum(i.size for i in items)
-        print(f"{len(items)} step(s), {human_size(total)} in {root}")
+        decoded = sum(i.size if i.decoded is None else i.decoded for i in items)
+        unpacked = "" if decoded == total else f" ({human_size(decoded)} decoded)"
+        print(f"{len(items)} step(s), {human_size(total)}{unpacked} in {root}")
     for item in items:
         if item.state == "damaged":
             for problem in item.problems:

@@ -23,6 +23,7 @@ from typing import Any, TypedDict
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store import StepStore
+from skipinject.store.compression import expansion
 from skipinject.store.files import read_small
 from skipinject.store.format import FORMAT, MAX_META_BYTES, META_NAME, PART_NAME, STEP_NAME, is_ours
 
@@ -84,6 +85,7 @@ class ItemRecord(TypedDict):
     kind: str
     rows: int | None
     size: int
+    decoded: int
     parts: int
     created: str | None
     writer: dict[str, str]
@@ -110,6 +112,7 @@ class Item:
     files: list[Path] = field(default_factory=list)  # regular files that make up this item
     mtime: float = 0.0  # newest modification time of those files
     meta: dict[str, Any] | None = field(default=None, repr=False)
+    decoded: int | None = None  # its size once compressed files are decoded (None: as stored)
 
     def record(self) -> ItemRecord:
         """The stable JSON form (docs/cache-tool.md)."""
@@ -123,6 +126,7 @@ class Item:
             "kind": self.kind,
             "rows": self.rows,
             "size": self.size,
+            "decoded": self.size if self.decoded is None else self.decoded,
             "parts": self.parts,
             "created": self.created,
             "writer": dict(self.writer),
@@ -360,6 +364,8 @@ def _our_step(
         item.state = "damaged"
         item.problems.append(str(exc) if isinstance(exc, CorruptCacheError) else f"{step_dir}: {exc}")
     _measure(item)
+    if item.state != "damaged" and item.meta is not None and expansion(item.meta):
+        item.decoded = item.size + expansion(item.meta)
     return item
 
 

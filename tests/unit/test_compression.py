@@ -460,6 +460,11 @@ def test_cache_compact_stores_old_steps_compressed_and_keeps_what_they_hold(
         assert part.objects == {"step": step}
     assert main(["compact", str(dump)]) == 0
     assert capsys.readouterr().out.count("compressed ") == 2  # nothing left to do
+    assert main(["ls", str(dump), "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)["steps"]
+    assert all(r["decoded"] > r["size"] for r in records), records
+    assert main(["ls", str(dump), "-l"]) == 0
+    assert capsys.readouterr().out.count(" decoded)") == 2
 
 
 def test_cache_compact_leaves_a_step_it_cannot_read_as_it_was(
