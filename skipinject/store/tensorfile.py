@@ -261,6 +261,10 @@ def _read_tensors(mapped: mmap.mmap | bytearray | None, path: Path) -> dict[str,
     return {entry["name"]: tensors[entry["name"]] for entry in index}
 
 
+#: Below this many elements to widen and rebuild, one thread does it (a pool costs more than it saves).
+_THREADED_MIN_ELEMENTS = 1 << 20
+
+
 def _restore(
     tensors: dict[str, torch.Tensor], widened: list[tuple[str, torch.dtype]], derived: list[dict[str, Any]]
 ) -> None:
@@ -270,7 +274,10 @@ def _restore(
 
     import torch
 
-    with ThreadPoolExecutor(workers(), thread_name_prefix="skipinject-rebuild") as pool:
+    count = sum(tensors[name].numel() for name, _ in widened) + sum(math.prod(e["shape"]) for e in derived)
+    with ThreadPoolExecutor(
+        workers() if count > _THREADED_MIN_ELEMENTS else 1, thread_name_prefix="skipinject"
+    ) as pool:
         done = pool.map(lambda job: tensors[job[0]].to(job[1]), widened)
         tensors.update({name: value for (name, _), value in zip(widened, done, strict=True)})
         stored = dict(tensors)
