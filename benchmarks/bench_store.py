@@ -47,7 +47,6 @@ SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\
 
 def build_batch(rows: int, prompt_len: int, response_len: int, n: int) -> Any:
     """A DataProto shaped like an AgentLoopManager.generate_sequences result."""
-    from verl.protocol import DataProto
 
     prompts = rows // n
     gen = torch.Generator().manual_seed(0)
@@ -61,6 +60,13 @@ def build_batch(rows: int, prompt_len: int, response_len: int, n: int) -> Any:
         "response_mask": torch.ones(rows, response_len, dtype=torch.int64),
         "rollout_log_probs": -torch.rand(rows, response_len, generator=gen),
     }
+    return grpo_batch(tensors, prompts, n)
+
+
+def grpo_batch(tensors: dict[str, torch.Tensor], prompts: int, n: int) -> Any:
+    """A DataProto of ``tensors`` with GRPO's per-sample columns (``prompts`` prompts repeated ``n`` times)."""
+    from verl.protocol import DataProto
+
     raw_prompt = [
         [
             {"role": "system", "content": SYSTEM_PROMPT},

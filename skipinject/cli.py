@@ -115,14 +115,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(render_versions(), end="")
         return 0
 
-    from skipinject import bootstrap
-    from skipinject.config import Config, apply_overrides, apply_settings, environment, load_file, split_overrides
+    from skipinject.config.overrides import split_overrides
+
+    code = options.get("code")
     from skipinject.config.environment import ENV_PLUGINS
+
+    chosen = options.get("list") or options.get("skip-config") or options.get("plugins") or ENV_PLUGINS in os.environ
+    if not chosen:
+        overrides, rest = split_overrides(program_args)
+        if not overrides:  # no setting names a role: none can be on, so no plugin is loaded or installed
+            from skipinject.config import environment
+
+            try:
+                environment.check()
+                if script is None and module is None and not isinstance(code, str):
+                    raise UsageError("give a SCRIPT, -m MODULE or -c CODE to run (see --help)")
+            except SkipInjectError as exc:
+                print(f"skipinject: error: {exc}", file=sys.stderr)
+                return 2
+            return _run(script, module, rest, code if isinstance(code, str) else None)
+
+    from skipinject import bootstrap
+    from skipinject.config import Config, apply_overrides, apply_settings, environment, load_file
     from skipinject.plugin_manager import load_plugins
 
     selection = options.get("plugins")
     selection_text = str(selection) if isinstance(selection, str) else os.environ.get(ENV_PLUGINS)
-    code = options.get("code")
     try:
         environment.check()
         plugins = load_plugins(selection_text or "")

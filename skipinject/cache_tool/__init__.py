@@ -1,4 +1,4 @@
-"""``skipinject cache ...``: see, verify, show, compare, import and prune what is cached.
+"""``skipinject cache ...``: see, verify, show, compare, import, prune and compact what is cached.
 
 Built on the store's reader (:class:`~skipinject.store.StepStore`) and writer
 (:class:`~skipinject.store.StepWriter`), like the engine. Exit status: 0 fine, 1 something was
@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--damaged", action="store_true", help="remove steps whose meta.json or files are damaged")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("compact", help="store uncompressed steps compressed, in place (each committed anew)")
+    p.add_argument("dump_dir", nargs="?", type=local_path, help=dump_help)
+    p.add_argument("--compression", default="zstd", help="zstd (level 3) or zstd-1 .. zstd-22 (default zstd)")
+    p.add_argument("--dry-run", action="store_true", help="only say which steps would be compacted")
+    p.add_argument("--json", action="store_true")
     return parser
 
 
@@ -179,4 +185,9 @@ def _run(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
             as_json=args.json,
         )
+    if args.command == "compact":
+        from skipinject.cache_tool.compact import cmd_compact
+
+        root = args.dump_dir or default_dump_dir()
+        return cmd_compact(root, compression=args.compression, dry_run=args.dry_run, as_json=args.json)
     raise AssertionError(args.command)

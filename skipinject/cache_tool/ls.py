@@ -98,7 +98,7 @@ def render(
                 i.step,
                 i.parts,
                 i.rows,
-                human_size(i.size),
+                human_size(i.size) + ("" if i.decoded is None else f" ({human_size(i.decoded)} decoded)"),
                 when(i.created, i.mtime),
                 writer_text(i.writer) if i.kind == "skipinject" else i.kind,
                 i.state,
@@ -136,7 +136,9 @@ def render(
         heads = ("PROJECT", "LAYOUT", "ROLE", "STEPS", "ROWS", "SIZE", "CREATED", "WRITTEN BY", "STATE")
         show_table(heads, rows, right=("ROWS", "SIZE"))
         total = sum(i.size for i in items)
-        say(f"{len(items)} step(s), {human_size(total)} in {root}")
+        decoded = sum(i.size if i.decoded is None else i.decoded for i in items)
+        unpacked = "" if decoded == total else f" ({human_size(decoded)} decoded)"
+        say(f"{len(items)} step(s), {human_size(total)}{unpacked} in {root}")
     for item in items:
         if item.state in ("damaged", "untrusted"):
             for problem in item.problems:

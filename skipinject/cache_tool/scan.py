@@ -27,6 +27,7 @@ from typing import Any, TypedDict
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepStore
+from skipinject.store.compression import expansion
 from skipinject.store.files import parse_json, read_small
 from skipinject.store.format import FORMAT, MAX_META_DEPTH, META_NAME, PART_NAME, STEP_NAME, is_ours
 
@@ -85,6 +86,7 @@ class ItemRecord(TypedDict):
     kind: str
     rows: int | None
     size: int
+    decoded: int
     parts: int
     created: str | None
     writer: dict[str, str]
@@ -112,6 +114,7 @@ class Item:
     mtime: float = 0.0  # newest modification time of those files
     meta: dict[str, Any] | None = field(default=None, repr=False)
     upstream: Upstream | None = field(default=None, repr=False)  # the declaration of a foreign item
+    decoded: int | None = None  # its size once compressed files are decoded (None: as stored)
 
     def record(self) -> ItemRecord:
         """The stable JSON form (docs/cache-tool.md)."""
@@ -125,6 +128,7 @@ class Item:
             "kind": self.kind,
             "rows": self.rows,
             "size": self.size,
+            "decoded": self.size if self.decoded is None else self.decoded,
             "parts": self.parts,
             "created": self.created,
             "writer": dict(self.writer),
@@ -389,6 +393,8 @@ def _our_step(
         item.state = "damaged"
         item.problems.append(str(exc) if isinstance(exc, CorruptCacheError) else f"{step_dir}: {exc}")
     _measure(item)
+    if item.state != "damaged" and item.meta is not None and expansion(item.meta):
+        item.decoded = item.size + expansion(item.meta)
     return item
 
 

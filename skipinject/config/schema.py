@@ -120,12 +120,27 @@ class RoleConfig:
         ),
     )
 
+    compression: str = _setting(
+        "auto",
+        shown="auto",
+        meaning=(
+            "how saved steps are stored: `none`, `zstd` (level 3) or `zstd-1` … `zstd-22`, in independent 4 MiB "
+            "frames, with exact compact encodings of derivable tensors; `auto`: `zstd` for object stores and "
+            "network file systems, `none` on local disks (see [Compression](#compression)). Steps of either "
+            "kind are read whatever it says"
+        ),
+    )
+
     def __post_init__(self) -> None:
         # Accept plain values from code (``steps=(1, 2)``, ``action="repeat"``), as the schema would.
         if not isinstance(self.steps, StepSet):
             object.__setattr__(self, "steps", StepSet.from_value(list(self.steps), "steps"))
         object.__setattr__(self, "action", Action(self.action))
         object.__setattr__(self, "on_mismatch", MismatchPolicy(self.on_mismatch))
+        if self.compression != "auto":  # the default needs no check (and no import at start-up)
+            from skipinject.store.compression import parse_compression
+
+            parse_compression(self.compression)  # ValueError naming the choices
 
     @functools.cached_property
     def root(self) -> DumpRoot:
@@ -207,6 +222,11 @@ def role_config(
                 raise ValueError("no directory")
         except (OmegaConfBaseException, ValueError, TypeError) as exc:
             raise ConfigError(f"{dotted}={shown}: {_expected(key)}") from exc
+        if key == "compression":
+            from skipinject.store.compression import COMPRESSION_VALUE
+
+            if not isinstance(converted, str) or not COMPRESSION_VALUE.fullmatch(converted):
+                raise ConfigError(f"{dotted}={shown}: {_expected(key)}")
         if key == "dump_dir" and (not converted.strip() or "\x00" in converted):
             raise ConfigError(f"{dotted}={shown}: expected a directory path")
         if key == "dump_dir" and len(converted) > MAX_PATH_CHARS:
@@ -242,4 +262,6 @@ def _expected(key: str) -> str:
         return f"expected one of {', '.join(p.value for p in MismatchPolicy)}"
     if key == "dump_dir":
         return "expected a directory path"
+    if key == "compression":
+        return "expected auto, none, zstd or zstd-1 .. zstd-22"
     return "invalid value"

@@ -23,6 +23,7 @@ from skipinject.engine.layout import project_dir
 from skipinject.errors import CorruptCacheError, PromptMismatchError
 from skipinject.roles import Call, Codec, HitInfo, Loaded, Plan, Role, StepCache
 from skipinject.store import Payload, StepStore
+from skipinject.store.compression import compression_for
 
 logger = logging.getLogger("skipinject")
 
@@ -147,6 +148,7 @@ class RoleRuntime:
             dump_dir=root.path,
             plugin=self.owner,
             backend=root.backend(trust_permissions=trust),
+            compression=compression_for(self.settings.compression, root.path if root.path is not None else root.url),
         )
 
     # ------------------------------------------------------------ deciding

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from skipinject.store.compression import Compression
+
 #: A location in a backend: a local path, or a :class:`~skipinject.store.remote.RemotePath` standing in
 #: for one (it joins with ``/`` and has ``name``, ``parent`` and ``str``: all the store uses of a path).
 Location = Path
@@ -77,9 +79,15 @@ class Backend(Protocol):
         """Make ``folder`` (the step or a part directory) ready for files; returns what it created."""
 
     def put_tensors(
-        self, location: Location, tensors: Mapping[str, torch.Tensor], algo: str, write_id: str
-    ) -> tuple[int, str]:
-        """Write a tensor file whole under its final name; its (size, checksum)."""
+        self,
+        location: Location,
+        tensors: Mapping[str, torch.Tensor],
+        algo: str,
+        write_id: str,
+        compression: Compression | None = None,
+    ) -> tuple[int, str, dict[str, Any] | None]:
+        """Write a tensor file whole under its final name (compressed when ``compression`` is given);
+        its size, checksum (of the stored bytes) and what its record adds (decoded size, frames)."""
 
     def put_bytes(self, location: Location, data: bytes, write_id: str) -> int:
         """Write ``data`` whole under its final name; its size."""

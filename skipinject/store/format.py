@@ -16,7 +16,11 @@ from collections.abc import Mapping
 from typing import Any
 
 FORMAT = "skipinject"
-FORMAT_VERSION = 2
+#: The version written when a step holds a compressed file; steps stored as they are keep version 2,
+#: which every earlier reader reads (``READABLE_VERSIONS``: what this one reads).
+FORMAT_VERSION = 3
+PLAIN_FORMAT_VERSION = 2
+READABLE_VERSIONS = (2, 3)
 #: The commit record of a step (and of nothing else): written last, replaced atomically.
 META_NAME = "meta.json"
 
@@ -54,6 +58,16 @@ TENSORS_MAGIC = b"SKIPTNS1"
 TENSOR_ALIGN = 64
 #: Chunk of the ``xxh3_64-tree`` checksum.
 TREE_CHUNK = 32 << 20
+#: Decoded bytes per zstd frame of a compressed data file (the last frame holds the rest).
+FRAME_BYTES = 4 << 20
+#: No zstd data expands more than this (a 128 KiB block in 4 bytes): a compressed file claiming more is forged.
+MAX_EXPANSION = 1 << 15
+ZSTD_DEFAULT_LEVEL = 3
+ZSTD_MAX_LEVEL = 22
+#: Tensors a compact tensor file rebuilds (derived or widened) total at most this many times its
+#: decoded size plus :data:`MAX_REBUILT_SLACK` bytes.
+MAX_REBUILT_FACTOR = 64
+MAX_REBUILT_SLACK = 256 << 20
 
 
 def step_name(step: int) -> str:
@@ -129,6 +143,16 @@ def reference_table() -> str:
         ),
         ("tensor file magic", f"`{TENSORS_MAGIC.decode()}`", f"data {TENSOR_ALIGN}-byte aligned"),
         ("tree checksum chunk", _mib(TREE_CHUNK), "`xxh3_64-tree`"),
+        (
+            "zstd frame",
+            f"{_mib(FRAME_BYTES)} decoded",
+            f"expanding at most {MAX_EXPANSION}x, levels 1-{ZSTD_MAX_LEVEL}",
+        ),
+        (
+            "rebuilt tensors",
+            f"at most {MAX_REBUILT_FACTOR}x the file + {_mib(MAX_REBUILT_SLACK)}",
+            "derived and widened tensors of a compact tensor file",
+        ),
     ]
     lines = ["| what | name or pattern | bound or rule |", "|---|---|---|"]
     lines += [f"| {what} | {name} | {rule} |" for what, name, rule in rows]

@@ -17,7 +17,7 @@ import stat
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from skipinject.errors import CacheError, CorruptCacheError, UntrustedCacheError
 from skipinject.store.checksums import _digest, _digest_parallel
@@ -34,12 +34,14 @@ from skipinject.store.files import (
 from skipinject.store.format import MAX_META_BYTES, META_NAME, tmp_name
 from skipinject.store.garbage import collect
 from skipinject.store.removal import remove_name
-from skipinject.store.tensorfile import write_tensors
+from skipinject.store.tensorfile import tensor_file
 
 if TYPE_CHECKING:
     import mmap
 
     import torch
+
+    from skipinject.store.compression import Compression
 
 
 class LocalFiles:
@@ -156,11 +158,16 @@ class LocalFiles:
         return list(created)
 
     def put_tensors(
-        self, location: Path, tensors: Mapping[str, torch.Tensor], algo: str, write_id: str
-    ) -> tuple[int, str]:
-        checksums: list[str] = []
-        _write_file_atomic(location, lambda h: checksums.append(write_tensors(h, tensors, algo)), write_id)
-        return location.stat().st_size, checksums[0]
+        self,
+        location: Path,
+        tensors: Mapping[str, torch.Tensor],
+        algo: str,
+        write_id: str,
+        compression: Compression | None = None,
+    ) -> tuple[int, str, dict[str, Any] | None]:
+        done: list[tuple[str, dict[str, Any] | None]] = []
+        _write_file_atomic(location, lambda h: done.append(tensor_file(h, tensors, algo, compression)), write_id)
+        return location.stat().st_size, *done[0]
 
     def put_bytes(self, location: Path, data: bytes, write_id: str) -> int:
         _write_file_atomic(location, lambda h: h.write(data), write_id)

@@ -35,11 +35,13 @@ from skipinject.store.format import (
     step_name,
 )
 from skipinject.store.garbage import ACTIVE_WRITE_IDS
-from skipinject.store.tensorfile import write_tensors
+from skipinject.store.tensorfile import tensor_file
 
 if TYPE_CHECKING:
     import torch
     from fsspec import AbstractFileSystem
+
+    from skipinject.store.compression import Compression
 
 #: Bytes moved per request when reading a data file (a multiple of the tree checksum's 32 MiB
 #: chunk). Large: some servers (moto, and any that do not index objects) pay for a ranged read in
@@ -133,17 +135,22 @@ class FsspecFiles:
         return []  # no directories to create: keys appear with their objects
 
     def put_tensors(
-        self, location: Path, tensors: Mapping[str, torch.Tensor], algo: str, write_id: str
-    ) -> tuple[int, str]:
+        self,
+        location: Path,
+        tensors: Mapping[str, torch.Tensor],
+        algo: str,
+        write_id: str,
+        compression: Compression | None = None,
+    ) -> tuple[int, str, dict[str, Any] | None]:
         handle = self.fs.open(_at(location).path, "wb")
         try:
-            checksum = write_tensors(_Pieces(handle), tensors, algo)  # type: ignore[arg-type]
+            checksum, record = tensor_file(_Pieces(handle), tensors, algo, compression)  # type: ignore[arg-type]
             size = int(handle.tell())
         except BaseException:
             _discard(handle)
             raise
         handle.close()  # the upload completes here: the object appears whole
-        return size, checksum
+        return size, checksum, record
 
     def put_bytes(self, location: Path, data: bytes, write_id: str) -> int:
         self.fs.pipe_file(_at(location).path, data)

@@ -19,15 +19,16 @@ from typing import TYPE_CHECKING, Any, cast
 from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.store.backend import Backend, StepFiles
 from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo
+from skipinject.store.compression import Compression, anonymous, decompress_into
 from skipinject.store.files import parse_json
 from skipinject.store.format import (
     DATA_NAME,
     FORMAT,
-    FORMAT_VERSION,
     MAX_META_DEPTH,
     MAX_ROWS,
     META_NAME,
     PART_NAME,
+    READABLE_VERSIONS,
     SAFE_NAME,
     STEP_NAME,
     _meta_digest,
@@ -58,13 +59,15 @@ class StepStore:
         dump_dir: Path | None = None,
         plugin: str | None = None,
         backend: Backend | None = None,
+        compression: Compression | None = None,
     ) -> None:
         """``trust_permissions``: load from directories other users could write (the user's opt-in,
         ``skip.<role>.trust_dir_permissions``). ``dump_dir``: the cache root; it and every directory
         from it down to ``project_dir`` are checked too (without it, ``project_dir`` and below).
         ``plugin``: the plugin providing the role, recorded in ``meta.json`` (``skipinject cache``
         names it where it is not installed). ``backend``: where the files are (default: local files,
-        see :meth:`~skipinject.dump_root.DumpRoot.backend`)."""
+        see :meth:`~skipinject.dump_root.DumpRoot.backend`). ``compression``: how the files this store
+        writes are compressed (None: stored as they are; steps of either kind are read)."""
         if backend is None:
             from skipinject.store.local import LocalFiles
 
@@ -77,6 +80,7 @@ class StepStore:
         self.trust_permissions = trust_permissions or not backend.checks_owners
         self.dump_dir = dump_dir
         self.plugin = plugin
+        self.compression = compression
 
     @property
     def location(self) -> Path:
@@ -250,10 +254,10 @@ class StepStore:
         """``meta`` (parsed JSON) once checked to be this role's and step's ``meta.json``."""
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CorruptCacheError(f"{path}: not a skipinject cache (no format marker)")
-        if meta.get("format_version") != FORMAT_VERSION:
+        if meta.get("format_version") not in READABLE_VERSIONS:
             raise CorruptCacheError(
-                f"{path}: written in format version {meta.get('format_version')!r}, "
-                f"this skipinject reads version {FORMAT_VERSION}"
+                f"{path}: written in format version {_short(meta.get('format_version'))}, "
+                f"this skipinject reads versions {', '.join(map(str, READABLE_VERSIONS))}"
             )
         if meta.get("meta_checksum") != _meta_digest(meta):
             raise CorruptCacheError(f"{path}: meta.json was edited or damaged (its checksum does not match)")
@@ -308,6 +312,16 @@ class StepStore:
         for kind, name, spec in named:
             path = entry.directory / sub / name if sub else entry.directory / name
             data, checksum = files.read(sub, name, spec.get("size"), kind, algo)
+            if "encoding" in spec:  # compressed: decoded once its stored bytes are checked
+                stored = data
+                try:
+                    if checksum != spec.get("checksum"):
+                        raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
+                    data = decompress_into(stored, spec, path, anonymous if kind == "tensors" else bytearray)
+                finally:
+                    close = getattr(stored, "close", None)  # the stored bytes' mapping is done with
+                    if close is not None:
+                        close()
             if kind == "tensors":
                 if isinstance(data, (mmap.mmap, bytearray)) and len(data):
                     entry.mapped[path] = data  # tensors are views of it
@@ -395,11 +409,14 @@ def RemoteStepStore(
     context: Mapping[str, Any],
     fs: AbstractFileSystem,
     plugin: str | None = None,
+    compression: Compression | None = None,
 ) -> StepStore:
     """The :class:`StepStore` of ``project_dir`` in the fsspec filesystem ``fs``."""
     from skipinject.store.remote import FsspecFiles
 
-    return StepStore(cast(Path, project_dir), role, context, backend=FsspecFiles(fs), plugin=plugin)
+    return StepStore(
+        cast(Path, project_dir), role, context, backend=FsspecFiles(fs), plugin=plugin, compression=compression
+    )
 
 
 def _short(value: Any, limit: int = 200) -> str:

@@ -8,10 +8,12 @@ import mmap
 import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.checksums import _Hasher
+from skipinject.store.compact import Plan, check_rebuilt, plan_tensors, rebuild
+from skipinject.store.compression import Compression, Written, workers, write_compressed
 from skipinject.store.format import MAX_INDEX_BYTES, TENSOR_ALIGN, TENSORS_MAGIC
 
 if TYPE_CHECKING:
@@ -51,33 +53,73 @@ def _padding(size: int) -> int:
 
 def write_tensors(handle: BinaryIO, tensors: Mapping[str, torch.Tensor], algo: str) -> str:
     """Write the tensor file to ``handle``; returns its checksum. Contiguous CPU tensors are not copied."""
+    return _write_and_hash(handle, _file_pieces(tensors, compact=False), algo)
+
+
+def tensor_file(
+    handle: BinaryIO, tensors: Mapping[str, torch.Tensor], algo: str, compression: Compression | None
+) -> tuple[str, dict[str, Any] | None]:
+    """Write the tensor file, compressed or not; its checksum and what its record adds (None: stored as it is)."""
+    if compression is None:
+        return write_tensors(handle, tensors, algo), None
+    checksum, written = write_compressed_tensors(handle, tensors, algo, compression)
+    return checksum, written.record()
+
+
+def write_compressed_tensors(
+    handle: BinaryIO, tensors: Mapping[str, torch.Tensor], algo: str, compression: Compression
+) -> tuple[str, Written]:
+    """Write the tensor file compactly encoded (:mod:`~skipinject.store.compact`) and compressed in
+    frames (:mod:`~skipinject.store.compression`); its checksum (of the stored bytes) and record."""
+    hasher = _Hasher(algo)
+    written = write_compressed(handle, _file_pieces(tensors, compact=True), compression, hasher)
+    return hasher.hexdigest(), written
+
+
+def _file_pieces(tensors: Mapping[str, torch.Tensor], *, compact: bool) -> list[Buffer]:
+    """The tensor file's bytes as pieces in order: magic, index length, index, then each tensor's bytes."""
     import torch
 
-    views = []
-    index = []
-    offset = 0
+    checked = {}
     for name, tensor in tensors.items():
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise TypeError(f"payload tensors must map str to torch.Tensor, got {name!r}: {type(tensor).__name__}")
         dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype not in TENSOR_DTYPES or tensor.is_nested or tensor.layout != torch.strided:
             raise TypeError(f"payload tensor {name!r}: {tensor.dtype} {tensor.layout} tensors are not supported")
-        value = tensor.detach().cpu().contiguous()
+        checked[name] = tensor.detach().cpu().contiguous()
+    plans = plan_tensors(checked) if compact else [Plan(name, value, stored=value) for name, value in checked.items()]
+    views = []
+    index: list[dict[str, Any]] = []
+    offset = 0
+    for plan in plans:
+        entry: dict[str, Any] = {
+            "name": plan.name,
+            "dtype": str(plan.tensor.dtype).removeprefix("torch."),
+            "shape": list(plan.tensor.shape),
+        }
+        if plan.derive is not None:
+            entry["derive"] = plan.derive
+            index.append(entry)
+            continue
+        value = plan.stored if plan.stored is not None else plan.tensor
         nbytes = value.numel() * value.element_size()
-        index.append({"name": name, "dtype": dtype, "shape": list(value.shape), "offset": offset, "nbytes": nbytes})
-        views.append(value.reshape(-1).view(torch.uint8).numpy() if nbytes else None)
+        entry.update(offset=offset, nbytes=nbytes)
+        if plan.stored_dtype is not None:
+            entry["stored_dtype"] = plan.stored_dtype
+        index.append(entry)
+        if nbytes:
+            views.append((value.reshape(-1).view(torch.uint8).numpy(), nbytes))
         offset += nbytes + _padding(nbytes)
     header = json.dumps({"tensors": index}, separators=(",", ":")).encode()
     header += b" " * _padding(len(TENSORS_MAGIC) + 8 + len(header))
-    chunks: list[Buffer] = [TENSORS_MAGIC, struct.pack("<Q", len(header)), header]
-    for view, entry in zip(views, index, strict=True):
-        if view is None:
-            continue
-        chunks.append(view)
-        pad = bytes(_padding(entry["nbytes"]))
+    pieces: list[Buffer] = [TENSORS_MAGIC, struct.pack("<Q", len(header)), header]
+    for view, nbytes in views:
+        pieces.append(view)
+        pad = bytes(_padding(nbytes))
         if pad:
-            chunks.append(pad)
-    return _write_and_hash(handle, chunks, algo)
+            pieces.append(pad)
+    return pieces
 
 
 #: Below this many bytes a tensor file is written and hashed in one thread.
@@ -174,19 +216,33 @@ def _read_tensors(mapped: mmap.mmap | bytearray | None, path: Path) -> dict[str,
     if data_start > size or data_start % _ALIGN or header_len > MAX_INDEX_BYTES:
         raise CorruptCacheError(f"{path}: tensor file index is damaged")
     index = json.loads(mapped[len(TENSORS_MAGIC) + 8 : data_start])["tensors"]
-    if type(index) is not list:
-        raise ValueError("the index is not a list")
+    if type(index) is not list or not all(type(entry) is dict for entry in index):
+        raise ValueError("the index is not a list of records")
+    check_rebuilt(index, size)
     tensors = {}
+    derived: list[dict[str, Any]] = []
+    widened: list[tuple[str, torch.dtype]] = []
+    seen: set[str] = set()
     for entry in index:
         name, dtype_name, shape = entry["name"], entry["dtype"], entry["shape"]
-        offset, nbytes = entry["offset"], entry["nbytes"]
         if type(name) is not str or dtype_name not in TENSOR_DTYPES or type(shape) is not list:
             raise ValueError(f"bad name, dtype or shape for {name!r:.80}")
         if len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d <= size << 3 for d in shape):
             raise ValueError(f"bad shape for {name!r:.80}")
+        if name in seen:
+            raise ValueError(f"{name!r:.80} is named twice")
+        seen.add(name)
         dtype = getattr(torch, dtype_name)
+        if "derive" in entry:
+            derived.append(entry)
+            continue
+        stored_name = entry.get("stored_dtype", dtype_name)
+        if stored_name not in TENSOR_DTYPES or (stored_name != dtype_name and not _narrows(stored_name, dtype_name)):
+            raise ValueError(f"bad stored dtype for {name!r:.80}")
+        stored = getattr(torch, stored_name)
+        offset, nbytes = entry["offset"], entry["nbytes"]
         count = math.prod(shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=stored).element_size()
         if type(offset) is not int or offset < 0 or offset % _ALIGN or nbytes != count * itemsize:
             raise ValueError(f"bad extent for {name!r:.80}")
         if data_start + offset + nbytes > size:
@@ -196,5 +252,40 @@ def _read_tensors(mapped: mmap.mmap | bytearray | None, path: Path) -> dict[str,
                 raise ValueError(f"empty tensor {name!r:.80} claims a shape {shape} larger than the file")
             tensors[name] = torch.empty(shape, dtype=dtype)
         else:
-            tensors[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=data_start + offset).view(shape)
-    return tensors
+            tensor = torch.frombuffer(mapped, dtype=stored, count=count, offset=data_start + offset).view(shape)
+            tensors[name] = tensor
+            if stored is not dtype:
+                widened.append((name, dtype))
+    if widened or derived:
+        _restore(tensors, widened, derived)
+    return {entry["name"]: tensors[entry["name"]] for entry in index}
+
+
+#: Below this many elements to widen and rebuild, one thread does it (a pool costs more than it saves).
+_THREADED_MIN_ELEMENTS = 1 << 20
+
+
+def _restore(
+    tensors: dict[str, torch.Tensor], widened: list[tuple[str, torch.dtype]], derived: list[dict[str, Any]]
+) -> None:
+    """Widen narrowed tensors back to their dtype, then rebuild derived ones, in threads (torch's
+    conversions and concatenations release the GIL; each writes fresh memory, which is the cost)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    count = sum(tensors[name].numel() for name, _ in widened) + sum(math.prod(e["shape"]) for e in derived)
+    with ThreadPoolExecutor(
+        workers() if count > _THREADED_MIN_ELEMENTS else 1, thread_name_prefix="skipinject"
+    ) as pool:
+        done = pool.map(lambda job: tensors[job[0]].to(job[1]), widened)
+        tensors.update({name: value for (name, _), value in zip(widened, done, strict=True)})
+        stored = dict(tensors)
+        built = pool.map(lambda entry: rebuild(entry, stored, getattr(torch, entry["dtype"])), derived)
+        tensors.update({entry["name"]: value for entry, value in zip(derived, built, strict=True)})
+
+
+def _narrows(stored: str, dtype: str) -> bool:
+    """``stored`` is an integer dtype a tensor of ``dtype`` may have been narrowed to."""
+    integers = ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+    return stored in ("uint8", "int8", "int16", "int32") and dtype in integers

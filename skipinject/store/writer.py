@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from skipinject._version import __version__
 from skipinject.cluster import node_identity
-from skipinject.store.checksums import _digest
+from skipinject.store.checksums import _digest, _Hasher
+from skipinject.store.compression import compress_bytes
 from skipinject.store.format import (
     FORMAT,
     FORMAT_VERSION,
     PART_NAME,
+    PLAIN_FORMAT_VERSION,
     SAFE_NAME,
     _meta_digest,
     objects_name,
@@ -75,15 +77,24 @@ class StepWriter:
         self._created.extend(backend.prepare(self.directory, folder))
         self.store.check_writable([self.directory, folder])  # never into a tree another user controls
         algo = self.store.checksum_algo
+        compression = self.store.compression
         tensors_at = folder / tensors_name(self.write_id)
         self._written.append(tensors_at)
-        size, checksum = backend.put_tensors(tensors_at, payload.tensors, algo, self.write_id)
-        files: dict[str, Any] = {"tensors": {"name": tensors_at.name, "size": size, "checksum": checksum}}
+        size, checksum, encoded = backend.put_tensors(tensors_at, payload.tensors, algo, self.write_id, compression)
+        files: dict[str, Any] = {
+            "tensors": {"name": tensors_at.name, "size": size, "checksum": checksum, **(encoded or {})}
+        }
         objects_at = folder / objects_name(self.write_id)
         self._written.append(objects_at)
         blob = json.dumps(payload.objects, separators=(",", ":"), allow_nan=True).encode()
+        if compression is None:
+            record: dict[str, Any] = {"checksum": _digest(blob, algo)}
+        else:
+            hasher = _Hasher(algo)
+            blob, written = compress_bytes(blob, compression, hasher)
+            record = {"checksum": hasher.hexdigest(), **written.record()}
         size = backend.put_bytes(objects_at, blob, self.write_id)
-        files["objects"] = {"name": objects_at.name, "size": size, "checksum": _digest(blob, algo)}
+        files["objects"] = {"name": objects_at.name, "size": size, **record}
         self.parts[part] = {"dir": part, "rows": payload.rows, "files": files}
 
     def commit(self, meta: Mapping[str, Any]) -> Path:
@@ -103,7 +114,7 @@ class StepWriter:
         record.update(
             {
                 "format": FORMAT,
-                "format_version": FORMAT_VERSION,
+                "format_version": FORMAT_VERSION if self._encoded() else PLAIN_FORMAT_VERSION,
                 "role": self.store.role,
                 "step": self.step,
                 "global_steps": self.step,
@@ -116,10 +127,16 @@ class StepWriter:
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
         )
+        if "created" in meta:  # a step stored anew (``cache compact``) keeps when it was generated
+            record["created"] = meta["created"]
         if self.store.plugin:
             record["plugin"] = self.store.plugin
         record["meta_checksum"] = _meta_digest(record)
         return json.dumps(record, indent=1, sort_keys=True).encode()
+
+    def _encoded(self) -> bool:
+        """Some file of the step is compressed (only a reader of version 3 reads the step)."""
+        return any("encoding" in spec for part in self.parts.values() for spec in part["files"].values())
 
     def abort(self) -> None:
         """Remove what this writer wrote, and the directories it created if empty (best effort)."""

@@ -49,3 +49,11 @@ def test_bench_remote_quick(tmp_path: Path) -> None:
     assert "| hit, verified and usable |" in stdout and "moto server on localhost" in stdout
     assert figures["rows"] == 64 and figures["remote_load_ms"] > 0 and figures["remote_save_ms"] > 0
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up its files"
+
+
+def test_bench_compression_quick(tmp_path: Path) -> None:
+    stdout, figures = run_benchmark("bench_compression.py", "--quick", "--s3", "--json", "--dir", str(tmp_path))
+    assert "| skipinject `zstd`, S3 |" in stdout and "load average" in stdout and "Floor of a verified" in stdout
+    assert figures["rows"] == 64 and figures["local_zstd_mb"] < figures["local_none_mb"]
+    assert figures["s3_zstd_hit_ms"] > 0 and figures["upstream_hit_ms"] > 0 and figures["floor_ms"] > 0
+    assert list(tmp_path.iterdir()) == [], "the benchmark cleans up its files"

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from skipinject.errors import CacheError, CacheMissError, CorruptCacheError
 from skipinject.store import FORMAT_VERSION, StepStore
 from skipinject.store.checksums import _digest
+from skipinject.store.format import PLAIN_FORMAT_VERSION
 from tests.reliability import helpers as h
 
 STEP = 1
@@ -183,7 +184,7 @@ CASES = [
         "format-older",
         "written by an older format version",
         ("format version",),
-        _edit_meta(lambda m: m.update(format_version=FORMAT_VERSION - 1)),
+        _edit_meta(lambda m: m.update(format_version=PLAIN_FORMAT_VERSION - 1)),
     ),
     Case(
         "role-forged",

@@ -122,11 +122,11 @@ def test_meta_json_is_put_last_after_every_data_file(store: RemoteStepStore, mon
 def test_an_upload_that_fails_leaves_nothing_visible_and_the_step_absent(store: RemoteStepStore, monkeypatch):
     import skipinject.store.remote as remote
 
-    def broken(handle: Any, tensors: Any, algo: str) -> str:
+    def broken(handle: Any, tensors: Any, algo: str, compression: Any) -> tuple[str, None]:
         handle.write(b"partial bytes")
         raise ConnectionError("network gone")
 
-    monkeypatch.setattr(remote, "write_tensors", broken)
+    monkeypatch.setattr(remote, "tensor_file", broken)
     with pytest.raises(ConnectionError):
         store.save(2, payload(2))
     assert not store.backend.fs.exists(store.at(2).path) or objects(store, 2) == {}
@@ -322,3 +322,32 @@ def test_the_cache_tool_reads_urls_only_where_it_can(tmp_path: Path, capsys):
     assert "s3://bucket/dump/1: a remote store's URL; only `skipinject cache ls` and `verify` read those" in err
     assert main(["ls", f"file://{tmp_path}", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dump_dir"] == str(tmp_path.resolve())
+
+
+def _encodings(fs: Any, root_path: str) -> set[str]:
+    metas = [p for p in fs.find(root_path) if p.endswith("/meta.json")]
+    assert metas
+    return {
+        spec.get("encoding", "none")
+        for meta in metas
+        for part in json.loads(fs.cat_file(meta))["parts"]
+        for spec in part["files"].values()
+    }
+
+
+def test_engine_compresses_by_default_in_a_remote_store_and_not_on_a_local_disk(
+    toy: Any, url: str, tmp_path: Path, caplog
+):
+    """``compression=auto``: zstd for object stores, stored as they are locally; a setting overrides it."""
+    import fsspec
+
+    check_engine_round_trip(toy, url, caplog)
+    fs, root = open_remote(url)
+    assert _encodings(fs, root.path) == {"zstd"}
+    local = fsspec.filesystem("file")
+    for setting, expected in (("auto", {"none"}), ("zstd-2", {"zstd"})):
+        dump = tmp_path / setting
+        start(str(dump), steps=(1,), compression=setting)
+        generate(toy, (1,))
+        bootstrap.stop()
+        assert _encodings(local, str(dump)) == expected, setting

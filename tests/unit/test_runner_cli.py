@@ -73,3 +73,14 @@ def test_cache_tool_validates_its_variable_too() -> None:
     proc = run(["cache", "ls", "/nonexistent-dump-dir"], SKIPINJECT_DEBUG="verbose")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "SKIPINJECT_DEBUG" in lines[0]
+
+
+def test_without_a_role_setting_the_runner_loads_no_plugin_and_no_engine() -> None:
+    """Issue 25 item 5: the runner's own start-up costs almost nothing when no setting names a role."""
+    code = (
+        "import sys; loaded = [m for m in sys.modules if m.startswith(('skipinject_', 'skipinject.engine', "
+        "'skipinject.store', 'omegaconf', 'pluggy'))]; print(sorted(loaded))"
+    )
+    assert run(["-c", code]).stdout.strip() == "[]"
+    with_role = run(["-c", code, "skip.rollout.enable=False"])
+    assert with_role.returncode == 0 and "skipinject_rollout" in with_role.stdout, with_role.stderr

@@ -1,0 +1,116 @@
+"""``skipinject cache compact``: store steps saved uncompressed again, compressed, in place.
+
+Each step is verified and loaded with the training run's own reader, written anew under a fresh
+write id with the chosen compression (the compact encodings checked bit for bit as in any save),
+and committed with one ``meta.json`` replace: the step is the old one or the new one, whole, at
+every moment, and a failure leaves the old one as it was. The old files, named by no ``meta.json``
+any more, are collected by the commit. Role-specific ``meta.json`` keys and the creation time are
+kept (``prune --older-than`` still sees when the step was generated).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from skipinject.cache_tool.scan import open_step, scan
+from skipinject.errors import CacheError
+from skipinject.store import Payload, StepStore
+from skipinject.store.compression import Compression, parse_compression
+
+#: meta.json keys the writer sets itself on every commit (everything else is the role's, and kept).
+_WRITER_KEYS = frozenset(
+    {
+        "format",
+        "format_version",
+        "role",
+        "step",
+        "global_steps",
+        "context",
+        "checksum_algo",
+        "parts",
+        "rows",
+        "writer",
+        "node",
+        "plugin",
+        "meta_checksum",
+    }
+)
+
+
+def _stored(meta: dict[str, Any]) -> int:
+    return sum(int(spec.get("size") or 0) for part in meta["parts"] for spec in part["files"].values())
+
+
+def _compressed(meta: dict[str, Any]) -> bool:
+    return all("encoding" in spec for part in meta["parts"] for spec in part["files"].values())
+
+
+def compact_step(step_dir: Path, compression: Compression) -> tuple[int, int] | None:
+    """Store one committed step compressed; (stored bytes before, after), or None if it already was."""
+    store, meta = open_step(step_dir)
+    if _compressed(meta):
+        return None
+    step = int(step_dir.name)
+    entry = store.verified(step)
+    try:
+        payloads = store.load(entry)
+        packed = StepStore(
+            store.project_dir, store.role, store.context, plugin=meta.get("plugin"), compression=compression
+        )
+        writer = packed.begin(step)
+        try:
+            for record, payload in zip(meta["parts"], payloads, strict=True):
+                part = Payload(tensors=dict(payload.tensors), objects=payload.objects, rows=payload.rows)
+                writer.add_part(part, record.get("dir", ""))
+            writer.commit({key: value for key, value in meta.items() if key not in _WRITER_KEYS})
+        except BaseException:
+            writer.abort()
+            raise
+    finally:
+        entry.release()
+    return _stored(meta), _stored(packed.read_meta(step))
+
+
+def cmd_compact(root: Path, *, compression: str, dry_run: bool, as_json: bool) -> int:
+    """Compress every complete, uncompressed skipinject step under ``root``; exit 1 if one failed."""
+    from skipinject.cache_tool.commands import CommandError, existing_dir
+
+    try:
+        chosen = parse_compression(compression)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    if chosen is None:
+        raise CommandError("--compression must name a compression (zstd or zstd-<level>)")
+    existing_dir(root)
+    results: list[dict[str, Any]] = []
+    for item in scan(root):
+        if item.kind != "skipinject" or item.state != "complete":
+            continue
+        result: dict[str, Any] = {"path": str(item.path), "role": item.role, "step": item.step}
+        try:
+            if dry_run:
+                _, meta = open_step(item.path)
+                result["state"] = "compressed" if _compressed(meta) else "would compact"
+                result["before"] = _stored(meta)
+            else:
+                done = compact_step(item.path, chosen)
+                result["state"] = "compressed" if done is None else "compacted"
+                if done is not None:
+                    result["before"], result["after"] = done
+        except (CacheError, OSError, ValueError, TypeError) as exc:
+            result["state"], result["problem"] = "failed", " ".join(str(exc).split())
+        results.append(result)
+    if as_json:
+        print(json.dumps({"schema": "skipinject.cache.compact/1", "steps": results}, indent=1))
+    else:
+        for result in results:
+            sizes = ""
+            if "after" in result:
+                sizes = f": {result['before']} -> {result['after']} bytes"
+            elif "before" in result:
+                sizes = f": {result['before']} bytes"
+            problem = f" ({result['problem']})" if "problem" in result else ""
+            print(f"{result['state']} {result['path']}{sizes}{problem}")
+    return 1 if any(r["state"] == "failed" for r in results) else 0

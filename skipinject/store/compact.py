@@ -1,0 +1,288 @@
+"""Exact compact encodings of a tensor file's tensors (used with compression on).
+
+A rollout batch stores much that follows from the rest: verl's ``input_ids`` is ``prompts`` and
+``responses`` side by side, the masks are one run of ones per row, the position ids a clamped ramp
+per row, and token ids fit in 32 bits. At save time each tensor is checked, bit for bit, against
+what its compact form rebuilds; only an exact match is stored compactly, anything else as it is:
+
+* ``concat``: the tensor is two other stored tensors of the same dtype side by side (last dimension);
+* ``run``: a 2-D tensor whose row ``b`` is 1 on ``[start_b, end_b)`` and 0 elsewhere;
+* ``ramp``: a 2-D integer tensor whose row ``b`` is ``clamp(j - start_b, 0, top_b)``;
+* ``narrow``: an integer tensor stored in the smallest dtype holding its values, restored to its
+  own dtype on load.
+
+Training sees the same dtypes, shapes and values. Rebuilt tensors are new memory, so a reader
+bounds what it builds by the file's size (:data:`~skipinject.store.format.MAX_REBUILT_FACTOR`)
+before allocating: a tiny forged index cannot make it build gigabytes. The writer keeps the same
+bound (it stores tensors as they are rather than write a file no reader would accept).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from skipinject.store.format import MAX_REBUILT_FACTOR, MAX_REBUILT_SLACK
+
+if TYPE_CHECKING:
+    import torch
+
+#: Integer dtypes a tensor may be narrowed to, smallest first (types every torch build converts).
+_NARROW = ("uint8", "int8", "int16", "int32")
+_INTEGERS = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
+_RANGES = {
+    "uint8": (0, 255),
+    "int8": (-128, 127),
+    "int16": (-(1 << 15), (1 << 15) - 1),
+    "int32": (-(1 << 31), (1 << 31) - 1),
+}
+
+
+@dataclass
+class Plan:
+    """How one tensor is stored: as it is (``stored`` set, maybe narrowed) or rebuilt (``derive``)."""
+
+    name: str
+    tensor: torch.Tensor
+    stored: torch.Tensor | None = None
+    stored_dtype: str | None = None
+    derive: dict[str, Any] | None = field(default=None)
+
+
+def _name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _itemsize(dtype_name: str) -> int:
+    import torch
+
+    return int(torch.empty((), dtype=getattr(torch, dtype_name)).element_size())
+
+
+def plan_tensors(tensors: Mapping[str, torch.Tensor]) -> list[Plan]:
+    """The compact plan of every tensor (input order), each one checked to rebuild exactly."""
+    plans = [Plan(name, tensor) for name, tensor in tensors.items()]
+    for plan in plans:
+        plan.derive = _run(plan.tensor) or _ramp(plan.tensor)
+    for plan in plans:
+        if plan.derive is None:
+            plan.derive = _concat(plan, [p for p in plans if p is not plan and p.derive is None])
+    for plan in plans:
+        if plan.derive is None:
+            plan.stored, plan.stored_dtype = _narrowed(plan.tensor)
+    file_bytes = sum(p.stored.numel() * p.stored.element_size() for p in plans if p.stored is not None)
+    if rebuilt_bytes(plans) > rebuilt_limit(file_bytes):
+        for plan in plans:  # beyond what a reader accepts: everything as it is
+            plan.derive, plan.stored, plan.stored_dtype = None, plan.tensor, None
+    for plan in plans:
+        if plan.derive is None and plan.stored is None:
+            plan.stored = plan.tensor
+    return plans
+
+
+def rebuilt_limit(file_bytes: int) -> int:
+    """The most bytes a reader builds (rebuilt and widened tensors) for a file of ``file_bytes``."""
+    return MAX_REBUILT_FACTOR * file_bytes + MAX_REBUILT_SLACK
+
+
+def rebuilt_bytes(plans: list[Plan]) -> int:
+    return sum(
+        p.tensor.numel() * p.tensor.element_size() for p in plans if p.derive is not None or p.stored_dtype is not None
+    )
+
+
+def _narrowed(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
+    dtype = _name(tensor.dtype)
+    if dtype not in _INTEGERS or tensor.numel() == 0 or dtype in ("uint8", "int8"):
+        return tensor, None
+    values = tensor.numpy()
+    low, high = int(values.min()), int(values.max())
+    size = tensor.element_size()
+    for target in _NARROW:
+        lo, hi = _RANGES[target]
+        if lo <= low and high <= hi and _itemsize(target) < size:
+            import torch
+
+            return torch.from_numpy(values.astype(target)), target
+    return tensor, None
+
+
+_BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _bits(tensor: torch.Tensor) -> Any:
+    """The tensor's bytes as a numpy integer array of its shape (comparisons bit for bit: -0.0 is not 0.0,
+    NaN equals itself), or None for complex tensors."""
+    import torch
+
+    if tensor.is_complex():
+        return None
+    return tensor.view(getattr(torch, _BITS[tensor.element_size()])).numpy()
+
+
+def _rows_of(tensor: torch.Tensor) -> bool:
+    return bool(tensor.dim() == 2 and tensor.shape[0] > 0 and tensor.shape[1] > 0)
+
+
+def _numpy_dtype(dtype: Any) -> Any:
+    """The numpy dtype of a torch dtype (ValueError for bfloat16, which numpy lacks)."""
+    import torch
+
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError as exc:
+        raise ValueError(f"no numpy dtype for {dtype}") from exc
+
+
+def _run(tensor: torch.Tensor) -> dict[str, Any] | None:
+    """``{"run": starts, "end": ends}`` if every row is one run of ones (and zeros elsewhere)."""
+    if not _rows_of(tensor) or tensor.is_complex() or tensor.dtype == _bfloat16():
+        return None
+    if _run_spec(tensor[:1]) is None:  # row 0 tells most tensors apart at once
+        return None
+    return _run_spec(tensor)
+
+
+def _run_spec(tensor: torch.Tensor) -> dict[str, Any] | None:
+    import numpy as np
+
+    values = tensor.numpy()
+    ones = values != 0
+    first = ones.argmax(axis=1)
+    starts = np.where(ones[np.arange(len(ones)), first], first, 0)
+    ends = starts + ones.sum(axis=1)
+    spec = {"run": starts.tolist(), "end": ends.tolist()}
+    rebuilt = rebuild_run(spec, list(tensor.shape), tensor.dtype)
+    return spec if np.array_equal(_bits(rebuilt), _bits(tensor)) else None
+
+
+def rebuild_run(spec: Mapping[str, Any], shape: list[int], dtype: Any) -> torch.Tensor:
+    """Rows of ones on ``[run_b, end_b)`` (clipped to the row), zeros elsewhere: one write per one."""
+    import numpy as np
+    import torch
+
+    rows, width = shape
+    out = np.zeros((rows, width), dtype=_numpy_dtype(dtype))
+    starts = np.clip(np.asarray(spec["run"], dtype=np.int64), 0, width).tolist()
+    ends = np.clip(np.asarray(spec["end"], dtype=np.int64), 0, width).tolist()
+    for row, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        if start < end:
+            out[row, start:end] = 1
+    return torch.from_numpy(out)
+
+
+def _ramp(tensor: torch.Tensor) -> dict[str, Any] | None:
+    """``{"ramp": starts, "top": tops}`` if row ``b`` is ``clamp(j - start_b, 0, top_b)`` (position ids)."""
+    if not _rows_of(tensor) or _name(tensor.dtype) not in _INTEGERS or _name(tensor.dtype).startswith("uint"):
+        return None
+    if _ramp_spec(tensor[:1]) is None:
+        return None
+    return _ramp_spec(tensor)
+
+
+def _ramp_spec(tensor: torch.Tensor) -> dict[str, Any] | None:
+    import numpy as np
+
+    values = tensor.numpy()
+    positive = values > 0
+    first = positive.argmax(axis=1)
+    rows = np.arange(len(values))
+    starts = np.where(positive[rows, first], first - values[rows, first].astype(np.int64), 0)
+    spec = {"ramp": starts.tolist(), "top": values.max(axis=1).astype(np.int64).tolist()}
+    rebuilt = rebuild_ramp(spec, list(tensor.shape), tensor.dtype)
+    return spec if np.array_equal(rebuilt.numpy(), values) else None
+
+
+def rebuild_ramp(spec: Mapping[str, Any], shape: list[int], dtype: Any) -> torch.Tensor:
+    """Row ``b`` = ``clamp(j - ramp_b, 0, top_b)``: zeros, then a ramp, then ``top_b``; one write per element."""
+    import numpy as np
+    import torch
+
+    rows, width = shape
+    out = np.empty((rows, width), dtype=_numpy_dtype(dtype))
+    starts = np.asarray(spec["ramp"], dtype=np.int64).tolist()
+    tops = np.asarray(spec["top"], dtype=np.int64).tolist()
+    for row, (start, top) in enumerate(zip(starts, tops, strict=True)):
+        if top < 0:
+            raise ValueError("a ramp with a negative top")
+        begin = min(max(start, 0), width)  # zeros before it
+        stop = min(max(start + top, begin), width)  # the ramp: j - start for j in [begin, stop)
+        out[row, :begin] = 0
+        out[row, begin:stop] = np.arange(begin - start, stop - start)
+        out[row, stop:] = top
+    return torch.from_numpy(out)
+
+
+def _bfloat16() -> Any:
+    import torch
+
+    return torch.bfloat16
+
+
+def _concat(plan: Plan, candidates: list[Plan]) -> dict[str, Any] | None:
+    """``{"concat": [a, b]}`` if the tensor is stored tensors ``a`` and ``b`` side by side (last dim)."""
+    import numpy as np
+
+    tensor = plan.tensor
+    if tensor.dim() < 2 or tensor.is_complex():
+        return None
+    lead, width = tuple(tensor.shape[:-1]), tensor.shape[-1]
+    fits = [c for c in candidates if c.tensor.dtype == tensor.dtype and tuple(c.tensor.shape[:-1]) == lead]
+    bits = None
+    for left in fits:
+        split = left.tensor.shape[-1]
+        if not 0 < split < width:
+            continue
+        for right in fits:
+            if right is left or right.tensor.shape[-1] != width - split:
+                continue
+            bits = _bits(tensor) if bits is None else bits
+            if np.array_equal(bits[..., :split], _bits(left.tensor)) and np.array_equal(
+                bits[..., split:], _bits(right.tensor)
+            ):
+                return {"concat": [left.name, right.name]}
+    return None
+
+
+def check_rebuilt(entries: list[Mapping[str, Any]], file_bytes: int) -> None:
+    """Refuse (ValueError) an index whose rebuilt tensors would be larger than the file allows."""
+    from skipinject.store.tensorfile import TENSOR_DTYPES
+
+    total = 0
+    for entry in entries:
+        if "derive" in entry or "stored_dtype" in entry:
+            if entry["dtype"] not in TENSOR_DTYPES or type(entry["shape"]) is not list:
+                raise ValueError(f"bad dtype or shape for {str(entry['name'])[:80]!r}")
+            total += math.prod(entry["shape"]) * _itemsize(entry["dtype"])
+    if total > rebuilt_limit(file_bytes):
+        raise ValueError(f"its index rebuilds {total} bytes from a {file_bytes}-byte file")
+
+
+def rebuild(entry: Mapping[str, Any], stored: Mapping[str, torch.Tensor], dtype: Any) -> torch.Tensor:
+    """The tensor a ``derive`` entry describes (``stored``: the tensors the file holds, already restored)."""
+    import torch
+
+    derive, shape = entry["derive"], entry["shape"]
+    if type(derive) is not dict:
+        raise ValueError("a derived tensor without a recipe")
+    if "concat" in derive:
+        parts = derive["concat"]
+        if type(parts) is not list or len(parts) != 2 or not all(type(p) is str and p in stored for p in parts):
+            raise ValueError("a concatenation of tensors the file does not hold")
+        left, right = stored[parts[0]], stored[parts[1]]
+        if left.dtype != dtype or right.dtype != dtype:
+            raise ValueError("a concatenation of tensors of another dtype")
+        out = torch.cat([left, right], dim=-1)
+        if list(out.shape) != shape:
+            raise ValueError(f"a concatenation of shape {list(out.shape)}, the index says {shape}")
+        return out
+    keys = ("run", "end") if "run" in derive else ("ramp", "top") if "ramp" in derive else None
+    if keys is None or len(shape) != 2:
+        raise ValueError("an unknown recipe")
+    for key in keys:
+        values = derive.get(key)
+        if type(values) is not list or len(values) != shape[0] or not all(type(v) is int for v in values):
+            raise ValueError(f"a recipe whose {key!r} does not hold one integer per row")
+    return (rebuild_run if keys[0] == "run" else rebuild_ramp)(derive, shape, dtype)

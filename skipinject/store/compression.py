@@ -1,0 +1,301 @@
+"""A data file compressed in independent zstd frames (``skip.<role>.compression``).
+
+A compressed data file is the concatenation of zstd frames, each the compression of
+:data:`~skipinject.store.format.FRAME_BYTES` decoded bytes (the last one fewer); ``meta.json``
+records, beside the stored size and the checksum of the *stored* bytes, the decoded size and each
+frame's stored size. The frames are independent, so a save compresses them on every core and a
+hit decompresses them on every core, each straight into its place in the decoded file.
+
+A compressed file is hostile input like any other: the decoded size and the frame table are
+checked against each other and against the stored size before anything is allocated, every frame
+must announce in its own header exactly the decoded size the table gives it before it is
+decompressed, and it is decompressed into a buffer of exactly that size (a frame that would expand
+further fails instead of growing it): a decompression bomb is refused before its memory is spent.
+
+``zstandard`` is imported only when a compressed file is written or read.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from skipinject.errors import CorruptCacheError
+from skipinject.store.format import FRAME_BYTES, MAX_EXPANSION, ZSTD_DEFAULT_LEVEL, ZSTD_MAX_LEVEL
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from typing_extensions import Buffer
+
+    from skipinject.store.checksums import _Hasher
+
+#: What ``skip.<role>.compression`` accepts: ``auto``, ``none``, ``zstd`` or ``zstd-<level>``.
+COMPRESSION_VALUE = re.compile(r"auto|none|zstd(?:-([1-9]|1[0-9]|2[0-2]))?")
+ENCODING = "zstd"
+
+
+@dataclass(frozen=True)
+class Compression:
+    """How a store compresses the files it writes (``None`` in its place: stored as they are)."""
+
+    level: int = ZSTD_DEFAULT_LEVEL
+
+    @property
+    def name(self) -> str:
+        return ENCODING if self.level == ZSTD_DEFAULT_LEVEL else f"{ENCODING}-{self.level}"
+
+
+def parse_compression(value: str, *, remote: bool = False, network_fs: bool = False) -> Compression | None:
+    """The compression a setting names; ``auto``: zstd for object stores and network file systems,
+    none on local disks (where a hit reads at memory speed and decompressing would only cost)."""
+    match = COMPRESSION_VALUE.fullmatch(value)
+    if match is None:
+        raise ValueError(f"unknown compression {value!r} (auto, none, zstd, zstd-1 .. zstd-{ZSTD_MAX_LEVEL})")
+    if value == "auto":
+        return Compression() if remote or network_fs else None
+    if value == "none":
+        return None
+    return Compression(int(match.group(1) or ZSTD_DEFAULT_LEVEL))
+
+
+#: File system types (``/proc/self/mounts``) whose bytes cross a network: ``auto`` compresses there.
+NETWORK_FILESYSTEMS = frozenset(
+    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "beegfs", "9p", "afs", "orangefs"}
+)
+
+
+def is_network_filesystem(path: str, mounts: str = "/proc/self/mounts") -> bool:
+    """Whether ``path`` (an absolute local path) lies on a network file system (or a FUSE mount of one,
+    ``fuse.sshfs``, ``fuse.s3fs``, ...); False when that cannot be told."""
+    try:
+        with open(mounts, encoding="utf-8", errors="replace") as handle:
+            table = [line.split() for line in handle]
+    except OSError:
+        return False
+    best, kind = "", ""
+    for fields in table:
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind in NETWORK_FILESYSTEMS or (kind.startswith("fuse.") and kind != "fuse.portal")
+
+
+def compression_for(value: str, root: object) -> Compression | None:
+    """The compression a store under ``root`` (a local ``Path`` or a remote location) uses for ``value``."""
+    if not isinstance(root, Path):
+        return parse_compression(value, remote=True)
+    network = value == "auto" and is_network_filesystem(str(root))
+    return parse_compression(value, network_fs=network)
+
+
+def workers() -> int:
+    """Threads for work that releases the GIL: the usable cores, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def _zstd() -> Any:
+    try:
+        import zstandard
+    except ImportError as exc:  # a core dependency; only missing in a broken install
+        raise CorruptCacheError("this cache is compressed (zstd) but the zstandard package is not installed") from exc
+    return zstandard
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _blocks(pieces: Sequence[Buffer], size: int) -> Iterator[Buffer]:
+    """The bytes of ``pieces`` in blocks of ``size`` (the last shorter): views where a block lies in
+    one piece, a joined copy only where it spans several."""
+    pending: list[memoryview] = []
+    filled = 0
+    for piece in pieces:
+        with memoryview(piece) as whole:
+            view = whole.cast("B")
+            start = 0
+            while start < len(view):
+                take = min(len(view) - start, size - filled)
+                part = view[start : start + take]
+                start += take
+                if not pending and take == size:
+                    yield part
+                    continue
+                pending.append(part)
+                filled += take
+                if filled == size:
+                    yield b"".join(pending)
+                    pending, filled = [], 0
+    if pending:
+        yield b"".join(pending)
+
+
+@dataclass
+class Written:
+    """What a compressed file's record in ``meta.json`` needs beside its stored size and checksum."""
+
+    decoded_size: int
+    frames: list[int]
+
+    def record(self) -> dict[str, Any]:
+        return {"encoding": ENCODING, "decoded_size": self.decoded_size, "frames": self.frames}
+
+
+def write_compressed(handle: BinaryIO, pieces: Sequence[Buffer], compression: Compression, hasher: _Hasher) -> Written:
+    """Compress the concatenated ``pieces`` frame by frame on every core, write the frames in order,
+    and hash the stored (compressed) bytes as they are written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    zstandard = _zstd()
+    local = threading.local()
+
+    def compress(block: Buffer) -> bytes:
+        compressor = getattr(local, "compressor", None)
+        if compressor is None:
+            compressor = local.compressor = zstandard.ZstdCompressor(level=compression.level, write_content_size=True)
+        return bytes(compressor.compress(block))
+
+    decoded = 0
+    frames: list[int] = []
+    threads = workers()
+
+    def emit(future: Future[bytes]) -> None:
+        frame = future.result()
+        handle.write(frame)
+        hasher.update(frame)
+        frames.append(len(frame))
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="skipinject-zstd") as pool:
+        in_flight: list[Future[bytes]] = []
+        for block in _blocks(pieces, FRAME_BYTES):
+            decoded += memoryview(block).nbytes
+            in_flight.append(pool.submit(compress, block))
+            if len(in_flight) > 2 * threads:
+                emit(in_flight.pop(0))
+        for future in in_flight:
+            emit(future)
+    return Written(decoded, frames)
+
+
+def compress_bytes(data: bytes, compression: Compression, hasher: _Hasher) -> tuple[bytes, Written]:
+    """``data`` compressed (a small file, e.g. the objects file), its record."""
+    import io
+
+    out = io.BytesIO()
+    written = write_compressed(out, [data], compression, hasher)
+    return out.getvalue(), written
+
+
+# ---------------------------------------------------------------- reading
+
+
+def expansion(meta: Mapping[str, Any]) -> int:
+    """Bytes the compressed files a (checked) ``meta.json`` names gain when decoded (0: none compressed)."""
+    gained = 0
+    for part in meta.get("parts") or []:
+        for spec in (part.get("files") or {}).values() if isinstance(part, dict) else []:
+            if isinstance(spec, dict) and "encoding" in spec:
+                gained += int(spec.get("decoded_size") or 0) - int(spec.get("size") or 0)
+    return gained
+
+
+def check_record(spec: Mapping[str, Any], stored: int, shown: Path) -> tuple[int, list[int]]:
+    """The decoded size and frame table of a compressed file's record, checked against each other and
+    the stored size before anything is allocated (CorruptCacheError otherwise)."""
+    decoded, frames = spec.get("decoded_size"), spec.get("frames")
+    if spec.get("encoding") != ENCODING:
+        raise CorruptCacheError(f"{shown}: unknown encoding {str(spec.get('encoding'))[:40]!r}")
+    if type(decoded) is not int or decoded < 0 or type(frames) is not list:
+        raise CorruptCacheError(f"{shown}: meta.json records no valid decoded size or frame table")
+    if len(frames) != -(-decoded // FRAME_BYTES) or not all(type(f) is int and f > 0 for f in frames):
+        raise CorruptCacheError(f"{shown}: its frame table does not match its decoded size {decoded}")
+    if sum(frames) != stored:
+        raise CorruptCacheError(f"{shown}: its frames add up to {sum(frames)} bytes, the file has {stored}")
+    if decoded > MAX_EXPANSION * stored:
+        raise CorruptCacheError(
+            f"{shown}: claims to expand {stored} bytes to {decoded} (more than zstd's {MAX_EXPANSION}x: not ours)"
+        )
+    return decoded, frames
+
+
+def decompress_into(
+    stored: Buffer, spec: Mapping[str, Any], shown: Path, make: Callable[[int], mmap.mmap | bytearray]
+) -> mmap.mmap | bytearray:
+    """The decoded bytes of a compressed file (its stored bytes already checksummed), in a buffer from
+    ``make(decoded_size)``; frames decompressed in threads, each checked before it is decompressed."""
+    with memoryview(stored) as view:
+        decoded, frames = check_record(spec, view.nbytes, shown)
+        zstandard = _zstd()
+        out = make(decoded)
+        if not decoded:
+            return out
+        local = threading.local()
+        jobs = []
+        start = 0
+        for number, length in enumerate(frames):
+            jobs.append((number, start, length))
+            start += length
+
+        def one(job: tuple[int, int, int]) -> None:
+            number, begin, length = job
+            with view[begin : begin + length] as frame:  # released even on failure: the mapping closes
+                decode(number, frame)
+
+        def decode(number: int, frame: memoryview) -> None:
+            expected = min(FRAME_BYTES, decoded - number * FRAME_BYTES)
+            try:
+                claimed = zstandard.frame_content_size(frame)
+            except zstandard.ZstdError as exc:
+                raise CorruptCacheError(f"{shown}: frame {number} is not a zstd frame ({exc})") from exc
+            if claimed != expected:
+                raise CorruptCacheError(
+                    f"{shown}: frame {number} claims {claimed} decoded bytes, meta.json records {expected}; not decoded"
+                )
+            decompressor = getattr(local, "decompressor", None)
+            if decompressor is None:
+                decompressor = local.decompressor = zstandard.ZstdDecompressor()
+            try:
+                data = decompressor.decompress(frame, max_output_size=expected)
+            except zstandard.ZstdError as exc:
+                raise CorruptCacheError(f"{shown}: frame {number} is damaged ({exc})") from exc
+            if len(data) != expected:
+                raise CorruptCacheError(f"{shown}: frame {number} decodes to {len(data)} bytes, not {expected}")
+            at = number * FRAME_BYTES
+            out[at : at + expected] = data
+
+        try:
+            threads = min(workers(), len(jobs))
+            if threads == 1:
+                for job in jobs:
+                    one(job)
+            else:
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(threads, thread_name_prefix="skipinject-zstd") as pool:
+                    for done in [pool.submit(one, job) for job in jobs]:
+                        done.result()
+        except BaseException:
+            _close(out)
+            raise
+        return out
+
+
+def anonymous(size: int) -> mmap.mmap | bytearray:
+    """A writable buffer of ``size`` bytes that costs memory only as it is filled (anonymous mapping)."""
+    return mmap.mmap(-1, size) if size else bytearray()
+
+
+def _close(buffer: mmap.mmap | bytearray) -> None:
+    close = getattr(buffer, "close", None)
+    if close is not None:
+        close()

@@ -1,0 +1,506 @@
+"""Compressed steps (issue 25): zstd in independent frames, exact compact encodings, bombs refused.
+
+Every round trip compares every tensor bit for bit (dtype, shape, values) with what was saved.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from skipinject.config import role_config
+from skipinject.errors import ConfigError, CorruptCacheError
+from skipinject.store import Payload, StepStore, format
+from skipinject.store.compression import (
+    Compression,
+    compression_for,
+    is_network_filesystem,
+    parse_compression,
+)
+from skipinject.store.remote import RemoteStepStore, open_remote
+from tests.conftest import ROOT
+
+torch = pytest.importorskip("torch")
+zstandard = pytest.importorskip("zstandard")
+
+PAD = 151_643
+
+
+def padded_batch(rows: int = 16, prompt: int = 24, response: int = 40, seed: int = 0) -> dict[str, Any]:
+    """verl's rollout tensors: prompts left-padded, responses right-padded, masks and position ids as verl
+    builds them."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(1, prompt + 1, (rows,), generator=gen)
+    response_lens = torch.randint(0, response + 1, (rows,), generator=gen)
+    prompts = torch.full((rows, prompt), PAD, dtype=torch.int64)
+    responses = torch.full((rows, response), PAD, dtype=torch.int64)
+    prompt_mask = torch.zeros(rows, prompt, dtype=torch.int64)
+    response_mask = torch.zeros(rows, response, dtype=torch.int64)
+    for row in range(rows):
+        p, r = int(prompt_lens[row]), int(response_lens[row])
+        prompts[row, prompt - p :] = torch.randint(0, 151_000, (p,), generator=gen)
+        responses[row, :r] = torch.randint(0, 151_000, (r,), generator=gen)
+        prompt_mask[row, prompt - p :] = 1
+        response_mask[row, :r] = 1
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    # vLLM rollout: positions continue through the response padding; agent loop: cumsum of the mask.
+    prompt_pos = torch.clip(torch.cumsum(prompt_mask, dim=-1) - 1, min=0)
+    delta = torch.arange(1, response + 1).expand(rows, response)
+    position_ids = torch.cat([prompt_pos, prompt_pos[:, -1:] + delta], dim=1)
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "agent_position_ids": torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0),
+        "response_mask": response_mask,
+        "rollout_log_probs": -torch.rand(rows, response, generator=gen) * response_mask,
+        "bool_mask": attention_mask.bool(),
+    }
+
+
+def assert_same(loaded: dict[str, Any], saved: dict[str, Any]) -> None:
+    assert list(loaded) == list(saved)
+    for name, tensor in saved.items():
+        got = loaded[name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+        assert torch.equal(got, tensor), name
+        assert got.is_contiguous(), name
+
+
+ZSTD = Compression()
+
+
+def _store(root: Path, compression: Compression | None = ZSTD) -> StepStore:
+    return StepStore(root / "project", "toy", {"run": 1}, compression=compression)
+
+
+def _index(store: StepStore, step: int) -> list[dict[str, Any]]:
+    """The tensor file's index, decompressed by hand."""
+    meta = json.loads((store.step_dir(step) / "meta.json").read_text())
+    spec = meta["parts"][0]["files"]["tensors"]
+    raw = (store.step_dir(step) / spec["name"]).read_bytes()
+    if "encoding" in spec:
+        raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True).read()
+    (length,) = struct.unpack_from("<Q", raw, 8)
+    return json.loads(raw[16 : 16 + length])["tensors"]
+
+
+def _load(store: StepStore, step: int) -> Payload:
+    (part,) = store.load(store.verified(step))
+    return part
+
+
+# ---------------------------------------------------------------- round trips
+
+
+def test_a_compressed_step_loads_bit_for_bit_and_is_smaller(tmp_path: Path) -> None:
+    tensors = padded_batch()
+    plain, packed = _store(tmp_path / "a", None), _store(tmp_path / "b")
+    for store in (plain, packed):
+        store.save(1, Payload(tensors=dict(tensors), objects={"v": [1, 2, 3]}, rows=16))
+    sizes = {}
+    for name, store in (("plain", plain), ("packed", packed)):
+        part = _load(store, 1)
+        assert_same(part.tensors, tensors)
+        assert part.objects == {"v": [1, 2, 3]}
+        meta = json.loads((store.step_dir(1) / "meta.json").read_text())
+        sizes[name] = sum(f["size"] for f in meta["parts"][0]["files"].values())
+        assert meta["format_version"] == (3 if name == "packed" else 2)
+        files = meta["parts"][0]["files"]
+        assert all(("encoding" in f) is (name == "packed") for f in files.values())
+    assert sizes["packed"] * 5 < sizes["plain"]
+
+
+def test_the_derivable_tensors_are_rebuilt_and_the_rest_stored_narrowed(tmp_path: Path) -> None:
+    tensors = padded_batch()
+    store = _store(tmp_path)
+    store.save(1, Payload(tensors=tensors, objects={}, rows=16))
+    index = {entry["name"]: entry for entry in _index(store, 1)}
+    assert index["input_ids"]["derive"] == {"concat": ["prompts", "responses"]}
+    for name in ("attention_mask", "response_mask", "bool_mask"):
+        assert "run" in index[name]["derive"], name
+    for name in ("position_ids", "agent_position_ids"):
+        assert "ramp" in index[name]["derive"], name
+    assert index["prompts"]["stored_dtype"] == "int32" and index["prompts"]["dtype"] == "int64"
+    assert "derive" not in index["rollout_log_probs"] and "stored_dtype" not in index["rollout_log_probs"]
+    assert_same(_load(store, 1).tensors, tensors)
+
+
+def test_what_is_not_derivable_is_stored_as_it_is(tmp_path: Path) -> None:
+    """Multi-modal (3-row) position ids, a mask with a hole (multi-turn tool output), an input_ids that is
+    not prompts ++ responses, wide integers, empty tensors: stored, and loaded bit for bit."""
+    tensors = padded_batch(rows=8)
+    rows, seq = tensors["input_ids"].shape
+    mrope = torch.arange(seq).expand(3, rows, seq).clone()
+    mrope[1, :, 5:9] = 4  # image tokens: height/width positions stand still
+    holed = tensors["response_mask"].clone()
+    holed[:, 3] = 0
+    holed[:, 0] = 1
+    changed = tensors["input_ids"].clone()
+    changed[2, -1] += 1
+    odd = {
+        "mrope_position_ids": mrope.permute(1, 0, 2).contiguous(),
+        "holed_response_mask": holed,
+        "input_ids": changed,
+        "wide": torch.tensor([[1 << 40, -3]], dtype=torch.int64),
+        "unsigned": torch.tensor([[0, 65535]], dtype=torch.int32),
+        "small": torch.tensor([[-3, 30000, 7]], dtype=torch.int32),
+        "empty": torch.zeros((0, 4), dtype=torch.int64),
+        "scalar": torch.tensor(7, dtype=torch.int64),
+        "halves": torch.rand(4, 4).half(),
+    }
+    saved = {**tensors, **odd}
+    store = _store(tmp_path)
+    store.save(1, Payload(tensors=saved, objects={}, rows=8))
+    index = {entry["name"]: entry for entry in _index(store, 1)}
+    for name in ("mrope_position_ids", "holed_response_mask", "input_ids", "wide"):
+        assert "derive" not in index[name], name
+    assert "stored_dtype" not in index["wide"]
+    assert "stored_dtype" not in index["unsigned"]  # needs its 32 bits
+    assert index["small"]["stored_dtype"] == "int16" and "derive" not in index["small"]
+    assert_same(_load(store, 1).tensors, saved)
+
+
+def test_a_loaded_compressed_tensor_is_private_and_writable(tmp_path: Path) -> None:
+    tensors = padded_batch()
+    store = _store(tmp_path)
+    store.save(1, Payload(tensors=tensors, objects={}, rows=16))
+    first = _load(store, 1).tensors
+    first["rollout_log_probs"].add_(1.0)
+    first["prompts"][0, 0] = 5
+    assert_same(_load(store, 1).tensors, tensors)
+
+
+def test_the_codec_result_round_trips_through_a_compressed_store(tmp_path: Path) -> None:
+    """A real TensorDict result (the DataProto batch is one) through the codec and a compressed store."""
+    tensordict = pytest.importorskip("tensordict")
+    from skipinject.codecs import TensorDictCodec
+
+    tensors = padded_batch()
+    td = tensordict.TensorDict(tensors, batch_size=[16])
+    codec = TensorDictCodec()
+    store = _store(tmp_path)
+    store.save(1, codec.encode(td))
+    loaded = codec.decode(_load(store, 1))
+    assert_same({k: loaded[k] for k in tensors}, tensors)
+
+
+def test_steps_of_either_kind_are_read_whatever_the_store_writes(tmp_path: Path) -> None:
+    tensors = padded_batch()
+    _store(tmp_path, None).save(1, Payload(tensors=tensors, objects={}, rows=16))
+    _store(tmp_path).save(2, Payload(tensors=tensors, objects={}, rows=16))
+    for compression in (None, Compression(), Compression(9)):
+        for step in (1, 2):
+            assert_same(_load(_store(tmp_path, compression), step).tensors, tensors)
+
+
+FIXTURE = ROOT / "tests" / "data" / "format-v2"
+
+
+def test_a_cache_written_by_the_previous_release_still_loads() -> None:
+    """``tests/data/format-v2`` was written by the code before compression (format version 2)."""
+    expected = padded_batch(rows=4, prompt=6, response=8)
+    store = StepStore(FIXTURE, "toy", {"run": 1}, compression=Compression())
+    part = _load(store, 1)
+    assert_same(part.tensors, expected)
+    assert part.objects == {"note": "written by skipinject before issue 25"}
+    assert json.loads((FIXTURE / "1" / "meta.json").read_text())["format_version"] == 2
+
+
+def test_a_remote_step_is_compressed_and_loads(tmp_path: Path) -> None:
+    fs, root = open_remote(f"memory://skipinject-tests/{uuid.uuid4().hex}")
+    store = RemoteStepStore(root / "project", "toy", {"run": 1}, fs, compression=compression_for("auto", root))
+    assert store.compression == Compression()
+    tensors = padded_batch()
+    store.save(1, Payload(tensors=tensors, objects={"v": 1}, rows=16))
+    part = _load(store, 1)
+    assert_same(part.tensors, tensors)
+    assert part.objects == {"v": 1}
+
+
+def test_a_batch_larger_than_a_frame_is_many_frames(tmp_path: Path) -> None:
+    tensors = {"noise": torch.randint(0, 1 << 30, (3, format.FRAME_BYTES // 8), dtype=torch.int64)}
+    store = _store(tmp_path)
+    store.save(1, Payload(tensors=tensors, objects={}, rows=3))
+    meta = json.loads((store.step_dir(1) / "meta.json").read_text())
+    spec = meta["parts"][0]["files"]["tensors"]
+    assert len(spec["frames"]) == -(-spec["decoded_size"] // format.FRAME_BYTES) >= 2
+    assert_same(_load(store, 1).tensors, tensors)
+
+
+# ---------------------------------------------------------------- hostile files
+
+
+def _saved(tmp_path: Path, tensors: dict[str, Any] | None = None) -> tuple[StepStore, Path, dict[str, Any]]:
+    store = _store(tmp_path)
+    store.save(1, Payload(tensors=tensors or padded_batch(), objects={}, rows=16))
+    meta_path = store.step_dir(1) / "meta.json"
+    return store, meta_path, json.loads(meta_path.read_text())
+
+
+def _rewrite(meta_path: Path, meta: dict[str, Any]) -> None:
+    meta["meta_checksum"] = format.meta_digest(meta)
+    meta_path.write_text(json.dumps(meta))
+
+
+def _replace_tensor_file(store: StepStore, meta_path: Path, meta: dict[str, Any], data: bytes, **record: Any) -> None:
+    from skipinject.store.checksums import _digest
+
+    spec = meta["parts"][0]["files"]["tensors"]
+    (store.step_dir(1) / spec["name"]).write_bytes(data)
+    spec.update(size=len(data), checksum=_digest(data, meta["checksum_algo"]), **record)
+    _rewrite(meta_path, meta)
+
+
+def _frame_claiming(data: bytes, claimed: int) -> bytes:
+    """A zstd frame of ``data`` whose header claims ``claimed`` decoded bytes (4-byte content size field)."""
+    frame = bytearray(zstandard.ZstdCompressor(level=3, write_content_size=True).compress(data))
+    descriptor = frame[4]
+    assert descriptor >> 6 == 2 and descriptor & 3 == 0, "expected a 4-byte content size, no dictionary"
+    at = 5 + (0 if descriptor & 0x20 else 1)
+    frame[at : at + 4] = struct.pack("<I", claimed)
+    assert zstandard.frame_content_size(bytes(frame)) == claimed
+    return bytes(frame)
+
+
+def test_a_frame_claiming_more_than_its_recorded_size_is_refused_before_decompression(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, meta_path, meta = _saved(tmp_path)
+    bomb = _frame_claiming(bytes(1 << 20), 1 << 30)
+    _replace_tensor_file(store, meta_path, meta, bomb, decoded_size=1 << 20, frames=[len(bomb)])
+    sizes: list[int] = []
+    real = zstandard.ZstdDecompressor.decompress
+    monkeypatch.setattr(
+        zstandard.ZstdDecompressor, "decompress", lambda *a, **k: sizes.append(memoryview(a[1]).nbytes) or real(*a, **k)
+    )
+    with pytest.raises(CorruptCacheError, match=r"frame 0 claims 1073741824 decoded bytes, meta.json records 1048576"):
+        store.verified(1)
+    assert len(bomb) not in sizes  # the objects file's frame was decompressed, the bomb never
+
+
+def test_a_frame_expanding_beyond_what_it_claims_is_refused(tmp_path: Path) -> None:
+    store, meta_path, meta = _saved(tmp_path)
+    liar = _frame_claiming(bytes(1 << 20), 1000)
+    _replace_tensor_file(store, meta_path, meta, liar, decoded_size=1000, frames=[len(liar)])
+    with pytest.raises(CorruptCacheError, match="frame 0 is damaged"):
+        store.verified(1)
+
+
+def test_a_frame_without_a_content_size_is_refused(tmp_path: Path) -> None:
+    store, meta_path, meta = _saved(tmp_path)
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(1000))
+    _replace_tensor_file(store, meta_path, meta, frame, decoded_size=1000, frames=[len(frame)])
+    with pytest.raises(CorruptCacheError, match="frame 0 claims -1 decoded bytes"):
+        store.verified(1)
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"decoded_size": 1 << 50}, "does not match its decoded size"),
+        ({"decoded_size": 1 << 40, "frames": "many"}, "no valid decoded size or frame table"),
+        ({"frames": None}, "no valid decoded size or frame table"),
+        ({"encoding": "lz4"}, "unknown encoding"),
+    ],
+)
+def test_a_forged_frame_table_is_refused_before_allocating(
+    tmp_path: Path, record: dict[str, Any], message: str
+) -> None:
+    store, meta_path, meta = _saved(tmp_path)
+    meta["parts"][0]["files"]["tensors"].update(record)
+    _rewrite(meta_path, meta)
+    with pytest.raises(CorruptCacheError, match=message):
+        store.verified(1)
+
+
+def test_a_file_claiming_more_than_zstd_can_expand_is_refused(tmp_path: Path) -> None:
+    store, meta_path, meta = _saved(tmp_path)
+    frames = 64
+    decoded = frames * format.FRAME_BYTES
+    tiny = b"\x28\xb5\x2f\xfd" * frames  # 4 bytes a frame: far below what 4 MiB can shrink to
+    _replace_tensor_file(store, meta_path, meta, tiny, decoded_size=decoded, frames=[4] * frames)
+    with pytest.raises(CorruptCacheError, match="more than zstd's 32768x"):
+        store.verified(1)
+
+
+def test_a_damaged_stored_byte_is_a_checksum_mismatch(tmp_path: Path) -> None:
+    store, _, meta = _saved(tmp_path)
+    path = store.step_dir(1) / meta["parts"][0]["files"]["tensors"]["name"]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCacheError, match="checksum mismatch"):
+        store.verified(1)
+
+
+def _forged_index(entries: list[dict[str, Any]]) -> bytes:
+    header = json.dumps({"tensors": entries}).encode()
+    header += b" " * (-(16 + len(header)) % 64)
+    return format.TENSORS_MAGIC + struct.pack("<Q", len(header)) + header
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"name": "m", "dtype": "int64", "shape": [1 << 20, 1 << 20], "derive": {"run": [0], "end": [1]}}, "rebuilds"),
+        ({"name": "m", "dtype": "int64", "shape": [2, 3], "derive": {"run": [0], "end": [1]}}, "one integer per row"),
+        ({"name": "m", "dtype": "int64", "shape": [2, 3], "derive": {"concat": ["a", "b"]}}, "does not hold"),
+        ({"name": "m", "dtype": "int64", "shape": [2, 3], "derive": {"exec": "rm -rf"}}, "unknown recipe"),
+        ({"name": "m", "dtype": "float32", "shape": [1], "offset": 0, "nbytes": 1, "stored_dtype": "uint8"}, "stored"),
+    ],
+)
+def test_a_forged_compact_index_is_refused(tmp_path: Path, entry: dict[str, Any], message: str) -> None:
+    store, meta_path, meta = _saved(tmp_path)
+    raw = _forged_index([entry]) + bytes(64)
+    hasher_data = zstandard.ZstdCompressor(write_content_size=True).compress(raw)
+    _replace_tensor_file(store, meta_path, meta, hasher_data, decoded_size=len(raw), frames=[len(hasher_data)])
+    entry_obj = store.verified(1)
+    with pytest.raises(CorruptCacheError, match=message):
+        store.load(entry_obj)
+
+
+# ---------------------------------------------------------------- the setting
+
+
+def test_the_setting_names_none_zstd_and_levels() -> None:
+    assert parse_compression("none") is None
+    assert parse_compression("zstd") == Compression(3)
+    assert parse_compression("zstd-19") == Compression(19)
+    assert parse_compression("auto") is None
+    assert parse_compression("auto", remote=True) == Compression(3)
+    assert parse_compression("auto", network_fs=True) == Compression(3)
+    assert role_config("rollout", {"compression": "zstd-7"}).compression == "zstd-7"
+    for bad in ("gzip", "zstd-0", "zstd-23", "ZSTD", ""):
+        with pytest.raises(ConfigError, match=r"skip.rollout.compression=.*expected auto, none, zstd or zstd-1"):
+            role_config("rollout", {"compression": bad})
+
+
+def test_auto_compresses_object_stores_and_network_file_systems_only(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "/dev/vda1 / ext4 rw 0 0\nserver:/export /mnt/shared nfs4 rw 0 0\nsshfs#me@host: /mnt/fuse fuse.sshfs rw 0 0\n"
+    )
+    assert is_network_filesystem("/mnt/shared/dump", str(mounts))
+    assert is_network_filesystem("/mnt/fuse", str(mounts))
+    assert not is_network_filesystem("/mnt/sharedx", str(mounts))
+    assert not is_network_filesystem("/home/me", str(mounts))
+    assert not is_network_filesystem("/x", str(tmp_path / "absent"))
+    _, root = open_remote("memory://skipinject-tests/auto")
+    assert compression_for("auto", root) == Compression()
+    assert compression_for("none", root) is None
+    assert compression_for("zstd-5", tmp_path) == Compression(5)
+
+
+def test_zstandard_is_imported_only_for_compressed_steps(tmp_path: Path) -> None:
+    script = f"""
+import sys, torch
+from pathlib import Path
+from skipinject.store import Payload, StepStore
+from skipinject.store.compression import Compression
+import skipinject.config, skipinject.engine
+plain = StepStore(Path({str(tmp_path)!r}) / "p", "toy", {{}})
+plain.save(1, Payload(tensors={{"x": torch.ones(3)}}, objects={{}}, rows=1))
+plain.load(plain.verified(1))
+assert "zstandard" not in sys.modules, "imported for a plain step"
+packed = StepStore(Path({str(tmp_path)!r}) / "z", "toy", {{}}, compression=Compression())
+packed.save(1, Payload(tensors={{"x": torch.ones(3)}}, objects={{}}, rows=1))
+assert "zstandard" in sys.modules
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+# ---------------------------------------------------------------- skipinject cache compact
+
+
+def _layout_store(dump: Path, compression: Compression | None = None) -> StepStore:
+    return StepStore(dump / "exp_proj" / "GBS16_N2_in24_out40", "rollout", {"run": 1}, compression=compression)
+
+
+def test_cache_compact_stores_old_steps_compressed_and_keeps_what_they_hold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from skipinject.cache_tool import main
+
+    dump = tmp_path / "dump"
+    store = _layout_store(dump)
+    tensors = padded_batch()
+    for step in (1, 2):
+        store.save(step, Payload(tensors=tensors, objects={"step": step}, rows=16), {"trajectories": step * 10})
+    before = {step: json.loads((store.step_dir(step) / "meta.json").read_text()) for step in (1, 2)}
+    assert main(["compact", str(dump), "--dry-run"]) == 0
+    assert capsys.readouterr().out.count("would compact") == 2
+    assert all(json.loads((store.step_dir(s) / "meta.json").read_text()) == before[s] for s in (1, 2))
+
+    assert main(["compact", str(dump), "--compression", "zstd-5"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("compacted ") == 2, out
+    for step in (1, 2):
+        meta = json.loads((store.step_dir(step) / "meta.json").read_text())
+        assert meta["format_version"] == 3 and meta["trajectories"] == step * 10
+        assert meta["created"] == before[step]["created"]
+        assert all(spec["encoding"] == "zstd" for spec in meta["parts"][0]["files"].values())
+        names = {spec["name"] for spec in meta["parts"][0]["files"].values()}
+        assert names.isdisjoint(spec["name"] for spec in before[step]["parts"][0]["files"].values())
+        part = _load(store, step)
+        assert_same(part.tensors, tensors)
+        assert part.objects == {"step": step}
+    assert main(["compact", str(dump)]) == 0
+    assert capsys.readouterr().out.count("compressed ") == 2  # nothing left to do
+    assert main(["ls", str(dump), "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)["steps"]
+    assert all(r["decoded"] > r["size"] for r in records), records
+    assert main(["ls", str(dump), "-l"]) == 0
+    assert capsys.readouterr().out.count(" decoded)") == 2
+
+
+def test_cache_compact_leaves_a_step_it_cannot_read_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from skipinject.cache_tool import main
+
+    dump = tmp_path / "dump"
+    store = _layout_store(dump)
+    store.save(1, Payload(tensors=padded_batch(), objects={}, rows=16))
+    meta = json.loads((store.step_dir(1) / "meta.json").read_text())
+    data = store.step_dir(1) / meta["parts"][0]["files"]["tensors"]["name"]
+    damaged = bytearray(data.read_bytes())
+    damaged[-1] ^= 1
+    data.write_bytes(bytes(damaged))
+    files = sorted(p.name for p in store.step_dir(1).iterdir())
+    assert main(["compact", str(dump)]) == 1
+    assert "failed" in capsys.readouterr().out
+    assert sorted(p.name for p in store.step_dir(1).iterdir()) == files
+    assert json.loads((store.step_dir(1) / "meta.json").read_text()) == meta
+
+
+def test_jagged_tensors_round_trip_through_a_compressed_store(tmp_path: Path) -> None:
+    """verl's V1 batches: jagged values and offsets (narrowed, then restored to int64)."""
+    tensordict = pytest.importorskip("tensordict")
+    from skipinject.codecs import TensorDictCodec
+
+    lengths = torch.tensor([3, 0, 5, 2])
+    offsets = torch.zeros(5, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    values = torch.randint(0, 151_000, (int(offsets[-1]),), dtype=torch.int64)
+    jagged = torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+    td = tensordict.TensorDict({"responses": jagged}, batch_size=[4])
+    codec = TensorDictCodec()
+    store = _store(tmp_path)
+    store.save(1, codec.encode(td))
+    loaded = codec.decode(_load(store, 1))["responses"]
+    assert loaded.values().dtype == torch.int64 and torch.equal(loaded.values(), values)
+    assert loaded.offsets().dtype == torch.int64 and torch.equal(loaded.offsets(), offsets)
