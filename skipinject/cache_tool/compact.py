@@ -75,7 +75,7 @@ def compact_step(step_dir: Path, compression: Compression) -> tuple[int, int] | 
 
 def cmd_compact(root: Path, *, compression: str, dry_run: bool, as_json: bool) -> int:
     """Compress every complete, uncompressed skipinject step under ``root``; exit 1 if one failed."""
-    from skipinject.cache_tool.commands import CommandError, existing_dir
+    from skipinject.cache_tool.common import CommandError, existing_dir
 
     try:
         chosen = parse_compression(compression)

@@ -30,6 +30,7 @@ from skipinject.store.payload import Payload
 
 if TYPE_CHECKING:
     from skipinject.store.backend import Backend
+    from skipinject.store.compression import Compression
 
 
 class WritableStore(Protocol):
@@ -40,8 +41,13 @@ class WritableStore(Protocol):
     context: dict[str, Any]
     checksum_algo: str
     plugin: str | None
+    compression: Compression | None
+    dump_dir: Path | None
+    project_dir: Path
 
     def step_dir(self, step: int) -> Path: ...
+
+    def check_writable(self, directories: list[Path]) -> None: ...
 
     def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]: ...
 
