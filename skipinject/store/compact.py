@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from skipinject.store.format import MAX_REBUILT_FACTOR, MAX_REBUILT_SLACK
+from skipinject.store.format import MAX_REBUILT_FACTOR, MAX_REBUILT_SLACK, TENSOR_DTYPES
 
 if TYPE_CHECKING:
     import torch
@@ -248,8 +248,6 @@ def _concat(plan: Plan, candidates: list[Plan]) -> dict[str, Any] | None:
 
 def check_rebuilt(entries: list[Mapping[str, Any]], file_bytes: int) -> None:
     """Refuse (ValueError) an index whose rebuilt tensors would be larger than the file allows."""
-    from skipinject.store.tensorfile import TENSOR_DTYPES
-
     total = 0
     for entry in entries:
         if "derive" in entry or "stored_dtype" in entry:

@@ -161,3 +161,24 @@ def reference_table() -> str:
 
 if __name__ == "__main__":
     print(reference_table(), end="")
+
+#: Tensor dtypes the tensor file holds (by ``torch`` attribute name).
+TENSOR_DTYPES = frozenset(
+    {
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    }
+)

@@ -14,7 +14,7 @@ from skipinject.errors import CorruptCacheError
 from skipinject.store.checksums import _Hasher
 from skipinject.store.compact import Plan, check_rebuilt, plan_tensors, rebuild
 from skipinject.store.compression import Compression, Written, workers, write_compressed
-from skipinject.store.format import MAX_INDEX_BYTES, TENSOR_ALIGN, TENSORS_MAGIC
+from skipinject.store.format import MAX_INDEX_BYTES, TENSOR_ALIGN, TENSOR_DTYPES, TENSORS_MAGIC
 
 if TYPE_CHECKING:
     import torch
@@ -22,26 +22,6 @@ if TYPE_CHECKING:
 
 
 _ALIGN = TENSOR_ALIGN
-#: Tensor dtypes the tensor file holds (by ``torch`` attribute name).
-TENSOR_DTYPES = frozenset(
-    {
-        "bool",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    }
-)
 
 
 # ---------------------------------------------------------------- the tensor file

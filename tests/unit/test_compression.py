@@ -19,14 +19,14 @@ import pytest
 
 from skipinject.config import role_config
 from skipinject.errors import ConfigError, CorruptCacheError
-from skipinject.store import Payload, StepStore, format
+from skipinject.store import Payload, RemoteStepStore, StepStore, format
 from skipinject.store.compression import (
     Compression,
     compression_for,
     is_network_filesystem,
     parse_compression,
 )
-from skipinject.store.remote import RemoteStepStore, open_remote
+from skipinject.store.remote import open_remote
 from tests.conftest import ROOT
 
 torch = pytest.importorskip("torch")
