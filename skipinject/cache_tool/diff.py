@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool import fields
+import skipinject.cache_tool.fields as fields
 from skipinject.cache_tool.common import FOUND, OK, CommandError, existing_dir
 from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.progress import Progress

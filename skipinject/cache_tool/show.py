@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool import fields
+import skipinject.cache_tool.fields as fields
 from skipinject.cache_tool.common import OK, CommandError, existing_dir, writer_text
 from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.render import emit_json, say, schema, shorten, show_table
