@@ -9,7 +9,8 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 PACKAGE = ROOT / "skipinject"
-#: Packages being rewritten on another branch of issue 21; their own internal cycles are theirs to remove.
+
+
 def module_names() -> dict[str, tuple[Path, bool]]:
     """``{dotted name: (file, is a package)}`` of every module of skipinject."""
     found = {}
