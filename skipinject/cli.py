@@ -122,7 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     chosen = options.get("list") or options.get("skip-config") or options.get("plugins") or ENV_PLUGINS in os.environ
     if not chosen:
-        overrides, rest = split_overrides(program_args)
+        try:
+            overrides, rest = split_overrides(program_args)
+        except SkipInjectError as exc:
+            print(f"skipinject: error: {exc}", file=sys.stderr)
+            return 2
         if not overrides:  # no setting names a role: none can be on, so no plugin is loaded or installed
             from skipinject.config import environment
 
