@@ -1,9 +1,21 @@
-"""Shared fixtures of the end-to-end runs: the CPU harness and its tiny local assets."""
+"""Shared fixtures of the end-to-end runs: the CPU harness and its tiny local assets, and the two
+fixtures several test modules share (each costs minutes, so it is built once per session):
+
+* :func:`installed_env`: the release wheels installed, with the documented command, into a fresh
+  virtual environment that already holds real verl (``test_install.py`` checks the installation);
+* :func:`v0_runs`: the V0 ``main_ppo`` pair (run 1 misses and caches, run 2 hits) of the rollout,
+  advantage and reward roles, run by that environment's python -- so the pair is at once the
+  installed wheels' real run (``test_install.py``) and the V0 roles' proof (``test_rollout_e2e.py``).
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +59,160 @@ def rollout_records(directory: Path) -> dict[int, list[dict]]:
         int(path.stem): [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         for path in sorted(directory.glob("*.jsonl"))
     }
+
+
+# -- the installed environment ------------------------------------------------------------
+
+#: The user-added roles of the V0 pair: distributions of their own (``plugins/advantage``, ``plugins/reward``).
+USER_ROLES = ("advantage", "reward")
+#: The third-party role ``test_install.py`` installs beside the built-in ones: (role, distribution).
+THIRD_PARTY = ("advantage", "skipinject-advantage")
+
+
+@dataclass
+class VerlEnv:
+    python: Path
+    site: Path
+    wheels: Path
+    env: dict[str, str]
+
+    def run(self, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.python), *args], cwd=cwd, env=self.env, capture_output=True, text=True, timeout=600
+        )
+
+    def pip_install(self, name: str, cwd: Path) -> list[str]:
+        """The README's command, ``pip install --find-links DIR NAME``, offline: what it installed."""
+        proc = self.run("-m", "pip", "install", "--no-index", "--find-links", str(self.wheels), name, cwd=cwd)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        [line] = [line for line in proc.stdout.splitlines() if line.startswith("Successfully installed ")]
+        return line.split()[2:]
+
+
+def _linked_site(target: Path) -> Path:
+    """The set-up's site-packages without skipinject: one link per entry (its .pth files kept)."""
+    source = Path(sysconfig.get_paths()["purelib"])
+    target.mkdir()
+    for entry in source.iterdir():
+        if "skipinject" not in entry.name.lower():
+            (target / entry.name).symlink_to(entry)
+    return target
+
+
+@dataclass
+class InstalledEnv:
+    """The environment and what each step of installing into it showed (``test_install.py`` checks them)."""
+
+    env: VerlEnv
+    verl_first: bool
+    skipinject_absent: bool
+    core_installed: list[str]
+    plugin_installed: list[str]
+    listing_core: subprocess.CompletedProcess[str]
+    listing_both: subprocess.CompletedProcess[str]
+    versions: str
+    where: str
+    reward_installed: list[str]
+
+
+@pytest.fixture(scope="session")
+def installed_env(tmp_path_factory: pytest.TempPathFactory) -> InstalledEnv:
+    """A new venv (no pip, no packages of its own) whose site-packages reaches the set-up's installed
+    lock through one site directory of links, every skipinject distribution left out; then
+    ``skipinject``, ``skipinject-advantage`` and ``skipinject-reward`` installed into it from the
+    release wheels, one at a time, with ``pip install --no-index --find-links``."""
+    from tests.integration.release import build_release
+
+    tmp = tmp_path_factory.mktemp("install")
+    wheels = tmp / "dist"
+    build_release(wheels)
+    venv = tmp / "verl-env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
+    linked = _linked_site(tmp / "verl-site")
+    (site / "_verl_environment.pth").write_text(f"import site; site.addsitedir({str(linked)!r})\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SKIPINJECT", "VERL_SKIP", "PYTHON"))}
+    env.pop("VIRTUAL_ENV", None)
+    verl_env = VerlEnv(python, site, wheels, env)
+
+    cwd = tmp_path_factory.mktemp("install-cwd")
+    verl_first = verl_env.run("-c", "import verl, torch, ray, tensordict", cwd=cwd).returncode == 0
+    skipinject_absent = verl_env.run("-c", "import skipinject", cwd=cwd).returncode != 0
+    core_installed = verl_env.pip_install("skipinject", cwd)
+    listing_core = verl_env.run("-m", "skipinject", "--list", cwd=cwd)
+    plugin_installed = verl_env.pip_install(THIRD_PARTY[1], cwd)  # a third-party role, installed beside it
+    listing_both = verl_env.run("-m", "skipinject", "--list", cwd=cwd)
+    versions = verl_env.run("-m", "skipinject", "--version", cwd=cwd).stdout
+    code = "import skipinject, skipinject_rollout, skipinject_advantage as a; print(skipinject.__file__, a.__file__)"
+    where = verl_env.run("-c", code, cwd=cwd).stdout
+    reward_installed = verl_env.pip_install("skipinject-reward", cwd)  # the V0 pair's second user role
+    return InstalledEnv(
+        verl_env,
+        verl_first,
+        skipinject_absent,
+        core_installed,
+        plugin_installed,
+        listing_core,
+        listing_both,
+        versions,
+        where,
+        reward_installed,
+    )
+
+
+# -- the V0 pair --------------------------------------------------------------------------
+
+
+def v0_overrides(assets: Any, tmp: Path, dump: Path, run: str, steps: int, *extra: str) -> list[str]:
+    return harness.main_ppo_overrides(
+        assets,
+        use_v1=False,
+        total_steps=steps,
+        dump_dir=dump,
+        extra=["skip.rollout.enable=True", f"trainer.rollout_data_dir={tmp / run}", *extra],
+    )
+
+
+@dataclass
+class V0Runs:
+    tmp: Path
+    dump: Path
+    first: Any
+    second: Any
+    calls: tuple[int, int]
+
+    def overrides(self, assets: Any, run: str, steps: int, *extra: str) -> list[str]:
+        return v0_overrides(assets, self.tmp, self.dump, run, steps, *extra)
+
+
+@pytest.fixture(scope="session")
+def v0_runs(assets: Any, installed_env: InstalledEnv, tmp_path_factory: pytest.TempPathFactory) -> V0Runs:
+    """Two runs into one dump_dir with rollout, advantage and reward on at steps 1 and 2, launched by
+    the installed environment's ``python -m skipinject -m verl.trainer.main_ppo``."""
+    tmp = tmp_path_factory.mktemp("v0")
+    dump = tmp / "dump"
+    users = [f"skip.{role}.{key}" for role in USER_ROLES for key in ("enable=True", "steps=[1,2]")]
+    users += [f"skip.{role}.dump_dir={dump}" for role in USER_ROLES]
+    launcher = (str(installed_env.env.python), "-m", "skipinject", "-m", "verl.trainer.main_ppo")
+    env_extra = {"RAY_DEDUP_LOGS": "0", "PYTHONPATH": str(harness.HERE)}  # the CPU shim only, not this tree
+    procs, calls = [], []
+    for run in ("run1", "run2"):
+        gen_log = tmp / f"{run}.gen.jsonl"
+        overrides = v0_overrides(assets, tmp, dump, run, 2, "skip.rollout.steps=[1,2]", *users)
+        proc = harness.run_main_ppo(
+            assets, overrides, gen_log=gen_log, launcher=launcher, timeout=900, env_extra=env_extra
+        )
+        (tmp / f"{run}.stdout.txt").write_text(proc.stdout)
+        (tmp / f"{run}.stderr.txt").write_text(proc.stderr)
+        assert proc.returncode == 0, f"{run} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        procs.append(proc)
+        calls.append(harness.count_generate_calls(gen_log))
+    return V0Runs(tmp, dump, procs[0], procs[1], (calls[0], calls[1]))

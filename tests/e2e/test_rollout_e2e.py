@@ -2,20 +2,29 @@
 user-added advantage and reward roles in the same runs) and the fully async trainer.
 
 The user-added roles come from ``plugins/advantage`` and ``plugins/reward``, installed as
-distributions of their own; nothing in skipinject or verl knows them. Every call runs in verl's
+distributions of their own; nothing in skipinject or verl knows them. The V0 pair
+(:func:`tests.e2e.conftest.v0_runs`, shared with ``test_install.py``) runs in the environment the
+release wheels were installed into; the later runs here use this set-up's editable install. Every call runs in verl's
 Ray actors, where the hooks arrive through the runner's bootstrap.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import SKIPINJECT_FULLY_ASYNC, SKIPINJECT_MAIN_PPO, harness, rollout_records, skip_lines
+from tests.e2e.conftest import (
+    SKIPINJECT_FULLY_ASYNC,
+    SKIPINJECT_MAIN_PPO,
+    USER_ROLES,
+    V0Runs,
+    harness,
+    rollout_records,
+    skip_lines,
+)
 from tests.integration.test_cache_tool import check_real_dump
 
 pytestmark = pytest.mark.e2e
@@ -23,7 +32,6 @@ pytestmark = pytest.mark.e2e
 #: Statistics that do not depend on response order: scores summed over tokens; GRPO gives every token
 #: of a row the same advantage, so token-masked max/min are the rows' max/min.
 _METRIC = re.compile(r"(critic/(?:score/(?:mean|max|min)|(?:advantages|returns)/(?:max|min))):(-?[0-9.e+-]+)")
-USER_ROLES = ("advantage", "reward")
 
 
 def _run(assets: Any, tmp: Path, name: str, overrides: list[str], launcher=SKIPINJECT_MAIN_PPO, runner=None) -> Any:
@@ -42,45 +50,6 @@ def trained_metrics(proc: Any) -> list[dict[str, float]]:
         if found:
             steps.append({key: float(value) for key, value in found.items()})
     return steps
-
-
-@dataclass
-class V0Runs:
-    tmp: Path
-    dump: Path
-    first: Any
-    second: Any
-    calls: tuple[int, int]
-
-    def overrides(self, assets: Any, run: str, steps: int, *extra: str) -> list[str]:
-        return v0_overrides(assets, self.tmp, self.dump, run, steps, *extra)
-
-
-def v0_overrides(assets: Any, tmp: Path, dump: Path, run: str, steps: int, *extra: str) -> list[str]:
-    return harness.main_ppo_overrides(
-        assets,
-        use_v1=False,
-        total_steps=steps,
-        dump_dir=dump,
-        extra=["skip.rollout.enable=True", f"trainer.rollout_data_dir={tmp / run}", *extra],
-    )
-
-
-@pytest.fixture(scope="module")
-def v0_runs(assets: Any, tmp_path_factory: pytest.TempPathFactory) -> V0Runs:
-    """Two runs into one dump_dir with rollout, advantage and reward on at steps 1 and 2."""
-    tmp = tmp_path_factory.mktemp("v0")
-    dump = tmp / "dump"
-    users = [f"skip.{role}.{key}" for role in USER_ROLES for key in ("enable=True", "steps=[1,2]")]
-    users += [f"skip.{role}.dump_dir={dump}" for role in USER_ROLES]
-    procs, calls = [], []
-    for run in ("run1", "run2"):
-        proc, count = _run(
-            assets, tmp, run, v0_overrides(assets, tmp, dump, run, 2, "skip.rollout.steps=[1,2]", *users)
-        )
-        procs.append(proc)
-        calls.append(count)
-    return V0Runs(tmp, dump, procs[0], procs[1], (calls[0], calls[1]))
 
 
 def test_v0_rollout_cache_then_hit(v0_runs: V0Runs):

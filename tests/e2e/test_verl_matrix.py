@@ -21,8 +21,9 @@ run 2 replays them call by call with 0 generator calls. They are chosen by their
 
 Which pairs run: ``SKIPINJECT_VERL_MATRIX`` (comma list of versions, which pick every pair of that
 version, or pair ids such as ``0.6.1-sync``; ``all``; ``none``), default :data:`DEFAULT_VERSIONS` --
-see ``docs/verl-versions.md`` for the CI choice. Building an environment takes 2.5-6 minutes the
-first time (then it is reused while its lock is unchanged).
+see ``docs/verl-versions.md`` for the CI choice. Building an environment the first time hard-links
+every distribution ``.venv`` holds at the pinned version and pip-installs the rest (0.8.0: 7 of 127
+pins; 1-3 minutes on a loaded machine instead of 5-6); then it is reused while its lock is unchanged.
 """
 
 from __future__ import annotations
