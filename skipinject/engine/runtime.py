@@ -148,7 +148,7 @@ class RoleRuntime:
             dump_dir=root.path,
             plugin=self.owner,
             backend=root.backend(trust_permissions=trust),
-            compression=compression_for(self.settings.compression, root.path if root.path is not None else root.url),
+            compression=compression_for(self.settings.compression, root.location()),
         )
 
     # ------------------------------------------------------------ deciding
