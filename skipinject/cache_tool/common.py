@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from skipinject.cache_tool.scan import Item, scan
+from skipinject.store.files import unresolved_problem
 
 OK, FOUND, USAGE = 0, 1, 2
 
@@ -19,6 +20,20 @@ def existing_dir(path: Path) -> Path:
     if not path.is_dir():
         raise CommandError(f"{path}: not a directory")
     return path
+
+
+def mutable_root(path: Path, command: str) -> Path:
+    """``path`` as given, for a command that removes or rewrites files under it: refused (one line,
+    exit 2) when another user could redirect it (their link in it, or a parent they can write
+    without the sticky bit), as a run refuses such a ``dump_dir``; the check runs before the path is
+    resolved, which is where a swapped link would lead the removal."""
+    problem = unresolved_problem(path)
+    if problem is not None:
+        raise CommandError(
+            f"{problem}: another user could redirect `cache {command}`; nothing changed. "
+            "Give a path only you control (e.g. the resolved directory, if you trust it)"
+        )
+    return existing_dir(path)
 
 
 def writer_text(writer: dict[str, str]) -> str:

@@ -75,7 +75,7 @@ def compact_step(step_dir: Path, compression: Compression) -> tuple[int, int] | 
 
 def cmd_compact(root: Path, *, compression: str, dry_run: bool, as_json: bool) -> int:
     """Compress every complete, uncompressed skipinject step under ``root``; exit 1 if one failed."""
-    from skipinject.cache_tool.common import CommandError, existing_dir
+    from skipinject.cache_tool.common import CommandError, mutable_root
 
     try:
         chosen = parse_compression(compression)
@@ -83,7 +83,7 @@ def cmd_compact(root: Path, *, compression: str, dry_run: bool, as_json: bool) -
         raise CommandError(str(exc)) from exc
     if chosen is None:
         raise CommandError("--compression must name a compression (zstd or zstd-<level>)")
-    existing_dir(root)
+    mutable_root(root, "compact")
     results: list[dict[str, Any]] = []
     for item in scan(root):
         if item.kind != "skipinject" or item.state != "complete":

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import FOUND, OK, USAGE, CommandError, existing_dir
+from skipinject.cache_tool.common import FOUND, OK, USAGE, CommandError, mutable_root
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.cache_tool.progress import Progress
 from skipinject.cache_tool.render import emit_json, say, schema
@@ -186,7 +186,7 @@ def cmd_import(
     for path in paths:
         if path.is_symlink():  # as show and verify: the path given is read, never a link's target
             raise CommandError(f"{path}: a symbolic link; give the directory it points to if you trust it")
-        existing_dir(path)
+        mutable_root(path, "import")
         items += [i for i in scan(path, roles=roles) if i.state == "foreign"]
     if not trust:
         if as_json:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import OK, CommandError, existing_dir
+from skipinject.cache_tool.common import OK, CommandError, mutable_root
 from skipinject.cache_tool.render import emit_json, human_size, say, schema
 from skipinject.cache_tool.scan import Item, lstat_regular, scan
 from skipinject.store.format import META_NAME, is_ours, is_part_name
@@ -54,7 +54,7 @@ def cmd_prune(
         raise CommandError("nothing to prune: give --keep-last N, --older-than AGE, --partial or --damaged")
     if keep_last is not None and keep_last < 0:
         raise CommandError("--keep-last must be 0 or more")
-    existing_dir(root)
+    mutable_root(root, "prune")
     now = time.time() if now is None else now
     items = scan(root)
     chosen = select(items, keep_last=keep_last, older_than=older_than, partial=partial, damaged=damaged, now=now)

@@ -28,7 +28,7 @@ from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepStore
 from skipinject.store.compression import expansion
-from skipinject.store.files import parse_json, read_small
+from skipinject.store.files import parse_json, read_small, unresolved_problem
 from skipinject.store.format import FORMAT, MAX_META_DEPTH, META_NAME, PART_NAME, STEP_NAME, is_ours
 
 LAYOUT_RE = re.compile(r"^GBS(-?[0-9]+)_N(-?[0-9]+)_in(-?[0-9]+)_out(-?[0-9]+)$")
@@ -443,6 +443,12 @@ def scan(root: Path, problems: list[str] | None = None, roles: InstalledRoles | 
     upstreams = (roles or InstalledRoles()).upstreams()
     items = [item for directory in step_dirs(root, problems, upstreams) for item in classify(directory, upstreams)]
     items.sort(key=lambda i: (i.project, i.layout, i.role, i.step if i.step is not None else -1, i.kind))
+    redirect = unresolved_problem(root)
+    if redirect is not None:  # as a run sees such a dump_dir: intact steps there are not loaded
+        for item in items:
+            if item.state == "complete":
+                item.state = "untrusted"
+                item.problems.append(f"{redirect}: another user could redirect it; a run neither loads nor saves there")
     return items
 
 

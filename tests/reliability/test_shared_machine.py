@@ -189,3 +189,51 @@ def test_repeat_logs_one_line_per_decision(tmp_path: Path, usable: bool, caplog:
            f"{len(calls)} call(s)", len(calls), f"warning lines: {len(warnings)}, longest {longest} characters",
            lost)  # fmt: skip
     assert lost == 0, (len(warnings), longest, warnings[:2])
+
+
+@as_root
+def test_the_cache_tool_does_not_follow_another_users_link(base: Path, ledger: Any) -> None:
+    """``cache prune`` / ``compact`` / ``import`` through a link another user planted (in a sticky
+    shared directory) are refused before anything is resolved; ``ls`` lists the steps as untrusted,
+    as a run would not load them. The victim's own cache, where the link points, is untouched."""
+    from skipinject.cache_tool.compact import cmd_compact
+    from skipinject.cache_tool.importer import cmd_import
+
+    mine = base / "mine"
+    h.call(h.runtime(mine), h.ToyTarget(), STEP)
+    before = _files(mine)
+    shared = base / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    as_other_user(lambda: os.symlink(mine, shared / "dump"))
+    link = shared / "dump"
+    refused = 0
+    for command in (
+        lambda: commands.cmd_prune(link, keep_last=0, older_than=None, partial=True, damaged=True, dry_run=False,
+                                   as_json=True),
+        lambda: cmd_compact(link, compression="zstd", dry_run=False, as_json=True),
+        lambda: cmd_import([link], trust=True, role=None, experiment=None, project=None, as_json=True),
+    ):  # fmt: skip
+        with pytest.raises(CommandError, match="symbolic link") as caught:  # import refuses any link at once
+            command()
+        refused += int("\n" not in str(caught.value))
+    states = {item.state for item in scan(link)}
+    lost = int(_files(mine) != before) + (3 - refused) + int(states != {"untrusted"})
+    ledger("cache tool", "cache prune/compact/import/ls through another user's link to the user's own cache", 4,
+           f"refused: {refused} of 3; ls states: {', '.join(sorted(states))}; files changed: {_files(mine) != before}",
+           lost)  # fmt: skip
+    assert lost == 0, states
+
+
+def test_the_cache_tool_refuses_to_prune_under_a_world_writable_parent(base: Path) -> None:
+    open_parent = base / "open"
+    open_parent.mkdir()
+    dump = open_parent / "dump"
+    h.call(h.runtime(dump), h.ToyTarget(), STEP)
+    os.chmod(open_parent, 0o777)
+    before = _files(dump)
+    with pytest.raises(CommandError, match="writable by others"):
+        commands.cmd_prune(dump, keep_last=0, older_than=None, partial=False, damaged=False, dry_run=False,
+                           as_json=True)  # fmt: skip
+    assert _files(dump) == before
+    assert {item.state for item in scan(dump)} == {"untrusted"}
