@@ -412,6 +412,7 @@ def test_dapo_recipe_on_the_worker_group_replays_call_by_call(dapo: CallRuns) ->
     for step in (1, 2):
         assert log2.drawn[step] == log1.drawn[step], f"step {step}: run 2 draws the batches run 1 drew"
         assert log2.trained[step] == log1.trained[step], f"step {step}: run 2 trains on run 1's prompts"
+        assert log2.digests[step] == log1.digests[step], f"step {step}: run 2 trains on run 1's responses and scores"
     assert log2.drawn[3][0] == log1.drawn[3][0], "after the replayed steps the dataloader is where run 1's was"
     assert len(dapo.records[1]) == log2.calls(3), "0 generator calls at steps 1-2: only step 3 generates"
     hits = [line for line in skip_lines(dapo.second, "rollout") if ": hit" in line]
