@@ -17,7 +17,8 @@ validate before training: validation generates the same in both runs (never serv
 Pairs of several worker-group calls per step (``pairs.CALL_PAIRS``, verl <= 0.6's sync path):
 ``0.6.1-sync-dapo`` and ``0.5.0-dapo`` run DAPO's recipe loop (``tests/fixtures/recipes/dapo_recipe_wg.py``),
 ``0.6.1-sync-remax`` REMAX (a sampled and a greedy baseline call per step); run 1 records every call,
-run 2 replays them call by call with 0 generator calls. They are chosen by their id only (or ``all``).
+run 2 replays them call by call with 0 generator calls. They are chosen by their id only (or ``all``);
+``0.5.0-remax`` is then skipped with the verl bug that stops it (``pairs.VERL_BUGS``).
 
 Which pairs run: ``SKIPINJECT_VERL_MATRIX`` (comma list of versions, which pick every pair of that
 version, or pair ids such as ``0.6.1-sync``; ``all``; ``none``), default ``pairs.DEFAULT_VERSIONS``
@@ -44,7 +45,7 @@ from tests.e2e.conftest import harness, skip_lines
 from tests.e2e.test_dapo_recipe_e2e import REWARD, RecipeLog
 from tests.e2e.test_rollout_e2e import USER_ROLES, trained_metrics
 from tests.verl_matrix import envs
-from tests.verl_matrix.pairs import CALL_PAIRS, PAIRS, Pair, is_chosen, selected_versions
+from tests.verl_matrix.pairs import CALL_PAIRS, PAIRS, Pair, selected_versions, skip_reason
 
 pytestmark = [pytest.mark.e2e, pytest.mark.verl_matrix]
 
@@ -52,18 +53,14 @@ BUILTIN_WARNING = "verl's built-in rollout skip is enabled and skipinject's roll
 
 
 def _params(pairs: tuple[Pair, ...] = PAIRS) -> list[Any]:
-    """The pairs as parameters; those SKIPINJECT_VERL_MATRIX does not choose are skipped (a variant by id only)."""
+    """The pairs as parameters; those SKIPINJECT_VERL_MATRIX does not choose (a variant by id only) and
+    those a verl bug stops are skipped, with the reason."""
     chosen = selected_versions()
-    return [
-        pytest.param(
-            pair,
-            id=pair.id,
-            marks=()
-            if is_chosen(pair, chosen)
-            else pytest.mark.skip(reason=f"verl {pair.id} not in SKIPINJECT_VERL_MATRIX"),
-        )
-        for pair in pairs
-    ]
+    params = []
+    for pair in pairs:
+        reason = skip_reason(pair, chosen)
+        params.append(pytest.param(pair, id=pair.id, marks=() if reason is None else pytest.mark.skip(reason=reason)))
+    return params
 
 
 def has_builtin(version: str) -> bool:

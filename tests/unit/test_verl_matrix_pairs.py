@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.verl_matrix import envs
-from tests.verl_matrix.pairs import CALL_PAIRS, PAIRS, is_chosen, selected_versions
+from tests.verl_matrix.pairs import CALL_PAIRS, PAIRS, VERL_BUGS, Pair, is_chosen, selected_versions, skip_reason
 
 
 def _chosen(monkeypatch: pytest.MonkeyPatch, value: str | None) -> list[str]:
@@ -34,6 +34,21 @@ def test_a_call_pair_is_chosen_by_its_id(monkeypatch: pytest.MonkeyPatch) -> Non
     wanted = "0.6.1-sync-dapo,0.6.1-sync-remax,0.5.0-dapo"
     assert _chosen(monkeypatch, wanted) == ["0.6.1-sync-dapo", "0.5.0-dapo", "0.6.1-sync-remax"]
     assert _chosen(monkeypatch, "0.6.1-sync") == ["0.6.1-sync"]
+
+
+def test_a_pair_a_verl_bug_stops_skips_with_that_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = Pair("0.5.0", variant="remax")
+    assert broken in CALL_PAIRS and set(VERL_BUGS) == {broken.id}
+    assert _chosen(monkeypatch, "0.5.0-remax") == ["0.5.0-remax"]
+    reason = skip_reason(broken, selected_versions())
+    assert reason is not None and "identical batch size" in reason and "rollout.n > 1" in reason
+    assert skip_reason(broken, ("0.5.0",)) == "verl 0.5.0-remax not in SKIPINJECT_VERL_MATRIX"
+    every_id = tuple(pair.id for pair in CALL_PAIRS)
+    assert [pair.id for pair in CALL_PAIRS if skip_reason(pair, every_id) is None] == [
+        "0.6.1-sync-dapo",
+        "0.5.0-dapo",
+        "0.6.1-sync-remax",
+    ]
 
 
 def test_all_and_none(monkeypatch: pytest.MonkeyPatch) -> None:

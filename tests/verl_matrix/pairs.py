@@ -37,9 +37,18 @@ class Pair:
 #: verl 0.6.1 runs twice: through the agent loop (``mode=async``) and through the worker group.
 PAIRS = (Pair("0.8.0"), Pair("0.7.1"), Pair("0.6.1"), Pair("0.6.1", "sync"), Pair("0.5.0"), Pair("0.4.1"))
 #: Several generation calls per step on the worker-group path: DAPO's recipe loop, REMAX's baseline.
-#: verl 0.5.0's REMAX is not among them: it deep-copies the already repeated batch as its baseline
-#: batch (n x the prompts) and fails to union it with the prompts when rollout.n > 1 (its own bug).
-CALL_PAIRS = (Pair("0.6.1", "sync", "dapo"), Pair("0.5.0", variant="dapo"), Pair("0.6.1", "sync", "remax"))
+CALL_PAIRS = (
+    Pair("0.6.1", "sync", "dapo"),
+    Pair("0.5.0", variant="dapo"),
+    Pair("0.6.1", "sync", "remax"),
+    Pair("0.5.0", variant="remax"),
+)
+#: Pairs verl itself cannot run, on any device: chosen, they skip with the reason instead of failing.
+VERL_BUGS = {
+    "0.5.0-remax": "verl 0.5.0's REMAX cannot run with rollout.n > 1 (a verl bug): RayPPOTrainer.fit deep-copies "
+    "gen_batch, already repeated n times, as the greedy baseline's batch, so batch.union(gen_baseline_output) "
+    "(4 prompts, 8 rows) fails verl's 'Two tensor dict must have identical batch size' assertion",
+}
 
 
 def selected_versions() -> tuple[str, ...]:
@@ -52,6 +61,13 @@ def selected_versions() -> tuple[str, ...]:
     if wanted == "none":
         return ()
     return tuple(v.strip() for v in wanted.split(",") if v.strip())
+
+
+def skip_reason(pair: Pair, chosen: tuple[str, ...]) -> str | None:
+    """Why ``pair`` does not run (not chosen, or a verl bug stops it), or None: it runs."""
+    if not is_chosen(pair, chosen):
+        return f"verl {pair.id} not in SKIPINJECT_VERL_MATRIX"
+    return VERL_BUGS.get(pair.id)
 
 
 def is_chosen(pair: Pair, chosen: tuple[str, ...]) -> bool:
