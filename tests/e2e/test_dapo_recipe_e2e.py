@@ -40,12 +40,15 @@ class RecipeLog:
     def __init__(self, path: Path) -> None:
         self.drawn: dict[int, list[list[int]]] = {}
         self.trained: dict[int, list[int]] = {}
+        #: Per trained step, the hash of the responses, masks and scores it trained on.
+        self.digests: dict[int, str] = {}
         for line in path.read_text().splitlines():
             record = json.loads(line)
             if "call" in record:
                 self.drawn.setdefault(record["step"], []).append(record["prompts"])
             else:
                 self.trained[record["step"]] = record["trained"]
+                self.digests[record["step"]] = record.get("digest", "")
 
     def calls(self, step: int) -> int:
         return len(self.drawn.get(step, []))
@@ -99,6 +102,7 @@ def test_dapo_recipe_steps_are_replayed_call_by_call(assets: Any, tmp_path: Path
     for step in (1, 2):
         assert log2.drawn[step] == log1.drawn[step], f"step {step}: run 2 draws the batches run 1 drew"
         assert log2.trained[step] == log1.trained[step], f"step {step}: run 2 trains on run 1's prompts"
+        assert log2.digests[step] == log1.digests[step], f"step {step}: run 2 trains on run 1's responses and scores"
     assert log2.drawn[3][0] == log1.drawn[3][0], "after the replayed steps the dataloader is where run 1's was"
     assert generated2 == per_call * log2.calls(3), "0 generator calls at steps 1-2: only step 3 generates"
     hits = [line for line in skip_lines(second, "rollout") if ": hit" in line]

@@ -14,13 +14,15 @@ at once:
 The sync worker-group pairs (``actor_rollout_ref.rollout.mode=sync``: 0.6.1-sync, 0.5.0, 0.4.1) also
 validate before training: validation generates the same in both runs (never served from the cache).
 
-Pairs of several worker-group calls per step (:data:`CALL_PAIRS`, verl <= 0.6's sync path):
+Pairs of several worker-group calls per step (``pairs.CALL_PAIRS``, verl <= 0.6's sync path):
 ``0.6.1-sync-dapo`` and ``0.5.0-dapo`` run DAPO's recipe loop (``tests/fixtures/recipes/dapo_recipe_wg.py``),
 ``0.6.1-sync-remax`` REMAX (a sampled and a greedy baseline call per step); run 1 records every call,
-run 2 replays them call by call with 0 generator calls. They are chosen by their id only (or ``all``).
+run 2 replays them call by call with 0 generator calls. They are chosen by their id only (or ``all``);
+``0.5.0-remax`` is then skipped with the verl bug that stops it (``pairs.VERL_BUGS``).
 
 Which pairs run: ``SKIPINJECT_VERL_MATRIX`` (comma list of versions, which pick every pair of that
-version, or pair ids such as ``0.6.1-sync``; ``all``; ``none``), default :data:`DEFAULT_VERSIONS` --
+version, or pair ids such as ``0.6.1-sync``; ``all``; ``none``), default ``pairs.DEFAULT_VERSIONS``
+(:mod:`tests.verl_matrix.pairs`, pinned by the unit tier) --
 see ``docs/verl-versions.md`` for the CI choice. Building an environment the first time hard-links
 every distribution ``.venv`` holds at the pinned version and pip-installs the rest (0.8.0: 7 of 127
 pins; 1-3 minutes on a loaded machine instead of 5-6); then it is reused while its lock is unchanged.
@@ -43,67 +45,22 @@ from tests.e2e.conftest import harness, skip_lines
 from tests.e2e.test_dapo_recipe_e2e import REWARD, RecipeLog
 from tests.e2e.test_rollout_e2e import USER_ROLES, trained_metrics
 from tests.verl_matrix import envs
+from tests.verl_matrix.pairs import CALL_PAIRS, PAIRS, Pair, selected_versions, skip_reason
 
 pytestmark = [pytest.mark.e2e, pytest.mark.verl_matrix]
 
-OLDER = ("0.8.0", "0.7.1", "0.6.1", "0.5.0", "0.4.1")
-
-
-@dataclass(frozen=True)
-class Pair:
-    """One pair of runs: a verl version and its ``actor_rollout_ref.rollout.mode`` (None: the harness's)."""
-
-    version: str
-    rollout_mode: str | None = None
-    #: Another trainer than main_ppo's GRPO (``dapo``: the recipe fixture; ``remax``): chosen by its id only.
-    variant: str | None = None
-
-    @property
-    def id(self) -> str:
-        return "-".join(part for part in (self.version, self.rollout_mode, self.variant) if part)
-
-    @property
-    def sync(self) -> bool:
-        """Generation through the worker group (verl < 0.6 has only that path on CPU)."""
-        return self.rollout_mode == "sync" or harness._release(self.version) < (0, 6)
-
-
-#: verl 0.6.1 runs twice: through the agent loop (``mode=async``) and through the worker group.
-PAIRS = (Pair("0.8.0"), Pair("0.7.1"), Pair("0.6.1"), Pair("0.6.1", "sync"), Pair("0.5.0"), Pair("0.4.1"))
-#: Several generation calls per step on the worker-group path: DAPO's recipe loop, REMAX's baseline.
-#: verl 0.5.0's REMAX is not among them: it deep-copies the already repeated batch as its baseline
-#: batch (n x the prompts) and fails to union it with the prompts when rollout.n > 1 (its own bug).
-CALL_PAIRS = (Pair("0.6.1", "sync", "dapo"), Pair("0.5.0", variant="dapo"), Pair("0.6.1", "sync", "remax"))
-#: Run by ``make test`` (and so in CI) unless SKIPINJECT_VERL_MATRIX says otherwise.
-DEFAULT_VERSIONS = ("0.8.0",)
 BUILTIN_WARNING = "verl's built-in rollout skip is enabled and skipinject's rollout role is on"
 
 
-def selected_versions() -> tuple[str, ...]:
-    """Versions and pair ids chosen by SKIPINJECT_VERL_MATRIX."""
-    wanted = os.environ.get("SKIPINJECT_VERL_MATRIX", "").strip()
-    if not wanted:
-        return DEFAULT_VERSIONS
-    if wanted == "all":
-        return OLDER + tuple(pair.id for pair in CALL_PAIRS)
-    if wanted == "none":
-        return ()
-    return tuple(v.strip() for v in wanted.split(",") if v.strip())
-
-
 def _params(pairs: tuple[Pair, ...] = PAIRS) -> list[Any]:
-    """The pairs as parameters; those SKIPINJECT_VERL_MATRIX does not choose are skipped (a variant by id only)."""
+    """The pairs as parameters; those SKIPINJECT_VERL_MATRIX does not choose (a variant by id only) and
+    those a verl bug stops are skipped, with the reason."""
     chosen = selected_versions()
-    return [
-        pytest.param(
-            pair,
-            id=pair.id,
-            marks=()
-            if pair.id in chosen or (pair.version in chosen and pair.variant is None)
-            else pytest.mark.skip(reason=f"verl {pair.id} not in SKIPINJECT_VERL_MATRIX"),
-        )
-        for pair in pairs
-    ]
+    params = []
+    for pair in pairs:
+        reason = skip_reason(pair, chosen)
+        params.append(pytest.param(pair, id=pair.id, marks=() if reason is None else pytest.mark.skip(reason=reason)))
+    return params
 
 
 def has_builtin(version: str) -> bool:
@@ -412,6 +369,7 @@ def test_dapo_recipe_on_the_worker_group_replays_call_by_call(dapo: CallRuns) ->
     for step in (1, 2):
         assert log2.drawn[step] == log1.drawn[step], f"step {step}: run 2 draws the batches run 1 drew"
         assert log2.trained[step] == log1.trained[step], f"step {step}: run 2 trains on run 1's prompts"
+        assert log2.digests[step] == log1.digests[step], f"step {step}: run 2 trains on run 1's responses and scores"
     assert log2.drawn[3][0] == log1.drawn[3][0], "after the replayed steps the dataloader is where run 1's was"
     assert len(dapo.records[1]) == log2.calls(3), "0 generator calls at steps 1-2: only step 3 generates"
     hits = [line for line in skip_lines(dapo.second, "rollout") if ": hit" in line]

@@ -1,0 +1,63 @@
+"""What ``SKIPINJECT_VERL_MATRIX`` chooses: CI (the default) runs one older verl and no pair of several
+calls per step (those cost 2-3 min each and are chosen by their id only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.verl_matrix import envs
+from tests.verl_matrix.pairs import CALL_PAIRS, PAIRS, VERL_BUGS, Pair, is_chosen, selected_versions, skip_reason
+
+
+def _chosen(monkeypatch: pytest.MonkeyPatch, value: str | None) -> list[str]:
+    if value is None:
+        monkeypatch.delenv("SKIPINJECT_VERL_MATRIX", raising=False)
+    else:
+        monkeypatch.setenv("SKIPINJECT_VERL_MATRIX", value)
+    chosen = selected_versions()
+    return [pair.id for pair in PAIRS + CALL_PAIRS if is_chosen(pair, chosen)]
+
+
+def test_the_default_runs_exactly_one_older_verl_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    chosen = _chosen(monkeypatch, None)
+    assert chosen == ["0.8.0"]
+    assert chosen[0] in envs.VERSIONS and chosen[0] != envs.NEWEST
+    assert _chosen(monkeypatch, "  ") == chosen
+
+
+def test_a_version_picks_its_pairs_but_not_the_call_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _chosen(monkeypatch, "0.6.1") == ["0.6.1", "0.6.1-sync"]
+    assert _chosen(monkeypatch, "0.5.0, 0.4.1") == ["0.5.0", "0.4.1"]
+
+
+def test_a_call_pair_is_chosen_by_its_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    wanted = "0.6.1-sync-dapo,0.6.1-sync-remax,0.5.0-dapo"
+    assert _chosen(monkeypatch, wanted) == ["0.6.1-sync-dapo", "0.5.0-dapo", "0.6.1-sync-remax"]
+    assert _chosen(monkeypatch, "0.6.1-sync") == ["0.6.1-sync"]
+
+
+def test_a_pair_a_verl_bug_stops_skips_with_that_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = Pair("0.5.0", variant="remax")
+    assert broken in CALL_PAIRS and set(VERL_BUGS) == {broken.id}
+    assert _chosen(monkeypatch, "0.5.0-remax") == ["0.5.0-remax"]
+    reason = skip_reason(broken, selected_versions())
+    assert reason is not None and "identical batch size" in reason and "rollout.n > 1" in reason
+    assert skip_reason(broken, ("0.5.0",)) == "verl 0.5.0-remax not in SKIPINJECT_VERL_MATRIX"
+    every_id = tuple(pair.id for pair in CALL_PAIRS)
+    assert [pair.id for pair in CALL_PAIRS if skip_reason(pair, every_id) is None] == [
+        "0.6.1-sync-dapo",
+        "0.5.0-dapo",
+        "0.6.1-sync-remax",
+    ]
+
+
+def test_all_and_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _chosen(monkeypatch, "all") == [pair.id for pair in PAIRS + CALL_PAIRS]
+    assert _chosen(monkeypatch, "none") == []
+
+
+def test_every_pair_has_a_lock_and_the_sync_ones_are_the_worker_group_paths() -> None:
+    assert {pair.version for pair in PAIRS + CALL_PAIRS} <= set(envs.VERSIONS) - {envs.NEWEST}
+    assert all(envs.lock_file(pair.version).is_file() for pair in PAIRS + CALL_PAIRS)
+    assert [pair.id for pair in PAIRS if pair.sync] == ["0.6.1-sync", "0.5.0", "0.4.1"]
+    assert all(pair.sync for pair in CALL_PAIRS), "several worker-group calls per step: the sync path"
