@@ -7,7 +7,8 @@ beside its steps (numpy arrays, loaded without pickle, written to a temporary fi
 
 It is a hint, never trusted: the file is bounded and checked, and is rebuilt when it does not load;
 a refresh compares the committed step names with the indexed ones and reads only the ``meta.json``
-of new ones (and drops the removed ones); every row it names is served only after the store
+of new ones (and drops the removed ones; a loaded index also re-reads records whose ``meta.json``
+changed since it was written); every row it names is served only after the store
 verified that step's files and its verified ``meta.json`` records that key at that row. A forged or
 stale index can only cause a miss. Lookup is a binary search over the sorted keys: a 4096-row call
 among 10,000 cached steps reads no step but the ones its rows are in.
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.files import read_small
-from skipinject.store.format import MAX_INDEXED_ROWS, MAX_ROW_INDEX_BYTES, ROW_INDEX_NAME
+from skipinject.store.format import MAX_INDEXED_ROWS, MAX_ROW_INDEX_BYTES, META_NAME, ROW_INDEX_NAME
 
 if TYPE_CHECKING:
     from skipinject.store import StepStore
@@ -37,7 +38,7 @@ logger = logging.getLogger("skipinject")
 ROW_KEY = re.compile(r"[0-9a-f]{16}")
 #: Sources of rows: the role's steps, and the rows records of ``match`` (``{project}/rows/{n}``).
 STEPS, ROWS = 0, 1
-_ARRAYS = ("keys", "source", "number", "call", "row", "seen_source", "seen_number")
+_ARRAYS = ("keys", "source", "number", "call", "row", "seen_source", "seen_number", "seen_mtime")
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,7 @@ class RowIndex:
     def forget(self, source: int, number: int) -> None:
         """A source did not serve what the index said: drop it (it is read again at the next refresh)."""
         with self.lock:
-            a = self._arrays
-            self._keep((a["source"] != source) | (a["number"] != number), seen=True, gone={(source, number)})
+            self._drop({(source, number)})
             self._save()
 
     @property
@@ -142,19 +142,16 @@ class RowIndex:
         if not gone and not new:
             return
         if gone:
-            drop = {(s, n) for s, n in gone}
-            keep = np.array(
-                [(s, n) not in drop for s, n in zip(a["source"].tolist(), a["number"].tolist(), strict=True)],
-                dtype=bool,
-            )
-            self._keep(keep, seen=True, gone=drop)
+            self._drop(gone)
         added: dict[str, list[Any]] = {name: [] for name in _ARRAYS}
         for kind, number in sorted(new):
+            mtime = self._mtime(kind, number)  # before reading: a later change is seen as one
             rows = self._read(kind, number)
             if rows is None:
                 continue  # not committed (yet) or not ours: looked at again next time
             added["seen_source"].append(np.array([kind], dtype=np.uint8))
             added["seen_number"].append(np.array([number], dtype=np.int64))
+            added["seen_mtime"].append(np.array([mtime], dtype=np.int64))
             for call, (keys, _) in rows:
                 count = len(keys)
                 added["keys"].append(np.array([int(k, 16) for k in keys], dtype=np.uint64))
@@ -184,17 +181,26 @@ class RowIndex:
             return None
         return [(call, record) for call, record in enumerate(records) if record is not None]
 
-    def _keep(self, mask: Any, *, seen: bool, gone: set[tuple[int, int]] | None = None) -> None:
+    def _drop(self, records: set[tuple[int, int]]) -> None:
+        """Forget every entry of ``records`` (source, number) and that they were read."""
+        np = self._np
         a = self._arrays
+        gone = np.array([_record_code(s, n) for s, n in records], dtype=np.int64)
+        keep = ~np.isin(_record_code(a["source"].astype(np.int64), a["number"]), gone)
         for name in ("keys", "source", "number", "call", "row"):
-            a[name] = a[name][mask]
-        if seen and gone is not None:
-            np = self._np
-            keep = np.array(
-                [(s, n) not in gone for s, n in zip(a["seen_source"].tolist(), a["seen_number"].tolist(), strict=True)],
-                dtype=bool,
-            )
-            a["seen_source"], a["seen_number"] = a["seen_source"][keep], a["seen_number"][keep]
+            a[name] = a[name][keep]
+        keep = ~np.isin(_record_code(a["seen_source"].astype(np.int64), a["seen_number"]), gone)
+        for name in ("seen_source", "seen_number", "seen_mtime"):
+            a[name] = a[name][keep]
+
+    def _mtime(self, kind: int, number: int) -> int:
+        """When the record's ``meta.json`` last changed (ns; -1: unknown, e.g. in an object store)."""
+        if not self.persists:
+            return -1
+        try:
+            return os.stat(self.stores[kind].step_dir(number) / META_NAME, follow_symlinks=False).st_mtime_ns
+        except (OSError, ValueError):
+            return -1
 
     # ------------------------------------------------------------ the file
 
@@ -216,6 +222,16 @@ class RowIndex:
             return
         if _valid(arrays, np):
             self._arrays = arrays
+            # records committed anew since the index was written (same number, other meta.json): read again
+            seen = zip(
+                arrays["seen_source"].tolist(),
+                arrays["seen_number"].tolist(),
+                arrays["seen_mtime"].tolist(),
+                strict=True,
+            )
+            changed = {(kind, number) for kind, number, mtime in seen if self._mtime(kind, number) != mtime}
+            if changed:
+                self._drop(changed)
         else:
             logger.info("row index %s not used (malformed); rebuilding it from the steps", self.path)
 
@@ -245,6 +261,11 @@ class RowIndex:
                 pass
 
 
+def _record_code(source: Any, number: Any) -> Any:
+    """One integer per record (source, number): step numbers stay below 2^40."""
+    return source * (1 << 40) + number
+
+
 def _dtype(name: str) -> Any:
     import numpy as np
 
@@ -256,6 +277,7 @@ def _dtype(name: str) -> Any:
         "row": np.uint32,
         "seen_source": np.uint8,
         "seen_number": np.int64,
+        "seen_mtime": np.int64,
     }[name]
 
 
@@ -266,7 +288,7 @@ def _valid(arrays: Mapping[str, Any], np: Any) -> bool:
     rows = len(arrays["keys"])
     if rows > MAX_INDEXED_ROWS or any(len(arrays[name]) != rows for name in ("source", "number", "call", "row")):
         return False
-    if len(arrays["seen_source"]) != len(arrays["seen_number"]):
+    if not len(arrays["seen_source"]) == len(arrays["seen_number"]) == len(arrays["seen_mtime"]):
         return False
     if rows and bool(np.any(arrays["keys"][1:] < arrays["keys"][:-1])):
         return False

@@ -162,6 +162,12 @@ def reference_table() -> str:
             f"at most {MAX_REBUILT_FACTOR}x the file + {_mib(MAX_REBUILT_SLACK)}",
             "derived and widened tensors of a compact tensor file",
         ),
+        ("rows records (`match`)", f"`{ROWS_DIR}/{{n}}/`", "ordinary committed steps, numbered from 1"),
+        (
+            "row index (`match`)",
+            f"`{ROW_INDEX_NAME}`",
+            f"at most {MAX_INDEXED_ROWS} rows, {_mib(MAX_ROW_INDEX_BYTES)}; a hint, rebuilt when it does not check out",
+        ),
     ]
     lines = ["| what | name or pattern | bound or rule |", "|---|---|---|"]
     lines += [f"| {what} | {name} | {rule} |" for what, name, rule in rows]

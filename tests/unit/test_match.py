@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import logging
 import sys
 from collections.abc import Iterator
@@ -300,3 +301,34 @@ def test_a_role_that_cannot_match_is_refused_at_start(targets: Any, tmp_path: Pa
     engine = Engine(config, {"gen": (make_role(row_key=None), "test")})
     with pytest.raises(ConfigError, match=r"skip.gen.action=match: role 'gen' cannot serve part of a call"):
         engine.start()
+
+
+def test_rows_records_are_listed_verified_and_pruned_by_the_cache_tool(targets: Any, tmp_path: Path, capsys) -> None:
+    from skipinject.cache_tool import main
+
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    run(targets, tmp_path, {1: [1, 20, 3, 21]}, action="match")
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    layouts = sorted({(item["layout"], item["step"], item["rows"]) for item in listed["steps"]})
+    assert layouts == [("GBS4_N2_in6_out4", 1, 8), ("GBS4_N2_in6_out4/rows", 1, 4)], layouts
+    assert main(["verify", str(tmp_path)]) == 0
+    capsys.readouterr()
+    rows_record = project(tmp_path) / "rows" / "1"
+    assert main(["prune", str(tmp_path), "--keep-last", "0"]) == 0
+    assert not rows_record.exists() and not (project(tmp_path) / "1").exists()
+    GENERATED.clear()
+    run(targets, tmp_path, {2: [1, 20]}, action="match")
+    assert GENERATED == [[1, 1, 20, 20]], "the pruned records left the index: nothing served from them"
+
+
+def test_an_index_written_before_a_step_was_recorded_anew_reads_that_step_again(targets: Any, tmp_path: Path) -> None:
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    run(targets, tmp_path, {2: [1]}, action="match")  # writes the index
+    shutil.rmtree(project(tmp_path) / "1")
+    run(targets, tmp_path, {1: [40, 41, 42, 43]})  # step 1 again, other prompts
+    GENERATED.clear()
+    out = run(targets, tmp_path, {3: [40, 41]}, action="match")
+    assert GENERATED == [], "the re-recorded step 1's rows are found"
+    assert [p for p, _ in responses(out[3][1])] == [40, 40, 41, 41]
