@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -133,6 +134,7 @@ class RowMatcher:
         self.runtime = runtime
         self._indexes: dict[Path, RowIndex] = {}
         self._rows: dict[Path, StepStore] = {}
+        self._lock = threading.Lock()  # awaiting callers look rows up from several threads
 
     def keys(self, call: Call) -> list[str] | None:
         """The call's row keys, or ``None`` when the role cannot key it (one warning, the call runs whole)."""
@@ -157,16 +159,20 @@ class RowMatcher:
             return None
 
     def rows_store(self, store: StepStore) -> StepStore:
-        rows = self._rows.get(store.project_dir)
-        if rows is None:
-            rows = self._rows[store.project_dir] = self.runtime.sibling_store(store, ROWS_DIR)
-        return rows
+        """Where the rows generated at already committed steps of ``store`` are kept."""
+        with self._lock:
+            rows = self._rows.get(store.project_dir)
+            if rows is None:
+                rows = self._rows[store.project_dir] = self.runtime.sibling_store(store, ROWS_DIR)
+            return rows
 
     def index(self, store: StepStore) -> RowIndex:
-        index = self._indexes.get(store.project_dir)
-        if index is None:
-            index = self._indexes[store.project_dir] = RowIndex(store, self.rows_store(store))
-        return index
+        rows = self.rows_store(store)
+        with self._lock:
+            index = self._indexes.get(store.project_dir)
+            if index is None:
+                index = self._indexes[store.project_dir] = RowIndex(store, rows)
+            return index
 
     # ------------------------------------------------------------ one call
 

@@ -297,10 +297,18 @@ def test_a_forged_index_is_never_trusted(targets: Any, tmp_path: Path) -> None:
 
 
 def test_a_role_that_cannot_match_is_refused_at_start(targets: Any, tmp_path: Path) -> None:
+    from skipinject_rollout_tq.plugin import ROLLOUT_TQ
+
     config = Config(roles={"gen": RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1,), action="match")})
     engine = Engine(config, {"gen": (make_role(row_key=None), "test")})
     with pytest.raises(ConfigError, match=r"skip.gen.action=match: role 'gen' cannot serve part of a call"):
         engine.start()
+    config = Config(roles={"rollout_tq": RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1,), action="match")})
+    engine = Engine(config, {"rollout_tq": (ROLLOUT_TQ, "rollout_tq")})
+    with pytest.raises(ConfigError) as refused:
+        engine.start()
+    assert str(refused.value).startswith("skip.rollout_tq.action=match: role 'rollout_tq' cannot serve part of a call")
+    assert "\n" not in str(refused.value)
 
 
 def test_rows_records_are_listed_verified_and_pruned_by_the_cache_tool(targets: Any, tmp_path: Path, capsys) -> None:
@@ -332,3 +340,62 @@ def test_an_index_written_before_a_step_was_recorded_anew_reads_that_step_again(
     out = run(targets, tmp_path, {3: [40, 41]}, action="match")
     assert GENERATED == [], "the re-recorded step 1's rows are found"
     assert [p for p, _ in responses(out[3][1])] == [40, 40, 41, 41]
+
+
+class AsyncManager(Manager):
+    """One sample per call, awaited (the fully async Rollouter's ``generate_sequences_single``)."""
+
+    agent_loop_workers = [object()]
+
+    async def generate_single(self, batch: DataProto) -> DataProto:
+        return self.generate_sequences(batch)
+
+
+def test_awaited_per_sample_calls_are_served_by_their_prompt(targets: Any, tmp_path: Path) -> None:
+    import asyncio
+
+    targets.AsyncManager = AsyncManager
+    role = make_role(
+        targets=[Target(f"{MODULE}:AsyncManager.generate_single")],
+        step=StepSource.meta("sample"),
+        clocks=[],
+        on_match=None,
+    )
+
+    def feed(action: str, samples: list[tuple[int, int]]) -> list[DataProto]:
+        config = Config(roles={"gen": RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1, 2, 3), action=action)})
+        engine = Engine(config, {"gen": (role, "test")})
+        engine.start()
+        try:
+            manager = targets.AsyncManager(True)
+
+            async def main() -> list[DataProto]:
+                calls = []
+                for index, prompt in samples:
+                    batch = prompts([prompt])
+                    batch.meta_info["sample"] = index
+                    calls.append(manager.generate_single(batch))
+                return list(await asyncio.gather(*calls))
+
+            return asyncio.run(main())
+        finally:
+            engine.stop()
+
+    feed("cache", [(1, 1), (2, 2)])
+    GENERATED.clear()
+    out = feed("match", [(1, 2), (2, 5), (3, 1)])  # sample ids no longer line up with the prompts
+    assert sorted(GENERATED) == [[5, 5]], "only the new prompt is generated"
+    assert [[p for p, _ in responses(o)] for o in out] == [[2, 2], [5, 5], [1, 1]]
+
+
+def test_a_subset_is_padded_to_the_workers_like_verl_and_the_padding_dropped(targets: Any, tmp_path: Path) -> None:
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    GENERATED.clear()
+    Manager.agent_loop_workers = [object()] * 4  # 2 new rows (one prompt, n=2) go out as 4
+    try:
+        out = run(targets, tmp_path, {2: [1, 2, 50, 3]}, action="match")
+    finally:
+        Manager.agent_loop_workers = [object(), object()]
+    assert GENERATED == [[50, 50, 50, 50]], "padded by repeating the subset's first rows (pad_dataproto_to_divisor)"
+    result = out[2][1]
+    assert len(result) == 8 and [p for p, _ in responses(result)] == [1, 1, 2, 2, 50, 50, 3, 3]

@@ -58,6 +58,7 @@ GENERATION_INPUTS = (
     "tools_kwargs",
     "interaction_kwargs",
     "agent_name",
+    "__do_sample__",  # verl 0.9's REMAX: the greedy baseline rows of the same call do not sample
 )
 #: The run settings deciding a generation: rows recorded under other values are never served.
 GENERATION_SETTINGS = (
