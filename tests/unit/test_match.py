@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 import logging
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
