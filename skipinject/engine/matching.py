@@ -74,9 +74,7 @@ class MatchingRole(Protocol):
         keys: Sequence[str] | None = None,
     ) -> None: ...
 
-    def save_rows(
-        self, rows_store: StepStore, store: StepStore, step: int, result: Any, keys: Sequence[str], ratio: int
-    ) -> None: ...
+    def in_background(self, store: StepStore, job: Callable[[], None]) -> None: ...
 
     def after_miss(self, call: Call, result: Any) -> Any: ...
 
@@ -240,7 +238,7 @@ class RowMatcher:
         keys = pending.keys
         out = pending.codec.result_rows(result) if keys else 0
         ratio = out // len(keys) if keys and out and out % len(keys) == 0 else None
-        self._save(pending, result, fresh=result if ratio else None, fresh_keys=keys, ratio=ratio)
+        self._save(pending, result, fresh=result if ratio else None, fresh_rows=range(len(keys or ())), ratio=ratio)
         return self.runtime.after_miss(pending.call, result)
 
     def finish(self, pending: _Pending, fresh: Any) -> Any:
@@ -265,7 +263,7 @@ class RowMatcher:
         assert ratio is not None
         order = self._order(len(keys), misses, pending.served, pending.pieces, ratio, codec)
         merged = codec.merge_rows(([generated] if generated is not None else []) + pending.pieces, order, pending.call)
-        self._save(pending, merged, fresh=generated, fresh_keys=[keys[row] for row in misses], ratio=ratio)
+        self._save(pending, merged, fresh=generated, fresh_rows=misses, ratio=ratio)
         step = pending.record.plan.step
         info = MatchInfo(step, len(pending.served), len(misses), dict(pending.sources), pending.seconds)
         sources = sorted(pending.sources.items(), key=lambda item: (-item[1], item[0]))
@@ -396,7 +394,7 @@ class RowMatcher:
         result: Any,
         *,
         fresh: Any = None,
-        fresh_keys: list[str] | None = None,
+        fresh_rows: Sequence[int] = (),
         ratio: int | None = None,
     ) -> None:
         """The whole call as the step's part when the step is not committed; else its new rows as a rows record."""
@@ -414,8 +412,65 @@ class RowMatcher:
                 keys=pending.keys,
                 background=pending.background,
             )
-        elif fresh is not None and fresh_keys and ratio is not None and runtime.unusable(plan.store) is None:
-            runtime.save_rows(self.rows_store(plan.store), plan.store, plan.step, fresh, fresh_keys, ratio)
+        elif fresh is not None and fresh_rows and ratio is not None and runtime.unusable(plan.store) is None:
+            keys, inputs = pending.keys, pending.inputs
+            assert keys is not None
+            fresh_inputs = [inputs[row] for row in fresh_rows] if inputs and len(inputs) == len(keys) else None
+            rows_store = self.rows_store(plan.store)
+            fresh_keys = [keys[row] for row in fresh_rows]
+            self._save_rows(rows_store, plan.store, plan.step, fresh, fresh_keys, ratio, fresh_inputs)
+
+    def _save_rows(
+        self,
+        rows_store: StepStore,
+        store: StepStore,
+        step: int,
+        result: Any,
+        keys: Sequence[str],
+        ratio: int,
+        inputs: Sequence[str] | None = None,
+    ) -> None:
+        """Keep a call's newly generated rows as the next rows record (``action=match`` at a step that
+        was committed before: a committed step is never rewritten). Logged, never raised."""
+        try:
+            snapshot = self.runtime.codec.encode(result).private_copy()
+        except Exception as exc:
+            logger.warning(
+                "%s step %d: cannot encode the new rows (%s: %s); not saved",
+                self.runtime.name,
+                step,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        meta = {
+            "inputs": None if inputs is None else list(inputs),
+            "calls": 1,
+            "row_keys": [list(keys)],
+            "rows_per_input": [ratio],
+            "generated_at": step,
+        }
+
+        def write() -> None:
+            try:
+                number = max(rows_store.step_numbers_on_disk(), default=0) + 1
+                while rows_store.is_committed(number):
+                    number += 1
+                directory = rows_store.save(number, snapshot, meta)
+            except Exception as exc:
+                logger.warning(
+                    "%s step %d: could not save %d new rows to %s (%s: %s)",
+                    self.runtime.name,
+                    step,
+                    len(keys),
+                    rows_store.project_dir,
+                    type(exc).__name__,
+                    exc,
+                )
+                return
+            logger.info("%s step %d: saved %d new rows to %s", self.runtime.name, step, len(keys), directory)
+
+        self.runtime.in_background(store, write)
 
 
 #: A match line names at most this many of the records rows were served from.

@@ -456,41 +456,6 @@ class RoleRuntime:
             return None
         return rows // len(keys) if rows and rows % len(keys) == 0 else None
 
-    def save_rows(
-        self, rows_store: StepStore, store: StepStore, step: int, result: Any, keys: Sequence[str], ratio: int
-    ) -> None:
-        """Keep a call's newly generated rows as the next rows record (``action=match`` at a step that
-        was committed before: a committed step is never rewritten). Logged, never raised."""
-        try:
-            snapshot = self.codec.encode(result).private_copy()
-        except Exception as exc:
-            logger.warning(
-                "%s step %d: cannot encode the new rows (%s: %s); not saved", self.name, step, type(exc).__name__, exc
-            )
-            return
-        meta = {"inputs": None, "calls": 1, "row_keys": [list(keys)], "rows_per_input": [ratio], "generated_at": step}
-
-        def write() -> None:
-            try:
-                number = max(rows_store.step_numbers_on_disk(), default=0) + 1
-                while rows_store.is_committed(number):
-                    number += 1
-                directory = rows_store.save(number, snapshot, meta)
-            except Exception as exc:
-                logger.warning(
-                    "%s step %d: could not save %d new rows to %s (%s: %s)",
-                    self.name,
-                    step,
-                    len(keys),
-                    rows_store.project_dir,
-                    type(exc).__name__,
-                    exc,
-                )
-                return
-            logger.info("%s step %d: saved %d new rows to %s", self.name, step, len(keys), directory)
-
-        self.in_background(store, write)
-
     def _commit(self, record: StepCalls) -> None:
         """Queue the commit of a recorded step's parts (after their writes, in order)."""
         plan = record.plan

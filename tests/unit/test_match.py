@@ -399,3 +399,23 @@ def test_a_subset_is_padded_to_the_workers_like_verl_and_the_padding_dropped(tar
     assert GENERATED == [[50, 50, 50, 50]], "padded by repeating the subset's first rows (pad_dataproto_to_divisor)"
     result = out[2][1]
     assert len(result) == 8 and [p for p, _ in responses(result)] == [1, 1, 2, 2, 50, 50, 3, 3]
+
+
+def test_cache_show_match_counts_the_prompts_of_a_dataset_that_are_cached(targets: Any, tmp_path: Path, capsys) -> None:
+    import pandas as pd
+    from skipinject_rollout.common import prompt_fingerprint
+
+    from skipinject.cache_tool import main
+
+    role = make_role(fingerprint=prompt_fingerprint)
+    dump = tmp_path / "dump"
+    run(targets, dump, {1: [1, 2, 3, 4]}, role=role)
+    run(targets, dump, {1: [5, 1]}, role=role, action="match")  # prompt 5: a rows record
+    dataset = tmp_path / "train.parquet"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": f"p{p}"}] for p in (1, 2, 5, 6, 7)]}).to_parquet(dataset)
+    capsys.readouterr()
+    assert main(["show", str(dump), "--match", str(dataset), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["rows"], report["cached_rows"], report["steps_read"]) == (5, 3, 2), report
+    assert main(["show", str(project(dump)), "--match", str(dataset)]) == 0
+    assert "3 of 5 rows of" in capsys.readouterr().out
