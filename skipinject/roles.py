@@ -334,8 +334,9 @@ class Phase(Protocol):
 
     The default treats one call as one unit: serve it from the cache or run it and save the result.
     Roles whose work spans several calls (rollout_tq's submit and sample) bring their own. ``run``
-    serves sync calls, ``run_async`` awaiting ones; ``proceed`` calls the original target
-    (``run_async``'s returns an awaitable).
+    serves sync calls, ``run_async`` awaiting ones; ``proceed()`` calls the original target
+    (``run_async``'s returns an awaitable), ``proceed(*args, **kwargs)`` calls it with other
+    arguments (plugin API 1.2).
     """
 
     def run(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any: ...
