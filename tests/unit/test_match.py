@@ -419,3 +419,52 @@ def test_cache_show_match_counts_the_prompts_of_a_dataset_that_are_cached(target
     assert (report["rows"], report["cached_rows"], report["steps_read"]) == (5, 3, 2), report
     assert main(["show", str(project(dump)), "--match", str(dataset)]) == 0
     assert "3 of 5 rows of" in capsys.readouterr().out
+
+
+class WorkerGroup:
+    """verl < 0.7's sync rollout: ``generate_sequences`` bound on the worker group instance."""
+
+    world_size = 4
+
+    def __init__(self) -> None:
+        manager = Manager(before=False)
+        manager.agent_loop_workers = [object()] * self.world_size
+        self.generate_sequences = manager.generate_sequences
+
+
+class WorkerGroupTrainer(Trainer):
+    def init_workers(self) -> None:
+        self.actor_rollout_wg = WorkerGroup()
+
+    def fit(self) -> dict[int, DataProto]:
+        out = {}
+        for step, ids in sorted(self.schedule.items()):
+            self.global_steps = step
+            batch = prompts(ids, before=False)
+            batch.meta_info["global_steps"] = step
+            out[step] = (batch, self.actor_rollout_wg.generate_sequences(batch))
+        return out
+
+
+def test_the_worker_group_path_pads_to_its_world_size(targets: Any, tmp_path: Path) -> None:
+    targets.Trainer = WorkerGroupTrainer
+    role = make_role(
+        targets=[Target(f"{MODULE}:Trainer.init_workers", attribute="actor_rollout_wg.generate_sequences")]
+    )
+
+    def fit(action: str, schedule: dict[int, list[int]]) -> Any:
+        config = Config(roles={"gen": RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1, 2), action=action)})
+        engine = Engine(config, {"gen": (role, "test")})
+        engine.start()
+        try:
+            trainer = targets.Trainer(schedule, before=False)
+            trainer.init_workers()
+            return trainer.fit()
+        finally:
+            engine.stop()
+
+    fit("cache", {1: [1, 2, 3, 4]})
+    GENERATED.clear()
+    out = fit("match", {2: [4, 60, 2, 61]})
+    assert GENERATED == [[60, 61, 60, 61]], "two new prompts padded to the world size 4 (verl repeats after)"
+    assert [p for p, _ in responses(out[2][1])] == [4, 4, 60, 60, 2, 2, 61, 61]
