@@ -180,7 +180,9 @@ class RowMatcher:
         if pending.whole:
             return self.finish_whole(pending, proceed())
         fresh = proceed(*pending.args, **pending.kwargs) if pending.misses else None
-        return self.finish(pending, fresh)
+        if self.merge(pending, fresh):
+            return self.finish(pending)
+        return self.finish_whole(pending, proceed())
 
     async def run_async(self, record: StepCalls, index: int, call: Call, proceed: Callable[..., Any]) -> Any:
         """:meth:`run` for awaiting callers (the store is read and written off the event loop)."""
@@ -189,7 +191,9 @@ class RowMatcher:
             result = await proceed()
             return await asyncio.to_thread(self.finish_whole, pending, result)
         fresh = await proceed(*pending.args, **pending.kwargs) if pending.misses else None
-        return await asyncio.to_thread(self.finish, pending, fresh)
+        if await asyncio.to_thread(self.merge, pending, fresh):
+            return await asyncio.to_thread(self.finish, pending)
+        return await asyncio.to_thread(self.finish_whole, pending, await proceed())
 
     def begin(self, record: StepCalls, index: int, call: Call, *, background: bool = True) -> _Pending:
         """Key the call's rows and load the cached ones; say which rows the target must generate."""
@@ -230,8 +234,24 @@ class RowMatcher:
             return pending
         pending.misses = [row for row in range(len(pending.keys or ())) if row not in pending.served]
         if pending.misses:
-            pending.args, pending.kwargs, pending.padding = codec.with_rows(call, pending.misses)
+            try:
+                pending.args, pending.kwargs, pending.padding = codec.with_rows(call, pending.misses)
+            except Exception as exc:  # a call the codec cannot cut: it runs whole
+                self._cannot(pending, "take the uncached rows of", exc)
+                pending.whole = True
         return pending
+
+    def _cannot(self, pending: _Pending, what: str, exc: Exception) -> None:
+        plan = pending.record.plan
+        assert plan is not None
+        logger.warning(
+            "%s step %d: match: cannot %s the call (%s: %s); running the whole call instead",
+            self.runtime.name,
+            plan.step,
+            what,
+            type(exc).__name__,
+            exc,
+        )
 
     def finish_whole(self, pending: _Pending, result: Any) -> Any:
         """Nothing was cached: the call ran whole and is saved as with ``cache``."""
@@ -241,29 +261,40 @@ class RowMatcher:
         self._save(pending, result, fresh=result if ratio else None, fresh_rows=range(len(keys or ())), ratio=ratio)
         return self.runtime.after_miss(pending.call, result)
 
-    def finish(self, pending: _Pending, fresh: Any) -> Any:
-        """Merge the generated rows (``fresh``, with its padding) and the cached ones in the call's order."""
-        runtime = self.runtime
+    def merge(self, pending: _Pending, fresh: Any) -> bool:
+        """Merge the generated rows (``fresh``, with its padding) and the cached ones in the call's
+        order; False (one warning) when they do not fit together: the whole call runs then."""
         codec = pending.codec
         keys = pending.keys
-        assert keys is not None and pending.record.plan is not None
+        assert keys is not None
         misses, ratio = pending.misses, pending.ratio
-        generated = None
-        if fresh is not None:
-            asked = len(misses) + pending.padding
-            out = codec.result_rows(fresh)
-            if out % asked:
-                raise CodecError(f"{runtime.name}: the target returned {out} rows for {asked} inputs")
-            if ratio is not None and out // asked != ratio:
-                raise CodecError(
-                    f"{runtime.name}: cached rows hold {ratio} results per input, this call {out // asked}"
-                )
-            ratio = out // asked
-            generated = codec.select_rows(fresh, range(len(misses) * ratio)) if pending.padding else fresh
-        assert ratio is not None
-        order = self._order(len(keys), misses, pending.served, pending.pieces, ratio, codec)
-        merged = codec.merge_rows(([generated] if generated is not None else []) + pending.pieces, order, pending.call)
-        self._save(pending, merged, fresh=generated, fresh_rows=misses, ratio=ratio)
+        try:
+            generated = None
+            if fresh is not None:
+                asked = len(misses) + pending.padding
+                out = codec.result_rows(fresh)
+                if out % asked:
+                    raise CodecError(f"the target returned {out} rows for {asked} inputs")
+                if ratio is not None and out // asked != ratio:
+                    raise CodecError(f"cached rows hold {ratio} results per input, this call {out // asked}")
+                ratio = out // asked
+                generated = codec.select_rows(fresh, range(len(misses) * ratio)) if pending.padding else fresh
+            assert ratio is not None
+            order = self._order(len(keys), misses, pending.served, pending.pieces, ratio, codec)
+            pieces = ([generated] if generated is not None else []) + pending.pieces
+            pending.merged = codec.merge_rows(pieces, order, pending.call)
+        except Exception as exc:
+            self._cannot(pending, "merge the cached and generated rows of", exc)
+            return False
+        pending.generated, pending.ratio = generated, ratio
+        return True
+
+    def finish(self, pending: _Pending) -> Any:
+        """Save what is new of a merged call, log it and hand it to the role's ``on_match``."""
+        runtime = self.runtime
+        keys, misses, merged = pending.keys, pending.misses, pending.merged
+        assert keys is not None and pending.record.plan is not None
+        self._save(pending, merged, fresh=pending.generated, fresh_rows=misses, ratio=pending.ratio)
         step = pending.record.plan.step
         info = MatchInfo(step, len(pending.served), len(misses), dict(pending.sources), pending.seconds)
         sources = sorted(pending.sources.items(), key=lambda item: (-item[1], item[0]))
@@ -498,3 +529,5 @@ class _Pending:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     padding: int = 0
+    generated: Any = None  # the generated rows without the padding
+    merged: Any = None

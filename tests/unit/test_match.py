@@ -36,6 +36,8 @@ PROMPT, RESPONSE, N = 6, 4, 2
 _tokens = itertools.count(100)
 #: Every generator call: the prompt ids (first token of each row) it was asked to generate.
 GENERATED: list[list[int]] = []
+#: The dtype of the generator's log-probs (a test changes it between runs).
+LOG_PROBS = [torch.float32]
 
 
 def prompts(ids: list[int], n: int = N, *, before: bool = True) -> DataProto:
@@ -107,7 +109,7 @@ class Manager(Workers):
                 "response_mask": response_mask,
                 "input_ids": torch.cat([prompt_ids, responses], 1),
                 "attention_mask": torch.cat([batch.batch["attention_mask"], response_mask], 1),
-                "rollout_log_probs": torch.rand(len(batch), RESPONSE, dtype=torch.float32),
+                "rollout_log_probs": torch.rand(len(batch), RESPONSE, dtype=LOG_PROBS[0]),
             },
             non_tensors={"uid": batch.non_tensor_batch["uid"].copy(), "__num_turns__": np.full(len(batch), 2)},
             meta_info={"timing": {"generate_sequences": 0.5}},
@@ -468,3 +470,19 @@ def test_the_worker_group_path_pads_to_its_world_size(targets: Any, tmp_path: Pa
     out = fit("match", {2: [4, 60, 2, 61]})
     assert GENERATED == [[60, 61, 60, 61]], "two new prompts padded to the world size 4 (verl repeats after)"
     assert [p for p, _ in responses(out[2][1])] == [4, 4, 60, 60, 2, 2, 61, 61]
+
+
+def test_rows_that_do_not_fit_together_are_not_merged_the_call_runs_whole(targets: Any, tmp_path: Path, caplog) -> None:
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    GENERATED.clear()
+    LOG_PROBS[0] = torch.float64  # this run's generator returns another dtype than the cached rows
+    caplog.set_level(logging.INFO, "skipinject")
+    try:
+        out = run(targets, tmp_path, {2: [1, 2, 70, 3]}, action="match")
+    finally:
+        LOG_PROBS[0] = torch.float32
+    assert GENERATED == [[70, 70], [1, 1, 2, 2, 70, 70, 3, 3]], "the subset, then (not mergeable) the whole call"
+    result = out[2][1]
+    assert [p for p, _ in responses(result)] == [1, 1, 2, 2, 70, 70, 3, 3]
+    assert result.batch["rollout_log_probs"].dtype == torch.float64, "what the target returned, not a mixture"
+    assert any("cannot merge the cached and generated rows" in m and "rollout_log_probs" in m for m in messages(caplog))
