@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import threading
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -211,6 +212,7 @@ class RowIndex:
         np = self._np
         try:
             data = read_small(self.path, MAX_ROW_INDEX_BYTES)
+            _check_members(data)
             with np.load(io.BytesIO(data), allow_pickle=False) as saved:
                 arrays = {name: saved[name] for name in _ARRAYS}
         except FileNotFoundError:
@@ -259,6 +261,17 @@ class RowIndex:
                 os.unlink(temporary)
             except OSError:
                 pass
+
+
+def _check_members(data: bytes) -> None:
+    """The archive holds exactly our arrays, stored (not compressed: no member expands beyond the file)."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        members = archive.infolist()
+    names = sorted(member.filename for member in members)
+    if names != sorted(f"{name}.npy" for name in _ARRAYS):
+        raise CorruptCacheError(f"unexpected members {names[:10]}")
+    if any(member.compress_type != zipfile.ZIP_STORED or member.file_size > len(data) for member in members):
+        raise CorruptCacheError("a member is compressed or larger than the file")
 
 
 def _record_code(source: Any, number: Any) -> Any:

@@ -292,10 +292,19 @@ def test_a_forged_index_is_never_trusted(targets: Any, tmp_path: Path) -> None:
     out = run(targets, tmp_path, {3: [2, 6, 3, 7]}, action="match")
     assert [p for p, _ in responses(out[3][1])] == [2, 2, 6, 6, 3, 3, 7, 7], "never another prompt's rows"
     assert sum(len(g) for g in GENERATED) <= 8
-    index.write_bytes(b"not an npz")
-    GENERATED.clear()
-    run(targets, tmp_path, {3: [2, 6, 3, 7]}, action="match")
-    assert GENERATED == [], "a damaged index is rebuilt from the steps"
+    for damage in (b"not an npz", _deflated(arrays)):
+        index.write_bytes(damage)
+        GENERATED.clear()
+        run(targets, tmp_path, {3: [2, 6, 3, 7]}, action="match")
+        assert GENERATED == [], "a damaged or compressed (a possible bomb) index is rebuilt from the steps"
+
+
+def _deflated(arrays: dict[str, Any]) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    return buffer.getvalue()
 
 
 def test_a_role_that_cannot_match_is_refused_at_start(targets: Any, tmp_path: Path) -> None:
