@@ -495,3 +495,20 @@ def test_rows_that_do_not_fit_together_are_not_merged_the_call_runs_whole(target
     assert [p for p, _ in responses(result)] == [1, 1, 2, 2, 70, 70, 3, 3]
     assert result.batch["rollout_log_probs"].dtype == torch.float64, "what the target returned, not a mixture"
     assert any("cannot merge the cached and generated rows" in m and "rollout_log_probs" in m for m in messages(caplog))
+
+
+def test_the_runner_refuses_match_for_rollout_tq_in_one_line_before_the_program_runs(tmp_path: Path) -> None:
+    import subprocess
+
+    settings = ["skip.rollout_tq.enable=True", "skip.rollout_tq.action=match", f"skip.rollout_tq.dump_dir={tmp_path}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "skipinject", "-c", "print('the program ran')", *settings],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "the program ran" not in proc.stdout
+    assert proc.stderr.strip().splitlines() == [
+        "skipinject: error: skip.rollout_tq.action=match: role 'rollout_tq' cannot serve part of a call "
+        "(declares no row_key: it has no row selector and merger, plugin API 1.2); use action=cache, repeat or strict"
+    ]
