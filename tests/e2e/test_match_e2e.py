@@ -98,3 +98,43 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(as
     assert "timing_s/skipinject/match_served_rows:" in metrics
     assert (layout / "rows").is_dir(), "new rows of already cached steps are kept as rows records"
     assert sorted(p.name for p in layout.iterdir() if p.name.isdigit()) == ["1", "2", "3"]
+
+
+def test_fully_async_match_serves_a_sample_by_its_prompt_not_its_id(assets: Any, tmp_path: Path):
+    """The fully async Rollouter (one prompt per call, ``n`` sequences): run 1 caches feed indices
+    1-4; run 2 draws other prompts in another order (``data.seed=29``): a sample whose prompt run 1
+    generated, at whatever feed index, is served; only the others are generated."""
+    from tests.e2e.conftest import SKIPINJECT_FULLY_ASYNC
+
+    dump = tmp_path / "dump"
+    runs = []
+    for name, extra in (
+        ("async1", ["skip.async_rollout.action=cache"]),
+        ("async2", ["skip.async_rollout.action=match", "data.seed=29"]),
+    ):
+        overrides = harness.fully_async_overrides(
+            assets,
+            total_rollout_steps=4,
+            dump_dir=dump,
+            extra=["skip.async_rollout.enable=True", "skip.async_rollout.steps=[1-4]", *extra],
+        )
+        gen_log = tmp_path / f"{name}.gen.jsonl"
+        proc = harness.run_fully_async(
+            assets,
+            overrides,
+            gen_log=gen_log,
+            launcher=SKIPINJECT_FULLY_ASYNC,
+            timeout=900,
+            env_extra={"RAY_DEDUP_LOGS": "0"},
+        )
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        runs.append((proc, harness.generate_calls(gen_log)))
+    (_, generated_1), (second, generated_2) = runs
+    digests_1 = {call["prompt"] for call in generated_1}
+    assert len(digests_1) == 4, "run 1 generated 4 prompts"
+    per_prompt = collections.Counter(call["prompt"] for call in generated_2)
+    assert not set(per_prompt) & digests_1, "a prompt run 1 generated was generated again"
+    assert set(per_prompt.values()) <= {harness.ROLLOUT_N}
+    served = [line for line in skip_lines(second, "async_rollout") if "rows served from" in line]
+    assert len(served) == 4 - len(per_prompt) and served, (served, per_prompt)
+    assert all("target not called" in line for line in served), "a sample's n rows are served together"
