@@ -2,7 +2,9 @@
 
 This module is the plugin API (version :data:`API_VERSION`): everything a plugin may rely on is
 exported here and listed in ``__all__`` (API 1.1 added the plugin kit, :mod:`skipinject.plugin_kit`:
-codec headers, row digests, verl ranges; and :meth:`PhaseContext.load`); a plugin's tests may also
+codec headers, row digests, verl ranges; and :meth:`PhaseContext.load`; API 1.2 added
+``action=match``: :class:`RowCodec`, :class:`MatchInfo` and the role's ``row_key``/``match_settings``/
+``on_match``); a plugin's tests may also
 use :mod:`skipinject.testing`. Every other module is internal and may change in any release. A
 plugin may declare the API it was written for as ``SKIPINJECT_API = 1`` (an incompatible one is
 refused in one clear line)::
@@ -43,11 +45,13 @@ from skipinject.roles import (
     Codec,
     HitInfo,
     Loaded,
+    MatchInfo,
     MergingCodec,
     Phase,
     PhaseContext,
     Plan,
     Role,
+    RowCodec,
     StepCache,
     StepSource,
     StepWriting,
@@ -112,6 +116,7 @@ __all__ = [
     "DataProtoCodec",
     "HitInfo",
     "Loaded",
+    "MatchInfo",
     "MergingCodec",
     "MismatchPolicy",
     "Payload",
@@ -122,6 +127,7 @@ __all__ = [
     "PromptMismatchError",
     "Role",
     "RoleConfig",
+    "RowCodec",
     "SkipInjectError",
     "StepCache",
     "StepEntry",

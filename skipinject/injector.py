@@ -174,7 +174,7 @@ def _build_wrapper(
             if passes(reported(instance), args, kwargs):
                 return wrapped(*args, **kwargs)
             call = Call(label, function, reported(instance), args, kwargs)
-            return interceptor.sync(call, lambda: wrapped(*args, **kwargs))
+            return interceptor.sync(call, _proceed(wrapped, args, kwargs))
 
     elif convention is Convention.ASYNC:
 
@@ -182,7 +182,7 @@ def _build_wrapper(
             if passes(reported(instance), args, kwargs):
                 return wrapped(*args, **kwargs)
             call = Call(label, function, reported(instance), args, kwargs)
-            return interceptor.run_async(call, lambda: wrapped(*args, **kwargs))
+            return interceptor.run_async(call, _proceed(wrapped, args, kwargs))
 
     else:
 
@@ -195,10 +195,22 @@ def _build_wrapper(
                     target = _bind(inner, bound_self, _Binding.METHOD)
                 else:
                     target = _bind(inner, instance, binding)
-                return interceptor.run_async(call, lambda: target(*args, **kwargs))
-            return interceptor.sync(call, lambda: wrapped(*args, **kwargs))
+                return interceptor.run_async(call, _proceed(target, args, kwargs))
+            return interceptor.sync(call, _proceed(wrapped, args, kwargs))
 
     return SkipinjectWrapper(raw, wrapper, label)
+
+
+def _proceed(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """``proceed()``: the original with the call's arguments; ``proceed(*other, **named)``: with other
+    ones (``action=match`` generates only the rows it cannot serve)."""
+
+    def proceed(*other: Any, **named: Any) -> Any:
+        if other or named:
+            return target(*other, **named)
+        return target(*args, **kwargs)
+
+    return proceed
 
 
 def _weak(instance: Any) -> Callable[[], Any]:

@@ -75,6 +75,15 @@ class Call:
                 return self.args[index]
         return None
 
+    def with_batch(self, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's arguments with its batch (see :attr:`batch`) replaced by ``batch``."""
+        if self.args:
+            return (batch, *self.args[1:]), dict(self.kwargs)
+        kwargs = dict(self.kwargs)
+        if kwargs:
+            kwargs[next(iter(kwargs))] = batch
+        return (), kwargs
+
     @property
     def run_config(self) -> Any:
         """The verl config of the run: the bound instance's, else the trainer clock's (or ``None``)."""
@@ -178,6 +187,36 @@ class MergingCodec(Codec, Protocol):
     """A codec whose results of several parts of one step make one result again."""
 
     def merge(self, results: Sequence[Any]) -> Any: ...
+
+
+@runtime_checkable
+class RowCodec(Codec, Protocol):
+    """A codec whose results are rows that can be served one by one (``action=match``, plugin API 1.2).
+
+    A call has input rows (prompts) and its result ``r`` output rows per input row (``r = 1`` when
+    the inputs were repeated before the target ran, ``n`` when the target repeats them), input row
+    ``i``'s outputs being rows ``i*r .. i*r+r-1``. The engine keys each input row (:attr:`Role.row_key`),
+    serves the rows cached before, calls the target once with only the others (:meth:`with_rows`) and
+    merges the pieces back (:meth:`merge_rows`); a role whose codec is no ``RowCodec`` refuses
+    ``action=match`` at start."""
+
+    def input_rows(self, call: Call) -> int:
+        """The number of input rows of ``call``."""
+
+    def result_rows(self, result: Any) -> int:
+        """The number of output rows of a result."""
+
+    def with_rows(self, call: Call, rows: Sequence[int]) -> tuple[tuple[Any, ...], dict[str, Any], int]:
+        """``call``'s arguments with only input rows ``rows`` (in that order), padded as the target
+        needs (e.g. to a multiple of its workers, by repeating rows): ``(args, kwargs, padding rows)``."""
+
+    def select_rows(self, result: Any, rows: Sequence[int]) -> Any:
+        """A result holding output rows ``rows`` of ``result``, in that order."""
+
+    def merge_rows(self, pieces: Sequence[Any], order: Sequence[int], call: Call) -> Any:
+        """One result of ``call``: the rows of ``pieces`` (concatenated) taken in ``order``, exactly
+        like the target's own result (the call's own per-row inputs, e.g. ids, in place of the
+        recorded ones; the first piece's metadata)."""
 
 
 class StepWriting(Protocol):
@@ -295,8 +334,9 @@ class Phase(Protocol):
 
     The default treats one call as one unit: serve it from the cache or run it and save the result.
     Roles whose work spans several calls (rollout_tq's submit and sample) bring their own. ``run``
-    serves sync calls, ``run_async`` awaiting ones; ``proceed`` calls the original target
-    (``run_async``'s returns an awaitable).
+    serves sync calls, ``run_async`` awaiting ones; ``proceed()`` calls the original target
+    (``run_async``'s returns an awaitable), ``proceed(*args, **kwargs)`` calls it with other
+    arguments (plugin API 1.2).
     """
 
     def run(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any: ...
@@ -366,6 +406,19 @@ class HitInfo:
 
 
 @dataclass(frozen=True)
+class MatchInfo:
+    """What the engine did for one call with ``action=match``, handed to :attr:`Role.on_match`.
+
+    ``sources``: the cached records rows were served from (``"step 3"``, ``"rows 2"``), with how many."""
+
+    step: int
+    served_rows: int
+    generated_rows: int
+    sources: Mapping[str, int]
+    seconds: float
+
+
+@dataclass(frozen=True)
 class UpstreamFormat:
     """verl's own cache file for a role: found, reported, and loaded only when trusted.
 
@@ -420,6 +473,15 @@ class Role:
     on_hit: Callable[[Any, Call, HitInfo], Any] | None = None
     #: Adjusts a freshly computed result (e.g. mark the miss in the metrics).
     on_miss: Callable[[Any, Call], Any] | None = None
+    #: Per input row, a digest of everything of the call deciding its result (``action=match``, plugin
+    #: API 1.2): e.g. the prompt's tokens and non-tensor inputs. The engine adds the run settings
+    #: ``match_settings`` names and the row's occurrence among equal rows; ``None``: ``fingerprint``.
+    row_key: Callable[[Call], Sequence[str] | None] | None = None
+    #: Run-config keys (dotted) whose values decide a row's result (model, sampling, lengths): rows
+    #: recorded under other values never match.
+    match_settings: Sequence[str] = ()
+    #: Adjusts a result merged from cached and fresh rows (``action=match``), e.g. metrics.
+    on_match: Callable[[Any, Call, MatchInfo], Any] | None = None
     #: Sub-directory of the project directory holding this role's steps; ``None``: the role's name,
     #: ``""``: the project directory itself (upstream's layout, used by the rollout roles).
     cache_subdir: str | None = None

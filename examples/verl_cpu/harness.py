@@ -718,7 +718,8 @@ def generate_calls(gen_log: Path) -> list[dict]:
     """The ``generate`` records of ``gen_log``, one per request served by the shim's ``hf`` rollout.
 
     Each record: ``event`` (``"generate"``), ``pid``, ``time``, ``replica``, ``n_sequences``
-    (always 1: verl's agent loops send one request per sequence), ``n_prompt_tokens``,
+    (always 1: verl's agent loops send one request per sequence), ``n_prompt_tokens``, ``prompt`` (a
+    digest of the prompt's tokens: which prompt was generated),
     ``n_new_tokens``, ``weight_version`` (weight syncs the serving model had received) and
     ``global_steps`` (the trainer step of those weights, as verl passed it with them).
     """

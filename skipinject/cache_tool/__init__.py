@@ -68,7 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("show", help="what one step holds: fields, dtypes, shapes, rows, inputs, first text rows")
-    p.add_argument("step_path", type=local_path, metavar="STEP_PATH")
+    p.add_argument(
+        "step_path", type=local_path, metavar="STEP_PATH", help="a step directory (with --match: any directory above)"
+    )
+    p.add_argument(
+        "--match",
+        type=local_path,
+        metavar="FILE.parquet",
+        help="instead: how many of this dataset's prompts have a cached rollout under STEP_PATH",
+    )
+    p.add_argument("--column", default="prompt", help="the dataset's prompt column for --match (default: prompt)")
     p.add_argument("--rows", type=int, default=3, help="text rows to show per field (default 3)")
     p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer (model directory) to decode token ids")
     p.add_argument("--json", action="store_true")
@@ -154,6 +163,10 @@ def _run(args: argparse.Namespace) -> int:
         from skipinject.cache_tool.verify import cmd_verify
 
         return cmd_verify(args.paths or [default_dump_dir()], as_json=args.json)
+    if args.command == "show" and args.match is not None:
+        from skipinject.cache_tool.match import cmd_show_match
+
+        return cmd_show_match(args.step_path, args.match, column=args.column, as_json=args.json)
     if args.command == "show":
         from skipinject.cache_tool.show import cmd_show
 

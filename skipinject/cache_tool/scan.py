@@ -29,7 +29,7 @@ from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepStore
 from skipinject.store.compression import expansion
 from skipinject.store.files import parse_json, read_small, unresolved_problem
-from skipinject.store.format import FORMAT, MAX_META_DEPTH, META_NAME, PART_NAME, STEP_NAME, is_ours
+from skipinject.store.format import FORMAT, MAX_META_DEPTH, META_NAME, PART_NAME, ROWS_DIR, STEP_NAME, is_ours
 
 LAYOUT_RE = re.compile(r"^GBS(-?[0-9]+)_N(-?[0-9]+)_in(-?[0-9]+)_out(-?[0-9]+)$")
 #: A step directory's name: the store's rule (decimal, no leading zeros), anchored for ``match``.
@@ -376,6 +376,8 @@ def _our_step(
     item.meta = raw
     if isinstance(raw.get("role"), str):
         item.role = raw["role"]
+    if step_dir.parent.name == ROWS_DIR and "generated_at" in raw:
+        item.layout = f"{layout}/{ROWS_DIR}"  # rows records of action=match, numbered on their own
     item.created = raw.get("created") if isinstance(raw.get("created"), str) else None
     writer = raw.get("writer")
     item.writer = {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from skipinject.codecs.columns import decode_array_column, encode_array_column
+from skipinject.codecs.rows import merge, take, with_rows
 from skipinject.codecs.tagged_json import CODEC_VERSION, from_jsonable, to_jsonable
 from skipinject.codecs.tensordicts import decode_tensordict, encode_tensordict, gc_paused
 from skipinject.codecs.tensors import TensorSink
@@ -26,9 +27,17 @@ def _header(objects: Mapping[str, Any], codec: str) -> None:
 
 
 class DataProtoCodec:
-    """verl ``DataProto``: ``batch`` TensorDict, ``non_tensor_batch`` numpy arrays, ``meta_info`` dict."""
+    """verl ``DataProto``: ``batch`` TensorDict, ``non_tensor_batch`` numpy arrays, ``meta_info`` dict.
+
+    Also a :class:`~skipinject.roles.RowCodec` (``action=match``, :mod:`skipinject.codecs.rows`):
+    ``divisor(call)`` is the number of parts the target splits a batch into (its workers), to which
+    a batch of only some rows is padded; ``None``: any size.
+    """
 
     name = "DataProto"
+
+    def __init__(self, divisor: Callable[[Any], int] | None = None) -> None:
+        self.divisor = divisor
 
     def encode(self, result: Any) -> Payload:
         sink = TensorSink()
@@ -69,6 +78,25 @@ class DataProtoCodec:
         from verl.protocol import DataProto
 
         return results[0] if len(results) == 1 else DataProto.concat(list(results))
+
+    # -- RowCodec (action=match)
+
+    def input_rows(self, call: Any) -> int:
+        return len(call.batch)
+
+    def result_rows(self, result: Any) -> int:
+        return len(result)
+
+    def with_rows(self, call: Any, rows: Sequence[int]) -> tuple[tuple[Any, ...], dict[str, Any], int]:
+        batch, padding = with_rows(call, rows, self.divisor)
+        args, kwargs = call.with_batch(batch)
+        return args, kwargs, padding
+
+    def select_rows(self, result: Any, rows: Sequence[int]) -> Any:
+        return take(result, rows)
+
+    def merge_rows(self, pieces: Sequence[Any], order: Sequence[int], call: Any) -> Any:
+        return merge(pieces, order, call)
 
 
 class TensorDictCodec:

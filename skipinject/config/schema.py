@@ -30,6 +30,7 @@ class Action(str, enum.Enum):
     cache = "cache"  # own step cached -> load it, else run and save
     repeat = "repeat"  # exact step, else the largest cached below, else the smallest above
     strict = "strict"  # like cache, but a missing or unusable cache stops the run
+    match = "match"  # rows served by their inputs from any cached step, only the others generated
 
     def __str__(self) -> str:
         return self.value
@@ -88,7 +89,9 @@ class RoleConfig:
         meaning=(
             "`cache`: own step cached → load it, else run and save. `repeat`: exact step, else the largest "
             "cached step below, else the smallest above; none → run and save. `strict`: like `cache`, but a "
-            "missing or unusable cache stops the run (for replay you rely on)"
+            "missing or unusable cache stops the run (for replay you rely on). `match`: each row (prompt) whose "
+            "result was cached at any step of this layout is served, only the others generated, in one call "
+            "(see [Replay by content](#replay-by-content-actionmatch))"
         ),
     )
     #: Load verl's own pickled caches (``gen_batch.dp``, ``tq_batch.pt``): they run code when loaded.

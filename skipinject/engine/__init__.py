@@ -7,6 +7,7 @@ Its parts, in the order a call meets them:
 * :mod:`~skipinject.engine.runtime` — a role's settings and cache in this process;
 * :mod:`~skipinject.engine.calls` — the calls of one step: recorded as its parts, replayed in order;
 * :mod:`~skipinject.engine.decision` — which cached step serves a call (``cache``/``repeat``/``strict``);
+* :mod:`~skipinject.engine.matching` — ``match``: rows served by their inputs (:mod:`~skipinject.engine.row_index`);
 * :mod:`~skipinject.engine.layout` — where the run's steps live (upstream's directory names);
 * :mod:`~skipinject.engine.builtin_guard` — verl's own SkipManager turned off for our roles.
 
@@ -22,9 +23,10 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from skipinject.config import Config
+from skipinject.config import Action, Config
 from skipinject.engine.background import WRITER
 from skipinject.engine.builtin_guard import BUILTIN_SKIP_INIT, BuiltinGuard
+from skipinject.engine.matching import check_matchable
 from skipinject.engine.phases import ClockInterceptor, TargetInterceptor
 from skipinject.engine.runtime import RoleRuntime
 from skipinject.errors import ConfigError
@@ -58,6 +60,8 @@ class Engine:
         for name in self.config.enabled_roles:
             role, owner = self.roles[name]
             runtime = RoleRuntime(role, self.config.role(name), owner)
+            if runtime.settings.action is Action.match:
+                check_matchable(role, runtime.codec)
             self.runtimes[name] = runtime
             for target in role.targets:
                 if target.verl and installed is None:

@@ -55,6 +55,8 @@ class StepCalls:
     # -- recording
     writer: StepWriting | None = None
     inputs: dict[int, list[str] | None] = field(default_factory=dict)
+    #: Per call, its row keys and output rows per input row (``action=match``; see engine/matching.py).
+    row_keys: dict[int, tuple[list[str], int]] = field(default_factory=dict)
     rows: int = 0
     parts: int = 0  # parts handed to the writer
     failed: bool = False
@@ -78,6 +80,10 @@ class StepCalls:
         meta: dict[str, Any] = {"inputs": self.inputs.get(0), "calls": calls}
         if calls > 1:
             meta["call_inputs"] = [self.inputs.get(index) for index in range(calls)]
+        if self.row_keys:
+            keyed = [self.row_keys.get(index) for index in range(calls)]
+            meta["row_keys"] = [None if k is None else k[0] for k in keyed]
+            meta["rows_per_input"] = [None if k is None else k[1] for k in keyed]
         return meta
 
 

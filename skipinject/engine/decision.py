@@ -3,8 +3,9 @@ that cannot serve does to the run.
 
 ``cache`` serves the step's own entry; ``repeat`` the exact step, else the largest cached step
 below, else the smallest above; ``strict`` is ``cache`` that stops the run when there is nothing to
-serve. A cache that cannot be used (damaged, foreign, unreadable) is never loaded: the decision is
-logged in one line and the step is generated again.
+serve; ``match`` serves no step whole (its rows are matched by key,
+:mod:`skipinject.engine.matching`). A cache that cannot be used (damaged, foreign, unreadable) is
+never loaded: the decision is logged in one line and the step is generated again.
 
 Pure: :func:`plan_step` gets what it needs (the store, the role's settings and upstream formats)
 and returns a :class:`~skipinject.roles.Plan`; the strict/fallback rule for every way a cache can
@@ -50,6 +51,8 @@ def plan_step(
         if action is Action.strict:
             raise CacheMissError(f"{name} step {step}: skip.{name}.action=strict and {unusable}")
         return Plan(store, step, reason="cache directory unusable", saves=False)
+    if action is Action.match:
+        return match_plan(name, store, step)
     problems: list[str] = []
     untrusted_own = False  # the step's own directory is another user's: nothing is saved there either
     found: tuple[Path, UpstreamFormat] | None = None
@@ -104,6 +107,18 @@ def plan_step(
     reason = f"no cached step in {store.project_dir}" if action is Action.repeat else f"no cache at {where}"
     logger.info("%s step %d: miss (%s); running the target and saving its result", name, step, reason)
     return Plan(store, step, reason=reason, untrusted_upstream=untrusted)
+
+
+def match_plan(name: str, store: StepStore, step: int) -> Plan:
+    """``action=match``: no step is served whole (rows are, see :mod:`skipinject.engine.matching`); the
+    call is saved as the step when none is committed there, else only its new rows (a rows record)."""
+    try:
+        committed = store.is_committed(step)
+    except OSError:
+        committed = True  # cannot tell: nothing is written into the step
+    if committed:
+        return Plan(store, step, reason="match: step already cached (new rows saved as a rows record)", saves=False)
+    return Plan(store, step, reason="match")
 
 
 def cannot_load(name: str, settings: RoleConfig, plan: Plan, exc: Exception, instead: str) -> None:

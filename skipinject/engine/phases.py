@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sized
 from typing import Any, Protocol
 
 from skipinject.clock import CLOCK
+from skipinject.config import Action
 from skipinject.engine.runtime import REGENERATE, RoleRuntime
 from skipinject.roles import Call, Phase, StepSource, Target
 
@@ -32,9 +33,11 @@ class WholeCall:
     """Each call of a step is one unit: call k of a cached step is served its part k; a recorded
     step's calls run the target and are saved as its parts (see :mod:`skipinject.engine.calls`)."""
 
-    def run(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
+    def run(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[..., Any]) -> Any:
         record, index = role.enter(call, step)
         try:
+            if role.settings.action is Action.match:
+                return role.matcher.run(record, index, call, proceed)
             if not record.recording:
                 result = role.serve_call(record, index, call)
                 if result is not REGENERATE:
@@ -42,15 +45,18 @@ class WholeCall:
                 if not record.recording:  # a later call of a replayed step: run it, save nothing
                     return role.after_miss(call, proceed())
             inputs = role.fingerprint(call)  # before the target runs: it may change its inputs
+            keys = role.matcher.keys(call)
             result = proceed()
-            role.record(record, index, call, result, inputs)
+            role.record(record, index, call, result, inputs, keys=keys)
             return role.after_miss(call, result)
         finally:
             role.leave(record)
 
-    async def run_async(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
+    async def run_async(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[..., Any]) -> Any:
         record, index = await asyncio.to_thread(role.enter, call, step)
         try:
+            if role.settings.action is Action.match:
+                return await role.matcher.run_async(record, index, call, proceed)
             if not record.recording:
                 result = await asyncio.to_thread(role.serve_call, record, index, call)
                 if result is not REGENERATE:
@@ -58,10 +64,11 @@ class WholeCall:
                 if not record.recording:
                     return role.after_miss(call, await proceed())
             inputs = role.fingerprint(call)
+            keys = role.matcher.keys(call)
             result = await proceed()
             # Awaiting callers (the fully async Rollouter) run many samples at once and may be stopped
             # without an exit hook: their samples are written before they are returned.
-            save = functools.partial(role.record, record, index, call, result, inputs, background=False)
+            save = functools.partial(role.record, record, index, call, result, inputs, background=False, keys=keys)
             await asyncio.to_thread(save)
             return role.after_miss(call, result)
         finally:

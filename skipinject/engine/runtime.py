@@ -20,8 +20,9 @@ from skipinject.engine.background import WRITER
 from skipinject.engine.calls import StepBook, StepCalls, part_name, recorded_inputs
 from skipinject.engine.decision import cannot_load, nothing_more, plan_step
 from skipinject.engine.layout import project_dir
+from skipinject.engine.matching import RowMatcher
 from skipinject.errors import CorruptCacheError, PromptMismatchError
-from skipinject.roles import Call, Codec, HitInfo, Loaded, Plan, Role, StepCache
+from skipinject.roles import Call, Codec, HitInfo, Loaded, Plan, Role, RowCodec, StepCache
 from skipinject.store import Payload, StepStore
 from skipinject.store.compression import compression_for
 
@@ -45,6 +46,8 @@ class RoleRuntime:
         self._default_codec: Codec | None = None
         #: The steps this process's calls are in (see :mod:`skipinject.engine.calls`).
         self.steps = StepBook(clocked=bool(role.clocks))
+        #: ``action=match`` (and the row keys every recording of a keyed role saves).
+        self.matcher = RowMatcher(self)
 
     # ------------------------------------------------------------ helpers for phases
 
@@ -131,6 +134,10 @@ class RoleRuntime:
                         problem,
                     )
             return store
+
+    def sibling_store(self, store: StepStore, name: str) -> StepStore:
+        """A store of this role in ``name`` under ``store``'s project directory (same trainer context)."""
+        return self._open_store(store.project_dir / name, store.context)
 
     def unusable(self, store: StepStore) -> str | None:
         """Why ``store`` cannot be used at all this run (found once, logged once when it was opened)."""
@@ -387,6 +394,7 @@ class RoleRuntime:
         inputs: Sequence[str] | None = None,
         *,
         background: bool = True,
+        keys: Sequence[str] | None = None,
     ) -> None:
         """Save call ``index``'s fresh result as the step's part ``index``; failures are logged, never raised.
 
@@ -394,8 +402,9 @@ class RoleRuntime:
         it); writing happens in the background writer when the engine knows where the run ends (the
         role has clocks: the trainer's ``fit`` returning waits for it; a Ray actor may be killed
         without running exit hooks), else here, as with ``background=False`` (callers already off
-        the training thread). ``inputs``: the call's fingerprint taken before the target ran. The
-        step is committed by :meth:`leave` or :meth:`close`.
+        the training thread). ``inputs``: the call's fingerprint taken before the target ran;
+        ``keys``: its row keys (``action=match``), saved when the result has a whole number of rows
+        per key. The step is committed by :meth:`leave` or :meth:`close`.
         """
         plan = record.plan
         assert plan is not None
@@ -415,6 +424,9 @@ class RoleRuntime:
                 record.writer = plan.store.begin(plan.step)
             writer = record.writer
             record.inputs[index] = list(inputs) if inputs is not None else self.fingerprint(call)
+            ratio = self._rows_per_key(result, keys)
+            if keys and ratio:
+                record.row_keys[index] = (list(keys), ratio)
             record.parts += 1
             record.rows += snapshot.rows or 0
             record.saving_seconds += time.perf_counter() - started
@@ -433,6 +445,16 @@ class RoleRuntime:
             self.in_background(plan.store, write)
         else:
             write()
+
+    def _rows_per_key(self, result: Any, keys: Sequence[str] | None) -> int | None:
+        codec = self.codec
+        if not keys or not isinstance(codec, RowCodec):
+            return None
+        try:
+            rows = codec.result_rows(result)
+        except Exception:
+            return None
+        return rows // len(keys) if rows and rows % len(keys) == 0 else None
 
     def _commit(self, record: StepCalls) -> None:
         """Queue the commit of a recorded step's parts (after their writes, in order)."""

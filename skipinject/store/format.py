@@ -41,6 +41,15 @@ TMP_NAME = re.compile(r"\.(?:tensors-|objects-|meta\.json)[0-9A-Za-z_.-]*\.tmp-[
 #: What a name read from meta.json (a part directory, a data file) must look like before it is used.
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
+#: ``action=match``: where a step's newly generated rows are kept when the step itself was already
+#: committed (``{project}/rows/{n}/``, each an ordinary committed step record numbered from 1), and
+#: the per-project index of every recorded row key (a hint, rebuilt from the steps; never trusted).
+ROWS_DIR = "rows"
+ROW_INDEX_NAME = "row-index.npz"
+#: Rows one index holds (about 30 bytes each), and the largest index file read.
+MAX_INDEXED_ROWS = 1 << 25
+MAX_ROW_INDEX_BYTES = 40 * MAX_INDEXED_ROWS + (1 << 20)
+
 #: meta.json is a few KB (plus one short fingerprint per row); anything larger is not ours.
 MAX_META_BYTES = 16 << 20
 #: meta.json nests 4 levels deep (parts -> files -> spec); some room for role-specific keys.
@@ -152,6 +161,12 @@ def reference_table() -> str:
             "rebuilt tensors",
             f"at most {MAX_REBUILT_FACTOR}x the file + {_mib(MAX_REBUILT_SLACK)}",
             "derived and widened tensors of a compact tensor file",
+        ),
+        ("rows records (`match`)", f"`{ROWS_DIR}/{{n}}/`", "ordinary committed steps, numbered from 1"),
+        (
+            "row index (`match`)",
+            f"`{ROW_INDEX_NAME}`",
+            f"at most {MAX_INDEXED_ROWS} rows, {_mib(MAX_ROW_INDEX_BYTES)}; a hint, rebuilt when it does not check out",
         ),
     ]
     lines = ["| what | name or pattern | bound or rule |", "|---|---|---|"]

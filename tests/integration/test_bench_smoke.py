@@ -57,3 +57,12 @@ def test_bench_compression_quick(tmp_path: Path) -> None:
     assert figures["rows"] == 64 and figures["local_zstd_mb"] < figures["local_none_mb"]
     assert figures["s3_zstd_hit_ms"] > 0 and figures["upstream_hit_ms"] > 0 and figures["floor_ms"] > 0
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up its files"
+
+
+def test_bench_match_index_quick() -> None:
+    stdout, figures = run_benchmark("bench_match_index.py", "--steps", "50", "--rows", "5000", "--json")
+    assert "| cached rows |" in stdout
+    (size,) = figures["sizes"]
+    assert size["rows"] == 5000 and size["build_meta_reads"] == 50
+    assert size["lookup_meta_reads"] == 0, "a new run's lookup reads no step's meta.json"
+    assert size["new_step_meta_reads"] == 1, "a step committed since the index: only its meta.json is read"

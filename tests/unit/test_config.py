@@ -51,7 +51,10 @@ def test_interpolation_resolves(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("override", "line"),
     [
-        ("skip.rollout.action=skip", "skip.rollout.action=skip: unknown action (choose one of cache, repeat, strict)"),
+        (
+            "skip.rollout.action=skip",
+            "skip.rollout.action=skip: unknown action (choose one of cache, repeat, strict, match)",
+        ),
         ("skip.rollout.enable=maybe", "skip.rollout.enable=maybe: expected true or false"),
         ("skip.rollout.stepz=[1]", "skip.rollout.stepz: unknown key 'stepz'"),
         ("skip.rollot.enable=true", "skip.rollot.enable: unknown role 'rollot'"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -27,3 +28,8 @@ def log_event(event: str, **fields: Any) -> None:
         os.write(fd, line)
     finally:
         os.close(fd)
+
+
+def prompt_digest(prompt_ids: list[int]) -> str:
+    """A short digest of a request's prompt tokens: which prompt a ``generate`` event served."""
+    return hashlib.blake2b(",".join(map(str, prompt_ids)).encode(), digest_size=8).hexdigest()

@@ -33,7 +33,7 @@ from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
-from .genlog import log_event
+from .genlog import log_event, prompt_digest
 
 try:
     from verl.workers.rollout.utils import ensure_async_iterator
@@ -179,6 +179,7 @@ class HFGenerationServer:
             replica=self.replica_rank,
             n_sequences=1,
             n_prompt_tokens=len(prompt_ids),
+            prompt=prompt_digest(prompt_ids),
             n_new_tokens=len(tokens),
             weight_version=version,
             global_steps=steps,

@@ -15,7 +15,7 @@ from typing import Any
 
 from skipinject import Call, Role, StepSource, Target, hookimpl
 
-from skipinject_rollout.common import GEN_BATCH, prompt_fingerprint
+from skipinject_rollout.common import GEN_BATCH, GENERATION_SETTINGS, prompt_fingerprint, prompt_key
 
 TARGET = (
     "verl.experimental.fully_async_policy.fully_async_rollouter:FullyAsyncAgentLoopManager.generate_sequences_single"
@@ -49,6 +49,9 @@ ASYNC_ROLLOUT = Role(
     step=StepSource.per_call(feed_index),
     builtin="async_rollout",
     fingerprint=prompt_fingerprint,
+    # action=match: a sample is served by its prompt (not its id), from whichever step recorded it.
+    row_key=prompt_key,
+    match_settings=GENERATION_SETTINGS,
     # No hit/miss marks in meta_info: the fully async trainer concatenates samples and asserts that
     # their meta_info agree, so a served sample must carry exactly what a generated one carries.
     cache_subdir="",

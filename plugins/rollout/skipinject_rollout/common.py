@@ -6,9 +6,29 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject import Call, HitInfo, UpstreamFormat, attended_tokens, installed_verl_matches, row_digest, row_text
+from skipinject import (
+    Call,
+    HitInfo,
+    MatchInfo,
+    UpstreamFormat,
+    attended_tokens,
+    installed_verl_matches,
+    row_digest,
+    row_text,
+)
 
-__all__ = ["GENSTEP_BATCH", "GEN_BATCH", "installed_verl_matches", "mark_hit", "mark_miss", "prompt_fingerprint"]
+__all__ = [
+    "GENERATION_SETTINGS",
+    "GENSTEP_BATCH",
+    "GEN_BATCH",
+    "installed_verl_matches",
+    "mark_hit",
+    "mark_match",
+    "mark_miss",
+    "prompt_fingerprint",
+    "prompt_key",
+    "workers_of",
+]
 
 
 #: Non-tensor keys the V0 trainer keeps on its own batch and compares in ``batch.union(output)``.
@@ -27,6 +47,90 @@ def prompt_fingerprint(call: Call) -> Sequence[str] | None:
         tokens = attended_tokens(getattr(batch, "batch", None))
         return None if tokens is None else [row_digest(row) for row in tokens]
     return [row_digest("\x1f".join(row_text(column[index]) for column in columns)) for index in range(len(columns[0]))]
+
+
+#: Non-tensor inputs that decide a generation (``action=match`` keys rows by them and the tokens).
+GENERATION_INPUTS = (
+    "raw_prompt",
+    "raw_prompt_ids",
+    "multi_modal_data",
+    "multi_modal_inputs",
+    "tools_kwargs",
+    "interaction_kwargs",
+    "agent_name",
+    "__do_sample__",  # verl 0.9's REMAX: the greedy baseline rows of the same call do not sample
+)
+#: The run settings deciding a generation: rows recorded under other values are never served.
+GENERATION_SETTINGS = (
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.rollout.name",
+    "actor_rollout_ref.rollout.mode",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.temperature",
+    "actor_rollout_ref.rollout.top_p",
+    "actor_rollout_ref.rollout.top_k",
+    "actor_rollout_ref.rollout.do_sample",
+    "actor_rollout_ref.rollout.response_length",
+    "actor_rollout_ref.rollout.prompt_length",
+    "actor_rollout_ref.rollout.multi_turn",
+    "actor_rollout_ref.rollout.agent",
+    "data.max_prompt_length",
+    "data.max_response_length",
+)
+
+
+def prompt_key(call: Call) -> Sequence[str] | None:
+    """Per input row, a digest of everything of the prompt deciding its generation: its tokens (padding
+    left out) and its non-tensor inputs (chat, multi-modal data, tool and interaction arguments), and
+    whether it samples (``meta_info["do_sample"]``, REMAX's greedy baseline does not)."""
+    batch = call.batch
+    non_tensor = getattr(batch, "non_tensor_batch", None) or {}
+    meta = getattr(batch, "meta_info", None) or {}
+    columns = [(key, non_tensor[key]) for key in GENERATION_INPUTS if key in non_tensor]
+    tokens = attended_tokens(getattr(batch, "batch", None))
+    if tokens is None and not columns:
+        return None
+    rows = len(tokens) if tokens is not None else len(columns[0][1])
+    sampling = row_text({"do_sample": meta.get("do_sample", True)})
+    return [
+        row_digest(
+            sampling,
+            b"\x00" if tokens is None else tokens[index],
+            *(f"\x1f{key}={row_text(column[index])}" for key, column in columns),
+        )
+        for index in range(rows)
+    ]
+
+
+def workers_of(call: Call) -> int:
+    """How many parts the target splits a batch into: the agent loop manager's workers, else the
+    rollout worker group's size (a subset of a call's rows is padded to a multiple of it)."""
+    instance = call.instance
+    workers = getattr(instance, "agent_loop_workers", None)
+    if workers is not None:
+        return max(1, len(workers))
+    group = getattr(instance, "actor_rollout_wg", None)
+    size = getattr(group, "world_size", None)
+    return size if isinstance(size, int) and size > 0 else 1
+
+
+def mark_match(result: Any, call: Call, info: MatchInfo) -> Any:
+    """A merged batch reports what was served and generated (``timing_s/skipinject/match_*``)."""
+    meta = getattr(result, "meta_info", None)
+    if isinstance(meta, dict):
+        timing = meta.get("timing") if info.generated_rows else None
+        timing = dict(timing) if isinstance(timing, dict) else {}  # all served: not the old run's timing
+        timing.update(
+            {
+                "skipinject/hit": 1.0 if not info.generated_rows else 0.0,
+                "skipinject/load_s": info.seconds,
+                "skipinject/match_served_rows": float(info.served_rows),
+                "skipinject/match_generated_rows": float(info.generated_rows),
+                "skipinject/match_source_steps": float(len(info.sources)),
+            }
+        )
+        meta["timing"] = timing
+    return result
 
 
 def mark_hit(result: Any, call: Call, info: HitInfo) -> Any:

@@ -22,21 +22,29 @@ call 2 and replayed as such (see the README, "Several calls in one step"), never
 On verl < 0.9 the built-in rollout skip is the older ``RolloutSkip`` (0.6-0.8; it wraps the same
 worker-group attribute, or the agent loop manager in 0.8); while this role is enabled it is turned
 off (see :mod:`skipinject_rollout.legacy`), so exactly one mechanism acts.
+
+``action=match`` keys each row by its prompt (:func:`~skipinject_rollout.common.prompt_key`) and the
+run's generation settings; a batch of only the uncached rows is padded to a multiple of the agent
+loop workers (or the worker group's size), as verl pads batches, and the padding's output dropped.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from skipinject import Role, StepSource, Target, hookimpl, select
+from skipinject import DataProtoCodec, Role, StepSource, Target, hookimpl, select
 
 from skipinject_rollout.common import (
     GEN_BATCH,
+    GENERATION_SETTINGS,
     GENSTEP_BATCH,
     installed_verl_matches,
     mark_hit,
+    mark_match,
     mark_miss,
     prompt_fingerprint,
+    prompt_key,
+    workers_of,
 )
 from skipinject_rollout.legacy import BUILTIN_WRAP, BuiltinSkipOff
 
@@ -77,12 +85,16 @@ ROLLOUT = Role(
         Target(BUILTIN_WRAP, phase=BuiltinSkipOff(cannot_fire), verl=">=0.6,<0.9", every_step=True),
     ],
     step=StepSource.meta("global_steps").or_else(StepSource.clock("global_steps")),
+    codec=DataProtoCodec(divisor=workers_of),
     clocks=CLOCKS,
     builtin="rollout",
     check=cannot_fire,
     fingerprint=prompt_fingerprint,
     on_hit=mark_hit,
     on_miss=mark_miss,
+    row_key=prompt_key,
+    match_settings=GENERATION_SETTINGS,
+    on_match=mark_match,
     cache_subdir="",
     upstream=(GEN_BATCH, GENSTEP_BATCH),
     description=(

@@ -1,0 +1,533 @@
+"""``action=match``: each row of a call served by its inputs from any cached step, only the others generated.
+
+A row's key (:func:`row_keys`) digests the role's per-row inputs (:attr:`~skipinject.roles.Role.row_key`),
+the run settings the role names (:attr:`~skipinject.roles.Role.match_settings`) and the row's
+occurrence among equal rows of the call (GRPO's ``n`` copies of a prompt map to ``n`` cached
+samples). Every recording of a role that has keys stores them in ``meta.json`` (``row_keys``, and
+``rows_per_input``: a target repeating its inputs returns ``r`` rows per input row).
+
+At a chosen step, :class:`RowMatcher` looks the call's keys up in the project's
+:class:`~skipinject.engine.row_index.RowIndex`, verifies and loads each step the rows are in
+(checking that its verified ``meta.json`` records those keys there), calls the target once with
+only the other rows (padded as the target needs, the padding's results dropped) and merges the
+pieces in the call's order through the codec (:class:`~skipinject.roles.RowCodec`). The merged
+call is saved as the step's part when the step was not committed yet; otherwise only the new rows
+are saved, as a rows record (``{project}/rows/{n}``), since a committed step is never rewritten.
+Nothing cached: the call runs and is recorded as with ``cache``. A source that does not verify
+only turns its rows into generated ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from skipinject.engine.row_index import ROWS, STEPS, RowIndex, RowSource, match_records
+from skipinject.errors import CodecError, ConfigError, CorruptCacheError
+from skipinject.roles import Call, MatchInfo, Role, RowCodec
+from skipinject.store.format import ROWS_DIR
+
+if TYPE_CHECKING:
+    from skipinject.config import RoleConfig
+    from skipinject.engine.calls import StepCalls
+    from skipinject.roles import Codec
+    from skipinject.store import StepStore
+
+
+class MatchingRole(Protocol):
+    """What matching uses of its role in this process (:class:`~skipinject.engine.runtime.RoleRuntime`)."""
+
+    role: Role
+    settings: RoleConfig
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def codec(self) -> Codec: ...
+
+    def once(self, key: Any, level: int, message: str, *args: Any) -> None: ...
+
+    def fingerprint(self, call: Call) -> list[str] | None: ...
+
+    def unusable(self, store: StepStore) -> str | None: ...
+
+    def sibling_store(self, store: StepStore, name: str) -> StepStore: ...
+
+    def record(
+        self,
+        record: StepCalls,
+        index: int,
+        call: Call,
+        result: Any,
+        inputs: Sequence[str] | None = None,
+        *,
+        background: bool = True,
+        keys: Sequence[str] | None = None,
+    ) -> None: ...
+
+    def in_background(self, store: StepStore, job: Callable[[], None]) -> None: ...
+
+    def after_miss(self, call: Call, result: Any) -> Any: ...
+
+
+logger = logging.getLogger("skipinject")
+
+
+def check_matchable(role: Role, codec: Any) -> None:
+    """``action=match`` needs a role that keys its rows and a codec that selects and merges them."""
+    if role.row_key is None or not isinstance(codec, RowCodec):
+        missing = "declares no row_key" if role.row_key is None else f"codec {type(codec).__name__} is no RowCodec"
+        raise ConfigError(
+            f"skip.{role.name}.action=match: role {role.name!r} cannot serve part of a call ({missing}: it has "
+            "no row selector and merger, plugin API 1.2); use action=cache, repeat or strict"
+        )
+
+
+def settings_digest(role: Role, config: Any) -> bytes:
+    """The run settings deciding a row's result (the role's ``match_settings``), as one digest."""
+    from skipinject.verl_compat import select
+
+    values = {path: _plain(select(config, path)) for path in role.match_settings}
+    text = json.dumps(values, sort_keys=True, default=repr).encode()
+    return hashlib.blake2b(text, digest_size=16).digest()
+
+
+def row_keys(role: Role, call: Call, digests: Sequence[str]) -> list[str]:
+    """One key per input row: the row's digest, the run settings, and its occurrence among equal rows."""
+    base = settings_digest(role, call.run_config)
+    seen: dict[str, int] = {}
+    keys = []
+    for digest in digests:
+        occurrence = seen.get(digest, 0)
+        seen[digest] = occurrence + 1
+        material = base + digest.encode("utf-8", "replace") + b"\x1f" + str(occurrence).encode()
+        keys.append(hashlib.blake2b(material, digest_size=8).hexdigest())
+    return keys
+
+
+def _plain(value: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf comes with verl
+        pass
+    return value
+
+
+class RowMatcher:
+    """``action=match`` for one role in this process: the row indexes and rows stores of its projects."""
+
+    def __init__(self, runtime: MatchingRole) -> None:
+        self.runtime = runtime
+        self._indexes: dict[Path, RowIndex] = {}
+        self._rows: dict[Path, StepStore] = {}
+        self._lock = threading.Lock()  # awaiting callers look rows up from several threads
+
+    def keys(self, call: Call) -> list[str] | None:
+        """The call's row keys, or ``None`` when the role cannot key it (one warning, the call runs whole)."""
+        role = self.runtime.role
+        keyer = role.row_key
+        if keyer is None:
+            return None
+        try:
+            digests = keyer(call)
+            if digests is None:
+                return None
+            return row_keys(role, call, [str(d) for d in digests])
+        except Exception as exc:
+            self.runtime.once(
+                ("row_key", type(exc)),
+                logging.WARNING,
+                "%s: cannot key the rows of a call (%s: %s); it runs whole",
+                role.name,
+                type(exc).__name__,
+                exc,
+            )
+            return None
+
+    def rows_store(self, store: StepStore) -> StepStore:
+        """Where the rows generated at already committed steps of ``store`` are kept."""
+        with self._lock:
+            rows = self._rows.get(store.project_dir)
+            if rows is None:
+                rows = self._rows[store.project_dir] = self.runtime.sibling_store(store, ROWS_DIR)
+            return rows
+
+    def index(self, store: StepStore) -> RowIndex:
+        rows = self.rows_store(store)
+        with self._lock:
+            index = self._indexes.get(store.project_dir)
+            if index is None:
+                index = self._indexes[store.project_dir] = RowIndex(store, rows)
+            return index
+
+    # ------------------------------------------------------------ one call
+
+    def run(self, record: StepCalls, index: int, call: Call, proceed: Callable[..., Any]) -> Any:
+        """One call at a chosen step: the cached rows served, the target called once for the others."""
+        pending = self.begin(record, index, call)
+        if pending.whole:
+            return self.finish_whole(pending, proceed())
+        fresh = proceed(*pending.args, **pending.kwargs) if pending.misses else None
+        if self.merge(pending, fresh):
+            return self.finish(pending)
+        return self.finish_whole(pending, proceed())
+
+    async def run_async(self, record: StepCalls, index: int, call: Call, proceed: Callable[..., Any]) -> Any:
+        """:meth:`run` for awaiting callers (the store is read and written off the event loop)."""
+        pending = await asyncio.to_thread(self.begin, record, index, call, background=False)
+        if pending.whole:
+            result = await proceed()
+            return await asyncio.to_thread(self.finish_whole, pending, result)
+        fresh = await proceed(*pending.args, **pending.kwargs) if pending.misses else None
+        if await asyncio.to_thread(self.merge, pending, fresh):
+            return await asyncio.to_thread(self.finish, pending)
+        return await asyncio.to_thread(self.finish_whole, pending, await proceed())
+
+    def begin(self, record: StepCalls, index: int, call: Call, *, background: bool = True) -> _Pending:
+        """Key the call's rows and load the cached ones; say which rows the target must generate."""
+        runtime = self.runtime
+        plan = record.plan
+        assert plan is not None
+        store = plan.store
+        codec = runtime.codec
+        assert isinstance(codec, RowCodec)
+        pending = _Pending(record, index, call, codec, background)
+        pending.inputs = runtime.fingerprint(call)  # before the target runs: it may change its inputs
+        pending.keys = self.keys(call) if runtime.unusable(store) is None else None
+        started = time.perf_counter()
+        if pending.keys is not None:
+            try:
+                pending.ratio = self._serve_cached(store, call, pending)
+            except Exception as exc:  # the index failed as a whole: nothing served
+                logger.warning(
+                    "%s step %d: cannot look rows up (%s: %s); generating them",
+                    runtime.name,
+                    plan.step,
+                    type(exc).__name__,
+                    exc,
+                )
+                pending.served.clear()
+                pending.pieces.clear()
+                pending.sources.clear()
+        pending.seconds = time.perf_counter() - started
+        if not pending.served:
+            if pending.keys is not None:
+                logger.info(
+                    "%s step %d: match: no row of this call cached (%d rows); running the target",
+                    runtime.name,
+                    plan.step,
+                    len(pending.keys),
+                )
+            pending.whole = True
+            return pending
+        pending.misses = [row for row in range(len(pending.keys or ())) if row not in pending.served]
+        if pending.misses:
+            try:
+                pending.args, pending.kwargs, pending.padding = codec.with_rows(call, pending.misses)
+            except Exception as exc:  # a call the codec cannot cut: it runs whole
+                self._cannot(pending, "take the uncached rows of", exc)
+                pending.whole = True
+        return pending
+
+    def _cannot(self, pending: _Pending, what: str, exc: Exception) -> None:
+        plan = pending.record.plan
+        assert plan is not None
+        logger.warning(
+            "%s step %d: match: cannot %s the call (%s: %s); running the whole call instead",
+            self.runtime.name,
+            plan.step,
+            what,
+            type(exc).__name__,
+            exc,
+        )
+
+    def finish_whole(self, pending: _Pending, result: Any) -> Any:
+        """Nothing was cached: the call ran whole and is saved as with ``cache``."""
+        keys = pending.keys
+        out = pending.codec.result_rows(result) if keys else 0
+        ratio = out // len(keys) if keys and out and out % len(keys) == 0 else None
+        self._save(pending, result, fresh=result if ratio else None, fresh_rows=range(len(keys or ())), ratio=ratio)
+        return self.runtime.after_miss(pending.call, result)
+
+    def merge(self, pending: _Pending, fresh: Any) -> bool:
+        """Merge the generated rows (``fresh``, with its padding) and the cached ones in the call's
+        order; False (one warning) when they do not fit together: the whole call runs then."""
+        codec = pending.codec
+        keys = pending.keys
+        assert keys is not None
+        misses, ratio = pending.misses, pending.ratio
+        try:
+            generated = None
+            if fresh is not None:
+                asked = len(misses) + pending.padding
+                out = codec.result_rows(fresh)
+                if out % asked:
+                    raise CodecError(f"the target returned {out} rows for {asked} inputs")
+                if ratio is not None and out // asked != ratio:
+                    raise CodecError(f"cached rows hold {ratio} results per input, this call {out // asked}")
+                ratio = out // asked
+                generated = codec.select_rows(fresh, range(len(misses) * ratio)) if pending.padding else fresh
+            assert ratio is not None
+            order = self._order(len(keys), misses, pending.served, pending.pieces, ratio, codec)
+            pieces = ([generated] if generated is not None else []) + pending.pieces
+            pending.merged = codec.merge_rows(pieces, order, pending.call)
+        except Exception as exc:
+            self._cannot(pending, "merge the cached and generated rows of", exc)
+            return False
+        pending.generated, pending.ratio = generated, ratio
+        return True
+
+    def finish(self, pending: _Pending) -> Any:
+        """Save what is new of a merged call, log it and hand it to the role's ``on_match``."""
+        runtime = self.runtime
+        keys, misses, merged = pending.keys, pending.misses, pending.merged
+        assert keys is not None and pending.record.plan is not None
+        self._save(pending, merged, fresh=pending.generated, fresh_rows=misses, ratio=pending.ratio)
+        step = pending.record.plan.step
+        info = MatchInfo(step, len(pending.served), len(misses), dict(pending.sources), pending.seconds)
+        sources = sorted(pending.sources.items(), key=lambda item: (-item[1], item[0]))
+        shown = ", ".join(f"{name} ({count})" for name, count in sources[:SHOWN_SOURCES])
+        more = f" and {len(sources) - SHOWN_SOURCES} more" if len(sources) > SHOWN_SOURCES else ""
+        logger.info(
+            "%s step %d: match: %d of %d rows served from %s%s in %.3f s; %d generated%s",
+            runtime.name,
+            step,
+            len(pending.served),
+            len(keys),
+            shown,
+            more,
+            pending.seconds,
+            len(misses),
+            " (target not called)" if not misses else f" in one call of {len(misses) + pending.padding} rows",
+        )
+        if runtime.role.on_match is not None:
+            merged = runtime.role.on_match(merged, pending.call, info)
+        return merged
+
+    def _serve_cached(self, store: StepStore, call: Call, pending: _Pending) -> int | None:
+        """Fill ``pending``'s served rows and pieces with the cached rows that verify; returns their
+        rows per input (``None``: none)."""
+        runtime = self.runtime
+        keys, codec = pending.keys, pending.codec
+        assert keys is not None
+        served, pieces, sources = pending.served, pending.pieces, pending.sources
+        index = self.index(store)
+        found = index.lookup(keys)
+        wanted: dict[tuple[int, int, int], list[tuple[int, RowSource]]] = {}
+        for row, where in enumerate(found):
+            if where is not None:
+                wanted.setdefault((where.source, where.number, where.call), []).append((row, where))
+        stores = {STEPS: store, ROWS: self.rows_store(store)}
+        ratio: int | None = None
+        for (source, number, part), rows in sorted(wanted.items()):
+            name = f"{'step' if source == STEPS else 'rows'} {number}"
+            try:
+                piece, piece_ratio = self._load_rows(stores[source], number, part, rows, keys, codec, call)
+            except Exception as exc:  # this source does not serve: its rows are generated
+                runtime.once(
+                    ("match-source", str(store.project_dir), source, number),
+                    logging.WARNING,
+                    "%s: cached %s of %s not served (%s: %s); its rows are generated",
+                    runtime.name,
+                    name,
+                    store.project_dir,
+                    type(exc).__name__,
+                    exc,
+                )
+                index.forget(source, number)
+                continue
+            if ratio is not None and piece_ratio != ratio:
+                continue  # recorded with another number of results per input: not mixed
+            ratio = piece_ratio
+            for position, (row, _) in enumerate(rows):
+                served[row] = (len(pieces), position)
+            pieces.append(piece)
+            sources[name] = sources.get(name, 0) + len(rows)
+        return ratio
+
+    def _load_rows(
+        self,
+        store: StepStore,
+        number: int,
+        part: int,
+        rows: list[tuple[int, RowSource]],
+        keys: list[str],
+        codec: RowCodec,
+        call: Call,
+    ) -> tuple[Any, int]:
+        """The output rows of ``rows`` from one verified source, after checking its keys."""
+        entry = store.verified(number)
+        try:
+            records = match_records(entry.meta)
+            record = records[part] if part < len(records) else None
+            if record is None:
+                raise CorruptCacheError(f"{entry.directory}: records no row keys for call {part + 1}")
+            recorded, ratio = record
+            for row, where in rows:
+                if where.row >= len(recorded) or recorded[where.row] != keys[row]:
+                    raise CorruptCacheError(f"{entry.directory}: does not hold the indexed row (the index is stale)")
+            payloads = store.load(entry)
+            if part >= len(payloads):
+                raise CorruptCacheError(f"{entry.directory}: holds {len(payloads)} parts, not call {part + 1}")
+            result = codec.decode(payloads[part], call)
+            if codec.result_rows(result) != len(recorded) * ratio:
+                raise CorruptCacheError(
+                    f"{entry.directory}: holds {codec.result_rows(result)} rows, not {len(recorded) * ratio}"
+                )
+            picked = [where.row * ratio + j for _, where in rows for j in range(ratio)]
+            return codec.select_rows(result, picked), ratio
+        finally:
+            entry.release()
+
+    @staticmethod
+    def _order(
+        count: int,
+        misses: list[int],
+        served: dict[int, tuple[int, int]],
+        pieces: list[Any],
+        ratio: int,
+        codec: RowCodec,
+    ) -> list[int]:
+        """Where each output row of the call is in the concatenation (generated rows first, then the pieces)."""
+        starts = []
+        at = len(misses) * ratio
+        for piece in pieces:
+            starts.append(at)
+            at += codec.result_rows(piece)
+        fresh = {row: position for position, row in enumerate(misses)}
+        order: list[int] = []
+        for row in range(count):
+            if row in fresh:
+                base = fresh[row] * ratio
+            else:
+                piece, position = served[row]
+                base = starts[piece] + position * ratio
+            order.extend(range(base, base + ratio))
+        return order
+
+    # ------------------------------------------------------------ saving
+
+    def _save(
+        self,
+        pending: _Pending,
+        result: Any,
+        *,
+        fresh: Any = None,
+        fresh_rows: Sequence[int] = (),
+        ratio: int | None = None,
+    ) -> None:
+        """The whole call as the step's part when the step is not committed; else its new rows as a rows record."""
+        runtime = self.runtime
+        record = pending.record
+        plan = record.plan
+        assert plan is not None
+        if plan.saves:
+            runtime.record(
+                record,
+                pending.index,
+                pending.call,
+                result,
+                pending.inputs,
+                keys=pending.keys,
+                background=pending.background,
+            )
+        elif fresh is not None and fresh_rows and ratio is not None and runtime.unusable(plan.store) is None:
+            keys, inputs = pending.keys, pending.inputs
+            assert keys is not None
+            fresh_inputs = [inputs[row] for row in fresh_rows] if inputs and len(inputs) == len(keys) else None
+            rows_store = self.rows_store(plan.store)
+            fresh_keys = [keys[row] for row in fresh_rows]
+            self._save_rows(rows_store, plan.store, plan.step, fresh, fresh_keys, ratio, fresh_inputs)
+
+    def _save_rows(
+        self,
+        rows_store: StepStore,
+        store: StepStore,
+        step: int,
+        result: Any,
+        keys: Sequence[str],
+        ratio: int,
+        inputs: Sequence[str] | None = None,
+    ) -> None:
+        """Keep a call's newly generated rows as the next rows record (``action=match`` at a step that
+        was committed before: a committed step is never rewritten). Logged, never raised."""
+        try:
+            snapshot = self.runtime.codec.encode(result).private_copy()
+        except Exception as exc:
+            logger.warning(
+                "%s step %d: cannot encode the new rows (%s: %s); not saved",
+                self.runtime.name,
+                step,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        meta = {
+            "inputs": None if inputs is None else list(inputs),
+            "calls": 1,
+            "row_keys": [list(keys)],
+            "rows_per_input": [ratio],
+            "generated_at": step,
+        }
+
+        def write() -> None:
+            try:
+                number = max(rows_store.step_numbers_on_disk(), default=0) + 1
+                while rows_store.is_committed(number):
+                    number += 1
+                directory = rows_store.save(number, snapshot, meta)
+            except Exception as exc:
+                logger.warning(
+                    "%s step %d: could not save %d new rows to %s (%s: %s)",
+                    self.runtime.name,
+                    step,
+                    len(keys),
+                    rows_store.project_dir,
+                    type(exc).__name__,
+                    exc,
+                )
+                return
+            logger.info("%s step %d: saved %d new rows to %s", self.runtime.name, step, len(keys), directory)
+
+        self.runtime.in_background(store, write)
+
+
+#: A match line names at most this many of the records rows were served from.
+SHOWN_SOURCES = 8
+
+
+@dataclass
+class _Pending:
+    """One call being matched: what was served, what the target must generate."""
+
+    record: StepCalls
+    index: int
+    call: Call
+    codec: RowCodec
+    background: bool
+    inputs: list[str] | None = None
+    keys: list[str] | None = None
+    served: dict[int, tuple[int, int]] = field(default_factory=dict)  # input row -> (piece, row in piece)
+    pieces: list[Any] = field(default_factory=list)
+    sources: dict[str, int] = field(default_factory=dict)
+    ratio: int | None = None
+    seconds: float = 0.0
+    whole: bool = False
+    misses: list[int] = field(default_factory=list)
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    padding: int = 0
+    generated: Any = None  # the generated rows without the padding
+    merged: Any = None

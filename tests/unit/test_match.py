@@ -1,0 +1,514 @@
+"""``action=match``: rows served by their prompts from any cached step, only the others generated.
+
+A toy trainer generates with real verl ``DataProto`` batches like the V0 trainer: prompts repeated
+``n`` times before generation (verl >= 0.5) or by the generator after it (verl 0.4), a generator
+that splits the batch among 2 workers (a size not divisible by 2 is refused, as verl's ``chunk``
+does), responses that depend on the prompt and a fresh token per generation (so a served row shows
+where it came from). Run 1 records steps 1-3 with ``cache``; later runs see other prompts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from skipinject_rollout.common import GENERATION_SETTINGS, mark_match, prompt_key, workers_of
+from verl.protocol import DataProto
+
+from skipinject import DataProtoCodec, Role, StepSource, Target
+from skipinject.config import Config, RoleConfig
+from skipinject.engine import Engine
+from skipinject.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+MODULE = "si_match_targets"
+PROMPT, RESPONSE, N = 6, 4, 2
+_tokens = itertools.count(100)
+#: Every generator call: the prompt ids (first token of each row) it was asked to generate.
+GENERATED: list[list[int]] = []
+#: The dtype of the generator's log-probs (a test changes it between runs).
+LOG_PROBS = [torch.float32]
+
+
+def prompts(ids: list[int], n: int = N, *, before: bool = True) -> DataProto:
+    """A batch of prompts (``ids`` name them), left-padded like verl's dataset, repeated ``n`` times
+    (interleaved) when ``before`` (verl >= 0.5)."""
+    rows = []
+    for prompt in ids:
+        length = 2 + prompt % 3
+        row = [0] * (PROMPT - length) + [prompt] * length
+        rows.append(row)
+    input_ids = torch.tensor(rows, dtype=torch.long)
+    mask = (input_ids != 0).long()
+    batch = DataProto.from_dict(
+        tensors={"input_ids": input_ids, "attention_mask": mask, "position_ids": torch.cumsum(mask, 1)},
+        non_tensors={
+            "raw_prompt": np.array([[{"role": "user", "content": f"p{p}"}] for p in ids] + [None], dtype=object)[:-1],
+            "uid": np.array([f"uid-{p}-{next(_tokens)}" for p in ids], dtype=object),
+        },
+        meta_info={"global_steps": 0, "eos_token_id": 1},
+    )
+    return batch.repeat(n, interleave=True) if before and n > 1 else batch
+
+
+class Workers:
+    agent_loop_workers = [object(), object()]
+
+
+class Trainer:
+    """Calls ``generate`` once per step with the prompts of that step (``schedule[step]``)."""
+
+    def __init__(self, schedule: dict[int, list[int]], *, before: bool = True) -> None:
+        self.schedule = schedule
+        self.before = before
+        self.manager = Manager(before)
+        self.config = {
+            "actor_rollout_ref": {"model": {"path": "/m"}, "rollout": {"n": N, "temperature": 1.0}},
+            "data": {"max_prompt_length": PROMPT, "max_response_length": RESPONSE, "train_batch_size": 4},
+            "trainer": {"project_name": "p", "experiment_name": "e"},
+        }
+        self.global_steps = 0
+
+    def fit(self) -> dict[int, DataProto]:
+        out = {}
+        for step, ids in sorted(self.schedule.items()):
+            self.global_steps = step
+            batch = prompts(ids, before=self.before)
+            batch.meta_info["global_steps"] = step
+            out[step] = (batch, self.manager.generate_sequences(batch))
+        return out
+
+
+class Manager(Workers):
+    def __init__(self, before: bool) -> None:
+        self.before = before
+
+    def generate_sequences(self, batch: DataProto) -> DataProto:
+        assert len(batch) % len(self.agent_loop_workers) == 0, f"only support equal chunk, got {len(batch)}"
+        GENERATED.append([int(row[-1]) for row in batch.batch["input_ids"]])
+        if not self.before:
+            batch = batch.repeat(N, interleave=True)
+        token = next(_tokens)
+        prompt_ids = batch.batch["input_ids"]
+        responses = torch.stack([torch.tensor([int(row[-1]), token, 7, 0]) for row in prompt_ids])
+        response_mask = (responses != 0).long()
+        out = DataProto.from_dict(
+            tensors={
+                "prompts": prompt_ids,
+                "responses": responses,
+                "response_mask": response_mask,
+                "input_ids": torch.cat([prompt_ids, responses], 1),
+                "attention_mask": torch.cat([batch.batch["attention_mask"], response_mask], 1),
+                "rollout_log_probs": torch.rand(len(batch), RESPONSE, dtype=LOG_PROBS[0]),
+            },
+            non_tensors={"uid": batch.non_tensor_batch["uid"].copy(), "__num_turns__": np.full(len(batch), 2)},
+            meta_info={"timing": {"generate_sequences": 0.5}},
+        )
+        return out
+
+
+@pytest.fixture
+def targets() -> Iterator[Any]:
+    module = type(sys)(MODULE)
+    module.Trainer = type("Trainer", (Trainer,), {})  # type: ignore[attr-defined]
+    module.Manager = Manager  # type: ignore[attr-defined]
+    sys.modules[MODULE] = module
+    GENERATED.clear()
+    yield module
+    del sys.modules[MODULE]
+
+
+def make_role(**changes: Any) -> Role:
+    fields: dict[str, Any] = {
+        "name": "gen",
+        "targets": [Target(f"{MODULE}:Manager.generate_sequences")],
+        "step": StepSource.meta("global_steps"),
+        "codec": DataProtoCodec(divisor=workers_of),
+        "clocks": [f"{MODULE}:Trainer.fit"],
+        "row_key": prompt_key,
+        "match_settings": GENERATION_SETTINGS,
+        "on_match": mark_match,
+    }
+    fields.update(changes)
+    return Role(**fields)
+
+
+def run(targets: Any, dump: Path, schedule: dict[int, list[int]], action: str = "cache", **kwargs: Any) -> Any:
+    role = kwargs.pop("role", None) or make_role()
+    config = Config(roles={"gen": RoleConfig(enable=True, dump_dir=str(dump), steps=(1, 2, 3), action=action)})
+    engine = Engine(config, {"gen": (role, "test")})
+    engine.start()
+    try:
+        trainer = targets.Trainer(schedule, **kwargs)
+        return trainer.fit()
+    finally:
+        engine.stop()
+
+
+def responses(out: DataProto) -> list[tuple[int, int]]:
+    """Each row's (prompt id, generation token)."""
+    return [(int(r[0]), int(r[1])) for r in out.batch["responses"]]
+
+
+def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "skipinject"]
+
+
+def project(dump: Path) -> Path:
+    return next(dump.glob("e_p/GBS4_*")) / "gen"
+
+
+FIRST = {1: [1, 2, 3, 4], 2: [5, 6, 7, 8], 3: [9, 10, 11, 12]}
+
+
+def test_match_serves_seen_prompts_and_generates_exactly_the_others(targets: Any, tmp_path: Path, caplog) -> None:
+    recorded = run(targets, tmp_path, FIRST)
+    rows_of = {}
+    for _, (_batch, out) in recorded.items():
+        for index, key in enumerate(responses(out)):
+            rows_of.setdefault(key[0], []).append(
+                (out.batch["responses"][index], out.batch["rollout_log_probs"][index])
+            )
+    GENERATED.clear()
+    caplog.set_level(logging.INFO, "skipinject")
+    second = {1: [7, 2, 13, 9], 2: [14, 15, 16, 17], 3: [3, 4, 5, 6]}
+    out = run(targets, tmp_path, second, action="match")
+    # step 1: 7, 2, 9 served (from steps 2, 1, 3), 13 generated; padded to the 2 workers (13 twice, N=2 -> 2 rows)
+    assert GENERATED[0] == [13, 13], GENERATED
+    assert GENERATED[1] == [14, 14, 15, 15, 16, 16, 17, 17], "nothing cached: the call runs whole"
+    assert len(GENERATED) == 2, "all cached at step 3: no generator call"
+    for step, ids in second.items():
+        batch, result = out[step]
+        assert [p for p, _ in responses(result)] == [p for p in ids for _ in range(N)], "rows in the call's order"
+        assert list(result.non_tensor_batch["uid"]) == list(batch.non_tensor_batch["uid"]), "this run's uids"
+        assert result.batch["responses"].dtype == torch.long and result.batch["responses"].shape == (8, RESPONSE)
+        assert result.batch["rollout_log_probs"].dtype == torch.float32
+    # served rows are bit-identical to the recorded ones, sample k of a prompt to its recorded sample k
+    for step in (1, 3):
+        _, result = out[step]
+        for index, (prompt, _) in enumerate(responses(result)):
+            if prompt in rows_of:
+                recorded_response, recorded_log_probs = rows_of[prompt][index % N]
+                assert torch.equal(result.batch["responses"][index], recorded_response)
+                assert torch.equal(result.batch["rollout_log_probs"][index], recorded_log_probs)
+    lines = messages(caplog)
+    assert any("gen step 1: match: 6 of 8 rows served from" in line and "2 generated" in line for line in lines), lines
+    assert any("gen step 3: match: 8 of 8 rows served" in line and "target not called" in line for line in lines)
+    timing = out[3][1].meta_info["timing"]
+    assert timing["skipinject/match_served_rows"] == 8.0 and timing["skipinject/match_generated_rows"] == 0.0
+    assert "generate_sequences" not in timing, "all served: not the old run's generation timing"
+    assert out[1][1].meta_info["timing"]["skipinject/match_generated_rows"] == 2.0
+
+
+def test_new_rows_are_saved_and_served_by_a_later_match_run(targets: Any, tmp_path: Path) -> None:
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    run(targets, tmp_path, {1: [1, 20, 3, 21], 2: [22, 23, 24, 25]}, action="match")
+    layout = project(tmp_path)
+    step1 = json.loads((layout / "1" / "meta.json").read_text())
+    assert step1["rows"] == 8, "the committed step 1 is not rewritten"
+    assert (layout / "rows" / "1" / "meta.json").is_file(), "step 1's new rows kept as a rows record"
+    assert json.loads((layout / "2" / "meta.json").read_text())["row_keys"], "an absent step is saved whole"
+    GENERATED.clear()
+    out = run(targets, tmp_path, {3: [21, 25, 1, 20]}, action="match")
+    assert GENERATED == [], "rows from step 1, the rows record and step 2 all served"
+    assert [p for p, _ in responses(out[3][1])] == [21, 21, 25, 25, 1, 1, 20, 20]
+
+
+def test_match_with_nothing_cached_behaves_like_cache(targets: Any, tmp_path: Path) -> None:
+    matched = tmp_path / "match"
+    run(targets, matched, FIRST, action="match")
+    assert len(GENERATED) == 3 and [len(g) for g in GENERATED] == [8, 8, 8], "each call runs whole"
+    for step in (1, 2, 3):
+        meta = json.loads((project(matched) / str(step) / "meta.json").read_text())
+        assert meta["rows"] == 8 and len(meta["row_keys"][0]) == 8 and meta["rows_per_input"] == [1]
+    GENERATED.clear()
+    run(targets, matched, FIRST, action="cache")
+    assert GENERATED == [], "what match saved is an ordinary step: cache serves it"
+
+
+def test_a_generator_repeating_after_generation_maps_each_prompt_to_its_n_samples(targets: Any, tmp_path: Path) -> None:
+    first = run(targets, tmp_path, {1: [1, 2, 3, 4]}, before=False)
+    GENERATED.clear()
+    out = run(targets, tmp_path, {2: [3, 30, 1, 31]}, action="match", before=False)
+    assert GENERATED == [[30, 31]], "only the new prompts, once each (the generator repeats them)"
+    result = out[2][1]
+    assert [p for p, _ in responses(result)] == [3, 3, 30, 30, 1, 1, 31, 31]
+    recorded = first[1][1].batch["responses"]
+    assert torch.equal(result.batch["responses"][0:2], recorded[4:6]) and torch.equal(
+        result.batch["responses"][4:6], recorded[0:2]
+    )
+    assert list(result.non_tensor_batch["uid"]) == list(np.repeat(out[2][0].non_tensor_batch["uid"], N))
+
+
+def test_other_generation_settings_never_match(targets: Any, tmp_path: Path, monkeypatch) -> None:
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    GENERATED.clear()
+    original = targets.Trainer.__init__
+
+    def hotter(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.config["actor_rollout_ref"]["rollout"]["temperature"] = 0.7
+
+    monkeypatch.setattr(targets.Trainer, "__init__", hotter)
+    run(targets, tmp_path, {2: [1, 2, 3, 4]}, action="match")
+    assert GENERATED == [[1, 1, 2, 2, 3, 3, 4, 4]], "another temperature: everything generated"
+
+
+def test_a_forged_or_damaged_source_only_causes_a_miss(targets: Any, tmp_path: Path) -> None:
+    first = run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    layout = project(tmp_path)
+    tensors = next((layout / "1").glob("tensors-*.bin"))
+    data = bytearray(tensors.read_bytes())
+    data[-1] ^= 0xFF
+    tensors.write_bytes(bytes(data))
+    GENERATED.clear()
+    out = run(targets, tmp_path, {2: [1, 2, 3, 4]}, action="match")
+    assert GENERATED == [[1, 1, 2, 2, 3, 3, 4, 4]], "a step that does not verify serves nothing"
+    assert not torch.equal(out[2][1].batch["responses"], first[1][1].batch["responses"])
+
+
+def test_a_forged_index_is_never_trusted(targets: Any, tmp_path: Path) -> None:
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    run(targets, tmp_path, {2: [5, 6, 7, 8]})
+    layout = project(tmp_path)
+    run(targets, tmp_path, {3: [1, 5]}, action="match")  # builds the index
+    index = layout / "row-index.npz"
+    assert index.is_file()
+    with np.load(index) as saved:
+        arrays = {name: saved[name].copy() for name in saved.files}
+    arrays["number"][:] = np.where(arrays["number"] == 1, 2, 1)  # every row points at the other step
+    np.savez(index, **arrays)
+    GENERATED.clear()
+    out = run(targets, tmp_path, {3: [2, 6, 3, 7]}, action="match")
+    assert [p for p, _ in responses(out[3][1])] == [2, 2, 6, 6, 3, 3, 7, 7], "never another prompt's rows"
+    assert sum(len(g) for g in GENERATED) <= 8
+    for damage in (b"not an npz", _deflated(arrays)):
+        index.write_bytes(damage)
+        GENERATED.clear()
+        run(targets, tmp_path, {3: [2, 6, 3, 7]}, action="match")
+        assert GENERATED == [], "a damaged or compressed (a possible bomb) index is rebuilt from the steps"
+
+
+def _deflated(arrays: dict[str, Any]) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def test_a_role_that_cannot_match_is_refused_at_start(targets: Any, tmp_path: Path) -> None:
+    from skipinject_rollout_tq.plugin import ROLLOUT_TQ
+
+    config = Config(roles={"gen": RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1,), action="match")})
+    engine = Engine(config, {"gen": (make_role(row_key=None), "test")})
+    with pytest.raises(ConfigError, match=r"skip.gen.action=match: role 'gen' cannot serve part of a call"):
+        engine.start()
+    config = Config(roles={"rollout_tq": RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1,), action="match")})
+    engine = Engine(config, {"rollout_tq": (ROLLOUT_TQ, "rollout_tq")})
+    with pytest.raises(ConfigError) as refused:
+        engine.start()
+    assert str(refused.value).startswith("skip.rollout_tq.action=match: role 'rollout_tq' cannot serve part of a call")
+    assert "\n" not in str(refused.value)
+
+
+def test_rows_records_are_listed_verified_and_pruned_by_the_cache_tool(targets: Any, tmp_path: Path, capsys) -> None:
+    from skipinject.cache_tool import main
+
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    run(targets, tmp_path, {1: [1, 20, 3, 21]}, action="match")
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    layouts = sorted({(item["layout"], item["step"], item["rows"]) for item in listed["steps"]})
+    assert layouts == [("GBS4_N2_in6_out4", 1, 8), ("GBS4_N2_in6_out4/rows", 1, 4)], layouts
+    assert main(["verify", str(tmp_path)]) == 0
+    capsys.readouterr()
+    rows_record = project(tmp_path) / "rows" / "1"
+    assert main(["prune", str(tmp_path), "--keep-last", "0"]) == 0
+    assert not rows_record.exists() and not (project(tmp_path) / "1").exists()
+    GENERATED.clear()
+    run(targets, tmp_path, {2: [1, 20]}, action="match")
+    assert GENERATED == [[1, 1, 20, 20]], "the pruned records left the index: nothing served from them"
+
+
+def test_an_index_written_before_a_step_was_recorded_anew_reads_that_step_again(targets: Any, tmp_path: Path) -> None:
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    run(targets, tmp_path, {2: [1]}, action="match")  # writes the index
+    shutil.rmtree(project(tmp_path) / "1")
+    run(targets, tmp_path, {1: [40, 41, 42, 43]})  # step 1 again, other prompts
+    GENERATED.clear()
+    out = run(targets, tmp_path, {3: [40, 41]}, action="match")
+    assert GENERATED == [], "the re-recorded step 1's rows are found"
+    assert [p for p, _ in responses(out[3][1])] == [40, 40, 41, 41]
+
+
+class AsyncManager(Manager):
+    """One sample per call, awaited (the fully async Rollouter's ``generate_sequences_single``)."""
+
+    agent_loop_workers = [object()]
+
+    async def generate_single(self, batch: DataProto) -> DataProto:
+        return self.generate_sequences(batch)
+
+
+def test_awaited_per_sample_calls_are_served_by_their_prompt(targets: Any, tmp_path: Path) -> None:
+    import asyncio
+
+    targets.AsyncManager = AsyncManager
+    role = make_role(
+        targets=[Target(f"{MODULE}:AsyncManager.generate_single")],
+        step=StepSource.meta("sample"),
+        clocks=[],
+        on_match=None,
+    )
+
+    def feed(action: str, samples: list[tuple[int, int]]) -> list[DataProto]:
+        config = Config(roles={"gen": RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1, 2, 3), action=action)})
+        engine = Engine(config, {"gen": (role, "test")})
+        engine.start()
+        try:
+            manager = targets.AsyncManager(True)
+
+            async def main() -> list[DataProto]:
+                calls = []
+                for index, prompt in samples:
+                    batch = prompts([prompt])
+                    batch.meta_info["sample"] = index
+                    calls.append(manager.generate_single(batch))
+                return list(await asyncio.gather(*calls))
+
+            return asyncio.run(main())
+        finally:
+            engine.stop()
+
+    feed("cache", [(1, 1), (2, 2)])
+    GENERATED.clear()
+    out = feed("match", [(1, 2), (2, 5), (3, 1)])  # sample ids no longer line up with the prompts
+    assert sorted(GENERATED) == [[5, 5]], "only the new prompt is generated"
+    assert [[p for p, _ in responses(o)] for o in out] == [[2, 2], [5, 5], [1, 1]]
+
+
+def test_a_subset_is_padded_to_the_workers_like_verl_and_the_padding_dropped(targets: Any, tmp_path: Path) -> None:
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    GENERATED.clear()
+    Manager.agent_loop_workers = [object()] * 4  # 2 new rows (one prompt, n=2) go out as 4
+    try:
+        out = run(targets, tmp_path, {2: [1, 2, 50, 3]}, action="match")
+    finally:
+        Manager.agent_loop_workers = [object(), object()]
+    assert GENERATED == [[50, 50, 50, 50]], "padded by repeating the subset's first rows (pad_dataproto_to_divisor)"
+    result = out[2][1]
+    assert len(result) == 8 and [p for p, _ in responses(result)] == [1, 1, 2, 2, 50, 50, 3, 3]
+
+
+def test_cache_show_match_counts_the_prompts_of_a_dataset_that_are_cached(targets: Any, tmp_path: Path, capsys) -> None:
+    import pandas as pd
+    from skipinject_rollout.common import prompt_fingerprint
+
+    from skipinject.cache_tool import main
+
+    role = make_role(fingerprint=prompt_fingerprint)
+    dump = tmp_path / "dump"
+    run(targets, dump, {1: [1, 2, 3, 4]}, role=role)
+    run(targets, dump, {1: [5, 1]}, role=role, action="match")  # prompt 5: a rows record
+    dataset = tmp_path / "train.parquet"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": f"p{p}"}] for p in (1, 2, 5, 6, 7)]}).to_parquet(dataset)
+    capsys.readouterr()
+    assert main(["show", str(dump), "--match", str(dataset), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["rows"], report["cached_rows"], report["steps_read"]) == (5, 3, 2), report
+    assert main(["show", str(project(dump)), "--match", str(dataset)]) == 0
+    assert "3 of 5 rows of" in capsys.readouterr().out
+
+
+class WorkerGroup:
+    """verl < 0.7's sync rollout: ``generate_sequences`` bound on the worker group instance."""
+
+    world_size = 4
+
+    def __init__(self) -> None:
+        manager = Manager(before=False)
+        manager.agent_loop_workers = [object()] * self.world_size
+        self.generate_sequences = manager.generate_sequences
+
+
+class WorkerGroupTrainer(Trainer):
+    def init_workers(self) -> None:
+        self.actor_rollout_wg = WorkerGroup()
+
+    def fit(self) -> dict[int, DataProto]:
+        out = {}
+        for step, ids in sorted(self.schedule.items()):
+            self.global_steps = step
+            batch = prompts(ids, before=False)
+            batch.meta_info["global_steps"] = step
+            out[step] = (batch, self.actor_rollout_wg.generate_sequences(batch))
+        return out
+
+
+def test_the_worker_group_path_pads_to_its_world_size(targets: Any, tmp_path: Path) -> None:
+    targets.Trainer = WorkerGroupTrainer
+    role = make_role(
+        targets=[Target(f"{MODULE}:Trainer.init_workers", attribute="actor_rollout_wg.generate_sequences")]
+    )
+
+    def fit(action: str, schedule: dict[int, list[int]]) -> Any:
+        config = Config(roles={"gen": RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1, 2), action=action)})
+        engine = Engine(config, {"gen": (role, "test")})
+        engine.start()
+        try:
+            trainer = targets.Trainer(schedule, before=False)
+            trainer.init_workers()
+            return trainer.fit()
+        finally:
+            engine.stop()
+
+    fit("cache", {1: [1, 2, 3, 4]})
+    GENERATED.clear()
+    out = fit("match", {2: [4, 60, 2, 61]})
+    assert GENERATED == [[60, 61, 60, 61]], "two new prompts padded to the world size 4 (verl repeats after)"
+    assert [p for p, _ in responses(out[2][1])] == [4, 4, 60, 60, 2, 2, 61, 61]
+
+
+def test_rows_that_do_not_fit_together_are_not_merged_the_call_runs_whole(targets: Any, tmp_path: Path, caplog) -> None:
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    GENERATED.clear()
+    LOG_PROBS[0] = torch.float64  # this run's generator returns another dtype than the cached rows
+    caplog.set_level(logging.INFO, "skipinject")
+    try:
+        out = run(targets, tmp_path, {2: [1, 2, 70, 3]}, action="match")
+    finally:
+        LOG_PROBS[0] = torch.float32
+    assert GENERATED == [[70, 70], [1, 1, 2, 2, 70, 70, 3, 3]], "the subset, then (not mergeable) the whole call"
+    result = out[2][1]
+    assert [p for p, _ in responses(result)] == [1, 1, 2, 2, 70, 70, 3, 3]
+    assert result.batch["rollout_log_probs"].dtype == torch.float64, "what the target returned, not a mixture"
+    assert any("cannot merge the cached and generated rows" in m and "rollout_log_probs" in m for m in messages(caplog))
+
+
+def test_the_runner_refuses_match_for_rollout_tq_in_one_line_before_the_program_runs(tmp_path: Path) -> None:
+    import subprocess
+
+    settings = ["skip.rollout_tq.enable=True", "skip.rollout_tq.action=match", f"skip.rollout_tq.dump_dir={tmp_path}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "skipinject", "-c", "print('the program ran')", *settings],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "the program ran" not in proc.stdout
+    assert proc.stderr.strip().splitlines() == [
+        "skipinject: error: skip.rollout_tq.action=match: role 'rollout_tq' cannot serve part of a call "
+        "(declares no row_key: it has no row selector and merger, plugin API 1.2); use action=cache, repeat or strict"
+    ]
