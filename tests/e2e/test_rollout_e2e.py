@@ -118,19 +118,20 @@ def test_v0_repeat_serves_nearest_step_reports_other_prompts_and_never_skips_val
 
 def test_fully_async_rollout_cache_then_hit(assets: Any, tmp_path: Path):
     dump = tmp_path / "dump"
+    # Two prompts fed one at a time: two cached samples, one trainer step (a mini-batch of both).
     overrides = harness.fully_async_overrides(
         assets,
-        total_rollout_steps=4,
+        total_rollout_steps=2,
         dump_dir=dump,
-        extra=["skip.async_rollout.enable=True", "skip.async_rollout.steps=[1,2,3,4]"],
+        extra=["skip.async_rollout.enable=True", "skip.async_rollout.steps=[1,2]"],
     )
     _, calls_1 = _run(assets, tmp_path, "async1", overrides, SKIPINJECT_FULLY_ASYNC, harness.run_fully_async)
     assert calls_1 > 0
     layout = harness.cache_dir(dump, gbs=1)
-    assert sorted(int(p.name) for p in layout.iterdir()) == [1, 2, 3, 4]
+    assert sorted(int(p.name) for p in layout.iterdir()) == [1, 2]
     second, calls_2 = _run(assets, tmp_path, "async2", overrides, SKIPINJECT_FULLY_ASYNC, harness.run_fully_async)
-    assert calls_2 == 0, "feed indices 1-4 are served from the cache"
-    assert sum("hit, served step" in line for line in skip_lines(second, "async_rollout")) == 4
+    assert calls_2 == 0, "feed indices 1-2 are served from the cache"
+    assert sum("hit, served step" in line for line in skip_lines(second, "async_rollout")) == 2
     check_real_dump(dump, {"async_rollout"}, tmp_path)
 
 
