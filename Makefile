@@ -47,8 +47,12 @@ dist: setup $(BUILD_STAMP)
 demo: setup
 	$(BIN)/python examples/verl_cpu/demo.py
 
+# Two passes: the tests that start no Ray cluster on both cores (pytest-xdist; a file's tests stay on
+# one worker, so its module fixtures are built once), then the Ray tests and the end-to-end runs of
+# real verl one at a time. Together they are every test; each pass fails on its own.
 test: setup
-	$(PYTEST) -q --durations=20
+	$(PYTEST) -q --durations=10 -n 2 --dist loadfile -m "not e2e and not ray"
+	$(PYTEST) -q --durations=20 -m "e2e or ray"
 
 test-unit: setup
 	$(PYTEST) -q -m unit $(UNIT_PATHS)
