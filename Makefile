@@ -47,8 +47,13 @@ dist: setup $(BUILD_STAMP)
 demo: setup
 	$(BIN)/python examples/verl_cpu/demo.py
 
+# Two passes: the tests that start no Ray cluster on both cores (pytest-xdist; a file's tests stay on
+# one worker, so its module fixtures are built once), then the Ray tests and the end-to-end runs of
+# real verl one at a time. Together they are every test; each pass fails on its own.
+PARALLEL := -n 2 --dist loadfile -m "not e2e and not ray"
 test: setup
-	$(PYTEST) -q --durations=20
+	$(PYTEST) -q --durations=10 $(PARALLEL)
+	$(PYTEST) -q --durations=20 -m "e2e or ray"
 
 test-unit: setup
 	$(PYTEST) -q -m unit $(UNIT_PATHS)
@@ -69,8 +74,10 @@ venv-verl:
 test-verl-matrix: setup
 	$(BIN)/python -m pytest -q --durations=20 -m verl_matrix
 
+# Everything but the end-to-end runs, in the same two passes as `make test`.
 test-fast: setup
-	$(PYTEST) -q -m "not e2e"
+	$(PYTEST) -q $(PARALLEL)
+	$(PYTEST) -q -m "ray and not e2e"
 
 example: setup
 	$(BIN)/python examples/toy/run_example.py

@@ -352,6 +352,9 @@ def _common_overrides(
         f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
         # The agent loop's workers (verl 0.5 on; 0.4 has no agent loop).
         *(["actor_rollout_ref.rollout.agent.num_workers=1"] if _release(version) >= (0, 5) else []),
+        # The reward loop's workers (verl 0.8 on; default 8): each is a Ray actor process importing verl
+        # and torch at start-up, most of a minute of the 2 cores per run for 8 rows a step.
+        *(["reward.num_workers=1"] if _release(version) >= (0, 8) else []),
         *_reward_overrides(assets, version),
         "trainer.device=cpu",
         "trainer.nnodes=1",

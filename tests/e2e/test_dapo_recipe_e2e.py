@@ -6,6 +6,10 @@ DAPO recipe does: it draws generation batches until ``train_batch_size`` prompt 
 group filter, all at one ``global_steps`` and without ``meta_info["global_steps"]`` (the step comes
 from the trainer clock, which follows the recipe's own ``fit``). The reward makes the groups of
 odd-length prompts uniform, so filtering and extra generation calls really happen.
+
+The cache is in an object store (``skip.rollout.dump_dir=s3://...`` on a real S3-compatible server,
+moto): run 1 uploads every call of steps 1-2 from verl's TaskRunner actor, run 2 is served from the
+store. One pair proves both, so the suite runs no separate object-store run.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class RecipeLog:
         return len(self.drawn.get(step, []))
 
 
-def _run(assets: Any, tmp: Path, name: str, dump: Path) -> tuple[Any, int, RecipeLog]:
+def _run(assets: Any, tmp: Path, name: str, dump: str, store_env: dict[str, str]) -> tuple[Any, int, RecipeLog]:
     reward = tmp / "dapo_reward.py"
     reward.write_text(REWARD)
     log = tmp / f"{name}.recipe.jsonl"
@@ -77,16 +81,29 @@ def _run(assets: Any, tmp: Path, name: str, dump: Path) -> tuple[Any, int, Recip
         gen_log=gen_log,
         launcher=LAUNCHER,
         timeout=900,
-        env_extra={"PYTHONPATH": path, "DAPO_RECIPE_LOG": str(log), "RAY_DEDUP_LOGS": "0"},
+        env_extra={"PYTHONPATH": path, "DAPO_RECIPE_LOG": str(log), "RAY_DEDUP_LOGS": "0", **store_env},
     )
     (tmp / f"{name}.out").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc, harness.count_generate_calls(gen_log), RecipeLog(log)
 
 
-def test_dapo_recipe_steps_are_replayed_call_by_call(assets: Any, tmp_path: Path) -> None:
-    dump = tmp_path / "dump"
-    first, generated1, log1 = _run(assets, tmp_path, "run1", dump)
+def test_dapo_recipe_steps_are_replayed_call_by_call_from_an_object_store(assets: Any, tmp_path: Path) -> None:
+    import fsspec
+
+    from tests.integration.s3_server import create_bucket, s3_environment, s3_server
+
+    with s3_server(str(tmp_path / "moto.log")) as endpoint:
+        create_bucket(endpoint, "verl-cache")
+        url = "s3://verl-cache/dump"
+        store_env = s3_environment(endpoint)
+        first, generated1, log1 = _run(assets, tmp_path, "run1", url, store_env)
+        fs = fsspec.filesystem("s3", key="skipinject-test", secret="skipinject-test", endpoint_url=endpoint)
+        layout = harness.cache_dir(Path(url.removeprefix("s3://")))
+        found = fs.find(url.removeprefix("s3://"))
+        metas = {step: json.loads(fs.cat_file(f"{layout}/{step}/meta.json")) for step in (1, 2)}
+        second, generated2, log2 = _run(assets, tmp_path, "run2", url, store_env)
+
     per_call = harness.TRAIN_BATCH * harness.ROLLOUT_N
     assert sorted(log1.trained) == [1, 2, 3]
     assert all(len(rows) == harness.TRAIN_BATCH for rows in log1.trained.values()), log1.trained
@@ -94,11 +111,16 @@ def test_dapo_recipe_steps_are_replayed_call_by_call(assets: Any, tmp_path: Path
     assert generated1 == per_call * sum(map(log1.calls, (1, 2, 3))), "run 1 generates every call for real"
     lines1 = skip_lines(first, "rollout")
     assert not any(": hit" in line for line in lines1), f"run 1 served a call from its own cache: {lines1}"
+    assert any("rollout step 1: miss" in line for line in lines1), lines1
+    assert any("step 1: saved" in line and url in line for line in lines1), "uploaded to the store: " + str(lines1)
+    assert sorted(path for path in found if path.endswith("/meta.json")) == [
+        f"{layout}/1/meta.json",
+        f"{layout}/2/meta.json",
+    ], found
     for step in (1, 2):
-        meta = json.loads((harness.cache_dir(dump) / str(step) / "meta.json").read_text())
-        assert meta["calls"] == log1.calls(step), f"step {step} records every generation call of run 1"
+        assert metas[step]["step"] == step
+        assert metas[step]["calls"] == log1.calls(step), f"step {step} records every generation call of run 1"
 
-    second, generated2, log2 = _run(assets, tmp_path, "run2", dump)
     for step in (1, 2):
         assert log2.drawn[step] == log1.drawn[step], f"step {step}: run 2 draws the batches run 1 drew"
         assert log2.trained[step] == log1.trained[step], f"step {step}: run 2 trains on run 1's prompts"
@@ -107,6 +129,7 @@ def test_dapo_recipe_steps_are_replayed_call_by_call(assets: Any, tmp_path: Path
     assert generated2 == per_call * log2.calls(3), "0 generator calls at steps 1-2: only step 3 generates"
     hits = [line for line in skip_lines(second, "rollout") if ": hit" in line]
     assert len(hits) == log1.calls(1) + log1.calls(2), hits
+    assert all(url.removeprefix("s3://") in line for line in hits), f"every call is served from the store: {hits}"
     busiest = max((1, 2), key=log1.calls)
     calls = log1.calls(busiest)
     assert any(f"rollout step {busiest}: hit (call {calls} of {calls})" in line for line in hits), hits

@@ -173,6 +173,8 @@ def test_harness_overrides_follow_the_launchers_verl(tmp_path):
         assert "actor_rollout_ref.actor.fsdp_config.strategy" not in keys(version), "0.4/0.5: actor.strategy only"
     assert "actor_rollout_ref.rollout.agent.num_workers" in keys("0.5.0")
     assert "actor_rollout_ref.rollout.agent.num_workers" not in keys("0.4.1")
+    assert "reward.num_workers" in keys("0.9.1") and "reward.num_workers" in keys("0.8.0")
+    assert "reward.num_workers" not in keys("0.7.1"), "one reward-loop worker only where the key is verified"
     with pytest.raises(ValueError, match="no sync rollout mode"):
         harness.main_ppo_overrides(assets, use_v1=False, total_steps=2, verl="0.7.1", rollout_mode="sync")
     assert "actor_rollout_ref.actor.fsdp_config.strategy" in keys("0.7.1")
