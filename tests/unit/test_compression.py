@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from skipinject.cache_tool.render import human_size
 from skipinject.config import role_config
 from skipinject.errors import ConfigError, CorruptCacheError
 from skipinject.store import Payload, RemoteStepStore, StepStore, format
@@ -504,3 +505,28 @@ def test_jagged_tensors_round_trip_through_a_compressed_store(tmp_path: Path) ->
     loaded = codec.decode(_load(store, 1))["responses"]
     assert loaded.values().dtype == torch.int64 and torch.equal(loaded.values(), values)
     assert loaded.offsets().dtype == torch.int64 and torch.equal(loaded.offsets(), offsets)
+
+
+def test_cache_show_prints_stored_and_decoded_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from skipinject.cache_tool import main
+
+    dump = tmp_path / "dump"
+    plain, packed = _layout_store(dump), _layout_store(dump, ZSTD)
+    plain.save(1, Payload(tensors=padded_batch(), objects={}, rows=16))
+    packed.save(2, Payload(tensors=padded_batch(), objects={}, rows=16))
+    sizes = {}
+    for step, store in ((1, plain), (2, packed)):
+        files = json.loads((store.step_dir(step) / "meta.json").read_text())["parts"][0]["files"].values()
+        stored = sum(spec["size"] for spec in files)
+        decoded = sum(spec.get("decoded_size", spec["size"]) for spec in files)
+        assert main(["show", str(store.step_dir(step)), "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert (doc["size"], doc["decoded_size"]) == (stored, decoded)
+        assert main(["show", str(store.step_dir(step))]) == 0
+        sizes[step] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  size ")]
+    assert sizes[1] == [f"  size {human_size(stored_of(plain, 1))} stored"], sizes
+    assert len(sizes[2]) == 1 and sizes[2][0].endswith(" decoded)") and decoded > stored, sizes
+
+
+def stored_of(store: StepStore, step: int) -> int:
+    return sum(int(spec["size"]) for _, spec in store.named_files(step, store.read_meta(step)))
