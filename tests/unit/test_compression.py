@@ -23,6 +23,7 @@ from skipinject.errors import ConfigError, CorruptCacheError
 from skipinject.store import Payload, RemoteStepStore, StepStore, format
 from skipinject.store.compression import (
     Compression,
+    anonymous,
     compression_for,
     is_network_filesystem,
     parse_compression,
@@ -181,6 +182,82 @@ def test_a_loaded_compressed_tensor_is_private_and_writable(tmp_path: Path) -> N
     first["rollout_log_probs"].add_(1.0)
     first["prompts"][0, 0] = 5
     assert_same(_load(store, 1).tensors, tensors)
+
+
+def test_a_hit_decompresses_each_frame_straight_into_the_decoded_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No frame goes through a bytes object of its own (copied once more into place)."""
+
+    real = zstandard.ZstdDecompressor
+
+    class InPlaceOnly:
+        def __init__(self) -> None:
+            self.stream_reader = real().stream_reader
+
+        def decompress(self, *args: Any, **kwargs: Any) -> bytes:
+            raise AssertionError("a frame was decompressed into a new bytes object")
+
+    tensors = padded_batch(rows=64, prompt=64, response=2048)
+    store = _store(tmp_path)
+    store.save(1, Payload(tensors=tensors, objects={"k": 1}, rows=64))
+    monkeypatch.setattr(zstandard, "ZstdDecompressor", InPlaceOnly)
+    part = _load(store, 1)
+    assert_same(part.tensors, tensors)
+    assert part.objects == {"k": 1}
+
+
+def test_restored_tensors_are_written_once_into_one_private_mapping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Widened and derived tensors are built block by block, in threads, into one fresh mapping sized
+    for exactly them (no tensor built twice, none allocated on its own), and keep every bit."""
+    import skipinject.store.compact as compact
+    import skipinject.store.tensorfile as tensorfile
+
+    tensors = padded_batch(rows=64, prompt=24, response=40)
+    store = _store(tmp_path)
+    store.save(1, Payload(tensors=tensors, objects={}, rows=64))
+    index = {entry["name"]: entry for entry in _index(store, 1)}
+    restored = [name for name, entry in index.items() if "derive" in entry or "stored_dtype" in entry]
+    assert {"input_ids", "attention_mask", "position_ids", "prompts"} <= set(restored)
+    arenas: list[int] = []
+
+    def counted(size: int) -> Any:
+        arenas.append(size)
+        return anonymous(size)
+
+    monkeypatch.setattr(tensorfile, "anonymous", counted)
+    monkeypatch.setattr(tensorfile, "_THREADED_MIN_BYTES", 0)  # threads and many blocks even here
+    monkeypatch.setattr(compact, "BLOCK_ELEMENTS", 200)
+    monkeypatch.setattr(tensorfile, "BLOCK_ELEMENTS", 200)
+    loaded = _load(store, 1).tensors
+    assert_same(loaded, tensors)
+    wanted = sum(-(-tensors[name].numel() * tensors[name].element_size() // 64) * 64 for name in restored)
+    assert arenas == [wanted]
+    starts = sorted((loaded[name].data_ptr(), loaded[name].numel() * loaded[name].element_size()) for name in restored)
+    assert starts[-1][0] + starts[-1][1] - starts[0][0] <= wanted  # all inside that one mapping
+    loaded["input_ids"][0, 0] = -1  # private: nothing else changes with it
+    assert torch.equal(loaded["prompts"], tensors["prompts"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_decoded_file_is_private_anonymous_memory() -> None:
+    """Not a shared (shmem) mapping, whose page faults cost more than a private one's."""
+    import ctypes
+
+    buffer = anonymous(8 << 20)
+    holder = (ctypes.c_char * 1).from_buffer(buffer)
+    address = ctypes.addressof(holder)
+    del holder
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        low, high = (int(x, 16) for x in line.split()[0].split("-"))
+        if low <= address < high:
+            assert line.split()[1] == "rw-p" and "/dev/zero" not in line, line
+            break
+    else:
+        raise AssertionError("the mapping is not in /proc/self/maps")
+    buffer.close()
 
 
 def test_the_codec_result_round_trips_through_a_compressed_store(tmp_path: Path) -> None:
@@ -359,6 +436,9 @@ def _forged_index(entries: list[dict[str, Any]]) -> bytes:
         ({"name": "m", "dtype": "int64", "shape": [2, 3], "derive": {"run": [0], "end": [1]}}, "one integer per row"),
         ({"name": "m", "dtype": "int64", "shape": [2, 3], "derive": {"concat": ["a", "b"]}}, "does not hold"),
         ({"name": "m", "dtype": "int64", "shape": [2, 3], "derive": {"exec": "rm -rf"}}, "unknown recipe"),
+        ({"name": "m", "dtype": "int64", "shape": [1, 3], "derive": {"ramp": [0], "top": [-1]}}, "negative top"),
+        ({"name": "m", "dtype": "int64", "shape": [1, 3], "derive": {"ramp": [-(1 << 70)], "top": [9]}}, "damaged"),
+        ({"name": "m", "dtype": "int16", "shape": [1, 3], "derive": {"ramp": [0], "top": [1 << 40]}}, "damaged"),
         ({"name": "m", "dtype": "float32", "shape": [1], "offset": 0, "nbytes": 1, "stored_dtype": "uint8"}, "stored"),
     ],
 )
