@@ -317,6 +317,88 @@ def test_a_batch_larger_than_a_frame_is_many_frames(tmp_path: Path) -> None:
     assert_same(_load(store, 1).tensors, tensors)
 
 
+def _remote_store() -> StepStore:
+    fs, root = open_remote(f"memory://skipinject-tests/{uuid.uuid4().hex}")
+    return RemoteStepStore(root / "project", "toy", {"run": 1}, fs, compression=ZSTD)
+
+
+def test_a_remote_hit_decodes_frames_while_the_download_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames are decompressed as their bytes arrive, in bounded requests; the stored file is never held whole."""
+    import skipinject.store.compression as compression
+    import skipinject.store.remote as remote
+
+    store = _remote_store()
+    noise = torch.randint(0, 1 << 30, (6, format.FRAME_BYTES // 8), dtype=torch.int64)  # 6 frames, incompressible
+    tensors = {**padded_batch(), "noise": noise}
+    store.save(1, Payload(tensors=tensors, objects={"v": 1}, rows=16))
+    events: list[tuple[str, int]] = []
+    monkeypatch.setattr(remote, "STREAM_CHUNK", 1 << 20)
+
+    def whole(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a compressed file was read whole before decoding")
+
+    monkeypatch.setattr(remote._RemoteStep, "_stream", whole)
+    real_feed, real_decode = compression.FrameDecoder.feed, compression.FrameDecoder._decode_frame
+
+    def feed(self: Any, data: Any) -> None:
+        events.append(("read", memoryview(data).nbytes))
+        real_feed(self, data)
+
+    def decode(self: Any, number: int, frame: Any) -> None:
+        events.append(("decode", number))
+        real_decode(self, number, frame)
+
+    monkeypatch.setattr(compression.FrameDecoder, "feed", feed)
+    monkeypatch.setattr(compression.FrameDecoder, "_decode_frame", decode)
+    part = _load(store, 1)
+    assert_same(part.tensors, tensors)
+    assert part.objects == {"v": 1}
+    reads = [i for i, (kind, _) in enumerate(events) if kind == "read"]
+    decodes = [i for i, (kind, number) in enumerate(events) if kind == "decode" and number == 0]
+    assert max(size for kind, size in events if kind == "read") <= 1 << 20
+    assert len(reads) > 8 and decodes[0] < reads[-4]  # frame 0 decoded long before the last pieces came
+    frames = sum(len(spec["frames"]) for _, spec in store.named_files(1, store.read_meta(1)))
+    assert sum(1 for kind, _ in events if kind == "decode") == frames >= 4
+
+
+@pytest.mark.parametrize(
+    ("forge", "message"),
+    [
+        ("bomb", r"frame 0 claims 1073741824 decoded bytes, meta.json records 1048576"),
+        ("liar", "frame 0 is damaged"),
+        ("flip", "checksum mismatch"),
+        ("short", "frame table does not match"),
+    ],
+)
+def test_a_hostile_remote_file_is_refused_while_it_streams(forge: str, message: str) -> None:
+    from skipinject.store.checksums import _digest
+
+    store = _remote_store()
+    store.save(1, Payload(tensors=padded_batch(), objects={}, rows=16))
+    fs = store.backend.fs  # type: ignore[attr-defined]
+    meta_key = store.step_dir(1).path + "/meta.json"  # type: ignore[attr-defined]
+    meta = json.loads(fs.cat_file(meta_key))
+    spec = meta["parts"][0]["files"]["tensors"]
+    key = store.step_dir(1).path + "/" + spec["name"]  # type: ignore[attr-defined]
+    data = fs.cat_file(key)
+    if forge == "flip":
+        fs.pipe_file(key, data[:-1] + bytes([data[-1] ^ 1]))
+    else:
+        if forge == "bomb":
+            data, decoded = _frame_claiming(bytes(1 << 20), 1 << 30), 1 << 20
+        elif forge == "liar":
+            data, decoded = _frame_claiming(bytes(1 << 20), 1000), 1000
+        else:
+            decoded = spec["decoded_size"] + format.FRAME_BYTES
+        fs.pipe_file(key, data)
+        frames = [len(data)] if forge != "short" else spec["frames"]
+        spec.update(size=len(data), checksum=_digest(data, meta["checksum_algo"]), decoded_size=decoded, frames=frames)
+        meta["meta_checksum"] = format.meta_digest(meta)
+        fs.pipe_file(meta_key, json.dumps(meta).encode())
+    with pytest.raises(CorruptCacheError, match=message):
+        store.verified(1)
+
+
 # ---------------------------------------------------------------- hostile files
 
 
@@ -359,9 +441,11 @@ def test_a_frame_claiming_more_than_its_recorded_size_is_refused_before_decompre
     bomb = _frame_claiming(bytes(1 << 20), 1 << 30)
     _replace_tensor_file(store, meta_path, meta, bomb, decoded_size=1 << 20, frames=[len(bomb)])
     sizes: list[int] = []
-    real = zstandard.ZstdDecompressor.decompress
+    real = zstandard.ZstdDecompressor.stream_reader
     monkeypatch.setattr(
-        zstandard.ZstdDecompressor, "decompress", lambda *a, **k: sizes.append(memoryview(a[1]).nbytes) or real(*a, **k)
+        zstandard.ZstdDecompressor,
+        "stream_reader",
+        lambda *a, **k: sizes.append(memoryview(a[1]).nbytes) or real(*a, **k),
     )
     with pytest.raises(CorruptCacheError, match=r"frame 0 claims 1073741824 decoded bytes, meta.json records 1048576"):
         store.verified(1)
