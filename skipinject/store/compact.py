@@ -184,10 +184,10 @@ def _rebuilt(entry: Mapping[str, Any], dtype: Any) -> torch.Tensor:
     """The tensor a run or ramp ``entry`` describes, built whole (the save-time check)."""
     import torch
 
-    out = torch.empty(entry["shape"], dtype=dtype)
+    out = torch.zeros(entry["shape"], dtype=dtype)
     build = Recipe.of(entry, {}, dtype)
     for rows in build.blocks():
-        build.write(out, rows)
+        build.write(out, rows, zeroed=True)  # as a hit writes it: into fresh (zero) memory
     return out
 
 
@@ -315,8 +315,10 @@ class Recipe:
         step = max(1, BLOCK_ELEMENTS // per_row)
         return [slice(lo, lo + step) for lo in range(0, self.shape[0], step)]
 
-    def write(self, out: torch.Tensor, rows: slice) -> None:
-        """Write rows ``rows`` of the tensor into ``out`` (the whole tensor's memory)."""
+    def write(self, out: torch.Tensor, rows: slice, *, zeroed: bool = False) -> None:
+        """Write rows ``rows`` of the tensor into ``out`` (the whole tensor's memory). ``zeroed``: ``out``
+        holds zeros already (fresh anonymous memory): runs and ramps then write only what is not zero,
+        so the pages of a mask's padding are never faulted in (reading them maps the kernel's zero page)."""
         import torch
 
         block = out[rows]
@@ -334,9 +336,10 @@ class Recipe:
             for row, (start, end) in enumerate(pairs):
                 begin = min(max(start, 0), width)
                 stop = min(max(end, begin), width)
-                view[row, :begin] = 0
+                if not zeroed:
+                    view[row, :begin] = 0
+                    view[row, stop:] = 0
                 view[row, begin:stop] = 1
-                view[row, stop:] = 0
             return
         import numpy as np
 
@@ -345,12 +348,14 @@ class Recipe:
         for row, (start, top) in enumerate(pairs):  # zeros, then j - start, then top
             begin = min(max(start, 0), width)
             stop = min(max(start + top, begin), width)
-            view[row, :begin] = 0
+            if not zeroed:
+                view[row, :begin] = 0
             if numeric:
                 np.subtract(columns[begin:stop], start, out=view[row, begin:stop], casting="unsafe")
             else:
                 view[row, begin:stop] = torch.from_numpy(columns[begin:stop] - start)
-            view[row, stop:] = top
+            if top or not zeroed:
+                view[row, stop:] = top
 
 
 def _writable(block: torch.Tensor) -> Any:

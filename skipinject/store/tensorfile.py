@@ -252,8 +252,10 @@ def _restore(
     """Widen narrowed tensors back to their dtype and rebuild derived ones, into one fresh anonymous
     mapping (huge pages where the kernel gives them: writing fresh memory is most of a compressed
     hit, and 4 KiB page faults cost several times the writes on a VM), block by block in threads
-    (torch's conversions and comparisons release the GIL). Each byte is written once: a
-    concatenation copies its parts straight from their stored (narrower) bytes."""
+    (torch's conversions and copies release the GIL). Each byte is written at most once: a
+    concatenation copies its parts straight from their stored (narrower) bytes, and the zeros of
+    masks and position ids are not written at all (fresh anonymous memory reads as zeros, and its
+    pages that stay zero are never faulted in)."""
     import torch
 
     stored = dict(tensors)
@@ -282,7 +284,7 @@ def _restore(
     for number, (entry, recipe) in enumerate(zip(derived, recipes, strict=True), start=len(widened)):
         out = tensors[entry["name"]] = slot(number, recipe.dtype, recipe.shape)
         if out.numel():
-            jobs.extend(partial(recipe.write, out, rows) for rows in recipe.blocks())
+            jobs.extend(partial(recipe.write, out, rows, zeroed=True) for rows in recipe.blocks())
     if sum(sizes) < _THREADED_MIN_BYTES or workers() == 1:
         for job in jobs:
             job()

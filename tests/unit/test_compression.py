@@ -694,3 +694,32 @@ def test_cache_show_prints_stored_and_decoded_sizes(tmp_path: Path, capsys: pyte
 
 def stored_of(store: StepStore, step: int) -> int:
     return sum(int(spec["size"]) for _, spec in store.named_files(step, store.read_meta(step)))
+
+
+def test_a_hit_writes_no_zeros_into_the_fresh_memory_of_masks_and_position_ids() -> None:
+    """Fresh anonymous memory reads as zeros: the rebuilt padding is left untouched (its pages never
+    faulted in), and only a buffer not known to be zero gets its zeros written."""
+    from skipinject.store.compact import Recipe
+
+    tensors = padded_batch()
+    for name, key in (("attention_mask", "run"), ("position_ids", "ramp")):
+        entry = {"name": name, "dtype": "int64", "shape": list(tensors[name].shape)}
+        (spec,) = [e["derive"] for e in _plan_index(tensors) if e["name"] == name]
+        assert key in spec
+        recipe = Recipe.of({**entry, "derive": spec}, {}, torch.int64)
+        sentinel = torch.full(tensors[name].shape, -7, dtype=torch.int64)  # a value neither holds
+        for rows in recipe.blocks():
+            recipe.write(sentinel, rows, zeroed=True)
+        zeros, untouched = tensors[name] == 0, sentinel == -7
+        assert bool(zeros[untouched].all()), name  # only zeros left unwritten
+        assert int(untouched.sum()) >= int(zeros.sum()) - len(zeros) > 0, name  # all but a ramp's first 0 a row
+        assert torch.equal(sentinel[~untouched], tensors[name][~untouched]), name
+        for rows in recipe.blocks():
+            recipe.write(sentinel, rows)
+        assert torch.equal(sentinel, tensors[name]), name
+
+
+def _plan_index(tensors: dict[str, Any]) -> list[dict[str, Any]]:
+    from skipinject.store.compact import plan_tensors
+
+    return [{"name": p.name, "derive": p.derive} for p in plan_tensors(tensors) if p.derive is not None]
