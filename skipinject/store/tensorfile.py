@@ -249,10 +249,10 @@ _THREADED_MIN_BYTES = 8 << 20
 def _restore(
     tensors: dict[str, torch.Tensor], widened: list[tuple[str, torch.dtype]], derived: list[dict[str, Any]]
 ) -> None:
-    """Widen narrowed tensors back to their dtype and rebuild derived ones, into one fresh anonymous
-    mapping (huge pages where the kernel gives them: writing fresh memory is most of a compressed
-    hit, and 4 KiB page faults cost several times the writes on a VM), block by block in threads
-    (torch's conversions and copies release the GIL). Each byte is written at most once: a
+    """Widen narrowed tensors back to their dtype and rebuild derived ones, into one fresh private
+    anonymous mapping (filling fresh memory is most of a compressed hit: on a VM its page faults
+    cost several times the writes), block by block in threads (torch's conversions and copies
+    release the GIL). Each byte is written at most once: a
     concatenation copies its parts straight from their stored (narrower) bytes, and the zeros of
     masks and position ids are not written at all (fresh anonymous memory reads as zeros, and its
     pages that stay zero are never faulted in)."""
