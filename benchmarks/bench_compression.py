@@ -162,6 +162,7 @@ def run(args: argparse.Namespace, workdir: Path, url: str | None) -> dict[str, A
         return loaded
 
     measure(figures, "upstream_hit", upstream_load, args.repeat)
+    fresh_floor(figures, tensor_bytes(batch), args.repeat)
     for name in args.local:
         store = StepStore(workdir / f"local-{name}", "rollout", {"bench": True}, compression=parse_compression(name))
         measure_store(figures, f"local_{name}", store, batch, codec, args.repeat)
@@ -187,6 +188,18 @@ def floor(figures: dict[str, Any], store: StepStore, repeat: int) -> None:
     named = store.named_files(step, meta)
     algo = meta["checksum_algo"]
     measure(figures, "floor", lambda: [file_checksum(path, algo) for path, _ in named], repeat)
+
+
+def fresh_floor(figures: dict[str, Any], nbytes: int, repeat: int) -> None:
+    """Allocating and filling as many bytes of fresh memory as the batch's tensors: what any load that
+    builds the tensors anew (pickle's, a compressed hit's) pays at least, whatever it decodes."""
+
+    def fill() -> Any:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer.fill_(1)
+        return buffer
+
+    measure(figures, "fresh_floor", fill, repeat)
 
 
 ROWS = (("save", "save (encode + write/upload + fsync + checksums)"), ("hit", "verified hit, usable"))
@@ -216,6 +229,13 @@ def report(f: dict[str, Any], local: list[str], remote: list[str]) -> str:
         lines.append(
             f"\nFloor of a verified uncompressed hit (map + checksum the stored bytes): {f['floor_ms']:.0f} ms; "
             f"the `none` hit is {f['local_none_hit_ms'] / f['floor_ms']:.2f}x it."
+        )
+    if "fresh_floor_ms" in f and "local_zstd_hit_ms" in f:
+        lines.append(
+            f"Floor of any hit that builds the tensors anew (allocate and fill {f['tensor_mb']:.0f} MB of fresh "
+            f"memory): {f['fresh_floor_ms']:.0f} ms, CPU {f['fresh_floor_cpu_ms']:.0f} ms; the `zstd` hit is "
+            f"{f['local_zstd_hit_ms'] / f['fresh_floor_ms']:.2f}x it (CPU {f['local_zstd_hit_cpu_ms']:.0f} ms), "
+            f"pickle's load {f['upstream_hit_ms'] / f['fresh_floor_ms']:.2f}x (CPU {f['upstream_hit_cpu_ms']:.0f} ms)."
         )
     for name in remote:
         if name != "none" and "s3_none_save_ms" in f and f"s3_{name}_save_ms" in f:

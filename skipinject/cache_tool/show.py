@@ -8,8 +8,9 @@ from typing import Any
 import skipinject.cache_tool.fields as fields
 from skipinject.cache_tool.common import OK, CommandError, existing_dir, writer_text
 from skipinject.cache_tool.plugins import InstalledRoles
-from skipinject.cache_tool.render import emit_json, say, schema, shorten, show_table
+from skipinject.cache_tool.render import emit_json, human_size, say, schema, shorten, show_table
 from skipinject.cache_tool.scan import STEP_RE, classify, load_meta_json, open_step, precheck
+from skipinject.store.compression import expansion
 from skipinject.store.format import META_NAME
 
 
@@ -69,6 +70,7 @@ def describe(
         if found:
             texts[name] = found
     inputs = meta.get("inputs") if isinstance(meta.get("inputs"), list) else None
+    stored = stored_size(meta)
     summary: dict[str, Any] = {
         "path": str(step_dir),
         "role": meta.get("role"),
@@ -81,10 +83,22 @@ def describe(
         "writer": meta.get("writer"),
         "inputs": {"rows": len(inputs), "first": inputs[:rows]} if inputs is not None else None,
         "calls": meta.get("calls") if type(meta.get("calls")) is int else None,
+        "size": stored,
+        "decoded_size": stored + expansion(meta),
         "plugin": roles.plugin_of(str(meta.get("role"))),
         "note": step.note,
     }
     return summary, infos, texts
+
+
+def stored_size(meta: dict[str, Any]) -> int:
+    """Bytes of the data files a (verified) ``meta.json`` names, as stored."""
+    return sum(
+        int(spec.get("size") or 0)
+        for part in meta.get("parts") or []
+        for spec in (part.get("files") or {}).values()
+        if isinstance(spec, dict)
+    )
 
 
 def _decode_tokens(flat: dict[str, Any], tokenizer_path: str, rows: int) -> dict[str, list[str]]:
@@ -125,6 +139,8 @@ def render(
     say(f"{step_dir}")
     parts = len(summary["parts"])
     say(f"  role {summary['role']}, step {summary['step']}, {summary['rows']} rows in {parts} part(s)")
+    stored, decoded = summary["size"], summary["decoded_size"]
+    say(f"  size {human_size(stored)} stored" + ("" if decoded == stored else f" ({human_size(decoded)} decoded)"))
     say(f"  codec {summary['codec']}; created {summary['created']} by {writer_text(summary['writer'] or {})}")
     if summary["plugin"] is not None:
         say(f"  decoded by plugin {summary['plugin']}")

@@ -47,7 +47,11 @@ class StepFiles(Protocol):
     ) -> tuple[mmap.mmap | bytes | bytearray, str]:
         """A data file of part ``sub`` and its checksum: refused (CorruptCacheError) unless it is a
         regular file of exactly ``size`` bytes, checked before a byte is read; tensor files may come
-        back mapped copy-on-write."""
+        back mapped copy-on-write.
+
+        A backend may also offer ``read_decoded(sub, name, spec, algo, make)``: a compressed file
+        decoded as it is read, and the checksum of its stored bytes (an object store's, which
+        decodes while the download streams); without it a compressed file is read whole, then decoded."""
 
     def close(self) -> None: ...
 

@@ -154,23 +154,8 @@ def _run_spec(tensor: torch.Tensor) -> dict[str, Any] | None:
     starts = np.where(ones[np.arange(len(ones)), first], first, 0)
     ends = starts + ones.sum(axis=1)
     spec = {"run": starts.tolist(), "end": ends.tolist()}
-    rebuilt = rebuild_run(spec, list(tensor.shape), tensor.dtype)
+    rebuilt = _rebuilt({"derive": spec, "shape": list(tensor.shape)}, tensor.dtype)
     return spec if np.array_equal(_bits(rebuilt), _bits(tensor)) else None
-
-
-def rebuild_run(spec: Mapping[str, Any], shape: list[int], dtype: Any) -> torch.Tensor:
-    """Rows of ones on ``[run_b, end_b)`` (clipped to the row), zeros elsewhere: one write per one."""
-    import numpy as np
-    import torch
-
-    rows, width = shape
-    out = np.zeros((rows, width), dtype=_numpy_dtype(dtype))
-    starts = np.clip(np.asarray(spec["run"], dtype=np.int64), 0, width).tolist()
-    ends = np.clip(np.asarray(spec["end"], dtype=np.int64), 0, width).tolist()
-    for row, (start, end) in enumerate(zip(starts, ends, strict=True)):
-        if start < end:
-            out[row, start:end] = 1
-    return torch.from_numpy(out)
 
 
 def _ramp(tensor: torch.Tensor) -> dict[str, Any] | None:
@@ -191,28 +176,19 @@ def _ramp_spec(tensor: torch.Tensor) -> dict[str, Any] | None:
     rows = np.arange(len(values))
     starts = np.where(positive[rows, first], first - values[rows, first].astype(np.int64), 0)
     spec = {"ramp": starts.tolist(), "top": values.max(axis=1).astype(np.int64).tolist()}
-    rebuilt = rebuild_ramp(spec, list(tensor.shape), tensor.dtype)
+    rebuilt = _rebuilt({"derive": spec, "shape": list(tensor.shape)}, tensor.dtype)
     return spec if np.array_equal(rebuilt.numpy(), values) else None
 
 
-def rebuild_ramp(spec: Mapping[str, Any], shape: list[int], dtype: Any) -> torch.Tensor:
-    """Row ``b`` = ``clamp(j - ramp_b, 0, top_b)``: zeros, then a ramp, then ``top_b``; one write per element."""
-    import numpy as np
+def _rebuilt(entry: Mapping[str, Any], dtype: Any) -> torch.Tensor:
+    """The tensor a run or ramp ``entry`` describes, built whole (the save-time check)."""
     import torch
 
-    rows, width = shape
-    out = np.empty((rows, width), dtype=_numpy_dtype(dtype))
-    starts = np.asarray(spec["ramp"], dtype=np.int64).tolist()
-    tops = np.asarray(spec["top"], dtype=np.int64).tolist()
-    for row, (start, top) in enumerate(zip(starts, tops, strict=True)):
-        if top < 0:
-            raise ValueError("a ramp with a negative top")
-        begin = min(max(start, 0), width)  # zeros before it
-        stop = min(max(start + top, begin), width)  # the ramp: j - start for j in [begin, stop)
-        out[row, :begin] = 0
-        out[row, begin:stop] = np.arange(begin - start, stop - start)
-        out[row, stop:] = top
-    return torch.from_numpy(out)
+    out = torch.zeros(entry["shape"], dtype=dtype)
+    build = Recipe.of(entry, {}, dtype)
+    for rows in build.blocks():
+        build.write(out, rows, zeroed=True)  # as a hit writes it: into fresh (zero) memory
+    return out
 
 
 def _bfloat16() -> Any:
@@ -258,29 +234,134 @@ def check_rebuilt(entries: list[Mapping[str, Any]], file_bytes: int) -> None:
         raise ValueError(f"its index rebuilds {total} bytes from a {file_bytes}-byte file")
 
 
-def rebuild(entry: Mapping[str, Any], stored: Mapping[str, torch.Tensor], dtype: Any) -> torch.Tensor:
-    """The tensor a ``derive`` entry describes (``stored``: the tensors the file holds, already restored)."""
-    import torch
+#: Elements a rebuilding job writes at a time: a block stays in the caches between the passes over it.
+BLOCK_ELEMENTS = 1 << 19
 
-    derive, shape = entry["derive"], entry["shape"]
-    if type(derive) is not dict:
-        raise ValueError("a derived tensor without a recipe")
-    if "concat" in derive:
-        parts = derive["concat"]
-        if type(parts) is not list or len(parts) != 2 or not all(type(p) is str and p in stored for p in parts):
-            raise ValueError("a concatenation of tensors the file does not hold")
-        left, right = stored[parts[0]], stored[parts[1]]
-        if left.dtype != dtype or right.dtype != dtype:
-            raise ValueError("a concatenation of tensors of another dtype")
-        out = torch.cat([left, right], dim=-1)
-        if list(out.shape) != shape:
-            raise ValueError(f"a concatenation of shape {list(out.shape)}, the index says {shape}")
-        return out
-    keys = ("run", "end") if "run" in derive else ("ramp", "top") if "ramp" in derive else None
-    if keys is None or len(shape) != 2:
-        raise ValueError("an unknown recipe")
-    for key in keys:
-        values = derive.get(key)
-        if type(values) is not list or len(values) != shape[0] or not all(type(v) is int for v in values):
-            raise ValueError(f"a recipe whose {key!r} does not hold one integer per row")
-    return (rebuild_run if keys[0] == "run" else rebuild_ramp)(derive, shape, dtype)
+
+@dataclass
+class Recipe:
+    """A checked ``derive`` entry, ready to write its tensor block by block (rows of its first
+    dimension) into memory the reader allocated: several threads fill one tensor, and nothing is
+    built twice (a concatenation copies its parts straight from the stored, maybe narrower, bytes).
+
+    * ``concat``: ``out[..., :split] = left``, ``out[..., split:] = right``;
+    * ``run``: ``out[b, j] = start_b <= j < end_b``;
+    * ``ramp``: ``out[b, j] = min(max(j - start_b, 0), top_b)``, computed in int64.
+    """
+
+    kind: str
+    shape: list[int]
+    dtype: Any
+    left: torch.Tensor | None = None
+    right: torch.Tensor | None = None
+    first: list[int] | None = None  # per-row starts
+    second: list[int] | None = None  # per-row ends or tops
+
+    @classmethod
+    def of(
+        cls,
+        entry: Mapping[str, Any],
+        sources: Mapping[str, torch.Tensor],
+        dtype: Any,
+        dtypes: Mapping[str, Any] | None = None,
+    ) -> Recipe:
+        """The recipe of ``entry`` (ValueError for anything malformed). ``sources``: the tensors the
+        file stores, as stored; ``dtypes``: their dtypes once restored (default: as stored)."""
+
+        derive, shape = entry["derive"], entry["shape"]
+        if type(derive) is not dict:
+            raise ValueError("a derived tensor without a recipe")
+        if "concat" in derive:
+            parts = derive["concat"]
+            if type(parts) is not list or len(parts) != 2 or not all(type(p) is str and p in sources for p in parts):
+                raise ValueError("a concatenation of tensors the file does not hold")
+            left, right = sources[parts[0]], sources[parts[1]]
+            restored = dtypes or {}
+            if any(restored.get(name, sources[name].dtype) != dtype for name in parts):
+                raise ValueError("a concatenation of tensors of another dtype")
+            if (
+                not shape
+                or list(left.shape[:-1]) != shape[:-1]
+                or list(right.shape[:-1]) != shape[:-1]
+                or left.dim() == 0
+                or right.dim() == 0
+                or left.shape[-1] + right.shape[-1] != shape[-1]
+            ):
+                parts_shown = f"{list(left.shape)} and {list(right.shape)}"
+                raise ValueError(f"a concatenation of shapes {parts_shown} does not make {shape}")
+            return cls("concat", shape, dtype, left=left, right=right)
+        keys = ("run", "end") if "run" in derive else ("ramp", "top") if "ramp" in derive else None
+        if keys is None or len(shape) != 2:
+            raise ValueError("an unknown recipe")
+        columns = []
+        for key in keys:
+            values = derive.get(key)
+            if type(values) is not list or len(values) != shape[0] or not all(type(v) is int for v in values):
+                raise ValueError(f"a recipe whose {key!r} does not hold one integer per row")
+            columns.append(values)
+        if keys[0] == "ramp" and any(top < 0 for top in columns[1]):
+            raise ValueError("a ramp with a negative top")
+        return cls(keys[0], shape, dtype, first=columns[0], second=columns[1])
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _itemsize(_name(self.dtype))
+
+    def blocks(self) -> list[slice]:
+        """Row ranges of the first dimension that together cover the tensor (one for a 1-D tensor)."""
+        if len(self.shape) < 2 or not self.shape[0]:
+            return [slice(None)]
+        per_row = max(1, math.prod(self.shape[1:]))
+        step = max(1, BLOCK_ELEMENTS // per_row)
+        return [slice(lo, lo + step) for lo in range(0, self.shape[0], step)]
+
+    def write(self, out: torch.Tensor, rows: slice, *, zeroed: bool = False) -> None:
+        """Write rows ``rows`` of the tensor into ``out`` (the whole tensor's memory). ``zeroed``: ``out``
+        holds zeros already (fresh anonymous memory): runs and ramps then write only what is not zero,
+        so the pages of a mask's padding are never faulted in (reading them maps the kernel's zero page)."""
+        import torch
+
+        block = out[rows]
+        if self.kind == "concat":
+            assert self.left is not None and self.right is not None
+            split = self.left.shape[-1]
+            block[..., :split].copy_(self.left[rows])
+            block[..., split:].copy_(self.right[rows])
+            return
+        assert self.first is not None and self.second is not None
+        width = self.shape[1]
+        view = _writable(block)
+        pairs = zip(self.first[rows], self.second[rows], strict=True)
+        if self.kind == "run":  # each row: zeros, ones on [start, end), zeros; every element written once
+            for row, (start, end) in enumerate(pairs):
+                begin = min(max(start, 0), width)
+                stop = min(max(end, begin), width)
+                if not zeroed:
+                    view[row, :begin] = 0
+                    view[row, stop:] = 0
+                view[row, begin:stop] = 1
+            return
+        import numpy as np
+
+        columns = np.arange(width, dtype=np.int64)
+        numeric = isinstance(view, np.ndarray)
+        for row, (start, top) in enumerate(pairs):  # zeros, then j - start, then top
+            begin = min(max(start, 0), width)
+            stop = min(max(start + top, begin), width)
+            if not zeroed:
+                view[row, :begin] = 0
+            if numeric:
+                np.subtract(columns[begin:stop], start, out=view[row, begin:stop], casting="unsafe")
+            else:
+                view[row, begin:stop] = torch.from_numpy(columns[begin:stop] - start)
+            if top or not zeroed:
+                view[row, stop:] = top
+
+
+def _writable(block: torch.Tensor) -> Any:
+    """``block`` as a numpy array sharing its memory (per-row slice writes cost a tenth of torch's),
+    or the tensor itself for dtypes numpy lacks (bfloat16)."""
+    try:
+        return block.numpy()
+    except TypeError:
+        return block

@@ -18,9 +18,10 @@ bucket is the store's own access control. ``file://`` URLs are plain local paths
 from __future__ import annotations
 
 import contextlib
+import mmap
 import posixpath
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -47,6 +48,10 @@ if TYPE_CHECKING:
 #: chunk). Large: some servers (moto, and any that do not index objects) pay for a ranged read in
 #: proportion to the whole object; at most this much is held twice while it is copied.
 READ_CHUNK = 128 << 20
+#: Bytes requested at a time when a compressed file is read: its frames are decoded as they come,
+#: so a smaller request lets decoding start sooner; the stored bytes held are about this plus the
+#: frames being decoded.
+STREAM_CHUNK = 8 << 20
 #: Bytes handed to an upload at a time (see :class:`_Pieces`).
 WRITE_PIECE = 8 << 20
 #: An object store gives no process ids to ask whether a writer is alive: a data file no
@@ -244,22 +249,73 @@ class _RemoteStep:
         return buffer
 
     def read(self, sub: str, name: str, size: object, kind: str, algo: str) -> tuple[bytes | bytearray, str]:
-        location = self.directory / sub / name if sub else self.directory / name
+        location = self._location(sub, name)
+        with self._reading(location, size) as size:
+            hasher = _Hasher(algo)
+            data = self._stream(location, size, hasher)
+        return (data if kind == "tensors" else bytes(data)), hasher.hexdigest()  # tensors are views of it
+
+    def read_decoded(
+        self, sub: str, name: str, spec: Mapping[str, Any], algo: str, make: Callable[[int], mmap.mmap | bytearray]
+    ) -> tuple[mmap.mmap | bytearray, str]:
+        """A compressed data file decoded while it downloads, and the checksum of its stored bytes
+        (the caller discards the decoded bytes unless it matches): requested in
+        :data:`STREAM_CHUNK` pieces, each complete frame decompressed in a thread while the next
+        piece arrives; the whole stored file is never held. Same size and frame checks as a read; a
+        file whose stored bytes do not match ``spec["checksum"]`` is reported as such, whatever its
+        frames did."""
+        from skipinject.store.compression import FrameDecoder
+
+        location = self._location(sub, name)
+        with self._reading(location, spec.get("size")) as size:
+            decoder = FrameDecoder(spec, size, location, make)  # type: ignore[arg-type]
+            try:
+                hasher = _Hasher(algo)
+                got = 0
+                failure: CorruptCacheError | None = None
+                with self.fs.open(location.path, "rb", block_size=STREAM_CHUNK, cache_type="none") as handle:
+                    while got < size:
+                        piece = handle.read(min(STREAM_CHUNK, size - got))
+                        if not piece:
+                            break
+                        hasher.update(piece)
+                        got += len(piece)
+                        if failure is None:
+                            try:
+                                decoder.feed(piece)
+                            except CorruptCacheError as exc:  # read on: a changed file is reported as such
+                                failure = exc
+                if got != size:
+                    raise CorruptCacheError(f"{location}: {got} bytes read, meta.json records {size}")
+                if hasher.hexdigest() != spec.get("checksum"):
+                    raise CorruptCacheError(f"{location}: checksum mismatch (the file was damaged or changed)")
+                if failure is not None:
+                    raise failure
+                decoded = decoder.finish()
+            except BaseException:
+                decoder.abandon()
+                raise
+        return decoded, hasher.hexdigest()
+
+    def _location(self, sub: str, name: str) -> RemotePath:
+        return self.directory / sub / name if sub else self.directory / name
+
+    @contextlib.contextmanager
+    def _reading(self, location: RemotePath, size: object) -> Iterator[int]:
+        """Reading ``location``: its size checked against the record first; failures made CorruptCacheErrors."""
         if type(size) is not int or size < 0:
             raise CorruptCacheError(f"{location}: meta.json records no size")
         try:
             found = self._size(location)
             if found != size:
                 raise CorruptCacheError(f"{location}: {found} bytes, meta.json records {size}")
-            hasher = _Hasher(algo)
-            data = self._stream(location, size, hasher)
+            yield size
         except FileNotFoundError as exc:
             raise CorruptCacheError(f"{location}: missing (named by meta.json)") from exc
         except CacheError:
             raise
         except Exception as exc:  # network, permission, memory: not a cache we use
             raise CorruptCacheError(f"{location}: cannot read it ({type(exc).__name__}: {_one_line(exc)})") from exc
-        return (data if kind == "tensors" else bytes(data)), hasher.hexdigest()  # tensors are views of it
 
     def close(self) -> None:
         """Nothing is held open between requests."""

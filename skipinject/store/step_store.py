@@ -311,17 +311,20 @@ class StepStore:
         algo = entry.meta["checksum_algo"]
         for kind, name, spec in named:
             path = entry.directory / sub / name if sub else entry.directory / name
-            data, checksum = files.read(sub, name, spec.get("size"), kind, algo)
-            if "encoding" in spec:  # compressed: decoded once its stored bytes are checked
-                stored = data
-                try:
-                    if checksum != spec.get("checksum"):
-                        raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
-                    data = decompress_into(stored, spec, path, anonymous if kind == "tensors" else bytearray)
-                finally:
-                    close = getattr(stored, "close", None)  # the stored bytes' mapping is done with
-                    if close is not None:
-                        close()
+            make = anonymous if kind == "tensors" else bytearray
+            read_decoded = getattr(files, "read_decoded", None)
+            if "encoding" in spec and read_decoded is not None:  # decoded as it downloads, kept only if intact
+                data, checksum = read_decoded(sub, name, spec, algo, make)
+            else:
+                data, checksum = files.read(sub, name, spec.get("size"), kind, algo)
+                if "encoding" in spec:  # compressed: decoded once its stored bytes are checked
+                    stored = data
+                    try:
+                        if checksum != spec.get("checksum"):
+                            raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
+                        data = decompress_into(stored, spec, path, make)
+                    finally:
+                        _close(stored)  # the stored bytes' mapping is done with
             if kind == "tensors":
                 if isinstance(data, (mmap.mmap, bytearray)) and len(data):
                     entry.mapped[path] = data  # tensors are views of it
@@ -417,6 +420,12 @@ def RemoteStepStore(
     return StepStore(
         cast(Path, project_dir), role, context, backend=FsspecFiles(fs), plugin=plugin, compression=compression
     )
+
+
+def _close(buffer: object) -> None:
+    close = getattr(buffer, "close", None)
+    if close is not None:
+        close()
 
 
 def _short(value: Any, limit: int = 200) -> str:

@@ -7,13 +7,14 @@ import math
 import mmap
 import struct
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.checksums import _Hasher
-from skipinject.store.compact import Plan, check_rebuilt, plan_tensors, rebuild
-from skipinject.store.compression import Compression, Written, workers, write_compressed
+from skipinject.store.compact import BLOCK_ELEMENTS, Plan, Recipe, check_rebuilt, plan_tensors
+from skipinject.store.compression import Compression, Written, anonymous, workers, write_compressed
 from skipinject.store.format import MAX_INDEX_BYTES, TENSOR_ALIGN, TENSOR_DTYPES, TENSORS_MAGIC
 
 if TYPE_CHECKING:
@@ -241,28 +242,63 @@ def _read_tensors(mapped: mmap.mmap | bytearray | None, path: Path) -> dict[str,
     return {entry["name"]: tensors[entry["name"]] for entry in index}
 
 
-#: Below this many elements to widen and rebuild, one thread does it (a pool costs more than it saves).
-_THREADED_MIN_ELEMENTS = 1 << 20
+#: Below this many bytes to widen and rebuild, one thread does it (a pool costs more than it saves).
+_THREADED_MIN_BYTES = 8 << 20
 
 
 def _restore(
     tensors: dict[str, torch.Tensor], widened: list[tuple[str, torch.dtype]], derived: list[dict[str, Any]]
 ) -> None:
-    """Widen narrowed tensors back to their dtype, then rebuild derived ones, in threads (torch's
-    conversions and concatenations release the GIL; each writes fresh memory, which is the cost)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Widen narrowed tensors back to their dtype and rebuild derived ones, into one fresh private
+    anonymous mapping (filling fresh memory is most of a compressed hit: on a VM its page faults
+    cost several times the writes), block by block in threads (torch's conversions and copies
+    release the GIL). Each byte is written at most once: a
+    concatenation copies its parts straight from their stored (narrower) bytes, and the zeros of
+    masks and position ids are not written at all (fresh anonymous memory reads as zeros, and its
+    pages that stay zero are never faulted in)."""
     import torch
 
-    count = sum(tensors[name].numel() for name, _ in widened) + sum(math.prod(e["shape"]) for e in derived)
-    with ThreadPoolExecutor(
-        workers() if count > _THREADED_MIN_ELEMENTS else 1, thread_name_prefix="skipinject"
-    ) as pool:
-        done = pool.map(lambda job: tensors[job[0]].to(job[1]), widened)
-        tensors.update({name: value for (name, _), value in zip(widened, done, strict=True)})
-        stored = dict(tensors)
-        built = pool.map(lambda entry: rebuild(entry, stored, getattr(torch, entry["dtype"])), derived)
-        tensors.update({entry["name"]: value for entry, value in zip(derived, built, strict=True)})
+    stored = dict(tensors)
+    dtypes = dict(widened)
+    recipes = [Recipe.of(entry, stored, getattr(torch, entry["dtype"]), dtypes) for entry in derived]
+    sizes = [stored[name].numel() * torch.empty((), dtype=dtype).element_size() for name, dtype in widened]
+    sizes += [recipe.nbytes for recipe in recipes]
+    arena = anonymous(sum(size + _padding(size) for size in sizes))
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += size + _padding(size)
+
+    def slot(number: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        if not sizes[number]:
+            return torch.empty(shape, dtype=dtype)
+        count = math.prod(shape)
+        return torch.frombuffer(arena, dtype=dtype, count=count, offset=offsets[number]).view(shape)
+
+    jobs: list[Callable[[], object]] = []
+    for number, (name, dtype) in enumerate(widened):
+        source = stored[name].reshape(-1)
+        out = slot(number, dtype, list(source.shape))
+        jobs.extend(partial(_copy_block, out, source, lo) for lo in range(0, source.numel(), BLOCK_ELEMENTS))
+        tensors[name] = out.view(stored[name].shape)
+    for number, (entry, recipe) in enumerate(zip(derived, recipes, strict=True), start=len(widened)):
+        out = tensors[entry["name"]] = slot(number, recipe.dtype, recipe.shape)
+        if out.numel():
+            jobs.extend(partial(recipe.write, out, rows, zeroed=True) for rows in recipe.blocks())
+    if sum(sizes) < _THREADED_MIN_BYTES or workers() == 1:
+        for job in jobs:
+            job()
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers(), thread_name_prefix="skipinject") as pool:
+        for done in [pool.submit(job) for job in jobs]:
+            done.result()
+
+
+def _copy_block(out: torch.Tensor, source: torch.Tensor, lo: int) -> None:
+    """Elements ``[lo, lo + BLOCK_ELEMENTS)`` of flat ``source`` converted into flat ``out``."""
+    out[lo : lo + BLOCK_ELEMENTS].copy_(source[lo : lo + BLOCK_ELEMENTS])
 
 
 def _narrows(stored: str, dtype: str) -> bool:

@@ -56,6 +56,7 @@ def test_bench_compression_quick(tmp_path: Path) -> None:
     assert "| skipinject `zstd`, S3 |" in stdout and "load average" in stdout and "Floor of a verified" in stdout
     assert figures["rows"] == 64 and figures["local_zstd_mb"] < figures["local_none_mb"]
     assert figures["s3_zstd_hit_ms"] > 0 and figures["upstream_hit_ms"] > 0 and figures["floor_ms"] > 0
+    assert figures["fresh_floor_ms"] > 0 and "Floor of any hit that builds the tensors anew" in stdout
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up its files"
 
 

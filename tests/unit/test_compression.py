@@ -17,11 +17,13 @@ from typing import Any
 
 import pytest
 
+from skipinject.cache_tool.render import human_size
 from skipinject.config import role_config
 from skipinject.errors import ConfigError, CorruptCacheError
 from skipinject.store import Payload, RemoteStepStore, StepStore, format
 from skipinject.store.compression import (
     Compression,
+    anonymous,
     compression_for,
     is_network_filesystem,
     parse_compression,
@@ -182,6 +184,82 @@ def test_a_loaded_compressed_tensor_is_private_and_writable(tmp_path: Path) -> N
     assert_same(_load(store, 1).tensors, tensors)
 
 
+def test_a_hit_decompresses_each_frame_straight_into_the_decoded_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No frame goes through a bytes object of its own (copied once more into place)."""
+
+    real = zstandard.ZstdDecompressor
+
+    class InPlaceOnly:
+        def __init__(self) -> None:
+            self.stream_reader = real().stream_reader
+
+        def decompress(self, *args: Any, **kwargs: Any) -> bytes:
+            raise AssertionError("a frame was decompressed into a new bytes object")
+
+    tensors = padded_batch(rows=64, prompt=64, response=2048)
+    store = _store(tmp_path)
+    store.save(1, Payload(tensors=tensors, objects={"k": 1}, rows=64))
+    monkeypatch.setattr(zstandard, "ZstdDecompressor", InPlaceOnly)
+    part = _load(store, 1)
+    assert_same(part.tensors, tensors)
+    assert part.objects == {"k": 1}
+
+
+def test_restored_tensors_are_written_once_into_one_private_mapping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Widened and derived tensors are built block by block, in threads, into one fresh mapping sized
+    for exactly them (no tensor built twice, none allocated on its own), and keep every bit."""
+    import skipinject.store.compact as compact
+    import skipinject.store.tensorfile as tensorfile
+
+    tensors = padded_batch(rows=64, prompt=24, response=40)
+    store = _store(tmp_path)
+    store.save(1, Payload(tensors=tensors, objects={}, rows=64))
+    index = {entry["name"]: entry for entry in _index(store, 1)}
+    restored = [name for name, entry in index.items() if "derive" in entry or "stored_dtype" in entry]
+    assert {"input_ids", "attention_mask", "position_ids", "prompts"} <= set(restored)
+    arenas: list[int] = []
+
+    def counted(size: int) -> Any:
+        arenas.append(size)
+        return anonymous(size)
+
+    monkeypatch.setattr(tensorfile, "anonymous", counted)
+    monkeypatch.setattr(tensorfile, "_THREADED_MIN_BYTES", 0)  # threads and many blocks even here
+    monkeypatch.setattr(compact, "BLOCK_ELEMENTS", 200)
+    monkeypatch.setattr(tensorfile, "BLOCK_ELEMENTS", 200)
+    loaded = _load(store, 1).tensors
+    assert_same(loaded, tensors)
+    wanted = sum(-(-tensors[name].numel() * tensors[name].element_size() // 64) * 64 for name in restored)
+    assert arenas == [wanted]
+    starts = sorted((loaded[name].data_ptr(), loaded[name].numel() * loaded[name].element_size()) for name in restored)
+    assert starts[-1][0] + starts[-1][1] - starts[0][0] <= wanted  # all inside that one mapping
+    loaded["input_ids"][0, 0] = -1  # private: nothing else changes with it
+    assert torch.equal(loaded["prompts"], tensors["prompts"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_decoded_file_is_private_anonymous_memory() -> None:
+    """Not a shared (shmem) mapping, whose page faults cost more than a private one's."""
+    import ctypes
+
+    buffer = anonymous(8 << 20)
+    holder = (ctypes.c_char * 1).from_buffer(buffer)
+    address = ctypes.addressof(holder)
+    del holder
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        low, high = (int(x, 16) for x in line.split()[0].split("-"))
+        if low <= address < high:
+            assert line.split()[1] == "rw-p" and "/dev/zero" not in line, line
+            break
+    else:
+        raise AssertionError("the mapping is not in /proc/self/maps")
+    buffer.close()
+
+
 def test_the_codec_result_round_trips_through_a_compressed_store(tmp_path: Path) -> None:
     """A real TensorDict result (the DataProto batch is one) through the codec and a compressed store."""
     tensordict = pytest.importorskip("tensordict")
@@ -239,6 +317,88 @@ def test_a_batch_larger_than_a_frame_is_many_frames(tmp_path: Path) -> None:
     assert_same(_load(store, 1).tensors, tensors)
 
 
+def _remote_store() -> StepStore:
+    fs, root = open_remote(f"memory://skipinject-tests/{uuid.uuid4().hex}")
+    return RemoteStepStore(root / "project", "toy", {"run": 1}, fs, compression=ZSTD)
+
+
+def test_a_remote_hit_decodes_frames_while_the_download_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames are decompressed as their bytes arrive, in bounded requests; the stored file is never held whole."""
+    import skipinject.store.compression as compression
+    import skipinject.store.remote as remote
+
+    store = _remote_store()
+    noise = torch.randint(0, 1 << 30, (6, format.FRAME_BYTES // 8), dtype=torch.int64)  # 6 frames, incompressible
+    tensors = {**padded_batch(), "noise": noise}
+    store.save(1, Payload(tensors=tensors, objects={"v": 1}, rows=16))
+    events: list[tuple[str, int]] = []
+    monkeypatch.setattr(remote, "STREAM_CHUNK", 1 << 20)
+
+    def whole(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a compressed file was read whole before decoding")
+
+    monkeypatch.setattr(remote._RemoteStep, "_stream", whole)
+    real_feed, real_decode = compression.FrameDecoder.feed, compression.FrameDecoder._decode_frame
+
+    def feed(self: Any, data: Any) -> None:
+        events.append(("read", memoryview(data).nbytes))
+        real_feed(self, data)
+
+    def decode(self: Any, number: int, frame: Any) -> None:
+        events.append(("decode", number))
+        real_decode(self, number, frame)
+
+    monkeypatch.setattr(compression.FrameDecoder, "feed", feed)
+    monkeypatch.setattr(compression.FrameDecoder, "_decode_frame", decode)
+    part = _load(store, 1)
+    assert_same(part.tensors, tensors)
+    assert part.objects == {"v": 1}
+    reads = [i for i, (kind, _) in enumerate(events) if kind == "read"]
+    decodes = [i for i, (kind, number) in enumerate(events) if kind == "decode" and number == 0]
+    assert max(size for kind, size in events if kind == "read") <= 1 << 20
+    assert len(reads) > 8 and decodes[0] < reads[-4]  # frame 0 decoded long before the last pieces came
+    frames = sum(len(spec["frames"]) for _, spec in store.named_files(1, store.read_meta(1)))
+    assert sum(1 for kind, _ in events if kind == "decode") == frames >= 4
+
+
+@pytest.mark.parametrize(
+    ("forge", "message"),
+    [
+        ("bomb", r"frame 0 claims 1073741824 decoded bytes, meta.json records 1048576"),
+        ("liar", "frame 0 is damaged"),
+        ("flip", "checksum mismatch"),
+        ("short", "frame table does not match"),
+    ],
+)
+def test_a_hostile_remote_file_is_refused_while_it_streams(forge: str, message: str) -> None:
+    from skipinject.store.checksums import _digest
+
+    store = _remote_store()
+    store.save(1, Payload(tensors=padded_batch(), objects={}, rows=16))
+    fs = store.backend.fs  # type: ignore[attr-defined]
+    meta_key = store.step_dir(1).path + "/meta.json"  # type: ignore[attr-defined]
+    meta = json.loads(fs.cat_file(meta_key))
+    spec = meta["parts"][0]["files"]["tensors"]
+    key = store.step_dir(1).path + "/" + spec["name"]  # type: ignore[attr-defined]
+    data = fs.cat_file(key)
+    if forge == "flip":
+        fs.pipe_file(key, data[:-1] + bytes([data[-1] ^ 1]))
+    else:
+        if forge == "bomb":
+            data, decoded = _frame_claiming(bytes(1 << 20), 1 << 30), 1 << 20
+        elif forge == "liar":
+            data, decoded = _frame_claiming(bytes(1 << 20), 1000), 1000
+        else:
+            decoded = spec["decoded_size"] + format.FRAME_BYTES
+        fs.pipe_file(key, data)
+        frames = [len(data)] if forge != "short" else spec["frames"]
+        spec.update(size=len(data), checksum=_digest(data, meta["checksum_algo"]), decoded_size=decoded, frames=frames)
+        meta["meta_checksum"] = format.meta_digest(meta)
+        fs.pipe_file(meta_key, json.dumps(meta).encode())
+    with pytest.raises(CorruptCacheError, match=message):
+        store.verified(1)
+
+
 # ---------------------------------------------------------------- hostile files
 
 
@@ -281,9 +441,11 @@ def test_a_frame_claiming_more_than_its_recorded_size_is_refused_before_decompre
     bomb = _frame_claiming(bytes(1 << 20), 1 << 30)
     _replace_tensor_file(store, meta_path, meta, bomb, decoded_size=1 << 20, frames=[len(bomb)])
     sizes: list[int] = []
-    real = zstandard.ZstdDecompressor.decompress
+    real = zstandard.ZstdDecompressor.stream_reader
     monkeypatch.setattr(
-        zstandard.ZstdDecompressor, "decompress", lambda *a, **k: sizes.append(memoryview(a[1]).nbytes) or real(*a, **k)
+        zstandard.ZstdDecompressor,
+        "stream_reader",
+        lambda *a, **k: sizes.append(memoryview(a[1]).nbytes) or real(*a, **k),
     )
     with pytest.raises(CorruptCacheError, match=r"frame 0 claims 1073741824 decoded bytes, meta.json records 1048576"):
         store.verified(1)
@@ -358,6 +520,9 @@ def _forged_index(entries: list[dict[str, Any]]) -> bytes:
         ({"name": "m", "dtype": "int64", "shape": [2, 3], "derive": {"run": [0], "end": [1]}}, "one integer per row"),
         ({"name": "m", "dtype": "int64", "shape": [2, 3], "derive": {"concat": ["a", "b"]}}, "does not hold"),
         ({"name": "m", "dtype": "int64", "shape": [2, 3], "derive": {"exec": "rm -rf"}}, "unknown recipe"),
+        ({"name": "m", "dtype": "int64", "shape": [1, 3], "derive": {"ramp": [0], "top": [-1]}}, "negative top"),
+        ({"name": "m", "dtype": "int64", "shape": [1, 3], "derive": {"ramp": [-(1 << 70)], "top": [9]}}, "damaged"),
+        ({"name": "m", "dtype": "int16", "shape": [1, 3], "derive": {"ramp": [0], "top": [1 << 40]}}, "damaged"),
         ({"name": "m", "dtype": "float32", "shape": [1], "offset": 0, "nbytes": 1, "stored_dtype": "uint8"}, "stored"),
     ],
 )
@@ -504,3 +669,57 @@ def test_jagged_tensors_round_trip_through_a_compressed_store(tmp_path: Path) ->
     loaded = codec.decode(_load(store, 1))["responses"]
     assert loaded.values().dtype == torch.int64 and torch.equal(loaded.values(), values)
     assert loaded.offsets().dtype == torch.int64 and torch.equal(loaded.offsets(), offsets)
+
+
+def test_cache_show_prints_stored_and_decoded_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from skipinject.cache_tool import main
+
+    dump = tmp_path / "dump"
+    plain, packed = _layout_store(dump), _layout_store(dump, ZSTD)
+    plain.save(1, Payload(tensors=padded_batch(), objects={}, rows=16))
+    packed.save(2, Payload(tensors=padded_batch(), objects={}, rows=16))
+    sizes = {}
+    for step, store in ((1, plain), (2, packed)):
+        files = json.loads((store.step_dir(step) / "meta.json").read_text())["parts"][0]["files"].values()
+        stored = sum(spec["size"] for spec in files)
+        decoded = sum(spec.get("decoded_size", spec["size"]) for spec in files)
+        assert main(["show", str(store.step_dir(step)), "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert (doc["size"], doc["decoded_size"]) == (stored, decoded)
+        assert main(["show", str(store.step_dir(step))]) == 0
+        sizes[step] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  size ")]
+    assert sizes[1] == [f"  size {human_size(stored_of(plain, 1))} stored"], sizes
+    assert len(sizes[2]) == 1 and sizes[2][0].endswith(" decoded)") and decoded > stored, sizes
+
+
+def stored_of(store: StepStore, step: int) -> int:
+    return sum(int(spec["size"]) for _, spec in store.named_files(step, store.read_meta(step)))
+
+
+def test_a_hit_writes_no_zeros_into_the_fresh_memory_of_masks_and_position_ids() -> None:
+    """Fresh anonymous memory reads as zeros: the rebuilt padding is left untouched (its pages never
+    faulted in), and only a buffer not known to be zero gets its zeros written."""
+    from skipinject.store.compact import Recipe
+
+    tensors = padded_batch()
+    for name, key in (("attention_mask", "run"), ("position_ids", "ramp")):
+        entry = {"name": name, "dtype": "int64", "shape": list(tensors[name].shape)}
+        (spec,) = [e["derive"] for e in _plan_index(tensors) if e["name"] == name]
+        assert key in spec
+        recipe = Recipe.of({**entry, "derive": spec}, {}, torch.int64)
+        sentinel = torch.full(tensors[name].shape, -7, dtype=torch.int64)  # a value neither holds
+        for rows in recipe.blocks():
+            recipe.write(sentinel, rows, zeroed=True)
+        zeros, untouched = tensors[name] == 0, sentinel == -7
+        assert bool(zeros[untouched].all()), name  # only zeros left unwritten
+        assert int(untouched.sum()) >= int(zeros.sum()) - len(zeros) > 0, name  # all but a ramp's first 0 a row
+        assert torch.equal(sentinel[~untouched], tensors[name][~untouched]), name
+        for rows in recipe.blocks():
+            recipe.write(sentinel, rows)
+        assert torch.equal(sentinel, tensors[name]), name
+
+
+def _plan_index(tensors: dict[str, Any]) -> list[dict[str, Any]]:
+    from skipinject.store.compact import plan_tensors
+
+    return [{"name": p.name, "derive": p.derive} for p in plan_tensors(tensors) if p.derive is not None]
