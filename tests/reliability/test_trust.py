@@ -326,7 +326,8 @@ def _dotted(node: ast.AST) -> str:
 
 
 def test_source_never_unpickles(ledger: Any) -> None:
-    """Every ``torch.load`` in skipinject/ passes ``weights_only=True``; no pickle/np.load/load_memmap at all."""
+    """Every ``torch.load`` in skipinject/ passes ``weights_only=True`` and every ``np.load``
+    ``allow_pickle=False`` (the match row index, a hint checked before use); no pickle/load_memmap at all."""
     bad: list[str] = []
     files = sorted(PACKAGE.rglob("*.py"))
     loads = 0
@@ -349,12 +350,14 @@ def test_source_never_unpickles(ledger: Any) -> None:
                     bad.append(f"{where} without weights_only=True")
             if name.split(".")[-1] in ("load_memmap", "loads") and "json" not in name:
                 bad.append(where)
-            if name.endswith(("np.load", "numpy.load")):
-                bad.append(where)
+            if name.endswith(("np.load", "numpy.load")):  # only as the torch.load rule: never unpickling
+                flag = {k.arg: k.value for k in call.keywords}.get("allow_pickle")
+                if not (isinstance(flag, ast.Constant) and flag.value is False):
+                    bad.append(f"{where} without allow_pickle=False")
     ledger(
         "trust",
         f"source scan of skipinject/ ({len(files)} files): torch.load without weights_only=True, "
-        "pickle/dill/marshal imports, np.load, load_memmap",
+        "pickle/dill/marshal imports, np.load without allow_pickle=False, load_memmap",
         len(files),
         f"torch.load calls: {loads}, all weights_only=True; unpickling calls: {len(bad)}",
         len(bad),
