@@ -132,7 +132,9 @@ rules is neither loaded from nor saved into (checked again after a save creates 
 a directory another user pre-created, e.g. 0777, is never written into); this is said in one line
 when the run first opens the store, not once per step. A `dump_dir` that is a FIFO, `/dev/null` or a
 regular file is one such line too. `skipinject cache` lists such steps as `untrusted`, a state of
-their own (`prune --damaged` leaves them).
+their own (`prune --damaged` leaves them), and checks the path it is given the same way: `ls` and
+`verify` list every step under a redirectable path as `untrusted`, and `prune`, `compact` and
+`import` refuse such a path in one line (exit 2) before anything is resolved or changed.
 
 ## Links, races, names and bounds
 
