@@ -1,17 +1,28 @@
-"""Shared fixtures of the end-to-end runs: the CPU harness and its tiny local assets, and the two
+"""Shared fixtures of the end-to-end runs: the CPU harness and its tiny local assets, and the
 fixtures several test modules share (each costs minutes, so it is built once per session):
 
 * :func:`installed_env`: the release wheels installed, with the documented command, into a fresh
   virtual environment that already holds real verl (``test_install.py`` checks the installation);
 * :func:`v0_runs`: the V0 ``main_ppo`` pair (run 1 misses and caches, run 2 hits) of the rollout,
   advantage and reward roles, run by that environment's python -- so the pair is at once the
-  installed wheels' real run (``test_install.py``) and the V0 roles' proof (``test_rollout_e2e.py``).
+  installed wheels' real run (``test_install.py``), the V0 roles' proof (``test_rollout_e2e.py``)
+  and the recording the V0 ``match`` run and the ``repeat`` run are served from;
+* :func:`async_recording`: run 1 of the fully async trainer (``match`` on an empty cache: it records
+  like ``cache``), which the fully async ``cache`` run and ``match`` run are served from.
+
+A test that serves a later run from a shared recording copies its dump dir first
+(:func:`copy_dump`): no test sees what another test's run wrote.
+
+The environments of the older verls the session's matrix tests need are built in the background
+from the start of the session (pip, mostly one core, beside the runs before them, which mostly use
+one core too): the matrix fixture's own build then waits for it and finds it done.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -28,6 +39,35 @@ if str(HARNESS_DIR) not in sys.path:
     sys.path.insert(0, str(HARNESS_DIR))
 
 import harness  # noqa: E402
+
+_BACKGROUND_BUILDS: list[subprocess.Popen[bytes]] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building the environments of the older verls the chosen matrix tests need."""
+    from tests.verl_matrix import envs
+    from tests.verl_matrix.pairs import Pair
+
+    versions = set()
+    for item in session.items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or item.get_closest_marker("skip"):
+            continue
+        versions.update(p.version for p in callspec.params.values() if isinstance(p, Pair))
+    for version in sorted(versions):
+        if envs.is_built(version):
+            continue
+        log = session.config.rootpath / ".venvs" / f"verl-{version}.build.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as out:
+            command = [sys.executable, str(Path(envs.__file__)), version]
+            _BACKGROUND_BUILDS.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for build in _BACKGROUND_BUILDS:
+        build.wait()
+
 
 SKIPINJECT_MAIN_PPO = (sys.executable, "-m", "skipinject", "-m", "verl.trainer.main_ppo")
 SKIPINJECT_FULLY_ASYNC = (
@@ -51,6 +91,29 @@ def skip_lines(proc: Any, role: str) -> list[str]:
         for line in (proc.stdout + proc.stderr).splitlines()
         if "skipinject " in line and f" {role} step " in line
     ]
+
+
+def copy_dump(dump: Path, target: Path) -> Path:
+    """A private copy of a shared recording's dump dir (modes and times kept) for a run that may write."""
+    shutil.copytree(dump, target, symlinks=True)
+    return target
+
+
+def launch(
+    assets: Any, tmp: Path, name: str, overrides: list[str], *, fully_async: bool = False, timeout: float = 900
+) -> tuple[Any, list[dict]]:
+    """One run under ``python -m skipinject`` (this set-up's install): rc 0 asserted, output kept in
+    ``tmp/{name}.stdout.txt`` / ``.stderr.txt``; returns it and its generation records."""
+    gen_log = tmp / f"{name}.gen.jsonl"
+    run = harness.run_fully_async if fully_async else harness.run_main_ppo
+    launcher = SKIPINJECT_FULLY_ASYNC if fully_async else SKIPINJECT_MAIN_PPO
+    proc = run(
+        assets, overrides, gen_log=gen_log, launcher=launcher, timeout=timeout, env_extra={"RAY_DEDUP_LOGS": "0"}
+    )
+    (tmp / f"{name}.stdout.txt").write_text(proc.stdout)
+    (tmp / f"{name}.stderr.txt").write_text(proc.stderr)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc, harness.generate_calls(gen_log)
 
 
 def rollout_records(directory: Path) -> dict[int, list[dict]]:
@@ -216,3 +279,39 @@ def v0_runs(assets: Any, installed_env: InstalledEnv, tmp_path_factory: pytest.T
         procs.append(proc)
         calls.append(harness.count_generate_calls(gen_log))
     return V0Runs(tmp, dump, procs[0], procs[1], (calls[0], calls[1]))
+
+
+# -- the fully async recording ------------------------------------------------------------
+
+#: Prompts the fully async runs feed, one at a time (each a chosen step: feed index 1-4).
+ASYNC_PROMPTS = 4
+
+
+def async_overrides(assets: Any, dump: Path, *extra: str) -> list[str]:
+    """The fully async runs: 4 prompts fed one at a time, all chosen, two trainer steps."""
+    return harness.fully_async_overrides(
+        assets,
+        total_rollout_steps=ASYNC_PROMPTS,
+        dump_dir=dump,
+        extra=["skip.async_rollout.enable=True", f"skip.async_rollout.steps=[1-{ASYNC_PROMPTS}]", *extra],
+    )
+
+
+@dataclass
+class AsyncRecording:
+    tmp: Path
+    dump: Path
+    first: Any
+    generated: list[dict]
+
+
+@pytest.fixture(scope="session")
+def async_recording(assets: Any, tmp_path_factory: pytest.TempPathFactory) -> AsyncRecording:
+    """Run 1 of the fully async trainer with ``action=match`` and nothing cached: every feed index
+    generates and is saved as ``cache`` saves it (row keys included)."""
+    tmp = tmp_path_factory.mktemp("async")
+    dump = tmp / "dump"
+    first, generated = launch(
+        assets, tmp, "async1", async_overrides(assets, dump, "skip.async_rollout.action=match"), fully_async=True
+    )
+    return AsyncRecording(tmp, dump, first, generated)

@@ -1,9 +1,11 @@
-"""``skip.rollout.action=match`` on real verl 0.9.1 (V0 trainer, agent loop, CPU): one pair of short runs.
+"""``action=match`` on real verl 0.9.1 (agent loop, CPU): the V0 trainer and the fully async one.
 
-Run 1 (``match`` with an empty cache: it behaves like ``cache``) generates and saves steps 1-3.
-Run 2 draws its batches with another data seed: at each step it serves the prompts run 1 saw and
-generates exactly the others (the CPU rollout logs every sequence it generates, with a digest of
-its prompt), and trains on responses that belong to its own prompts.
+Each ``match`` run is served from a copy of a recording the session makes once
+(:mod:`tests.e2e.conftest`): run 1 of the V0 pair (``cache``, steps 1-2) and the fully async run 1
+(``match`` with nothing cached: it records as ``cache`` does). The ``match`` run draws its prompts
+with another data seed: at each step it serves the prompts run 1 saw and generates exactly the others
+(the CPU rollout logs every sequence it generates, with a digest of its prompt), and trains on
+responses that belong to its own prompts.
 """
 
 from __future__ import annotations
@@ -16,35 +18,22 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import SKIPINJECT_MAIN_PPO, harness, rollout_records, skip_lines
+from tests.e2e.conftest import (
+    ASYNC_PROMPTS,
+    AsyncRecording,
+    V0Runs,
+    async_overrides,
+    copy_dump,
+    harness,
+    launch,
+    rollout_records,
+    skip_lines,
+)
 
 pytestmark = pytest.mark.e2e
 
+#: Steps of the V0 ``match`` run (the recording holds steps 1-2: step 3 is no cached step).
 STEPS = 3
-
-
-def _run(assets: Any, tmp: Path, dump: Path, name: str, *extra: str) -> tuple[Any, list[dict]]:
-    gen_log = tmp / f"{name}.gen.jsonl"
-    overrides = harness.main_ppo_overrides(
-        assets,
-        use_v1=False,
-        total_steps=STEPS,
-        dump_dir=dump,
-        extra=[
-            "skip.rollout.enable=True",
-            "skip.rollout.steps=[1-3]",
-            "skip.rollout.action=match",
-            f"trainer.rollout_data_dir={tmp / name}",
-            *extra,
-        ],
-    )
-    proc = harness.run_main_ppo(
-        assets, overrides, gen_log=gen_log, launcher=SKIPINJECT_MAIN_PPO, timeout=900, env_extra={"RAY_DEDUP_LOGS": "0"}
-    )
-    (tmp / f"{name}.stdout.txt").write_text(proc.stdout)
-    (tmp / f"{name}.stderr.txt").write_text(proc.stderr)
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc, harness.generate_calls(gen_log)
 
 
 def _prompt_text(record: dict) -> str:
@@ -53,20 +42,33 @@ def _prompt_text(record: dict) -> str:
     return (match.group(1) if match else record["input"]).strip()
 
 
-def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(assets: Any, tmp_path: Path):
-    dump = tmp_path / "dump"
-    first, generated_1 = _run(assets, tmp_path, dump, "run1")
-    layout = harness.cache_dir(dump)
-    lines = skip_lines(first, "rollout")
-    assert sum("match: no row of this call cached" in line for line in lines) == STEPS, lines
-    assert sorted(p.name for p in layout.iterdir() if p.name.isdigit()) == ["1", "2", "3"], "saved like cache"
-    rows = [json.loads((layout / str(s) / "meta.json").read_text())["rows"] for s in (1, 2, 3)]
-    assert rows == [harness.TRAIN_BATCH * harness.ROLLOUT_N] * STEPS
+def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
+    assets: Any, v0_runs: V0Runs, tmp_path: Path
+):
+    recorded = harness.cache_dir(v0_runs.dump)
+    rows = [json.loads((recorded / str(s) / "meta.json").read_text())["rows"] for s in (1, 2)]
+    assert rows == [harness.TRAIN_BATCH * harness.ROLLOUT_N] * 2
+    generated_1 = harness.generate_calls(v0_runs.tmp / "run1.gen.jsonl")
     assert len(generated_1) == sum(rows), "nothing cached: every sequence generated"
 
-    second, generated_2 = _run(assets, tmp_path, dump, "run2", "data.seed=9")
-    one, two = rollout_records(tmp_path / "run1"), rollout_records(tmp_path / "run2")
-    assert sorted(one) == sorted(two) == [1, 2, 3]
+    dump = copy_dump(v0_runs.dump, tmp_path / "dump")
+    layout = harness.cache_dir(dump)
+    overrides = harness.main_ppo_overrides(
+        assets,
+        use_v1=False,
+        total_steps=STEPS,
+        dump_dir=dump,
+        extra=[
+            "skip.rollout.enable=True",
+            f"skip.rollout.steps=[1-{STEPS}]",
+            "skip.rollout.action=match",
+            f"trainer.rollout_data_dir={tmp_path / 'run2'}",
+            "data.seed=9",
+        ],
+    )
+    second, generated_2 = launch(assets, tmp_path, "run2", overrides)
+    one, two = rollout_records(v0_runs.tmp / "run1"), rollout_records(tmp_path / "run2")
+    assert sorted(one) == [1, 2] and sorted(two) == [1, 2, 3]
     seen = {_prompt_text(r) for step in one.values() for r in step}
     outputs_1 = collections.defaultdict(list)
     for step in one.values():
@@ -100,41 +102,31 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(as
     assert sorted(p.name for p in layout.iterdir() if p.name.isdigit()) == ["1", "2", "3"]
 
 
-def test_fully_async_match_serves_a_sample_by_its_prompt_not_its_id(assets: Any, tmp_path: Path):
-    """The fully async Rollouter (one prompt per call, ``n`` sequences): run 1 caches feed indices
-    1-4; run 2 draws other prompts in another order (``data.seed=29``): a sample whose prompt run 1
+def test_fully_async_match_serves_a_sample_by_its_prompt_not_its_id(
+    assets: Any, async_recording: AsyncRecording, tmp_path: Path
+):
+    """The fully async Rollouter (one prompt per call, ``n`` sequences). Run 1 (the session's
+    recording: ``match`` with nothing cached) generates feed indices 1-4 and saves them as ``cache``
+    does; run 2 draws other prompts in another order (``data.seed=29``): a sample whose prompt run 1
     generated, at whatever feed index, is served; only the others are generated."""
-    from tests.e2e.conftest import SKIPINJECT_FULLY_ASYNC
-
-    dump = tmp_path / "dump"
-    runs = []
-    for name, extra in (
-        ("async1", ["skip.async_rollout.action=cache"]),
-        ("async2", ["skip.async_rollout.action=match", "data.seed=29"]),
-    ):
-        overrides = harness.fully_async_overrides(
-            assets,
-            total_rollout_steps=4,
-            dump_dir=dump,
-            extra=["skip.async_rollout.enable=True", "skip.async_rollout.steps=[1-4]", *extra],
-        )
-        gen_log = tmp_path / f"{name}.gen.jsonl"
-        proc = harness.run_fully_async(
-            assets,
-            overrides,
-            gen_log=gen_log,
-            launcher=SKIPINJECT_FULLY_ASYNC,
-            timeout=900,
-            env_extra={"RAY_DEDUP_LOGS": "0"},
-        )
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        runs.append((proc, harness.generate_calls(gen_log)))
-    (_, generated_1), (second, generated_2) = runs
+    generated_1 = async_recording.generated
+    lines = skip_lines(async_recording.first, "async_rollout")
+    assert sum("match: no row of this call cached" in line for line in lines) == ASYNC_PROMPTS, lines
+    recorded = harness.cache_dir(async_recording.dump, gbs=1)
+    steps = sorted(int(p.name) for p in recorded.iterdir() if p.name.isdigit())
+    assert steps == list(range(1, ASYNC_PROMPTS + 1)), "saved like cache"
+    rows = [json.loads((recorded / str(s) / "meta.json").read_text())["rows"] for s in steps]
+    assert rows == [harness.ROLLOUT_N] * ASYNC_PROMPTS
+    assert len(generated_1) == sum(rows), "nothing cached: every sequence generated"
     digests_1 = {call["prompt"] for call in generated_1}
-    assert len(digests_1) == 4, "run 1 generated 4 prompts"
+    assert len(digests_1) == ASYNC_PROMPTS, "run 1 generated 4 prompts"
+
+    dump = copy_dump(async_recording.dump, tmp_path / "dump")
+    overrides = async_overrides(assets, dump, "skip.async_rollout.action=match", "data.seed=29")
+    second, generated_2 = launch(assets, tmp_path, "async2", overrides, fully_async=True)
     per_prompt = collections.Counter(call["prompt"] for call in generated_2)
     assert not set(per_prompt) & digests_1, "a prompt run 1 generated was generated again"
     assert set(per_prompt.values()) <= {harness.ROLLOUT_N}
     served = [line for line in skip_lines(second, "async_rollout") if "rows served from" in line]
-    assert len(served) == 4 - len(per_prompt) and served, (served, per_prompt)
+    assert len(served) == ASYNC_PROMPTS - len(per_prompt) and served, (served, per_prompt)
     assert all("target not called" in line for line in served), "a sample's n rows are served together"

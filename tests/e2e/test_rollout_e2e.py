@@ -18,13 +18,17 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import (
-    SKIPINJECT_FULLY_ASYNC,
-    SKIPINJECT_MAIN_PPO,
+    ASYNC_PROMPTS,
     USER_ROLES,
+    AsyncRecording,
     V0Runs,
+    async_overrides,
+    copy_dump,
     harness,
+    launch,
     rollout_records,
     skip_lines,
+    v0_overrides,
 )
 from tests.integration.test_cache_tool import check_real_dump
 
@@ -33,14 +37,6 @@ pytestmark = pytest.mark.e2e
 #: Statistics that do not depend on response order: scores summed over tokens; GRPO gives every token
 #: of a row the same advantage, so token-masked max/min are the rows' max/min.
 _METRIC = re.compile(r"(critic/(?:score/(?:mean|max|min)|(?:advantages|returns)/(?:max|min))):(-?[0-9.e+-]+)")
-
-
-def _run(assets: Any, tmp: Path, name: str, overrides: list[str], launcher=SKIPINJECT_MAIN_PPO, runner=None) -> Any:
-    gen_log = tmp / f"{name}.gen.jsonl"
-    run = runner or harness.run_main_ppo
-    proc = run(assets, overrides, gen_log=gen_log, launcher=launcher, timeout=900, env_extra={"RAY_DEDUP_LOGS": "0"})
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc, harness.count_generate_calls(gen_log)
 
 
 def trained_metrics(proc: Any) -> list[dict[str, float]]:
@@ -92,45 +88,43 @@ def test_v0_user_roles_cache_then_hit(v0_runs: V0Runs):
 
 
 def test_cache_tool_on_the_v0_runs_caches(assets: Any, v0_runs: V0Runs, tmp_path: Path):
-    """``skipinject cache ls/verify/show/diff/prune`` on what the V0 runs (rollout + user roles) wrote."""
+    """``skipinject cache ls/verify/show/diff/prune`` on what the V0 runs (rollout + user roles) wrote, each
+    command a ``python -m skipinject cache`` process of its own (the other real dumps: one process for all)."""
     check_real_dump(v0_runs.dump, {"rollout", *USER_ROLES}, tmp_path, tokenizer=assets.model_dir)
 
 
-def test_v0_repeat_serves_nearest_step_reports_other_prompts_and_never_skips_validation(assets: Any, v0_runs: V0Runs):
-    third, calls = _run(
+def test_v0_repeat_serves_nearest_step_reports_other_prompts_and_never_skips_validation(
+    assets: Any, v0_runs: V0Runs, tmp_path: Path
+):
+    dump = copy_dump(v0_runs.dump, tmp_path / "dump")  # the V0 pair's steps 1-2
+    overrides = v0_overrides(
         assets,
-        v0_runs.tmp,
+        tmp_path,
+        dump,
         "run3",
-        v0_runs.overrides(
-            assets,
-            "run3",
-            3,
-            "skip.rollout.steps=[1,2,3]",
-            "skip.rollout.action=repeat",
-            "trainer.val_before_train=True",
-        ),
+        3,
+        "skip.rollout.steps=[1,2,3]",
+        "skip.rollout.action=repeat",
+        "trainer.val_before_train=True",
     )
+    third, generated = launch(assets, tmp_path, "run3", overrides)
     lines = skip_lines(third, "rollout")
     assert any("rollout step 3: hit, served step 2 (repeat: largest cached step below 3)" in line for line in lines)
     assert sum("other inputs" in line for line in lines) >= 1, "serving step 2's responses at step 3 must be reported"
-    assert calls > 0, "every training step hit, so these generations are validation's: never skipped"
-    assert not (harness.cache_dir(v0_runs.dump) / "3").exists(), "a repeat hit does not write a new step"
+    assert generated, "every training step hit, so these generations are validation's: never skipped"
+    assert not (harness.cache_dir(dump) / "3").exists(), "a repeat hit does not write a new step"
 
 
-def test_fully_async_rollout_cache_then_hit(assets: Any, tmp_path: Path):
-    dump = tmp_path / "dump"
-    # Two prompts fed one at a time: two cached samples, one trainer step (a mini-batch of both).
-    overrides = harness.fully_async_overrides(
-        assets,
-        total_rollout_steps=2,
-        dump_dir=dump,
-        extra=["skip.async_rollout.enable=True", "skip.async_rollout.steps=[1,2]"],
+def test_fully_async_rollout_cache_then_hit(assets: Any, async_recording: AsyncRecording, tmp_path: Path):
+    """Run 1 is the session's fully async recording (4 prompts fed one at a time, two trainer steps);
+    run 2, the same command with ``action=cache``, is served all of it from a copy of its dump dir."""
+    assert async_recording.generated, "run 1 generated"
+    layout = harness.cache_dir(async_recording.dump, gbs=1)
+    assert sorted(int(p.name) for p in layout.iterdir() if p.name.isdigit()) == list(range(1, ASYNC_PROMPTS + 1))
+    dump = copy_dump(async_recording.dump, tmp_path / "dump")
+    second, generated_2 = launch(
+        assets, tmp_path, "async2", async_overrides(assets, dump, "skip.async_rollout.action=cache"), fully_async=True
     )
-    _, calls_1 = _run(assets, tmp_path, "async1", overrides, SKIPINJECT_FULLY_ASYNC, harness.run_fully_async)
-    assert calls_1 > 0
-    layout = harness.cache_dir(dump, gbs=1)
-    assert sorted(int(p.name) for p in layout.iterdir()) == [1, 2]
-    second, calls_2 = _run(assets, tmp_path, "async2", overrides, SKIPINJECT_FULLY_ASYNC, harness.run_fully_async)
-    assert calls_2 == 0, "feed indices 1-2 are served from the cache"
-    assert sum("hit, served step" in line for line in skip_lines(second, "async_rollout")) == 2
-    check_real_dump(dump, {"async_rollout"}, tmp_path)
+    assert generated_2 == [], f"feed indices 1-{ASYNC_PROMPTS} are served from the cache"
+    assert sum("hit, served step" in line for line in skip_lines(second, "async_rollout")) == ASYNC_PROMPTS
+    check_real_dump(dump, {"async_rollout"}, tmp_path, one_process=True)
