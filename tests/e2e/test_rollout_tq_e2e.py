@@ -102,7 +102,7 @@ def test_v1_rollout_tq_cache_then_hit(assets: Any, tmp_path: Path, trainer_mode:
     assert sorted(one) == sorted(two) == [1, 2]
     for step in (1, 2):
         assert two[step] == one[step], f"step {step}: run 2 trained on other trajectories than run 1 generated"
-    check_real_dump(dump, {ROLE}, tmp_path)  # `skipinject cache ...` on the k-part steps these runs wrote
+    check_real_dump(dump, {ROLE}, tmp_path, one_process=True)  # `skipinject cache ...` on the k-part steps
 
 
 #: Group filtering's reward: rows 5 and 6 of the data (step 2's submit, unshuffled) score 0 in every
@@ -188,4 +188,4 @@ def test_v1_group_filtering_served_steps_refill_nothing_and_keep_the_dataloader(
         for run in ("run1", "run2")
     }
     assert prompts["run2"][3] == prompts["run1"][3], "step 3 trained on other prompts: the dataloader drifted"
-    check_real_dump(dump, {ROLE}, tmp_path)
+    check_real_dump(dump, {ROLE}, tmp_path, one_process=True)

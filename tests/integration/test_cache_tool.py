@@ -508,10 +508,31 @@ def test_progress_bar_only_on_a_terminal():
 
 
 def check_real_dump(
-    dump: Path, roles: set[str], scratch: Path, tokenizer: Path | None = None, *, in_process: bool = False
+    dump: Path,
+    roles: set[str],
+    scratch: Path,
+    tokenizer: Path | None = None,
+    *,
+    in_process: bool = False,
+    one_process: bool = False,
 ) -> None:
     """Every command on a dump dir a real verl run wrote (through ``python -m skipinject cache``, or
-    in this process with ``in_process``); then on a damaged copy of it."""
+    in this process with ``in_process``); then on a damaged copy of it.
+
+    ``one_process``: every command in one new interpreter, one after another -- a fresh process finds
+    the roles' codecs as a user's ``skipinject cache`` does, for one start-up (most of a command's
+    time: ``show`` and ``diff`` import torch and verl) instead of one per command."""
+    if one_process:
+        args = json.dumps([str(dump), sorted(roles), str(scratch), str(tokenizer) if tokenizer else None])
+        code = (
+            "import json, sys; from pathlib import Path; from tests.integration.test_cache_tool import check_real_dump;"
+            "dump, roles, scratch, tokenizer = json.loads(sys.argv[1]);"
+            "check_real_dump(Path(dump), set(roles), Path(scratch), tokenizer and Path(tokenizer), in_process=True)"
+        )
+        root = Path(__file__).resolve().parents[2]
+        proc = subprocess.run([sys.executable, "-c", code, args], cwd=root, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        return
     import contextlib
     import io
     import shutil
