@@ -18,7 +18,9 @@ differ (verl, numpy, pandas, ...): a build takes well under a minute instead of 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import fcntl
 import hashlib
 import os
 import re
@@ -26,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -167,12 +170,33 @@ def is_built(version: str) -> bool:
     return env_python(version).exists() and stamp.exists() and stamp.read_text() == _digest(version)
 
 
+@contextlib.contextmanager
+def _building(version: str) -> Iterator[None]:
+    """One build of an env at a time: a second caller (the test session's background build and the
+    test that needs the env) waits, then finds it built."""
+    lock = env_dir(version).with_name(env_dir(version).name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def build(version: str, *, quiet: bool = True) -> Path:
     """Create (or bring up to date) the env for ``version``; return its python."""
     if version not in VERSIONS:
         raise SystemExit(f"unknown verl version {version!r}; tested: {', '.join(VERSIONS)}")
     if is_built(version):
         return env_python(version)
+    with _building(version):
+        if not is_built(version):
+            _build(version, quiet=quiet)
+    return env_python(version)
+
+
+def _build(version: str, *, quiet: bool) -> None:
     py = env_python(version)
     q = ["-q"] if quiet else []
     if not py.exists():
@@ -188,7 +212,6 @@ def build(version: str, *, quiet: bool = True) -> Path:
     editable = [a for p in [ROOT, *_plugins()] for a in ("-e", str(p))]
     subprocess.run([*pip, "--no-deps", "--no-build-isolation", *editable], check=True)
     _stamp(version).write_text(_digest(version))
-    return py
 
 
 def main(argv: list[str] | None = None) -> int:
