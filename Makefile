@@ -47,13 +47,20 @@ dist: setup $(BUILD_STAMP)
 demo: setup
 	$(BIN)/python examples/verl_cpu/demo.py
 
-# Two passes: the tests that start no Ray cluster on both cores (pytest-xdist; a file's tests stay on
-# one worker, so its module fixtures are built once), then the Ray tests and the end-to-end runs of
-# real verl one at a time. Together they are every test; each pass fails on its own.
+# Two streams side by side, together every test: the end-to-end runs of real verl one at a time
+# (a run keeps about one core busy: its Ray actors start one after another, each importing verl),
+# and every other test one at a time beside them (its output is printed when both are done). Each
+# stream fails on its own; `make test` fails if either does.
 PARALLEL := -n 2 --dist loadfile -m "not e2e and not ray"
+REST_LOG := .pytest-rest.log
 test: setup
-	$(PYTEST) -q --durations=10 $(PARALLEL)
-	$(PYTEST) -q --durations=20 -m "e2e or ray"
+	@$(PYTEST) -q -p no:cacheprovider --durations=10 -m "not e2e" > $(REST_LOG) 2>&1 & rest=$$!; \
+	trap 'kill $$rest 2>/dev/null' INT TERM; \
+	$(PYTEST) -q --durations=20 -m e2e; e2e=$$?; \
+	wait $$rest; rest=$$?; \
+	echo "== every test but the end-to-end runs (beside them):"; cat $(REST_LOG); \
+	echo "== end-to-end runs: exit $$e2e; every other test: exit $$rest"; \
+	test $$e2e = 0 && test $$rest = 0
 
 test-unit: setup
 	$(PYTEST) -q -m unit $(UNIT_PATHS)
