@@ -81,7 +81,8 @@ venv-verl:
 test-verl-matrix: setup
 	$(BIN)/python -m pytest -q --durations=20 -m verl_matrix
 
-# Everything but the end-to-end runs, in the same two passes as `make test`.
+# Everything but the end-to-end runs: the tests that start no Ray cluster on both cores (pytest-xdist;
+# a file's tests stay on one worker), then the Ray tests one at a time.
 test-fast: setup
 	$(PYTEST) -q $(PARALLEL)
 	$(PYTEST) -q -m "ray and not e2e"
