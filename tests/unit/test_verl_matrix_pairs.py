@@ -61,3 +61,29 @@ def test_every_pair_has_a_lock_and_the_sync_ones_are_the_worker_group_paths() ->
     assert all(envs.lock_file(pair.version).is_file() for pair in PAIRS + CALL_PAIRS)
     assert [pair.id for pair in PAIRS if pair.sync] == ["0.6.1-sync", "0.5.0", "0.4.1"]
     assert all(pair.sync for pair in CALL_PAIRS), "several worker-group calls per step: the sync path"
+
+
+def test_a_second_build_of_an_env_waits_for_the_first_and_finds_it_built(tmp_path, monkeypatch) -> None:
+    """The session's background build and the matrix fixture's build of one env: pip runs once."""
+    import threading
+    import time
+
+    monkeypatch.setattr(envs, "env_dir", lambda version: tmp_path / f"verl-{version}")
+    builds = []
+
+    def slow_build(version: str, *, quiet: bool) -> None:
+        builds.append(version)
+        time.sleep(0.5)  # the second caller arrives while this one builds
+        envs.env_python(version).parent.mkdir(parents=True)
+        envs.env_python(version).touch()
+        envs._stamp(version).write_text(envs._digest(version))
+
+    monkeypatch.setattr(envs, "_build", slow_build)
+    results = []
+    callers = [threading.Thread(target=lambda: results.append(envs.build("0.8.0"))) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(timeout=30)
+    assert builds == ["0.8.0"], "the second caller waited and found the env built"
+    assert results == [envs.env_python("0.8.0")] * 2
