@@ -11,7 +11,8 @@ of new ones (and drops the removed ones; a loaded index also re-reads records wh
 changed since it was written); every row it names is served only after the store
 verified that step's files and its verified ``meta.json`` records that key at that row. A forged or
 stale index can only cause a miss. Lookup is a binary search over the sorted keys: a 4096-row call
-among 10,000 cached steps reads no step but the ones its rows are in.
+among 10,000 cached steps reads no step but the ones its rows are in. Every copy of a key is kept
+(the latest first), so a copy that does not serve falls back to an older one.
 """
 
 from __future__ import annotations
@@ -95,28 +96,29 @@ class RowIndex:
 
     # ------------------------------------------------------------ lookup
 
-    def lookup(self, keys: Sequence[str]) -> list[RowSource | None]:
-        """Where each key was recorded (one of the places, the latest step first), after a refresh."""
+    def lookup(self, keys: Sequence[str], copies: int = 1) -> list[list[RowSource]]:
+        """Where each key was recorded, after a refresh: at most ``copies`` places per key, the latest
+        step first (an older copy is the fallback when a later one does not serve)."""
         np = self._np
         with self.lock:
             self._refresh()
             wanted = np.array([int(k, 16) for k in keys], dtype=np.uint64)
             a = self._arrays
-            at = np.searchsorted(a["keys"], wanted)
-            found: list[RowSource | None] = []
-            size = len(a["keys"])
-            for position, key in zip(at.tolist(), wanted.tolist(), strict=True):
-                if position < size and int(a["keys"][position]) == key:
-                    found.append(
+            starts = np.searchsorted(a["keys"], wanted, side="left").tolist()
+            ends = np.searchsorted(a["keys"], wanted, side="right").tolist()
+            found: list[list[RowSource]] = []
+            for start, end in zip(starts, ends, strict=True):
+                found.append(
+                    [
                         RowSource(
                             int(a["source"][position]),
                             int(a["number"][position]),
                             int(a["call"][position]),
                             int(a["row"][position]),
                         )
-                    )
-                else:
-                    found.append(None)
+                        for position in range(start, min(end, start + copies))
+                    ]
+                )
             return found
 
     def forget(self, source: int, number: int) -> None:

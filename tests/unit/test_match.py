@@ -512,3 +512,97 @@ def test_the_runner_refuses_match_for_rollout_tq_in_one_line_before_the_program_
         "skipinject: error: skip.rollout_tq.action=match: role 'rollout_tq' cannot serve part of a call "
         "(declares no row_key: it has no row selector and merger, plugin API 1.2); use action=cache, repeat or strict"
     ]
+
+
+def _with_batch_size(targets: Any, monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """This run's ``data.train_batch_size`` (its layout directory is ``GBS{size}_...``)."""
+    original = targets.Trainer.__init__
+
+    def resized(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.config["data"]["train_batch_size"] = size
+
+    monkeypatch.setattr(targets.Trainer, "__init__", resized)
+
+
+def test_another_batch_size_is_served_from_the_project_s_other_layouts(
+    targets: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = run(targets, tmp_path, {1: [1, 2, 3, 4], 2: [5, 6, 7, 8]})
+    recorded = first[1][1].batch["responses"]
+    GENERATED.clear()
+    _with_batch_size(targets, monkeypatch, 2)
+    caplog.set_level(logging.INFO, "skipinject")
+    out = run(targets, tmp_path, {1: [3, 30], 2: [2, 1]}, action="match")
+    assert GENERATED == [[30, 30]], "prompts 3, 2 and 1 served from the batch-size-4 layout; only 30 generated"
+    assert [p for p, _ in responses(out[1][1])] == [3, 3, 30, 30]
+    assert torch.equal(out[1][1].batch["responses"][0:2], recorded[4:6]), "prompt 3's recorded samples"
+    assert torch.equal(out[2][1].batch["responses"], torch.cat([recorded[2:4], recorded[0:2]]))
+    assert list(out[2][1].non_tensor_batch["uid"]) == list(out[2][0].non_tensor_batch["uid"]), "this run's uids"
+    assert any("served from step 1 of GBS4_N2_in6_out4" in m for m in messages(caplog)), messages(caplog)
+    own = tmp_path / "e_p" / "GBS2_N2_in6_out4" / "gen"
+    assert sorted(p.name for p in own.iterdir() if p.name.isdigit()) == ["1", "2"], "saved in this run's layout"
+    assert not (project(tmp_path) / "rows").exists(), "nothing written into the other layout"
+    assert json.loads((project(tmp_path) / "1" / "meta.json").read_text())["rows"] == 8
+
+    GENERATED.clear()
+    out = run(targets, tmp_path, {3: [30, 5]}, action="match")
+    assert GENERATED == [], "30 from this layout's step 1, 5 from the other layout's step 2"
+    assert [p for p, _ in responses(out[3][1])] == [30, 30, 5, 5]
+
+    tensors = next((project(tmp_path) / "2").glob("tensors-*.bin"))
+    damaged = bytearray(tensors.read_bytes())
+    damaged[-1] ^= 0xFF
+    tensors.write_bytes(bytes(damaged))
+    GENERATED.clear()
+    out = run(targets, tmp_path, {3: [6, 30]}, action="match")
+    assert GENERATED == [[6, 6]], "a step of the other layout that does not verify serves nothing"
+    assert [p for p, _ in responses(out[3][1])] == [6, 6, 30, 30]
+
+
+def test_only_layouts_differing_in_the_batch_size_are_looked_at() -> None:
+    from skipinject.engine.layout import batch_size_layouts
+
+    context = {"gbs": 4, "n": 2, "prompt_length": 6, "response_length": 4}
+    names = [
+        "GBS8_N2_in6_out4",
+        "GBS2_N2_in6_out4",
+        "GBS4_N2_in6_out4",  # this run's own
+        "GBS08_N2_in6_out4",  # not the name of batch size 8
+        "GBS8_N3_in6_out4",  # another n: other generations
+        "GBS8_N2_in6_out5",
+        "GBS8_N2_in6_out4\n",
+        "GBS99999999999999_N2_in6_out4",
+    ]
+    assert batch_size_layouts(names, context) == [("GBS2_N2_in6_out4", 2), ("GBS8_N2_in6_out4", 8)]
+
+
+def test_a_key_whose_latest_copy_does_not_serve_falls_back_to_an_older_copy(targets: Any, tmp_path: Path) -> None:
+    first = run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    run(targets, tmp_path, {2: [1, 2, 5, 6]})  # a later copy of prompts 1 and 2
+    tensors = next((project(tmp_path) / "2").glob("tensors-*.bin"))
+    damaged = bytearray(tensors.read_bytes())
+    damaged[-1] ^= 0xFF
+    tensors.write_bytes(bytes(damaged))
+    GENERATED.clear()
+    out = run(targets, tmp_path, {3: [2, 1, 4, 3]}, action="match")
+    assert GENERATED == [], "prompts 1 and 2 served from step 1 once step 2 did not verify"
+    recorded = first[1][1].batch["responses"]
+    expected = torch.cat([recorded[2:4], recorded[0:2], recorded[6:8], recorded[4:6]])
+    assert torch.equal(out[3][1].batch["responses"], expected), "each prompt's recorded samples"
+
+
+def test_a_copy_whose_step_no_longer_records_the_key_falls_back(targets: Any, tmp_path: Path) -> None:
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    run(targets, tmp_path, {2: [1, 2, 5, 6]})
+    index = project(tmp_path) / "row-index.npz"
+    run(targets, tmp_path, {3: [5]}, action="match")  # writes the index
+    with np.load(index) as saved:
+        arrays = {name: saved[name].copy() for name in saved.files}
+    at_step_2 = arrays["number"] == 2
+    arrays["row"][at_step_2] = (arrays["row"][at_step_2] + 2) % 8  # step 2's copies point at other rows
+    np.savez(index, **arrays)
+    GENERATED.clear()
+    out = run(targets, tmp_path, {3: [1, 2]}, action="match")
+    assert GENERATED == [], "step 2 does not record those keys where the index says: step 1's copies serve"
+    assert [p for p, _ in responses(out[3][1])] == [1, 1, 2, 2]
