@@ -25,8 +25,10 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -527,10 +529,10 @@ class RowMatcher:
         }
 
         def write() -> None:
-            try:
-                number = max(rows_store.step_numbers_on_disk(), default=0) + 1
-                while rows_store.is_committed(number):
-                    number += 1
+            token = f"{int(time.time())}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            number = None
+            try:  # the next number no concurrent run takes too (both records survive)
+                number = rows_store.claim(max(rows_store.step_numbers_on_disk(), default=0) + 1, token)
                 directory = rows_store.save(number, snapshot, meta)
             except Exception as exc:
                 logger.warning(
@@ -543,6 +545,9 @@ class RowMatcher:
                     exc,
                 )
                 return
+            finally:
+                if number is not None:
+                    rows_store.release(number, token)
             logger.info("%s step %d: saved %d new rows to %s", self.runtime.name, step, len(keys), directory)
 
         self.runtime.in_background(store, write)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -606,3 +607,44 @@ def test_a_copy_whose_step_no_longer_records_the_key_falls_back(targets: Any, tm
     out = run(targets, tmp_path, {3: [1, 2]}, action="match")
     assert GENERATED == [], "step 2 does not record those keys where the index says: step 1's copies serve"
     assert [p for p, _ in responses(out[3][1])] == [1, 1, 2, 2]
+
+
+def test_two_runs_saving_new_rows_at_once_both_keep_their_records(targets: Any, tmp_path: Path, monkeypatch) -> None:
+    """Two runs (forked processes) save new rows of the committed step 1 at the same moment: each
+    takes its own rows record number (both wait, number chosen, until the other chose too)."""
+    import multiprocessing
+
+    from skipinject.store import StepStore
+
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    context = multiprocessing.get_context("fork")
+    both_chose = context.Barrier(2, timeout=60)
+    save = StepStore.save
+
+    def racing_save(self: StepStore, step: int, *args: Any, **kwargs: Any) -> Path:
+        if self.project_dir.name == "rows":
+            both_chose.wait()  # each run has its number: neither has written yet
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(StepStore, "save", racing_save)
+
+    def child(prompt: int) -> None:
+        try:
+            run(targets, tmp_path, {1: [1, prompt]}, action="match")
+        except BaseException:
+            os._exit(1)
+        os._exit(0)
+
+    children = [context.Process(target=child, args=(prompt,)) for prompt in (80, 81)]
+    for process in children:
+        process.start()
+    for process in children:
+        process.join(120)
+        assert process.exitcode == 0
+    rows = project(tmp_path) / "rows"
+    assert sorted(p.name for p in rows.iterdir()) == ["1", "2"], "two records, neither replaced"
+    monkeypatch.setattr(StepStore, "save", save)
+    GENERATED.clear()
+    out = run(targets, tmp_path, {2: [80, 81]}, action="match")
+    assert GENERATED == [], "both runs' new rows are served"
+    assert [p for p, _ in responses(out[2][1])] == [80, 80, 81, 81]
