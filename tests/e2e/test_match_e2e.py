@@ -1,9 +1,11 @@
 """``skip.rollout.action=match`` on real verl 0.9.1 (V0 trainer, agent loop, CPU): one pair of short runs.
 
 Run 1 (``match`` with an empty cache: it behaves like ``cache``) generates and saves steps 1-3.
-Run 2 draws its batches with another data seed: at each step it serves the prompts run 1 saw and
-generates exactly the others (the CPU rollout logs every sequence it generates, with a digest of
-its prompt), and trains on responses that belong to its own prompts.
+Run 2 draws its batches with another data seed and another batch size (2 prompts a step, not 4: its
+layout directory is another one): at each step it serves the prompts run 1 saw (from run 1's
+layout) and generates exactly the others (the CPU rollout logs every sequence it generates, with a
+digest of its prompt), trains on responses that belong to its own prompts, and saves its steps in
+its own layout.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from tests.e2e.conftest import SKIPINJECT_MAIN_PPO, harness, rollout_records, sk
 pytestmark = pytest.mark.e2e
 
 STEPS = 3
+#: Run 2's batch: 2 prompts a step (run 1: harness.TRAIN_BATCH = 4), PPO mini-batches to match.
+SMALL_BATCH = 2
+SMALLER_BATCH = (
+    f"data.train_batch_size={SMALL_BATCH}",
+    f"actor_rollout_ref.actor.ppo_mini_batch_size={SMALL_BATCH}",
+    f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={SMALL_BATCH * harness.ROLLOUT_N}",
+    f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={SMALL_BATCH * harness.ROLLOUT_N}",
+)
 
 
 def _run(assets: Any, tmp: Path, dump: Path, name: str, *extra: str) -> tuple[Any, list[dict]]:
@@ -64,7 +74,7 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(as
     assert rows == [harness.TRAIN_BATCH * harness.ROLLOUT_N] * STEPS
     assert len(generated_1) == sum(rows), "nothing cached: every sequence generated"
 
-    second, generated_2 = _run(assets, tmp_path, dump, "run2", "data.seed=9")
+    second, generated_2 = _run(assets, tmp_path, dump, "run2", "data.seed=7", *SMALLER_BATCH)
     one, two = rollout_records(tmp_path / "run1"), rollout_records(tmp_path / "run2")
     assert sorted(one) == sorted(two) == [1, 2, 3]
     seen = {_prompt_text(r) for step in one.values() for r in step}
@@ -96,8 +106,17 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(as
     assert any("rows served from step" in line for line in matched)
     metrics = second.stdout.replace(" ", "")
     assert "timing_s/skipinject/match_served_rows:" in metrics
-    assert (layout / "rows").is_dir(), "new rows of already cached steps are kept as rows records"
+    assert all(len(records) == SMALL_BATCH * harness.ROLLOUT_N for records in two.values()), "run 2's batch size"
+    assert all("GBS4_N" in line for line in matched if "rows served from step" in line), "from run 1's layout"
+    assert any("target not called" in line for line in matched), "a step whose prompts were all seen: no call"
+    # Run 1's layout is left as it was; run 2's steps are saved whole in its own layout.
     assert sorted(p.name for p in layout.iterdir() if p.name.isdigit()) == ["1", "2", "3"]
+    assert not (layout / "rows").exists(), "nothing of run 2 written into run 1's layout"
+    own = harness.cache_dir(dump, gbs=SMALL_BATCH)
+    assert sorted(p.name for p in own.iterdir() if p.name.isdigit()) == ["1", "2", "3"]
+    for step in (1, 2, 3):
+        meta = json.loads((own / str(step) / "meta.json").read_text())
+        assert meta["rows"] == SMALL_BATCH * harness.ROLLOUT_N and len(meta["row_keys"][0]) == meta["rows"]
 
 
 def test_fully_async_match_serves_a_sample_by_its_prompt_not_its_id(assets: Any, tmp_path: Path):
