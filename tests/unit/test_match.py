@@ -648,3 +648,57 @@ def test_two_runs_saving_new_rows_at_once_both_keep_their_records(targets: Any, 
     out = run(targets, tmp_path, {2: [80, 81]}, action="match")
     assert GENERATED == [], "both runs' new rows are served"
     assert [p for p, _ in responses(out[2][1])] == [80, 80, 81, 81]
+
+
+def test_the_match_snippet_serves_the_rows_it_saw_and_generates_only_the_others(tmp_path: Path) -> None:
+    """The guide's "Opting a role into ``action=match``" role, as printed, on a toy generator of real
+    ``DataProto`` batches split among 2 workers: run 1 caches step 1, run 2 (``match``) at step 2
+    gets two prompts it saw and one it did not: only that one is generated (padded to the workers)."""
+    from tests.unit.test_readme_snippet import ROOT, snippets
+
+    generated: list[list[str]] = []
+
+    class Generator:
+        workers = (object(), object())
+
+        def generate(self, batch: DataProto) -> DataProto:
+            prompts = [str(p[0]["content"]) for p in batch.non_tensor_batch["raw_prompt"]]
+            generated.append(prompts)
+            responses = torch.tensor([[len(p), len(generated)] for p in prompts])
+            return DataProto.from_dict(
+                tensors={"responses": responses}, non_tensors={"prompt": np.array(prompts, dtype=object)}
+            )
+
+    module = type(sys)("my_pkg.gen")
+    module.Generator = Generator  # type: ignore[attr-defined]
+    package = type(sys)("my_pkg")
+    package.gen = module  # type: ignore[attr-defined]
+    sys.modules.update({"my_pkg": package, "my_pkg.gen": module})
+    namespace: dict[str, object] = {}
+    try:
+        exec(compile(snippets(ROOT / "README.md")["match-role"], "my_gen.py", "exec"), namespace)
+        role = namespace["ROLE"]
+
+        def step(action: str, number: int, prompts: list[str]) -> DataProto:
+            settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1, 2), action=action)
+            engine = Engine(Config(roles={"my_gen": settings}), {"my_gen": (role, "readme")})
+            engine.start()
+            try:
+                chats = np.empty(len(prompts), dtype=object)
+                chats[:] = [[{"role": "user", "content": p}] for p in prompts]
+                batch = DataProto.from_dict(
+                    tensors={"ids": torch.arange(len(prompts))}, non_tensors={"raw_prompt": chats}
+                )
+                batch.meta_info["global_steps"] = number
+                return Generator().generate(batch)
+            finally:
+                engine.stop()
+
+        step("cache", 1, ["a", "bb", "ccc", "dddd"])
+        out = step("match", 2, ["ccc", "eeeee", "a", "bb"])
+    finally:
+        for name in ("my_pkg", "my_pkg.gen"):
+            sys.modules.pop(name)
+    assert generated == [["a", "bb", "ccc", "dddd"], ["eeeee", "eeeee"]], "only the new prompt, padded to 2 workers"
+    assert list(out.non_tensor_batch["prompt"]) == ["ccc", "eeeee", "a", "bb"], "merged in the call's order"
+    assert out.batch["responses"].tolist() == [[3, 1], [5, 2], [1, 1], [2, 1]], "served rows are run 1's"
