@@ -170,6 +170,11 @@ def reference_table() -> str:
         ),
         ("rows records (`match`)", f"`{ROWS_DIR}/{{n}}/`", "ordinary committed steps, numbered from 1"),
         (
+            "rows record claim",
+            f"`{ROWS_DIR}/{{n}}/{CLAIM_PREFIX}{{token}}`",
+            f"object stores: `n` is a writer's only while its claim is the only one there; {MAX_CLAIMS} tries",
+        ),
+        (
             "row index (`match`)",
             f"`{ROW_INDEX_NAME}`",
             f"at most {MAX_INDEXED_ROWS} rows, {_mib(MAX_ROW_INDEX_BYTES)}; a hint, rebuilt when it does not check out",
