@@ -702,3 +702,24 @@ def test_the_match_snippet_serves_the_rows_it_saw_and_generates_only_the_others(
     assert generated == [["a", "bb", "ccc", "dddd"], ["eeeee", "eeeee"]], "only the new prompt, padded to 2 workers"
     assert list(out.non_tensor_batch["prompt"]) == ["ccc", "eeeee", "a", "bb"], "merged in the call's order"
     assert out.batch["responses"].tolist() == [[3, 1], [5, 2], [1, 1], [2, 1]], "served rows are run 1's"
+
+
+def test_a_lookup_looks_at_most_at_the_nearest_batch_sizes_usable_layouts(tmp_path: Path, caplog) -> None:
+    from skipinject.engine.matching import MAX_LAYOUTS
+    from skipinject.engine.runtime import RoleRuntime
+
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1,), action="match")
+    runtime = RoleRuntime(make_role(), settings, "test")
+    experiment = tmp_path / "e_p"
+    for gbs in range(1, 31):
+        (experiment / f"GBS{gbs}_N2_in6_out4" / "gen").mkdir(parents=True)
+    (experiment / "GBS16_N3_in6_out4" / "gen").mkdir(parents=True)  # another n: never looked at
+    (experiment / "GBS17_N2_in6_out4").chmod(0o777)  # another user could write it: not trusted
+    context = {"experiment_name": "e", "project_name": "p", "gbs": 16, "n": 2, "prompt_length": 6, "response_length": 4}
+    store = runtime._open_store(experiment / "GBS16_N2_in6_out4" / "gen", context)
+    caplog.set_level(logging.INFO, "skipinject")
+    found = runtime.batch_size_stores(store, MAX_LAYOUTS)
+    assert MAX_LAYOUTS == 8
+    assert sorted(s.context["gbs"] for s in found) == [12, 13, 14, 15, 18, 19, 20], "the 8 nearest, one untrusted"
+    assert all(s.project_dir == experiment / f"GBS{s.context['gbs']}_N2_in6_out4" / "gen" for s in found)
+    assert any("holds 29 other batch-size layouts; match looks rows up in the 8 nearest" in m for m in messages(caplog))
