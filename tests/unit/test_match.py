@@ -609,7 +609,9 @@ def test_a_copy_whose_step_no_longer_records_the_key_falls_back(targets: Any, tm
     assert [p for p, _ in responses(out[3][1])] == [1, 1, 2, 2]
 
 
-def test_two_runs_saving_new_rows_at_once_both_keep_their_records(targets: Any, tmp_path: Path, monkeypatch) -> None:
+def test_two_runs_saving_new_rows_at_once_both_keep_their_records(
+    targets: Any, tmp_path: Path, monkeypatch, capsys
+) -> None:
     """Two runs (forked processes) save new rows of the committed step 1 at the same moment: each
     takes its own rows record number (both wait, number chosen, until the other chose too)."""
     import multiprocessing
@@ -643,6 +645,16 @@ def test_two_runs_saving_new_rows_at_once_both_keep_their_records(targets: Any, 
         assert process.exitcode == 0
     rows = project(tmp_path) / "rows"
     assert sorted(p.name for p in rows.iterdir()) == ["1", "2"], "two records, neither replaced"
+    from skipinject.cache_tool import main
+
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["steps"]
+    assert sorted((i["layout"], i["step"], i["state"]) for i in listed if i["layout"].endswith("/rows")) == [
+        ("GBS4_N2_in6_out4/rows", 1, "complete"),
+        ("GBS4_N2_in6_out4/rows", 2, "complete"),
+    ]
+    assert main(["verify", str(tmp_path)]) == 0
     monkeypatch.setattr(StepStore, "save", save)
     GENERATED.clear()
     out = run(targets, tmp_path, {2: [80, 81]}, action="match")
