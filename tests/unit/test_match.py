@@ -144,7 +144,7 @@ def make_role(**changes: Any) -> Role:
     return Role(**fields)
 
 
-def run(targets: Any, dump: Path, schedule: dict[int, list[int]], action: str = "cache", **kwargs: Any) -> Any:
+def run(targets: Any, dump: Path | str, schedule: dict[int, list[int]], action: str = "cache", **kwargs: Any) -> Any:
     role = kwargs.pop("role", None) or make_role()
     config = Config(roles={"gen": RoleConfig(enable=True, dump_dir=str(dump), steps=(1, 2, 3), action=action)})
     engine = Engine(config, {"gen": (role, "test")})
@@ -735,3 +735,24 @@ def test_a_lookup_looks_at_most_at_the_nearest_batch_sizes_usable_layouts(tmp_pa
     assert sorted(s.context["gbs"] for s in found) == [12, 13, 14, 15, 18, 19, 20], "the 8 nearest, one untrusted"
     assert all(s.project_dir == experiment / f"GBS{s.context['gbs']}_N2_in6_out4" / "gen" for s in found)
     assert any("holds 29 other batch-size layouts; match looks rows up in the 8 nearest" in m for m in messages(caplog))
+
+
+def test_match_in_an_object_store_serves_another_batch_size_and_keeps_the_index_there(
+    targets: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uuid
+
+    from skipinject.store.remote import open_remote
+
+    url = f"memory://skipinject-tests/{uuid.uuid4().hex}"
+    run(targets, url, {1: [1, 2, 3, 4]})
+    GENERATED.clear()
+    _with_batch_size(targets, monkeypatch, 2)
+    out = run(targets, url, {1: [3, 30], 2: [2, 1]}, action="match")
+    assert GENERATED == [[30, 30]], "served from the batch-size-4 layout in the store"
+    assert [p for p, _ in responses(out[2][1])] == [2, 2, 1, 1]
+    fs, root = open_remote(url)
+    layouts = f"{root.path}/e_p"
+    assert fs.exists(f"{layouts}/GBS4_N2_in6_out4/gen/row-index.npz"), "the index is an object of the store"
+    assert fs.exists(f"{layouts}/GBS2_N2_in6_out4/gen/2/meta.json"), "saved in this run's layout"
+    assert not fs.exists(f"{layouts}/GBS4_N2_in6_out4/gen/rows"), "nothing saved into the other layout"
