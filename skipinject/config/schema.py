@@ -90,7 +90,8 @@ class RoleConfig:
             "`cache`: own step cached → load it, else run and save. `repeat`: exact step, else the largest "
             "cached step below, else the smallest above; none → run and save. `strict`: like `cache`, but a "
             "missing or unusable cache stops the run (for replay you rely on). `match`: each row (prompt) whose "
-            "result was cached at any step of this layout is served, only the others generated, in one call "
+            "result was cached at any step of this layout (or of one differing only in the batch size) is served, "
+            "only the others generated, in one call "
             "(see [Replay by content](#replay-by-content-actionmatch))"
         ),
     )

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +37,31 @@ def layout_of(config: Any) -> tuple[str, dict[str, Any]]:
         "prompt_length": int(select(config, "data.max_prompt_length", 0)),
         "response_length": int(select(config, "data.max_response_length", 0)),
     }
-    relative = (
-        f"{path_safe(context['experiment_name'] + '_' + context['project_name'])}/"
-        f"GBS{context['gbs']}_N{context['n']}_in{context['prompt_length']}_out{context['response_length']}"
-    )
+    relative = f"{path_safe(context['experiment_name'] + '_' + context['project_name'])}/{layout_name(context)}"
     return relative, context
+
+
+def layout_name(context: Mapping[str, Any]) -> str:
+    """``GBS{gbs}_N{n}_in{prompt_length}_out{response_length}`` of a layout's values."""
+    return f"GBS{context['gbs']}_N{context['n']}_in{context['prompt_length']}_out{context['response_length']}"
+
+
+#: A layout directory's batch size (the rest of the name is compared whole).
+_GBS = re.compile(r"GBS(-?(?:0|[1-9][0-9]{0,11}))_")
+
+
+def batch_size_layouts(names: Iterable[str], context: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """The layouts among ``names`` that differ from ``context``'s in the batch size only, as
+    ``(name, gbs)`` sorted by batch size (``action=match`` looks rows up there too)."""
+    found = []
+    for name in names:
+        match = _GBS.match(name)
+        if match is None:
+            continue
+        gbs = int(match.group(1))
+        if gbs != context.get("gbs") and name == layout_name({**context, "gbs": gbs}):
+            found.append((name, gbs))
+    return sorted(found, key=lambda item: item[1])
 
 
 def project_dir(root: DumpRoot, config: Any, subdir: str) -> tuple[Path, dict[str, Any]]:

@@ -7,8 +7,10 @@ samples). Every recording of a role that has keys stores them in ``meta.json`` (
 ``rows_per_input``: a target repeating its inputs returns ``r`` rows per input row).
 
 At a chosen step, :class:`RowMatcher` looks the call's keys up in the project's
-:class:`~skipinject.engine.row_index.RowIndex`, verifies and loads each step the rows are in
-(checking that its verified ``meta.json`` records those keys there), calls the target once with
+:class:`~skipinject.engine.row_index.RowIndex` (this run's layout's, then those of the project's
+layouts that differ only in the batch size), verifies and loads each step the rows are in
+(checking that its verified ``meta.json`` records those keys there; a copy that does not serve
+falls back to an older copy of the key), calls the target once with
 only the other rows (padded as the target needs, the padding's results dropped) and merges the
 pieces in the call's order through the codec (:class:`~skipinject.roles.RowCodec`). The merged
 call is saved as the step's part when the step was not committed yet; otherwise only the new rows
@@ -23,8 +25,10 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +65,8 @@ class MatchingRole(Protocol):
     def unusable(self, store: StepStore) -> str | None: ...
 
     def sibling_store(self, store: StepStore, name: str) -> StepStore: ...
+
+    def batch_size_stores(self, store: StepStore, limit: int) -> list[StepStore]: ...
 
     def record(
         self,
@@ -132,6 +138,7 @@ class RowMatcher:
         self.runtime = runtime
         self._indexes: dict[Path, RowIndex] = {}
         self._rows: dict[Path, StepStore] = {}
+        self._siblings: dict[Path, list[StepStore]] = {}
         self._lock = threading.Lock()  # awaiting callers look rows up from several threads
 
     def keys(self, call: Call) -> list[str] | None:
@@ -318,44 +325,82 @@ class RowMatcher:
 
     def _serve_cached(self, store: StepStore, call: Call, pending: _Pending) -> int | None:
         """Fill ``pending``'s served rows and pieces with the cached rows that verify; returns their
-        rows per input (``None``: none)."""
+        rows per input (``None``: none).
+
+        Rows are looked up in this run's layout, then in the project's layouts of other batch sizes
+        (a key digests the generation settings, so an equal key there is the same generation). Each
+        key's copies are tried the latest first: a row whose copy does not serve (its step does not
+        verify, or no longer records the key there) falls back to its next copy."""
         runtime = self.runtime
         keys, codec = pending.keys, pending.codec
         assert keys is not None
         served, pieces, sources = pending.served, pending.pieces, pending.sources
-        index = self.index(store)
-        found = index.lookup(keys)
-        wanted: dict[tuple[int, int, int], list[tuple[int, RowSource]]] = {}
-        for row, where in enumerate(found):
-            if where is not None:
-                wanted.setdefault((where.source, where.number, where.call), []).append((row, where))
-        stores = {STEPS: store, ROWS: self.rows_store(store)}
+        places = [store, *self.batch_size_stores(store)]
+        # per row: its copies, in the order they are tried
+        copies: list[list[tuple[int, RowSource]]] = [[] for _ in keys]
+        for place, place_store in enumerate(places):
+            missing = [row for row in range(len(keys)) if len(copies[row]) < MAX_COPIES]
+            if not missing:
+                break
+            found = self.index(place_store).lookup([keys[row] for row in missing], MAX_COPIES)
+            for row, there in zip(missing, found, strict=True):
+                copies[row].extend((place, source) for source in there[: MAX_COPIES - len(copies[row])])
+        tried = [0] * len(keys)
+        failed: set[tuple[int, int, int]] = set()
         ratio: int | None = None
-        for (source, number, part), rows in sorted(wanted.items()):
-            name = f"{'step' if source == STEPS else 'rows'} {number}"
-            try:
-                piece, piece_ratio = self._load_rows(stores[source], number, part, rows, keys, codec, call)
-            except Exception as exc:  # this source does not serve: its rows are generated
-                runtime.once(
-                    ("match-source", str(store.project_dir), source, number),
-                    logging.WARNING,
-                    "%s: cached %s of %s not served (%s: %s); its rows are generated",
-                    runtime.name,
-                    name,
-                    store.project_dir,
-                    type(exc).__name__,
-                    exc,
-                )
-                index.forget(source, number)
-                continue
-            if ratio is not None and piece_ratio != ratio:
-                continue  # recorded with another number of results per input: not mixed
-            ratio = piece_ratio
-            for position, (row, _) in enumerate(rows):
-                served[row] = (len(pieces), position)
-            pieces.append(piece)
-            sources[name] = sources.get(name, 0) + len(rows)
+        for _ in range(MAX_COPIES):
+            wanted: dict[tuple[int, int, int, int], list[tuple[int, RowSource]]] = {}
+            for row, located in enumerate(copies):
+                while row not in served and tried[row] < len(located):
+                    place, where = located[tried[row]]
+                    tried[row] += 1
+                    if (place, where.source, where.number) not in failed:
+                        wanted.setdefault((place, where.source, where.number, where.call), []).append((row, where))
+                        break
+            if not wanted:
+                break
+            for (place, source, number, part), rows in sorted(wanted.items()):
+                where_store = places[place]
+                name = f"{'step' if source == STEPS else 'rows'} {number}"
+                if place:
+                    name += f" of {_layout_label(where_store)}"
+                stores = {STEPS: where_store, ROWS: self.rows_store(where_store)}
+                try:
+                    piece, piece_ratio, kept = self._load_rows(stores[source], number, part, rows, keys, codec, call)
+                except Exception as exc:  # this source does not serve: its rows try their next copy
+                    runtime.once(
+                        ("match-source", str(where_store.project_dir), source, number),
+                        logging.WARNING,
+                        "%s: cached %s of %s not served (%s: %s); its rows are looked for elsewhere or generated",
+                        runtime.name,
+                        name,
+                        where_store.project_dir,
+                        type(exc).__name__,
+                        exc,
+                    )
+                    failed.add((place, source, number))
+                    self.index(where_store).forget(source, number)
+                    continue
+                if len(kept) < len(rows):  # the index is stale there: read that record again next time
+                    self.index(where_store).forget(source, number)
+                if not kept or (ratio is not None and piece_ratio != ratio):
+                    continue  # none left, or recorded with another number of results per input: not mixed
+                ratio = piece_ratio
+                for position, row in enumerate(kept):
+                    served[row] = (len(pieces), position)
+                pieces.append(piece)
+                sources[name] = sources.get(name, 0) + len(kept)
         return ratio
+
+    def batch_size_stores(self, store: StepStore) -> list[StepStore]:
+        """The stores of the project's other batch-size layouts (found once per run and layout)."""
+        with self._lock:
+            found = self._siblings.get(store.project_dir)
+        if found is None:
+            found = self.runtime.batch_size_stores(store, MAX_LAYOUTS)
+            with self._lock:
+                found = self._siblings.setdefault(store.project_dir, found)
+        return found
 
     def _load_rows(
         self,
@@ -366,8 +411,9 @@ class RowMatcher:
         keys: list[str],
         codec: RowCodec,
         call: Call,
-    ) -> tuple[Any, int]:
-        """The output rows of ``rows`` from one verified source, after checking its keys."""
+    ) -> tuple[Any, int, list[int]]:
+        """The output rows of those of ``rows`` whose key the verified source records where the index
+        said, and which rows those are (the others are not served from here)."""
         entry = store.verified(number)
         try:
             records = match_records(entry.meta)
@@ -375,9 +421,9 @@ class RowMatcher:
             if record is None:
                 raise CorruptCacheError(f"{entry.directory}: records no row keys for call {part + 1}")
             recorded, ratio = record
-            for row, where in rows:
-                if where.row >= len(recorded) or recorded[where.row] != keys[row]:
-                    raise CorruptCacheError(f"{entry.directory}: does not hold the indexed row (the index is stale)")
+            kept = [(row, at) for row, at in rows if at.row < len(recorded) and recorded[at.row] == keys[row]]
+            if not kept:
+                return None, ratio, []
             payloads = store.load(entry)
             if part >= len(payloads):
                 raise CorruptCacheError(f"{entry.directory}: holds {len(payloads)} parts, not call {part + 1}")
@@ -386,8 +432,8 @@ class RowMatcher:
                 raise CorruptCacheError(
                     f"{entry.directory}: holds {codec.result_rows(result)} rows, not {len(recorded) * ratio}"
                 )
-            picked = [where.row * ratio + j for _, where in rows for j in range(ratio)]
-            return codec.select_rows(result, picked), ratio
+            picked = [where.row * ratio + j for _, where in kept for j in range(ratio)]
+            return codec.select_rows(result, picked), ratio, [row for row, _ in kept]
         finally:
             entry.release()
 
@@ -483,10 +529,10 @@ class RowMatcher:
         }
 
         def write() -> None:
-            try:
-                number = max(rows_store.step_numbers_on_disk(), default=0) + 1
-                while rows_store.is_committed(number):
-                    number += 1
+            token = f"{int(time.time())}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            number = None
+            try:  # the next number no concurrent run takes too (both records survive)
+                number = rows_store.claim(max(rows_store.step_numbers_on_disk(), default=0) + 1, token)
                 directory = rows_store.save(number, snapshot, meta)
             except Exception as exc:
                 logger.warning(
@@ -499,6 +545,9 @@ class RowMatcher:
                     exc,
                 )
                 return
+            finally:
+                if number is not None:
+                    rows_store.release(number, token)
             logger.info("%s step %d: saved %d new rows to %s", self.runtime.name, step, len(keys), directory)
 
         self.runtime.in_background(store, write)
@@ -506,6 +555,20 @@ class RowMatcher:
 
 #: A match line names at most this many of the records rows were served from.
 SHOWN_SOURCES = 8
+#: Copies of a key tried, the latest first, before its row is generated.
+MAX_COPIES = 4
+#: Other batch-size layouts of the project a lookup reads the index of (the nearest batch sizes).
+MAX_LAYOUTS = 8
+
+
+def _layout_label(where: StepStore) -> str:
+    """The layout of ``where`` as a match line names it (``GBS8_N2_in32_out16``)."""
+    from skipinject.engine.layout import layout_name
+
+    try:
+        return layout_name(where.context)
+    except KeyError:
+        return str(where.project_dir)
 
 
 @dataclass

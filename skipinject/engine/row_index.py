@@ -3,19 +3,24 @@
 A committed step (or rows record, see :data:`~skipinject.store.format.ROWS_DIR`) whose ``meta.json``
 holds ``row_keys`` contributes one entry per input row: ``key -> (source, number, call, row)``. The
 index of a project directory is kept in memory and in :data:`~skipinject.store.format.ROW_INDEX_NAME`
-beside its steps (numpy arrays, loaded without pickle, written to a temporary file and renamed).
+beside its steps (numpy arrays, loaded without pickle; a local file is written to a temporary file
+and renamed, an object store's is put whole).
 
 It is a hint, never trusted: the file is bounded and checked, and is rebuilt when it does not load;
 a refresh compares the committed step names with the indexed ones and reads only the ``meta.json``
 of new ones (and drops the removed ones; a loaded index also re-reads records whose ``meta.json``
-changed since it was written); every row it names is served only after the store
+changed since it was written: locally by its mtime, in an object store by its ETag, from one
+listing); every row it names is served only after the store
 verified that step's files and its verified ``meta.json`` records that key at that row. A forged or
 stale index can only cause a miss. Lookup is a binary search over the sorted keys: a 4096-row call
-among 10,000 cached steps reads no step but the ones its rows are in.
+among 10,000 cached steps reads no step but the ones its rows are in. Every copy of a key is kept
+(the latest first), so a copy that does not serve falls back to an older one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import logging
 import os
@@ -24,7 +29,7 @@ import threading
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.files import read_small
@@ -88,35 +93,37 @@ class RowIndex:
         self.stores = (steps, rows)
         self.lock = threading.Lock()
         self.path = steps.project_dir / ROW_INDEX_NAME
-        self.persists = steps.backend.checks_owners  # local files: the index is kept beside the steps
+        # kept beside the steps: a local file, or an object of the store
+        self._file: _IndexFile = _LocalIndex(self) if steps.backend.checks_owners else _StoredIndex(self)
         self._np = np
         self._arrays: dict[str, Any] = {name: np.zeros(0, dtype=_dtype(name)) for name in _ARRAYS}
         self._loaded = False
 
     # ------------------------------------------------------------ lookup
 
-    def lookup(self, keys: Sequence[str]) -> list[RowSource | None]:
-        """Where each key was recorded (one of the places, the latest step first), after a refresh."""
+    def lookup(self, keys: Sequence[str], copies: int = 1) -> list[list[RowSource]]:
+        """Where each key was recorded, after a refresh: at most ``copies`` places per key, the latest
+        step first (an older copy is the fallback when a later one does not serve)."""
         np = self._np
         with self.lock:
             self._refresh()
             wanted = np.array([int(k, 16) for k in keys], dtype=np.uint64)
             a = self._arrays
-            at = np.searchsorted(a["keys"], wanted)
-            found: list[RowSource | None] = []
-            size = len(a["keys"])
-            for position, key in zip(at.tolist(), wanted.tolist(), strict=True):
-                if position < size and int(a["keys"][position]) == key:
-                    found.append(
+            starts = np.searchsorted(a["keys"], wanted, side="left").tolist()
+            ends = np.searchsorted(a["keys"], wanted, side="right").tolist()
+            found: list[list[RowSource]] = []
+            for start, end in zip(starts, ends, strict=True):
+                found.append(
+                    [
                         RowSource(
                             int(a["source"][position]),
                             int(a["number"][position]),
                             int(a["call"][position]),
                             int(a["row"][position]),
                         )
-                    )
-                else:
-                    found.append(None)
+                        for position in range(start, min(end, start + copies))
+                    ]
+                )
             return found
 
     def forget(self, source: int, number: int) -> None:
@@ -195,23 +202,16 @@ class RowIndex:
             a[name] = a[name][keep]
 
     def _mtime(self, kind: int, number: int) -> int:
-        """When the record's ``meta.json`` last changed (ns; -1: unknown, e.g. in an object store)."""
-        if not self.persists:
-            return -1
-        try:
-            return os.stat(self.stores[kind].step_dir(number) / META_NAME, follow_symlinks=False).st_mtime_ns
-        except (OSError, ValueError):
-            return -1
+        """The version of the record's ``meta.json`` (local: its mtime in ns; -1: unknown)."""
+        return self._file.version(kind, number)
 
     # ------------------------------------------------------------ the file
 
     def _load(self) -> None:
         """The saved index if it loads and checks out; else an empty one (rebuilt by the refresh)."""
-        if not self.persists:
-            return
         np = self._np
         try:
-            data = read_small(self.path, MAX_ROW_INDEX_BYTES)
+            data = self._file.read()
             _check_members(data)
             with np.load(io.BytesIO(data), allow_pickle=False) as saved:
                 arrays = {name: saved[name] for name in _ARRAYS}
@@ -225,42 +225,137 @@ class RowIndex:
         if _valid(arrays, np):
             self._arrays = arrays
             # records committed anew since the index was written (same number, other meta.json): read again
-            seen = zip(
-                arrays["seen_source"].tolist(),
-                arrays["seen_number"].tolist(),
-                arrays["seen_mtime"].tolist(),
-                strict=True,
+            seen = list(
+                zip(
+                    arrays["seen_source"].tolist(),
+                    arrays["seen_number"].tolist(),
+                    arrays["seen_mtime"].tolist(),
+                    strict=True,
+                )
             )
-            changed = {(kind, number) for kind, number, mtime in seen if self._mtime(kind, number) != mtime}
+            versions = self._file.versions([(kind, number) for kind, number, _ in seen])
+            changed = {(kind, number) for kind, number, mtime in seen if versions.get((kind, number), -1) != mtime}
             if changed:
                 self._drop(changed)
         else:
             logger.info("row index %s not used (malformed); rebuilding it from the steps", self.path)
 
     def _save(self) -> None:
-        if not self.persists:
-            return
-        np = self._np
-        directory = self.path.parent
-        temporary = directory / f".{ROW_INDEX_NAME}.tmp-{os.getpid()}-{threading.get_ident()}"
+        buffer = io.BytesIO()
+        self._np.savez(buffer, **self._arrays)
         try:
-            if not directory.is_dir():
-                return
-            buffer = io.BytesIO()
-            np.savez(buffer, **self._arrays)
+            self._file.write(buffer.getvalue())
+        except Exception as exc:
+            logger.debug("row index %s not saved (%s: %s)", self.path, type(exc).__name__, exc)
+
+
+class _IndexFile(Protocol):
+    """Where a :class:`RowIndex` is kept, and what tells a re-recorded ``meta.json`` from the indexed one."""
+
+    def read(self) -> bytes:
+        """The saved index (at most :data:`MAX_ROW_INDEX_BYTES`); FileNotFoundError when there is none."""
+
+    def write(self, data: bytes) -> None:
+        """Replace the saved index whole (a reader sees the old one or the new one)."""
+
+    def version(self, kind: int, number: int) -> int:
+        """A number that changes when the record's ``meta.json`` does (-1: unknown)."""
+
+    def versions(self, records: Sequence[tuple[int, int]]) -> dict[tuple[int, int], int]:
+        """:meth:`version` of many records (an object store: one listing, no ``meta.json`` read)."""
+
+
+class _LocalIndex:
+    """``row-index.npz`` beside the steps: written to a temporary file, then renamed."""
+
+    def __init__(self, index: RowIndex) -> None:
+        self.index = index
+
+    def read(self) -> bytes:
+        return read_small(self.index.path, MAX_ROW_INDEX_BYTES)
+
+    def write(self, data: bytes) -> None:
+        path = self.index.path
+        directory = path.parent
+        temporary = directory / f".{ROW_INDEX_NAME}.tmp-{os.getpid()}-{threading.get_ident()}"
+        if not directory.is_dir():
+            return
+        try:
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
-                os.write(fd, buffer.getvalue())
+                os.write(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(temporary, self.path)
-        except OSError as exc:
-            logger.debug("row index %s not saved (%s)", self.path, exc)
-            try:
+            os.replace(temporary, path)
+        except OSError:
+            with contextlib.suppress(OSError):
                 os.unlink(temporary)
-            except OSError:
-                pass
+            raise
+
+    def version(self, kind: int, number: int) -> int:
+        try:
+            path = self.index.stores[kind].step_dir(number) / META_NAME
+            return os.stat(path, follow_symlinks=False).st_mtime_ns
+        except (OSError, ValueError):
+            return -1
+
+    def versions(self, records: Sequence[tuple[int, int]]) -> dict[tuple[int, int], int]:
+        return {record: self.version(*record) for record in records}
+
+
+class _StoredIndex:
+    """``row-index.npz`` as an object of the store: one bounded GET to read, one PUT to replace (an
+    object appears whole); a ``meta.json``'s version is its ETag (or modification time) and size."""
+
+    def __init__(self, index: RowIndex) -> None:
+        self.index = index
+        self.fs: Any = index.stores[0].backend.fs  # type: ignore[attr-defined]
+
+    def _key(self, location: Any) -> str:
+        return str(location.path)
+
+    def read(self) -> bytes:
+        data = bytes(self.fs.cat_file(self._key(self.index.path), start=0, end=MAX_ROW_INDEX_BYTES + 1))
+        if len(data) > MAX_ROW_INDEX_BYTES:
+            raise CorruptCacheError(f"larger than {MAX_ROW_INDEX_BYTES} bytes")
+        return data
+
+    def write(self, data: bytes) -> None:
+        self.fs.pipe_file(self._key(self.index.path), data)
+
+    def version(self, kind: int, number: int) -> int:
+        try:
+            return _object_version(self.fs.info(self._key(self.index.stores[kind].step_dir(number) / META_NAME)))
+        except Exception:
+            return -1
+
+    def versions(self, records: Sequence[tuple[int, int]]) -> dict[tuple[int, int], int]:
+        """One recursive listing of the project (paged by the store), no object read."""
+        if not records:
+            return {}
+        stores = self.index.stores
+        keys = {self._key(stores[kind].step_dir(number) / META_NAME): (kind, number) for kind, number in records}
+        root = self._key(self.index.stores[0].project_dir)
+        try:
+            with contextlib.suppress(Exception):
+                self.fs.invalidate_cache(root)
+            listed = self.fs.find(root, detail=True)
+        except Exception:
+            return {}
+        found = {}
+        for name, info in listed.items():
+            record = keys.get(str(name).rstrip("/"))
+            if record is not None:
+                found[record] = _object_version(info)
+        return found
+
+
+def _object_version(info: Mapping[str, Any]) -> int:
+    """A 56-bit digest of what tells one upload of an object from another."""
+    tag = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or info.get("created")
+    text = f"{tag}|{info.get('size')}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
 
 
 def _check_members(data: bytes) -> None:

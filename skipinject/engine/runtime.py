@@ -19,7 +19,7 @@ from skipinject.config import MismatchPolicy, RoleConfig
 from skipinject.engine.background import WRITER
 from skipinject.engine.calls import StepBook, StepCalls, part_name, recorded_inputs
 from skipinject.engine.decision import cannot_load, nothing_more, plan_step
-from skipinject.engine.layout import project_dir
+from skipinject.engine.layout import batch_size_layouts, layout_name, path_safe, project_dir
 from skipinject.engine.matching import RowMatcher
 from skipinject.errors import CorruptCacheError, PromptMismatchError
 from skipinject.roles import Call, Codec, HitInfo, Loaded, Plan, Role, RowCodec, StepCache
@@ -138,6 +138,42 @@ class RoleRuntime:
     def sibling_store(self, store: StepStore, name: str) -> StepStore:
         """A store of this role in ``name`` under ``store``'s project directory (same trainer context)."""
         return self._open_store(store.project_dir / name, store.context)
+
+    def batch_size_stores(self, store: StepStore, limit: int) -> list[StepStore]:
+        """This role's stores in the project's layouts that differ from ``store``'s in the batch size
+        only (at most ``limit``, the nearest batch sizes first; one listing of the experiment
+        directory), each usable: ``action=match`` looks rows up there too. Never raises."""
+        context = store.context
+        if self.unusable(store) is not None or not {"gbs", "n", "prompt_length", "response_length"} <= set(context):
+            return []
+        named = self.role.name if self.role.cache_subdir is None else self.role.cache_subdir
+        subdir = path_safe(named) if named else ""
+        layout = store.project_dir.parent if subdir else store.project_dir
+        if layout.name != layout_name(context) or (subdir and store.project_dir.name != subdir):
+            return []
+        try:
+            names = store.backend.names(layout.parent, directories=True)
+        except Exception:
+            return []
+        found = batch_size_layouts(names, context)
+        found.sort(key=lambda item: abs(item[1] - int(context["gbs"])))
+        if len(found) > limit:
+            self.once(
+                ("layouts", str(layout.parent)),
+                logging.INFO,
+                "%s: %s holds %d other batch-size layouts; match looks rows up in the %d nearest",
+                self.name,
+                layout.parent,
+                len(found),
+                limit,
+            )
+        stores = []
+        for name, gbs in found[:limit]:
+            directory = layout.parent / name / subdir if subdir else layout.parent / name
+            sibling = self._open_store(directory, {**context, "gbs": gbs})
+            if sibling.unusable() is None:
+                stores.append(sibling)
+        return stores
 
     def unusable(self, store: StepStore) -> str | None:
         """Why ``store`` cannot be used at all this run (found once, logged once when it was opened)."""

@@ -99,6 +99,13 @@ class Backend(Protocol):
     def commit(self, step_dir: Location, meta: bytes, write_id: str) -> None:
         """Replace the step's ``meta.json`` with ``meta``, last and in one step."""
 
+    def claim(self, project: Location, first: int, token: str) -> int:
+        """The first step number from ``first`` on that no other writer holds, now held by this one
+        (``token``: the writer's id): concurrent writers of new records never pick the same."""
+
+    def release(self, project: Location, number: int, token: str) -> None:
+        """What :meth:`claim` left that the committed record does not need; never raises."""
+
     def remove(self, location: Location, anchor: Location | None = None) -> None:
         """Remove a file (or an empty directory) a failed writer left; best effort, never raises.
 

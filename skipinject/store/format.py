@@ -46,6 +46,12 @@ SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 #: the per-project index of every recorded row key (a hint, rebuilt from the steps; never trusted).
 ROWS_DIR = "rows"
 ROW_INDEX_NAME = "row-index.npz"
+#: An object store's claim of a rows record's number (``rows/{n}/.claim-{token}``, removed once the
+#: record is committed): no exclusive create there, so a writer takes ``n`` only when its claim is
+#: the one listed there. Locally the record's directory is created exclusively instead.
+CLAIM_PREFIX = ".claim-"
+#: Numbers one claim tries before it gives up (each taken by another writer).
+MAX_CLAIMS = 1000
 #: Rows one index holds (about 30 bytes each), and the largest index file read.
 MAX_INDEXED_ROWS = 1 << 25
 MAX_ROW_INDEX_BYTES = 40 * MAX_INDEXED_ROWS + (1 << 20)
@@ -163,6 +169,11 @@ def reference_table() -> str:
             "derived and widened tensors of a compact tensor file",
         ),
         ("rows records (`match`)", f"`{ROWS_DIR}/{{n}}/`", "ordinary committed steps, numbered from 1"),
+        (
+            "rows record claim",
+            f"`{ROWS_DIR}/{{n}}/{CLAIM_PREFIX}{{token}}`",
+            f"object stores: `n` is a writer's only while its claim is the only one there; {MAX_CLAIMS} tries",
+        ),
         (
             "row index (`match`)",
             f"`{ROW_INDEX_NAME}`",

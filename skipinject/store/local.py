@@ -31,7 +31,7 @@ from skipinject.store.files import (
     unresolved_problem,
     untrusted_reason,
 )
-from skipinject.store.format import MAX_META_BYTES, META_NAME, tmp_name
+from skipinject.store.format import MAX_CLAIMS, MAX_META_BYTES, META_NAME, step_name, tmp_name
 from skipinject.store.garbage import collect
 from skipinject.store.removal import remove_name
 from skipinject.store.tensorfile import tensor_file
@@ -177,6 +177,24 @@ class LocalFiles:
         _refuse_link(step_dir)
         _write_file_atomic(step_dir / META_NAME, lambda h: h.write(meta), write_id)
         _fsync_dir(step_dir)
+
+    def claim(self, project: Path, first: int, token: str) -> int:
+        """The first number whose step directory this call creates: ``mkdir`` (relative to the
+        project's descriptor, no link followed) fails for every other writer of that number."""
+        fd = open_dir(project)
+        try:
+            for number in range(first, first + MAX_CLAIMS):
+                try:
+                    os.mkdir(step_name(number), 0o700, dir_fd=fd)
+                except FileExistsError:
+                    continue
+                return number
+        finally:
+            os.close(fd)
+        raise CacheError(f"{project}: steps {first} to {first + MAX_CLAIMS - 1} are all taken")
+
+    def release(self, project: Path, number: int, token: str) -> None:
+        """Nothing to release: the claimed directory is the record's."""
 
     def remove(self, location: Path, anchor: Path | None = None) -> None:
         """Reached from ``anchor`` (the dump or project directory) without following a link, never by

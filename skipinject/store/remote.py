@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any, cast
 from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.store.checksums import _Hasher
 from skipinject.store.format import (
+    CLAIM_PREFIX,
     DATA_NAME,
+    MAX_CLAIMS,
     MAX_META_BYTES,
     META_NAME,
     PART_NAME,
@@ -163,6 +165,28 @@ class FsspecFiles:
 
     def commit(self, step_dir: Path, meta: bytes, write_id: str) -> None:
         self.fs.pipe_file((_at(step_dir) / META_NAME).path, meta)
+
+    def claim(self, project: Path, first: int, token: str) -> int:
+        """No exclusive create in an object store: put a claim object in the step, list the step, and
+        take the number only if this claim is the only one there and no ``meta.json`` is (strongly
+        consistent listings: of two racing writers at most one sees only its own; both may step on)."""
+        for number in range(first, first + MAX_CLAIMS):
+            step = _at(project) / step_name(number)
+            marker = step / f"{CLAIM_PREFIX}{token}"
+            self.fs.pipe_file(marker.path, b"")
+            try:
+                names = self._names(step)
+            except FileNotFoundError:
+                names = []
+            if [n for n in names if n.startswith(CLAIM_PREFIX) or n == META_NAME] == [marker.name]:
+                return number
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(marker.path)
+        raise CacheError(f"{project}: steps {first} to {first + MAX_CLAIMS - 1} are all taken")
+
+    def release(self, project: Path, number: int, token: str) -> None:
+        with contextlib.suppress(Exception):
+            self.fs.rm_file((_at(project) / step_name(number) / f"{CLAIM_PREFIX}{token}").path)
 
     def remove(self, location: Path, anchor: Path | None = None) -> None:
         with contextlib.suppress(Exception):

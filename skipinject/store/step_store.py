@@ -111,6 +111,16 @@ class StepStore:
             writer.abort()
             raise
 
+    def claim(self, first: int, token: str) -> int:
+        """A new step number from ``first`` on that no concurrent writer of this store also takes
+        (``match``'s rows records); :meth:`release` it once saved (or not)."""
+        self.backend.prepare(self.project_dir, self.project_dir)
+        self.check_writable([])
+        return self.backend.claim(self.project_dir, first, token)
+
+    def release(self, step: int, token: str) -> None:
+        self.backend.release(self.project_dir, step, token)
+
     # ------------------------------------------------------------ trust
 
     def _trust_chain(self) -> list[Path]:

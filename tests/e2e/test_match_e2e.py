@@ -3,9 +3,10 @@
 Each ``match`` run is served from a copy of a recording the session makes once
 (:mod:`tests.e2e.conftest`): run 1 of the V0 pair (``cache``, steps 1-2) and the fully async run 1
 (``match`` with nothing cached: it records as ``cache`` does). The ``match`` run draws its prompts
-with another data seed: at each step it serves the prompts run 1 saw and generates exactly the others
-(the CPU rollout logs every sequence it generates, with a digest of its prompt), and trains on
-responses that belong to its own prompts.
+with another data seed (and, in the V0 pair, another batch size: 2 prompts a step, not 4, so its
+layout directory is another one): at each step it serves the prompts run 1 saw (from run 1's layout)
+and generates exactly the others (the CPU rollout logs every sequence it generates, with a digest of
+its prompt), trains on responses that belong to its own prompts, and saves its steps in its own layout.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ pytestmark = pytest.mark.e2e
 
 #: Steps of the V0 ``match`` run (the recording holds steps 1-2: step 3 is no cached step).
 STEPS = 3
+#: The V0 match run's batch: 2 prompts a step (run 1: harness.TRAIN_BATCH = 4), PPO mini-batches to match.
+SMALL_BATCH = 2
+SMALLER_BATCH = (
+    f"data.train_batch_size={SMALL_BATCH}",
+    f"actor_rollout_ref.actor.ppo_mini_batch_size={SMALL_BATCH}",
+    f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={SMALL_BATCH * harness.ROLLOUT_N}",
+    f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={SMALL_BATCH * harness.ROLLOUT_N}",
+)
 
 
 def _prompt_text(record: dict) -> str:
@@ -63,7 +72,9 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
             f"skip.rollout.steps=[1-{STEPS}]",
             "skip.rollout.action=match",
             f"trainer.rollout_data_dir={tmp_path / 'run2'}",
-            "data.seed=9",
+            # Seed 7 draws, 2 a step, a step of two prompts run 1 saw and 4 prompts it did not.
+            "data.seed=7",
+            *SMALLER_BATCH,
         ],
     )
     second, generated_2 = launch(assets, tmp_path, "run2", overrides)
@@ -98,8 +109,17 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
     assert any("rows served from step" in line for line in matched)
     metrics = second.stdout.replace(" ", "")
     assert "timing_s/skipinject/match_served_rows:" in metrics
-    assert (layout / "rows").is_dir(), "new rows of already cached steps are kept as rows records"
-    assert sorted(p.name for p in layout.iterdir() if p.name.isdigit()) == ["1", "2", "3"]
+    assert all(len(records) == SMALL_BATCH * harness.ROLLOUT_N for records in two.values()), "run 2's batch size"
+    assert all("GBS4_N" in line for line in matched if "rows served from step" in line), "from run 1's layout"
+    assert any("target not called" in line for line in matched), "a step whose prompts were all seen: no call"
+    # Run 1's layout is left as it was; run 2's steps are saved whole in its own layout.
+    assert sorted(p.name for p in layout.iterdir() if p.name.isdigit()) == ["1", "2"]
+    assert not (layout / "rows").exists(), "nothing of run 2 written into run 1's layout"
+    own = harness.cache_dir(dump, gbs=SMALL_BATCH)
+    assert sorted(p.name for p in own.iterdir() if p.name.isdigit()) == ["1", "2", "3"]
+    for step in (1, 2, 3):
+        meta = json.loads((own / str(step) / "meta.json").read_text())
+        assert meta["rows"] == SMALL_BATCH * harness.ROLLOUT_N and len(meta["row_keys"][0]) == meta["rows"]
 
 
 def test_fully_async_match_serves_a_sample_by_its_prompt_not_its_id(

@@ -193,3 +193,55 @@ def test_the_cache_tool_lists_and_verifies_steps_in_s3(url: str, s3_env: dict[st
         timeout=300,
     )
     assert verified.returncode == 0 and "1 ok, 0 damaged, 1 partial" in verified.stdout, verified.stdout
+
+
+def test_the_match_row_index_is_kept_in_the_store_and_refreshed_from_new_steps_only(url: str, monkeypatch):
+    """``action=match``'s row index in S3: built once (every ``meta.json`` read), put as an object;
+    a later run loads it and reads only the ``meta.json`` of steps new or recorded anew since (found
+    by one listing); a damaged index object is only rebuilt."""
+    import torch
+
+    from skipinject.engine.row_index import RowIndex
+    from skipinject.store import Payload
+    from skipinject.store.format import ROW_INDEX_NAME
+
+    fs, root = open_remote(url)
+    steps = RemoteStepStore(root / "project", "toy", {"run": 1}, fs)
+    rows = RemoteStepStore(root / "project" / "rows", "toy", {"run": 1}, fs)
+
+    def keys(step: int, generation: int = 0) -> list[str]:
+        return [f"{generation:04x}{step:06x}{row:06x}" for row in range(4)]
+
+    def save(step: int, generation: int = 0) -> None:
+        payload = Payload(tensors={"x": torch.zeros(4, 2)}, objects={"value": step}, rows=4)
+        steps.save(step, payload, {"row_keys": [keys(step, generation)], "rows_per_input": [1]})
+
+    for step in (1, 2, 3):
+        save(step)
+    meta_reads: list[str] = []
+    cat_file = fs.cat_file
+
+    def counting(path: str, *args: Any, **kwargs: Any) -> Any:
+        if str(path).endswith("/meta.json"):
+            meta_reads.append(str(path))
+        return cat_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_file", counting)
+    found = RowIndex(steps, rows).lookup(keys(2))
+    assert [place[0].number for place in found] == [2, 2, 2, 2]
+    assert len(meta_reads) == 3 and fs.exists(f"{root.path}/project/{ROW_INDEX_NAME}"), "built, then stored"
+
+    save(4)
+    save(1, generation=1)  # step 1 recorded anew, with other rows
+    meta_reads.clear()
+    index = RowIndex(steps, rows)  # a later run
+    found = index.lookup(keys(2) + keys(1) + keys(1, generation=1) + keys(4))
+    assert sorted(path.rsplit("/", 2)[1] for path in meta_reads) == ["1", "4"], meta_reads
+    assert [bool(place) for place in found] == [True] * 4 + [False] * 4 + [True] * 8, "step 1's old rows left"
+    meta_reads.clear()
+    assert index.lookup(keys(3))[0][0].number == 3 and meta_reads == [], "nothing new: no meta.json read"
+
+    fs.pipe_file(f"{root.path}/project/{ROW_INDEX_NAME}", b"PK\x03\x04 not an index")
+    meta_reads.clear()
+    found = RowIndex(steps, rows).lookup(keys(3))
+    assert [place[0].number for place in found] == [3] * 4 and len(meta_reads) == 4, "damaged: rebuilt from the steps"

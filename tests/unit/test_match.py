@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -143,7 +144,7 @@ def make_role(**changes: Any) -> Role:
     return Role(**fields)
 
 
-def run(targets: Any, dump: Path, schedule: dict[int, list[int]], action: str = "cache", **kwargs: Any) -> Any:
+def run(targets: Any, dump: Path | str, schedule: dict[int, list[int]], action: str = "cache", **kwargs: Any) -> Any:
     role = kwargs.pop("role", None) or make_role()
     config = Config(roles={"gen": RoleConfig(enable=True, dump_dir=str(dump), steps=(1, 2, 3), action=action)})
     engine = Engine(config, {"gen": (role, "test")})
@@ -512,3 +513,246 @@ def test_the_runner_refuses_match_for_rollout_tq_in_one_line_before_the_program_
         "skipinject: error: skip.rollout_tq.action=match: role 'rollout_tq' cannot serve part of a call "
         "(declares no row_key: it has no row selector and merger, plugin API 1.2); use action=cache, repeat or strict"
     ]
+
+
+def _with_batch_size(targets: Any, monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """This run's ``data.train_batch_size`` (its layout directory is ``GBS{size}_...``)."""
+    original = targets.Trainer.__init__
+
+    def resized(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.config["data"]["train_batch_size"] = size
+
+    monkeypatch.setattr(targets.Trainer, "__init__", resized)
+
+
+def test_another_batch_size_is_served_from_the_project_s_other_layouts(
+    targets: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = run(targets, tmp_path, {1: [1, 2, 3, 4], 2: [5, 6, 7, 8]})
+    recorded = first[1][1].batch["responses"]
+    GENERATED.clear()
+    _with_batch_size(targets, monkeypatch, 2)
+    caplog.set_level(logging.INFO, "skipinject")
+    out = run(targets, tmp_path, {1: [3, 30], 2: [2, 1]}, action="match")
+    assert GENERATED == [[30, 30]], "prompts 3, 2 and 1 served from the batch-size-4 layout; only 30 generated"
+    assert [p for p, _ in responses(out[1][1])] == [3, 3, 30, 30]
+    assert torch.equal(out[1][1].batch["responses"][0:2], recorded[4:6]), "prompt 3's recorded samples"
+    assert torch.equal(out[2][1].batch["responses"], torch.cat([recorded[2:4], recorded[0:2]]))
+    assert list(out[2][1].non_tensor_batch["uid"]) == list(out[2][0].non_tensor_batch["uid"]), "this run's uids"
+    assert any("served from step 1 of GBS4_N2_in6_out4" in m for m in messages(caplog)), messages(caplog)
+    own = tmp_path / "e_p" / "GBS2_N2_in6_out4" / "gen"
+    assert sorted(p.name for p in own.iterdir() if p.name.isdigit()) == ["1", "2"], "saved in this run's layout"
+    assert not (project(tmp_path) / "rows").exists(), "nothing written into the other layout"
+    assert json.loads((project(tmp_path) / "1" / "meta.json").read_text())["rows"] == 8
+
+    GENERATED.clear()
+    out = run(targets, tmp_path, {3: [30, 5]}, action="match")
+    assert GENERATED == [], "30 from this layout's step 1, 5 from the other layout's step 2"
+    assert [p for p, _ in responses(out[3][1])] == [30, 30, 5, 5]
+
+    tensors = next((project(tmp_path) / "2").glob("tensors-*.bin"))
+    damaged = bytearray(tensors.read_bytes())
+    damaged[-1] ^= 0xFF
+    tensors.write_bytes(bytes(damaged))
+    GENERATED.clear()
+    out = run(targets, tmp_path, {3: [6, 30]}, action="match")
+    assert GENERATED == [[6, 6]], "a step of the other layout that does not verify serves nothing"
+    assert [p for p, _ in responses(out[3][1])] == [6, 6, 30, 30]
+
+
+def test_only_layouts_differing_in_the_batch_size_are_looked_at() -> None:
+    from skipinject.engine.layout import batch_size_layouts
+
+    context = {"gbs": 4, "n": 2, "prompt_length": 6, "response_length": 4}
+    names = [
+        "GBS8_N2_in6_out4",
+        "GBS2_N2_in6_out4",
+        "GBS4_N2_in6_out4",  # this run's own
+        "GBS08_N2_in6_out4",  # not the name of batch size 8
+        "GBS8_N3_in6_out4",  # another n: other generations
+        "GBS8_N2_in6_out5",
+        "GBS8_N2_in6_out4\n",
+        "GBS99999999999999_N2_in6_out4",
+    ]
+    assert batch_size_layouts(names, context) == [("GBS2_N2_in6_out4", 2), ("GBS8_N2_in6_out4", 8)]
+
+
+def test_a_key_whose_latest_copy_does_not_serve_falls_back_to_an_older_copy(targets: Any, tmp_path: Path) -> None:
+    first = run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    run(targets, tmp_path, {2: [1, 2, 5, 6]})  # a later copy of prompts 1 and 2
+    tensors = next((project(tmp_path) / "2").glob("tensors-*.bin"))
+    damaged = bytearray(tensors.read_bytes())
+    damaged[-1] ^= 0xFF
+    tensors.write_bytes(bytes(damaged))
+    GENERATED.clear()
+    out = run(targets, tmp_path, {3: [2, 1, 4, 3]}, action="match")
+    assert GENERATED == [], "prompts 1 and 2 served from step 1 once step 2 did not verify"
+    recorded = first[1][1].batch["responses"]
+    expected = torch.cat([recorded[2:4], recorded[0:2], recorded[6:8], recorded[4:6]])
+    assert torch.equal(out[3][1].batch["responses"], expected), "each prompt's recorded samples"
+
+
+def test_a_copy_whose_step_no_longer_records_the_key_falls_back(targets: Any, tmp_path: Path) -> None:
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    run(targets, tmp_path, {2: [1, 2, 5, 6]})
+    index = project(tmp_path) / "row-index.npz"
+    run(targets, tmp_path, {3: [5]}, action="match")  # writes the index
+    with np.load(index) as saved:
+        arrays = {name: saved[name].copy() for name in saved.files}
+    at_step_2 = arrays["number"] == 2
+    arrays["row"][at_step_2] = (arrays["row"][at_step_2] + 2) % 8  # step 2's copies point at other rows
+    np.savez(index, **arrays)
+    GENERATED.clear()
+    out = run(targets, tmp_path, {3: [1, 2]}, action="match")
+    assert GENERATED == [], "step 2 does not record those keys where the index says: step 1's copies serve"
+    assert [p for p, _ in responses(out[3][1])] == [1, 1, 2, 2]
+
+
+def test_two_runs_saving_new_rows_at_once_both_keep_their_records(
+    targets: Any, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Two runs (forked processes) save new rows of the committed step 1 at the same moment: each
+    takes its own rows record number (both wait, number chosen, until the other chose too)."""
+    import multiprocessing
+
+    from skipinject.store import StepStore
+
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    context = multiprocessing.get_context("fork")
+    both_chose = context.Barrier(2, timeout=60)
+    save = StepStore.save
+
+    def racing_save(self: StepStore, step: int, *args: Any, **kwargs: Any) -> Path:
+        if self.project_dir.name == "rows":
+            both_chose.wait()  # each run has its number: neither has written yet
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(StepStore, "save", racing_save)
+
+    def child(prompt: int) -> None:
+        try:
+            run(targets, tmp_path, {1: [1, prompt]}, action="match")
+        except BaseException:
+            os._exit(1)
+        os._exit(0)
+
+    children = [context.Process(target=child, args=(prompt,)) for prompt in (80, 81)]
+    for process in children:
+        process.start()
+    for process in children:
+        process.join(120)
+        assert process.exitcode == 0
+    rows = project(tmp_path) / "rows"
+    assert sorted(p.name for p in rows.iterdir()) == ["1", "2"], "two records, neither replaced"
+    from skipinject.cache_tool import main
+
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["steps"]
+    assert sorted((i["layout"], i["step"], i["state"]) for i in listed if i["layout"].endswith("/rows")) == [
+        ("GBS4_N2_in6_out4/rows", 1, "complete"),
+        ("GBS4_N2_in6_out4/rows", 2, "complete"),
+    ]
+    assert main(["verify", str(tmp_path)]) == 0
+    monkeypatch.setattr(StepStore, "save", save)
+    GENERATED.clear()
+    out = run(targets, tmp_path, {2: [80, 81]}, action="match")
+    assert GENERATED == [], "both runs' new rows are served"
+    assert [p for p, _ in responses(out[2][1])] == [80, 80, 81, 81]
+
+
+def test_the_match_snippet_serves_the_rows_it_saw_and_generates_only_the_others(tmp_path: Path) -> None:
+    """The guide's "Opting a role into ``action=match``" role, as printed, on a toy generator of real
+    ``DataProto`` batches split among 2 workers: run 1 caches step 1, run 2 (``match``) at step 2
+    gets two prompts it saw and one it did not: only that one is generated (padded to the workers)."""
+    from tests.unit.test_readme_snippet import ROOT, snippets
+
+    generated: list[list[str]] = []
+
+    class Generator:
+        workers = (object(), object())
+
+        def generate(self, batch: DataProto) -> DataProto:
+            prompts = [str(p[0]["content"]) for p in batch.non_tensor_batch["raw_prompt"]]
+            generated.append(prompts)
+            responses = torch.tensor([[len(p), len(generated)] for p in prompts])
+            return DataProto.from_dict(
+                tensors={"responses": responses}, non_tensors={"prompt": np.array(prompts, dtype=object)}
+            )
+
+    module = type(sys)("my_pkg.gen")
+    module.Generator = Generator  # type: ignore[attr-defined]
+    package = type(sys)("my_pkg")
+    package.gen = module  # type: ignore[attr-defined]
+    sys.modules.update({"my_pkg": package, "my_pkg.gen": module})
+    namespace: dict[str, object] = {}
+    try:
+        exec(compile(snippets(ROOT / "README.md")["match-role"], "my_gen.py", "exec"), namespace)
+        role = namespace["ROLE"]
+
+        def step(action: str, number: int, prompts: list[str]) -> DataProto:
+            settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1, 2), action=action)
+            engine = Engine(Config(roles={"my_gen": settings}), {"my_gen": (role, "readme")})
+            engine.start()
+            try:
+                chats = np.empty(len(prompts), dtype=object)
+                chats[:] = [[{"role": "user", "content": p}] for p in prompts]
+                batch = DataProto.from_dict(
+                    tensors={"ids": torch.arange(len(prompts))}, non_tensors={"raw_prompt": chats}
+                )
+                batch.meta_info["global_steps"] = number
+                return Generator().generate(batch)
+            finally:
+                engine.stop()
+
+        step("cache", 1, ["a", "bb", "ccc", "dddd"])
+        out = step("match", 2, ["ccc", "eeeee", "a", "bb"])
+    finally:
+        for name in ("my_pkg", "my_pkg.gen"):
+            sys.modules.pop(name)
+    assert generated == [["a", "bb", "ccc", "dddd"], ["eeeee", "eeeee"]], "only the new prompt, padded to 2 workers"
+    assert list(out.non_tensor_batch["prompt"]) == ["ccc", "eeeee", "a", "bb"], "merged in the call's order"
+    assert out.batch["responses"].tolist() == [[3, 1], [5, 2], [1, 1], [2, 1]], "served rows are run 1's"
+
+
+def test_a_lookup_looks_at_most_at_the_nearest_batch_sizes_usable_layouts(tmp_path: Path, caplog) -> None:
+    from skipinject.engine.matching import MAX_LAYOUTS
+    from skipinject.engine.runtime import RoleRuntime
+
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1,), action="match")
+    runtime = RoleRuntime(make_role(), settings, "test")
+    experiment = tmp_path / "e_p"
+    for gbs in range(1, 31):
+        (experiment / f"GBS{gbs}_N2_in6_out4" / "gen").mkdir(parents=True)
+    (experiment / "GBS16_N3_in6_out4" / "gen").mkdir(parents=True)  # another n: never looked at
+    (experiment / "GBS17_N2_in6_out4").chmod(0o777)  # another user could write it: not trusted
+    context = {"experiment_name": "e", "project_name": "p", "gbs": 16, "n": 2, "prompt_length": 6, "response_length": 4}
+    store = runtime._open_store(experiment / "GBS16_N2_in6_out4" / "gen", context)
+    caplog.set_level(logging.INFO, "skipinject")
+    found = runtime.batch_size_stores(store, MAX_LAYOUTS)
+    assert MAX_LAYOUTS == 8
+    assert sorted(s.context["gbs"] for s in found) == [12, 13, 14, 15, 18, 19, 20], "the 8 nearest, one untrusted"
+    assert all(s.project_dir == experiment / f"GBS{s.context['gbs']}_N2_in6_out4" / "gen" for s in found)
+    assert any("holds 29 other batch-size layouts; match looks rows up in the 8 nearest" in m for m in messages(caplog))
+
+
+def test_match_in_an_object_store_serves_another_batch_size_and_keeps_the_index_there(
+    targets: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uuid
+
+    from skipinject.store.remote import open_remote
+
+    url = f"memory://skipinject-tests/{uuid.uuid4().hex}"
+    run(targets, url, {1: [1, 2, 3, 4]})
+    GENERATED.clear()
+    _with_batch_size(targets, monkeypatch, 2)
+    out = run(targets, url, {1: [3, 30], 2: [2, 1]}, action="match")
+    assert GENERATED == [[30, 30]], "served from the batch-size-4 layout in the store"
+    assert [p for p, _ in responses(out[2][1])] == [2, 2, 1, 1]
+    fs, root = open_remote(url)
+    layouts = f"{root.path}/e_p"
+    assert fs.exists(f"{layouts}/GBS4_N2_in6_out4/gen/row-index.npz"), "the index is an object of the store"
+    assert fs.exists(f"{layouts}/GBS2_N2_in6_out4/gen/2/meta.json"), "saved in this run's layout"
+    assert not fs.exists(f"{layouts}/GBS4_N2_in6_out4/gen/rows"), "nothing saved into the other layout"
