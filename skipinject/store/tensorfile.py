@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.checksums import _Hasher
-from skipinject.store.compact import BLOCK_ELEMENTS, Plan, Recipe, check_rebuilt, plan_tensors
+from skipinject.store.compact import BLOCK_ELEMENTS, Plan, Recipe, check_rebuilt, copy_into, plan_tensors
 from skipinject.store.compression import Compression, Written, workers, write_compressed
 from skipinject.store.format import MAX_INDEX_BYTES, TENSOR_ALIGN, TENSOR_DTYPES, TENSORS_MAGIC
 from skipinject.store.hit_memory import FRESH, Claim
@@ -305,7 +305,7 @@ def _restore(
 
 def _copy_block(out: torch.Tensor, source: torch.Tensor, lo: int) -> None:
     """Elements ``[lo, lo + BLOCK_ELEMENTS)`` of flat ``source`` converted into flat ``out``."""
-    out[lo : lo + BLOCK_ELEMENTS].copy_(source[lo : lo + BLOCK_ELEMENTS])
+    copy_into(out[lo : lo + BLOCK_ELEMENTS], source[lo : lo + BLOCK_ELEMENTS])
 
 
 def _narrows(stored: str, dtype: str) -> bool:

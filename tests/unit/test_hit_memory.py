@@ -232,3 +232,25 @@ def test_a_run_or_ramp_written_over_an_earlier_batch_is_written_in_full(dtype: s
             recipe.write(fresh, block, zeroed=True)
             recipe.write(reused, block, zeroed=False)
         assert torch.equal(fresh, reused), key
+
+
+def test_concatenations_and_widened_tensors_of_every_dtype_keep_every_bit(tmp_path: Path) -> None:
+    """The restore copies through numpy where a dtype has one and through torch where not (bfloat16),
+    into fresh and into reused memory alike."""
+    gen = torch.Generator().manual_seed(3)
+    tensors: dict[str, Any] = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int16, torch.int64, torch.bool):
+        name = str(dtype).removeprefix("torch.")
+        left = (torch.randn(6, 5, generator=gen) * 100).to(dtype)
+        right = (torch.randn(6, 7, generator=gen) * 100).to(dtype)
+        tensors |= {f"{name}_l": left, f"{name}_r": right, f"{name}_lr": torch.cat([left, right], dim=1)}
+    tensors["narrowed"] = torch.randint(-(1 << 14), 1 << 14, (6, 9), generator=gen, dtype=torch.int64)
+    store = StepStore(tmp_path / "project", "toy", {"run": 1}, compression=ZSTD, memory=HitMemory(1))
+    store.save(1, Payload(tensors=tensors, objects={}, rows=6))
+    for _ in range(3):
+        got = _hit(store)
+        assert_same(got, tensors)
+        for tensor in got.values():
+            tensor.zero_()
+        del got
+        gc.collect()
