@@ -50,6 +50,17 @@ def fresh_buffers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sizes
 
 
+def _hits_trained_on(store: StepStore, saved: dict[str, Any], count: int) -> None:
+    """``count`` hits, each equal to ``saved``, then written over in place (as training may) and dropped."""
+    for _ in range(count):
+        hit = _hit(store)
+        assert_same(hit, saved)
+        for tensor in hit.values():
+            tensor.zero_()
+        del hit
+        gc.collect()
+
+
 def _spans(tensors: dict[str, Any]) -> list[tuple[int, int]]:
     return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors.values() if t.numel()]
 
@@ -95,13 +106,7 @@ def test_a_tensor_kept_from_an_earlier_hit_is_never_overwritten(tmp_path: Path) 
     copies = {name: tensor.clone() for name, tensor in kept.items()}
     del first
     gc.collect()
-    for _ in range(4):
-        hit = _hit(store)
-        assert_same(hit, saved)
-        for tensor in hit.values():
-            tensor.zero_()
-        del hit
-        gc.collect()
+    _hits_trained_on(store, saved, 4)
     for name, tensor in kept.items():
         assert torch.equal(tensor, copies[name]), name
     assert torch.equal(kept["attention_mask"], saved["attention_mask"][1:])
@@ -247,10 +252,4 @@ def test_concatenations_and_widened_tensors_of_every_dtype_keep_every_bit(tmp_pa
     tensors["narrowed"] = torch.randint(-(1 << 14), 1 << 14, (6, 9), generator=gen, dtype=torch.int64)
     store = StepStore(tmp_path / "project", "toy", {"run": 1}, compression=ZSTD, memory=HitMemory(1))
     store.save(1, Payload(tensors=tensors, objects={}, rows=6))
-    for _ in range(3):
-        got = _hit(store)
-        assert_same(got, tensors)
-        for tensor in got.values():
-            tensor.zero_()
-        del got
-        gc.collect()
+    _hits_trained_on(store, tensors, 3)
