@@ -11,7 +11,10 @@ average at start and end (the machine is shared):
 
 * upstream: ``DataProto.save_to_disk`` / ``load_from_disk`` (pickle), local disk;
 * skipinject ``none`` / ``zstd`` (level 3) / ``zstd-1``: save (encode + write + fsync + checksums) and a
-  verified hit (sizes + checksums + decompress + load + decode + every page touched), local disk;
+  verified hit (sizes + checksums + decompress + load + decode + every page touched), local disk. A
+  compressed hit twice: *cold* (every hit in fresh memory, as the first hit of a run) and *steady
+  state* (verl's loop: the previous hit's batch still held while the next one loads and dropped
+  after, the memory pool of ``skip.<role>.reuse_hit_memory=2``), with the memory the pool keeps;
 * the floor of a verified uncompressed hit: mapping the stored bytes and checksumming them;
 * with ``--s3``, the same save and hit against the local S3 server the tests use (moto).
 
@@ -48,6 +51,7 @@ from skipinject.codecs import DataProtoCodec  # noqa: E402
 from skipinject.store import StepStore  # noqa: E402
 from skipinject.store.checksums import file_checksum  # noqa: E402
 from skipinject.store.compression import parse_compression  # noqa: E402
+from skipinject.store.hit_memory import HitMemory  # noqa: E402
 
 PAD = 151_643
 VOCAB = 151_000
@@ -135,6 +139,26 @@ def measure_store(
 
     loaded = measure(figures, f"{key}_hit", hit, repeat)
     check_equal(batch, loaded)
+    if store.compression is not None and isinstance(store.step_dir(step), Path):
+        measure_steady(figures, key, store, hit, batch, repeat)
+
+
+def measure_steady(figures: dict[str, Any], key: str, store: StepStore, hit: Any, batch: Any, repeat: int) -> None:
+    """``{key}_steady_hit``: hits as verl's loop makes them, the previous batch held during each hit and
+    dropped after, decoding into the memory pool a run uses (two batches); what the pool keeps."""
+    store.memory = memory = HitMemory(2)
+    held = [hit()]  # the first hit of a run (fresh memory); measure's warm-up is the second
+
+    def steady() -> None:
+        loaded = hit()  # held[0], the previous step's batch, is still alive here
+        held[0] = loaded  # ... and dropped once this one is
+
+    measure(figures, f"{key}_steady_hit", steady, repeat)
+    check_equal(batch, held[0])
+    figures[f"{key}_pool_mb"] = memory.nbytes / 1e6
+    held.clear()
+    store.memory = None
+    memory.clear()
 
 
 def remove_step(store: StepStore, step: int) -> None:
@@ -192,7 +216,8 @@ def floor(figures: dict[str, Any], store: StepStore, repeat: int) -> None:
 
 def fresh_floor(figures: dict[str, Any], nbytes: int, repeat: int) -> None:
     """Allocating and filling as many bytes of fresh memory as the batch's tensors: what any load that
-    builds the tensors anew (pickle's, a compressed hit's) pays at least, whatever it decodes."""
+    builds the tensors anew in fresh memory (pickle's, a cold compressed hit's) pays at least, whatever
+    it decodes; and filling memory already faulted in (what a steady-state hit's writes cost at least)."""
 
     def fill() -> Any:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
@@ -200,6 +225,9 @@ def fresh_floor(figures: dict[str, Any], nbytes: int, repeat: int) -> None:
         return buffer
 
     measure(figures, "fresh_floor", fill, repeat)
+    warm = torch.empty(nbytes, dtype=torch.uint8)
+    warm.fill_(0)
+    measure(figures, "warm_floor", lambda: warm.fill_(1), repeat)
 
 
 ROWS = (("save", "save (encode + write/upload + fsync + checksums)"), ("hit", "verified hit, usable"))
@@ -220,11 +248,18 @@ def report(f: dict[str, Any], local: list[str], remote: list[str]) -> str:
             key = f"{'local' if where == 'local disk' else 's3'}_{name}"
             if f"{key}_mb" not in f:
                 continue
+            cold = ", hit cold (fresh memory)" if f"{key}_steady_hit_ms" in f else ""
             lines.append(
-                f"| skipinject `{name}`, {where} | {f[f'{key}_mb']:.1f} | {f[f'{key}_mb'] / up:.3f}x "
+                f"| skipinject `{name}`, {where}{cold} | {f[f'{key}_mb']:.1f} | {f[f'{key}_mb'] / up:.3f}x "
                 f"| {f[f'{key}_save_ms']:.0f} | {f['upstream_save_ms'] / f[f'{key}_save_ms']:.1f}x "
                 f"| {f[f'{key}_hit_ms']:.0f} | {f['upstream_hit_ms'] / f[f'{key}_hit_ms']:.1f}x |"
             )
+            if cold:
+                lines.append(
+                    f"| skipinject `{name}`, {where}, hit steady state (previous batch held, pool "
+                    f"{f[f'{key}_pool_mb']:.0f} MB) | | | | | {f[f'{key}_steady_hit_ms']:.0f} "
+                    f"| {f['upstream_hit_ms'] / f[f'{key}_steady_hit_ms']:.1f}x |"
+                )
     if "floor_ms" in f and "local_none_hit_ms" in f:
         lines.append(
             f"\nFloor of a verified uncompressed hit (map + checksum the stored bytes): {f['floor_ms']:.0f} ms; "
@@ -236,6 +271,12 @@ def report(f: dict[str, Any], local: list[str], remote: list[str]) -> str:
             f"memory): {f['fresh_floor_ms']:.0f} ms, CPU {f['fresh_floor_cpu_ms']:.0f} ms; the `zstd` hit is "
             f"{f['local_zstd_hit_ms'] / f['fresh_floor_ms']:.2f}x it (CPU {f['local_zstd_hit_cpu_ms']:.0f} ms), "
             f"pickle's load {f['upstream_hit_ms'] / f['fresh_floor_ms']:.2f}x (CPU {f['upstream_hit_cpu_ms']:.0f} ms)."
+        )
+    if "warm_floor_ms" in f and "local_zstd_steady_hit_ms" in f:
+        lines.append(
+            f"Filling {f['tensor_mb']:.0f} MB of memory already faulted in: {f['warm_floor_ms']:.0f} ms; the "
+            f"steady-state `zstd` hit (CPU {f['local_zstd_steady_hit_cpu_ms']:.0f} ms) keeps "
+            f"{f['local_zstd_pool_mb']:.0f} MB allocated between hits (two batches' decoded size)."
         )
     for name in remote:
         if name != "none" and "s3_none_save_ms" in f and f"s3_{name}_save_ms" in f:

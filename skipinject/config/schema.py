@@ -22,6 +22,8 @@ from skipinject.errors import ConfigError
 DEFAULT_DUMP_DIR = "~/.verl/rollout_dump"
 #: Longest ``dump_dir`` accepted: Linux's PATH_MAX (a longer path cannot be opened anyway).
 MAX_PATH_CHARS = 4096
+#: Most batches ``reuse_hit_memory`` may keep (:data:`skipinject.store.hit_memory.MAX_SLOTS`).
+MAX_HIT_MEMORY = 16
 
 
 class Action(str, enum.Enum):
@@ -135,12 +137,25 @@ class RoleConfig:
         ),
     )
 
+    reuse_hit_memory: int = _setting(
+        2,
+        shown="2",
+        meaning=(
+            "compressed hits decode into memory kept from earlier hits, whose batches training no longer "
+            "holds: up to this many batches' decoded size stays allocated between hits (0 … 16; `0`: every "
+            "hit takes fresh memory, freed with its tensors). The default covers verl's loop: one batch still "
+            "held while the next loads (see [Compression](#compression))"
+        ),
+    )
+
     def __post_init__(self) -> None:
         # Accept plain values from code (``steps=(1, 2)``, ``action="repeat"``), as the schema would.
         if not isinstance(self.steps, StepSet):
             object.__setattr__(self, "steps", StepSet.from_value(list(self.steps), "steps"))
         object.__setattr__(self, "action", Action(self.action))
         object.__setattr__(self, "on_mismatch", MismatchPolicy(self.on_mismatch))
+        if type(self.reuse_hit_memory) is not int or not 0 <= self.reuse_hit_memory <= MAX_HIT_MEMORY:
+            raise ValueError(f"reuse_hit_memory must be 0 .. {MAX_HIT_MEMORY}, got {self.reuse_hit_memory!r}")
         if self.compression != "auto":  # the default needs no check (and no import at start-up)
             from skipinject.store.compression import parse_compression
 
@@ -231,6 +246,8 @@ def role_config(
 
             if not isinstance(converted, str) or not COMPRESSION_VALUE.fullmatch(converted):
                 raise ConfigError(f"{dotted}={shown}: {_expected(key)}")
+        if key == "reuse_hit_memory" and not 0 <= converted <= MAX_HIT_MEMORY:
+            raise ConfigError(f"{dotted}={shown}: {_expected(key)}")
         if key == "dump_dir" and (not converted.strip() or "\x00" in converted):
             raise ConfigError(f"{dotted}={shown}: expected a directory path")
         if key == "dump_dir" and len(converted) > MAX_PATH_CHARS:
@@ -268,4 +285,6 @@ def _expected(key: str) -> str:
         return "expected a directory path"
     if key == "compression":
         return "expected auto, none, zstd or zstd-1 .. zstd-22"
+    if key == "reuse_hit_memory":
+        return f"expected a number of batches, 0 .. {MAX_HIT_MEMORY}"
     return "invalid value"

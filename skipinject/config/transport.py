@@ -141,6 +141,9 @@ def _serialised_role(name: str, values: Any) -> RoleConfig:
         if kind is bool:
             if type(value) is not bool:
                 raise ValueError(f"skip.{name}.{key} is not a boolean")
+        elif kind is int:
+            if type(value) is not int:
+                raise ValueError(f"skip.{name}.{key} is not a whole number")
         elif kind is str:
             if not isinstance(value, str) or not value or "\x00" in value or len(value) > MAX_PATH_CHARS:
                 raise ValueError(f"skip.{name}.{key} is not a path")

@@ -25,6 +25,7 @@ from skipinject.errors import CorruptCacheError, PromptMismatchError
 from skipinject.roles import Call, Codec, HitInfo, Loaded, Plan, Role, RowCodec, StepCache
 from skipinject.store import Payload, StepStore
 from skipinject.store.compression import compression_for
+from skipinject.store.hit_memory import HitMemory
 
 logger = logging.getLogger("skipinject")
 
@@ -40,6 +41,8 @@ class RoleRuntime:
         self.settings = settings
         self.owner = owner
         self._stores: dict[Path, StepStore] = {}  # a RemotePath stands in for a Path
+        #: The memory this role's compressed hits decode into, kept between hits (``reuse_hit_memory``).
+        self.hit_memory = HitMemory(settings.reuse_hit_memory)
         self._unusable: dict[Path, str | None] = {}
         self._lock = threading.Lock()
         self._warned: set[Any] = set()
@@ -192,6 +195,7 @@ class RoleRuntime:
             plugin=self.owner,
             backend=root.backend(trust_permissions=trust),
             compression=compression_for(self.settings.compression, root.location()),
+            memory=self.hit_memory,
         )
 
     # ------------------------------------------------------------ deciding

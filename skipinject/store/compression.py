@@ -17,7 +17,6 @@ further fails instead of growing it): a decompression bomb is refused before its
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 import threading
@@ -35,6 +34,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from skipinject.store.checksums import _Hasher
+    from skipinject.store.hit_memory import Decoded
 
 #: What ``skip.<role>.compression`` accepts: ``auto``, ``none``, ``zstd`` or ``zstd-<level>``.
 COMPRESSION_VALUE = re.compile(r"auto|none|zstd(?:-([1-9]|1[0-9]|2[0-2]))?")
@@ -228,9 +228,7 @@ def check_record(spec: Mapping[str, Any], stored: int, shown: Path) -> tuple[int
     return decoded, frames
 
 
-def decompress_into(
-    stored: Buffer, spec: Mapping[str, Any], shown: Path, make: Callable[[int], mmap.mmap | bytearray]
-) -> mmap.mmap | bytearray:
+def decompress_into(stored: Buffer, spec: Mapping[str, Any], shown: Path, make: Callable[[int], Decoded]) -> Decoded:
     """The decoded bytes of a compressed file (its stored bytes already checksummed), in a buffer from
     ``make(decoded_size)``; frames decompressed in threads, each checked before it is decompressed."""
     with memoryview(stored) as view:
@@ -255,9 +253,7 @@ class FrameDecoder:
     place. :meth:`finish` returns the buffer once every frame is decoded; :meth:`abandon` (after any
     failure, e.g. a checksum mismatch) waits for the threads and frees it."""
 
-    def __init__(
-        self, spec: Mapping[str, Any], stored_size: int, shown: Path, make: Callable[[int], mmap.mmap | bytearray]
-    ) -> None:
+    def __init__(self, spec: Mapping[str, Any], stored_size: int, shown: Path, make: Callable[[int], Decoded]) -> None:
         self.decoded, self.frames = check_record(spec, stored_size, shown)
         self.shown = shown
         self._zstandard = _zstd()
@@ -335,7 +331,7 @@ class FrameDecoder:
                 self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool, self._in_flight = None, []
 
-    def finish(self) -> mmap.mmap | bytearray:
+    def finish(self) -> Decoded:
         """The decoded buffer, once every frame has come and been decoded (CorruptCacheError otherwise)."""
         try:
             self._wait()
@@ -379,20 +375,7 @@ def _decompress_frame(
         del reader  # it holds the frame's buffer until it is freed (close() does not let go of it)
 
 
-def anonymous(size: int) -> mmap.mmap | bytearray:
-    """A writable buffer of ``size`` bytes that costs memory only as it is filled: an anonymous
-    *private* mapping (a shared one is shmem, whose page faults cost half as much again).
-
-    No huge pages (``MADV_HUGEPAGE``): on a VM whose freed memory goes back to the host, a fresh
-    2 MiB page costs ~4x its 4 KiB pages (measured: 436 MB filled in ~1.5 s of kernel time against
-    ~0.3 s), and a training run's hits are far enough apart for its freed memory to have gone back."""
-    if not size:
-        return bytearray()
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    return mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
-
-
-def _close(buffer: mmap.mmap | bytearray) -> None:
+def _close(buffer: Decoded) -> None:
     close = getattr(buffer, "close", None)
     if close is not None:
         close()

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from skipinject.store.hit_memory import FRESH, Claim
+
 if TYPE_CHECKING:
     import torch
+
+    from skipinject.store.hit_memory import Decoded
 
 
 @dataclass
@@ -41,9 +44,11 @@ class StepEntry:
     directory: Path
     meta: Mapping[str, Any]
     #: Tensor files mapped (and checksummed) by :meth:`StepStore.verified`, reused by ``load``.
-    mapped: dict[Path, mmap.mmap | bytearray] = field(default_factory=dict, compare=False, repr=False)
+    mapped: dict[Path, Decoded] = field(default_factory=dict, compare=False, repr=False)
     #: Bytes of the other files, read (and checksummed) once by :meth:`StepStore.verified`.
     blobs: dict[Path, bytes] = field(default_factory=dict, compare=False, repr=False)
+    #: Where a compressed step's decoded tensors go (:mod:`~skipinject.store.hit_memory`).
+    memory: Claim = field(default=FRESH, compare=False, repr=False)
 
     def release(self) -> None:
         """Drop what :meth:`StepStore.verified` read (mappings no tensor uses yet are closed)."""

@@ -18,7 +18,6 @@ bucket is the store's own access control. ``file://`` URLs are plain local paths
 from __future__ import annotations
 
 import contextlib
-import mmap
 import posixpath
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -45,6 +44,7 @@ if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
     from skipinject.store.compression import Compression
+    from skipinject.store.hit_memory import Decoded
 
 #: Bytes moved per request when reading a data file (a multiple of the tree checksum's 32 MiB
 #: chunk). Large: some servers (moto, and any that do not index objects) pay for a ranged read in
@@ -280,8 +280,8 @@ class _RemoteStep:
         return (data if kind == "tensors" else bytes(data)), hasher.hexdigest()  # tensors are views of it
 
     def read_decoded(
-        self, sub: str, name: str, spec: Mapping[str, Any], algo: str, make: Callable[[int], mmap.mmap | bytearray]
-    ) -> tuple[mmap.mmap | bytearray, str]:
+        self, sub: str, name: str, spec: Mapping[str, Any], algo: str, make: Callable[[int], Decoded]
+    ) -> tuple[Decoded, str]:
         """A compressed data file decoded while it downloads, and the checksum of its stored bytes
         (the caller discards the decoded bytes unless it matches): requested in
         :data:`STREAM_CHUNK` pieces, each complete frame decompressed in a thread while the next

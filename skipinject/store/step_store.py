@@ -11,7 +11,6 @@ failure is a :class:`CorruptCacheError` (a missing step stays ``FileNotFoundErro
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.store.backend import Backend, StepFiles
 from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo
-from skipinject.store.compression import Compression, anonymous, decompress_into
+from skipinject.store.compression import Compression, decompress_into
 from skipinject.store.files import parse_json
 from skipinject.store.format import (
     DATA_NAME,
@@ -34,6 +33,7 @@ from skipinject.store.format import (
     _meta_digest,
     step_name,
 )
+from skipinject.store.hit_memory import Claim, HitMemory
 from skipinject.store.payload import Payload, StepEntry
 from skipinject.store.tensorfile import read_tensors
 from skipinject.store.writer import StepWriter
@@ -60,6 +60,7 @@ class StepStore:
         plugin: str | None = None,
         backend: Backend | None = None,
         compression: Compression | None = None,
+        memory: HitMemory | None = None,
     ) -> None:
         """``trust_permissions``: load from directories other users could write (the user's opt-in,
         ``skip.<role>.trust_dir_permissions``). ``dump_dir``: the cache root; it and every directory
@@ -67,7 +68,8 @@ class StepStore:
         ``plugin``: the plugin providing the role, recorded in ``meta.json`` (``skipinject cache``
         names it where it is not installed). ``backend``: where the files are (default: local files,
         see :meth:`~skipinject.dump_root.DumpRoot.backend`). ``compression``: how the files this store
-        writes are compressed (None: stored as they are; steps of either kind are read)."""
+        writes are compressed (None: stored as they are; steps of either kind are read). ``memory``: the
+        pool compressed hits decode into (None: fresh memory each hit; see :mod:`~skipinject.store.hit_memory`)."""
         if backend is None:
             from skipinject.store.local import LocalFiles
 
@@ -81,6 +83,7 @@ class StepStore:
         self.dump_dir = dump_dir
         self.plugin = plugin
         self.compression = compression
+        self.memory = memory
 
     @property
     def location(self) -> Path:
@@ -305,7 +308,7 @@ class StepStore:
             parts = meta.get("parts")
             if not isinstance(parts, list) or not parts:
                 raise CorruptCacheError(f"{directory}: meta.json names no parts")
-            entry = StepEntry(step, directory, meta)
+            entry = StepEntry(step, directory, meta, memory=Claim(self.memory))
             try:
                 for part in parts:
                     self._verify_part(entry, files, part)
@@ -321,7 +324,7 @@ class StepStore:
         algo = entry.meta["checksum_algo"]
         for kind, name, spec in named:
             path = entry.directory / sub / name if sub else entry.directory / name
-            make = anonymous if kind == "tensors" else bytearray
+            make = entry.memory.buffer if kind == "tensors" else bytearray
             read_decoded = getattr(files, "read_decoded", None)
             if "encoding" in spec and read_decoded is not None:  # decoded as it downloads, kept only if intact
                 data, checksum = read_decoded(sub, name, spec, algo, make)
@@ -336,7 +339,7 @@ class StepStore:
                     finally:
                         _close(stored)  # the stored bytes' mapping is done with
             if kind == "tensors":
-                if isinstance(data, (mmap.mmap, bytearray)) and len(data):
+                if not isinstance(data, bytes) and len(data):
                     entry.mapped[path] = data  # tensors are views of it
             else:
                 entry.blobs[path] = bytes(data)
@@ -355,7 +358,7 @@ class StepStore:
             sub, files = self._part_files(entry.directory, part)
             paths = {kind: (entry.directory / sub / name if sub else entry.directory / name) for kind, name, _ in files}
             try:
-                tensors = read_tensors(entry.mapped.get(paths["tensors"]), paths["tensors"])
+                tensors = read_tensors(entry.mapped.get(paths["tensors"]), paths["tensors"], entry.memory)
                 blob = entry.blobs.get(paths["objects"])
                 if blob is None:
                     raise CorruptCacheError(f"{paths['objects']}: was not verified")

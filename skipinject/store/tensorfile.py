@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import struct
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -13,13 +12,16 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.checksums import _Hasher
-from skipinject.store.compact import BLOCK_ELEMENTS, Plan, Recipe, check_rebuilt, plan_tensors
-from skipinject.store.compression import Compression, Written, anonymous, workers, write_compressed
+from skipinject.store.compact import BLOCK_ELEMENTS, Plan, Recipe, check_rebuilt, copy_into, plan_tensors
+from skipinject.store.compression import Compression, Written, workers, write_compressed
 from skipinject.store.format import MAX_INDEX_BYTES, TENSOR_ALIGN, TENSOR_DTYPES, TENSORS_MAGIC
+from skipinject.store.hit_memory import FRESH, Claim
 
 if TYPE_CHECKING:
     import torch
     from typing_extensions import Buffer
+
+    from skipinject.store.hit_memory import Decoded
 
 
 _ALIGN = TENSOR_ALIGN
@@ -170,8 +172,9 @@ def _writeback_starter(handle: BinaryIO) -> Callable[[int, int], None] | None:
     return start
 
 
-def read_tensors(mapped: mmap.mmap | bytearray | None, path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of a mapped tensor file, as views of the mapping. Runs no code from the file.
+def read_tensors(mapped: Decoded | None, path: Path, memory: Claim = FRESH) -> dict[str, torch.Tensor]:
+    """Tensors of a mapped tensor file, as views of the mapping. Runs no code from the file. Tensors
+    stored narrowed or derived (compact encodings) are rebuilt into a buffer from ``memory``.
 
     Work and memory are bounded by the file's size: the index is at most :data:`MAX_INDEX_BYTES`
     and inside the file, every tensor's bytes lie inside the file, and a tensor without elements
@@ -179,24 +182,24 @@ def read_tensors(mapped: mmap.mmap | bytearray | None, path: Path) -> dict[str, 
     bytes. Any failure is a :class:`CorruptCacheError`.
     """
     try:
-        return _read_tensors(mapped, path)
+        return _read_tensors(mapped, path, memory)
     except CorruptCacheError:
         raise
     except Exception as exc:  # ValueError, TypeError, RuntimeError from torch, RecursionError, MemoryError
         raise CorruptCacheError(f"{path}: tensor file index is damaged ({type(exc).__name__}: {exc})") from exc
 
 
-def _read_tensors(mapped: mmap.mmap | bytearray | None, path: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(mapped: Decoded | None, path: Path, memory: Claim) -> dict[str, torch.Tensor]:
     import torch
 
     size = 0 if mapped is None else len(mapped)
-    if mapped is None or size < len(TENSORS_MAGIC) + 8 or mapped[: len(TENSORS_MAGIC)] != TENSORS_MAGIC:
+    if mapped is None or size < len(TENSORS_MAGIC) + 8 or bytes(mapped[: len(TENSORS_MAGIC)]) != TENSORS_MAGIC:
         raise CorruptCacheError(f"{path}: not a skipinject tensor file")
     (header_len,) = struct.unpack_from("<Q", mapped, len(TENSORS_MAGIC))
     data_start = len(TENSORS_MAGIC) + 8 + header_len
     if data_start > size or data_start % _ALIGN or header_len > MAX_INDEX_BYTES:
         raise CorruptCacheError(f"{path}: tensor file index is damaged")
-    index = json.loads(mapped[len(TENSORS_MAGIC) + 8 : data_start])["tensors"]
+    index = json.loads(bytes(mapped[len(TENSORS_MAGIC) + 8 : data_start]))["tensors"]
     if type(index) is not list or not all(type(entry) is dict for entry in index):
         raise ValueError("the index is not a list of records")
     check_rebuilt(index, size)
@@ -238,7 +241,7 @@ def _read_tensors(mapped: mmap.mmap | bytearray | None, path: Path) -> dict[str,
             if stored is not dtype:
                 widened.append((name, dtype))
     if widened or derived:
-        _restore(tensors, widened, derived)
+        _restore(tensors, widened, derived, memory)
     return {entry["name"]: tensors[entry["name"]] for entry in index}
 
 
@@ -247,15 +250,19 @@ _THREADED_MIN_BYTES = 8 << 20
 
 
 def _restore(
-    tensors: dict[str, torch.Tensor], widened: list[tuple[str, torch.dtype]], derived: list[dict[str, Any]]
+    tensors: dict[str, torch.Tensor],
+    widened: list[tuple[str, torch.dtype]],
+    derived: list[dict[str, Any]],
+    memory: Claim,
 ) -> None:
-    """Widen narrowed tensors back to their dtype and rebuild derived ones, into one fresh private
-    anonymous mapping (filling fresh memory is most of a compressed hit: on a VM its page faults
-    cost several times the writes), block by block in threads (torch's conversions and copies
-    release the GIL). Each byte is written at most once: a
-    concatenation copies its parts straight from their stored (narrower) bytes, and the zeros of
-    masks and position ids are not written at all (fresh anonymous memory reads as zeros, and its
-    pages that stay zero are never faulted in)."""
+    """Widen narrowed tensors back to their dtype and rebuild derived ones, into one buffer from
+    ``memory`` (memory an earlier hit faulted in, or a fresh private anonymous mapping: filling
+    fresh memory is most of a compressed hit, on a VM its page faults cost several times the
+    writes), block by block in threads (torch's conversions and copies release the GIL). Each byte
+    is written at most once: a concatenation copies its parts straight from their stored
+    (narrower) bytes, and in fresh memory the zeros of masks and position ids are not written at
+    all (fresh anonymous memory reads as zeros, and its pages that stay zero are never faulted in;
+    reused memory holds an earlier batch, so there they are written)."""
     import torch
 
     stored = dict(tensors)
@@ -263,7 +270,7 @@ def _restore(
     recipes = [Recipe.of(entry, stored, getattr(torch, entry["dtype"]), dtypes) for entry in derived]
     sizes = [stored[name].numel() * torch.empty((), dtype=dtype).element_size() for name, dtype in widened]
     sizes += [recipe.nbytes for recipe in recipes]
-    arena = anonymous(sum(size + _padding(size) for size in sizes))
+    arena, zeroed = memory.take(sum(size + _padding(size) for size in sizes))
     offsets, at = [], 0
     for size in sizes:
         offsets.append(at)
@@ -284,7 +291,7 @@ def _restore(
     for number, (entry, recipe) in enumerate(zip(derived, recipes, strict=True), start=len(widened)):
         out = tensors[entry["name"]] = slot(number, recipe.dtype, recipe.shape)
         if out.numel():
-            jobs.extend(partial(recipe.write, out, rows, zeroed=True) for rows in recipe.blocks())
+            jobs.extend(partial(recipe.write, out, rows, zeroed=zeroed) for rows in recipe.blocks())
     if sum(sizes) < _THREADED_MIN_BYTES or workers() == 1:
         for job in jobs:
             job()
@@ -298,7 +305,7 @@ def _restore(
 
 def _copy_block(out: torch.Tensor, source: torch.Tensor, lo: int) -> None:
     """Elements ``[lo, lo + BLOCK_ELEMENTS)`` of flat ``source`` converted into flat ``out``."""
-    out[lo : lo + BLOCK_ELEMENTS].copy_(source[lo : lo + BLOCK_ELEMENTS])
+    copy_into(out[lo : lo + BLOCK_ELEMENTS], source[lo : lo + BLOCK_ELEMENTS])
 
 
 def _narrows(stored: str, dtype: str) -> bool:

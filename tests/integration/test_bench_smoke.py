@@ -57,6 +57,9 @@ def test_bench_compression_quick(tmp_path: Path) -> None:
     assert figures["rows"] == 64 and figures["local_zstd_mb"] < figures["local_none_mb"]
     assert figures["s3_zstd_hit_ms"] > 0 and figures["upstream_hit_ms"] > 0 and figures["floor_ms"] > 0
     assert figures["fresh_floor_ms"] > 0 and "Floor of any hit that builds the tensors anew" in stdout
+    assert "| skipinject `zstd`, local disk, hit steady state (previous batch held, pool" in stdout
+    assert figures["local_zstd_steady_hit_ms"] > 0 and figures["local_zstd_pool_mb"] > 0
+    assert figures["warm_floor_ms"] >= 0 and "memory already faulted in" in stdout
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up its files"
 
 

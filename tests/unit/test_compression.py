@@ -23,11 +23,11 @@ from skipinject.errors import ConfigError, CorruptCacheError
 from skipinject.store import Payload, RemoteStepStore, StepStore, format
 from skipinject.store.compression import (
     Compression,
-    anonymous,
     compression_for,
     is_network_filesystem,
     parse_compression,
 )
+from skipinject.store.hit_memory import anonymous
 from skipinject.store.remote import open_remote
 from tests.conftest import ROOT
 
@@ -213,6 +213,7 @@ def test_restored_tensors_are_written_once_into_one_private_mapping(
     """Widened and derived tensors are built block by block, in threads, into one fresh mapping sized
     for exactly them (no tensor built twice, none allocated on its own), and keep every bit."""
     import skipinject.store.compact as compact
+    import skipinject.store.hit_memory as hit_memory
     import skipinject.store.tensorfile as tensorfile
 
     tensors = padded_batch(rows=64, prompt=24, response=40)
@@ -227,14 +228,15 @@ def test_restored_tensors_are_written_once_into_one_private_mapping(
         arenas.append(size)
         return anonymous(size)
 
-    monkeypatch.setattr(tensorfile, "anonymous", counted)
+    monkeypatch.setattr(hit_memory, "anonymous", counted)
     monkeypatch.setattr(tensorfile, "_THREADED_MIN_BYTES", 0)  # threads and many blocks even here
     monkeypatch.setattr(compact, "BLOCK_ELEMENTS", 200)
     monkeypatch.setattr(tensorfile, "BLOCK_ELEMENTS", 200)
     loaded = _load(store, 1).tensors
     assert_same(loaded, tensors)
     wanted = sum(-(-tensors[name].numel() * tensors[name].element_size() // 64) * 64 for name in restored)
-    assert arenas == [wanted]
+    decoded = json.loads((store.step_dir(1) / "meta.json").read_text())["parts"][0]["files"]["tensors"]
+    assert arenas == [decoded["decoded_size"], wanted]  # the decompressed file, then the restored tensors
     starts = sorted((loaded[name].data_ptr(), loaded[name].numel() * loaded[name].element_size()) for name in restored)
     assert starts[-1][0] + starts[-1][1] - starts[0][0] <= wanted  # all inside that one mapping
     loaded["input_ids"][0, 0] = -1  # private: nothing else changes with it

@@ -48,6 +48,7 @@ def test_every_key_travels_to_child_processes() -> None:
             "on_mismatch": "fail",
             "trust_dir_permissions": True,
             "compression": "zstd-9",
+            "reuse_hit_memory": 0,
         },
     )
     assert {f.name for f in fields(changed) if getattr(changed, f.name) != getattr(RoleConfig(), f.name)} == set(
