@@ -51,13 +51,9 @@ class StepEntry:
     memory: Claim = field(default=FRESH, compare=False, repr=False)
 
     def release(self) -> None:
-        """Drop what :meth:`StepStore.verified` read (mappings no tensor uses yet are closed)."""
-        for mapped in self.mapped.values():
-            close = getattr(mapped, "close", None)  # a remote store's files are plain bytearrays
-            try:
-                if close is not None:
-                    close()
-            except BufferError:  # a tensor still views it: it stays until that tensor goes
-                pass
+        """Drop what :meth:`StepStore.verified` read. Mappings are let go, never closed here: a tensor
+        built by ``torch.frombuffer`` views one without holding a buffer export, so ``close`` would
+        succeed under it and the tensor would read unmapped memory. A mapping is unmapped when its
+        last holder (this entry or a loaded tensor) is gone."""
         self.mapped.clear()
         self.blobs.clear()

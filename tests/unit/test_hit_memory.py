@@ -253,3 +253,40 @@ def test_concatenations_and_widened_tensors_of_every_dtype_keep_every_bit(tmp_pa
     store = StepStore(tmp_path / "project", "toy", {"run": 1}, compression=ZSTD, memory=HitMemory(1))
     store.save(1, Payload(tensors=tensors, objects={}, rows=6))
     _hits_trained_on(store, tensors, 3)
+
+
+_RELEASE_THEN_READ = """
+import sys
+from pathlib import Path
+from skipinject.store import Payload, StepStore
+from tests.unit.test_compression import ZSTD, padded_batch
+
+compression = None if sys.argv[2] == "none" else ZSTD
+saved = padded_batch(rows=64, prompt=48, response=200)
+store = StepStore(Path(sys.argv[1]) / "project", "toy", {"run": 1}, compression=compression, memory=None)
+store.save(1, Payload(tensors=saved, objects={"k": 1}, rows=64))
+entry = store.verified(1)
+(part,) = store.load(entry)
+entry.release()
+for name, tensor in part.tensors.items():
+    assert tensor.sum().item() == saved[name].sum().item(), name
+print("read after release")
+"""
+
+
+@pytest.mark.parametrize("stored", ["none", "zstd"])
+def test_tensors_loaded_from_an_entry_stay_readable_after_it_is_released(tmp_path: Path, stored: str) -> None:
+    """``StepEntry.release`` lets go of its mappings; it never unmaps memory a loaded tensor views
+    (``torch.frombuffer`` holds no buffer export, so ``mmap.close`` would succeed under it: a crash)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", _RELEASE_THEN_READ, str(tmp_path), stored],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "read after release" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
