@@ -10,7 +10,7 @@ Measured in one process, each a median of ``--repeat`` runs after a warm-up run,
 average at start and end (the machine is shared):
 
 * upstream: ``DataProto.save_to_disk`` / ``load_from_disk`` (pickle), local disk;
-* skipinject ``none`` / ``zstd`` (level 3) / ``zstd-1``: save (encode + write + fsync + checksums) and a
+* skipinject ``none`` / ``zstd`` (level 1, the default) / ``zstd-3`` (zstd's own default level): save (encode + write + fsync + checksums) and a
   verified hit (sizes + checksums + decompress + load + decode + every page touched), local disk. A
   compressed hit twice: *cold* (every hit in fresh memory, as the first hit of a run) and *steady
   state* (verl's loop: the previous hit's batch still held while the next one loads and dropped
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--response-len", type=int, default=4096)
     parser.add_argument("-n", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--local", nargs="*", default=["none", "zstd", "zstd-1"])
+    parser.add_argument("--local", nargs="*", default=["none", "zstd", "zstd-3"])
     parser.add_argument("--remote", nargs="*", default=["none", "zstd"])
     parser.add_argument("--s3", action="store_true", help="also measure against a local S3 server (moto)")
     parser.add_argument("--quick", action="store_true", help="small batch, 1 repeat (smoke test)")

@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compact", help="store uncompressed steps compressed, in place (each committed anew)")
     p.add_argument("dump_dir", nargs="?", type=local_path, help=dump_help)
-    p.add_argument("--compression", default="zstd", help="zstd (level 3) or zstd-1 .. zstd-22 (default zstd)")
+    p.add_argument("--compression", default="zstd", help="zstd (level 1) or zstd-2 .. zstd-22 (default zstd)")
     p.add_argument("--dry-run", action="store_true", help="only say which steps would be compacted")
     p.add_argument("--json", action="store_true")
     return parser

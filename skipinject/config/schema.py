@@ -130,7 +130,7 @@ class RoleConfig:
         "auto",
         shown="auto",
         meaning=(
-            "how saved steps are stored: `none`, `zstd` (level 3) or `zstd-1` … `zstd-22`, in independent 4 MiB "
+            "how saved steps are stored: `none`, `zstd` (level 1) or `zstd-2` … `zstd-22`, in independent 4 MiB "
             "frames, with exact compact encodings of derivable tensors; `auto`: `zstd` for object stores and "
             "network file systems, `none` on local disks (see [Compression](#compression)). Steps of either "
             "kind are read whatever it says"

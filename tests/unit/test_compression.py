@@ -543,11 +543,11 @@ def test_a_forged_compact_index_is_refused(tmp_path: Path, entry: dict[str, Any]
 
 def test_the_setting_names_none_zstd_and_levels() -> None:
     assert parse_compression("none") is None
-    assert parse_compression("zstd") == Compression(3)
+    assert parse_compression("zstd") == Compression(1) == parse_compression("zstd-1")
     assert parse_compression("zstd-19") == Compression(19)
     assert parse_compression("auto") is None
-    assert parse_compression("auto", remote=True) == Compression(3)
-    assert parse_compression("auto", network_fs=True) == Compression(3)
+    assert parse_compression("auto", remote=True) == Compression(1)
+    assert parse_compression("auto", network_fs=True) == Compression(1)
     assert role_config("rollout", {"compression": "zstd-7"}).compression == "zstd-7"
     for bad in ("gzip", "zstd-0", "zstd-23", "ZSTD", ""):
         with pytest.raises(ConfigError, match=r"skip.rollout.compression=.*expected auto, none, zstd or zstd-1"):
