@@ -10,11 +10,12 @@ Measured in one process, each a median of ``--repeat`` runs after a warm-up run,
 average at start and end (the machine is shared):
 
 * upstream: ``DataProto.save_to_disk`` / ``load_from_disk`` (pickle), local disk;
-* skipinject ``none`` / ``zstd`` (level 1, the default) / ``zstd-3`` (zstd's own default level): save
-  (encode + write + fsync + checksums) and a verified hit (sizes + checksums + decompress + load +
-  decode + every page touched), local disk. A compressed hit twice: *cold* (every hit in fresh
-  memory, as the first hit of a run) and *steady state* (verl's loop: the previous hit's batch still held while the next one loads and dropped
-  after, the memory pool of ``skip.<role>.reuse_hit_memory=2``), with the memory the pool keeps;
+* skipinject ``none`` / ``zstd`` (level 1, the default) / ``zstd-3`` (zstd's own default level):
+  save (encode + write + fsync + checksums) and a verified hit (sizes + checksums + decompress +
+  load + decode + every page touched), local disk. A compressed hit twice: *cold* (every hit in
+  fresh memory, as the first hit of a run) and *steady state* (verl's loop: the previous hit's batch
+  still held while the next one loads and dropped after, the memory pool of
+  ``skip.<role>.reuse_hit_memory=2``), with the memory the pool keeps;
 * the floor of a verified uncompressed hit: mapping the stored bytes and checksumming them;
 * with ``--s3``, the same save and hit against the local S3 server the tests use (moto).
 
