@@ -581,6 +581,9 @@ def harness_env(assets: Assets, gen_log: Path | None) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_DISABLE_IMPORT_WARNING": "1",
+        # Ray prestarts a worker process per core for the first driver; verl's actors each ask for
+        # resources or a runtime env of their own and never use them: two idle processes per run.
+        "RAY_prestart_worker_first_driver": "0",
         "HARNESS_ASSETS": str(assets.root),
     }
     if gen_log is not None:
