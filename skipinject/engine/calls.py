@@ -52,6 +52,7 @@ class StepCalls:
     started: int = 0  # calls begun (the next call's index)
     running: int = 0  # calls begun and not finished
     closed: bool = False  # the run moved past the step (commit when the last running call ends)
+    left: bool = False  # a call of the step has returned (the next chosen step is then read ahead)
     # -- recording
     writer: StepWriting | None = None
     inputs: dict[int, list[str] | None] = field(default_factory=dict)
