@@ -173,6 +173,7 @@ def test_only_steps_the_settings_allow_and_the_store_holds_are_read_ahead(
     targets: Any, tmp_path: Path, log: pytest.LogCaptureFixture
 ) -> None:
     run(targets, tmp_path, (1, 2, 3, 4), compression="zstd")
+    step_location(tmp_path, 6).mkdir()  # a step directory with nothing committed in it
     log.clear()
     run(targets, tmp_path, (1, 3, 6), trained=range(1, 8), between=wait_for_read_ahead)
     # step 2 is cached but not chosen; after 3, step 4 is cached but not chosen and 6 is chosen but not cached
