@@ -134,6 +134,12 @@ class StepBook:
                     self.remembered.move_to_end(key)
             return record, passed
 
+    def known(self, project: Hashable, step: int) -> bool:
+        """A call of this run has met ``step`` already (its record is open or remembered)."""
+        key = (project, step)
+        with self.lock:
+            return key in self.open or key in self.remembered
+
     def moved_to(self, step: int) -> list[StepCalls]:
         """The run is at ``step``: the open steps it has moved past (taken out of ``open``)."""
         with self.lock:

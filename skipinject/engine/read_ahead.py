@@ -81,11 +81,15 @@ class ReadAhead:
                 if reading.store is store and not done_before:
                     return
                 self._drop(reading)
-            reading = self._reading = _Reading(store, after)
+            reading = _Reading(store, after)
             reading.thread = threading.Thread(
                 target=self._read, args=(reading, allows), name=f"skipinject-read-ahead-{self.role}", daemon=True
             )
-            reading.thread.start()
+            try:
+                reading.thread.start()
+            except RuntimeError:  # no thread to be had: the step is read at its plan
+                return
+            self._reading = reading
 
     def _read(self, reading: _Reading, allows: Callable[[int], bool]) -> None:
         store = reading.store

@@ -268,8 +268,14 @@ class RoleRuntime:
         """The planned step's first call is done: read the next chosen cached step ahead (``read_ahead``;
         actions that serve whole steps)."""
         settings = self.settings
-        if settings.read_ahead and settings.action is not Action.match and self.unusable(plan.store) is None:
-            self.read_ahead.start(plan.store, plan.step, settings.allows)
+        if not settings.read_ahead or settings.action is Action.match or self.unusable(plan.store) is not None:
+            return
+        project = plan.store.project_dir
+
+        def ahead(step: int) -> bool:  # chosen, and not met by this run yet (concurrent calls may be ahead)
+            return settings.allows(step) and not self.steps.known(project, step)
+
+        self.read_ahead.start(plan.store, plan.step, ahead)
 
     # ------------------------------------------------------------ the calls of a step
 
