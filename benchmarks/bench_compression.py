@@ -18,7 +18,7 @@ average at start and end (the machine is shared):
 * a ``zstd`` hit *read ahead* (``skip.<role>.read_ahead``): the step verified in the background while
   the previous one "trains" (a sleep of ``--train-seconds``, which leaves the cores to the reader),
   then the hit as the training thread pays for it (waiting for the read-ahead, re-reading
-  ``meta.json``, loading the decoded entry), previous batch held as in the steady state; and the
+  ``meta.json``, decoding the parts it loaded), previous batch held as in the steady state; and the
   wait alone;
 * the floor of a verified uncompressed hit: mapping the stored bytes and checksumming them;
 * with ``--s3``, the same save and hit against the local S3 server the tests use (moto).

@@ -153,7 +153,7 @@ class RoleConfig:
         shown="True",
         meaning=(
             "once a chosen step's first call has returned, the next chosen step cached in the store is read, "
-            "checked and decoded in a background thread while this one trains, so its hit waits for (almost) "
+            "checked and loaded in a background thread while this one trains, so its hit waits for (almost) "
             "nothing; used only if its `meta.json` is unchanged by then, else read again as usual. Holds one "
             "batch's decoded size more while it waits (`action` `cache`, `strict`, `repeat`; see "
             "[Read-ahead](#read-ahead))"

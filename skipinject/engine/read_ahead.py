@@ -4,8 +4,9 @@ A hit's cost is reading, checksumming and decoding the step: a compressed hit in
 bounded by its page faults, an object store adds the download. In a training run the trainer
 mostly waits while a step trains, and the chosen steps are known in advance; so once a step's
 first call has returned, the next step the settings allow that is committed in the store is
-verified (:meth:`~skipinject.store.StepStore.verified`: read, checksummed, decoded) in a daemon
-thread, the way a DataLoader prefetches.
+verified and loaded (:meth:`~skipinject.store.StepStore.verified` and ``load``: read, checksummed,
+decompressed, its tensors rebuilt) in a daemon thread, the way a DataLoader prefetches; the hit
+then only decodes the loaded parts (the codec's part, cheap).
 
 When that step's plan comes, the entry is used if the step's ``meta.json`` is still the one
 verified (a step recorded anew names fresh data files; one removed has none): the plan waits for
@@ -102,6 +103,11 @@ class ReadAhead:
                 return
             logger.debug("%s step %d: reading step %d ahead from %s", self.role, reading.after, step, store.location)
             entry = store.verified(step)
+            try:
+                entry.loaded.extend(store.load(entry))  # tensors rebuilt too: the hit only decodes them
+            except BaseException:
+                entry.release()
+                raise
         except Exception:  # the step's plan verifies it again and reports what is wrong, once
             return
         finally:

@@ -78,6 +78,27 @@ def test_the_next_cached_step_is_read_ahead_and_its_hit_reads_no_data_file(
     assert not lines(log, "", logging.WARNING)
 
 
+def test_a_step_read_ahead_has_its_tensors_rebuilt_in_the_background(
+    targets: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hit of a compressed step read ahead only decodes its parts: the tensors (widened, derived,
+    most of a cold hit's fresh memory) were rebuilt by the read-ahead's thread."""
+    import skipinject.store.step_store as step_store
+
+    run(targets, tmp_path, (1, 2, 3), compression="zstd")
+    rebuilt_in: list[str] = []
+    rebuild = step_store.read_tensors
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:  # calls through: only where it runs is noted
+        rebuilt_in.append(threading.current_thread().name)
+        return rebuild(*args, **kwargs)
+
+    monkeypatch.setattr(step_store, "read_tensors", recorded)
+    run(targets, tmp_path, (1, 2, 3), between=wait_for_read_ahead)
+    assert GENERATED == []
+    assert rebuilt_in == [threading.current_thread().name] + ["skipinject-read-ahead-gen"] * 2
+
+
 @pytest.mark.parametrize("compression", STORED)
 def test_a_step_read_ahead_is_served_bit_for_bit_as_a_normal_load(
     targets: Any, tmp_path: Path, log: pytest.LogCaptureFixture, compression: str
