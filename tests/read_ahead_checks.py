@@ -77,10 +77,10 @@ def install_targets(monkeypatch: pytest.MonkeyPatch) -> Any:
     return module
 
 
-def make_role() -> Role:
+def make_role(phase: Any = None) -> Role:
     return Role(
         name="gen",
-        targets=[Target(f"{MODULE}:Trainer.generate_sequences")],
+        targets=[Target(f"{MODULE}:Trainer.generate_sequences", phase=phase)],
         step=StepSource.attribute("global_steps"),
         clocks=[f"{MODULE}:Trainer.fit"],
     )
@@ -94,12 +94,14 @@ def run(
     trained: Sequence[int] | None = None,
     between: Between | None = None,
     keep: bool = True,
+    phase: Any = None,
     **settings: Any,
 ) -> tuple[dict[int, DataProto], RoleRuntime]:
     """A run (a fresh engine, as a new process) training ``trained`` (default: ``steps``), the role
-    enabled at ``steps``: the batches trained on and the role's runtime (after the run ended)."""
+    enabled at ``steps`` (its target's calls handled by ``phase``, default the engine's): the batches
+    trained on and the role's runtime (after the run ended)."""
     config = Config(roles={"gen": RoleConfig(enable=True, dump_dir=str(dump), steps=tuple(steps), **settings)})
-    engine = Engine(config, {"gen": (make_role(), "test")})
+    engine = Engine(config, {"gen": (make_role(phase), "test")})
     engine.start()
     runtime = engine.runtimes["gen"]
     GENERATED.clear()

@@ -99,6 +99,34 @@ def test_a_step_read_ahead_has_its_tensors_rebuilt_in_the_background(
     assert rebuilt_in == [threading.current_thread().name] + ["skipinject-read-ahead-gen"] * 2
 
 
+class LoadingPhase:
+    """A phase serving through ``PhaseContext.load`` (as ``rollout_tq``'s does): the plan's reason kept."""
+
+    def __init__(self) -> None:
+        self.reasons: dict[int, str] = {}
+
+    def run(self, role: Any, call: Any, step: int, proceed: Any) -> Any:
+        loaded = role.load(call, step)
+        if loaded is None:
+            return proceed()
+        self.reasons[step] = loaded.plan.reason
+        return loaded.results[0]
+
+
+def test_a_phase_loading_through_the_context_is_served_steps_read_ahead(
+    targets: Any, tmp_path: Path, log: pytest.LogCaptureFixture
+) -> None:
+    recorded, _ = run(targets, tmp_path, (1, 2, 3), compression="zstd")
+    log.clear()
+    phase = LoadingPhase()
+    served, _ = run(targets, tmp_path, (1, 2, 3), between=wait_for_read_ahead, phase=phase)
+    assert GENERATED == [] and read_ahead_lines(log) == ["1 -> 2", "2 -> 3"]
+    assert phase.reasons[1] == "own cache"
+    assert all(phase.reasons[step].startswith("own cache; read ahead, waited ") for step in (2, 3))
+    for step in (1, 2, 3):
+        assert_same(served[step], recorded[step])
+
+
 @pytest.mark.parametrize("compression", STORED)
 def test_a_step_read_ahead_is_served_bit_for_bit_as_a_normal_load(
     targets: Any, tmp_path: Path, log: pytest.LogCaptureFixture, compression: str
