@@ -44,7 +44,7 @@ class RoleRuntime:
         self._stores: dict[Path, StepStore] = {}  # a RemotePath stands in for a Path
         #: The memory this role's compressed hits decode into, kept between hits (``reuse_hit_memory``).
         self.hit_memory = HitMemory(settings.reuse_hit_memory)
-        #: The next chosen step, verified in the background while this one trains (``read_ahead``).
+        #: The next chosen step, verified and loaded in the background while this one trains (``read_ahead``).
         self.read_ahead = ReadAhead(role.name)
         self._unusable: dict[Path, str | None] = {}
         self._lock = threading.Lock()
