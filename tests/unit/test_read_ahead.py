@@ -78,6 +78,19 @@ def test_the_next_cached_step_is_read_ahead_and_its_hit_reads_no_data_file(
     assert not lines(log, "", logging.WARNING)
 
 
+@pytest.mark.parametrize("action", ["strict", "repeat"])
+def test_strict_and_repeat_are_served_steps_read_ahead_too(
+    targets: Any, tmp_path: Path, log: pytest.LogCaptureFixture, action: str
+) -> None:
+    recorded, _ = run(targets, tmp_path, (1, 2, 3), compression="zstd")
+    log.clear()
+    served, _ = run(targets, tmp_path, (1, 2, 3), between=wait_for_read_ahead, action=action)
+    assert GENERATED == [] and read_ahead_lines(log) == ["1 -> 2", "2 -> 3"]
+    for step in (2, 3):
+        assert "read ahead, waited" in hit_line(log, step)
+        assert_same(served[step], recorded[step])
+
+
 def test_a_step_read_ahead_has_its_tensors_rebuilt_in_the_background(
     targets: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
