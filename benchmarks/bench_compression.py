@@ -16,6 +16,11 @@ average at start and end (the machine is shared):
   fresh memory, as the first hit of a run) and *steady state* (verl's loop: the previous hit's batch
   still held while the next one loads and dropped after, the memory pool of
   ``skip.<role>.reuse_hit_memory=2``), with the memory the pool keeps;
+* a ``zstd`` hit *read ahead* (``skip.<role>.read_ahead``): the step verified in the background while
+  the previous one "trains" (a sleep of ``--train-seconds``, which leaves the cores to the reader),
+  then the hit as the training thread pays for it (waiting for the read-ahead, re-reading
+  ``meta.json``, decoding the parts it loaded), previous batch held as in the steady state; and the
+  wait alone;
 * the floor of a verified uncompressed hit: mapping the stored bytes and checksumming them;
 * with ``--s3``, the same save and hit against the local S3 server the tests use (moto).
 
@@ -31,8 +36,10 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +56,7 @@ for path in (ROOT / "benchmarks", ROOT):
 from bench_store import check_equal, grpo_batch, measure, tensor_bytes, touch  # noqa: E402
 
 from skipinject.codecs import DataProtoCodec  # noqa: E402
+from skipinject.engine.read_ahead import ReadAhead  # noqa: E402
 from skipinject.store import StepStore  # noqa: E402
 from skipinject.store.checksums import file_checksum  # noqa: E402
 from skipinject.store.compression import parse_compression  # noqa: E402
@@ -114,7 +122,13 @@ def stored_bytes(store: StepStore, step: int) -> int:
 
 
 def measure_store(
-    figures: dict[str, Any], key: str, store: StepStore, batch: Any, codec: DataProtoCodec, repeat: int
+    figures: dict[str, Any],
+    key: str,
+    store: StepStore,
+    batch: Any,
+    codec: DataProtoCodec,
+    repeat: int,
+    train_seconds: float = 0.0,
 ) -> None:
     """Save (each timed save a new step, the previous one removed outside the timing) and verified hit."""
     count = [0]
@@ -142,6 +156,8 @@ def measure_store(
     check_equal(batch, loaded)
     if store.compression is not None and isinstance(store.step_dir(step), Path):
         measure_steady(figures, key, store, hit, batch, repeat)
+    if train_seconds > 0 and key.endswith("_zstd"):
+        measure_read_ahead(figures, key, store, step, batch, codec, repeat, train_seconds)
 
 
 def measure_steady(figures: dict[str, Any], key: str, store: StepStore, hit: Any, batch: Any, repeat: int) -> None:
@@ -157,6 +173,50 @@ def measure_steady(figures: dict[str, Any], key: str, store: StepStore, hit: Any
     measure(figures, f"{key}_steady_hit", steady, repeat)
     check_equal(batch, held[0])
     figures[f"{key}_pool_mb"] = memory.nbytes / 1e6
+    held.clear()
+    store.memory = None
+    memory.clear()
+
+
+def measure_read_ahead(
+    figures: dict[str, Any],
+    key: str,
+    store: StepStore,
+    step: int,
+    batch: Any,
+    codec: DataProtoCodec,
+    repeat: int,
+    train_seconds: float,
+) -> None:
+    """``{key}_ahead_hit``: a hit of a step read ahead (:class:`ReadAhead`, as the engine uses it) while
+    the previous step trained for ``train_seconds``, in the pool of a run (previous batch held);
+    ``{key}_ahead_wait``: the part of it spent waiting for the read-ahead and re-reading ``meta.json``."""
+    store.memory = memory = HitMemory(2)
+    reader = ReadAhead("rollout")
+    held: list[Any] = [None]
+    waits: list[float] = []
+
+    def train() -> None:  # the read-ahead starts once the step's call returned; the step trains
+        reader.start(store, step - 1, lambda candidate: candidate == step)
+        time.sleep(train_seconds)
+
+    def hit() -> None:
+        taken = reader.take(store, step)
+        if taken is None:
+            raise RuntimeError(f"step {step} was not read ahead in {train_seconds} s")
+        entry, waited = taken
+        waits.append(waited)
+        [part] = store.load(entry)
+        loaded = codec.decode(part)
+        touch(loaded)
+        held[0] = loaded  # the previous step's batch is dropped once this one is loaded
+
+    train()
+    measure(figures, f"{key}_ahead_hit", hit, repeat, train)
+    figures[f"{key}_ahead_wait_ms"] = statistics.median(waits[1:]) * 1000
+    figures["train_seconds"] = train_seconds
+    check_equal(batch, held[0])
+    reader.close()
     held.clear()
     store.memory = None
     memory.clear()
@@ -190,7 +250,7 @@ def run(args: argparse.Namespace, workdir: Path, url: str | None) -> dict[str, A
     fresh_floor(figures, tensor_bytes(batch), args.repeat)
     for name in args.local:
         store = StepStore(workdir / f"local-{name}", "rollout", {"bench": True}, compression=parse_compression(name))
-        measure_store(figures, f"local_{name}", store, batch, codec, args.repeat)
+        measure_store(figures, f"local_{name}", store, batch, codec, args.repeat, args.train_seconds)
         if name == "none":
             floor(figures, store, args.repeat)
         shutil.rmtree(workdir / f"local-{name}")
@@ -202,7 +262,7 @@ def run(args: argparse.Namespace, workdir: Path, url: str | None) -> dict[str, A
         for name in args.remote:
             compression = parse_compression(name)
             store = RemoteStepStore(root / name, "rollout", {"bench": True}, fs, compression=compression)
-            measure_store(figures, f"s3_{name}", store, batch, codec, args.repeat)
+            measure_store(figures, f"s3_{name}", store, batch, codec, args.repeat, args.train_seconds)
     return figures
 
 
@@ -260,6 +320,12 @@ def report(f: dict[str, Any], local: list[str], remote: list[str]) -> str:
                     f"| skipinject `{name}`, {where}, hit steady state (previous batch held, pool "
                     f"{f[f'{key}_pool_mb']:.0f} MB) | | | | | {f[f'{key}_steady_hit_ms']:.0f} "
                     f"| {f['upstream_hit_ms'] / f[f'{key}_steady_hit_ms']:.1f}x |"
+                )
+            if f"{key}_ahead_hit_ms" in f:
+                lines.append(
+                    f"| skipinject `{name}`, {where}, hit read ahead (while the previous step trained "
+                    f"{f['train_seconds']:g} s; waited {f[f'{key}_ahead_wait_ms']:.1f} ms of it) | | | | "
+                    f"| {f[f'{key}_ahead_hit_ms']:.0f} | {f['upstream_hit_ms'] / f[f'{key}_ahead_hit_ms']:.1f}x |"
                 )
     if "floor_ms" in f and "local_none_hit_ms" in f:
         lines.append(
@@ -323,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--local", nargs="*", default=["none", "zstd", "zstd-3"])
     parser.add_argument("--remote", nargs="*", default=["none", "zstd"])
+    parser.add_argument(
+        "--train-seconds",
+        type=float,
+        default=2.0,
+        help="how long a step 'trains' between two hits read ahead (zstd rows; 0: no read-ahead rows)",
+    )
     parser.add_argument("--s3", action="store_true", help="also measure against a local S3 server (moto)")
     parser.add_argument("--quick", action="store_true", help="small batch, 1 repeat (smoke test)")
     parser.add_argument("--sizes", action="store_true", help="stored sizes only (one save each, nothing timed)")
@@ -331,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.prompt_len, args.response_len, args.repeat = 64, 32, 64, 1
+        args.train_seconds = min(args.train_seconds, 0.2)
     for name in [*args.local, *args.remote]:
         parse_compression(name)
     if args.sizes:

@@ -148,6 +148,18 @@ class RoleConfig:
         ),
     )
 
+    read_ahead: bool = _setting(
+        True,
+        shown="True",
+        meaning=(
+            "once a chosen step's first call has returned, the next chosen step cached in the store is read, "
+            "checked and loaded in a background thread while this one trains, so its hit waits for (almost) "
+            "nothing; used only if its `meta.json` is unchanged by then, else read again as usual. Holds one "
+            "batch's decoded size more while it waits (`action` `cache`, `strict`, `repeat`; see "
+            "[Read-ahead](#read-ahead))"
+        ),
+    )
+
     def __post_init__(self) -> None:
         # Accept plain values from code (``steps=(1, 2)``, ``action="repeat"``), as the schema would.
         if not isinstance(self.steps, StepSet):

@@ -52,6 +52,7 @@ class StepCalls:
     started: int = 0  # calls begun (the next call's index)
     running: int = 0  # calls begun and not finished
     closed: bool = False  # the run moved past the step (commit when the last running call ends)
+    left: bool = False  # a call of the step has returned (the next chosen step is then read ahead)
     # -- recording
     writer: StepWriting | None = None
     inputs: dict[int, list[str] | None] = field(default_factory=dict)
@@ -132,6 +133,12 @@ class StepBook:
                 else:
                     self.remembered.move_to_end(key)
             return record, passed
+
+    def known(self, project: Hashable, step: int) -> bool:
+        """A call of this run has met ``step`` already (its record is open or remembered)."""
+        key = (project, step)
+        with self.lock:
+            return key in self.open or key in self.remembered
 
     def moved_to(self, step: int) -> list[StepCalls]:
         """The run is at ``step``: the open steps it has moved past (taken out of ``open``)."""

@@ -22,7 +22,7 @@ from pathlib import Path
 from skipinject.config import Action, RoleConfig
 from skipinject.errors import CacheMissError, CorruptCacheError, UntrustedCacheError
 from skipinject.roles import Plan, UpstreamFormat
-from skipinject.store import StepStore
+from skipinject.store import StepEntry, StepStore
 
 __all__ = ["Plan", "cannot_load", "nothing_more", "plan_step", "repeat_order", "upstream_file"]
 
@@ -36,6 +36,8 @@ def plan_step(
     upstream: Sequence[UpstreamFormat],
     step: int,
     unusable: str | None = None,
+    *,
+    ahead: StepEntry | None = None,
 ) -> Plan:
     """Find the entry of role ``name`` to serve at ``step`` (verified), or explain why there is none.
     Logs the decision in one line. ``unusable``: why the store cannot be used at all this run (found
@@ -44,7 +46,8 @@ def plan_step(
     A cache that cannot be used (damaged, foreign, unreadable) is never loaded: the run regenerates
     the step, or stops with :class:`CacheMissError` for ``action=strict``. verl's own (pickled) cache
     is served only with ``trust_upstream``; otherwise the plan names it (``untrusted_upstream``), for
-    the caller to report once.
+    the caller to report once. ``ahead``: ``step``'s entry, verified already (read ahead, see
+    :mod:`skipinject.engine.read_ahead`) and its ``meta.json`` unchanged since: not verified again.
     """
     action = settings.action
     if unusable is not None:  # reported once, when the store was opened
@@ -62,7 +65,7 @@ def plan_step(
             if candidate != step and not store.is_committed(candidate):
                 continue  # another role's step, or none of ours: not a candidate for repeat
             try:
-                entry = store.verified(candidate)
+                entry = ahead if ahead is not None and ahead.step == candidate else store.verified(candidate)
             except FileNotFoundError:
                 continue
             except CorruptCacheError as exc:

@@ -15,12 +15,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from skipinject.config import MismatchPolicy, RoleConfig
+from skipinject.config import Action, MismatchPolicy, RoleConfig
 from skipinject.engine.background import WRITER
 from skipinject.engine.calls import StepBook, StepCalls, part_name, recorded_inputs
 from skipinject.engine.decision import cannot_load, nothing_more, plan_step
 from skipinject.engine.layout import batch_size_layouts, layout_name, path_safe, project_dir
 from skipinject.engine.matching import RowMatcher
+from skipinject.engine.read_ahead import ReadAhead
 from skipinject.errors import CorruptCacheError, PromptMismatchError
 from skipinject.roles import Call, Codec, HitInfo, Loaded, Plan, Role, RowCodec, StepCache
 from skipinject.store import Payload, StepStore
@@ -43,6 +44,8 @@ class RoleRuntime:
         self._stores: dict[Path, StepStore] = {}  # a RemotePath stands in for a Path
         #: The memory this role's compressed hits decode into, kept between hits (``reuse_hit_memory``).
         self.hit_memory = HitMemory(settings.reuse_hit_memory)
+        #: The next chosen step, verified and loaded in the background while this one trains (``read_ahead``).
+        self.read_ahead = ReadAhead(role.name)
         self._unusable: dict[Path, str | None] = {}
         self._lock = threading.Lock()
         self._warned: set[Any] = set()
@@ -113,6 +116,7 @@ class RoleRuntime:
             )
             return None
         self.moved_to(step)
+        self.read_ahead.moved_to(step)
         if not any_step and not self.settings.allows(step):
             return None
         return step
@@ -204,7 +208,20 @@ class RoleRuntime:
         """See :func:`skipinject.engine.decision.plan_step` (after this project's pending saves)."""
         store = self.store_for(call)
         WRITER.flush(store.project_dir)
-        plan = plan_step(self.name, store, self.settings, self.role.upstream_formats, step, self.unusable(store))
+        ahead = self.read_ahead.take(store, step) if self.settings.read_ahead else None
+        entry, waited = ahead if ahead is not None else (None, 0.0)
+        try:
+            plan = plan_step(
+                self.name, store, self.settings, self.role.upstream_formats, step, self.unusable(store), ahead=entry
+            )
+        except BaseException:
+            if entry is not None:
+                entry.release()
+            raise
+        if entry is not None and plan.entry is entry:
+            plan = replace(plan, reason=f"{plan.reason}; read ahead, waited {waited:.3f} s")
+        elif entry is not None:
+            entry.release()
         if plan.untrusted_upstream is not None:
             self.once(
                 ("untrusted", str(plan.untrusted_upstream)),
@@ -222,6 +239,12 @@ class RoleRuntime:
     def load(self, call: Call, step: int, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
         """See :meth:`skipinject.roles.PhaseContext.load`: every part of the planned step, decoded."""
         plan = self.plan(call, step)
+        try:
+            return self._load_plan(plan, call, prepare)
+        finally:
+            self.read_after(plan)
+
+    def _load_plan(self, plan: Plan, call: Call, prepare: Callable[[Loaded], Any] | None) -> Loaded | None:
         if not plan.serves:
             return None
         started = time.perf_counter()
@@ -240,6 +263,19 @@ class RoleRuntime:
             return None
         loaded.seconds = time.perf_counter() - started
         return loaded
+
+    def read_after(self, plan: Plan) -> None:
+        """The planned step's first call is done: read the next chosen cached step ahead (``read_ahead``;
+        actions that serve whole steps)."""
+        settings = self.settings
+        if not settings.read_ahead or settings.action is Action.match or self.unusable(plan.store) is not None:
+            return
+        project = plan.store.project_dir
+
+        def ahead(step: int) -> bool:  # chosen, and not met by this run yet (concurrent calls may be ahead)
+            return settings.allows(step) and not self.steps.known(project, step)
+
+        self.read_ahead.start(plan.store, plan.step, ahead)
 
     # ------------------------------------------------------------ the calls of a step
 
@@ -265,6 +301,9 @@ class RoleRuntime:
         with record.lock:
             record.running -= 1
             due = record.running == 0 and (record.closed or not self.steps.clocked)
+            first, record.left = not record.left, True
+        if first and record.plan is not None:
+            self.read_after(record.plan)
         if due:
             self._commit(record)
 
@@ -275,6 +314,7 @@ class RoleRuntime:
 
     def close_all(self) -> None:
         """The run ended (``fit`` returned, the engine stops, the interpreter exits): close every step."""
+        self.read_ahead.close()
         self.close(self.steps.take_all())
 
     def close(self, records: Sequence[StepCalls]) -> None:

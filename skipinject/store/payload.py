@@ -49,6 +49,8 @@ class StepEntry:
     blobs: dict[Path, bytes] = field(default_factory=dict, compare=False, repr=False)
     #: Where a compressed step's decoded tensors go (:mod:`~skipinject.store.hit_memory`).
     memory: Claim = field(default=FRESH, compare=False, repr=False)
+    #: Its parts already loaded (a step read ahead): the next :meth:`StepStore.load` hands them out.
+    loaded: list[Payload] = field(default_factory=list, compare=False, repr=False)
 
     def release(self) -> None:
         """Drop what :meth:`StepStore.verified` read. Mappings are let go, never closed here: a tensor
@@ -57,3 +59,4 @@ class StepEntry:
         last holder (this entry or a loaded tensor) is gone."""
         self.mapped.clear()
         self.blobs.clear()
+        self.loaded.clear()

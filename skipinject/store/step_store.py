@@ -350,7 +350,12 @@ class StepStore:
         """Load every part of a verified entry. Tensors are views of a copy-on-write file mapping.
 
         Raises only CorruptCacheError (any failure of any type while parsing or decoding the files).
+        Parts loaded ahead (``entry.loaded``) are handed out once, as they are.
         """
+        if entry.loaded:
+            loaded = list(entry.loaded)
+            entry.loaded.clear()
+            return loaded
         if not entry.mapped and not entry.blobs:
             entry = self.verified(entry.step)  # not read by verified(): read it now, under the same rules
         payloads = []

@@ -63,6 +63,8 @@ def test_v0_rollout_cache_then_hit(v0_runs: V0Runs):
     lines = skip_lines(v0_runs.second, "rollout")
     assert sum("hit, served step" in line for line in lines) == 2, lines
     assert not any("other inputs" in line for line in lines), lines
+    step_two = [line for line in lines if "rollout step 2: hit" in line]
+    assert len(step_two) == 1 and "read ahead, waited" in step_two[0], lines  # read while step 1 trained
     one, two = rollout_records(v0_runs.tmp / "run1"), rollout_records(v0_runs.tmp / "run2")
     assert sorted(one) == sorted(two) == [1, 2]
     for step in (1, 2):

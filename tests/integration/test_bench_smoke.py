@@ -60,6 +60,9 @@ def test_bench_compression_quick(tmp_path: Path) -> None:
     assert "| skipinject `zstd`, local disk, hit steady state (previous batch held, pool" in stdout
     assert figures["local_zstd_steady_hit_ms"] > 0 and figures["local_zstd_pool_mb"] > 0
     assert figures["warm_floor_ms"] >= 0 and "memory already faulted in" in stdout
+    for where, key in (("local disk", "local_zstd"), ("S3", "s3_zstd")):
+        assert f"| skipinject `zstd`, {where}, hit read ahead (while the previous step trained" in stdout
+        assert figures[f"{key}_ahead_hit_ms"] > 0 and figures[f"{key}_ahead_wait_ms"] >= 0
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up its files"
 
 

@@ -245,3 +245,39 @@ def test_the_match_row_index_is_kept_in_the_store_and_refreshed_from_new_steps_o
     meta_reads.clear()
     found = RowIndex(steps, rows).lookup(keys(3))
     assert [place[0].number for place in found] == [3] * 4 and len(meta_reads) == 4, "damaged: rebuilt from the steps"
+
+
+def test_the_next_step_is_read_ahead_from_s3_and_its_hit_downloads_no_data_file(
+    url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    """``skip.<role>.read_ahead`` against a real S3 server (where a hit's download costs most): the step
+    read ahead is served after its data objects were deleted, bit for bit as recorded."""
+    import logging
+
+    from tests.read_ahead_checks import (
+        GENERATED,
+        assert_same,
+        hit_line,
+        install_targets,
+        read_ahead_lines,
+        remove_data_files,
+        run,
+    )
+
+    targets = install_targets(monkeypatch)
+    recorded, _ = run(targets, url, (1, 2, 3))  # compression auto: zstd in an object store
+    caplog.set_level(logging.DEBUG, logger="skipinject")
+    caplog.clear()
+
+    def train(step: int, runtime: Any) -> None:
+        runtime.read_ahead.wait()
+        if step < 3:
+            assert remove_data_files(url, step + 1)
+
+    served, _ = run(targets, url, (1, 2, 3), between=train)
+    assert GENERATED == []
+    assert read_ahead_lines(caplog) == ["1 -> 2", "2 -> 3"]
+    for step in (1, 2, 3):
+        assert_same(served[step], recorded[step])
+    for step in (2, 3):
+        assert "read ahead, waited" in hit_line(caplog, step) and url.split("://", 1)[1] in hit_line(caplog, step)
