@@ -71,7 +71,7 @@ if TYPE_CHECKING:
         from_jsonable,
         to_jsonable,
     )
-    from skipinject.config import Action, MismatchPolicy, RoleConfig
+    from skipinject.config import Action, MismatchPolicy, RescorePolicy, RoleConfig
     from skipinject.hookspecs import hookimpl
     from skipinject.store import Payload, StepEntry
 
@@ -80,6 +80,7 @@ _LAZY = {
     "Action": "skipinject.config",
     "DataProtoCodec": "skipinject.codecs",
     "MismatchPolicy": "skipinject.config",
+    "RescorePolicy": "skipinject.config",
     "Payload": "skipinject.store",
     "RoleConfig": "skipinject.config",
     "StepEntry": "skipinject.store",
@@ -125,6 +126,7 @@ __all__ = [
     "Plan",
     "PluginError",
     "PromptMismatchError",
+    "RescorePolicy",
     "Role",
     "RoleConfig",
     "RowCodec",

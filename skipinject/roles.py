@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from skipinject.clock import CLOCK
@@ -403,19 +403,29 @@ class HitInfo:
     mismatched_rows: int = 0
     compared_rows: int = 0
     directory: str = ""
+    #: The served step's ``meta.json`` (empty for verl's own files): what :attr:`Role.record_meta` added
+    #: when it was recorded, so that ``on_hit`` can tell whether this run would compute it alike.
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    #: The role's settings in this run (``None`` when not known).
+    settings: RoleConfig | None = None
 
 
 @dataclass(frozen=True)
 class MatchInfo:
     """What the engine did for one call with ``action=match``, handed to :attr:`Role.on_match`.
 
-    ``sources``: the cached records rows were served from (``"step 3"``, ``"rows 2"``), with how many."""
+    ``sources``: the cached records rows were served from (``"step 3"``, ``"rows 2"``), with how many;
+    ``served``: per source, the merged result's output rows it served; ``source_meta``: per source, its
+    ``meta.json`` (see :attr:`HitInfo.meta`)."""
 
     step: int
     served_rows: int
     generated_rows: int
     sources: Mapping[str, int]
     seconds: float
+    served: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    source_meta: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    settings: RoleConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -471,6 +481,10 @@ class Role:
     fingerprint: Callable[[Call], Sequence[str] | None] | None = None
     #: Adjusts a result served from the cache (e.g. replace the old run's timing with hit metrics).
     on_hit: Callable[[Any, Call, HitInfo], Any] | None = None
+    #: Fields added to the ``meta.json`` of a step (or rows record) this call's result is saved in: what
+    #: else decided the result besides its inputs (e.g. the reward that scored a rollout). JSON-safe
+    #: values; the first call's fields of a step are kept. Served back as :attr:`HitInfo.meta`.
+    record_meta: Callable[[Call], Mapping[str, Any] | None] | None = None
     #: Adjusts a freshly computed result (e.g. mark the miss in the metrics).
     on_miss: Callable[[Any, Call], Any] | None = None
     #: Per input row, a digest of everything of the call deciding its result (``action=match``, plugin

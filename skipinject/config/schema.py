@@ -49,6 +49,18 @@ class MismatchPolicy(str, enum.Enum):
         return self.value
 
 
+class RescorePolicy(str, enum.Enum):
+    """Whether a served result is scored again by this run's code (``skip.<role>.rescore``): the rollout
+    roles' rewards, which verl >= 0.7 computes inside the rollout."""
+
+    auto = "auto"  # when what scored it differs from this run's (or is unknown)
+    always = "always"
+    never = "never"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 def _setting(default: Any = None, *, shown: str, meaning: str, factory: Any = None) -> Any:
     """A field of :class:`RoleConfig` with what the README's configuration table and the runner's help say."""
     metadata = {"shown": shown, "meaning": meaning}
@@ -160,12 +172,23 @@ class RoleConfig:
         ),
     )
 
+    rescore: RescorePolicy = _setting(  # noqa: RUF009  (field() with the README's words)
+        RescorePolicy.auto,
+        shown="auto",
+        meaning=(
+            "rollout roles: whether served responses are scored by this run's reward. `auto`: when the reward "
+            "recorded with them differs from this run's (or none is recorded); `always`; `never`: serve the "
+            "recorded scores (one line when the reward differs; see docs/rescore.md)"
+        ),
+    )
+
     def __post_init__(self) -> None:
         # Accept plain values from code (``steps=(1, 2)``, ``action="repeat"``), as the schema would.
         if not isinstance(self.steps, StepSet):
             object.__setattr__(self, "steps", StepSet.from_value(list(self.steps), "steps"))
         object.__setattr__(self, "action", Action(self.action))
         object.__setattr__(self, "on_mismatch", MismatchPolicy(self.on_mismatch))
+        object.__setattr__(self, "rescore", RescorePolicy(self.rescore))
         if type(self.reuse_hit_memory) is not int or not 0 <= self.reuse_hit_memory <= MAX_HIT_MEMORY:
             raise ValueError(f"reuse_hit_memory must be 0 .. {MAX_HIT_MEMORY}, got {self.reuse_hit_memory!r}")
         if self.compression != "auto":  # the default needs no check (and no import at start-up)
@@ -293,6 +316,8 @@ def _expected(key: str) -> str:
         return f"unknown action (choose one of {', '.join(a.value for a in Action)})"
     if key == "on_mismatch":
         return f"expected one of {', '.join(p.value for p in MismatchPolicy)}"
+    if key == "rescore":
+        return f"expected one of {', '.join(p.value for p in RescorePolicy)}"
     if key == "dump_dir":
         return "expected a directory path"
     if key == "compression":

@@ -384,7 +384,8 @@ class RoleRuntime:
             elapsed,
         )
         if self.role.on_hit is not None:
-            info = HitInfo(plan.step, plan.served_step, elapsed, mismatched, compared, source)
+            recorded = plan.entry.meta if plan.entry is not None else {}
+            info = HitInfo(plan.step, plan.served_step, elapsed, mismatched, compared, source, recorded, self.settings)
             result = self.role.on_hit(result, call, info)
         return result
 
@@ -499,7 +500,10 @@ class RoleRuntime:
         except Exception as exc:
             self._drop_step(record, f"cannot encode call {index + 1} ({type(exc).__name__}: {exc})")
             return
+        extra = self.extra_meta(call) if index == 0 else {}
         with record.lock:
+            if index == 0:
+                record.extra_meta = extra
             if record.writer is None:
                 record.writer = plan.store.begin(plan.step)
             writer = record.writer
@@ -525,6 +529,23 @@ class RoleRuntime:
             self.in_background(plan.store, write)
         else:
             write()
+
+    def extra_meta(self, call: Call) -> dict[str, Any]:
+        """The role's ``record_meta`` fields for a result of ``call`` (none when it fails: one warning)."""
+        if self.role.record_meta is None:
+            return {}
+        try:
+            return dict(self.role.record_meta(call) or {})
+        except Exception as exc:
+            self.once(
+                ("record_meta", type(exc)),
+                logging.WARNING,
+                "%s: cannot describe the result for meta.json (%s: %s); saved without it",
+                self.name,
+                type(exc).__name__,
+                exc,
+            )
+            return {}
 
     def _rows_per_key(self, result: Any, keys: Sequence[str] | None) -> int | None:
         codec = self.codec

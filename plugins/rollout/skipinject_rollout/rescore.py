@@ -1,0 +1,270 @@
+"""A served rollout is scored by this run's reward (``skip.<role>.rescore``).
+
+A hit replays what the recorded run *generated*. verl >= 0.7 also scores each trajectory inside the
+rollout, so the cached batch carries the recorded run's ``rm_scores`` and reward extra infos. At a
+hit, :func:`decide` compares the reward identity recorded with the step
+(:mod:`skipinject_rollout.reward_identity`) with this run's:
+
+* ``auto`` (default): equal → served as recorded, bit for bit; different or not recorded (caches
+  written before identities were) → re-scored;
+* ``always``: re-scored; ``never``: served as recorded (one warning per run when the reward differs).
+
+Re-scoring goes through verl's own reward path: the reward-loop workers the agent loop manager of
+this run already holds (``reward_loop_worker_handles``, verl >= 0.9), called exactly as
+``RewardLoopManager.compute_rm_score`` calls them, with each served row's inputs as the agent loop
+hands them to ``_compute_score``; the scores are placed as the agent loop places them (the last
+response token) and the reward extra infos replace the recorded ones (columns, ``reward_extra_info``,
+``meta_info["reward_extra_keys"]``). Where the manager holds no reward-loop workers (verl < 0.9, whose
+workers score privately, or a colocated reward model), the recorded scores are taken out of the batch:
+the trainer then scores the responses itself, as it does for a generation that carries none. A batch
+without ``rm_scores`` (worker-group rollouts, verl <= 0.6's sync mode) was never scored in the
+rollout: its scores are always this run's trainer's, nothing to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from skipinject import CacheError, Call, RescorePolicy, RoleConfig
+
+from skipinject_rollout.reward_identity import describe_difference, recorded_identity, reward_identity
+
+logger = logging.getLogger("skipinject")
+
+#: Non-tensor columns of a generated batch that are no agent-loop extra field (see :func:`_tool_extra_fields`).
+_NOT_EXTRA_FIELDS = frozenset({"__num_turns__", "multi_modal_inputs", "reward_extra_info"})
+_warned_never: set[tuple[str, str, str]] = set()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether served rows are re-scored, and the words saying why."""
+
+    rescore: bool
+    why: str
+    differs: bool = False
+
+
+def decide(
+    policy: RescorePolicy | str, recorded_meta: Mapping[str, Any], current: Mapping[str, Any] | None
+) -> Decision:
+    """Re-score or serve as recorded, by ``policy`` and the two rewards' identities."""
+    policy = RescorePolicy(policy)
+    recorded = recorded_identity(recorded_meta)
+    if recorded is None:
+        differs, what = True, "recorded by an unknown reward: the cache records none"
+    elif current is None:
+        differs, what = True, "this run's reward is not known here"
+    elif recorded.get("digest") == current.get("digest"):
+        differs, what = False, "recorded by this run's reward"
+    else:
+        differs, what = True, "recorded by " + describe_difference(recorded, current)
+    if policy is RescorePolicy.never:
+        return Decision(False, f"{what}; rescore=never", differs)
+    if policy is RescorePolicy.always:
+        return Decision(True, f"{what}; rescore=always", differs)
+    return Decision(differs, what, differs)
+
+
+def policy_of(settings: RoleConfig | None) -> RescorePolicy:
+    return settings.rescore if settings is not None else RescorePolicy.auto
+
+
+@dataclass(frozen=True)
+class Rescored:
+    """What re-scoring did: rows scored again (0: none), seconds, and how."""
+
+    rows: int
+    seconds: float
+    how: str
+
+
+def rescore_rows(batch: Any, call: Call, rows: Sequence[int] | None = None) -> Rescored:
+    """Score rows ``rows`` (all when ``None``) of the served ``batch`` (a ``DataProto``) with this run's reward,
+    in place. See the module's docstring for the paths."""
+    started = time.perf_counter()
+    tensors = batch.batch
+    if tensors is None or "rm_scores" not in tensors.keys():
+        return Rescored(0, 0.0, "no scores recorded with the responses: this run's trainer scores them")
+    chosen = list(range(len(batch))) if rows is None else list(rows)
+    if not chosen:
+        return Rescored(0, 0.0, "no served rows")
+    workers = getattr(call.instance, "reward_loop_worker_handles", None)
+    if not workers:
+        _drop_scores(batch)
+        return Rescored(
+            len(chosen),
+            time.perf_counter() - started,
+            "scores taken out: this run's trainer scores them (no reward-loop workers on the rollout manager)",
+        )
+    outputs = _score_with_workers(list(workers), _scoring_batch(batch, call, chosen))
+    _place(batch, chosen, outputs, whole=rows is None or len(chosen) == len(batch))
+    return Rescored(len(chosen), time.perf_counter() - started, "by this run's reward-loop workers")
+
+
+def _scoring_batch(batch: Any, call: Call, rows: list[int]) -> Any:
+    """The rows as the agent loop hands a trajectory to a reward-loop worker (``AgentLoopWorker._compute_score``):
+    prompt and response tensors, the prompt's dataset fields, its turns and extra fields."""
+    from verl import DataProto
+
+    inputs = getattr(call.batch, "non_tensor_batch", None) or {}
+    ratio = max(1, len(batch) // max(1, len(call.batch))) if inputs else 1
+    picked = batch.select_idxs(np.asarray(rows, dtype=np.int64))
+    tensors = picked.batch.select(
+        *[
+            key
+            for key in ("prompts", "responses", "attention_mask", "input_ids", "position_ids")
+            if key in picked.batch.keys()
+        ]
+    )
+    non_tensor: dict[str, np.ndarray] = {}
+    for key, column in inputs.items():
+        if key != "__do_sample__" and len(column) * ratio == len(batch):
+            non_tensor[key] = np.asarray([column[row // ratio] for row in rows], dtype=object)
+    served = batch.non_tensor_batch
+    if "__num_turns__" in served:
+        non_tensor["__num_turns__"] = served["__num_turns__"][rows]
+    extra = _tool_extra_fields(batch, rows, set(non_tensor))
+    non_tensor["tool_extra_fields"] = np.empty(len(rows), dtype=object)
+    non_tensor["tool_extra_fields"][:] = extra
+    return DataProto(batch=tensors, non_tensor_batch=non_tensor)
+
+
+def _tool_extra_fields(batch: Any, rows: list[int], inputs: set[str]) -> list[dict[str, Any]]:
+    """Each row's agent-loop extra fields as they were before scoring (the served columns that are none
+    of the reward's, the prompt's or the batch's own; ``None`` values are defaults the agent loop fills)."""
+    reward_keys = set(batch.meta_info.get("reward_extra_keys") or ())
+    keys = [
+        key
+        for key in batch.non_tensor_batch
+        if key not in _NOT_EXTRA_FIELDS and key not in reward_keys and key not in inputs
+    ]
+    extras = []
+    for row in rows:
+        fields = {key: batch.non_tensor_batch[key][row] for key in keys}
+        extras.append({key: value for key, value in fields.items() if value is not None})
+    return extras
+
+
+def _score_with_workers(workers: list[Any], data: Any) -> list[dict[str, Any]]:
+    """``RewardLoopManager.compute_rm_score``'s use of the workers: pad to their number, one chunk each."""
+    import ray
+    from verl.protocol import pad_dataproto_to_divisor
+
+    padded, pad_size = pad_dataproto_to_divisor(data, len(workers))
+    chunks = padded.chunk(len(workers))
+    outputs = ray.get([worker.compute_score_batch.remote(chunk) for worker, chunk in zip(workers, chunks, strict=True)])
+    flat = [item for chunk in outputs for item in chunk]
+    return flat[: len(data)] if pad_size else flat
+
+
+def _place(batch: Any, rows: list[int], outputs: list[dict[str, Any]], *, whole: bool) -> None:
+    """Scores at each row's last response token (``AgentLoopWorker._postprocess``), extra infos beside them."""
+    import torch
+
+    tensors = batch.batch
+    prompt_length = tensors["prompts"].size(1)
+    index = torch.as_tensor(rows, dtype=torch.long)
+    last = tensors["attention_mask"][index, prompt_length:].sum(dim=1) - 1
+    rm_scores = torch.zeros_like(tensors["rm_scores"]) if whole else tensors["rm_scores"].clone()
+    rm_scores[index] = 0.0
+    rm_scores[index, last] = torch.tensor([float(out["reward_score"]) for out in outputs], dtype=rm_scores.dtype)
+    tensors["rm_scores"] = rm_scores
+
+    infos = [dict(out.get("reward_extra_info") or {}) for out in outputs]
+    new_keys = list(infos[0].keys()) if infos else []
+    non_tensor = batch.non_tensor_batch
+    old_keys = list(batch.meta_info.get("reward_extra_keys") or ())
+    if whole:
+        for key in old_keys:
+            non_tensor.pop(key, None)
+        for key in new_keys:
+            non_tensor[key] = np.array([info[key] for info in infos])
+        keys = new_keys
+    else:
+        for key in new_keys:
+            column = non_tensor.get(key)
+            if column is None or len(column) != len(batch):
+                column = np.full(len(batch), None, dtype=object)
+            elif column.dtype != object and not all(
+                np.can_cast(np.asarray(info[key]).dtype, column.dtype) for info in infos
+            ):
+                column = column.astype(object)
+            else:
+                column = column.copy()
+            for row, info in zip(rows, infos, strict=True):
+                column[row] = info[key]
+            non_tensor[key] = column
+        keys = old_keys + [key for key in new_keys if key not in old_keys]
+    if "reward_extra_info" in non_tensor:
+        column = non_tensor["reward_extra_info"].copy()
+        for row, info in zip(rows, infos, strict=True):
+            column[row] = info
+        non_tensor["reward_extra_info"] = column
+    batch.meta_info["reward_extra_keys"] = keys
+
+
+def _drop_scores(batch: Any) -> None:
+    """Take the recorded scores out, as a generation that scored nothing leaves them: the trainer scores."""
+    batch.batch.pop("rm_scores")
+    for key in batch.meta_info.pop("reward_extra_keys", None) or ():
+        batch.non_tensor_batch.pop(key, None)
+    batch.non_tensor_batch.pop("reward_extra_info", None)
+
+
+def apply(
+    batch: Any,
+    call: Call,
+    role: str,
+    step: int,
+    settings: RoleConfig | None,
+    sources: Sequence[tuple[Mapping[str, Any], Sequence[int] | None]],
+) -> Rescored:
+    """Decide for each source of served rows (its ``meta.json``, its rows of ``batch``; ``None``: all) and
+    re-score the rows whose source says so, in one call: one line saying which."""
+    policy = policy_of(settings)
+    current = reward_identity(call.run_config)
+    decisions = [(decide(policy, meta, current), meta, rows) for meta, rows in sources]
+    chosen: list[int] | None = []
+    for decision, _, rows in decisions:
+        if decision.rescore:
+            chosen = None if rows is None or chosen is None else chosen + list(rows)
+    rescoring = [decision for decision, _, _ in decisions if decision.rescore]
+    if not rescoring:
+        why = decisions[0][0].why if decisions else "nothing served"
+        differing = [(decision, meta) for decision, meta, _ in decisions if decision.differs]
+        if differing and policy is RescorePolicy.never:
+            decision, meta = differing[0]
+            key = (role, str((recorded_identity(meta) or {}).get("digest")), str((current or {}).get("digest")))
+            if key not in _warned_never:
+                _warned_never.add(key)
+                logger.warning(
+                    "%s step %d: the served rewards were not computed by this run's reward (%s): training on them "
+                    "as recorded",
+                    role,
+                    step,
+                    decision.why,
+                )
+                return Rescored(0, 0.0, decision.why)
+        logger.info("%s step %d: rewards served as recorded (%s)", role, step, why)
+        return Rescored(0, 0.0, why)
+    try:
+        done = rescore_rows(batch, call, None if chosen is None else sorted(set(chosen)))
+    except Exception as exc:
+        raise CacheError(
+            f"{role} step {step}: cannot score the served responses with this run's reward ({type(exc).__name__}: "
+            f"{exc}); set skip.{role}.rescore=never to train on the recorded scores"
+        ) from exc
+    why = rescoring[0].why + (f"; {len(rescoring)} sources" if len(rescoring) > 1 else "")
+    if done.rows:
+        logger.info(
+            "%s step %d: %d rows re-scored %s in %.3f s (%s)", role, step, done.rows, done.how, done.seconds, why
+        )
+    else:
+        logger.info("%s step %d: nothing re-scored: %s (%s)", role, step, done.how, why)
+    return done
