@@ -158,7 +158,9 @@ def _score_with_workers(workers: list[Any], data: Any) -> list[dict[str, Any]]:
 
     padded, pad_size = pad_dataproto_to_divisor(data, len(workers))
     chunks = padded.chunk(len(workers))
-    outputs = ray.get([worker.compute_score_batch.remote(chunk) for worker, chunk in zip(workers, chunks, strict=True)])
+    replies = [worker.compute_score_batch.remote(chunk) for worker, chunk in zip(workers, chunks, strict=True)]
+    # Ray handles reply with object refs; a handle of a worker in this process, with the values themselves.
+    outputs = [ray.get(reply) if isinstance(reply, ray.ObjectRef) else reply for reply in replies]
     flat = [item for chunk in outputs for item in chunk]
     return flat[: len(data)] if pad_size else flat
 
