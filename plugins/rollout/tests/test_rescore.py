@@ -23,21 +23,23 @@ import verl
 from omegaconf import OmegaConf
 from skipinject import RescorePolicy, bootstrap
 from skipinject.testing import RoleRun
+from skipinject_rollout import rescore
+from skipinject_rollout.reward_identity import record_reward, reward_identity
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
 from verl.protocol import DataProto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
-from skipinject_rollout import rescore
-from skipinject_rollout.reward_identity import record_reward, reward_identity
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples" / "verl_cpu"))
-import harness  # noqa: E402
+import harness
 
 PROMPT_LEN, RESPONSE_LEN, N = 6, 4, 2
 METRICS = {"generate_sequences": 1.0, "tool_calls": 0.0, "compute_score": 0.1, "num_preempted": 0}
 PROMPTS = ["one two", "three four five", "six", "seven eight"]
-LENGTH_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n    return float(len(solution_str))\n"
+LENGTH_REWARD = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+    "    return float(len(solution_str))\n"
+)
 WORD_REWARD = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
     "    words = len(solution_str.split())\n"
@@ -163,10 +165,15 @@ def decoded(assets: Any, out: DataProto) -> list[str]:
 
     tokenizer = AutoTokenizer.from_pretrained(str(assets.model_dir))
     valid = out.batch["attention_mask"][:, PROMPT_LEN:].sum(dim=1)
-    return [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(out.batch["responses"], valid, strict=True)]
+    return [
+        tokenizer.decode(row[:n], skip_special_tokens=True)
+        for row, n in zip(out.batch["responses"], valid, strict=True)
+    ]
 
 
-def record_then_replay(tmp_path: Path, first: Any, second: Any, *, steps: int = 1, **settings: Any) -> tuple[Any, Any, Any]:
+def record_then_replay(
+    tmp_path: Path, first: Any, second: Any, *, steps: int = 1, **settings: Any
+) -> tuple[Any, Any, Any]:
     """Run 1 records ``steps`` steps under config ``first``; run 2 replays them under ``second``."""
     calls: list[int] = []
     run = RoleRun("rollout", tmp_path, tuple(range(1, steps + 1)), **settings).start()
@@ -281,12 +288,12 @@ def test_never_serves_the_recorded_scores_and_says_so_once(assets: Any, tmp_path
     first = run_config(assets, reward_file(tmp_path, "length.py", LENGTH_REWARD))
     second = run_config(assets, reward_file(tmp_path, "words.py", WORD_REWARD))
     with caplog.at_level(logging.INFO, logger="skipinject"):
-        recorded, served, _ = record_then_replay(
-            tmp_path / "dump", first, second, steps=2, rescore="never"
-        )
+        recorded, served, _ = record_then_replay(tmp_path / "dump", first, second, steps=2, rescore="never")
     for before, out in zip(recorded, served, strict=True):
         assert torch.equal(out.batch["rm_scores"], before.batch["rm_scores"])
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "not computed by" in r.getMessage()]
+    warned = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "not computed by" in r.getMessage()
+    ]
     assert len(warned) == 1 and "rescore=never" in warned[0]
     assert any("rollout step 2: rewards served as recorded" in r.getMessage() for r in caplog.records)
 
