@@ -125,25 +125,26 @@ def _scoring_batch(batch: Any, call: Call, rows: list[int]) -> Any:
     non_tensor: dict[str, np.ndarray] = {}
     for key, column in inputs.items():
         if key != "__do_sample__" and len(column) * ratio == len(batch):
-            non_tensor[key] = np.asarray([column[row // ratio] for row in rows], dtype=object)
+            non_tensor[key] = _objects([column[row // ratio] for row in rows])
     served = batch.non_tensor_batch
     if "__num_turns__" in served:
         non_tensor["__num_turns__"] = served["__num_turns__"][rows]
-    extra = _tool_extra_fields(batch, rows, set(non_tensor))
-    non_tensor["tool_extra_fields"] = np.empty(len(rows), dtype=object)
-    non_tensor["tool_extra_fields"][:] = extra
+    non_tensor["tool_extra_fields"] = _objects(_tool_extra_fields(batch, rows))
     return DataProto(batch=tensors, non_tensor_batch=non_tensor)
 
 
-def _tool_extra_fields(batch: Any, rows: list[int], inputs: set[str]) -> list[dict[str, Any]]:
-    """Each row's agent-loop extra fields as they were before scoring (the served columns that are none
-    of the reward's, the prompt's or the batch's own; ``None`` values are defaults the agent loop fills)."""
+def _objects(values: list[Any]) -> np.ndarray:
+    """A 1-D object array of ``values`` (``np.array`` would make lists of messages a second dimension)."""
+    column = np.empty(len(values), dtype=object)
+    column[:] = values
+    return column
+
+
+def _tool_extra_fields(batch: Any, rows: list[int]) -> list[dict[str, Any]]:
+    """Each row's agent-loop extra fields as they were before scoring (the served columns that are none of
+    the reward's or the batch's own; ``None`` values are defaults the agent loop fills in afterwards)."""
     reward_keys = set(batch.meta_info.get("reward_extra_keys") or ())
-    keys = [
-        key
-        for key in batch.non_tensor_batch
-        if key not in _NOT_EXTRA_FIELDS and key not in reward_keys and key not in inputs
-    ]
+    keys = [key for key in batch.non_tensor_batch if key not in _NOT_EXTRA_FIELDS and key not in reward_keys]
     extras = []
     for row in rows:
         fields = {key: batch.non_tensor_batch[key][row] for key in keys}
