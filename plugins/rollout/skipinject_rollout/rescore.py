@@ -239,23 +239,10 @@ def apply(
             chosen = None if rows is None or chosen is None else chosen + list(rows)
     rescoring = [decision for decision, _, _ in decisions if decision.rescore]
     if not rescoring:
-        why = decisions[0][0].why if decisions else "nothing served"
         differing = [(decision, meta) for decision, meta, _ in decisions if decision.differs]
-        if differing and policy is RescorePolicy.never:
-            decision, meta = differing[0]
-            key = (role, str((recorded_identity(meta) or {}).get("digest")), str((current or {}).get("digest")))
-            if key not in _warned_never:
-                _warned_never.add(key)
-                logger.warning(
-                    "%s step %d: the served rewards were not computed by this run's reward (%s): training on them "
-                    "as recorded",
-                    role,
-                    step,
-                    decision.why,
-                )
-                return Rescored(0, 0.0, decision.why)
-        logger.info("%s step %d: rewards served as recorded (%s)", role, step, why)
-        return Rescored(0, 0.0, why)
+        decision, meta = differing[0] if differing else (decisions[0][0], decisions[0][1])
+        _say_served(role, step, policy, decision, meta, current)
+        return Rescored(0, 0.0, decision.why)
     try:
         done = rescore_rows(batch, call, None if chosen is None else sorted(set(chosen)))
     except Exception as exc:
@@ -263,11 +250,171 @@ def apply(
             f"{role} step {step}: cannot score the served responses with this run's reward ({type(exc).__name__}: "
             f"{exc}); set skip.{role}.rescore=never to train on the recorded scores"
         ) from exc
-    why = rescoring[0].why + (f"; {len(rescoring)} sources" if len(rescoring) > 1 else "")
+    _say_rescored(role, step, done, rescoring[0].why + (f"; {len(rescoring)} sources" if len(rescoring) > 1 else ""))
+    return done
+
+
+# ------------------------------------------------------------ V1 trajectories (TransferQueue)
+
+#: Fields of a V1 trajectory that the agent loop's output made (``AgentLoopOutput.as_dict`` and
+#: ``AgentLoopWorkerTQ._agent_loop_postprocess``); every other field is one of the prompt's, as the
+#: agent loop hands them to the reward (``**kwargs``).
+_TRAJECTORY_OUTPUTS = frozenset(
+    {
+        "prompts",
+        "responses",
+        "response_mask",
+        "loss_mask",
+        "input_ids",
+        "position_ids",
+        "attention_mask",
+        "rollout_log_probs",
+        "routed_experts",
+        "rm_scores",
+        "num_turns",
+        "metrics",
+        "extra_fields",
+        "multi_modal_inputs",
+        "mm_processor_kwargs",
+        "mm_processor_output",
+        "teacher_ids",
+        "teacher_logprobs",
+    }
+)
+
+
+def rescore_trajectories(fields: Any, workers: Sequence[Any] | None) -> Rescored:
+    """Score the V1 trajectories ``fields`` (a TensorDict, one row each, jagged token fields) with this run's
+    reward, in place: each row as ``AgentLoopWorker._compute_score`` hands it to a reward-loop worker, the
+    score on its last response token of ``rm_scores`` (``AgentLoopOutput.as_dict``), the extra infos in
+    ``extra_fields["reward_extra_info"]``. Without workers the V1 trainer scores every sampled batch
+    itself (``reward_loop_worker_handles is None``): the scores are this run's already."""
+    started = time.perf_counter()
+    if "rm_scores" not in fields.keys():
+        return Rescored(0, 0.0, "no scores recorded with the trajectories: this run's trainer scores them")
+    if not workers:
+        return Rescored(0, 0.0, "no reward-loop workers: this run's trainer scores every sampled batch itself")
+    import torch
+    from tensordict import NonTensorStack
+
+    rows = int(fields.batch_size[0])
+    prompts = list(fields["prompts"].unbind(0))
+    responses = list(fields["responses"].unbind(0))
+    outputs = _score_with_workers(list(workers), _trajectory_scoring_batch(fields, prompts, responses, rows))
+    scores = [torch.zeros(len(response), dtype=torch.float32) for response in responses]
+    for score, out in zip(scores, outputs, strict=True):
+        score[-1] = float(out["reward_score"])
+    # the layout verl's list_of_dict_to_tensordict gives them: stacked when all rows have one length
+    jagged = fields["rm_scores"].is_nested
+    fields["rm_scores"] = torch.nested.as_nested_tensor(scores, layout=torch.jagged) if jagged else torch.stack(scores)
+    extras = [dict(extra or {}) for extra in _column(fields, "extra_fields", rows)]
+    for extra, out in zip(extras, outputs, strict=True):
+        extra["reward_extra_info"] = dict(out.get("reward_extra_info") or {})
+    fields["extra_fields"] = NonTensorStack(*extras)
+    return Rescored(rows, time.perf_counter() - started, "by this run's reward-loop workers")
+
+
+def _column(fields: Any, key: str, rows: int) -> list[Any]:
+    if key not in fields.keys():
+        return [None] * rows
+    value = fields[key]
+    values = value.tolist() if hasattr(value, "tolist") else list(value)
+    return list(values) if len(values) == rows else [values] * rows
+
+
+def _trajectory_scoring_batch(fields: Any, prompts: list[Any], responses: list[Any], rows: int) -> Any:
+    """The trajectories as one padded batch (prompts left-, responses right-padded, as a generated V0 batch is):
+    the reward managers find each response's valid tokens from the attention mask."""
+    import torch
+    from verl import DataProto
+
+    prompt_width = max(len(p) for p in prompts)
+    response_width = max(len(r) for r in responses)
+    prompt_ids = torch.zeros(rows, prompt_width, dtype=torch.int64)
+    response_ids = torch.zeros(rows, response_width, dtype=torch.int64)
+    attention = torch.zeros(rows, prompt_width + response_width, dtype=torch.int64)
+    for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        prompt_ids[row, prompt_width - len(prompt) :] = prompt
+        response_ids[row, : len(response)] = response
+        attention[row, prompt_width - len(prompt) : prompt_width + len(response)] = 1
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    position_ids = torch.clamp(torch.cumsum(attention, dim=1) - 1, min=0)
+    tensors = {
+        "prompts": prompt_ids,
+        "responses": response_ids,
+        "attention_mask": attention,
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+    }
+    extras = _column(fields, "extra_fields", rows)
+    non_tensor: dict[str, np.ndarray] = {}
+    for key in fields.keys():
+        if key in _TRAJECTORY_OUTPUTS or isinstance(fields.get(key), torch.Tensor):
+            continue
+        non_tensor[key] = _objects(_column(fields, key, rows))
+    turns = _column(fields, "num_turns", rows)
+    non_tensor["__num_turns__"] = np.asarray([int(t) if t is not None else 0 for t in turns], dtype=np.int32)
+    non_tensor["tool_extra_fields"] = _objects(
+        [{k: v for k, v in (extra or {}).items() if k != "reward_extra_info"} for extra in extras]
+    )
+    non_tensor["prompt_len"] = np.asarray([len(p) for p in prompts])
+    non_tensor["response_len"] = np.asarray([len(r) for r in responses])
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensor)
+
+
+def apply_trajectories(
+    fields: Any,
+    workers: Sequence[Any] | None,
+    current: Mapping[str, Any] | None,
+    role: str,
+    step: int,
+    settings: RoleConfig | None,
+    recorded_meta: Mapping[str, Any],
+) -> Rescored:
+    """:func:`apply` for V1 trajectories (``current``: this run's reward identity)."""
+    policy = policy_of(settings)
+    decision = decide(policy, recorded_meta, current)
+    if not decision.rescore:
+        _say_served(role, step, policy, decision, recorded_meta, current)
+        return Rescored(0, 0.0, decision.why)
+    try:
+        done = rescore_trajectories(fields, workers)
+    except Exception as exc:
+        raise CacheError(
+            f"{role} step {step}: cannot score the served trajectories with this run's reward ({type(exc).__name__}: "
+            f"{exc}); set skip.{role}.rescore=never to train on the recorded scores"
+        ) from exc
+    _say_rescored(role, step, done, decision.why)
+    return done
+
+
+def _say_served(
+    role: str,
+    step: int,
+    policy: RescorePolicy,
+    decision: Decision,
+    recorded_meta: Mapping[str, Any],
+    current: Mapping[str, Any] | None,
+) -> None:
+    if decision.differs and policy is RescorePolicy.never:
+        key = (role, str((recorded_identity(recorded_meta) or {}).get("digest")), str((current or {}).get("digest")))
+        if key not in _warned_never:
+            _warned_never.add(key)
+            logger.warning(
+                "%s step %d: the served rewards were not computed by this run's reward (%s): training on them "
+                "as recorded",
+                role,
+                step,
+                decision.why,
+            )
+            return
+    logger.info("%s step %d: rewards served as recorded (%s)", role, step, decision.why)
+
+
+def _say_rescored(role: str, step: int, done: Rescored, why: str) -> None:
     if done.rows:
         logger.info(
             "%s step %d: %d rows re-scored %s in %.3f s (%s)", role, step, done.rows, done.how, done.seconds, why
         )
     else:
         logger.info("%s step %d: nothing re-scored: %s (%s)", role, step, done.how, why)
-    return done

@@ -370,3 +370,67 @@ def _stopped() -> Any:
     yield
     bootstrap.stop()
     os.environ.pop("SKIPINJECT_CONFIG", None)
+
+
+# -- V1 trajectories (TransferQueue's fields), as rollout_tq serves them --------------------------
+
+
+def trajectories(rows: int) -> Any:
+    """V1 trajectories as ``AgentLoopWorkerTQ._agent_loop_postprocess`` puts them (verl's own conversion)."""
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    fields = []
+    for row in range(rows):
+        response = torch.tensor([20 + row % 3, 21, 22][: 2 + row % 2], dtype=torch.int64)
+        prompt = torch.full((3 + row % 2,), 5, dtype=torch.int64)
+        scores = torch.zeros(len(response))
+        scores[-1] = 0.5
+        fields.append(
+            {
+                "prompts": prompt,
+                "responses": response,
+                "response_mask": torch.ones_like(response),
+                "input_ids": torch.cat([prompt, response]),
+                "rm_scores": scores,
+                "num_turns": 2,
+                "extra_fields": {"reward_extra_info": {"acc": 0.5}, "turn_scores": []},
+                "data_source": "toy",
+                "reward_model": {"ground_truth": "x"},
+                "uid": f"u{row // N}",
+            }
+        )
+    return list_of_dict_to_tensordict(fields)
+
+
+def test_v1_trajectories_are_rescored_by_this_runs_reward_loop_worker(assets: Any, tmp_path: Path, caplog):
+    from transformers import AutoTokenizer
+
+    first = run_config(assets, reward_file(tmp_path, "length.py", LENGTH_REWARD))
+    second = run_config(assets, reward_file(tmp_path, "words.py", WORD_REWARD))
+    workers = [InProcessHandle(RewardLoopWorker(second))]
+    fields = trajectories(4)
+    responses = [r.clone() for r in fields["responses"].unbind(0)]
+    with caplog.at_level(logging.INFO, logger="skipinject"):
+        done = rescore.apply_trajectories(
+            fields, workers, reward_identity(second), "rollout_tq", 1, None, record_reward_meta(first)
+        )
+    assert done.rows == 4
+    tokenizer = AutoTokenizer.from_pretrained(str(assets.model_dir))
+    words = [len(tokenizer.decode(r, skip_special_tokens=True).split()) for r in responses]
+    scores = list(fields["rm_scores"].unbind(0))
+    assert [float(s[-1]) for s in scores] == [10.0 * w for w in words]
+    assert all(float(s[:-1].abs().sum()) == 0.0 and len(s) == len(r) for s, r in zip(scores, responses, strict=True))
+    extras = list(fields["extra_fields"])
+    assert [e["reward_extra_info"] for e in extras] == [{"score": 10.0 * w, "words": w} for w in words]
+    assert all(e["turn_scores"] == [] for e in extras), "the trajectory's other extra fields are kept"
+    assert any("rollout_tq step 1: 4 rows re-scored" in r.getMessage() for r in caplog.records)
+    # the same reward: nothing touched
+    again = trajectories(4)
+    same = rescore.apply_trajectories(
+        again, workers, reward_identity(second), "rollout_tq", 1, None, record_reward_meta(second)
+    )
+    assert same.rows == 0 and [float(s[-1]) for s in again["rm_scores"].unbind(0)] == [0.5] * 4
+
+
+def record_reward_meta(config: Any) -> dict[str, Any]:
+    return {"reward": reward_identity(config)}

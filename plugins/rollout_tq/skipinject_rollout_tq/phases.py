@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from skipinject import Call, CorruptCacheError, Loaded, PhaseContext, StepCache, StepWriting, run_config_of, select
+from skipinject_rollout import rescore
+from skipinject_rollout.reward_identity import record_reward, reward_identity
 
 from skipinject_rollout_tq.transfer import (
     TRAIN,
@@ -88,6 +90,8 @@ class _SavingStep:
     started: float = field(default_factory=time.perf_counter)
     #: Set by the background job whose part failed: the step is aborted and its later parts are dropped.
     failed: bool = False
+    #: What scored the trajectories (:func:`skipinject_rollout.reward_identity.record_reward`), for ``meta.json``.
+    scored_by: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -244,8 +248,21 @@ class SubmitPhase:
         except Exception as exc:  # only the note below depends on it
             earlier = 0
             notes.append(f"could not count the groups already in the replay buffer ({type(exc).__name__}: {exc})")
-        remapped = inject(loaded.value)
         meta: Mapping[str, Any] = plan.entry.meta if plan.entry is not None else {}
+        config = run_config_of(call)
+        # verl scores V1 trajectories in the rollout: the served ones are scored by this run's reward if the
+        # recording's was another (skipinject_rollout.rescore); the reward role, when it serves, wins later.
+        reward_loop = getattr(call.instance, "reward_loop_manager", None)
+        rescore.apply_trajectories(
+            loaded.value.fields,
+            getattr(reward_loop, "reward_loop_worker_handles", None),
+            reward_identity(config),
+            role.name,
+            step,
+            role.settings,
+            meta,
+        )
+        remapped = inject(loaded.value)
         with self.book.lock:
             self.book.last_served[store.project_dir] = ServedRecord(step, _count(meta.get("carried_over")))
         exact = self._draw_recorded(call, plan.served_step, step, meta, len(uids), notes)
@@ -473,6 +490,8 @@ class SamplePhase:
             served = store.is_committed(step)
         writer = None if served else store.begin(step)
         current = self.book.saving[store.project_dir] = _SavingStep(step, expected, writer)
+        if writer is not None:
+            current.scored_by = dict(record_reward(call) or {})
         return current
 
     def _save_part(self, role: PhaseContext, store: StepCache, saving: _SavingStep, batch: Any, step: int) -> None:
@@ -527,7 +546,12 @@ class SamplePhase:
                 )
                 return
             directory = writer.commit(
-                {"parameter_sync_step": saving.expected, "trajectories": saving.rows, **saving.record}
+                {
+                    **saving.scored_by,
+                    "parameter_sync_step": saving.expected,
+                    "trajectories": saving.rows,
+                    **saving.record,
+                }
             )
         except Exception as exc:
             writer.abort()
