@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import SKIPINJECT_MAIN_PPO, harness, rollout_records, skip_lines
+from tests.e2e.conftest import (
+    SKIPINJECT_MAIN_PPO,
+    harness,
+    rollout_records,
+    skip_lines,
+    word_count,
+    word_count_reward,
+)
 from tests.integration.test_cache_tool import check_real_dump
 
 pytestmark = pytest.mark.e2e
@@ -55,7 +62,7 @@ def _generations(directory: Path) -> dict[int, Counter]:
 def test_v1_rollout_tq_cache_then_hit(assets: Any, tmp_path: Path, trainer_mode: str, sync_step: int, gbs: int):
     dump = tmp_path / "dump"
 
-    def overrides(run: str) -> list[str]:
+    def overrides(run: str, *extra: str) -> list[str]:
         return harness.main_ppo_overrides(
             assets,
             use_v1=True,
@@ -67,6 +74,7 @@ def test_v1_rollout_tq_cache_then_hit(assets: Any, tmp_path: Path, trainer_mode:
                 f"skip.{ROLE}.enable=True",
                 f"skip.{ROLE}.steps=[1,2]",
                 f"trainer.rollout_data_dir={tmp_path / run}",
+                *extra,
             ],
         )
 
@@ -79,6 +87,7 @@ def test_v1_rollout_tq_cache_then_hit(assets: Any, tmp_path: Path, trainer_mode:
         meta = json.loads((layout / step / "meta.json").read_text())
         assert [part["dir"] for part in meta["parts"]] == [str(i) for i in range(sync_step)]
         assert meta["rows"] == harness.TRAIN_BATCH * harness.ROLLOUT_N
+        assert meta["reward"]["files"]["reward.custom_reward_function.path"]["sha256"], "what scored it"
     assert not list(layout.rglob("tq_batch.pt")), "only skipinject's safe format is written"
     lines = skip_lines(first, ROLE)
     assert (
@@ -90,18 +99,25 @@ def test_v1_rollout_tq_cache_then_hit(assets: Any, tmp_path: Path, trainer_mode:
         == 2
     ), lines
 
-    # Run 2: both steps injected from the cache; the generator is never called; training finishes.
-    second, calls_2 = _run(assets, tmp_path, "run2", overrides("run2"))
+    # Run 2: both steps injected from the cache; the generator is never called; training finishes. It
+    # scores with another reward function: the served trajectories are re-scored by it (rescore=auto).
+    second, calls_2 = _run(assets, tmp_path, "run2", overrides("run2", *word_count_reward(tmp_path)))
     assert calls_2 == 0, f"run 2 called the generator {calls_2} times"
     lines = skip_lines(second, ROLE)
     assert sum("hit, served step" in line and "rollout not submitted" in line for line in lines) == 2, lines
     assert not any(": saved" in line for line in lines), "a served step is not saved again"
     if trainer_mode != "sync":
         assert "async warm-up prefetch switched off" in second.stdout + second.stderr
+    rescored = [line for line in lines if "rows re-scored by this run's reward-loop workers" in line]
+    assert len(rescored) == 2 and all("word_count_reward.py" in line for line in rescored), lines
     one, two = _generations(tmp_path / "run1"), _generations(tmp_path / "run2")
     assert sorted(one) == sorted(two) == [1, 2]
     for step in (1, 2):
-        assert two[step] == one[step], f"step {step}: run 2 trained on other trajectories than run 1 generated"
+        generated = Counter((prompt, response) for prompt, response, _ in one[step].elements())
+        served = Counter((prompt, response) for prompt, response, _ in two[step].elements())
+        assert served == generated, f"step {step}: run 2 trained on other trajectories than run 1 generated"
+        scores = [(score, round(word_count(response), 5)) for _, response, score in two[step].elements()]
+        assert all(score == expected for score, expected in scores), f"step {step}: not this run's reward: {scores}"
     check_real_dump(dump, {ROLE}, tmp_path, one_process=True)  # `skipinject cache ...` on the k-part steps
 
 
