@@ -178,7 +178,7 @@ class RoleConfig:
         meaning=(
             "rollout roles: whether served responses are scored by this run's reward. `auto`: when the reward "
             "recorded with them differs from this run's (or none is recorded); `always`; `never`: serve the "
-            "recorded scores (one line when the reward differs; see docs/rescore.md)"
+            "recorded scores (one line when the reward differs; see [Re-scoring](docs/rescore.md))"
         ),
     )
 

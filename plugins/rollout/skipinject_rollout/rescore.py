@@ -110,18 +110,19 @@ def rescore_rows(batch: Any, call: Call, rows: Sequence[int] | None = None) -> R
 def _scoring_batch(batch: Any, call: Call, rows: list[int]) -> Any:
     """The rows as the agent loop hands a trajectory to a reward-loop worker (``AgentLoopWorker._compute_score``):
     prompt and response tensors, the prompt's dataset fields, its turns and extra fields."""
+    import torch
     from verl import DataProto
 
     inputs = getattr(call.batch, "non_tensor_batch", None) or {}
     ratio = max(1, len(batch) // max(1, len(call.batch))) if inputs else 1
-    picked = batch.select_idxs(np.asarray(rows, dtype=np.int64))
-    tensors = picked.batch.select(
-        *[
-            key
-            for key in ("prompts", "responses", "attention_mask", "input_ids", "position_ids")
-            if key in picked.batch.keys()
-        ]
-    )
+    keys = [
+        key
+        for key in ("prompts", "responses", "attention_mask", "input_ids", "position_ids")
+        if key in batch.batch.keys()
+    ]
+    tensors = batch.batch.select(*keys)  # the reward's inputs only (no other column is copied)
+    if len(rows) != len(batch) or rows != list(range(len(batch))):
+        tensors = tensors[torch.as_tensor(rows, dtype=torch.long)]
     non_tensor: dict[str, np.ndarray] = {}
     for key, column in inputs.items():
         if key != "__do_sample__" and len(column) * ratio == len(batch):
