@@ -11,7 +11,6 @@ from skipinject.config import Config, RoleConfig, RoleSchema, role_config
 from skipinject.config.schema import ROLE_KEYS, choices, readme_table
 from tests.conftest import ROOT
 
-
 #: Settings documented in a page of docs/ whose row the README's table may not show yet.
 DOCUMENTED_IN_DOCS = {"rescore": "docs/rescore.md"}
 
