@@ -316,11 +316,22 @@ def rescore_trajectories(fields: Any, workers: Sequence[Any] | None) -> Rescored
 
 
 def _column(fields: Any, key: str, rows: int) -> list[Any]:
+    """Field ``key`` of each row: a stack of values, one value shared by all rows, or a tensor's rows."""
+    import torch
+    from tensordict import NonTensorData, NonTensorStack
+
     if key not in fields.keys():
         return [None] * rows
-    value = fields[key]
-    values = value.tolist() if hasattr(value, "tolist") else list(value)
-    return list(values) if len(values) == rows else [values] * rows
+    value = fields.get(key)
+    if isinstance(value, NonTensorStack):
+        values = list(value.tolist())
+    elif isinstance(value, NonTensorData):
+        return [value.data] * rows
+    elif isinstance(value, torch.Tensor):
+        values = list(value.unbind(0)) if value.dim() else [value] * rows
+    else:
+        return [value] * rows
+    return values if len(values) == rows else [value] * rows
 
 
 def _trajectory_scoring_batch(fields: Any, prompts: list[Any], responses: list[Any], rows: int) -> Any:

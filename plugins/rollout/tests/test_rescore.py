@@ -408,7 +408,9 @@ def test_v1_trajectories_are_rescored_by_this_runs_reward_loop_worker(assets: An
     first = run_config(assets, reward_file(tmp_path, "length.py", LENGTH_REWARD))
     second = run_config(assets, reward_file(tmp_path, "words.py", WORD_REWARD))
     workers = [InProcessHandle(RewardLoopWorker(second))]
-    fields = trajectories(4)
+    from verl.utils.tensordict_utils import index_select_tensor_dict
+
+    fields = index_select_tensor_dict(trajectories(4), [0, 1, 2, 3])  # as rollout_tq's remap selects them
     responses = [r.clone() for r in fields["responses"].unbind(0)]
     with caplog.at_level(logging.INFO, logger="skipinject"):
         done = rescore.apply_trajectories(
