@@ -378,7 +378,6 @@ def test_plugin_names_that_are_not_plugins(text: str, named: str) -> None:
 # ---------------------------------------------------------------- a failing step source never breaks a call
 
 
-@pytest.mark.integration  # its batches are real DataProtos
 def test_a_broken_step_extractor_runs_the_original(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     def boom(call: Any) -> int:
         raise ValueError("bad uid 'sample_x'")
