@@ -2,11 +2,12 @@
 
 Tiers (markers applied here, by path, to every collected test):
 
-- ``unit``: ``tests/unit/``, ``tests/reliability/`` (its toy role saves :func:`skipinject.testing.toy_batch`,
-  a batch shaped like a ``DataProto`` without verl) and ``plugins/*/tests/unit/``. No verl, Ray, TransferQueue or pip, at
-  import nor in the test (torch and tensordict are fine); the tier runs in under two minutes
-  (``make test-unit``). A unit test that imports verl, ray or transfer_queue fails (when it is the
-  first to import it: run the tier alone, as ``make test-unit`` does, to be sure).
+- ``unit``: ``tests/unit/``, ``tests/reliability/`` (its toy role saves
+  :func:`skipinject.testing.toy_batch`, a batch shaped like a ``DataProto`` without verl) and
+  ``plugins/*/tests/unit/``. No verl, Ray, TransferQueue or pip, at import nor in the test (torch
+  and tensordict are fine); the tier runs in under two minutes (``make test-unit``). A unit test
+  that imports verl, ray or transfer_queue fails (when it is the first to import it: run the tier
+  alone, as ``make test-unit`` does, to be sure).
 - ``integration``: ``tests/integration/``, ``plugins/*/tests/`` (outside ``unit/``), and the tests
   marked so (a reliability test of a verl role's codec, of several processes for tens of seconds):
   real verl, Ray, TransferQueue, pip-installed plugin distributions (``make test-integration``).
@@ -181,3 +182,11 @@ def toy_path(toy_site_unpacked: Path) -> Iterator[Path]:
             sys.path.remove(entry)
         for name in [n for n in sys.modules if n.startswith(("toy_targets", "skipinject_toy_plugin"))]:
             sys.modules.pop(name)
+
+
+@pytest.fixture
+def toy(toy_path: Path) -> object:
+    """``fixtures/toy_targets.py`` (its ``Trainer``, ``score``...), imported with the toy plugin on the path."""
+    import toy_targets
+
+    return toy_targets

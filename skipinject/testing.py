@@ -252,13 +252,13 @@ class ToyTrainer:
                 "max_prompt_length": prompt_length,
                 "max_response_length": response_length,
             },
-            "actor_rollout_ref": {"rollout": {"n": n}},
+            "actor_rollout_ref": dict(rollout={"n": n}),  # verl's section (not the role of that name)
         }
         self.calls = dict(calls or {})
         self.outputs: list[Any] = []
 
     def fit(self, steps: int | Iterable[int]) -> list[Any]:
-        """Steps ``1..steps`` (or the given step numbers), each calling :meth:`generate` with the step's batch number."""
+        """Steps ``1..steps`` (or the step numbers given); each calls :meth:`generate` with the call's number."""
         for step in range(1, steps + 1) if isinstance(steps, int) else steps:
             self.global_steps = step
             for _ in range(self.calls.get(step, 1)):

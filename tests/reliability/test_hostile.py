@@ -173,14 +173,16 @@ def nested_objects(store: StepStore) -> None:
 def huge_column(store: StepStore) -> None:
     def edit(objects: dict[str, Any]) -> None:
         column = {"__si__": "column", "n": 0, "u": [], "plain": True}
-        objects["mapping"]["batch"]["td"]["fields"]["planted"] = {"k": "nts", "shape": [200_000_000, 0], "column": column}
+        fields = objects["mapping"]["batch"]["td"]["fields"]
+        fields["planted"] = {"k": "nts", "shape": [200_000_000, 0], "column": column}
 
     _forge_objects(store, edit)
 
 
 def huge_string_dtype(store: StepStore) -> None:
     def edit(objects: dict[str, Any]) -> None:
-        objects["mapping"]["meta_info"]["v"]["planted"] = {"__si__": "nd", "dtype": "<U50000000", "shape": [2], "v": ["a", "b"]}
+        meta_info = objects["mapping"]["meta_info"]["v"]
+        meta_info["planted"] = {"__si__": "nd", "dtype": "<U50000000", "shape": [2], "v": ["a", "b"]}
 
     _forge_objects(store, edit)
 

@@ -29,6 +29,18 @@ def test_the_default_runs_exactly_one_older_verl_pair(monkeypatch: pytest.Monkey
     assert _chosen(monkeypatch, "  ") == chosen
 
 
+def test_stack_says_which_verls_ci_runs_and_which_run_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
+    from packaging.specifiers import SpecifierSet
+
+    from skipinject import stack
+
+    monkeypatch.delenv("SKIPINJECT_VERL_MATRIX", raising=False)
+    in_ci = {envs.NEWEST} | {pair.version for pair in PAIRS + CALL_PAIRS if is_chosen(pair, selected_versions())}
+    assert set(stack.VERL_IN_CI) == in_ci
+    assert set(stack.VERL_ON_DEMAND) == set(envs.VERSIONS) - in_ci
+    assert all(version in SpecifierSet(stack.TESTED["verl"]) for version in envs.VERSIONS)
+
+
 def test_a_version_picks_its_pairs_but_not_the_call_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _chosen(monkeypatch, "0.6.1") == ["0.6.1", "0.6.1-sync"]
     assert _chosen(monkeypatch, "0.5.0, 0.4.1") == ["0.5.0", "0.4.1"]
