@@ -257,8 +257,9 @@ class ToyTrainer:
         self.calls = dict(calls or {})
         self.outputs: list[Any] = []
 
-    def fit(self, steps: int | Iterable[int]) -> list[Any]:
-        """Steps ``1..steps`` (or the step numbers given); each calls :meth:`generate` with the call's number."""
+    def fit(self, steps: int | Iterable[int] = ()) -> list[Any]:
+        """Steps ``1..steps`` (or the step numbers given); each calls :meth:`generate` with the call's number.
+        Its return is the run's end (the clock of roles that name ``fit``)."""
         for step in range(1, steps + 1) if isinstance(steps, int) else steps:
             self.global_steps = step
             for _ in range(self.calls.get(step, 1)):
