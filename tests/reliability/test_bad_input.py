@@ -438,6 +438,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.integration  # a runner process per bad input: too slow for the unit tier
 def test_runner_rejects_bad_input_before_the_program_starts(tmp_path: Path, ledger: Any) -> None:
     marker = tmp_path / "program-started"
     script = tmp_path / "program.py"

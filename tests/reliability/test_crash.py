@@ -182,6 +182,7 @@ def test_kill_at_every_operation_two_parts(
     assert lost == 0, outcomes
 
 
+@pytest.mark.integration  # dozens of processes killed one after another: too slow for the unit tier
 def test_kill_at_random_times(tmp_path: Path, payloads: dict[str, Any], ledger: Any) -> None:
     rng = random.Random(SEED)
     large_batch, large = payloads["large"]
