@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skipinject._version import __version__
-from skipinject.cluster import node_identity
+from skipinject.node import node_identity
 from skipinject.store.checksums import _digest, _Hasher
 from skipinject.store.compression import compress_bytes
 from skipinject.store.format import (
