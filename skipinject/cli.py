@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _console_script_path() -> None:
     """python puts a script's directory first on ``sys.path``, ``python -m`` the current directory: as
     the ``skipinject`` console script, make it what ``python -m skipinject`` has."""
-    if sys.flags.safe_path or not sys.path:
+    if _safe_path() or not sys.path:
         return
     if sys.path[0] == os.path.dirname(os.path.realpath(sys.argv[0])) and Path(sys.argv[0]).name != "__main__.py":
         sys.path[0] = os.getcwd()
@@ -172,9 +172,9 @@ def _prepare(argv: list[str]) -> Program | None:
     overrides, rest = split_overrides(program.args if program else [])
     if program is not None:
         program = Program(program.kind, program.target, rest)
-    if not (args.list or args.skip_config or args.plugins is not None or environment.ENV_PLUGINS in os.environ):
-        if not overrides:  # no setting names a role: none can be on, so no plugin is loaded or installed
-            return _required(program)
+    chosen = args.list or args.skip_config or args.plugins is not None or environment.ENV_PLUGINS in os.environ
+    if not chosen and not overrides:  # no setting names a role: none can be on, so no plugin is loaded
+        return _required(program)
     plugins, config = _configure(args, overrides)
     if args.list:
         from skipinject.listing import render
@@ -297,17 +297,17 @@ def _execute(program: Program) -> None:
         runpy.run_module(program.target, run_name="__main__", alter_sys=True)
         return
     if program.kind == "code":
-        if not sys.flags.safe_path:
+        if not _safe_path():
             sys.path[0] = ""
         _run_as_main(compile(program.target, "<string>", "exec"))
         return
     script = os.path.abspath(program.target)  # python's ``__file__`` and tracebacks name it so
     if os.path.isdir(script) or zipfile.is_zipfile(script):  # with a __main__.py: runpy puts it on sys.path
-        if not sys.flags.safe_path:
+        if not _safe_path():
             del sys.path[0]
         runpy.run_path(program.target, run_name="__main__")
         return
-    if not sys.flags.safe_path:
+    if not _safe_path():
         sys.path[0] = os.path.dirname(script)
     source = Path(script).read_bytes()
     if source.startswith(importlib.util.MAGIC_NUMBER):  # compiled code
@@ -325,6 +325,11 @@ def _run_as_main(code: CodeType, file: str | None = None) -> None:
         main_module.__dict__["__cached__"] = None
     sys.modules["__main__"] = main_module
     exec(code, main_module.__dict__)
+
+
+def _safe_path() -> bool:
+    """``python -P`` (3.11+): python put no directory of the program's first on ``sys.path``."""
+    return bool(getattr(sys.flags, "safe_path", False))
 
 
 _OURS = (__file__, runpy.__file__, "<frozen runpy>")

@@ -205,7 +205,9 @@ def load_sources(sources: Mapping[str, str]) -> PluginSet:
 def _unknown(item: str, name: str, entry_points: Mapping[str, Any], given_as: str) -> str:
     installed = ", ".join(sorted(entry_points)) or "none"
     where = f" in {item!r}" if item != name else ""
-    return f"{given_as}: unknown plugin {name!r}{where} (installed plugins: {installed}){did_you_mean(name, entry_points)}"
+    return (
+        f"{given_as}: unknown plugin {name!r}{where} (installed plugins: {installed}){did_you_mean(name, entry_points)}"
+    )
 
 
 def _from_entry_point(ep: Any) -> LoadedPlugin:

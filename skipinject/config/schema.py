@@ -233,7 +233,7 @@ class RoleConfig:
                     f.metadata["check"](value)
             except ValueError as exc:
                 reason = f.metadata["expected"] if f.name in ("action", "on_mismatch") else exc
-                raise ValueError(f"{f.name}={_show(value)}: {reason}") from None
+                raise ValueError(f"{f.name}={_show(repr(value))}: {reason}") from None
 
     @functools.cached_property
     def root(self) -> DumpRoot:
@@ -294,7 +294,9 @@ def role_config(
         key = str(raw_key)
         dotted = f"skip.{role}.{key}"
         if key not in ROLE_KEYS:
-            raise ConfigError(f"{dotted}: unknown key {key!r} (known: {', '.join(ROLE_KEYS)}){did_you_mean(key, ROLE_KEYS)}")
+            raise ConfigError(
+                f"{dotted}: unknown key {key!r} (known: {', '.join(ROLE_KEYS)}){did_you_mean(key, ROLE_KEYS)}"
+            )
         if key == "steps":  # read by StepSet itself (ranges stay ranges); its errors name the key
             changes[key] = StepSet.from_value(_plain(value), dotted)
             continue
