@@ -71,26 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=22, width=100),
         allow_abbrev=False,
     )
-    parser.add_argument(
-        "--plugins",
-        metavar="LIST",
-        help="plugins to load (instead of VERL_SKIP_PLUGINS): names, module[:attr], -name to exclude",
-    )
-    parser.add_argument(
-        "--skip-config",
-        metavar="FILE",
-        help="YAML file with a top-level `skip:` mapping of role settings (the command line wins)",
-    )
-    parser.add_argument(
-        "--list",
-        action="store_true",
-        help="show plugins, their roles and targets, and whether each target exists here; then exit",
-    )
-    parser.add_argument(
-        "--version",
-        action="store_true",
-        help="show the versions of skipinject, its plugin API, each plugin and verl's stack; then exit",
-    )
+    for flag, metavar, meaning in (
+        ("--plugins", "LIST", "plugins to load (instead of VERL_SKIP_PLUGINS): names, module[:attr], -name to exclude"),
+        (
+            "--skip-config",
+            "FILE",
+            "YAML file with a top-level `skip:` mapping of role settings (the command line wins)",
+        ),
+    ):
+        parser.add_argument(flag, metavar=metavar, help=meaning)
+    for flag, meaning in (
+        ("--list", "show plugins, their roles and targets, and whether each target exists here; then exit"),
+        ("--version", "show the versions of skipinject, its plugin API, each plugin and verl's stack; then exit"),
+    ):
+        parser.add_argument(flag, action="store_true", help=meaning)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("-m", dest="module", action="store_true", help=argparse.SUPPRESS)  # see "commands"
     which.add_argument("-c", dest="code", action="store_true", help=argparse.SUPPRESS)

@@ -64,21 +64,15 @@ class Config:
             "triggers": list(self.triggers),
         }
         text = json.dumps({**body, "roles": roles}, sort_keys=True, separators=(",", ":"))
-        if len(text) > MAX_EXPANDED_BYTES:
+        expanded = len(text)
+        if _COMPRESS_ABOVE < expanded <= MAX_EXPANDED_BYTES:
+            text = _COMPRESSED + base64.b85encode(zlib.compress(text.encode(), 9)).decode()
+        if expanded > MAX_EXPANDED_BYTES or len(text) > MAX_SERIALISED_BYTES:
             longest = max(self.roles, key=lambda n: len(self.roles[n].steps.spans))
             raise ConfigError(
                 f"skip.{longest}.steps: {len(self.roles[longest].steps.spans)} separate steps or ranges are too many "
-                f"to hand to the processes of the run ({len(text)} bytes of settings, at most {MAX_EXPANDED_BYTES}); "
+                f"to hand to the processes of the run ({len(text)} bytes of settings, at most {MAX_SERIALISED_BYTES}); "
                 "write them as ranges like 1-128"
-            )
-        if len(text) > _COMPRESS_ABOVE:
-            text = _COMPRESSED + base64.b85encode(zlib.compress(text.encode(), 9)).decode()
-        if len(text) > MAX_SERIALISED_BYTES:
-            longest = max(self.roles, key=lambda n: len(self.roles[n].steps.spans))
-            count = len(self.roles[longest].steps.spans)
-            raise ConfigError(
-                f"skip.{longest}.steps: {count} separate steps or ranges are too many to hand to the processes "
-                f"of the run ({len(text)} bytes, at most {MAX_SERIALISED_BYTES}); write them as ranges like 1-128"
             )
         return text
 
