@@ -51,16 +51,15 @@ class MismatchPolicy(str, enum.Enum):
 def _setting(
     default: Any = None,
     *,
-    shown: str,
     meaning: str,
     expected: str,
     check: Callable[[Any], None] | None = None,
     factory: Any = None,
 ) -> Any:
-    """A field of :class:`RoleConfig`: its default, what the README's table and the runner's help say
-    (``shown``, ``meaning``), the line a value of the wrong type gets (``expected``), and ``check``:
-    what a value of the right type must also be (raises ``ValueError`` saying what is wrong)."""
-    metadata = {"shown": shown, "meaning": meaning, "expected": expected, "check": check}
+    """A field of :class:`RoleConfig`: its default, what the README's table says (``meaning``), the line
+    a value of the wrong type gets (``expected``), and ``check``: what a value of the right type must
+    also be (raises ``ValueError`` saying what is wrong)."""
+    metadata = {"meaning": meaning, "expected": expected, "check": check}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -111,10 +110,9 @@ class RoleConfig:
     do each key's check and error message. The first four are upstream's keys, with upstream's defaults.
     """
 
-    enable: bool = _setting(False, shown="False", meaning="master switch", expected=_BOOLEAN, check=_boolean)
+    enable: bool = _setting(False, meaning="master switch", expected=_BOOLEAN, check=_boolean)
     dump_dir: str = _setting(
         DEFAULT_DUMP_DIR,
-        shown="~/.verl/rollout_dump",
         meaning=(
             "cache root: a local path (`~` expanded; created private to the user, mode 0700), or an fsspec "
             "URL of a store every node sees (`s3://bucket/dir`, `gs://…`, `hdfs://…`; see [Caches in object "
@@ -125,7 +123,6 @@ class RoleConfig:
     )
     steps: StepSet = _setting(  # noqa: RUF009  (field() with the README's words)
         factory=StepSet,
-        shown="[]",
         meaning=(
             "steps at which the role may skip; elsewhere the target always runs. Lists `[1,2,3]`, ranges "
             "`1-128`, mixed `[1-4,10]`; steps are 0 to 10⁹, held as ranges"
@@ -134,7 +131,6 @@ class RoleConfig:
     )
     action: Action = _setting(  # noqa: RUF009  (field() with the README's words)
         Action.cache,
-        shown="cache",
         meaning=(
             "`cache`: own step cached → load it, else run and save. `repeat`: exact step, else the largest "
             "cached step below, else the smallest above; none → run and save. `strict`: like `cache`, but a "
@@ -148,7 +144,6 @@ class RoleConfig:
     #: Load verl's own pickled caches (``gen_batch.dp``, ``tq_batch.pt``): they run code when loaded.
     trust_upstream: bool = _setting(
         False,
-        shown="False",
         meaning=(
             "load verl's own pickled caches (`gen_batch.dp`, `tq_batch.pt`) found in the cache directory. "
             "They run code when loaded: only for directories you trust"
@@ -158,7 +153,6 @@ class RoleConfig:
     )
     on_mismatch: MismatchPolicy = _setting(  # noqa: RUF009  (field() with the README's words)
         MismatchPolicy.warn,
-        shown="warn",
         meaning=(
             "a cached result whose inputs (prompts) differ from this call's: `warn` (one line + metric, "
             "train on it, like upstream but not silently), `regenerate`, or `fail`"
@@ -168,7 +162,6 @@ class RoleConfig:
     #: Load from cache directories other users can write to or own (ssh's StrictModes, switched off).
     trust_dir_permissions: bool = _setting(
         False,
-        shown="False",
         meaning=(
             "load from and save into cache directories that other users can write to or own "
             "(group/world-writable without the sticky bit, another owner, a `dump_dir` that is another user's "
@@ -181,7 +174,6 @@ class RoleConfig:
 
     compression: str = _setting(
         "auto",
-        shown="auto",
         meaning=(
             "how saved steps are stored: `none`, `zstd` (level 1) or `zstd-2` … `zstd-22`, in independent 4 MiB "
             "frames, with exact compact encodings of derivable tensors; `auto`: `zstd` for object stores and "
@@ -194,7 +186,6 @@ class RoleConfig:
 
     reuse_hit_memory: int = _setting(
         2,
-        shown="2",
         meaning=(
             "compressed hits decode into memory kept from earlier hits, whose batches training no longer "
             "holds: up to this many batches' decoded size stays allocated between hits (0 … 16; `0`: every "
@@ -207,7 +198,6 @@ class RoleConfig:
 
     read_ahead: bool = _setting(
         True,
-        shown="True",
         meaning=(
             "once a chosen step's first call has returned, the next chosen step cached in the store is read, "
             "checked and loaded in a background thread while this one trains, so its hit waits for (almost) "
@@ -272,7 +262,8 @@ def readme_table() -> str:
     """The README's per-role configuration table."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
     for f in fields(RoleConfig):
-        lines.append(f"| `{f.name}` | `{f.metadata['shown']}` | {f.metadata['meaning']} |")
+        default = RoleConfig().steps.format() if f.name == "steps" else f.default
+        lines.append(f"| `{f.name}` | `{default}` | {f.metadata['meaning']} |")
     return "\n".join(lines) + "\n"
 
 
