@@ -73,11 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for flag, metavar, meaning in (
         ("--plugins", "LIST", "plugins to load (instead of VERL_SKIP_PLUGINS): names, module[:attr], -name to exclude"),
-        (
-            "--skip-config",
-            "FILE",
-            "YAML file with a top-level `skip:` mapping of role settings (the command line wins)",
-        ),
+        ("--skip-config", "FILE", "YAML file with a top-level `skip:` mapping of role settings (ARGS win)"),
     ):
         parser.add_argument(flag, metavar=metavar, help=meaning)
     for flag, meaning in (
