@@ -10,6 +10,7 @@ same runner. Every mistake in what the user gave is one line and exit status 2 (
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import os
 import runpy
@@ -312,6 +313,7 @@ def _run_as_main(code: CodeType, file: str | None = None) -> None:
     main_module.__dict__["__builtins__"] = __builtins__
     if file is not None:
         main_module.__file__ = file
+        main_module.__loader__ = importlib.machinery.SourceFileLoader("__main__", file)
         main_module.__dict__["__cached__"] = None
     sys.modules["__main__"] = main_module
     exec(code, main_module.__dict__)
