@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType, TracebackType
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from skipinject.errors import SkipInjectError, UsageError, did_you_mean
 
@@ -63,6 +63,15 @@ class _Parser(argparse.ArgumentParser):
         return super().format_help()
 
 
+class _Once(argparse.Action):
+    """An option given at most once (argparse would keep the last and ignore the first in silence)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, *_: Any) -> None:
+        if getattr(namespace, self.dest) is not None:
+            raise argparse.ArgumentError(self, "given twice (the first would be ignored); give it once")
+        setattr(namespace, self.dest, values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The runner's command line: options, then the program and its ARGS (``argparse.REMAINDER``)."""
     parser = _Parser(
@@ -76,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--plugins", "LIST", "plugins to load (instead of VERL_SKIP_PLUGINS): names, module[:attr], -name to exclude"),
         ("--skip-config", "FILE", "YAML file with a top-level `skip:` mapping of role settings (ARGS win)"),
     ):
-        parser.add_argument(flag, metavar=metavar, help=meaning)
+        parser.add_argument(flag, metavar=metavar, help=meaning, action=_Once)
     for flag, meaning in (
         ("--list", "show plugins, their roles and targets, and whether each target exists here; then exit"),
         ("--version", "show the versions of skipinject, its plugin API, each plugin and verl's stack; then exit"),

@@ -44,6 +44,7 @@ def test_the_program_and_its_args_are_what_follows_the_options(tmp_path: Path) -
         (["-m", "a", "-c", "b"], None),  # -c is the module's argument
         (["no/such/script.py"], "can't open file 'no/such/script.py': no such file"),
         (["--plugins"], "argument --plugins: expected one argument"),
+        (["--plugins", "a", "--plugins=b", "-c", "0"], "argument --plugins: given twice"),
     ],
 )
 def test_command_line_mistakes_are_one_line(argv: list[str], message: str | None) -> None:
