@@ -1,0 +1,100 @@
+"""The README's generated blocks: the settings table, the versions tested and the ``--version`` output.
+
+Each block sits between ``<!-- begin generated: NAME -->`` and ``<!-- end generated: NAME -->`` and is
+rendered from the code that decides it, so the README cannot drift from it:
+``tests/unit/test_readme_facts.py`` fails when a block differs, and ``python tests/readme_sync.py``
+rewrites them.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+_BLOCK = re.compile(
+    r"(<!-- begin generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated: (?P=name) -->)", re.S
+)
+
+
+def pinned(lock: Path) -> dict[str, str]:
+    """``name==version`` lines of a pip lock file, by name."""
+    pins = {}
+    for line in lock.read_text().splitlines():
+        name, sep, version = line.split("#", 1)[0].strip().partition("==")
+        if sep:
+            pins[name.strip().lower()] = version.strip()
+    return pins
+
+
+def verl_versions() -> tuple[str, list[str]]:
+    """The verl of the main lock (every test runs on it) and those of the older verls' locks, newest first."""
+    from packaging.version import Version
+
+    main = pinned(ROOT / "requirements" / "lock.txt")["verl"]
+    older = [pinned(lock)["verl"] for lock in (ROOT / "requirements").glob("verl-*.txt")]
+    return main, sorted(older, key=Version, reverse=True)
+
+
+def tested_table() -> str:
+    """The stack skipinject is tested with: the ranges the runner checks at start (``skipinject.stack``)
+    and the versions pinned in the locks the tests run in."""
+    from skipinject.stack import TESTED
+
+    main, older = verl_versions()
+    lock = pinned(ROOT / "requirements" / "lock.txt")
+    lines = ["| package | range checked at start | versions the tests run |", "|---|---|---|"]
+    for name, spec in TESTED.items():
+        if name == "verl":
+            runs = f"{main} (every test), {', '.join(older)} (`requirements/verl-X.txt`: real trainer runs)"
+        else:
+            runs = lock[name]
+        lines.append(f"| {name} | `{spec}` | {runs} |")
+    return "\n".join(lines) + "\n"
+
+
+def settings_table() -> str:
+    from skipinject.config.schema import readme_table
+
+    return readme_table()
+
+
+def versions_block() -> str:
+    """What ``python -m skipinject --version`` prints in this environment (the lock's)."""
+    from skipinject.listing import render_versions
+
+    return "```\n$ python -m skipinject --version\n" + render_versions() + "```\n"
+
+
+BLOCKS: dict[str, Callable[[], str]] = {"settings": settings_table, "tested": tested_table, "versions": versions_block}
+
+
+def blocks(text: str) -> dict[str, str]:
+    """The generated blocks of a document as it is, by name."""
+    return {m["name"]: m["body"] for m in _BLOCK.finditer(text)}
+
+
+def render(text: str) -> str:
+    """``text`` with every generated block rendered anew."""
+    return _BLOCK.sub(lambda m: m[1] + BLOCKS[m["name"]]() + m[4], text)
+
+
+def main() -> int:
+    text = README.read_text()
+    missing = set(BLOCKS) - set(blocks(text))
+    if missing:
+        print(f"README.md lacks the generated block(s) {', '.join(sorted(missing))}", file=sys.stderr)
+        return 1
+    rendered = render(text)
+    if rendered != text:
+        README.write_text(rendered)
+        print("README.md: generated blocks rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
