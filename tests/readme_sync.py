@@ -69,7 +69,66 @@ def versions_block() -> str:
     return "```\n$ python -m skipinject --version\n" + render_versions() + "```\n"
 
 
-BLOCKS: dict[str, Callable[[], str]] = {"settings": settings_table, "tested": tested_table, "versions": versions_block}
+def cache_commands() -> str:
+    """Every ``skipinject cache`` command: its usage (as ``--help`` prints it, unwrapped) and what it does."""
+    import argparse
+
+    from skipinject.cache_tool import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    lines = ["```"]
+    for choice in commands._choices_actions:
+        command = commands.choices[choice.dest]
+        formatter = argparse.HelpFormatter(prog=f"skipinject cache {choice.dest}", width=10_000)
+        formatter.add_usage(command.usage, command._actions, command._mutually_exclusive_groups, prefix="")
+        usage = formatter.format_help().strip().replace(" [-h]", "")
+        lines += [usage, f"    {choice.help}"]
+    return "\n".join([*lines, "```"]) + "\n"
+
+
+TOY_CACHE = "examples/toy/cache"
+
+
+def cache_listing(dump: Path) -> str:
+    """``skipinject cache ls`` of the toy example's cache at ``dump``, shown as if it were in ``TOY_CACHE``."""
+    import subprocess
+
+    listed = subprocess.run(
+        [sys.executable, "-m", "skipinject", "cache", "ls", str(dump)], capture_output=True, text=True, check=True
+    )
+    return (
+        f"```\n$ make example        # the toy trainer, twice: its cache stays in {TOY_CACHE}\n"
+        f"$ skipinject cache ls {TOY_CACHE}\n" + listed.stdout.replace(str(dump), TOY_CACHE) + "```\n"
+    )
+
+
+def toy_cache_listing() -> str:
+    """Run the toy example into a fresh directory and list its cache (about 20 s)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        dump = Path(scratch) / "cache"
+        example = ROOT / "examples" / "toy" / "run_example.py"
+        subprocess.run([sys.executable, str(example), "--dump-dir", str(dump)], capture_output=True, check=True)
+        return cache_listing(dump)
+
+
+def comparable(listing: str) -> str:
+    """A listing without what changes from run to run: creation times, sizes and the columns' widths."""
+    listing = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d", "TIME", listing)
+    listing = re.sub(r"\d+(\.\d+)? (B|KiB|MiB|GiB)\b", "SIZE", listing)
+    return re.sub(r"[ \t]+", " ", listing)
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "settings": settings_table,
+    "tested": tested_table,
+    "versions": versions_block,
+    "cache-commands": cache_commands,
+    "cache-ls": toy_cache_listing,  # checked by tests/unit/test_example.py, which runs the toy example anyway
+}
 
 
 def blocks(text: str) -> dict[str, str]:
@@ -77,9 +136,21 @@ def blocks(text: str) -> dict[str, str]:
     return {m["name"]: m["body"] for m in _BLOCK.finditer(text)}
 
 
+#: Blocks that show a run: rendered anew only when more than times and sizes changed.
+RUNS = {"cache-ls"}
+
+
 def render(text: str) -> str:
     """``text`` with every generated block rendered anew."""
-    return _BLOCK.sub(lambda m: m[1] + BLOCKS[m["name"]]() + m[4], text)
+
+    def block(match: re.Match[str]) -> str:
+        name, old = match["name"], match["body"]
+        new = BLOCKS[name]()
+        if name in RUNS and comparable(new) == comparable(old):
+            new = old
+        return match[1] + new + match[4]
+
+    return _BLOCK.sub(block, text)
 
 
 def main() -> int:

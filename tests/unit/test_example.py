@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import readme_sync
 from tests.conftest import ROOT
 
 
@@ -28,8 +29,9 @@ def test_toy_example_misses_then_hits_and_keeps_its_cache(tmp_path: Path) -> Non
     assert sorted(p.name for p in kept.iterdir()) == ["1", "2"], "the cache is kept for `skipinject cache ls`"
     assert f"try: python -m skipinject cache ls {dump}" in proc.stdout
 
-    listing = subprocess.run(
-        [sys.executable, "-m", "skipinject", "cache", "ls", str(dump)], capture_output=True, text=True, timeout=120
+    listing = readme_sync.cache_listing(dump)  # `skipinject cache ls` of it, as the README shows it
+    assert "toy_rollout  1-2       6" in listing and "complete" in listing
+    shown = readme_sync.blocks((ROOT / "README.md").read_text())["cache-ls"]
+    assert readme_sync.comparable(shown) == readme_sync.comparable(listing), (
+        "README's cache-ls block drifted: run python tests/readme_sync.py"
     )
-    assert listing.returncode == 0, listing.stderr
-    assert "toy_rollout" in listing.stdout and "complete" in listing.stdout
