@@ -46,11 +46,11 @@ def main() -> int:
     shutil.rmtree(dump_dir, ignore_errors=True)
     print(f"building a tiny model, tokenizer and data in {workdir / 'assets'} ...", flush=True)
     assets = build_assets(workdir / "assets")
-    steps = list(range(1, args.steps + 1))
+    steps = f"[{','.join(str(step) for step in range(1, args.steps + 1))}]"
     overrides = [
         *main_ppo_overrides(assets, use_v1=use_v1, total_steps=args.steps),
         f"skip.{role}.enable=True",
-        f"skip.{role}.steps=[{','.join(map(str, steps))}]",
+        f"skip.{role}.steps={steps}",
         f"skip.{role}.dump_dir={dump_dir}",
     ]
     trainer = "" if use_v1 else "trainer.use_v1=False "
