@@ -73,6 +73,7 @@ def test_the_quickstarts_figures_are_the_cpu_harnesss() -> None:
     assert layouts == {harness.cache_dir(Path("d")).name}, layouts
     assert set(re.findall(r"(\d+) sequences generated", quickstart)) == {str(steps * rows), "0"}
     assert set(re.findall(r"saved (\d+) (?:rows|trajectories)", quickstart)) == {str(rows)}
+    assert set(re.findall(r"the step drew (\d+) prompts", quickstart)) == {str(harness.TRAIN_BATCH)}
     injected = re.findall(r"injected (\d+) cached trajectories \((\d+) prompts x n=(\d+)\)", quickstart)
     assert injected == [(str(rows), str(harness.TRAIN_BATCH), str(harness.ROLLOUT_N))]
 
