@@ -144,3 +144,14 @@ def test_every_link_of_the_user_documentation_resolves(doc: Path) -> None:
         assert where.exists(), f"{doc.name}: link to {target}: no such file"
         if anchor:
             assert anchor in _anchors(where), f"{doc.name}: link to {target}: no such heading"
+
+
+def test_the_python_and_json_schema_versions_are_the_packages() -> None:
+    import tomllib
+
+    from skipinject.cache_tool.render import SCHEMA_VERSION
+
+    readme = README.read_text()
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert requires == ">=3.10" and "Python 3.10 or newer" in readme
+    assert re.findall(r"skipinject\.cache\.<command>/(\d+)", readme) == [str(SCHEMA_VERSION)]
