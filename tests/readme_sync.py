@@ -44,12 +44,19 @@ def tested_table() -> str:
     and the versions pinned in the locks the tests run in."""
     from skipinject.stack import TESTED
 
+    from tests.verl_matrix.pairs import DEFAULT_VERSIONS
+
     main, older = verl_versions()
+    always = [v for v in older if v in DEFAULT_VERSIONS]
+    on_demand = [v for v in older if v not in DEFAULT_VERSIONS]
     lock = pinned(ROOT / "requirements" / "lock.txt")
     lines = ["| package | range checked at start | versions the tests run |", "|---|---|---|"]
     for name, spec in TESTED.items():
         if name == "verl":
-            runs = f"{main} (every test), {', '.join(older)} (`requirements/verl-X.txt`: real trainer runs)"
+            runs = (
+                f"{main} (every test); {', '.join(always)} (real trainer runs in every `make test`); "
+                f"{', '.join(on_demand)} (the same runs, on demand: [docs/verl-versions.md](docs/verl-versions.md))"
+            )
         else:
             runs = lock[name]
         lines.append(f"| {name} | `{spec}` | {runs} |")
