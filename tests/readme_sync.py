@@ -43,7 +43,6 @@ def tested_table() -> str:
     """The stack skipinject is tested with: the ranges the runner checks at start (``skipinject.stack``)
     and the versions pinned in the locks the tests run in."""
     from skipinject.stack import TESTED
-
     from tests.verl_matrix.pairs import DEFAULT_VERSIONS
 
     main, older = verl_versions()
