@@ -40,21 +40,21 @@ def verl_versions() -> tuple[str, list[str]]:
 
 
 def tested_table() -> str:
-    """The stack skipinject is tested with: the ranges the runner checks at start (``skipinject.stack``)
-    and the versions pinned in the locks the tests run in."""
-    from skipinject.stack import TESTED
-    from tests.verl_matrix.pairs import DEFAULT_VERSIONS
+    """The stack skipinject is tested with: the ranges the runner checks at start and the verls each test
+    run covers (``skipinject.stack``), and the versions pinned in the lock the tests run in."""
+    from skipinject.stack import TESTED, VERL_IN_CI, VERL_ON_DEMAND
 
     main, older = verl_versions()
-    always = [v for v in older if v in DEFAULT_VERSIONS]
-    on_demand = [v for v in older if v not in DEFAULT_VERSIONS]
+    assert {main, *older} == {*VERL_IN_CI, *VERL_ON_DEMAND}, "requirements/ and skipinject.stack disagree"
+    in_ci = [v for v in older if v in VERL_IN_CI]
     lock = pinned(ROOT / "requirements" / "lock.txt")
     lines = ["| package | range checked at start | versions the tests run |", "|---|---|---|"]
     for name, spec in TESTED.items():
         if name == "verl":
             runs = (
-                f"{main} (every test); {', '.join(always)} (real trainer runs in every `make test`); "
-                f"{', '.join(on_demand)} (the same runs, on demand: [docs/verl-versions.md](docs/verl-versions.md))"
+                f"{main} (every test); {', '.join(in_ci)} (real trainer runs in every `make test`); "
+                f"{', '.join(v for v in older if v in VERL_ON_DEMAND)} (the same runs, on demand: "
+                "[docs/verl-versions.md](docs/verl-versions.md))"
             )
         else:
             runs = lock[name]
@@ -123,7 +123,8 @@ def toy_cache_listing() -> str:
 
 def comparable(listing: str) -> str:
     """A listing without what changes from run to run: creation times, sizes and the columns' widths."""
-    listing = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d", "TIME", listing)
+    time = r"\d{4}-\d\d-\d\d \d\d:\d\d"
+    listing = re.sub(rf"{time}( \.\. (\d{{4}}-\d\d-\d\d )?\d\d:\d\d)?", "TIME", listing)  # a span: saves a minute apart
     listing = re.sub(r"\d+(\.\d+)? (B|KiB|MiB|GiB)\b", "SIZE", listing)
     return re.sub(r"[ \t]+", " ", listing)
 
