@@ -17,6 +17,7 @@ from typing import Any
 from skipinject.cache_tool.common import OK, CommandError, mutable_root
 from skipinject.cache_tool.render import emit_json, human_size, say, schema
 from skipinject.cache_tool.scan import Item, lstat_regular, scan
+from skipinject.cache_tool.verify import damage
 from skipinject.store.format import META_NAME, is_ours, is_part_name
 
 _AGE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)$")
@@ -80,6 +81,11 @@ def select(
 ) -> list[tuple[Item, str]]:
     """The items the options choose, each with the reason."""
     chosen: list[tuple[Item, str]] = []
+    for item in items if damaged else ():
+        if item.kind == "skipinject" and item.state == "complete":
+            problems = damage(item)  # verify's question: every byte checked by the store
+            if problems:
+                item.state, item.problems = "damaged", problems
     by_role: dict[tuple[str, str, str, Path], list[Item]] = {}
     for item in items:
         if item.kind == "skipinject" and item.state == "complete":

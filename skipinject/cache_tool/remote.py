@@ -113,17 +113,3 @@ def open_remote_step(fs: Any, location: RemotePath) -> tuple[StepStore, dict[str
     role, context = step_identity(meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None, location)
     store = RemoteStepStore(location.parent, role, context, fs)
     return store, store.read_meta(int(location.name))
-
-
-def verify_remote(item: Item) -> list[str]:
-    """Problems of a complete remote step after reading and checking every file (``[]``: ok)."""
-    location: RemotePath = item.path  # type: ignore[assignment]
-    fs, _ = open_remote(str(location))
-    try:
-        store, _ = open_remote_step(fs, location)
-        store.load(store.verified(int(location.name)))  # the run's reader: no codec needed
-    except (CorruptCacheError, OSError) as exc:
-        return [str(exc)]
-    except Exception as exc:
-        return [f"{location}: {type(exc).__name__}: {exc}"]
-    return []

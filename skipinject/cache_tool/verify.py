@@ -94,24 +94,31 @@ def _verify_item(item: Item) -> Checked:
         return Checked(item, "damaged", list(item.problems))
     if item.state in ("partial", "untrusted"):
         return Checked(item, item.state, list(item.problems))
-    if not isinstance(item.path, Path):  # a step in a remote store
-        from skipinject.cache_tool.remote import verify_remote
-
-        problems = verify_remote(item)
-        return Checked(item, "damaged" if problems else "ok", problems)
-    if item.state == "foreign":
+    if item.state == "foreign" and isinstance(item.path, Path):
         return _verify_foreign(item)
+    problems = damage(item)
+    return Checked(item, "damaged" if problems else "ok", problems)
+
+
+def damage(item: Item) -> list[str]:
+    """What is wrong with a committed step's bytes (``[]``: intact), by the store's own check of every
+    byte (:meth:`~skipinject.store.StepStore.check`): the one question ``verify`` and ``prune --damaged``
+    ask, so they never disagree. No codec is needed, so every role's steps are checked alike."""
     try:
-        store, meta = open_step(item.path)
-        precheck(store, int(item.path.name), meta)
-        # The store's reader checks sizes, checksums, the tensor index and the JSON tree: what a run
-        # checks before it serves a step. No codec is needed, so every role's steps verify alike.
-        store.load(store.verified(int(item.path.name)))
+        if isinstance(item.path, Path):
+            store, meta = open_step(item.path)
+            precheck(store, int(item.path.name), meta)
+        else:  # a step in a remote store
+            from skipinject.cache_tool.remote import open_remote_step
+            from skipinject.store.remote import open_remote
+
+            store, _ = open_remote_step(open_remote(str(item.path))[0], item.path)
+        store.check(int(item.path.name))
     except (CorruptCacheError, OSError) as exc:
-        return Checked(item, "damaged", [str(exc)])
+        return [str(exc)]
     except Exception as exc:
-        return Checked(item, "damaged", [f"{item.path}: {type(exc).__name__}: {exc}"])
-    return Checked(item, "ok", [])
+        return [f"{item.path}: {type(exc).__name__}: {exc}"]
+    return []
 
 
 def _verify_foreign(item: Item) -> Checked:

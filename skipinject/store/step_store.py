@@ -346,6 +346,16 @@ class StepStore:
             if checksum != spec.get("checksum"):
                 raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
 
+    def check(self, step: int) -> None:
+        """Read and check every byte of a step as a hit would (sizes, checksums, tensor index, JSON
+        tree), then let it go: the one question ``cache verify`` and ``cache prune --damaged`` both
+        ask. CorruptCacheError when damaged; FileNotFoundError when nothing is committed."""
+        entry = self.verified(step)
+        try:
+            self.load(entry)
+        finally:
+            entry.release()
+
     def load(self, entry: StepEntry) -> list[Payload]:
         """Load every part of a verified entry. Tensors are views of a copy-on-write file mapping.
 
