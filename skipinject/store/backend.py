@@ -79,6 +79,16 @@ class Backend(Protocol):
         """``name`` (one level of part directory allowed) is a regular file in a real, trusted step
         directory. Never raises."""
 
+    def read_bytes(self, location: Location, limit: int) -> bytes:
+        """A whole small file, at most ``limit`` bytes (more: CorruptCacheError); FileNotFoundError."""
+
+    def replace_bytes(self, location: Location, data: bytes) -> None:
+        """Replace a file with ``data`` whole (a reader sees the old bytes or the new ones)."""
+
+    def versions(self, root: Location, locations: list[Location]) -> dict[Location, int]:
+        """A number per existing file that changes when it is replaced (``root``: where all lie, for
+        one listing); never raises."""
+
     def prepare(self, step_dir: Location, folder: Location) -> list[Location]:
         """Make ``folder`` (the step or a part directory) ready for files; returns what it created."""
 

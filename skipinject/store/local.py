@@ -27,6 +27,7 @@ from skipinject.store.files import (
     open_dir,
     open_regular,
     read_fd,
+    read_small,
     trust_problem,
     unresolved_problem,
     untrusted_reason,
@@ -147,6 +148,16 @@ class LocalFiles:
             step.close()
         return True
 
+    def read_bytes(self, location: Path, limit: int) -> bytes:
+        return read_small(location, limit)
+
+    def versions(self, root: Path, locations: list[Path]) -> dict[Path, int]:
+        found = {}
+        for location in locations:
+            with contextlib.suppress(OSError, ValueError):
+                found[location] = os.stat(location, follow_symlinks=False).st_mtime_ns
+        return found
+
     # ------------------------------------------------------------ writing
 
     def prepare(self, step_dir: Path, folder: Path) -> list[Path]:
@@ -172,6 +183,9 @@ class LocalFiles:
     def put_bytes(self, location: Path, data: bytes, write_id: str) -> int:
         _write_file_atomic(location, lambda h: h.write(data), write_id)
         return location.stat().st_size
+
+    def replace_bytes(self, location: Path, data: bytes) -> None:
+        _write_file_atomic(location, lambda h: h.write(data))
 
     def commit(self, step_dir: Path, meta: bytes, write_id: str) -> None:
         _refuse_link(step_dir)
@@ -289,8 +303,10 @@ def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id
 
     The temporary name carries the writer's id (see :mod:`skipinject.store.garbage`)."""
     tmp = path.with_name(tmp_name(path.name, write_id or uuid.uuid4().hex[:8]))
+    # a fresh file, never a name planted there (no link followed, nothing truncated)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
-        with open(tmp, "wb") as handle:
+        with open(fd, "wb") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())

@@ -18,6 +18,7 @@ bucket is the store's own access control. ``file://`` URLs are plain local paths
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import posixpath
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -136,6 +137,26 @@ class FsspecFiles:
         """verl's own caches are pickles on local disks; never looked for in a remote store."""
         return False
 
+    def read_bytes(self, location: Path, limit: int) -> bytes:
+        data = bytes(self.fs.cat_file(_at(location).path, start=0, end=limit + 1))
+        if len(data) > limit:
+            raise CorruptCacheError(f"{location}: larger than {limit} bytes")
+        return data
+
+    def versions(self, root: Path, locations: list[Path]) -> dict[Path, int]:
+        """An object's ETag (or modification time) and size, digested; many from one recursive listing."""
+        try:
+            if len(locations) == 1:
+                return {locations[0]: _object_version(self.fs.info(_at(locations[0]).path))}
+            keys = {_at(location).path: location for location in locations}
+            with contextlib.suppress(Exception):
+                self.fs.invalidate_cache(_at(root).path)
+            listed = self.fs.find(_at(root).path, detail=True)
+        except Exception:
+            return {}
+        found = {str(name).rstrip("/"): info for name, info in listed.items()}
+        return {keys[name]: _object_version(info) for name, info in found.items() if name in keys}
+
     # ------------------------------------------------------------ writing
 
     def prepare(self, step_dir: Path, folder: Path) -> list[Path]:
@@ -162,6 +183,9 @@ class FsspecFiles:
     def put_bytes(self, location: Path, data: bytes, write_id: str) -> int:
         self.fs.pipe_file(_at(location).path, data)
         return len(data)
+
+    def replace_bytes(self, location: Path, data: bytes) -> None:
+        self.fs.pipe_file(_at(location).path, data)
 
     def commit(self, step_dir: Path, meta: bytes, write_id: str) -> None:
         self.fs.pipe_file((_at(step_dir) / META_NAME).path, meta)
@@ -361,6 +385,13 @@ def _modified(info: Mapping[str, Any], default: float) -> float:
             with contextlib.suppress(ValueError):
                 return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
     return default
+
+
+def _object_version(info: Mapping[str, Any]) -> int:
+    """A 56-bit digest of what tells one upload of an object from another."""
+    tag = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or info.get("created")
+    text = f"{tag}|{info.get('size')}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
 
 
 class _Pieces:

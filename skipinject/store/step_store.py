@@ -11,7 +11,7 @@ failure is a :class:`CorruptCacheError` (a missing step stays ``FileNotFoundErro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -123,6 +123,25 @@ class StepStore:
 
     def release(self, step: int, token: str) -> None:
         self.backend.release(self.project_dir, step, token)
+
+    # ------------------------------------------------------------ files beside the steps
+
+    def read_file(self, name: str, limit: int) -> bytes:
+        """A file of the project directory beside the steps (``match``'s row index), at most ``limit``
+        bytes (more is a CorruptCacheError); FileNotFoundError when there is none."""
+        return self.backend.read_bytes(self.project_dir / name, limit)
+
+    def replace_file(self, name: str, data: bytes) -> None:
+        """Replace a file beside the steps whole: a reader sees the old bytes or the new ones."""
+        self.backend.replace_bytes(self.project_dir / name, data)
+
+    def meta_versions(self, steps: Sequence[int]) -> dict[int, int]:
+        """A number per step that changes whenever its ``meta.json`` is replaced (a local file's
+        mtime, an object's ETag; steps without one are left out). No ``meta.json`` is read."""
+        wanted = {self.step_dir(step) / META_NAME: step for step in steps}
+        if not wanted:
+            return {}
+        return {wanted[at]: version for at, version in self.backend.versions(self.project_dir, list(wanted)).items()}
 
     # ------------------------------------------------------------ trust
 
