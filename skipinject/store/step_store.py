@@ -143,6 +143,14 @@ class StepStore:
             return {}
         return {wanted[at]: version for at, version in self.backend.versions(self.project_dir, list(wanted)).items()}
 
+    def names_above(self, levels: int) -> list[str]:
+        """Directory names ``levels`` directories above the project directory (an experiment's
+        other layouts); FileNotFoundError when there is none."""
+        location = self.project_dir
+        for _ in range(levels):
+            location = location.parent
+        return self.backend.names(location, directories=True)
+
     # ------------------------------------------------------------ trust
 
     def _trust_chain(self) -> list[Path]:
