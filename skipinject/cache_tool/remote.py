@@ -15,6 +15,7 @@ from skipinject.errors import CorruptCacheError
 from skipinject.store import RemoteStepStore, StepStore
 from skipinject.store.files import parse_json
 from skipinject.store.format import DATA_NAME, FORMAT, MAX_META_DEPTH, META_NAME, PART_NAME, STEP_NAME
+from skipinject.store.meta import StepMeta
 from skipinject.store.remote import FsspecFiles, RemotePath, open_remote
 
 
@@ -99,7 +100,7 @@ def _read_commit(item: Item, fs: Any, location: RemotePath) -> None:
     item.writer = {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}
 
 
-def open_remote_step(fs: Any, location: RemotePath) -> tuple[StepStore, dict[str, Any]]:
+def open_remote_step(fs: Any, location: RemotePath) -> tuple[StepStore, StepMeta]:
     """The store holding a remote step (role and context from its own ``meta.json``) and its checked meta.
 
     ``meta.json`` is read by the store's backend (one bounded request) and parsed by the store's parser,

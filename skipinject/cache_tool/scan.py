@@ -27,9 +27,9 @@ from typing import Any, TypedDict
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepStore
-from skipinject.store.compression import expansion
 from skipinject.store.files import parse_json, read_small, unresolved_problem
 from skipinject.store.format import FORMAT, MAX_META_DEPTH, META_NAME, PART_NAME, ROWS_DIR, STEP_NAME, is_ours
+from skipinject.store.meta import StepMeta
 
 LAYOUT_RE = re.compile(r"^GBS(-?[0-9]+)_N(-?[0-9]+)_in(-?[0-9]+)_out(-?[0-9]+)$")
 #: A step directory's name: the store's rule (decimal, no leading zeros), anchored for ``match``.
@@ -321,7 +321,7 @@ def step_identity(meta: dict[str, Any] | None, step_dir: object) -> tuple[str, d
     return role, context
 
 
-def open_step(step_dir: Path) -> tuple[StepStore, dict[str, Any]]:
+def open_step(step_dir: Path) -> tuple[StepStore, StepMeta]:
     """The store holding ``step_dir`` (role and context from its own ``meta.json``) and the checked meta.
 
     Built on the store's reader: the meta is checked by :meth:`StepStore.read_meta`, after a bounded
@@ -336,27 +336,9 @@ def open_step(step_dir: Path) -> tuple[StepStore, dict[str, Any]]:
     return store, checked
 
 
-def named_files(store: StepStore, step: int, meta: dict[str, Any]) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """Every data file ``meta.json`` names, with its record (the store's own reading of parts)."""
-    yield from store.named_files(step, meta)
-
-
 def precheck(store: StepStore, step: int, meta: dict[str, Any]) -> list[tuple[Path, int]]:
     """Every named file is a regular file (no link, FIFO) of its recorded size; before the store opens it."""
-    out = []
-    for path, spec in named_files(store, step, meta):
-        if path.parent != store.step_dir(step) and os.path.islink(path.parent):
-            raise CorruptCacheError(f"{path.parent}: part directory is a symbolic link")
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError as exc:
-            raise CorruptCacheError(f"{path}: missing (named by meta.json)") from exc
-        if not stat.S_ISREG(info.st_mode):
-            raise CorruptCacheError(f"{path}: not a regular file (link, FIFO or device)")
-        if info.st_size != spec.get("size"):
-            raise CorruptCacheError(f"{path}: {info.st_size} bytes, meta.json says {spec.get('size')} (truncated?)")
-        out.append((path, info.st_size))
-    return out
+    return store.precheck(step, meta)
 
 
 def _our_step(
@@ -395,8 +377,8 @@ def _our_step(
         item.state = "damaged"
         item.problems.append(str(exc) if isinstance(exc, CorruptCacheError) else f"{step_dir}: {exc}")
     _measure(item)
-    if item.state != "damaged" and item.meta is not None and expansion(item.meta):
-        item.decoded = item.size + expansion(item.meta)
+    if item.state != "damaged" and isinstance(item.meta, StepMeta) and item.meta.expansion:
+        item.decoded = item.size + item.meta.expansion
     return item
 
 

@@ -79,6 +79,10 @@ class Backend(Protocol):
         """``name`` (one level of part directory allowed) is a regular file in a real, trusted step
         directory. Never raises."""
 
+    def stat(self, location: Location) -> tuple[str, int] | None:
+        """``(kind, size)`` of a name, never through a link (kind: file, directory, link or other);
+        None when there is none or it cannot be told."""
+
     def read_bytes(self, location: Location, limit: int) -> bytes:
         """A whole small file, at most ``limit`` bytes (more: CorruptCacheError); FileNotFoundError."""
 

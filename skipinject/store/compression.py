@@ -175,16 +175,6 @@ def compress_bytes(data: bytes, compression: Compression, hasher: _Hasher) -> tu
 # ---------------------------------------------------------------- reading
 
 
-def expansion(meta: Mapping[str, Any]) -> int:
-    """Bytes the compressed files a (checked) ``meta.json`` names gain when decoded (0: none compressed)."""
-    gained = 0
-    for part in meta.get("parts") or []:
-        for spec in (part.get("files") or {}).values() if isinstance(part, dict) else []:
-            if isinstance(spec, dict) and "encoding" in spec:
-                gained += int(spec.get("decoded_size") or 0) - int(spec.get("size") or 0)
-    return gained
-
-
 def check_record(spec: Mapping[str, Any], stored: int, shown: Path) -> tuple[int, list[int]]:
     """The decoded size and frame table of a compressed file's record, checked against each other and
     the stored size before anything is allocated (CorruptCacheError otherwise)."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import stat
 import threading
@@ -46,6 +45,7 @@ from skipinject.store.format import (
     WRITE_ID,
     is_ours,
 )
+from skipinject.store.meta import read_named
 from skipinject.store.removal import open_below, relative_parts, unlink_regular
 
 ABANDONED_AFTER = 600.0
@@ -96,28 +96,9 @@ def _writer_gone(name: str, age: float) -> bool:
 def _named_by_meta(step_fd: int) -> set[str] | None:
     """``part/name`` of every file the step's meta.json names; empty if it has none; None if unreadable."""
     try:
-        fd = os.open(META_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=step_fd)
-    except FileNotFoundError:
-        return set()
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_META_BYTES:
-            return None
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            data = handle.read(MAX_META_BYTES + 1)
-        meta = json.loads(data)
-        named = set()
-        for part in meta["parts"]:
-            sub = part.get("dir", "") or ""
-            for spec in part["files"].values():
-                named.add(f"{sub}/{spec['name']}")
-        return named
+        return read_named(step_fd, Path(META_NAME), MAX_META_BYTES)
     except Exception:
         return None
-    finally:
-        os.close(fd)
 
 
 def _open_dir(name: str | Path, dir_fd: int | None = None) -> int | None:

@@ -148,6 +148,23 @@ class LocalFiles:
             step.close()
         return True
 
+    def stat(self, location: Path) -> tuple[str, int] | None:
+        try:
+            info = os.lstat(location)
+        except OSError:
+            return None
+        mode = info.st_mode
+        kind = (
+            "file"
+            if stat.S_ISREG(mode)
+            else "directory"
+            if stat.S_ISDIR(mode)
+            else "link"
+            if stat.S_ISLNK(mode)
+            else "other"
+        )
+        return kind, info.st_size
+
     def read_bytes(self, location: Path, limit: int) -> bytes:
         return read_small(location, limit)
 
@@ -303,10 +320,9 @@ def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id
 
     The temporary name carries the writer's id (see :mod:`skipinject.store.garbage`)."""
     tmp = path.with_name(tmp_name(path.name, write_id or uuid.uuid4().hex[:8]))
-    # a fresh file, never a name planted there (no link followed, nothing truncated)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+    handle = open(tmp, "wb", opener=_exclusive)  # noqa: SIM115 - closed below
     try:
-        with open(fd, "wb") as handle:
+        with handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
@@ -315,6 +331,11 @@ def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def _exclusive(path: str, flags: int) -> int:
+    """A fresh file, never a name planted there: no link followed, nothing truncated."""
+    return os.open(path, flags | os.O_EXCL | os.O_NOFOLLOW, 0o666)
 
 
 def make_private_dirs(path: Path) -> list[Path]:

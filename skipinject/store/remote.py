@@ -137,6 +137,14 @@ class FsspecFiles:
         """verl's own caches are pickles on local disks; never looked for in a remote store."""
         return False
 
+    def stat(self, location: Path) -> tuple[str, int] | None:
+        try:
+            info = self.fs.info(_at(location).path)
+        except Exception:
+            return None
+        size = info.get("size")
+        return ("file" if info.get("type") == "file" else "directory"), size if type(size) is int else 0
+
     def read_bytes(self, location: Path, limit: int) -> bytes:
         data = bytes(self.fs.cat_file(_at(location).path, start=0, end=limit + 1))
         if len(data) > limit:
