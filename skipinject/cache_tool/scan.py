@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,8 @@ from typing import Any, TypedDict
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepStore
-from skipinject.store.files import parse_json, read_small, unresolved_problem
+from skipinject.store.files import entries as list_entries
+from skipinject.store.files import parse_json, read_small, regular_stat, unresolved_problem
 from skipinject.store.format import FORMAT, MAX_META_DEPTH, META_NAME, PART_NAME, ROWS_DIR, STEP_NAME, is_ours
 from skipinject.store.meta import StepMeta
 
@@ -41,20 +41,6 @@ def read_json(path: Path) -> Any:
     """A small JSON file (a ``meta.json``, ours or verl's) by the store's own bounded reader and parser:
     the same byte and nesting bounds as the training run; CorruptCacheError for anything wrong."""
     return parse_json(read_small(path), path, what="meta.json", max_depth=MAX_META_DEPTH)
-
-
-def lstat_regular(path: Path) -> os.stat_result | None:
-    """``lstat`` of ``path`` if it is a regular file (not a link), else ``None``."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return info if stat.S_ISREG(info.st_mode) else None
-
-
-def _entries(directory: Path) -> list[os.DirEntry[str]]:
-    with os.scandir(directory) as found:
-        return list(found)
 
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:
@@ -212,13 +198,13 @@ def _classify(
     step_dir: Path, project: str, layout: str, role_dir: str | None, upstreams: Sequence[Upstream]
 ) -> list[Item]:
     items: list[Item] = []
-    entries = _entries(step_dir)
+    entries = list_entries(step_dir)
     files = {e.name: e for e in entries if _is_file(e)}
     subdirs = sorted((e for e in entries if _is_dir(e) and PART_NAME.fullmatch(e.name)), key=lambda e: int(e.name))
     sub_files: dict[str, dict[str, os.DirEntry[str]]] = {}
     for sub in subdirs:
         try:
-            sub_files[sub.name] = {e.name: e for e in _entries(Path(sub.path)) if _is_file(e)}
+            sub_files[sub.name] = {e.name: e for e in list_entries(Path(sub.path)) if _is_file(e)}
         except OSError:
             sub_files[sub.name] = {}
 
@@ -273,7 +259,7 @@ def _classify(
 def _measure(item: Item) -> None:
     kept = []
     for path in item.files:
-        info = lstat_regular(path)
+        info = regular_stat(path)
         if info is None:
             continue
         kept.append(path)
@@ -405,7 +391,7 @@ def step_dirs(root: Path, problems: list[str] | None = None, upstreams: Sequence
     while stack:
         directory, depth = stack.pop()
         try:
-            entries = _entries(directory)
+            entries = list_entries(directory)
         except OSError as exc:
             if problems is not None:
                 problems.append(f"{directory}: cannot list it ({type(exc).__name__}: {exc})")

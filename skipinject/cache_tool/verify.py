@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +10,9 @@ from skipinject.cache_tool.common import FOUND, OK, scan_any
 from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.progress import Progress
 from skipinject.cache_tool.render import emit_json, human_size, say, schema
-from skipinject.cache_tool.scan import Item, ItemRecord, lstat_regular, open_step, precheck
+from skipinject.cache_tool.scan import Item, ItemRecord, open_step, precheck
 from skipinject.errors import CorruptCacheError
+from skipinject.store.files import read_head, regular_stat
 
 
 class CheckedRecord(ItemRecord):
@@ -125,28 +124,16 @@ def _verify_foreign(item: Item) -> Checked:
     problems = []
     for path in item.files:
         try:
-            head = _head(path)
+            head = read_head(path, 8)
         except OSError as exc:
             problems.append(f"{path}: cannot read it ({exc})")
             continue
         if not head.startswith(_PICKLE_MAGIC):
             problems.append(f"{path}: not a pickle or torch.save file (damaged?)")
     for name in item.upstream.format.required if item.upstream is not None else ():
-        if lstat_regular(item.path / name) is None:
+        if regular_stat(item.path / name) is None:
             problems.append(f"{item.path}: verl's {name} is missing; verl itself will not load this step")
     return Checked(item, "damaged" if problems else "foreign", problems)
-
-
-def _head(path: Path) -> bytes:
-    if lstat_regular(path) is None:
-        raise OSError("not a regular file")
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError("not a regular file")
-        return os.read(fd, 8)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------- render

@@ -28,13 +28,13 @@ from skipinject.store.files import (
     open_regular,
     read_fd,
     read_small,
+    remove_name,
     trust_problem,
     unresolved_problem,
     untrusted_reason,
 )
 from skipinject.store.format import MAX_CLAIMS, MAX_META_BYTES, META_NAME, step_name, tmp_name
 from skipinject.store.garbage import collect
-from skipinject.store.removal import remove_name
 from skipinject.store.tensorfile import tensor_file
 
 if TYPE_CHECKING:
@@ -229,7 +229,7 @@ class LocalFiles:
 
     def remove(self, location: Path, anchor: Path | None = None) -> None:
         """Reached from ``anchor`` (the dump or project directory) without following a link, never by
-        a path looked up again after a check (:func:`~skipinject.store.removal.remove_name`)."""
+        a path looked up again after a check (:func:`~skipinject.store.files.remove_name`)."""
         remove_name(anchor if anchor is not None else location.parent, location)
 
     def collect(self, project: Path, step: int, named: set[str] | None) -> tuple[int, int]:
