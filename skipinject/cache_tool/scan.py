@@ -26,9 +26,20 @@ from typing import Any, TypedDict
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepStore
+from skipinject.store.backend import Backend
 from skipinject.store.files import entries as list_entries
 from skipinject.store.files import parse_json, read_small, regular_stat, unresolved_problem
-from skipinject.store.format import FORMAT, MAX_META_DEPTH, META_NAME, PART_NAME, ROWS_DIR, STEP_NAME, is_ours
+from skipinject.store.format import (
+    FORMAT,
+    MAX_META_BYTES,
+    MAX_META_DEPTH,
+    META_NAME,
+    PART_NAME,
+    ROWS_DIR,
+    STEP_NAME,
+    is_ours,
+)
+from skipinject.store.local import LocalFiles
 from skipinject.store.meta import StepMeta
 
 LAYOUT_RE = re.compile(r"^GBS(-?[0-9]+)_N(-?[0-9]+)_in(-?[0-9]+)_out(-?[0-9]+)$")
@@ -101,6 +112,18 @@ class Item:
     meta: dict[str, Any] | None = field(default=None, repr=False)
     upstream: Upstream | None = field(default=None, repr=False)  # the declaration of a foreign item
     decoded: int | None = None  # its size once compressed files are decoded (None: as stored)
+
+    def describe(self, meta: dict[str, Any]) -> None:
+        """What a step's ``meta.json`` says of it (role, creation, writer, rows, parts), each shown
+        only when it has the right type (a forged one is listed, never trusted)."""
+        self.meta = meta
+        if isinstance(meta.get("role"), str):
+            self.role = meta["role"]
+        self.created = meta.get("created") if isinstance(meta.get("created"), str) else None
+        writer = meta.get("writer")
+        self.writer = {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}
+        self.rows = meta.get("rows") if type(meta.get("rows")) is int else None
+        self.parts = len(meta["parts"]) if isinstance(meta.get("parts"), list) else 0
 
     def record(self) -> ItemRecord:
         """The stable JSON form (docs/cache-tool.md)."""
@@ -307,19 +330,22 @@ def step_identity(meta: dict[str, Any] | None, step_dir: object) -> tuple[str, d
     return role, context
 
 
-def open_step(step_dir: Path) -> tuple[StepStore, StepMeta]:
-    """The store holding ``step_dir`` (role and context from its own ``meta.json``) and the checked meta.
+def open_step(step_dir: Path, backend: Backend | None = None) -> tuple[StepStore, StepMeta]:
+    """The store holding ``step_dir`` (role and context from its own ``meta.json``) and the checked meta,
+    local or in the ``backend`` (an object store).
 
-    Built on the store's reader: the meta is checked by :meth:`StepStore.read_meta`, after a bounded
-    read here made sure ``meta.json`` is a small regular file. Raises CorruptCacheError, or
-    FileNotFoundError when the step holds no skipinject ``meta.json``.
+    ``meta.json`` is read bounded by the backend (a small regular file; one request) and parsed with
+    the training run's bounds; the store's :meth:`StepStore.read_meta` then checks it whole. Raises
+    CorruptCacheError, or FileNotFoundError when the step holds no skipinject ``meta.json``.
     """
     if not STEP_RE.match(step_dir.name):
         raise CorruptCacheError(f"{step_dir}: not a step directory (its name is not a step number)")
-    role, context = step_identity(load_meta_json(step_dir / META_NAME), step_dir)
-    store = StepStore(step_dir.parent, role, context)
-    checked = store.read_meta(int(step_dir.name))
-    return store, checked
+    files = backend if backend is not None else LocalFiles()
+    shown = step_dir / META_NAME
+    raw = parse_json(files.read_bytes(shown, MAX_META_BYTES), shown, what="meta.json", max_depth=MAX_META_DEPTH)
+    role, context = step_identity(raw if isinstance(raw, dict) and raw.get("format") == FORMAT else None, step_dir)
+    store = StepStore(step_dir.parent, role, context, backend=backend)
+    return store, store.read_meta(int(step_dir.name))
 
 
 def precheck(store: StepStore, step: int, meta: dict[str, Any]) -> list[tuple[Path, int]]:
@@ -341,16 +367,9 @@ def _our_step(
         return item
     if raw is None:
         return None  # not ours: verl's (beside its pickles) or unknown (reported by the caller)
-    item.meta = raw
-    if isinstance(raw.get("role"), str):
-        item.role = raw["role"]
+    item.describe(raw)
     if step_dir.parent.name == ROWS_DIR and "generated_at" in raw:
         item.layout = f"{layout}/{ROWS_DIR}"  # rows records of action=match, numbered on their own
-    item.created = raw.get("created") if isinstance(raw.get("created"), str) else None
-    writer = raw.get("writer")
-    item.writer = {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}
-    item.rows = raw.get("rows") if type(raw.get("rows")) is int else None
-    item.parts = len(raw["parts"]) if isinstance(raw.get("parts"), list) else 0
     try:
         store, meta = open_step(step_dir)
         item.meta = meta
