@@ -15,9 +15,9 @@ import contextlib
 import os
 import stat
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 from skipinject.errors import CacheError, CorruptCacheError, UntrustedCacheError
 from skipinject.store.checksums import _digest, _digest_parallel
@@ -35,14 +35,12 @@ from skipinject.store.files import (
 )
 from skipinject.store.format import MAX_CLAIMS, MAX_META_BYTES, META_NAME, step_name, tmp_name
 from skipinject.store.garbage import collect
-from skipinject.store.tensorfile import tensor_file
 
 if TYPE_CHECKING:
     import mmap
 
-    import torch
 
-    from skipinject.store.compression import Compression
+T = TypeVar("T")
 
 
 class LocalFiles:
@@ -185,24 +183,10 @@ class LocalFiles:
             _refuse_link(directory)
         return list(created)
 
-    def put_tensors(
-        self,
-        location: Path,
-        tensors: Mapping[str, torch.Tensor],
-        algo: str,
-        write_id: str,
-        compression: Compression | None = None,
-    ) -> tuple[int, str, dict[str, Any] | None]:
-        done: list[tuple[str, dict[str, Any] | None]] = []
-        _write_file_atomic(location, lambda h: done.append(tensor_file(h, tensors, algo, compression)), write_id)
-        return location.stat().st_size, *done[0]
-
-    def put_bytes(self, location: Path, data: bytes, write_id: str) -> int:
-        _write_file_atomic(location, lambda h: h.write(data), write_id)
-        return location.stat().st_size
-
-    def replace_bytes(self, location: Path, data: bytes) -> None:
-        _write_file_atomic(location, lambda h: h.write(data))
+    def write(self, location: Path, produce: Callable[[BinaryIO], T], write_id: str | None = None) -> tuple[int, T]:
+        done: list[T] = []
+        _write_file_atomic(location, lambda handle: done.append(produce(handle)), write_id)
+        return location.stat().st_size, done[0]
 
     def commit(self, step_dir: Path, meta: bytes, write_id: str) -> None:
         _refuse_link(step_dir)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.store.checksums import _Hasher
@@ -38,14 +38,13 @@ from skipinject.store.format import (
     step_name,
 )
 from skipinject.store.garbage import ACTIVE_WRITE_IDS
-from skipinject.store.tensorfile import tensor_file
 
 if TYPE_CHECKING:
-    import torch
     from fsspec import AbstractFileSystem
 
-    from skipinject.store.compression import Compression
     from skipinject.store.hit_memory import Decoded
+
+T = TypeVar("T")
 
 #: Bytes moved per request when reading a data file (a multiple of the tree checksum's 32 MiB
 #: chunk). Large: some servers (moto, and any that do not index objects) pay for a ranged read in
@@ -170,30 +169,16 @@ class FsspecFiles:
     def prepare(self, step_dir: Path, folder: Path) -> list[Path]:
         return []  # no directories to create: keys appear with their objects
 
-    def put_tensors(
-        self,
-        location: Path,
-        tensors: Mapping[str, torch.Tensor],
-        algo: str,
-        write_id: str,
-        compression: Compression | None = None,
-    ) -> tuple[int, str, dict[str, Any] | None]:
+    def write(self, location: Path, produce: Callable[[BinaryIO], T], write_id: str | None = None) -> tuple[int, T]:
         handle = self.fs.open(_at(location).path, "wb")
         try:
-            checksum, record = tensor_file(_Pieces(handle), tensors, algo, compression)  # type: ignore[arg-type]
+            result = produce(_Pieces(handle))  # type: ignore[arg-type]
             size = int(handle.tell())
         except BaseException:
             _discard(handle)
             raise
         handle.close()  # the upload completes here: the object appears whole
-        return size, checksum, record
-
-    def put_bytes(self, location: Path, data: bytes, write_id: str) -> int:
-        self.fs.pipe_file(_at(location).path, data)
-        return len(data)
-
-    def replace_bytes(self, location: Path, data: bytes) -> None:
-        self.fs.pipe_file(_at(location).path, data)
+        return size, result
 
     def commit(self, step_dir: Path, meta: bytes, write_id: str) -> None:
         self.fs.pipe_file((_at(step_dir) / META_NAME).path, meta)

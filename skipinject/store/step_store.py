@@ -134,7 +134,7 @@ class StepStore:
 
     def replace_file(self, name: str, data: bytes) -> None:
         """Replace a file beside the steps whole: a reader sees the old bytes or the new ones."""
-        self.backend.replace_bytes(self.project_dir / name, data)
+        self.backend.write(self.project_dir / name, lambda handle: handle.write(data))
 
     def meta_versions(self, steps: Sequence[int]) -> dict[int, int]:
         """A number per step that changes whenever its ``meta.json`` is replaced (a local file's
