@@ -32,6 +32,21 @@ def _checksum_algo() -> str:
     return "xxh3_64-tree"
 
 
+def file_checksum(path: Path, algo: str) -> str:
+    """Checksum of a whole regular file (never a link, pipe or device), read through mmap."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCacheError(f"{path}: not a regular file")
+        if info.st_size == 0:
+            return _digest(b"", algo)
+        with mmap.mmap(fd, info.st_size, access=mmap.ACCESS_READ) as mapped:
+            return _digest_parallel(mapped, algo)
+    finally:
+        os.close(fd)
+
+
 class _XXH3(Protocol):
     """The part of an ``xxhash.xxh3_64`` object used here (xxhash is optional, so not imported to type)."""
 
