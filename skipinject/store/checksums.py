@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 import zlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from skipinject.errors import CorruptCacheError
