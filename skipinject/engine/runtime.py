@@ -159,7 +159,7 @@ class RoleRuntime:
         if layout.name != layout_name(context) or (subdir and store.project_dir.name != subdir):
             return []
         try:
-            names = store.backend.names(layout.parent, directories=True)
+            names = store.names_above(2 if subdir else 1)
         except Exception:
             return []
         found = batch_size_layouts(names, context)

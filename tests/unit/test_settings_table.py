@@ -1,14 +1,15 @@
 """Each role setting declared once (issue 21): RoleConfig's fields drive the OmegaConf schema, the
-transport, the runner's help and the README's configuration table."""
+transport, the runner's help and the README's configuration table (generated: tests/readme_sync.py)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import fields
 
-from skipinject.cli import USAGE
+from skipinject.cli import build_parser
 from skipinject.config import Config, RoleConfig, RoleSchema, role_config
 from skipinject.config.schema import ROLE_KEYS, choices, readme_table
+from tests import readme_sync
 from tests.conftest import ROOT
 
 #: Settings documented in a page of docs/ whose row the README's table may not show yet.
@@ -16,20 +17,18 @@ DOCUMENTED_IN_DOCS = {"rescore": "docs/rescore.md"}
 
 
 def test_the_readme_configuration_table_is_the_settings_table() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Configuration (per role)", 1)[1].strip().split("\n\n", 1)[0]
-    printed = section + "\n"
+    printed = readme_sync.blocks((ROOT / "README.md").read_text())["settings"]
     expected = readme_table()
     for key, page in DOCUMENTED_IN_DOCS.items():
         row = next(line for line in expected.splitlines() if line.startswith(f"| `{key}` |"))
         assert f"`skip.<role>.{key}`" in (ROOT / page).read_text(), page
         if row not in printed:
             expected = expected.replace(row + "\n", "")
-    assert printed == expected, "README's table differs from skipinject.config.schema.readme_table()"
+    assert printed == expected, "README's table differs from readme_table(): run python tests/readme_sync.py"
 
 
 def test_the_runners_help_names_every_key_and_its_choices() -> None:
-    helped = " ".join(USAGE.split("keys:", 1)[1].split())
+    helped = " ".join(build_parser().format_help().split("keys:", 1)[1].split())
     for key in ROLE_KEYS:
         assert re.search(rf"\b{key}\b", helped), key
         for choice in choices(key):
