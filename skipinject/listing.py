@@ -7,11 +7,11 @@ import importlib
 import inspect
 from importlib.metadata import PackageNotFoundError, version
 
-from skipinject import stack
 from skipinject._version import API_VERSION, __version__
 from skipinject.plugin_manager import ENTRY_POINT_GROUP, PluginSet, installed_entry_points
 from skipinject.roles import TargetPath
-from skipinject.verl_compat import version_matches
+from skipinject.verl import stack
+from skipinject.verl.compat import version_matches
 
 
 def resolve(path: str) -> str:

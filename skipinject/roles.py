@@ -87,7 +87,7 @@ class Call:
     @property
     def run_config(self) -> Any:
         """The verl config of the run: the bound instance's, else the trainer clock's (or ``None``)."""
-        from skipinject.verl_compat import run_config_of
+        from skipinject.verl.compat import run_config_of
 
         return run_config_of(self)
 

@@ -20,7 +20,7 @@ KNOWN_CODECS = ("DataProto", "TensorDict")
 
 
 def _builtin(name: str) -> Codec:
-    from skipinject.codecs import DataProtoCodec, TensorDictCodec
+    from skipinject.verl.codecs import DataProtoCodec, TensorDictCodec
 
     return DataProtoCodec() if name == "DataProto" else TensorDictCodec()
 

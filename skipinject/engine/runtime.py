@@ -19,7 +19,6 @@ from skipinject.config import Action, MismatchPolicy, RoleConfig
 from skipinject.engine.background import WRITER
 from skipinject.engine.calls import StepBook, StepCalls, part_name, recorded_inputs
 from skipinject.engine.decision import cannot_load, nothing_more, plan_step
-from skipinject.engine.layout import batch_size_layouts, layout_name, path_safe, project_dir
 from skipinject.engine.matching import RowMatcher
 from skipinject.engine.read_ahead import ReadAhead
 from skipinject.errors import CorruptCacheError, PromptMismatchError
@@ -27,6 +26,7 @@ from skipinject.roles import Call, Codec, HitInfo, Loaded, Plan, Role, RowCodec,
 from skipinject.store import Payload, StepStore
 from skipinject.store.compression import compression_for
 from skipinject.store.hit_memory import HitMemory
+from skipinject.verl.layout import batch_size_layouts, layout_name, path_safe, project_dir
 
 logger = logging.getLogger("skipinject")
 
@@ -66,7 +66,7 @@ class RoleRuntime:
         if self.role.codec is not None:
             return self.role.codec
         if self._default_codec is None:
-            from skipinject.codecs import DataProtoCodec
+            from skipinject.verl.codecs import DataProtoCodec
 
             self._default_codec = DataProtoCodec()
         return self._default_codec

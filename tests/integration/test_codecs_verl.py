@@ -17,9 +17,9 @@ from tensordict import NonTensorStack, TensorDict
 from verl.protocol import DataProto
 from verl.utils import tensordict_utils as tu
 
-from skipinject.codecs import DataProtoCodec, TensorDictCodec
 from skipinject.errors import CodecError, CorruptCacheError
 from skipinject.store import Payload, StepStore
+from skipinject.verl.codecs import DataProtoCodec, TensorDictCodec
 from tests.codec_checks import assert_td_equal, round_trip, same
 
 # ---------------------------------------------------------------- fixtures

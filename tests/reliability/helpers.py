@@ -85,7 +85,7 @@ def same_payload(a: Payload, b: Payload) -> bool:
 
 def codec_payload(rows: int, width: int = 16, *, seed: int = 0) -> Payload:
     """What the engine would save for a DataProto of this size (the real codec, no pickle)."""
-    from skipinject.codecs import DataProtoCodec
+    from skipinject.verl.codecs import DataProtoCodec
 
     return DataProtoCodec().encode(make_batch(rows, width, seed=seed))
 
@@ -181,7 +181,7 @@ class Trainer:
 
 
 def toy_role(name: str = "toy", *, upstream: UpstreamFormat | None = None, step: StepSource | None = None) -> Role:
-    from skipinject.codecs import DataProtoCodec
+    from skipinject.verl.codecs import DataProtoCodec
 
     return Role(
         name=name,

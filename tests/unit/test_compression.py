@@ -265,7 +265,7 @@ def test_the_decoded_file_is_private_anonymous_memory() -> None:
 def test_the_codec_result_round_trips_through_a_compressed_store(tmp_path: Path) -> None:
     """A real TensorDict result (the DataProto batch is one) through the codec and a compressed store."""
     tensordict = pytest.importorskip("tensordict")
-    from skipinject.codecs import TensorDictCodec
+    from skipinject.verl.codecs import TensorDictCodec
 
     tensors = padded_batch()
     td = tensordict.TensorDict(tensors, batch_size=[16])
@@ -657,7 +657,7 @@ def test_cache_compact_leaves_a_step_it_cannot_read_as_it_was(
 def test_jagged_tensors_round_trip_through_a_compressed_store(tmp_path: Path) -> None:
     """verl's V1 batches: jagged values and offsets (narrowed, then restored to int64)."""
     tensordict = pytest.importorskip("tensordict")
-    from skipinject.codecs import TensorDictCodec
+    from skipinject.verl.codecs import TensorDictCodec
 
     lengths = torch.tensor([3, 0, 5, 2])
     offsets = torch.zeros(5, dtype=torch.int64)

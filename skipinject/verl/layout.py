@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.dump_root import DumpRoot
-from skipinject.verl_compat import select
+from skipinject.verl.compat import select
 
 #: The project directory of calls made without a verl trainer config in sight.
 DEFAULT_PROJECT = "skipinject_default"

@@ -6,12 +6,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from skipinject.codecs.columns import decode_array_column, encode_array_column
-from skipinject.codecs.rows import merge, take, with_rows
 from skipinject.codecs.tagged_json import CODEC_VERSION, from_jsonable, to_jsonable
-from skipinject.codecs.tensordicts import decode_tensordict, encode_tensordict, gc_paused
 from skipinject.codecs.tensors import TensorSink
 from skipinject.errors import CodecError
 from skipinject.store.payload import Payload
+from skipinject.verl.rows import merge, take, with_rows
+from skipinject.verl.tensordicts import decode_tensordict, encode_tensordict, gc_paused
 
 # ---------------------------------------------------------------- codecs
 
@@ -29,7 +29,7 @@ def _header(objects: Mapping[str, Any], codec: str) -> None:
 class DataProtoCodec:
     """verl ``DataProto``: ``batch`` TensorDict, ``non_tensor_batch`` numpy arrays, ``meta_info`` dict.
 
-    Also a :class:`~skipinject.roles.RowCodec` (``action=match``, :mod:`skipinject.codecs.rows`):
+    Also a :class:`~skipinject.roles.RowCodec` (``action=match``, :mod:`skipinject.verl.rows`):
     ``divisor(call)`` is the number of parts the target splits a batch into (its workers), to which
     a batch of only some rows is padded; ``None``: any size.
     """
