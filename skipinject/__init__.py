@@ -71,7 +71,8 @@ if TYPE_CHECKING:
     )
     from skipinject.config import Action, MismatchPolicy, RoleConfig
     from skipinject.hookspecs import hookimpl
-    from skipinject.store import Payload, StepEntry
+    from skipinject.payload import Payload
+    from skipinject.store import StepEntry
     from skipinject.verl.codecs import DataProtoCodec, TensorDictCodec
 
 #: Public names imported on first use: name -> defining module.
@@ -79,7 +80,7 @@ _LAZY = {
     "Action": "skipinject.config",
     "DataProtoCodec": "skipinject.verl.codecs",
     "MismatchPolicy": "skipinject.config",
-    "Payload": "skipinject.store",
+    "Payload": "skipinject.payload",
     "RoleConfig": "skipinject.config",
     "StepEntry": "skipinject.store",
     "TensorDictCodec": "skipinject.verl.codecs",

@@ -169,7 +169,7 @@ class RoleConfig:
         if type(self.reuse_hit_memory) is not int or not 0 <= self.reuse_hit_memory <= MAX_HIT_MEMORY:
             raise ValueError(f"reuse_hit_memory must be 0 .. {MAX_HIT_MEMORY}, got {self.reuse_hit_memory!r}")
         if self.compression != "auto":  # the default needs no check (and no import at start-up)
-            from skipinject.store.compression import parse_compression
+            from skipinject.payload import parse_compression
 
             parse_compression(self.compression)  # ValueError naming the choices
 
@@ -254,7 +254,7 @@ def role_config(
         except (OmegaConfBaseException, ValueError, TypeError) as exc:
             raise ConfigError(f"{dotted}={shown}: {_expected(key)}") from exc
         if key == "compression":
-            from skipinject.store.compression import COMPRESSION_VALUE
+            from skipinject.payload import COMPRESSION_VALUE
 
             if not isinstance(converted, str) or not COMPRESSION_VALUE.fullmatch(converted):
                 raise ConfigError(f"{dotted}={shown}: {_expected(key)}")

@@ -89,9 +89,11 @@ class Backend(Protocol):
         algo: str,
         write_id: str,
         compression: Compression | None = None,
+        concats: Mapping[str, tuple[str, str]] | None = None,
     ) -> tuple[int, str, dict[str, Any] | None]:
-        """Write a tensor file whole under its final name (compressed when ``compression`` is given);
-        its size, checksum (of the stored bytes) and what its record adds (decoded size, frames)."""
+        """Write a tensor file whole under its final name (compressed when ``compression`` is given,
+        ``concats`` from :attr:`Payload.concats`); its size, checksum (of the stored bytes) and what its
+        record adds (decoded size, frames)."""
 
     def put_bytes(self, location: Location, data: bytes, write_id: str) -> int:
         """Write ``data`` whole under its final name; its size."""

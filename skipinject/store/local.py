@@ -164,9 +164,12 @@ class LocalFiles:
         algo: str,
         write_id: str,
         compression: Compression | None = None,
+        concats: Mapping[str, tuple[str, str]] | None = None,
     ) -> tuple[int, str, dict[str, Any] | None]:
         done: list[tuple[str, dict[str, Any] | None]] = []
-        _write_file_atomic(location, lambda h: done.append(tensor_file(h, tensors, algo, compression)), write_id)
+        _write_file_atomic(
+            location, lambda h: done.append(tensor_file(h, tensors, algo, compression, concats)), write_id
+        )
         return location.stat().st_size, *done[0]
 
     def put_bytes(self, location: Path, data: bytes, write_id: str) -> int:

@@ -148,10 +148,11 @@ class FsspecFiles:
         algo: str,
         write_id: str,
         compression: Compression | None = None,
+        concats: Mapping[str, tuple[str, str]] | None = None,
     ) -> tuple[int, str, dict[str, Any] | None]:
         handle = self.fs.open(_at(location).path, "wb")
         try:
-            checksum, record = tensor_file(_Pieces(handle), tensors, algo, compression)  # type: ignore[arg-type]
+            checksum, record = tensor_file(_Pieces(handle), tensors, algo, compression, concats)  # type: ignore[arg-type]
             size = int(handle.tell())
         except BaseException:
             _discard(handle)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from skipinject.errors import CacheError, CorruptCacheError
+from skipinject.payload import Payload
 from skipinject.store.backend import Backend, StepFiles
 from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo
 from skipinject.store.compression import Compression, decompress_into
@@ -34,7 +35,7 @@ from skipinject.store.format import (
     step_name,
 )
 from skipinject.store.hit_memory import Claim, HitMemory
-from skipinject.store.payload import Payload, StepEntry
+from skipinject.store.payload import StepEntry
 from skipinject.store.tensorfile import read_tensors
 from skipinject.store.writer import StepWriter
 

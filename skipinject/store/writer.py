@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from skipinject._version import __version__
 from skipinject.cluster import node_identity
+from skipinject.payload import Payload
 from skipinject.store.checksums import _digest, _Hasher
 from skipinject.store.compression import compress_bytes
 from skipinject.store.format import (
@@ -26,7 +27,6 @@ from skipinject.store.format import (
     tensors_name,
 )
 from skipinject.store.garbage import ACTIVE_WRITE_IDS
-from skipinject.store.payload import Payload
 
 if TYPE_CHECKING:
     from skipinject.store.backend import Backend
@@ -86,7 +86,9 @@ class StepWriter:
         compression = self.store.compression
         tensors_at = folder / tensors_name(self.write_id)
         self._written.append(tensors_at)
-        size, checksum, encoded = backend.put_tensors(tensors_at, payload.tensors, algo, self.write_id, compression)
+        size, checksum, encoded = backend.put_tensors(
+            tensors_at, payload.tensors, algo, self.write_id, compression, payload.concats
+        )
         files: dict[str, Any] = {
             "tensors": {"name": tensors_at.name, "size": size, "checksum": checksum, **(encoded or {})}
         }
