@@ -57,9 +57,8 @@ from skipinject.roles import (
     StepWriting,
     Target,
     UpstreamFormat,
-    default_bypass,
 )
-from skipinject.verl.compat import run_config_of, select, verl_version, version_matches
+from skipinject.verl.compat import default_bypass, run_config_of, select, verl_version, version_matches
 
 if TYPE_CHECKING:
     from skipinject.codecs import (

@@ -23,6 +23,7 @@ from skipinject.cache_tool.scan import LAYOUT_RE, Item, load_meta_json, read_jso
 from skipinject.errors import CorruptCacheError
 from skipinject.roles import Call
 from skipinject.store import META_NAME, StepStore
+from skipinject.verl.compat import STEP_KEY
 
 #: verl's defaults for trainer.experiment_name / trainer.project_name (``layout_of`` uses them too).
 DEFAULT_EXPERIMENT, DEFAULT_PROJECT = "default_experiment_name", "default_project_name"
@@ -133,7 +134,7 @@ def import_item(
     codec = roles.codec(role_name)
     if codec is None:
         raise CommandError(f"no installed plugin provides role {role_name!r} (give --role an installed role)")
-    store = StepStore(layout_dir, role_name, context, plugin=roles.plugin_of(role_name))
+    store = StepStore(layout_dir, role_name, context, plugin=roles.plugin_of(role_name), step_aliases=(STEP_KEY,))
     if _already(store, step):
         return {**record, "role": role_name, "status": "already", "path": str(store.step_dir(step))}
     if upstream.per_part:  # the loader, handed part 0, reads every part of the step

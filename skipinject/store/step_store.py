@@ -11,7 +11,7 @@ failure is a :class:`CorruptCacheError` (a missing step stays ``FileNotFoundErro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -62,6 +62,7 @@ class StepStore:
         backend: Backend | None = None,
         compression: Compression | None = None,
         memory: HitMemory | None = None,
+        step_aliases: Sequence[str] = (),
     ) -> None:
         """``trust_permissions``: load from directories other users could write (the user's opt-in,
         ``skip.<role>.trust_dir_permissions``). ``dump_dir``: the cache root; it and every directory
@@ -70,7 +71,8 @@ class StepStore:
         names it where it is not installed). ``backend``: where the files are (default: local files,
         see :meth:`~skipinject.dump_root.DumpRoot.backend`). ``compression``: how the files this store
         writes are compressed (None: stored as they are; steps of either kind are read). ``memory``: the
-        pool compressed hits decode into (None: fresh memory each hit; see :mod:`~skipinject.store.hit_memory`)."""
+        pool compressed hits decode into (None: fresh memory each hit; see :mod:`~skipinject.store.hit_memory`).
+        ``step_aliases``: more ``meta.json`` keys holding the step (the trainer's name for it)."""
         if backend is None:
             from skipinject.store.local import LocalFiles
 
@@ -85,6 +87,7 @@ class StepStore:
         self.plugin = plugin
         self.compression = compression
         self.memory = memory
+        self.step_aliases = tuple(step_aliases)
 
     @property
     def location(self) -> Path:

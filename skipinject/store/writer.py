@@ -44,6 +44,7 @@ class WritableStore(Protocol):
     compression: Compression | None
     dump_dir: Path | None
     project_dir: Path
+    step_aliases: tuple[str, ...]
 
     def step_dir(self, step: int) -> Path: ...
 
@@ -125,7 +126,7 @@ class StepWriter:
                 "format_version": FORMAT_VERSION if self._encoded() else PLAIN_FORMAT_VERSION,
                 "role": self.store.role,
                 "step": self.step,
-                "global_steps": self.step,
+                **dict.fromkeys(self.store.step_aliases, self.step),
                 "context": dict(self.store.context),
                 "checksum_algo": self.store.checksum_algo,
                 "parts": [self.parts[name] for name in sorted(self.parts, key=_part_order)],

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePath
+from typing import Any, TypeVar
 
 from skipinject.dump_root import DumpRoot
 from skipinject.verl.compat import select
@@ -46,13 +46,31 @@ def layout_name(context: Mapping[str, Any]) -> str:
     return f"GBS{context['gbs']}_N{context['n']}_in{context['prompt_length']}_out{context['response_length']}"
 
 
+#: The values a layout directory's name is made of.
+_LAYOUT_KEYS = frozenset({"gbs", "n", "prompt_length", "response_length"})
+#: A path (local, or a :class:`~skipinject.store.remote.RemotePath` standing in for one).
+P = TypeVar("P", bound=PurePath)
 #: A layout directory's batch size (the rest of the name is compared whole).
 _GBS = re.compile(r"GBS(-?(?:0|[1-9][0-9]{0,11}))_")
 
 
-def batch_size_layouts(names: Iterable[str], context: Mapping[str, Any]) -> list[tuple[str, int]]:
-    """The layouts among ``names`` that differ from ``context``'s in the batch size only, as
-    ``(name, gbs)`` sorted by batch size (``action=match`` looks rows up there too)."""
+def experiment_dir(project: P, context: Mapping[str, Any], subdir: str) -> P | None:
+    """The directory holding the layouts of ``project``'s run (one per batch size), or ``None`` when
+    ``project`` (``{experiment}/{layout}[/{subdir}]``) is not in one of upstream's layouts."""
+    if not set(context) >= _LAYOUT_KEYS:
+        return None
+    layout = project.parent if subdir else project
+    if layout.name != layout_name(context) or (subdir and project.name != subdir):
+        return None
+    return layout.parent
+
+
+def batch_size_layouts(
+    experiment: P, names: Iterable[str], context: Mapping[str, Any], subdir: str
+) -> list[tuple[P, dict[str, Any]]]:
+    """The project directories among layouts ``names`` (of ``experiment``) whose run differs from
+    ``context``'s in the batch size only, each with its context, the nearest batch sizes first
+    (``action=match`` looks rows up there too)."""
     found = []
     for name in names:
         match = _GBS.match(name)
@@ -60,8 +78,9 @@ def batch_size_layouts(names: Iterable[str], context: Mapping[str, Any]) -> list
             continue
         gbs = int(match.group(1))
         if gbs != context.get("gbs") and name == layout_name({**context, "gbs": gbs}):
-            found.append((name, gbs))
-    return sorted(found, key=lambda item: item[1])
+            found.append((gbs, experiment / name / subdir if subdir else experiment / name))
+    found.sort(key=lambda item: (abs(item[0] - int(context["gbs"])), item[0]))
+    return [(directory, {**context, "gbs": gbs}) for gbs, directory in found]
 
 
 def project_dir(root: DumpRoot, config: Any, subdir: str) -> tuple[Path, dict[str, Any]]:
