@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from skipinject.errors import CorruptCacheError
-from skipinject.payload import COMPRESSION_VALUE, Compression, parse_compression  # noqa: F401  # re-exported
+from skipinject.payload import COMPRESSION_VALUE as COMPRESSION_VALUE
+from skipinject.payload import Compression as Compression
+from skipinject.payload import parse_compression as parse_compression
 from skipinject.store.format import FRAME_BYTES, MAX_EXPANSION
 
 if TYPE_CHECKING:

@@ -15,7 +15,9 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from skipinject.payload import TENSOR_DTYPES, ZSTD_DEFAULT_LEVEL, ZSTD_MAX_LEVEL  # noqa: F401  # part of the format
+from skipinject.payload import TENSOR_DTYPES as TENSOR_DTYPES  # part of the format, as the codecs know it
+from skipinject.payload import ZSTD_DEFAULT_LEVEL as ZSTD_DEFAULT_LEVEL
+from skipinject.payload import ZSTD_MAX_LEVEL as ZSTD_MAX_LEVEL
 
 FORMAT = "skipinject"
 #: The version written when a step holds a compressed file; steps stored as they are keep version 2,
