@@ -16,26 +16,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-#: Tensor dtypes the tensor file holds (by ``torch`` attribute name).
-TENSOR_DTYPES = frozenset(
-    {
-        "bool",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    }
-)
+#: Tensor dtypes a payload may hold, as the tensor file names them (``torch`` attribute names).
+_INTEGERS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+TENSOR_DTYPES = frozenset(("bool", *_INTEGERS, "float16", "bfloat16", "float32", "float64", "complex64", "complex128"))
 
 #: ``zstd`` without a level. Level 1, not zstd's own 3: after the compact encodings a rollout batch
 #: stores the same bytes at either level (0.053x of pickle, ``bench_compression.py``), and level 1 saves

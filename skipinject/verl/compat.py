@@ -13,17 +13,6 @@ from typing import Any
 
 from skipinject.clock import CLOCK
 
-__all__ = [
-    "STEP_KEY",
-    "default_bypass",
-    "is_run_config",
-    "module_exists",
-    "run_config_of",
-    "select",
-    "verl_version",
-    "version_matches",
-]
-
 #: The trainer's name for the training step (``trainer.global_steps``, ``meta_info["global_steps"]``),
 #: also written into each step's ``meta.json`` beside ``step``.
 STEP_KEY = "global_steps"
