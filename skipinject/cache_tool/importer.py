@@ -24,7 +24,7 @@ from skipinject.errors import CorruptCacheError
 from skipinject.roles import Call
 from skipinject.store import META_NAME, StepStore
 from skipinject.verl.compat import STEP_KEY
-from skipinject.verl.layout import layout_values, run_names
+from skipinject.verl.layout import layout_values, path_safe, run_names
 
 WARNING = (
     "verl's caches are pickles: loading one runs whatever code it holds. "
@@ -46,7 +46,7 @@ def context_for(layout_dir: Path, experiment: str | None, project: str | None) -
                 "give --experiment and --project (trainer.experiment_name, trainer.project_name)"
             )
         experiment, project = found
-    if f"{experiment}_{project}".replace("/", "_").replace("\\", "_") != name:
+    if path_safe(f"{experiment}_{project}") != name:
         raise CommandError(f"--experiment {experiment!r} --project {project!r} do not name the directory {name!r}")
     return {"experiment_name": experiment, "project_name": project, **values}
 

@@ -197,3 +197,14 @@ class TensorDictCodec:
 
 def _rows(td: Any) -> int | None:
     return int(td.batch_size[0]) if len(td.batch_size) else None
+
+
+def codec_named(header: object) -> DataProtoCodec | TensorDictCodec | None:
+    """The codec whose header (``objects["codec"]``) is ``header``: ``skipinject cache`` decodes a step
+    of a role whose plugin is not installed with it when the step's header names it."""
+    codecs: dict[object, type[DataProtoCodec | TensorDictCodec]] = {
+        "DataProto": DataProtoCodec,
+        "TensorDict": TensorDictCodec,
+    }
+    found = codecs.get(header)
+    return None if found is None else found()

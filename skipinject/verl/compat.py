@@ -64,15 +64,20 @@ def default_bypass(call: Any) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=1)
-def verl_version() -> str | None:
-    """The installed verl's version, or ``None`` when verl is not installed."""
+def installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution`` (its metadata: nothing is imported), or ``None``."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("verl")
+        return version(distribution)
     except PackageNotFoundError:
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def verl_version() -> str | None:
+    """The installed verl's version, or ``None`` when verl is not installed."""
+    return installed_version("verl")
 
 
 def version_matches(specifier: str | None, version: str | None) -> bool:
