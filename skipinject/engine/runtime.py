@@ -27,7 +27,7 @@ from skipinject.store import Payload, StepStore
 from skipinject.store.compression import compression_for
 from skipinject.store.hit_memory import HitMemory
 from skipinject.verl.compat import STEP_KEY
-from skipinject.verl.layout import batch_size_layouts, experiment_dir, path_safe, project_dir
+from skipinject.verl.layout import other_batch_sizes, project_dir
 
 logger = logging.getLogger("skipinject")
 
@@ -151,16 +151,21 @@ class RoleRuntime:
         """This role's stores in the project's layouts that differ from ``store``'s in the batch size
         only (at most ``limit``, the nearest batch sizes first; one listing of the experiment
         directory), each usable: ``action=match`` looks rows up there too. Never raises."""
-        named = self.role.name if self.role.cache_subdir is None else self.role.cache_subdir
-        subdir = path_safe(named) if named else ""
-        experiment = experiment_dir(store.project_dir, store.context, subdir)
-        if self.unusable(store) is not None or experiment is None:
+        if self.unusable(store) is not None:
             return []
+        subdir = self.role.name if self.role.cache_subdir is None else self.role.cache_subdir
+
+        def names_above(levels: int) -> Any:
+            directory = store.project_dir
+            for _ in range(levels):
+                directory = directory.parent
+            return store.backend.names(directory, directories=True)
+
         try:
-            names = store.backend.names(experiment, directories=True)
+            found = other_batch_sizes(store.project_dir, store.context, subdir, names_above)
         except Exception:
             return []
-        found = batch_size_layouts(experiment, names, store.context, subdir)
+        experiment = store.project_dir.parent.parent if subdir else store.project_dir.parent
         if len(found) > limit:
             self.once(
                 ("layouts", str(experiment)),

@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
-from pathlib import Path, PurePath
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
 
 from skipinject.dump_root import DumpRoot
 from skipinject.verl.compat import select
@@ -71,31 +71,13 @@ def run_names(name: str) -> tuple[str, str] | None:
     return None
 
 
-#: The values a layout directory's name is made of.
-_LAYOUT_KEYS = frozenset({"gbs", "n", "prompt_length", "response_length"})
-#: A path (local, or a :class:`~skipinject.store.remote.RemotePath` standing in for one).
-P = TypeVar("P", bound=PurePath)
 #: A layout directory's batch size (the rest of the name is compared whole).
 _GBS = re.compile(r"GBS(-?(?:0|[1-9][0-9]{0,11}))_")
 
 
-def experiment_dir(project: P, context: Mapping[str, Any], subdir: str) -> P | None:
-    """The directory holding the layouts of ``project``'s run (one per batch size), or ``None`` when
-    ``project`` (``{experiment}/{layout}[/{subdir}]``) is not in one of upstream's layouts."""
-    if not set(context) >= _LAYOUT_KEYS:
-        return None
-    layout = project.parent if subdir else project
-    if layout.name != layout_name(context) or (subdir and project.name != subdir):
-        return None
-    return layout.parent
-
-
-def batch_size_layouts(
-    experiment: P, names: Iterable[str], context: Mapping[str, Any], subdir: str
-) -> list[tuple[P, dict[str, Any]]]:
-    """The project directories among layouts ``names`` (of ``experiment``) whose run differs from
-    ``context``'s in the batch size only, each with its context, the nearest batch sizes first
-    (``action=match`` looks rows up there too)."""
+def batch_size_layouts(names: Iterable[str], context: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """The layouts among ``names`` that differ from ``context``'s in the batch size only, as
+    ``(name, gbs)`` sorted by batch size (``action=match`` looks rows up there too)."""
     found = []
     for name in names:
         match = _GBS.match(name)
@@ -103,9 +85,28 @@ def batch_size_layouts(
             continue
         gbs = int(match.group(1))
         if gbs != context.get("gbs") and name == layout_name({**context, "gbs": gbs}):
-            found.append((gbs, experiment / name / subdir if subdir else experiment / name))
-    found.sort(key=lambda item: (abs(item[0] - int(context["gbs"])), item[0]))
-    return [(directory, {**context, "gbs": gbs}) for gbs, directory in found]
+            found.append((name, gbs))
+    return sorted(found, key=lambda item: item[1])
+
+
+def other_batch_sizes(
+    project: Path, context: Mapping[str, Any], subdir: str, names_above: Callable[[int], Iterable[str]]
+) -> list[tuple[Path, dict[str, Any]]]:
+    """The project directories (and layout values) of the layouts beside ``project``'s that differ in
+    the batch size only, the nearest batch sizes first. ``names_above(levels)`` lists the directory
+    ``levels`` above ``project`` (the experiment's), once. Empty when ``project`` is in no layout."""
+    if not {"gbs", "n", "prompt_length", "response_length"} <= set(context):
+        return []
+    subdir = path_safe(subdir) if subdir else ""
+    layout = project.parent if subdir else project
+    if layout.name != layout_name(context) or (subdir and project.name != subdir):
+        return []
+    found = batch_size_layouts(names_above(2 if subdir else 1), context)
+    found.sort(key=lambda item: abs(item[1] - int(context["gbs"])))
+    return [
+        (layout.parent / name / subdir if subdir else layout.parent / name, {**context, "gbs": gbs})
+        for name, gbs in found
+    ]
 
 
 def project_dir(root: DumpRoot, config: Any, subdir: str) -> tuple[Path, dict[str, Any]]:
