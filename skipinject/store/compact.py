@@ -130,16 +130,6 @@ def _rows_of(tensor: torch.Tensor) -> bool:
     return bool(tensor.dim() == 2 and tensor.shape[0] > 0 and tensor.shape[1] > 0)
 
 
-def _numpy_dtype(dtype: Any) -> Any:
-    """The numpy dtype of a torch dtype (ValueError for bfloat16, which numpy lacks)."""
-    import torch
-
-    try:
-        return torch.empty(0, dtype=dtype).numpy().dtype
-    except TypeError as exc:
-        raise ValueError(f"no numpy dtype for {dtype}") from exc
-
-
 def _run(tensor: torch.Tensor) -> dict[str, Any] | None:
     """``{"run": starts, "end": ends}`` if every row is one run of ones (and zeros elsewhere)."""
     if not _rows_of(tensor) or tensor.is_complex() or tensor.dtype == _bfloat16():
