@@ -154,15 +154,8 @@ class RoleRuntime:
         if self.unusable(store) is not None:
             return []
         subdir = self.role.name if self.role.cache_subdir is None else self.role.cache_subdir
-
-        def names_above(levels: int) -> Any:
-            directory = store.project_dir
-            for _ in range(levels):
-                directory = directory.parent
-            return store.backend.names(directory, directories=True)
-
         try:
-            found = other_batch_sizes(store.project_dir, store.context, subdir, names_above)
+            found = other_batch_sizes(store.project_dir, store.context, subdir, store.names_above)
         except Exception:
             return []
         experiment = store.project_dir.parent.parent if subdir else store.project_dir.parent

@@ -444,6 +444,21 @@ def test_prune_keep_last_older_than_partial_dry_run(dump: Path, capsys):
     assert code == 2 and "bad age" in err
 
 
+def test_prune_damaged_removes_the_steps_verify_calls_damaged(dump: Path, capsys):
+    """A data file changed in place (same size, other bytes: only its checksum tells) makes a step
+    that ``verify`` calls DAMAGED; ``prune --damaged`` asks the store the same question and removes it."""
+    where = _damage(dump)
+    age(dump, 3600)
+    code, out, _ = run(capsys, "verify", where["checksum"])
+    assert code == 1 and "DAMAGED: " in out and "checksum mismatch" in out
+    code, out, _ = run(capsys, "prune", dump, "--damaged", "--dry-run")
+    assert f"would remove {where['checksum']} (damaged" in out and (where["checksum"] / "meta.json").exists()
+    code, doc = run_json(capsys, "prune", dump, "--damaged")
+    assert {Path(r["path"]).name for r in doc["removed"]} == {"2", "3"} and not where["checksum"].exists()
+    code, out, _ = run(capsys, "verify", dump)
+    assert code == 0 and "0 damaged, 1 partial" in out, "what remains verifies (the partial save is --partial's)"
+
+
 def test_prune_never_touches_a_running_save_nor_verls_pickles(tmp_path: Path, capsys):
     dump = tmp_path / "dump"
     layout = dump / f"{EXP}_{PROJ}" / LAYOUT
