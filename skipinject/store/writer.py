@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skipinject._version import __version__
+from skipinject.node import node_identity
 from skipinject.payload import Payload
 from skipinject.store.checksums import _digest, _Hasher
 from skipinject.store.compression import compress_bytes
@@ -119,8 +120,6 @@ class StepWriter:
 
     def meta_record(self, meta: Mapping[str, Any]) -> bytes:
         """The ``meta.json`` committing the parts written so far, with ``meta`` (role-specific keys)."""
-        from skipinject.cluster import node_identity  # cluster reads the store's mount classifier
-
         record = dict(meta)
         record.update(
             {

@@ -19,11 +19,17 @@ from skipinject.cache_tool.scan import scan
 from skipinject.store import StepStore
 from skipinject.verl.codecs import DataProtoCodec, TensorDictCodec
 from tests.integration.test_codecs_verl import tq_sample_result
-from tests.reliability.helpers import make_batch, same_batch
+from tests.reliability import helpers
+from tests.reliability.helpers import as_dataproto, same_batch
 
 EXP, PROJ = "exp", "proj"
 LAYOUT = "GBS4_N2_in32_out16"
 TQ_LAYOUT = "GBS1_N2_in32_out16"
+
+
+def make_batch(rows: int, width: int = 16, *, seed: int = 0) -> Any:
+    """The reliability suite's toy batch as verl's ``DataProto``: these tests cache it with ``DataProtoCodec``."""
+    return as_dataproto(helpers.make_batch(rows, width, seed=seed))
 
 
 def context(gbs: int = 4, experiment: str = EXP, project: str = PROJ) -> dict[str, Any]:
