@@ -58,14 +58,11 @@ from skipinject.roles import (
     StepWriting,
     Target,
     UpstreamFormat,
-    default_bypass,
 )
-from skipinject.verl_compat import run_config_of, select, verl_version, version_matches
+from skipinject.verl.compat import default_bypass, run_config_of, select, verl_version, version_matches
 
 if TYPE_CHECKING:
     from skipinject.codecs import (
-        DataProtoCodec,
-        TensorDictCodec,
         TensorSink,
         decode_tensor,
         encode_tensor,
@@ -74,18 +71,20 @@ if TYPE_CHECKING:
     )
     from skipinject.config import Action, MismatchPolicy, RescorePolicy, RoleConfig
     from skipinject.hookspecs import hookimpl
-    from skipinject.store import Payload, StepEntry
+    from skipinject.payload import Payload
+    from skipinject.store import StepEntry
+    from skipinject.verl.codecs import DataProtoCodec, TensorDictCodec
 
 #: Public names imported on first use: name -> defining module.
 _LAZY = {
     "Action": "skipinject.config",
-    "DataProtoCodec": "skipinject.codecs",
+    "DataProtoCodec": "skipinject.verl.codecs",
     "MismatchPolicy": "skipinject.config",
     "RescorePolicy": "skipinject.config",
-    "Payload": "skipinject.store",
+    "Payload": "skipinject.payload",
     "RoleConfig": "skipinject.config",
     "StepEntry": "skipinject.store",
-    "TensorDictCodec": "skipinject.codecs",
+    "TensorDictCodec": "skipinject.verl.codecs",
     "TensorSink": "skipinject.codecs",
     "decode_tensor": "skipinject.codecs",
     "encode_tensor": "skipinject.codecs",

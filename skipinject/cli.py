@@ -187,7 +187,7 @@ def _prepare(argv: list[str]) -> Program | None:
 
     bootstrap.configure_logging()
     if config.enabled_roles and not bootstrap.disabled():
-        from skipinject.stack import warn_if_untested
+        from skipinject.verl.stack import warn_if_untested
 
         warn_if_untested()
         bootstrap.export(config)
@@ -246,7 +246,7 @@ def _configure(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> tu
 
 def _triggers(plugins: PluginSet, enabled: list[str]) -> tuple[str, ...]:
     """Top-level packages holding the enabled roles' targets and clocks (and verl's SkipManager guard)."""
-    from skipinject.engine.builtin_guard import BUILTIN_SKIP_INIT
+    from skipinject.verl.builtin_guard import BUILTIN_SKIP_INIT
 
     paths = [BUILTIN_SKIP_INIT] if any(plugins.roles[name].builtin for name in enabled) else []
     for name in enabled:

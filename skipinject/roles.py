@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from skipinject.clock import CLOCK
 from skipinject.errors import TargetError
+from skipinject.verl.compat import STEP_KEY, default_bypass
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -87,7 +88,7 @@ class Call:
     @property
     def run_config(self) -> Any:
         """The verl config of the run: the bound instance's, else the trainer clock's (or ``None``)."""
-        from skipinject.verl_compat import run_config_of
+        from skipinject.verl.compat import run_config_of
 
         return run_config_of(self)
 
@@ -109,7 +110,7 @@ class StepSource:
     fallbacks: tuple[StepSource, ...] = ()
 
     @classmethod
-    def meta(cls, key: str = "global_steps") -> StepSource:
+    def meta(cls, key: str = STEP_KEY) -> StepSource:
         """``batch.meta_info[key]`` of the call's batch argument."""
         return cls("meta", key)
 
@@ -124,7 +125,7 @@ class StepSource:
         return cls("attribute", name)
 
     @classmethod
-    def clock(cls, name: str = "global_steps") -> StepSource:
+    def clock(cls, name: str = STEP_KEY) -> StepSource:
         """An attribute of the trainer captured by the role's ``clock`` targets."""
         return cls("clock", name)
 
@@ -376,21 +377,6 @@ class Target:
     def label(self) -> str:
         """``path``, or ``path->attribute`` for attribute targets (as logs and ``--list`` name it)."""
         return f"{self.path}->{self.attribute}" if self.attribute else self.path
-
-
-def default_bypass(call: Call) -> bool:
-    """Validation batches always run the original (``validate=True`` in meta or non-tensor data)."""
-    batch = call.batch
-    meta = getattr(batch, "meta_info", None)
-    if isinstance(meta, Mapping) and meta.get("validate"):
-        return True
-    non_tensor = getattr(batch, "non_tensor_data", None)
-    if isinstance(non_tensor, Mapping):
-        try:
-            return bool(non_tensor.get("validate", False))
-        except Exception:
-            return False
-    return False
 
 
 @dataclass(frozen=True)

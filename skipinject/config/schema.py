@@ -98,7 +98,7 @@ _COMPRESSIONS = "expected auto, none, zstd or zstd-1 .. zstd-22"
 def _compression(value: Any) -> None:
     if value == "auto":  # the default: no import at start-up
         return
-    from skipinject.store.compression import COMPRESSION_VALUE
+    from skipinject.payload import COMPRESSION_VALUE
 
     if not isinstance(value, str) or not COMPRESSION_VALUE.fullmatch(value):
         raise ValueError(_COMPRESSIONS)

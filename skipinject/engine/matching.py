@@ -102,7 +102,7 @@ def check_matchable(role: Role, codec: Any) -> None:
 
 def settings_digest(role: Role, config: Any) -> bytes:
     """The run settings deciding a row's result (the role's ``match_settings``), as one digest."""
-    from skipinject.verl_compat import select
+    from skipinject.verl.compat import select
 
     values = {path: _plain(select(config, path)) for path in role.match_settings}
     text = json.dumps(values, sort_keys=True, default=repr).encode()
@@ -585,7 +585,7 @@ MAX_LAYOUTS = 8
 
 def _layout_label(where: StepStore) -> str:
     """The layout of ``where`` as a match line names it (``GBS8_N2_in32_out16``)."""
-    from skipinject.engine.layout import layout_name
+    from skipinject.verl.layout import layout_name
 
     try:
         return layout_name(where.context)

@@ -19,7 +19,6 @@ from skipinject.config import Action, MismatchPolicy, RoleConfig
 from skipinject.engine.background import WRITER
 from skipinject.engine.calls import StepBook, StepCalls, part_name, recorded_inputs
 from skipinject.engine.decision import cannot_load, nothing_more, plan_step
-from skipinject.engine.layout import batch_size_layouts, layout_name, path_safe, project_dir
 from skipinject.engine.matching import RowMatcher
 from skipinject.engine.read_ahead import ReadAhead
 from skipinject.errors import CorruptCacheError, PromptMismatchError
@@ -27,6 +26,8 @@ from skipinject.roles import Call, Codec, HitInfo, Loaded, Plan, Role, RowCodec,
 from skipinject.store import Payload, StepStore
 from skipinject.store.compression import compression_for
 from skipinject.store.hit_memory import HitMemory
+from skipinject.verl.compat import STEP_KEY
+from skipinject.verl.layout import other_batch_sizes, project_dir
 
 logger = logging.getLogger("skipinject")
 
@@ -66,7 +67,7 @@ class RoleRuntime:
         if self.role.codec is not None:
             return self.role.codec
         if self._default_codec is None:
-            from skipinject.codecs import DataProtoCodec
+            from skipinject.verl.codecs import DataProtoCodec
 
             self._default_codec = DataProtoCodec()
         return self._default_codec
@@ -150,37 +151,26 @@ class RoleRuntime:
         """This role's stores in the project's layouts that differ from ``store``'s in the batch size
         only (at most ``limit``, the nearest batch sizes first; one listing of the experiment
         directory), each usable: ``action=match`` looks rows up there too. Never raises."""
-        context = store.context
-        if self.unusable(store) is not None or not {"gbs", "n", "prompt_length", "response_length"} <= set(context):
+        if self.unusable(store) is not None:
             return []
-        named = self.role.name if self.role.cache_subdir is None else self.role.cache_subdir
-        subdir = path_safe(named) if named else ""
-        layout = store.project_dir.parent if subdir else store.project_dir
-        if layout.name != layout_name(context) or (subdir and store.project_dir.name != subdir):
-            return []
+        subdir = self.role.name if self.role.cache_subdir is None else self.role.cache_subdir
         try:
-            names = store.names_above(2 if subdir else 1)
+            found = other_batch_sizes(store.project_dir, store.context, subdir, store.names_above)
         except Exception:
             return []
-        found = batch_size_layouts(names, context)
-        found.sort(key=lambda item: abs(item[1] - int(context["gbs"])))
+        experiment = store.project_dir.parent.parent if subdir else store.project_dir.parent
         if len(found) > limit:
             self.once(
-                ("layouts", str(layout.parent)),
+                ("layouts", str(experiment)),
                 logging.INFO,
                 "%s: %s holds %d other batch-size layouts; match looks rows up in the %d nearest",
                 self.name,
-                layout.parent,
+                experiment,
                 len(found),
                 limit,
             )
-        stores = []
-        for name, gbs in found[:limit]:
-            directory = layout.parent / name / subdir if subdir else layout.parent / name
-            sibling = self._open_store(directory, {**context, "gbs": gbs})
-            if sibling.unusable() is None:
-                stores.append(sibling)
-        return stores
+        siblings = (self._open_store(directory, context) for directory, context in found[:limit])
+        return [sibling for sibling in siblings if sibling.unusable() is None]
 
     def unusable(self, store: StepStore) -> str | None:
         """Why ``store`` cannot be used at all this run (found once, logged once when it was opened)."""
@@ -200,6 +190,7 @@ class RoleRuntime:
             backend=root.backend(trust_permissions=trust),
             compression=compression_for(self.settings.compression, root.location()),
             memory=self.hit_memory,
+            step_aliases=(STEP_KEY,),
         )
 
     # ------------------------------------------------------------ deciding

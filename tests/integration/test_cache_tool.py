@@ -16,8 +16,8 @@ import torch
 
 from skipinject.cache_tool import main
 from skipinject.cache_tool.scan import scan
-from skipinject.codecs import DataProtoCodec, TensorDictCodec
 from skipinject.store import StepStore
+from skipinject.verl.codecs import DataProtoCodec, TensorDictCodec
 from tests.integration.test_codecs_verl import tq_sample_result
 from tests.reliability import helpers
 from tests.reliability.helpers import as_dataproto, same_batch

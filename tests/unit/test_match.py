@@ -562,7 +562,7 @@ def test_another_batch_size_is_served_from_the_project_s_other_layouts(
 
 
 def test_only_layouts_differing_in_the_batch_size_are_looked_at() -> None:
-    from skipinject.engine.layout import batch_size_layouts
+    from skipinject.verl.layout import batch_size_layouts
 
     context = {"gbs": 4, "n": 2, "prompt_length": 6, "response_length": 4}
     names = [
