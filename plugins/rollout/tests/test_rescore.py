@@ -367,7 +367,11 @@ def test_record_meta_without_a_run_config_records_nothing():
 
 @pytest.fixture(autouse=True)
 def _stopped() -> Any:
+    log = logging.getLogger("skipinject")
+    level = log.level
     yield
+    RoleRun.stop_all()  # a run still going restores the level it found (a capture's, maybe): put back ours
+    log.setLevel(level)
     bootstrap.stop()
     os.environ.pop("SKIPINJECT_CONFIG", None)
 
