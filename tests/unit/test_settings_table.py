@@ -12,19 +12,9 @@ from skipinject.config.schema import ROLE_KEYS, choices, readme_table
 from tests import readme_sync
 from tests.conftest import ROOT
 
-#: Settings documented in a page of docs/ whose row the README's table may not show yet.
-DOCUMENTED_IN_DOCS = {"rescore": "docs/rescore.md"}
-
-
 def test_the_readme_configuration_table_is_the_settings_table() -> None:
     printed = readme_sync.blocks((ROOT / "README.md").read_text())["settings"]
-    expected = readme_table()
-    for key, page in DOCUMENTED_IN_DOCS.items():
-        row = next(line for line in expected.splitlines() if line.startswith(f"| `{key}` |"))
-        assert f"`skip.<role>.{key}`" in (ROOT / page).read_text(), page
-        if row not in printed:
-            expected = expected.replace(row + "\n", "")
-    assert printed == expected, "README's table differs from readme_table(): run python tests/readme_sync.py"
+    assert printed == readme_table(), "README's table differs from readme_table(): run python tests/readme_sync.py"
 
 
 def test_the_runners_help_names_every_key_and_its_choices() -> None:
