@@ -12,6 +12,7 @@ from skipinject.config.schema import ROLE_KEYS, choices, readme_table
 from tests import readme_sync
 from tests.conftest import ROOT
 
+
 def test_the_readme_configuration_table_is_the_settings_table() -> None:
     printed = readme_sync.blocks((ROOT / "README.md").read_text())["settings"]
     assert printed == readme_table(), "README's table differs from readme_table(): run python tests/readme_sync.py"
