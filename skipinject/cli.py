@@ -156,9 +156,26 @@ def _console_script_path() -> None:
         sys.path[0] = os.getcwd()
 
 
+def _attach_values(argv: list[str]) -> list[str]:
+    """``--plugins -name`` excludes a plugin: argparse would read ``-name`` as an option, so a value-taking
+    option's next word is attached to it (``--plugins=-name``) before the program's own words begin."""
+    joined: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word in ("--plugins", "--skip-config"):
+            value = next(words, None)
+            joined.append(word if value is None else f"{word}={value}")
+        elif not word.startswith("-") or word in ("-m", "-c"):
+            joined.append(word)
+            joined.extend(words)  # the program and its ARGS: never rewritten
+        else:
+            joined.append(word)
+    return joined
+
+
 def _prepare(argv: list[str]) -> Program | None:
     """Parse, validate, load the plugins and start the hooks; the program to run (``None``: done)."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_attach_values(argv))
     if args.version:
         from skipinject.listing import render_versions
 

@@ -88,7 +88,7 @@ def rescore_rows(batch: Any, call: Call, rows: Sequence[int] | None = None) -> R
     """Score rows ``rows`` (all when ``None``) of the served ``batch`` (a ``DataProto``) with this run's reward,
     in place. See the module's docstring for the paths."""
     started = time.perf_counter()
-    tensors = batch.batch
+    tensors = getattr(batch, "batch", None)  # a served value without a tensor batch carries no scores
     if tensors is None or "rm_scores" not in tensors.keys():
         return Rescored(0, 0.0, "no scores recorded with the responses: this run's trainer scores them")
     chosen = list(range(len(batch))) if rows is None else list(rows)
