@@ -13,9 +13,10 @@ compactly, anything else as it is:
   own dtype on load.
 
 Training sees the same dtypes, shapes and values. Rebuilt tensors are new memory, so a reader
-bounds what it builds by the file's size (:data:`~skipinject.store.format.MAX_REBUILT_FACTOR`)
-before allocating: a tiny forged index cannot make it build gigabytes. The writer keeps the same
-bound (it stores tensors as they are rather than write a file no reader would accept).
+bounds what it builds by what the step's ``meta.json`` declares (its part's budget,
+:func:`~skipinject.store.meta.part_budget`) before allocating, and checks every recipe whole against
+its shape and dtype (ranges inside the row, values the dtype holds, one entry per row): a tiny forged
+index can neither make it build gigabytes nor serve a tensor the writer could not have written.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from skipinject.store.format import MAX_REBUILT_FACTOR, MAX_REBUILT_SLACK, TENSOR_DTYPES
+from skipinject.store.format import MAX_WIDTH, TENSOR_DTYPES
 
 if TYPE_CHECKING:
     import torch
@@ -76,25 +77,7 @@ def plan_tensors(tensors: Mapping[str, torch.Tensor], concats: Mapping[str, tupl
     for plan in plans:
         if plan.derive is None:
             plan.stored, plan.stored_dtype = _narrowed(plan.tensor)
-    file_bytes = sum(p.stored.numel() * p.stored.element_size() for p in plans if p.stored is not None)
-    if rebuilt_bytes(plans) > rebuilt_limit(file_bytes):
-        for plan in plans:  # beyond what a reader accepts: everything as it is
-            plan.derive, plan.stored, plan.stored_dtype = None, plan.tensor, None
-    for plan in plans:
-        if plan.derive is None and plan.stored is None:
-            plan.stored = plan.tensor
     return plans
-
-
-def rebuilt_limit(file_bytes: int) -> int:
-    """The most bytes a reader builds (rebuilt and widened tensors) for a file of ``file_bytes``."""
-    return MAX_REBUILT_FACTOR * file_bytes + MAX_REBUILT_SLACK
-
-
-def rebuilt_bytes(plans: list[Plan]) -> int:
-    return sum(
-        p.tensor.numel() * p.tensor.element_size() for p in plans if p.derive is not None or p.stored_dtype is not None
-    )
 
 
 def _narrowed(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
@@ -127,7 +110,7 @@ def _bits(tensor: torch.Tensor) -> Any:
 
 
 def _rows_of(tensor: torch.Tensor) -> bool:
-    return bool(tensor.dim() == 2 and tensor.shape[0] > 0 and tensor.shape[1] > 0)
+    return bool(tensor.dim() == 2 and tensor.shape[0] > 0 and 0 < tensor.shape[1] <= MAX_WIDTH)
 
 
 def _run(tensor: torch.Tensor) -> dict[str, Any] | None:
@@ -209,16 +192,36 @@ def _concat(plan: Plan, left: Plan, right: Plan) -> dict[str, Any] | None:
     return None
 
 
-def check_rebuilt(entries: list[Mapping[str, Any]], file_bytes: int) -> None:
-    """Refuse (ValueError) an index whose rebuilt tensors would be larger than the file allows."""
+def check_rebuilt(entries: list[Mapping[str, Any]], budget: int) -> None:
+    """Refuse (ValueError) an index whose rebuilt and widened tensors would take more than ``budget`` bytes."""
     total = 0
     for entry in entries:
         if "derive" in entry or "stored_dtype" in entry:
-            if entry["dtype"] not in TENSOR_DTYPES or type(entry["shape"]) is not list:
+            shape = entry["shape"]
+            if entry["dtype"] not in TENSOR_DTYPES or type(shape) is not list or not all(type(d) is int for d in shape):
                 raise ValueError(f"bad dtype or shape for {str(entry['name'])[:80]!r}")
-            total += math.prod(entry["shape"]) * _itemsize(entry["dtype"])
-    if total > rebuilt_limit(file_bytes):
-        raise ValueError(f"its index rebuilds {total} bytes from a {file_bytes}-byte file")
+            total += math.prod(shape) * _itemsize(entry["dtype"])
+    if total > budget:
+        raise ValueError(f"its index rebuilds {total} bytes, more than the step's rows may take ({budget})")
+
+
+def _check_recipe(kind: str, starts: list[int], seconds: list[int], width: int, dtype: str) -> None:
+    """What the writer could have recorded for rows of ``width`` of ``dtype`` (ValueError otherwise): a
+    run lies inside its row (``0 <= start <= end <= width``); a ramp is of a signed integer dtype, its
+    top a value of that dtype and its start one the writer finds (``-top <= start < width``)."""
+    if kind == "run":
+        if dtype == "bfloat16" or dtype.startswith("complex"):
+            raise ValueError(f"a run of {dtype}")
+        if not all(0 <= start <= end <= width for start, end in zip(starts, seconds, strict=True)):
+            raise ValueError(f"a run outside its row of {width}")
+        return
+    if dtype not in _INTEGERS or dtype.startswith("uint"):
+        raise ValueError(f"a ramp of {dtype}")
+    highest = (1 << (8 * _itemsize(dtype) - 1)) - 1
+    if not all(0 <= top <= highest for top in seconds):
+        raise ValueError(f"a ramp with a negative top or one {dtype} does not hold")
+    if not all(-top <= start < width for start, top in zip(starts, seconds, strict=True)):
+        raise ValueError(f"a ramp starting outside its row of {width}")
 
 
 #: Elements a rebuilding job writes at a time: a block stays in the caches between the passes over it.
@@ -280,14 +283,15 @@ class Recipe:
         keys = ("run", "end") if "run" in derive else ("ramp", "top") if "ramp" in derive else None
         if keys is None or len(shape) != 2:
             raise ValueError("an unknown recipe")
+        if not (shape[0] > 0 and 0 < shape[1] <= MAX_WIDTH):
+            raise ValueError(f"a {keys[0]} of shape {shape}")
         columns = []
         for key in keys:
             values = derive.get(key)
             if type(values) is not list or len(values) != shape[0] or not all(type(v) is int for v in values):
                 raise ValueError(f"a recipe whose {key!r} does not hold one integer per row")
             columns.append(values)
-        if keys[0] == "ramp" and any(top < 0 for top in columns[1]):
-            raise ValueError("a ramp with a negative top")
+        _check_recipe(keys[0], columns[0], columns[1], shape[1], _name(dtype))
         return cls(keys[0], shape, dtype, first=columns[0], second=columns[1])
 
     @property

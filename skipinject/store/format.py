@@ -67,6 +67,8 @@ MAX_META_DEPTH = 32
 #: Rows of a step or a part (``rows`` in meta.json): more than any batch holds; a larger count is forged
 #: (and its sum over steps would not even print: Python converts at most 4300 digits).
 MAX_ROWS = 1 << 48
+#: The largest size meta.json may record for a data file, stored or decoded (1 PiB).
+MAX_FILE_BYTES = 1 << 50
 #: The JSON index at the head of a tensor file (~100 bytes per tensor).
 MAX_INDEX_BYTES = 64 << 20
 #: A file this large must occupy at least 1/SPARSE_FACTOR of its size on disk (not a sparse forgery).
@@ -81,10 +83,18 @@ TREE_CHUNK = 32 << 20
 FRAME_BYTES = 4 << 20
 #: No zstd data expands more than this (a 128 KiB block in 4 bytes): a compressed file claiming more is forged.
 MAX_EXPANSION = 1 << 15
-#: Tensors a compact tensor file rebuilds (derived or widened) total at most this many times its
-#: decoded size plus :data:`MAX_REBUILT_SLACK` bytes.
-MAX_REBUILT_FACTOR = 64
-MAX_REBUILT_SLACK = 256 << 20
+#: What one part of a step may take decoded (its data files decoded, plus the tensors a compact
+#: tensor file rebuilds), from what its ``meta.json`` declares, checked before a frame or a rebuild
+#: allocates (:func:`skipinject.store.meta.part_budget`): per row, this many bytes per token of the
+#: layout's width (``prompt_length + response_length`` in ``context``; room for any per-token tensor a
+#: rollout carries, e.g. MoE routing), or :data:`MAX_ROW_BYTES` where no width is declared, plus
+#: :data:`PART_SLACK` for what is not per row (headers, objects shared by the rows). A step takes at
+#: most the process's memory budget in all (:func:`skipinject.store.hit_memory.memory_budget`).
+MAX_BYTES_PER_TOKEN = 4096
+MAX_ROW_BYTES = 256 << 20
+PART_SLACK = 16 << 20
+#: The widest row of tokens a ``context`` may declare, and a compact mask or ramp may rebuild.
+MAX_WIDTH = 1 << 20
 
 
 def step_name(step: int) -> str:
@@ -166,9 +176,10 @@ def reference_table() -> str:
             f"expanding at most {MAX_EXPANSION}x, levels 1-{ZSTD_MAX_LEVEL}",
         ),
         (
-            "rebuilt tensors",
-            f"at most {MAX_REBUILT_FACTOR}x the file + {_mib(MAX_REBUILT_SLACK)}",
-            "derived and widened tensors of a compact tensor file",
+            "decoded part",
+            f"rows x width x {MAX_BYTES_PER_TOKEN} B + {_mib(PART_SLACK)}",
+            f"data files decoded and compact tensors rebuilt; {_mib(MAX_ROW_BYTES)} a row without a declared "
+            "width; a step at most half the memory the process may use",
         ),
         ("rows records (`match`)", f"`{ROWS_DIR}/{{n}}/`", "ordinary committed steps, numbered from 1"),
         (

@@ -45,11 +45,40 @@ _HEADROOM = 16
 
 
 def _default_max_bytes() -> int:
-    """A quarter of the machine's memory (8 GiB where that cannot be told)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
-    except (AttributeError, OSError, ValueError):
-        return 8 << 30
+    """A quarter of the memory the process may use."""
+    return memory_budget() // 2
+
+
+_USABLE: list[int] = []
+
+
+def memory_budget() -> int:
+    """The most one step may take decoded and rebuilt: half the memory this process may use (the
+    machine's, or less under a cgroup limit or ``RLIMIT_AS``; 16 GiB where none can be told). A step
+    declaring more is refused before anything is allocated: it could only be forged, or never fit."""
+    if not _USABLE:
+        limits = []
+        try:
+            limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (AttributeError, OSError, ValueError):
+            pass
+        try:
+            import resource
+
+            soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+            if soft != resource.RLIM_INFINITY:
+                limits.append(soft)
+        except (ImportError, OSError, ValueError):
+            pass
+        try:
+            with open("/sys/fs/cgroup/memory.max", "rb") as handle:
+                text = handle.read(64).strip()
+            if text.isdigit():
+                limits.append(int(text))
+        except OSError:
+            pass
+        _USABLE.append(min(limits) if limits else 32 << 30)
+    return _USABLE[0] // 2
 
 
 @dataclass
@@ -132,10 +161,23 @@ class HitMemory:
                 assert isinstance(mapping, mmap.mmap)
                 chosen = _Buffer(mapping)
                 slot.buffers.append(chosen)
+                claim._grown.append(chosen)
                 zeroed = True
             array = np.frombuffer(chosen.mapping, dtype=np.uint8, count=size)
             chosen.lent = weakref.ref(array)
             return array, zeroed
+
+    def _refuse(self, slot: _Slot, claim: Claim) -> None:
+        """``claim``'s step was refused: the buffers it added leave the pool (freed with their last
+        array), and the slot is free again."""
+        with self._lock:
+            for buffer in claim._grown:
+                if buffer in slot.buffers:
+                    slot.buffers.remove(buffer)
+            if slot.claim is not None and slot.claim() is claim:
+                slot.claim = None
+            if not slot.buffers and slot in self._pool:
+                self._pool.remove(slot)
 
     def clear(self) -> None:
         """Let go of every buffer no tensor views (the rest go when their tensors do)."""
@@ -158,6 +200,7 @@ class Claim:
         self._memory = memory
         self._slot: _Slot | None = None
         self._tried = False
+        self._grown: list[_Buffer] = []  # buffers the pool allocated for this hit
 
     def take(self, size: int) -> tuple[Decoded, bool]:
         """A writable buffer of exactly ``size`` bytes, and whether it holds zeros (fresh memory) or an
@@ -171,6 +214,12 @@ class Claim:
                 if lent is not None:
                     return lent
         return anonymous(size), True
+
+    def refuse(self) -> None:
+        """The step was refused: what the pool allocated for it is not kept for later hits."""
+        if self._memory is not None and self._slot is not None:
+            self._memory._refuse(self._slot, self)
+        self._grown = []
 
     def buffer(self, size: int) -> Decoded:
         """:meth:`take` for bytes that are written in full before they are read (a decompressed file)."""

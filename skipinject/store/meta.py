@@ -15,7 +15,17 @@ from typing import Any
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.files import parse_json, read_fd
-from skipinject.store.format import MAX_META_DEPTH, META_NAME, SAFE_NAME
+from skipinject.store.format import (
+    MAX_BYTES_PER_TOKEN,
+    MAX_FILE_BYTES,
+    MAX_META_DEPTH,
+    MAX_ROW_BYTES,
+    MAX_ROWS,
+    MAX_WIDTH,
+    META_NAME,
+    PART_SLACK,
+    SAFE_NAME,
+)
 
 
 @dataclass(frozen=True)
@@ -36,10 +46,15 @@ class DataFile:
         return "encoding" in self.spec
 
     @property
+    def decoded(self) -> int:
+        """Bytes it takes decoded (its stored size unless compressed)."""
+        decoded = self.spec.get("decoded_size")
+        return (decoded if type(decoded) is int else 0) if self.encoded else self.size
+
+    @property
     def gained(self) -> int:
         """Bytes it gains when decoded (0 unless compressed)."""
-        decoded = self.spec.get("decoded_size")
-        return (decoded if type(decoded) is int else 0) - self.size if self.encoded else 0
+        return self.decoded - self.size if self.encoded else 0
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,47 @@ class StepMeta(dict[str, Any]):
     @property
     def compressed(self) -> bool:
         return all(file.encoded for _, file in self.files())
+
+    def check_budget(self) -> None:
+        """Refuse (CorruptCacheError) a step whose files decode to more than its parts' budgets
+        (:func:`part_budget`) or than the process's memory budget, before a byte is read or allocated."""
+        from skipinject.store.hit_memory import memory_budget
+
+        context = self.get("context")
+        total = 0
+        for part in self.parts:
+            decoded = sum(file.decoded for file in part.files)
+            budget = part_budget(part.rows, context if isinstance(context, Mapping) else {})
+            if decoded > budget and budget < memory_budget():
+                raise CorruptCacheError(
+                    f"{self.directory}: part {part.dir!r} declares {decoded} decoded bytes, more than its "
+                    f"{part.rows} rows may take ({budget}); not read"
+                )
+            total += decoded
+        if total > memory_budget():
+            raise CorruptCacheError(
+                f"{self.directory}: declares {total} decoded bytes, more than this process may spend on a step "
+                f"({memory_budget()}); not read"
+            )
+
+
+def part_budget(rows: int | None, context: Mapping[str, Any]) -> int:
+    """The most bytes one part of ``rows`` rows may take decoded and rebuilt (its data files decoded plus
+    the tensors its compact tensor file rebuilds): ``rows`` times what a row may take (per token of the
+    width ``context`` declares, :data:`~skipinject.store.format.MAX_BYTES_PER_TOKEN`) plus
+    :data:`~skipinject.store.format.PART_SLACK`, never more than the memory budget (rows not recorded:
+    the memory budget)."""
+    from skipinject.store.hit_memory import memory_budget
+
+    budget = memory_budget()
+    if rows is None:
+        return budget
+    widths = [context.get("prompt_length"), context.get("response_length")]
+    if all(type(w) is int and 0 <= w <= MAX_WIDTH for w in widths):
+        per_row = max(1, sum(int(w) for w in widths if w is not None)) * MAX_BYTES_PER_TOKEN
+    else:
+        per_row = MAX_ROW_BYTES
+    return min(budget, rows * per_row + PART_SLACK)
 
 
 def step_meta(meta: Mapping[str, Any], step_dir: Path) -> StepMeta:
@@ -148,9 +204,15 @@ def _part(directory: Path, part: Any) -> Part:
         name = spec.get("name") if isinstance(spec, dict) else None
         if not isinstance(name, str) or not SAFE_NAME.match(name) or ".." in name or name == META_NAME:
             raise CorruptCacheError(f"{directory}: meta.json names an unsafe file {short(name)}")
+        for key in ("size", "decoded_size"):
+            value = spec.get(key)
+            if value is not None and (type(value) is not int or not 0 <= value <= MAX_FILE_BYTES):
+                raise CorruptCacheError(f"{directory}: meta.json records no file size ({key} {short(value, 40)})")
         out.append(DataFile(kind, name, spec))
     rows = part.get("rows")
-    return Part(sub, rows if type(rows) is int else None, tuple(out))
+    if rows is not None and (type(rows) is not int or not 0 <= rows <= MAX_ROWS):
+        raise CorruptCacheError(f"{directory}: meta.json part {sub!r} records no row count ({short(rows, 40)})")
+    return Part(sub, rows, tuple(out))
 
 
 def short(value: Any, limit: int = 200) -> str:

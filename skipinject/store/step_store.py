@@ -35,7 +35,7 @@ from skipinject.store.format import (
     step_name,
 )
 from skipinject.store.hit_memory import Claim, HitMemory
-from skipinject.store.meta import Part, StepMeta, short, step_meta
+from skipinject.store.meta import Part, StepMeta, part_budget, short, step_meta
 from skipinject.store.payload import StepEntry
 from skipinject.store.tensorfile import read_tensors
 from skipinject.store.writer import StepWriter
@@ -336,12 +336,16 @@ class StepStore:
         files = self._open_step(step)
         try:
             meta = self._read_meta(files, step)
+            meta.check_budget()
             entry = StepEntry(step, self.step_dir(step), meta, memory=Claim(self.memory))
             try:
                 for part in meta.parts:
                     self._verify_part(entry, files, part)
-            except BaseException:
+            except BaseException as exc:
                 entry.release()
+                entry.memory.refuse()
+                if isinstance(exc, Exception) and not isinstance(exc, CacheError):  # MemoryError, OSError...
+                    raise CorruptCacheError(f"{entry.directory}: cannot read it ({type(exc).__name__}: {exc})") from exc
                 raise
             return entry
         finally:
@@ -396,11 +400,22 @@ class StepStore:
             return loaded
         if not entry.mapped and not entry.blobs:
             entry = self.verified(entry.step)  # not read by verified(): read it now, under the same rules
+        try:
+            return self._load(entry)
+        except BaseException:
+            entry.memory.refuse()  # what a refused step took is not kept for later hits
+            raise
+
+    def _load(self, entry: StepEntry) -> list[Payload]:
         payloads = []
-        for part in step_meta(entry.meta, entry.directory).parts:
+        meta = step_meta(entry.meta, entry.directory)
+        context = meta.get("context")
+        for part in meta.parts:
             paths = {file.kind: part.at(entry.directory, file.name) for file in part.files}
+            budget = part_budget(part.rows, context if isinstance(context, Mapping) else {})
+            budget -= sum(file.decoded for file in part.files if file.kind != "tensors")
             try:
-                tensors = read_tensors(entry.mapped.get(paths["tensors"]), paths["tensors"], entry.memory)
+                tensors = read_tensors(entry.mapped.get(paths["tensors"]), paths["tensors"], entry.memory, budget)
                 blob = entry.blobs.get(paths["objects"])
                 if blob is None:
                     raise CorruptCacheError(f"{paths['objects']}: was not verified")

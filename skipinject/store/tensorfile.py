@@ -15,7 +15,7 @@ from skipinject.store.checksums import _Hasher
 from skipinject.store.compact import BLOCK_ELEMENTS, Plan, Recipe, check_rebuilt, copy_into, plan_tensors
 from skipinject.store.compression import Compression, Written, workers, write_compressed
 from skipinject.store.format import MAX_INDEX_BYTES, TENSOR_ALIGN, TENSOR_DTYPES, TENSORS_MAGIC
-from skipinject.store.hit_memory import FRESH, Claim
+from skipinject.store.hit_memory import FRESH, Claim, memory_budget
 
 if TYPE_CHECKING:
     import torch
@@ -186,24 +186,28 @@ def _writeback_starter(handle: BinaryIO) -> Callable[[int, int], None] | None:
     return start
 
 
-def read_tensors(mapped: Decoded | None, path: Path, memory: Claim = FRESH) -> dict[str, torch.Tensor]:
+def read_tensors(
+    mapped: Decoded | None, path: Path, memory: Claim = FRESH, budget: int | None = None
+) -> dict[str, torch.Tensor]:
     """Tensors of a mapped tensor file, as views of the mapping. Runs no code from the file. Tensors
     stored narrowed or derived (compact encodings) are rebuilt into a buffer from ``memory``.
 
-    Work and memory are bounded by the file's size: the index is at most :data:`MAX_INDEX_BYTES`
-    and inside the file, every tensor's bytes lie inside the file, and a tensor without elements
-    may not claim more rows/columns (the product of its non-zero dimensions) than the file has
-    bytes. Any failure is a :class:`CorruptCacheError`.
+    Work and memory are bounded: the index is at most :data:`MAX_INDEX_BYTES` and inside the file,
+    every tensor's bytes lie inside the file, a tensor without elements may not claim more
+    rows/columns (the product of its non-zero dimensions) than the file has bytes, no dimension of a
+    stored tensor exceeds the file's size, and the file and what it rebuilds together take at most
+    ``budget`` bytes (its part's, :func:`~skipinject.store.meta.part_budget`; default: the memory
+    budget). Any failure is a :class:`CorruptCacheError`.
     """
     try:
-        return _read_tensors(mapped, path, memory)
+        return _read_tensors(mapped, path, memory, budget)
     except CorruptCacheError:
         raise
     except Exception as exc:  # ValueError, TypeError, RuntimeError from torch, RecursionError, MemoryError
         raise CorruptCacheError(f"{path}: tensor file index is damaged ({type(exc).__name__}: {exc})") from exc
 
 
-def _read_tensors(mapped: Decoded | None, path: Path, memory: Claim) -> dict[str, torch.Tensor]:
+def _read_tensors(mapped: Decoded | None, path: Path, memory: Claim, budget: int | None) -> dict[str, torch.Tensor]:
     import torch
 
     size = 0 if mapped is None else len(mapped)
@@ -216,7 +220,8 @@ def _read_tensors(mapped: Decoded | None, path: Path, memory: Claim) -> dict[str
     index = json.loads(bytes(mapped[len(TENSORS_MAGIC) + 8 : data_start]))["tensors"]
     if type(index) is not list or not all(type(entry) is dict for entry in index):
         raise ValueError("the index is not a list of records")
-    check_rebuilt(index, size)
+    rebuild_budget = (memory_budget() if budget is None else budget) - size
+    check_rebuilt(index, rebuild_budget)
     tensors = {}
     derived: list[dict[str, Any]] = []
     widened: list[tuple[str, torch.dtype]] = []
@@ -225,7 +230,8 @@ def _read_tensors(mapped: Decoded | None, path: Path, memory: Claim) -> dict[str
         name, dtype_name, shape = entry["name"], entry["dtype"], entry["shape"]
         if type(name) is not str or dtype_name not in TENSOR_DTYPES or type(shape) is not list:
             raise ValueError(f"bad name, dtype or shape for {name!r:.80}")
-        if len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d <= size << 3 for d in shape):
+        largest = rebuild_budget if "derive" in entry else size
+        if len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d <= largest for d in shape):
             raise ValueError(f"bad shape for {name!r:.80}")
         if name in seen:
             raise ValueError(f"{name!r:.80} is named twice")
@@ -323,6 +329,6 @@ def _copy_block(out: torch.Tensor, source: torch.Tensor, lo: int) -> None:
 
 
 def _narrows(stored: str, dtype: str) -> bool:
-    """``stored`` is an integer dtype a tensor of ``dtype`` may have been narrowed to."""
-    integers = ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
-    return stored in ("uint8", "int8", "int16", "int32") and dtype in integers
+    """``stored`` is an integer dtype a tensor of ``dtype`` may have been narrowed to (a smaller one)."""
+    sizes = {"uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8}
+    return stored in ("uint8", "int8", "int16", "int32") and dtype in sizes and sizes[stored] < sizes[dtype]

@@ -262,3 +262,51 @@ def test_log_lines_of_a_command_are_escaped_too(
     (line,) = [record.getMessage() for record in caplog.records]
     assert "\x1b" not in line and "\n" not in line and "evil\\e]0;owned" in line
     capsys.readouterr()
+
+
+# ---------------------------------------------------------------- sizes and bounds (issue 37)
+
+
+def save_compressed(project_dir: Path, step: int) -> Path:
+    from skipinject.store.compression import Compression
+
+    store = StepStore(project_dir, "tool_test", context(), compression=Compression())
+    payload = Payload(tensors={"x": torch.full((2, 3), step)}, objects={"value": [step, step]}, rows=2)
+    return store.save(step, payload, {"inputs": None})
+
+
+def forge_objects(step_dir: Path, meta: dict[str, Any], frames: int) -> None:
+    """The objects file replaced by ``frames`` frames of 128 bytes, each claiming a whole frame decoded
+    (64 GiB for 16384: within zstd's ratio, beyond this machine's memory), checksum recomputed."""
+    from skipinject.store.checksums import _digest
+    from skipinject.store.format import FRAME_BYTES
+
+    spec = meta["parts"][0]["files"]["objects"]
+    data = bytes(128 * frames)
+    (step_dir / spec["name"]).write_bytes(data)
+    spec.update(size=len(data), checksum=_digest(data, meta["checksum_algo"]), frames=[128] * frames)
+    spec["decoded_size"] = FRAME_BYTES * frames
+
+
+@pytest.mark.parametrize("command", ["ls", "ls -l", "verify", "show"])
+def test_an_absurd_size_in_meta_json_is_a_damaged_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """A decoded size of 4000 digits (a sum of it does not convert to a float) and one beyond memory:
+    each a DAMAGED step, never an internal OverflowError or MemoryError."""
+    root = tmp_path / "dump"
+    save_compressed(root / "e_p" / LAYOUT, 1)
+    huge = save_compressed(root / "e_p" / LAYOUT, 2)
+    rewrite_meta(huge, lambda meta: meta["parts"][0]["files"]["tensors"].update(decoded_size=int("9" * 4000)))
+    beyond_memory = save_compressed(root / "e_p" / LAYOUT, 3)
+    rewrite_meta(beyond_memory, lambda meta: forge_objects(beyond_memory, meta, 16384))
+    words = command.split()
+    targets = [root / "e_p" / LAYOUT / "2", root / "e_p" / LAYOUT / "3"] if command == "show" else [root]
+    for target in targets:
+        code, out, err = run(capsys, *words, target)
+        assert "internal error" not in err and "Error" not in err.replace("CorruptCacheError", ""), err
+        assert code in (0, 1, 2), (code, out, err)
+        if command == "verify":
+            assert code == 1 and "1 ok, 2 damaged" in out, out
+        if command in ("ls", "ls -l"):
+            assert "damaged" in out, out

@@ -500,8 +500,9 @@ def test_a_frame_without_a_content_size_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("record", "message"),
     [
-        ({"decoded_size": 1 << 50}, "does not match its decoded size"),
-        ({"decoded_size": 1 << 40, "frames": "many"}, "no valid decoded size or frame table"),
+        ({"decoded_size": 1 << 50}, "declares 1125899906842626 decoded bytes, more than its 16 rows may take"),
+        ({"decoded_size": 5 << 20}, "does not match its decoded size"),
+        ({"decoded_size": 1 << 20, "frames": "many"}, "no valid decoded size or frame table"),
         ({"frames": None}, "no valid decoded size or frame table"),
         ({"encoding": "lz4"}, "unknown encoding"),
     ],
@@ -553,6 +554,17 @@ def _forged_index(entries: list[dict[str, Any]]) -> bytes:
         ({"name": "m", "dtype": "int64", "shape": [1, 3], "derive": {"ramp": [-(1 << 70)], "top": [9]}}, "damaged"),
         ({"name": "m", "dtype": "int16", "shape": [1, 3], "derive": {"ramp": [0], "top": [1 << 40]}}, "damaged"),
         ({"name": "m", "dtype": "float32", "shape": [1], "offset": 0, "nbytes": 1, "stored_dtype": "uint8"}, "stored"),
+        # issue 37: every recipe checked whole against its shape and dtype
+        ({"name": "m", "dtype": "int64", "shape": [2, 3], "derive": {"run": [2, 0], "end": [1, 3]}}, "outside its row"),
+        ({"name": "m", "dtype": "int64", "shape": [2, 3], "derive": {"run": [-1, 0], "end": [1, 3]}}, "outside"),
+        ({"name": "m", "dtype": "bool", "shape": [2, 3], "derive": {"run": [0, 0], "end": [4, 3]}}, "outside its row"),
+        ({"name": "m", "dtype": "int64", "shape": [1, 3], "derive": {"run": [0], "end": [1 << 70]}}, "outside its row"),
+        ({"name": "m", "dtype": "int64", "shape": [1, 3], "derive": {"ramp": [3], "top": [1]}}, "starting outside"),
+        ({"name": "m", "dtype": "int64", "shape": [1, 3], "derive": {"ramp": [-5], "top": [1]}}, "starting outside"),
+        ({"name": "m", "dtype": "int8", "shape": [1, 3], "derive": {"ramp": [0], "top": [300]}}, "does not hold"),
+        ({"name": "m", "dtype": "float32", "shape": [1, 3], "derive": {"ramp": [0], "top": [2]}}, "a ramp of float32"),
+        ({"name": "m", "dtype": "int64", "shape": [0, 3], "derive": {"run": [], "end": []}}, "a run of shape"),
+        ({"name": "m", "dtype": "int16", "shape": [1], "offset": 0, "nbytes": 4, "stored_dtype": "int32"}, "stored"),
     ],
 )
 def test_a_forged_compact_index_is_refused(tmp_path: Path, entry: dict[str, Any], message: str) -> None:
@@ -563,6 +575,113 @@ def test_a_forged_compact_index_is_refused(tmp_path: Path, entry: dict[str, Any]
     entry_obj = store.verified(1)
     with pytest.raises(CorruptCacheError, match=message):
         store.load(entry_obj)
+
+
+# ---------------------------------------------------------------- absolute bounds (issue 37)
+
+WIDE = {"prompt_length": 8, "response_length": 8}  # a layout's widths: 16 tokens a row
+
+
+def _zeros_bomb(decoded: int, entries: list[dict[str, Any]]) -> tuple[bytes, list[int]]:
+    """A genuine compressed tensor file: a real index, then ``decoded`` bytes of zeros, in real zstd
+    frames (about 29,000x: within zstd's ratio); its stored bytes and frame table."""
+    head = _forged_index(entries)
+    compressor = zstandard.ZstdCompressor(level=19, write_content_size=True)
+    zeros = compressor.compress(bytes(format.FRAME_BYTES))
+    total = len(head) + decoded
+    frames = [compressor.compress(head + bytes(format.FRAME_BYTES - len(head)))]
+    whole, rest = divmod(total - format.FRAME_BYTES, format.FRAME_BYTES)
+    frames += [zeros] * whole + ([compressor.compress(bytes(rest))] if rest else [])
+    return b"".join(frames), [len(frame) for frame in frames]
+
+
+def test_a_genuine_zstd_bomb_is_refused_before_a_frame_is_decoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 256 MiB tensor of zeros in real zstd frames (a few KB), claiming 4 rows of 16 tokens: refused
+    from meta.json alone (it declares more than 4 rows can take), before anything is allocated."""
+    store = StepStore(tmp_path / "project", "toy", WIDE, compression=ZSTD)
+    store.save(1, Payload(tensors=padded_batch(4, 8, 8), objects={}, rows=4))
+    meta_path = store.step_dir(1) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    decoded = 256 << 20
+    tensor = {"name": "x", "dtype": "uint8", "shape": [4, decoded // 4], "offset": 0, "nbytes": decoded}
+    bomb, frames = _zeros_bomb(decoded, [tensor])
+    assert len(bomb) < decoded / 20_000
+    size = len(_forged_index([tensor])) + decoded
+    _replace_tensor_file(store, meta_path, meta, bomb, decoded_size=size, frames=frames)
+    allocated: list[int] = []
+    monkeypatch.setattr("skipinject.store.hit_memory.anonymous", lambda size: allocated.append(size) or bytearray(size))
+    with pytest.raises(CorruptCacheError, match=r"declares \d+ decoded bytes, more than its 4 rows may take"):
+        store.verified(1)
+    assert allocated == []
+
+
+def test_a_step_beyond_the_memory_budget_is_refused_even_without_a_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from skipinject.store import hit_memory
+
+    store, _, meta = _saved(tmp_path)
+    decoded = sum(spec.get("decoded_size", spec["size"]) for spec in meta["parts"][0]["files"].values())
+    monkeypatch.setattr(hit_memory, "_USABLE", [2 * decoded - 2])
+    with pytest.raises(CorruptCacheError, match="more than this process may spend on a step"):
+        store.verified(1)
+    monkeypatch.setattr(hit_memory, "_USABLE", [2 * decoded + (1 << 20)])  # room for the rebuilt tensors
+    assert_same(_load(store, 1).tensors, padded_batch())
+
+
+def test_a_compact_rebuild_beyond_the_declared_rows_is_refused_before_it_allocates(tmp_path: Path) -> None:
+    """A few hundred bytes whose index rebuilds a [4, 2^20] int64 mask (32 MiB) for 4 rows of 16 tokens."""
+    store = StepStore(tmp_path / "project", "toy", WIDE, compression=ZSTD)
+    store.save(1, Payload(tensors=padded_batch(4, 8, 8), objects={}, rows=4))
+    meta_path = store.step_dir(1) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    width = format.MAX_WIDTH
+    entry = {"name": "m", "dtype": "int64", "shape": [4, width], "derive": {"run": [0] * 4, "end": [width] * 4}}
+    raw = _forged_index([entry])
+    stored = zstandard.ZstdCompressor(write_content_size=True).compress(raw)
+    _replace_tensor_file(store, meta_path, meta, stored, decoded_size=len(raw), frames=[len(stored)])
+    verified = store.verified(1)
+    with pytest.raises(CorruptCacheError, match="more than the step's rows may take"):
+        store.load(verified)
+
+
+def test_memory_a_refused_step_took_is_not_kept_by_hit_memory(tmp_path: Path) -> None:
+    """The decoded file came from the pool, then its index was refused: the pool lets it go."""
+    from skipinject.store.hit_memory import HitMemory
+
+    memory = HitMemory()
+    store = StepStore(tmp_path / "project", "toy", {"run": 1}, compression=ZSTD, memory=memory)
+    store.save(1, Payload(concats=CONCATS, tensors=padded_batch(), objects={}, rows=16))
+    meta_path = store.step_dir(1) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    raw = _forged_index([{"name": "m", "dtype": "int64", "shape": [1, 3], "derive": {"run": [2], "end": [1]}}])
+    raw += bytes(1 << 20)
+    stored = zstandard.ZstdCompressor(write_content_size=True).compress(raw)
+    _replace_tensor_file(store, meta_path, meta, stored, decoded_size=len(raw), frames=[len(stored)])
+    entry = store.verified(1)
+    assert memory.nbytes >= 1 << 20
+    with pytest.raises(CorruptCacheError, match="outside its row"):
+        store.load(entry)
+    assert memory.nbytes == 0
+
+
+def test_a_step_that_cannot_be_allocated_is_a_corrupt_cache_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever fails while a step is read (here the memory for its decoded file) is a CorruptCacheError,
+    so ``strict`` stops with it and ``cache`` regenerates: never a bare MemoryError."""
+    from skipinject.store import hit_memory
+
+    store, _, _ = _saved(tmp_path)
+
+    def no_memory(size: int) -> Any:
+        raise MemoryError
+
+    monkeypatch.setattr(hit_memory, "anonymous", no_memory)
+    with pytest.raises(CorruptCacheError, match="MemoryError"):
+        store.verified(1)
 
 
 # ---------------------------------------------------------------- the setting

@@ -218,16 +218,17 @@ def test_an_uncompressed_hit_still_views_the_file_and_takes_no_memory(tmp_path: 
 @pytest.mark.parametrize("dtype", ["int64", "int32", "int16", "uint8", "float32", "bool"])
 def test_a_run_or_ramp_written_over_an_earlier_batch_is_written_in_full(dtype: str) -> None:
     """The rows written whole (reused memory) equal the rows written over zeros (fresh memory), for
-    starts and ends inside, before and past the row."""
+    runs and ramps anywhere a writer records them (empty, whole, at either end, ramps starting before the row)."""
     from skipinject.store.compact import Recipe
 
     kind_dtype = getattr(torch, dtype)
     rows, width = 9, 37
-    starts = [-5, 0, 3, 30, 37, 50, -40, 10, 36]
-    ends = [3, 0, 2, 40, 37, 60, 20, 37, 36]
+    starts = [0, 0, 3, 30, 37, 5, 0, 10, 36]
+    ends = [3, 0, 3, 37, 37, 20, 20, 37, 36]
     specs = [("run", "end", starts, ends)]
     if dtype in ("int64", "int32", "int16"):
-        specs.append(("ramp", "top", starts, [3, 0, 2, 7, 5, 9, 100, 26, 1]))
+        ramp_starts = [-3, 0, 3, 30, 36, -9, -40, 10, 36]
+        specs.append(("ramp", "top", ramp_starts, [3, 0, 2, 7, 5, 9, 100, 26, 1]))
     for key, other, first, second in specs:
         entry = {"derive": {key: first, other: second}, "shape": [rows, width]}
         recipe = Recipe.of(entry, {}, kind_dtype)
