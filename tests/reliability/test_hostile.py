@@ -163,7 +163,54 @@ def sparse_tensors(store: StepStore) -> None:
         handle.truncate(size)
     meta = h.read_meta_raw(store, STEP)
     meta["parts"][0]["files"]["tensors"]["size"] = size  # forged size; the checksum is wrong
+    meta["parts"][0]["rows"] = meta["rows"] = 1 << 20  # rows that may take 8 GiB (else refused from meta.json)
     h.write_meta_raw(store, STEP, meta)
+
+
+def _compressed_tensors(entries: list[dict[str, Any]], zeros: int = 0) -> tuple[bytes, dict[str, Any]]:
+    """A genuine compressed tensor file (real zstd frames): the index of ``entries``, then ``zeros``
+    bytes of zeros (about 29,000x smaller stored: within zstd's ratio); its bytes and record."""
+    import struct
+
+    import zstandard
+
+    from skipinject.store.format import FRAME_BYTES, TENSORS_MAGIC
+
+    header = json.dumps({"tensors": entries}).encode()
+    header += b" " * (-(16 + len(header)) % 64)
+    head = TENSORS_MAGIC + struct.pack("<Q", len(header)) + header
+    compressor = zstandard.ZstdCompressor(level=19, write_content_size=True)
+    total = len(head) + zeros
+    first = min(total, FRAME_BYTES)
+    frames = [compressor.compress(head + bytes(first - len(head)))]
+    whole, rest = divmod(total - first, FRAME_BYTES)
+    frames += [compressor.compress(bytes(FRAME_BYTES))] * whole + ([compressor.compress(bytes(rest))] if rest else [])
+    record = {"encoding": "zstd", "decoded_size": total, "frames": [len(frame) for frame in frames]}
+    return b"".join(frames), record
+
+
+def _forge_compressed(store: StepStore, data: bytes, record: dict[str, Any]) -> None:
+    _forge_file(store, "tensors", data)
+    meta = h.read_meta_raw(store, STEP)
+    meta["parts"][0]["files"]["tensors"].update(record)
+    h.write_meta_raw(store, STEP, meta)
+
+
+def zstd_bomb(store: StepStore) -> None:
+    size = 256 << 20
+    entry = {"name": "input_ids", "dtype": "uint8", "shape": [4, size // 4], "offset": 0, "nbytes": size}
+    _forge_compressed(store, *_compressed_tensors([entry], size))
+
+
+def compact_rebuild_bomb(store: StepStore) -> None:
+    width = 1 << 20
+    mask = {"name": "attention_mask", "dtype": "int64", "shape": [4, width]}
+    _forge_compressed(store, *_compressed_tensors([{**mask, "derive": {"run": [0] * 4, "end": [width] * 4}}]))
+
+
+def compact_run_past_its_row(store: StepStore) -> None:
+    mask = {"name": "attention_mask", "dtype": "int64", "shape": [4, 16]}
+    _forge_compressed(store, *_compressed_tensors([{**mask, "derive": {"run": [0, 0, 20, -3], "end": [16, 99, 2, 4]}}]))
 
 
 def nested_objects(store: StepStore) -> None:
@@ -227,8 +274,26 @@ CASES: list[tuple[str, str, Callable[[StepStore], None], tuple[str, ...]]] = [
     ("fifo-tensors", "the tensor file is a named pipe (size forged to 0)", fifo_tensors, ("a pipe",)),
     ("tensors-link-out", "the tensor file is a link to the same bytes outside the step", tensors_link_out, ("link",)),
     ("objects-device", "the objects file is a link to /dev/urandom", objects_is_device, ("link",)),
-    ("sparse-tensors", "the tensor file is an 8 GiB sparse file (size forged)", sparse_tensors, ("sparse",)),
+    ("sparse-tensors", "the tensor file is an 8 GiB sparse file (size and rows forged)", sparse_tensors, ("sparse",)),
     ("nested-objects", "objects file of 100,000 nested lists (forged checksum)", nested_objects, ("nested",)),
+    (
+        "zstd-bomb",
+        "a tensor file of real zstd frames (~10 KB) decoding to 256 MiB of zeros for 4 rows (checksums match)",
+        zstd_bomb,
+        ("rows may take",),
+    ),
+    (
+        "compact-rebuild-bomb",
+        "a compact index rebuilding a [4, 2^20] int64 mask for 4 rows (checksums match)",
+        compact_rebuild_bomb,
+        ("rows may take",),
+    ),
+    (
+        "compact-run-past-its-row",
+        "a compact mask whose runs start before, end past or cross their row (checksums match)",
+        compact_run_past_its_row,
+        ("outside its row",),
+    ),
 ]
 
 #: Forged caches whose checksums match: the claims inside are out of proportion to the bytes.
