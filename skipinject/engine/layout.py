@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,26 @@ def batch_size_layouts(names: Iterable[str], context: Mapping[str, Any]) -> list
         if gbs != context.get("gbs") and name == layout_name({**context, "gbs": gbs}):
             found.append((name, gbs))
     return sorted(found, key=lambda item: item[1])
+
+
+def other_batch_sizes(
+    project: Path, context: Mapping[str, Any], subdir: str, names: Callable[..., Iterable[str]]
+) -> list[tuple[Path, dict[str, Any]]]:
+    """The project directories (and layout values) of the layouts beside ``project``'s that differ in
+    the batch size only, the nearest batch sizes first; ``names(directory, directories=True)`` lists
+    the experiment directory once. Empty when ``project`` is not in a layout of ``context``."""
+    if not {"gbs", "n", "prompt_length", "response_length"} <= set(context):
+        return []
+    subdir = path_safe(subdir) if subdir else ""
+    layout = project.parent if subdir else project
+    if layout.name != layout_name(context) or (subdir and project.name != subdir):
+        return []
+    found = batch_size_layouts(names(layout.parent, directories=True), context)
+    found.sort(key=lambda item: abs(item[1] - int(context["gbs"])))
+    return [
+        (layout.parent / name / subdir if subdir else layout.parent / name, {**context, "gbs": gbs})
+        for name, gbs in found
+    ]
 
 
 def project_dir(root: DumpRoot, config: Any, subdir: str) -> tuple[Path, dict[str, Any]]:

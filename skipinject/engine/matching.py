@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from skipinject.engine.row_index import ROWS, STEPS, RowIndex, RowSource, match_records
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
@@ -40,49 +40,9 @@ from skipinject.roles import Call, MatchInfo, Role, RowCodec
 from skipinject.store.format import ROWS_DIR
 
 if TYPE_CHECKING:
-    from skipinject.config import RoleConfig
     from skipinject.engine.calls import StepCalls
-    from skipinject.roles import Codec
+    from skipinject.engine.runtime import RoleRuntime
     from skipinject.store import StepStore
-
-
-class MatchingRole(Protocol):
-    """What matching uses of its role in this process (:class:`~skipinject.engine.runtime.RoleRuntime`)."""
-
-    role: Role
-    settings: RoleConfig
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def codec(self) -> Codec: ...
-
-    def once(self, key: Any, level: int, message: str, *args: Any) -> None: ...
-
-    def fingerprint(self, call: Call) -> list[str] | None: ...
-
-    def unusable(self, store: StepStore) -> str | None: ...
-
-    def sibling_store(self, store: StepStore, name: str) -> StepStore: ...
-
-    def batch_size_stores(self, store: StepStore, limit: int) -> list[StepStore]: ...
-
-    def record(
-        self,
-        record: StepCalls,
-        index: int,
-        call: Call,
-        result: Any,
-        inputs: Sequence[str] | None = None,
-        *,
-        background: bool = True,
-        keys: Sequence[str] | None = None,
-    ) -> None: ...
-
-    def in_background(self, store: StepStore, job: Callable[[], None]) -> None: ...
-
-    def after_miss(self, call: Call, result: Any) -> Any: ...
 
 
 logger = logging.getLogger("skipinject")
@@ -134,7 +94,7 @@ def _plain(value: Any) -> Any:
 class RowMatcher:
     """``action=match`` for one role in this process: the row indexes and rows stores of its projects."""
 
-    def __init__(self, runtime: MatchingRole) -> None:
+    def __init__(self, runtime: RoleRuntime) -> None:
         self.runtime = runtime
         self._indexes: dict[Path, RowIndex] = {}
         self._rows: dict[Path, StepStore] = {}
@@ -168,7 +128,7 @@ class RowMatcher:
         with self._lock:
             rows = self._rows.get(store.project_dir)
             if rows is None:
-                rows = self._rows[store.project_dir] = self.runtime.sibling_store(store, ROWS_DIR)
+                rows = self._rows[store.project_dir] = self.runtime.stores.sibling(store, ROWS_DIR)
             return rows
 
     def index(self, store: StepStore) -> RowIndex:
@@ -212,7 +172,7 @@ class RowMatcher:
         assert isinstance(codec, RowCodec)
         pending = _Pending(record, index, call, codec, background)
         pending.inputs = runtime.fingerprint(call)  # before the target runs: it may change its inputs
-        pending.keys = self.keys(call) if runtime.unusable(store) is None else None
+        pending.keys = self.keys(call) if runtime.stores.unusable(store) is None else None
         started = time.perf_counter()
         if pending.keys is not None:
             try:
@@ -397,7 +357,7 @@ class RowMatcher:
         with self._lock:
             found = self._siblings.get(store.project_dir)
         if found is None:
-            found = self.runtime.batch_size_stores(store, MAX_LAYOUTS)
+            found = self.runtime.stores.batch_size_stores(store, MAX_LAYOUTS)
             with self._lock:
                 found = self._siblings.setdefault(store.project_dir, found)
         return found
@@ -480,7 +440,7 @@ class RowMatcher:
         plan = record.plan
         assert plan is not None
         if plan.saves:
-            runtime.record(
+            runtime.recorder.record(
                 record,
                 pending.index,
                 pending.call,
@@ -489,7 +449,7 @@ class RowMatcher:
                 keys=pending.keys,
                 background=pending.background,
             )
-        elif fresh is not None and fresh_rows and ratio is not None and runtime.unusable(plan.store) is None:
+        elif fresh is not None and fresh_rows and ratio is not None and runtime.stores.unusable(plan.store) is None:
             keys, inputs = pending.keys, pending.inputs
             assert keys is not None
             fresh_inputs = [inputs[row] for row in fresh_rows] if inputs and len(inputs) == len(keys) else None

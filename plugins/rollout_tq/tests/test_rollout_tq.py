@@ -31,7 +31,7 @@ from skipinject.engine import Engine
 from skipinject.engine.background import WRITER
 from skipinject.store import StepStore
 from skipinject.store.writer import StepWriter
-from skipinject_rollout_tq.phases import StepBook, parameter_sync_step
+from skipinject_rollout_tq.phases import parameter_sync_step
 from skipinject_rollout_tq.plugin import cannot_fire, make_role
 from skipinject_rollout_tq.transfer import CachedBatch, group_rows, inject, prepare, remap, select_rows
 from tensordict import TensorDict
@@ -314,7 +314,7 @@ class Session:
 
     def __init__(self, dump: Path, steps: tuple[int, ...] = (1, 2), **settings: Any) -> None:
         cfg = RoleConfig(enable=True, dump_dir=str(dump), steps=steps, **settings)
-        self.engine = Engine(Config(roles={"rollout_tq": cfg}), {"rollout_tq": (make_role(StepBook()), "test")})
+        self.engine = Engine(Config(roles={"rollout_tq": cfg}), {"rollout_tq": (make_role(), "test")})
 
     def __enter__(self) -> Engine:
         self.engine.start()
