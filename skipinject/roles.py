@@ -328,9 +328,10 @@ class PhaseContext(Protocol):
         past it (e.g. the prompts a submit and its refills drew; plugin API 1.3)."""
 
     def record(self, call: Call, step: int, result: Any) -> int | None:
-        """Save ``result`` as ``step``'s next part; returns its index, or ``None`` when this run does
-        not record the step (it was served or is cached already, its directory is unusable, a part
-        failed: reported once). Encoded and copied now, written in the background (plugin API 1.3).
+        """Save ``result`` as ``step``'s next part ``k`` (in ``{step}/{k}/``); returns ``k``, or ``None``
+        when this run does not record the step (it was served or is cached already, its directory is
+        unusable, a part failed: reported once). Encoded and copied now, written in the background
+        (plugin API 1.3).
 
         The step is cached only once :meth:`commit` is called: a step the run moves past before
         that (a call of the role at another step, the end of the run) is dropped with one warning."""

@@ -137,7 +137,7 @@ class Recorder:
                 return
             began = time.perf_counter()
             try:
-                writer.add_part(snapshot, part=part_name(index))
+                writer.add_part(snapshot, part=str(index) if record.by_phase else part_name(index))
                 record.saving_seconds += time.perf_counter() - began
             except Exception as exc:
                 self.drop(record, f"cannot write {what} ({type(exc).__name__}: {exc})", in_job=True)

@@ -617,8 +617,11 @@ def test_parameter_sync_step_parts_and_interrupted_step(tmp_path: Path, clean_tq
     assert not (layout / "3" / "meta.json").exists() and not list((layout / "3" / "0").glob("tensors-*"))
     messages = [r.getMessage() for r in caplog.records]
     assert any("rollout_tq step 2:" in m and ("interrupted" in m or "miss" in m) for m in messages), messages
-    assert any("step 3: only 1 of 2 mini-batches were sampled before step 4 began" in m for m in messages)
-    assert sum("saved mini-batch 1 of 2" in m for m in messages) == 2
+    assert any(
+        "step 3: could not save" in m and "1 part(s) recorded and not committed before step 4 began" in m
+        for m in messages
+    )
+    assert sum("saved 8 rows in 2 part(s)" in m for m in messages) == 2, messages
 
 
 @pytest.mark.ray
@@ -787,5 +790,5 @@ def test_a_failed_background_part_leaves_no_step_and_drops_the_later_part(
     assert not (layout / "1" / "meta.json").exists()
     assert not list(layout.rglob("tensors-*")), "nothing of the failed step is left"
     messages = [r.getMessage() for r in caplog.records]
-    assert sum("could not save mini-batch 0" in m and "No space left" in m for m in messages) == 1, messages
-    assert not any("saved mini-batch" in m or "saved 8 trajectories" in m for m in messages), messages
+    assert sum("could not save" in m and "cannot write part 1" in m and "No space left" in m for m in messages) == 1
+    assert not any(": saved" in m for m in messages), messages
