@@ -65,18 +65,18 @@ def batch_size_layouts(names: Iterable[str], context: Mapping[str, Any]) -> list
 
 
 def other_batch_sizes(
-    project: Path, context: Mapping[str, Any], subdir: str, names: Callable[..., Iterable[str]]
+    project: Path, context: Mapping[str, Any], subdir: str, names_above: Callable[[int], Iterable[str]]
 ) -> list[tuple[Path, dict[str, Any]]]:
     """The project directories (and layout values) of the layouts beside ``project``'s that differ in
-    the batch size only, the nearest batch sizes first; ``names(directory, directories=True)`` lists
-    the experiment directory once. Empty when ``project`` is not in a layout of ``context``."""
+    the batch size only, the nearest batch sizes first. ``names_above(levels)`` lists the directory
+    ``levels`` above ``project`` (the experiment's), once. Empty when ``project`` is in no layout."""
     if not {"gbs", "n", "prompt_length", "response_length"} <= set(context):
         return []
     subdir = path_safe(subdir) if subdir else ""
     layout = project.parent if subdir else project
     if layout.name != layout_name(context) or (subdir and project.name != subdir):
         return []
-    found = batch_size_layouts(names(layout.parent, directories=True), context)
+    found = batch_size_layouts(names_above(2 if subdir else 1), context)
     found.sort(key=lambda item: abs(item[1] - int(context["gbs"])))
     return [
         (layout.parent / name / subdir if subdir else layout.parent / name, {**context, "gbs": gbs})

@@ -234,8 +234,14 @@ class Recorder:
                 usable = self.runtime.stores.unusable(store) is None
                 record.plan = Plan(store, step, reason="recorded", saves=usable and not _committed(store, step))
             record.by_phase = True
-            if not record.recording or not record.plan.saves or record.failed or record.closed:
-                return None
+            if (
+                not record.recording
+                or not record.plan.saves
+                or record.failed
+                or record.closed
+                or record.committed_parts
+            ):
+                return None  # served, cached, unusable, failed, or committed already
             index = record.started
             record.started += 1
         self.record(record, index, call, result)

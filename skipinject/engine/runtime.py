@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from skipinject.config import RoleConfig
@@ -17,9 +17,8 @@ from skipinject.engine.matching import RowMatcher
 from skipinject.engine.record import Recorder
 from skipinject.engine.replay import REGENERATE, Replay
 from skipinject.engine.stores import RoleStores
-from skipinject.errors import CorruptCacheError
 from skipinject.roles import Call, Codec, Loaded, Plan, Role, StepCache
-from skipinject.store import Payload, StepStore
+from skipinject.store import StepStore
 
 __all__ = ["REGENERATE", "RoleRuntime"]
 
@@ -126,12 +125,6 @@ class RoleRuntime:
         if self.role.on_miss is None:
             return result
         return self.role.on_miss(result, call)
-
-    def decode(self, payloads: Sequence[Payload], call: Call) -> Any:
-        """The result of a one-call step."""
-        if len(payloads) != 1:
-            raise CorruptCacheError(f"{self.name}: expected one part, the cache has {len(payloads)}")
-        return self.codec.decode(payloads[0], call)
 
     def close_all(self) -> None:
         """The run ended (``fit`` returned, the engine stops, the interpreter exits): close every step."""
