@@ -67,6 +67,7 @@ class RoleStores:
         if self.unusable(store) is not None:
             return []
         subdir = role.name if role.cache_subdir is None else role.cache_subdir
+
         def names_above(levels: int) -> Any:
             directory = store.project_dir
             for _ in range(levels):
