@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from skipinject.engine.background import WRITER
 from skipinject.engine.calls import StepBook, StepCalls, part_name
+from skipinject.engine.context import RoleContext
+from skipinject.engine.replay import Replay
+from skipinject.engine.stores import RoleStores
 from skipinject.roles import Call, Plan, RowCodec, StepCache
-
-if TYPE_CHECKING:
-    from skipinject.engine.runtime import RoleRuntime
 
 logger = logging.getLogger("skipinject")
 
@@ -27,16 +27,18 @@ logger = logging.getLogger("skipinject")
 class Recorder:
     """The steps of one role this process meets, and the saving of those it records."""
 
-    def __init__(self, runtime: RoleRuntime) -> None:
+    def __init__(self, runtime: RoleContext, stores: RoleStores, replay: Replay, steps: StepBook) -> None:
         self.runtime = runtime
+        self.stores = stores
+        self.replay = replay
         #: The steps this process's calls are in (see :mod:`skipinject.engine.calls`).
-        self.steps = StepBook(clocked=bool(runtime.role.clocks))
+        self.steps = steps
 
     # ------------------------------------------------------------ the calls of a step
 
     def step(self, call: Call, step: int) -> StepCalls:
         """The record of ``step`` in the run of ``call``; steps the run moved past are closed first."""
-        record, passed = self.steps.get(self.runtime.store_for(call).project_dir, step)
+        record, passed = self.steps.get(self.stores.store_for(call).project_dir, step)
         self.close(passed, step)
         return record
 
@@ -46,7 +48,7 @@ class Recorder:
         record = self.step(call, step)
         with record.lock:
             if record.plan is None:
-                record.plan = self.runtime.replay.plan(call, step)
+                record.plan = self.replay.plan(call, step)
             index = record.started
             record.started += 1
             record.running += 1
@@ -59,7 +61,7 @@ class Recorder:
             due = record.running == 0 and (record.closed or not self.steps.clocked)
             first, record.left = not record.left, True
         if first and record.plan is not None:
-            self.runtime.replay.read_after(record.plan)
+            self.replay.read_after(record.plan)
         if due:
             self.commit(record)
 
@@ -70,7 +72,7 @@ class Recorder:
 
     def close_all(self) -> None:
         """The run ended: close every step."""
-        self.runtime.replay.read_ahead.close()
+        self.replay.read_ahead.close()
         self.close(self.steps.take_all(), None)
 
     def close(self, records: Sequence[StepCalls], at: int | None) -> None:
@@ -226,12 +228,12 @@ class Recorder:
     def record_part(self, call: Call, step: int, result: Any) -> int | None:
         """See :meth:`skipinject.roles.PhaseContext.record`."""
         record = self.step(call, step)
-        store = self.runtime.store_for(call)
+        store = self.stores.store_for(call)
         if not self.steps.clocked:  # another step of this store recorded by a phase ends here
             self.close(self.steps.by_phase(store.project_dir, other_than=step), step)
         with record.lock:
             if record.plan is None:  # no phase planned the step in this run: record it unless cached
-                usable = self.runtime.stores.unusable(store) is None
+                usable = self.stores.unusable(store) is None
                 record.plan = Plan(store, step, reason="recorded", saves=usable and not _committed(store, step))
             record.by_phase = True
             if (
@@ -256,7 +258,7 @@ class Recorder:
 
     def served(self, call: Call, step: int) -> bool | None:
         """See :meth:`skipinject.roles.PhaseContext.served`."""
-        record = self.steps.find(self.runtime.store_for(call).project_dir, step)
+        record = self.steps.find(self.stores.store_for(call).project_dir, step)
         return None if record is None or record.plan is None else record.plan.serves
 
 

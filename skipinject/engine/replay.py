@@ -10,19 +10,18 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from skipinject.config import Action, MismatchPolicy
 from skipinject.engine.background import WRITER
-from skipinject.engine.calls import StepCalls, recorded_inputs
+from skipinject.engine.calls import StepBook, StepCalls, recorded_inputs
+from skipinject.engine.context import RoleContext
 from skipinject.engine.decision import cannot_load, nothing_more, plan_step
 from skipinject.engine.read_ahead import ReadAhead
+from skipinject.engine.stores import RoleStores
 from skipinject.errors import CorruptCacheError, PromptMismatchError
 from skipinject.roles import Call, HitInfo, Loaded, Plan
 from skipinject.store import Payload
-
-if TYPE_CHECKING:
-    from skipinject.engine.runtime import RoleRuntime
 
 logger = logging.getLogger("skipinject")
 
@@ -33,19 +32,21 @@ REGENERATE = object()
 class Replay:
     """One role's serving from its cache in this process."""
 
-    def __init__(self, runtime: RoleRuntime) -> None:
+    def __init__(self, runtime: RoleContext, stores: RoleStores, steps: StepBook) -> None:
         self.runtime = runtime
+        self.stores = stores
+        self.steps = steps
         #: The next chosen step, verified and loaded in the background while this one trains (``read_ahead``).
         self.read_ahead = ReadAhead(runtime.role.name)
 
     def plan(self, call: Call, step: int) -> Plan:
         """See :func:`skipinject.engine.decision.plan_step` (after this project's pending saves)."""
         rt = self.runtime
-        store = rt.store_for(call)
+        store = self.stores.store_for(call)
         WRITER.flush(store.project_dir)
         ahead = self.read_ahead.take(store, step) if rt.settings.read_ahead else None
         entry, waited = ahead if ahead is not None else (None, 0.0)
-        unusable = rt.stores.unusable(store)
+        unusable = self.stores.unusable(store)
         try:
             plan = plan_step(rt.name, store, rt.settings, rt.role.upstream_formats, step, unusable, ahead=entry)
         except BaseException:
@@ -70,19 +71,12 @@ class Replay:
             )
         return plan
 
-    def load(self, call: Call, step: int, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
-        """See :meth:`skipinject.roles.PhaseContext.load`; the step is then served or recorded in this run."""
-        record = self.runtime.recorder.step(call, step)
-        plan = self.plan(call, step)
-        loaded = None
+    def load(self, plan: Plan, call: Call, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
+        """See :meth:`skipinject.roles.PhaseContext.load`: what serves ``plan``, loaded, or ``None``."""
         try:
-            loaded = self._load_plan(plan, call, prepare)
+            return self._load_plan(plan, call, prepare)
         finally:
-            with record.lock:
-                if record.writer is None:  # the step's decision in this run, which its other calls follow
-                    record.plan = _regenerated(plan, plan.serves and loaded is None)
             self.read_after(plan)
-        return loaded
 
     def _load_plan(self, plan: Plan, call: Call, prepare: Callable[[Loaded], Any] | None) -> Loaded | None:
         if not plan.serves:
@@ -109,9 +103,9 @@ class Replay:
         actions that serve whole steps)."""
         rt = self.runtime
         settings = rt.settings
-        if not settings.read_ahead or settings.action is Action.match or rt.stores.unusable(plan.store) is not None:
+        if not settings.read_ahead or settings.action is Action.match or self.stores.unusable(plan.store) is not None:
             return
-        project, steps = plan.store.project_dir, rt.recorder.steps
+        project, steps = plan.store.project_dir, self.steps
 
         def ahead(step: int) -> bool:  # chosen, and not met by this run yet (concurrent calls may be ahead)
             return settings.allows(step) and not steps.known(project, step)
@@ -214,7 +208,7 @@ class Replay:
         with record.lock:
             plan = record.plan
             if index == 0 and record.started == 1 and plan is not None:
-                record.plan = _regenerated(plan, True)
+                record.plan = regenerated(plan)
                 record.payloads = None
         return REGENERATE
 
@@ -229,7 +223,7 @@ class Replay:
         return compared - same, compared
 
 
-def _regenerated(plan: Plan, failed: bool) -> Plan:
+def regenerated(plan: Plan, failed: bool = True) -> Plan:
     """``plan`` turned into a recording (``failed``: its cache could not serve)."""
     if not failed:
         return plan

@@ -8,60 +8,33 @@ It finds a call's step and hands the rest to its three parts: :class:`~skipinjec
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from skipinject.config import RoleConfig
+from skipinject.engine.calls import StepBook
+from skipinject.engine.context import RoleContext
 from skipinject.engine.matching import RowMatcher
 from skipinject.engine.record import Recorder
-from skipinject.engine.replay import REGENERATE, Replay
+from skipinject.engine.replay import REGENERATE, Replay, regenerated
 from skipinject.engine.stores import RoleStores
-from skipinject.roles import Call, Codec, Loaded, Plan, Role, StepCache
+from skipinject.roles import Call, Loaded, Plan, Role, StepCache
 from skipinject.store import StepStore
 
 __all__ = ["REGENERATE", "RoleRuntime"]
 
-logger = logging.getLogger("skipinject")
 
-
-class RoleRuntime:
+class RoleRuntime(RoleContext):
     """A role with its settings in this process: its stores, replay and recording."""
 
     def __init__(self, role: Role, settings: RoleConfig, owner: str) -> None:
-        self.role = role
-        self.settings = settings
-        self.owner = owner
-        self._lock = threading.Lock()
-        self._warned: set[Any] = set()
-        self._default_codec: Codec | None = None
+        super().__init__(role, settings, owner)
+        steps = StepBook(clocked=bool(role.clocks))
         self.stores = RoleStores(self)
-        self.replay = Replay(self)
-        self.recorder = Recorder(self)
+        self.replay = Replay(self, self.stores, steps)
+        self.recorder = Recorder(self, self.stores, self.replay, steps)
         #: ``action=match`` (and the row keys every recording of a keyed role saves).
-        self.matcher = RowMatcher(self)
-
-    @property
-    def name(self) -> str:
-        return self.role.name
-
-    @property
-    def codec(self) -> Codec:
-        if self.role.codec is not None:
-            return self.role.codec
-        if self._default_codec is None:
-            from skipinject.codecs import DataProtoCodec
-
-            self._default_codec = DataProtoCodec()
-        return self._default_codec
-
-    def once(self, key: Any, level: int, message: str, *args: Any) -> None:
-        """Log ``message`` the first time ``key`` is seen."""
-        with self._lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        logger.log(level, message, *args)
+        self.matcher = RowMatcher(self, self.stores, self.recorder)
 
     def applicable_step(self, call: Call, *, any_step: bool = False) -> int | None:
         """The call's step if this role may act on it, else ``None`` (the original runs).
@@ -105,27 +78,6 @@ class RoleRuntime:
             return None
         return step
 
-    def fingerprint(self, call: Call) -> list[str] | None:
-        if self.role.fingerprint is None:
-            return None
-        try:
-            rows = self.role.fingerprint(call)
-        except Exception as exc:
-            self.once(
-                ("fingerprint", type(exc)),
-                logging.WARNING,
-                "%s: cannot fingerprint the inputs (%s); mismatches will not be detected",
-                self.name,
-                exc,
-            )
-            return None
-        return None if rows is None else [str(r) for r in rows]
-
-    def after_miss(self, call: Call, result: Any) -> Any:
-        if self.role.on_miss is None:
-            return result
-        return self.role.on_miss(result, call)
-
     def close_all(self) -> None:
         """The run ended (``fit`` returned, the engine stops, the interpreter exits): close every step."""
         self.recorder.close_all()
@@ -139,7 +91,17 @@ class RoleRuntime:
         return self.replay.plan(call, step)
 
     def load(self, call: Call, step: int, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
-        return self.replay.load(call, step, prepare)
+        """The step is then served, or recorded, in this run (its later calls follow)."""
+        record = self.recorder.step(call, step)
+        plan = self.replay.plan(call, step)
+        loaded = None
+        try:
+            loaded = self.replay.load(plan, call, prepare)
+        finally:
+            with record.lock:
+                if record.writer is None:
+                    record.plan = regenerated(plan, plan.serves and loaded is None)
+        return loaded
 
     def served(self, call: Call, step: int) -> bool | None:
         return self.recorder.served(call, step)

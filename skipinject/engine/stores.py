@@ -5,16 +5,14 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from skipinject.engine.context import RoleContext
 from skipinject.engine.layout import other_batch_sizes, project_dir
 from skipinject.roles import Call
 from skipinject.store import StepStore
 from skipinject.store.compression import compression_for
 from skipinject.store.hit_memory import HitMemory
-
-if TYPE_CHECKING:
-    from skipinject.engine.runtime import RoleRuntime
 
 logger = logging.getLogger("skipinject")
 
@@ -23,7 +21,7 @@ class RoleStores:
     """The registry of one role's stores: the run's (named by its verl config), their siblings and
     the project's other batch-size layouts; each store is found usable or not once."""
 
-    def __init__(self, runtime: RoleRuntime) -> None:
+    def __init__(self, runtime: RoleContext) -> None:
         self.runtime = runtime
         #: The memory this role's compressed hits decode into, kept between hits (``reuse_hit_memory``).
         self.hit_memory = HitMemory(runtime.settings.reuse_hit_memory)
