@@ -83,7 +83,7 @@ def test_v1_rollout_tq_cache_then_hit(assets: Any, tmp_path: Path, trainer_mode:
     lines = skip_lines(first, ROLE)
     assert (
         sum(
-            f"{ROLE} step {s}: saved {harness.TRAIN_BATCH * harness.ROLLOUT_N} trajectories" in line
+            f"{ROLE} step {s}: saved {harness.TRAIN_BATCH * harness.ROLLOUT_N} rows in {sync_step} part(s)" in line
             for line in lines
             for s in (1, 2)
         )
