@@ -580,14 +580,16 @@ def test_jagged_fields_survive_save_load_and_row_selection(tmp_path: Path, clean
 def test_parameter_sync_step_parts_and_interrupted_step(tmp_path: Path, clean_tq: None, caplog):
     dump = tmp_path / "dump"
     layout = dump / LAYOUT.format(gbs=1)
-    with Session(dump, steps=(1, 2, 3)):
+    with Session(dump, steps=(1, 2, 3)) as engine:
         trainer = make_trainer("separate_async", k=2)
         assert parameter_sync_step(trainer.config) == 2
         first = train_step(trainer, 1)
-        # Step 2: one of two mini-batches sampled, then the process "dies" (the run is dropped as is).
+        # Step 2: one of two mini-batches sampled, then the process "dies" (the run is dropped as is:
+        # a killed process runs no end-of-run hook, so its open step is neither committed nor aborted).
         trainer.global_steps = 2
         trainer._add_batch_to_generate()
         trainer.replay_buffer.sample(global_steps=2, partition_id="train", batch_size=2)
+        engine.runtimes["rollout_tq"].recorder.steps.take_all()
     assert len(trainer.agent_loop_manager.calls) == 2
     meta = json.loads((layout / "1" / "meta.json").read_text())
     assert [p["dir"] for p in meta["parts"]] == ["0", "1"] and meta["rows"] == BATCH * N
