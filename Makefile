@@ -15,8 +15,9 @@ PYTEST := $(BIN)/python -m pytest
 OBSOLETE_DISTS := skipinject-rollout skipinject-rollout-tq
 BUILD_STAMP := $(VENV)/.build-installed
 DIST := dist
-# The unit tier by directory (plugins' verl-free tests go in plugins/<name>/tests/unit/).
-UNIT_PATHS := tests/unit $(wildcard plugins/*/tests/unit)
+# The unit tier by directory (plugins' verl-free tests go in plugins/<name>/tests/unit/; tests/reliability
+# keeps its few integration tests by marker).
+UNIT_PATHS := tests/unit tests/reliability $(wildcard plugins/*/tests/unit)
 
 .PHONY: setup dist demo test test-unit test-integration test-e2e test-fast test-verl-matrix venv-verl example bench lint clean
 

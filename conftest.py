@@ -2,13 +2,15 @@
 
 Tiers (markers applied here, by path, to every collected test):
 
-- ``unit``: ``tests/unit/`` and ``plugins/*/tests/unit/``. No verl, Ray, TransferQueue or pip, at
-  import nor in the test (torch and tensordict are fine); the tier runs in under two minutes
-  (``make test-unit``). A unit test that imports verl, ray or transfer_queue fails (when it is the
-  first to import it: run the tier alone, as ``make test-unit`` does, to be sure).
-- ``integration``: ``tests/integration/``, ``tests/reliability/`` (its fault injection trains on
-  verl's real ``DataProto``), ``plugins/*/tests/`` (outside ``unit/``): real verl, Ray,
-  TransferQueue, pip-installed plugin distributions (``make test-integration``).
+- ``unit``: ``tests/unit/``, ``tests/reliability/`` (its toy role saves
+  :func:`skipinject.testing.toy_batch`, a batch shaped like a ``DataProto`` without verl) and
+  ``plugins/*/tests/unit/``. No verl, Ray, TransferQueue or pip, at import nor in the test (torch
+  and tensordict are fine); the tier runs in under two minutes (``make test-unit``). A unit test
+  that imports verl, ray or transfer_queue fails (when it is the first to import it: run the tier
+  alone, as ``make test-unit`` does, to be sure).
+- ``integration``: ``tests/integration/``, ``plugins/*/tests/`` (outside ``unit/``), and the tests
+  marked so (a reliability test of a verl role's codec, of several processes for tens of seconds):
+  real verl, Ray, TransferQueue, pip-installed plugin distributions (``make test-integration``).
 - ``e2e``: ``tests/e2e/``: the real trainers (``make test-e2e``).
 
 Anything else, notably a ``tests/test_*.py`` left at the top level (e.g. by a merge), defaults to
@@ -46,7 +48,7 @@ def tier_of(path: Path) -> str:
         return "integration"
     if parts[:1] == ("tests",):
         sub = parts[1] if len(parts) > 2 else ""
-        return {"unit": "unit", "e2e": "e2e"}.get(sub, "integration")
+        return {"unit": "unit", "reliability": "unit", "e2e": "e2e"}.get(sub, "integration")
     if parts[:1] == ("plugins",) and len(parts) > 3 and parts[2] == "tests":
         return "unit" if parts[3] == "unit" and len(parts) > 4 else "integration"
     return "integration"
@@ -180,3 +182,11 @@ def toy_path(toy_site_unpacked: Path) -> Iterator[Path]:
             sys.path.remove(entry)
         for name in [n for n in sys.modules if n.startswith(("toy_targets", "skipinject_toy_plugin"))]:
             sys.modules.pop(name)
+
+
+@pytest.fixture
+def toy(toy_path: Path) -> object:
+    """``fixtures/toy_targets.py`` (its ``Trainer``, ``score``...), imported with the toy plugin on the path."""
+    import toy_targets
+
+    return toy_targets

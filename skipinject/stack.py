@@ -18,8 +18,13 @@ from packaging.version import InvalidVersion, Version
 
 logger = logging.getLogger("skipinject")
 
-#: The versions the test suite runs against (the locks in ``requirements/``: verl 0.9.1 fully,
-#: 0.8.0, 0.7.1 and 0.6.1 end to end; torch, tensordict and ray as those locks pin them).
+#: The verls CI runs (``make test``): 0.9.1, every test; 0.6.1, one pair of real runs of DAPO's recipe
+#: on the sync worker-group path, several generation calls per step (``tests/verl_matrix/pairs.py``).
+VERL_IN_CI = ("0.9.1", "0.6.1")
+#: The verls whose pairs of real runs pass on demand (``SKIPINJECT_VERL_MATRIX``), not in CI.
+VERL_ON_DEMAND = ("0.8.0", "0.7.1", "0.5.0", "0.4.1")
+#: The versions the test suite runs against, in CI or on demand (the locks in ``requirements/``:
+#: :data:`VERL_IN_CI`, :data:`VERL_ON_DEMAND`; torch, tensordict and ray as the 0.9.1 lock pins them).
 TESTED: Mapping[str, str] = {
     "verl": ">=0.4.1,<0.10",
     "torch": ">=2.13,<2.14",

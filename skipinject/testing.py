@@ -18,6 +18,11 @@ the run. :func:`call` calls a target as its caller would (looked up now, so the 
 For roles of verl's V0 trainer, :func:`v0_trainer` is a real ``RayPPOTrainer`` that entered the
 patched ``fit`` (the clock of roles whose target carries no step) and :func:`grpo_batch` a GRPO
 training batch as ``fit`` has it; both need verl.
+
+Without verl (a unit test of a role's engine side, a store, a cache): :class:`ToyTrainer` is a trainer
+as a role sees it (the ``global_steps`` clock, a ``config`` naming the cache directory),
+:func:`toy_batch` a rollout batch shaped like a ``DataProto`` that the TensorDict codec saves
+bit-exact, and :func:`same_batch` compares two batches of either kind.
 """
 
 from __future__ import annotations
@@ -39,7 +44,17 @@ if TYPE_CHECKING:
     from skipinject.engine import Engine
     from skipinject.plugin_manager import PluginSet
 
-__all__ = ["RoleRun", "call", "grpo_batch", "resolve", "v0_run_config", "v0_trainer"]
+__all__ = [
+    "RoleRun",
+    "ToyTrainer",
+    "call",
+    "grpo_batch",
+    "resolve",
+    "same_batch",
+    "toy_batch",
+    "v0_run_config",
+    "v0_trainer",
+]
 
 
 class _Lines(logging.Handler):
@@ -204,6 +219,104 @@ def resolve(target: str) -> Any:
 def call(target: str, *args: Any, **kwargs: Any) -> Any:
     """Call the target ``package.module:function`` as its caller would: looked up where it lives, now."""
     return resolve(target)(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- toys without verl
+
+
+class ToyTrainer:
+    """A trainer as a role sees it: ``global_steps`` (the step clock of roles reading the trainer) and
+    ``config`` with verl's sections that name the cache directory (``{experiment}_{project}/GBS...``).
+
+    :meth:`fit` advances the clock and calls :meth:`generate` (a test's subclass defines it, or its
+    role patches it) ``calls.get(step, 1)`` times per step, keeping what it returned in ``outputs``.
+    """
+
+    def __init__(
+        self,
+        global_steps: int = 0,
+        *,
+        experiment: str = "e",
+        project: str = "p",
+        train_batch_size: int = 4,
+        n: int = 2,
+        prompt_length: int = 8,
+        response_length: int = 8,
+        calls: dict[int, int] | None = None,
+    ) -> None:
+        self.global_steps = global_steps
+        self.config: dict[str, Any] = {
+            "trainer": {"experiment_name": experiment, "project_name": project},
+            "data": {
+                "train_batch_size": train_batch_size,
+                "max_prompt_length": prompt_length,
+                "max_response_length": response_length,
+            },
+            "actor_rollout_ref": dict(rollout={"n": n}),  # verl's section (not the role of that name)
+        }
+        self.calls = dict(calls or {})
+        self.outputs: list[Any] = []
+
+    def fit(self, steps: int | Iterable[int] = ()) -> list[Any]:
+        """Steps ``1..steps`` (or the step numbers given); each calls :meth:`generate` with the call's number.
+        Its return is the run's end (the clock of roles that name ``fit``)."""
+        for step in range(1, steps + 1) if isinstance(steps, int) else steps:
+            self.global_steps = step
+            for _ in range(self.calls.get(step, 1)):
+                self.outputs.append(self.generate(len(self.outputs)))
+        return self.outputs
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("a ToyTrainer's generate is the test's: subclass it or patch it")
+
+
+def toy_batch(rows: int = 4, width: int = 8, *, seed: int = 0, step: int = 1) -> dict[str, Any]:
+    """A rollout result shaped like verl's ``DataProto``, without verl: ``batch`` (a TensorDict of
+    token ids, masks and log-probs), ``non_tensor_batch`` (per-row object arrays: uid, chat prompt,
+    data source, reward model) and ``meta_info``. The TensorDict codec saves it bit-exact."""
+    import numpy as np
+    import torch
+    from tensordict import TensorDict
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        "input_ids": torch.randint(0, 32000, (rows, 2 * width), generator=gen),
+        "attention_mask": torch.ones(rows, 2 * width, dtype=torch.int64),
+        "responses": torch.randint(0, 32000, (rows, width), generator=gen),
+        "rollout_log_probs": torch.randn(rows, width, generator=gen),
+    }
+    prompts = [[{"role": "user", "content": f"question {seed}-{i // 2}"}] for i in range(rows)]
+    non_tensor = {
+        "uid": np.fromiter((f"uid-{seed}-{i // 2}" for i in range(rows)), dtype=object, count=rows),
+        "raw_prompt": np.fromiter(prompts, dtype=object, count=rows),
+        "data_source": np.fromiter(("gsm8k" for _ in range(rows)), dtype=object, count=rows),
+        "reward_model": np.fromiter(({"ground_truth": str(i)} for i in range(rows)), dtype=object, count=rows),
+    }
+    return {
+        "batch": TensorDict(tensors, batch_size=[rows]),
+        "non_tensor_batch": non_tensor,
+        "meta_info": {"global_steps": step, "seed": seed},
+    }
+
+
+def same_batch(a: Any, b: Any) -> bool:
+    """Two batches (:func:`toy_batch`'s or ``DataProto``) hold the same data: tensors bit-exact,
+    per-row objects and ``meta_info`` (but its ``timing``) equal."""
+    import torch
+
+    def parts(batch: Any) -> tuple[Any, Any, Any]:
+        if isinstance(batch, dict):
+            return batch["batch"], batch["non_tensor_batch"], batch["meta_info"]
+        return batch.batch, batch.non_tensor_batch, batch.meta_info
+
+    (tensors_a, rows_a, meta_a), (tensors_b, rows_b, meta_b) = parts(a), parts(b)
+    if sorted(tensors_a.keys()) != sorted(tensors_b.keys()):
+        return False
+    if any(not torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a.keys()):
+        return False
+    if sorted(rows_a) != sorted(rows_b) or any(list(rows_a[k]) != list(rows_b[k]) for k in rows_a):
+        return False
+    return {k: v for k, v in meta_a.items() if k != "timing"} == {k: v for k, v in meta_b.items() if k != "timing"}
 
 
 # ---------------------------------------------------------------- verl's V0 trainer (needs verl)

@@ -5,8 +5,9 @@ fixtures several test modules share (each costs minutes, so it is built once per
   virtual environment that already holds real verl (``test_install.py`` checks the installation);
 * :func:`v0_runs`: the V0 ``main_ppo`` pair (run 1 misses and caches, run 2 hits) of the rollout,
   advantage and reward roles, run by that environment's python -- so the pair is at once the
-  installed wheels' real run (``test_install.py``), the V0 roles' proof (``test_rollout_e2e.py``)
-  and the recording the V0 ``match`` run and the ``repeat`` run are served from;
+  installed wheels' real run (``test_install.py``), the V0 roles' proof (``test_rollout_e2e.py``,
+  run 2's rollout ``repeat`` with validation included) and the recording the V0 ``match`` run is
+  served from;
 * :func:`async_recording`: run 1 of the fully async trainer (``match`` on an empty cache: it records
   like ``cache``), which the fully async ``cache`` run and ``match`` run are served from.
 
@@ -250,26 +251,32 @@ class V0Runs:
     dump: Path
     first: Any
     second: Any
+    #: Sequences each run generated for training (run 2: every step served, so none).
     calls: tuple[int, int]
+    #: Sequences run 2's validation before training generated (run 1 does not validate).
+    validation: int
 
-    def overrides(self, assets: Any, run: str, steps: int, *extra: str) -> list[str]:
-        return v0_overrides(assets, self.tmp, self.dump, run, steps, *extra)
+
+#: Run 2 of the V0 pair: steps 1-3 chosen with ``action=repeat`` (steps 1 and 2 are served as
+#: cached, step 3 is served step 2), and validation before training, which is never served.
+V0_RUN_2 = ("skip.rollout.steps=[1,2,3]", "skip.rollout.action=repeat", "trainer.val_before_train=True")
 
 
 @pytest.fixture(scope="session")
 def v0_runs(assets: Any, installed_env: InstalledEnv, tmp_path_factory: pytest.TempPathFactory) -> V0Runs:
     """Two runs into one dump_dir with rollout, advantage and reward on at steps 1 and 2, launched by
-    the installed environment's ``python -m skipinject -m verl.trainer.main_ppo``."""
+    the installed environment's ``python -m skipinject -m verl.trainer.main_ppo``: run 1 trains 2
+    steps; run 2 trains 3 with the rollout role's ``repeat`` (:data:`V0_RUN_2`)."""
     tmp = tmp_path_factory.mktemp("v0")
     dump = tmp / "dump"
     users = [f"skip.{role}.{key}" for role in USER_ROLES for key in ("enable=True", "steps=[1,2]")]
     users += [f"skip.{role}.dump_dir={dump}" for role in USER_ROLES]
     launcher = (str(installed_env.env.python), "-m", "skipinject", "-m", "verl.trainer.main_ppo")
     env_extra = {"RAY_DEDUP_LOGS": "0", "PYTHONPATH": str(harness.HERE)}  # the CPU shim only, not this tree
-    procs, calls = [], []
-    for run in ("run1", "run2"):
+    procs, records = [], []
+    for run, steps, extra in (("run1", 2, ("skip.rollout.steps=[1,2]",)), ("run2", 3, V0_RUN_2)):
         gen_log = tmp / f"{run}.gen.jsonl"
-        overrides = v0_overrides(assets, tmp, dump, run, 2, "skip.rollout.steps=[1,2]", *users)
+        overrides = v0_overrides(assets, tmp, dump, run, steps, *extra, *users)
         proc = harness.run_main_ppo(
             assets, overrides, gen_log=gen_log, launcher=launcher, timeout=900, env_extra=env_extra
         )
@@ -277,8 +284,14 @@ def v0_runs(assets: Any, installed_env: InstalledEnv, tmp_path_factory: pytest.T
         (tmp / f"{run}.stderr.txt").write_text(proc.stderr)
         assert proc.returncode == 0, f"{run} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         procs.append(proc)
-        calls.append(harness.count_generate_calls(gen_log))
-    return V0Runs(tmp, dump, procs[0], procs[1], (calls[0], calls[1]))
+        records.append(harness.generate_calls(gen_log))
+    # Run 1 does not validate: its generations are training's. Run 2's validation generates before any
+    # training step (weights of step 0) prompts of the validation set, none of which training saw.
+    trained = {record["prompt"] for record in records[0]}
+    validation = [r for r in records[1] if int(r["global_steps"]) == 0 and r["prompt"] not in trained]
+    calls = [sum(int(r.get("n_sequences", 1)) for r in run) for run in records]
+    validated = sum(int(r.get("n_sequences", 1)) for r in validation)
+    return V0Runs(tmp, dump, procs[0], procs[1], (calls[0], calls[1] - validated), validated)
 
 
 # -- the fully async recording ------------------------------------------------------------

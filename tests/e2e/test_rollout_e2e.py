@@ -28,7 +28,6 @@ from tests.e2e.conftest import (
     launch,
     rollout_records,
     skip_lines,
-    v0_overrides,
 )
 from tests.integration.test_cache_tool import check_real_dump
 
@@ -58,15 +57,16 @@ def test_v0_rollout_cache_then_hit(v0_runs: V0Runs):
     lines = skip_lines(v0_runs.first, "rollout")
     assert any("rollout step 1: miss" in line for line in lines) and any("step 2: saved" in line for line in lines)
 
-    # Run 2: both steps served from the cache, the generator is never called, training finishes.
+    # Run 2: both steps served from the cache, the generator is never called for training, training
+    # finishes (its step 3, ``repeat``: test_v0_repeat_serves_nearest_step_...).
     assert v0_runs.calls[1] == 0
     lines = skip_lines(v0_runs.second, "rollout")
-    assert sum("hit, served step" in line for line in lines) == 2, lines
-    assert not any("other inputs" in line for line in lines), lines
+    assert sum("hit, served step" in line for line in lines if "rollout step 3:" not in line) == 2, lines
+    assert not any("other inputs" in line for line in lines if "rollout step 3:" not in line), lines
     step_two = [line for line in lines if "rollout step 2: hit" in line]
     assert len(step_two) == 1 and "read ahead, waited" in step_two[0], lines  # read while step 1 trained
     one, two = rollout_records(v0_runs.tmp / "run1"), rollout_records(v0_runs.tmp / "run2")
-    assert sorted(one) == sorted(two) == [1, 2]
+    assert sorted(one) == [1, 2] and sorted(two) == [1, 2, 3]
     for step in (1, 2):
         assert [r["output"] for r in two[step]] == [r["output"] for r in one[step]], f"step {step} responses differ"
         assert [r["score"] for r in two[step]] == [r["score"] for r in one[step]]
@@ -85,8 +85,8 @@ def test_v0_user_roles_cache_then_hit(v0_runs: V0Runs):
         assert len(hits) == 2 and not any(": miss" in line or "other inputs" in line for line in lines), lines
     # Run 2 trained on the served values: verl's logged statistics of them are run 1's, step by step.
     one, two = trained_metrics(v0_runs.first), trained_metrics(v0_runs.second)
-    assert len(one) == len(two) == 2
-    assert one == two
+    assert len(one) == 2 and len(two) == 3  # run 2's step 3: the rollout role's repeat
+    assert one == two[:2]
 
 
 def test_cache_tool_on_the_v0_runs_caches(assets: Any, v0_runs: V0Runs, tmp_path: Path):
@@ -95,26 +95,14 @@ def test_cache_tool_on_the_v0_runs_caches(assets: Any, v0_runs: V0Runs, tmp_path
     check_real_dump(v0_runs.dump, {"rollout", *USER_ROLES}, tmp_path, tokenizer=assets.model_dir)
 
 
-def test_v0_repeat_serves_nearest_step_reports_other_prompts_and_never_skips_validation(
-    assets: Any, v0_runs: V0Runs, tmp_path: Path
-):
-    dump = copy_dump(v0_runs.dump, tmp_path / "dump")  # the V0 pair's steps 1-2
-    overrides = v0_overrides(
-        assets,
-        tmp_path,
-        dump,
-        "run3",
-        3,
-        "skip.rollout.steps=[1,2,3]",
-        "skip.rollout.action=repeat",
-        "trainer.val_before_train=True",
-    )
-    third, generated = launch(assets, tmp_path, "run3", overrides)
-    lines = skip_lines(third, "rollout")
+def test_v0_repeat_serves_nearest_step_reports_other_prompts_and_never_skips_validation(v0_runs: V0Runs):
+    """Run 2 of the V0 pair chooses steps 1-3 with ``action=repeat`` and validates before training."""
+    lines = skip_lines(v0_runs.second, "rollout")
     assert any("rollout step 3: hit, served step 2 (repeat: largest cached step below 3)" in line for line in lines)
     assert sum("other inputs" in line for line in lines) >= 1, "serving step 2's responses at step 3 must be reported"
-    assert generated, "every training step hit, so these generations are validation's: never skipped"
-    assert not (harness.cache_dir(dump) / "3").exists(), "a repeat hit does not write a new step"
+    assert v0_runs.validation == harness.N_ROWS, "every training step hit, so these generations are validation's"
+    assert v0_runs.calls[1] == 0, "validation is never skipped, training's generations all are"
+    assert not (harness.cache_dir(v0_runs.dump) / "3").exists(), "a repeat hit does not write a new step"
 
 
 def test_fully_async_rollout_cache_then_hit(assets: Any, async_recording: AsyncRecording, tmp_path: Path):

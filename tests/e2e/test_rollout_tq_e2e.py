@@ -1,15 +1,18 @@
 """Real ``python -m skipinject -m verl.trainer.main_ppo`` runs of verl's V1 TransferQueue trainer on CPU.
 
-Run 1 generates steps 1 and 2 and caches them; run 2 (same command) injects them from the cache
-into TransferQueue, never calls the generator, and trains to the end (rc 0): in ``sync`` mode with
-group filtering (DAPO) on, where the replay buffer refills evicted groups, and in ``separate_async``
-with ``parameter_sync_step=2`` (two mini-batches per step, one commit).
+One pair of runs (the module's :func:`v1_pair`, shared by its tests: each run costs minutes) proves
+every V1 mechanism at once: the ``separate_async`` trainer with ``parameter_sync_step=2`` (two
+mini-batches per step, one commit) and group filtering (DAPO) on, where the replay buffer refills
+evicted groups; steps 1-3 with 1 and 2 chosen. Run 1 generates steps 1 and 2 and caches them; run 2
+(same command) injects them from the cache into TransferQueue, never calls the generator for them,
+draws what run 1 drew, and trains step 3 (generated in both runs) on the same prompts (rc 0).
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,8 @@ from tests.integration.test_cache_tool import check_real_dump
 pytestmark = pytest.mark.e2e
 
 ROLE = "rollout_tq"
+#: Mini-batches per step, each a part of the step's one commit.
+SYNC_STEP = 2
 
 
 def _run(assets: Any, tmp: Path, name: str, overrides: list[str]) -> tuple[Any, int]:
@@ -48,63 +53,6 @@ def _generations(directory: Path) -> dict[int, Counter]:
     }
 
 
-@pytest.mark.parametrize(
-    ("trainer_mode", "sync_step", "gbs"),
-    [pytest.param("separate_async", 2, 1, id="separate_k2")],
-)
-def test_v1_rollout_tq_cache_then_hit(assets: Any, tmp_path: Path, trainer_mode: str, sync_step: int, gbs: int):
-    dump = tmp_path / "dump"
-
-    def overrides(run: str) -> list[str]:
-        return harness.main_ppo_overrides(
-            assets,
-            use_v1=True,
-            trainer_mode=trainer_mode,
-            parameter_sync_step=sync_step,
-            total_steps=2,
-            dump_dir=dump,
-            extra=[
-                f"skip.{ROLE}.enable=True",
-                f"skip.{ROLE}.steps=[1,2]",
-                f"trainer.rollout_data_dir={tmp_path / run}",
-            ],
-        )
-
-    # Run 1: both steps generated, each cached as one commit of `parameter_sync_step` parts.
-    first, calls_1 = _run(assets, tmp_path, "run1", overrides("run1"))
-    assert calls_1 >= 2 * harness.TRAIN_BATCH * harness.ROLLOUT_N
-    layout = harness.cache_dir(dump, gbs=gbs)
-    assert sorted(p.name for p in layout.iterdir()) == ["1", "2"]
-    for step in ("1", "2"):
-        meta = json.loads((layout / step / "meta.json").read_text())
-        assert [part["dir"] for part in meta["parts"]] == [str(i) for i in range(sync_step)]
-        assert meta["rows"] == harness.TRAIN_BATCH * harness.ROLLOUT_N
-    assert not list(layout.rglob("tq_batch.pt")), "only skipinject's safe format is written"
-    lines = skip_lines(first, ROLE)
-    assert (
-        sum(
-            f"{ROLE} step {s}: saved {harness.TRAIN_BATCH * harness.ROLLOUT_N} rows in {sync_step} part(s)" in line
-            for line in lines
-            for s in (1, 2)
-        )
-        == 2
-    ), lines
-
-    # Run 2: both steps injected from the cache; the generator is never called; training finishes.
-    second, calls_2 = _run(assets, tmp_path, "run2", overrides("run2"))
-    assert calls_2 == 0, f"run 2 called the generator {calls_2} times"
-    lines = skip_lines(second, ROLE)
-    assert sum("hit, served step" in line and "rollout not submitted" in line for line in lines) == 2, lines
-    assert not any(": saved" in line for line in lines), "a served step is not saved again"
-    if trainer_mode != "sync":
-        assert "async warm-up prefetch switched off" in second.stdout + second.stderr
-    one, two = _generations(tmp_path / "run1"), _generations(tmp_path / "run2")
-    assert sorted(one) == sorted(two) == [1, 2]
-    for step in (1, 2):
-        assert two[step] == one[step], f"step {step}: run 2 trained on other trajectories than run 1 generated"
-    check_real_dump(dump, {ROLE}, tmp_path, one_process=True)  # `skipinject cache ...` on the k-part steps
-
-
 #: Group filtering's reward: rows 5 and 6 of the data (step 2's submit, unshuffled) score 0 in every
 #: session, so the filter evicts their groups and the replay buffer refills; every other trajectory
 #: scores at random, so no other group is uniform (and nothing else depends on what was generated).
@@ -118,26 +66,30 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 """
 
 
-def _calls_by_weights(gen_log: Path) -> Counter:
-    """Generator calls per weight version: the sync trainer rolls step s out with step s-1's weights."""
-    return Counter(int(call["global_steps"]) for call in harness.generate_calls(gen_log))
+@dataclass
+class V1Pair:
+    tmp: Path
+    dump: Path
+    first: Any
+    second: Any
+    calls: tuple[int, int]
 
 
-def test_v1_group_filtering_served_steps_refill_nothing_and_keep_the_dataloader(assets: Any, tmp_path: Path):
-    """DAPO (``algorithm.filter_groups``) on the sync V1 trainer, steps 1-3 with 1 and 2 chosen.
-
-    Run 1's step 2 draws its 4 prompts, loses 2 groups to the filter and refills: its record says how
-    many prompts it drew. Run 2 serves steps 1 and 2 with no generator call (no refill either), draws
-    what run 1 drew, so step 3 (generated in both runs) trains on the same prompts as in run 1.
-    """
-    dump = tmp_path / "dump"
-    reward = tmp_path / "dapo_reward.py"
+@pytest.fixture(scope="module")
+def v1_pair(assets: Any, tmp_path_factory: pytest.TempPathFactory) -> V1Pair:
+    """Two runs into one dump_dir: ``separate_async``, ``parameter_sync_step=2``, group filtering on
+    (``algorithm.filter_groups``, the data unshuffled), steps 1-3 with 1 and 2 chosen."""
+    tmp = tmp_path_factory.mktemp("v1")
+    dump = tmp / "dump"
+    reward = tmp / "dapo_reward.py"
     reward.write_text(DAPO_REWARD)
 
     def overrides(run: str) -> list[str]:
         return harness.main_ppo_overrides(
             assets,
             use_v1=True,
+            trainer_mode="separate_async",
+            parameter_sync_step=SYNC_STEP,
             total_steps=3,
             dump_dir=dump,
             extra=[
@@ -147,13 +99,60 @@ def test_v1_group_filtering_served_steps_refill_nothing_and_keep_the_dataloader(
                 f"reward.custom_reward_function.path={reward}",
                 f"skip.{ROLE}.enable=True",
                 f"skip.{ROLE}.steps=[1,2]",
-                f"trainer.rollout_data_dir={tmp_path / run}",
+                f"trainer.rollout_data_dir={tmp / run}",
             ],
         )
 
+    first, calls_1 = _run(assets, tmp, "run1", overrides("run1"))
+    second, calls_2 = _run(assets, tmp, "run2", overrides("run2"))
+    return V1Pair(tmp, dump, first, second, (calls_1, calls_2))
+
+
+def _calls_by_weights(gen_log: Path) -> Counter:
+    """Generator calls per weight version (the trainer step whose weights the rollout had)."""
+    return Counter(int(call["global_steps"]) for call in harness.generate_calls(gen_log))
+
+
+def test_v1_rollout_tq_k_part_steps_cache_then_hit(v1_pair: V1Pair):
+    """``separate_async`` with ``parameter_sync_step=2``: each chosen step is cached as one commit of
+    two parts, and run 2 injects both steps from the cache with no generator call for them."""
+    per_step = harness.TRAIN_BATCH * harness.ROLLOUT_N
+    # Run 1: both chosen steps generated, each cached as one commit of `parameter_sync_step` parts.
+    assert v1_pair.calls[0] >= 2 * per_step
+    layout = harness.cache_dir(v1_pair.dump, gbs=1)  # the async modes fetch one prompt at a time
+    assert sorted(p.name for p in layout.iterdir()) == ["1", "2"]
+    for step in ("1", "2"):
+        meta = json.loads((layout / step / "meta.json").read_text())
+        assert [part["dir"] for part in meta["parts"]] == [str(i) for i in range(SYNC_STEP)]
+        assert meta["rows"] == per_step
+    assert not list(layout.rglob("tq_batch.pt")), "only skipinject's safe format is written"
+    lines = skip_lines(v1_pair.first, ROLE)
+    saved = [f"{ROLE} step {s}: saved {per_step} rows in {SYNC_STEP} part(s)" for s in (1, 2)]
+    assert sum(text in line for line in lines for text in saved) == 2, lines
+
+    # Run 2: both steps injected from the cache; the generator runs for step 3 only; training finishes.
+    assert v1_pair.calls[1] == per_step, f"run 2 called the generator {v1_pair.calls[1]} times: step 3's only"
+    lines = skip_lines(v1_pair.second, ROLE)
+    assert sum("hit, served step" in line and "rollout not submitted" in line for line in lines) == 2, lines
+    assert not any(": saved" in line for line in lines), "a served step is not saved again"
+    assert "async warm-up prefetch switched off" in v1_pair.second.stdout + v1_pair.second.stderr
+    one, two = _generations(v1_pair.tmp / "run1"), _generations(v1_pair.tmp / "run2")
+    assert sorted(one) == sorted(two) == [1, 2, 3]
+    for step in (1, 2):
+        assert two[step] == one[step], f"step {step}: run 2 trained on other trajectories than run 1 generated"
+    check_real_dump(v1_pair.dump, {ROLE}, v1_pair.tmp, one_process=True)  # `skipinject cache ...` on the k-part steps
+
+
+def test_v1_group_filtering_served_steps_refill_nothing_and_keep_the_dataloader(v1_pair: V1Pair):
+    """DAPO (``algorithm.filter_groups``) on the V1 trainer, steps 1-3 with 1 and 2 chosen.
+
+    Run 1's step 2 draws its 4 prompts, loses 2 groups to the filter and refills: its record says how
+    many prompts it drew. Run 2 serves steps 1 and 2 with no generator call (no refill either), draws
+    what run 1 drew, so step 3 (generated in both runs) trains on the same prompts as in run 1.
+    """
+    tmp = v1_pair.tmp
     per_prompt = harness.ROLLOUT_N
-    first, _ = _run(assets, tmp_path, "run1", overrides("run1"))
-    layout = harness.cache_dir(dump, gbs=1)  # group filtering fetches one prompt at a time
+    layout = harness.cache_dir(v1_pair.dump, gbs=1)  # group filtering fetches one prompt at a time
     assert sorted(p.name for p in layout.iterdir()) == ["1", "2"]
     meta = {step: json.loads((layout / str(step) / "meta.json").read_text()) for step in (1, 2)}
     assert (meta[1]["prompts_drawn"], meta[1]["refills"]) == (harness.TRAIN_BATCH, [])
@@ -163,15 +162,14 @@ def test_v1_group_filtering_served_steps_refill_nothing_and_keep_the_dataloader(
     )
     assert drawn > harness.TRAIN_BATCH and meta[2]["carried_over"] == 0, meta[2]
     assert meta[2]["rows"] == harness.TRAIN_BATCH * per_prompt, "the filtered groups are not in the record"
-    calls_1 = _calls_by_weights(tmp_path / "run1.gen.jsonl")
+    calls_1 = _calls_by_weights(tmp / "run1.gen.jsonl")
     assert calls_1[1] == drawn * per_prompt, f"run 1's step 2 generated every prompt it drew: {calls_1}"
-    assert any(f"{ROLE} step 2: refill of" in line for line in skip_lines(first, ROLE))
+    assert any(f"{ROLE} step 2: refill of" in line for line in skip_lines(v1_pair.first, ROLE))
 
-    second, calls_2 = _run(assets, tmp_path, "run2", overrides("run2"))
-    assert calls_2 == harness.TRAIN_BATCH * per_prompt, f"run 2 called the generator {calls_2} times"
-    by_weights = _calls_by_weights(tmp_path / "run2.gen.jsonl")
+    assert v1_pair.calls[1] == harness.TRAIN_BATCH * per_prompt, f"run 2 called the generator {v1_pair.calls[1]} times"
+    by_weights = _calls_by_weights(tmp / "run2.gen.jsonl")
     assert by_weights == Counter({2: harness.TRAIN_BATCH * per_prompt}), f"only step 3 is generated: {by_weights}"
-    lines = skip_lines(second, ROLE)
+    lines = skip_lines(v1_pair.second, ROLE)
     assert sum("hit, served step" in line and "rollout not submitted" in line for line in lines) == 2, lines
     assert any(
         f"{ROLE} step 2: hit" in line and f"drew {drawn} prompts as the recorded step did" in line for line in lines
@@ -179,13 +177,12 @@ def test_v1_group_filtering_served_steps_refill_nothing_and_keep_the_dataloader(
     assert not any("refill of" in line or "asks for" in line for line in lines), lines
     assert not any(": saved" in line for line in lines), "a served step is not saved again"
 
-    one, two = _generations(tmp_path / "run1"), _generations(tmp_path / "run2")
+    one, two = _generations(tmp / "run1"), _generations(tmp / "run2")
     assert sorted(one) == sorted(two) == [1, 2, 3]
     for step in (1, 2):
         assert two[step] == one[step], f"step {step}: run 2 trained on other trajectories than run 1 generated"
     prompts = {
-        run: {step: Counter(r["input"] for r in records) for step, records in rollout_records(tmp_path / run).items()}
+        run: {step: Counter(r["input"] for r in records) for step, records in rollout_records(tmp / run).items()}
         for run in ("run1", "run2")
     }
     assert prompts["run2"][3] == prompts["run1"][3], "step 3 trained on other prompts: the dataloader drifted"
-    check_real_dump(dump, {ROLE}, tmp_path, one_process=True)

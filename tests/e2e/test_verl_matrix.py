@@ -18,7 +18,8 @@ Pairs of several worker-group calls per step (``pairs.CALL_PAIRS``, verl <= 0.6'
 ``0.6.1-sync-dapo`` and ``0.5.0-dapo`` run DAPO's recipe loop (``tests/fixtures/recipes/dapo_recipe_wg.py``),
 ``0.6.1-sync-remax`` REMAX (a sampled and a greedy baseline call per step); run 1 records every call,
 run 2 replays them call by call with 0 generator calls. They are chosen by their id only (or ``all``);
-``0.5.0-remax`` is then skipped with the verl bug that stops it (``pairs.VERL_BUGS``).
+``0.5.0-remax`` is then skipped with the verl bug that stops it (``pairs.VERL_BUGS``). ``0.6.1-sync-dapo``
+is CI's default (the one older-verl pair ``make test`` runs).
 
 Which pairs run: ``SKIPINJECT_VERL_MATRIX`` (comma list of versions, which pick every pair of that
 version, or pair ids such as ``0.6.1-sync``; ``all``; ``none``), default ``pairs.DEFAULT_VERSIONS``

@@ -158,13 +158,6 @@ def test_a_real_dataproto_round_trips_through_s3_unchanged(url: str):
     assert list(back.non_tensor_batch["uid"]) == ["a", "a", "b", "b"] and back.meta_info == batch.meta_info
 
 
-@pytest.fixture
-def toy(toy_path: Path) -> Any:
-    import toy_targets
-
-    return toy_targets
-
-
 def test_the_engine_saves_then_serves_steps_from_s3(toy: Any, url: str, caplog):
     check_engine_round_trip(toy, url, caplog)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from skipinject import testing
 from skipinject.config import RoleConfig
 from skipinject.engine import RoleRuntime, TargetInterceptor
 from skipinject.roles import Call, Role, StepSource, Target, UpstreamFormat
@@ -39,41 +40,11 @@ TOY_TARGET = "si_reliability_toy:generate"
 
 
 def make_batch(rows: int, width: int = 16, *, seed: int = 0, step: int = 1) -> Any:
-    """A DataProto shaped like a GRPO rollout result (tensors, chat prompts, dict rows)."""
-    import numpy as np
-    from verl.protocol import DataProto
-
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {
-        "input_ids": torch.randint(0, 32000, (rows, 2 * width), generator=gen),
-        "attention_mask": torch.ones(rows, 2 * width, dtype=torch.int64),
-        "responses": torch.randint(0, 32000, (rows, width), generator=gen),
-        "rollout_log_probs": torch.randn(rows, width, generator=gen),
-    }
-    prompts = [[{"role": "user", "content": f"question {seed}-{i // 2}"}] for i in range(rows)]
-    non_tensor = {
-        "uid": np.fromiter((f"uid-{seed}-{i // 2}" for i in range(rows)), dtype=object, count=rows),
-        "raw_prompt": np.fromiter(prompts, dtype=object, count=rows),
-        "data_source": np.fromiter(("gsm8k" for _ in range(rows)), dtype=object, count=rows),
-        "reward_model": np.fromiter(({"ground_truth": str(i)} for i in range(rows)), dtype=object, count=rows),
-    }
-    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensor, meta_info={"global_steps": step, "seed": seed})
+    """A rollout result shaped like a GRPO ``DataProto`` (tensors, chat prompts, dict rows), without verl."""
+    return testing.toy_batch(rows, width, seed=seed, step=step)
 
 
-def same_batch(a: Any, b: Any) -> bool:
-    """Two DataProtos hold the same data (tensors bit-exact, non-tensors and meta equal)."""
-    if sorted(a.batch.keys()) != sorted(b.batch.keys()):
-        return False
-    if any(not torch.equal(a.batch[k], b.batch[k]) for k in a.batch.keys()):
-        return False
-    if sorted(a.non_tensor_batch) != sorted(b.non_tensor_batch):
-        return False
-    if any(list(a.non_tensor_batch[k]) != list(b.non_tensor_batch[k]) for k in a.non_tensor_batch):
-        return False
-    strip = ("timing",)
-    return {k: v for k, v in a.meta_info.items() if k not in strip} == {
-        k: v for k, v in b.meta_info.items() if k not in strip
-    }
+same_batch = testing.same_batch
 
 
 def same_payload(a: Payload, b: Payload) -> bool:
@@ -84,10 +55,10 @@ def same_payload(a: Payload, b: Payload) -> bool:
 
 
 def codec_payload(rows: int, width: int = 16, *, seed: int = 0) -> Payload:
-    """What the engine would save for a DataProto of this size (the real codec, no pickle)."""
-    from skipinject.codecs import DataProtoCodec
+    """What the engine would save for a batch of this size (the toy role's codec, no pickle)."""
+    from skipinject.codecs import TensorDictCodec
 
-    return DataProtoCodec().encode(make_batch(rows, width, seed=seed))
+    return TensorDictCodec().encode(make_batch(rows, width, seed=seed))
 
 
 def plain_payload(numel: int, value: float, *, tag: str = "") -> Payload:
@@ -155,11 +126,21 @@ class ToyTarget:
     rows: int = 4
     width: int = 8
     calls: list[int] = field(default_factory=list)
+    #: Return verl's ``DataProto`` (for a verl role's codec: integration tier) instead of the toy batch.
+    dataproto: bool = False
 
     def __call__(self, batch: Any) -> Any:
         step = int(batch.meta_info["global_steps"])
         self.calls.append(step)
-        return make_batch(self.rows, self.width, seed=1000 + step, step=step)
+        result = make_batch(self.rows, self.width, seed=1000 + step, step=step)
+        return as_dataproto(result) if self.dataproto else result
+
+
+def as_dataproto(batch: dict[str, Any]) -> Any:
+    """A :func:`make_batch` batch as verl's ``DataProto`` (needs verl)."""
+    from verl.protocol import DataProto
+
+    return DataProto(batch=batch["batch"], non_tensor_batch=batch["non_tensor_batch"], meta_info=batch["meta_info"])
 
 
 class Batch:
@@ -169,25 +150,19 @@ class Batch:
         self.meta_info = {"global_steps": step, "validate": validate}
 
 
-class Trainer:
+def toy_trainer(experiment: str = "exp", project: str = "proj") -> testing.ToyTrainer:
     """Stands in for the trainer instance whose ``config`` names the cache directory."""
-
-    def __init__(self, experiment: str = "exp", project: str = "proj") -> None:
-        self.config = {
-            "trainer": {"experiment_name": experiment, "project_name": project},
-            "data": {"train_batch_size": 4, "max_prompt_length": 8, "max_response_length": 8},
-            "actor_rollout_ref": {"rollout": {"n": 2}},
-        }
+    return testing.ToyTrainer(experiment=experiment, project=project)
 
 
 def toy_role(name: str = "toy", *, upstream: UpstreamFormat | None = None, step: StepSource | None = None) -> Role:
-    from skipinject.codecs import DataProtoCodec
+    from skipinject.codecs import TensorDictCodec
 
     return Role(
         name=name,
         targets=[Target(TOY_TARGET)],
         step=step or StepSource.meta("global_steps"),
-        codec=DataProtoCodec(),
+        codec=TensorDictCodec(),
         upstream=upstream,
         cache_subdir="",
     )
@@ -211,7 +186,7 @@ def call(rt: RoleRuntime, target: Callable[[Any], Any], step: int, *, trainer: A
     """One call of the patched target at ``step``, through the engine's interceptor (plan/serve/save)."""
     batch = Batch(step)
     interceptor = TargetInterceptor(rt, rt.role.targets[0])
-    invocation = Call(TOY_TARGET, target, trainer if trainer is not None else Trainer(), (batch,), {})
+    invocation = Call(TOY_TARGET, target, trainer if trainer is not None else toy_trainer(), (batch,), {})
     return interceptor.sync(invocation, lambda: target(batch))
 
 
@@ -224,12 +199,12 @@ def end_run(rt: RoleRuntime) -> None:
 
 
 def project_dir(rt: RoleRuntime, trainer: Any = None) -> Path:
-    invocation = Call(TOY_TARGET, lambda b: b, trainer if trainer is not None else Trainer(), (Batch(0),), {})
+    invocation = Call(TOY_TARGET, lambda b: b, trainer if trainer is not None else toy_trainer(), (Batch(0),), {})
     return rt.store_for(invocation).project_dir
 
 
 def store_of(rt: RoleRuntime, trainer: Any = None) -> StepStore:
-    invocation = Call(TOY_TARGET, lambda b: b, trainer if trainer is not None else Trainer(), (Batch(0),), {})
+    invocation = Call(TOY_TARGET, lambda b: b, trainer if trainer is not None else toy_trainer(), (Batch(0),), {})
     return rt.store_for(invocation)
 
 

@@ -182,7 +182,7 @@ How the faults are made:
 
 * **crash**: a child process saving a step is SIGKILLed right before each of its fsync/rename
   operations (one- and two-part steps, with and without an older complete version on disk), and at
-  seeded random times during dumps of a 33 MB DataProto payload (most kills land mid-file). A new
+  seeded random times during dumps of a 33 MB rollout batch (most kills land mid-file). A new
   store then must see nothing or a complete step, and the engine serves or regenerates it.
 * **integrity**: files of a saved step are truncated, emptied, bit-flipped, deleted or forged
   (forged edits recompute meta.json's own checksum and the data files' sizes/checksums, so the

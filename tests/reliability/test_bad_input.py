@@ -378,7 +378,6 @@ def test_plugin_names_that_are_not_plugins(text: str, named: str) -> None:
 # ---------------------------------------------------------------- a failing step source never breaks a call
 
 
-@pytest.mark.integration  # its batches are real DataProtos
 def test_a_broken_step_extractor_runs_the_original(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     def boom(call: Any) -> int:
         raise ValueError("bad uid 'sample_x'")
@@ -439,6 +438,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.integration  # a runner process per bad input: too slow for the unit tier
 def test_runner_rejects_bad_input_before_the_program_starts(tmp_path: Path, ledger: Any) -> None:
     marker = tmp_path / "program-started"
     script = tmp_path / "program.py"

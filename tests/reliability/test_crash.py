@@ -182,6 +182,7 @@ def test_kill_at_every_operation_two_parts(
     assert lost == 0, outcomes
 
 
+@pytest.mark.integration  # dozens of processes killed one after another: too slow for the unit tier
 def test_kill_at_random_times(tmp_path: Path, payloads: dict[str, Any], ledger: Any) -> None:
     rng = random.Random(SEED)
     large_batch, large = payloads["large"]
@@ -216,7 +217,7 @@ def test_kill_at_random_times(tmp_path: Path, payloads: dict[str, Any], ledger: 
         "crash",
         f"SIGKILL at seeded random times during a dump ({ops_large} fsync/renames; "
         f"{large.tensors and sum(t.numel() * t.element_size() for t in large.tensors.values()) >> 20} MB "
-        f"and small DataProto payloads), then a new run's engine",
+        f"and small rollout batches), then a new run's engine",
         trials,
         ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items())) + f"; {killed_mid_data} mid data file",
         lost,

@@ -173,14 +173,16 @@ def nested_objects(store: StepStore) -> None:
 def huge_column(store: StepStore) -> None:
     def edit(objects: dict[str, Any]) -> None:
         column = {"__si__": "column", "n": 0, "u": [], "plain": True}
-        objects["batch"]["fields"]["planted"] = {"k": "nts", "shape": [200_000_000, 0], "column": column}
+        fields = objects["mapping"]["batch"]["td"]["fields"]
+        fields["planted"] = {"k": "nts", "shape": [200_000_000, 0], "column": column}
 
     _forge_objects(store, edit)
 
 
 def huge_string_dtype(store: StepStore) -> None:
     def edit(objects: dict[str, Any]) -> None:
-        objects["meta_info"]["planted"] = {"__si__": "nd", "dtype": "<U50000000", "shape": [2], "v": ["a", "b"]}
+        meta_info = objects["mapping"]["meta_info"]["v"]
+        meta_info["planted"] = {"__si__": "nd", "dtype": "<U50000000", "shape": [2], "v": ["a", "b"]}
 
     _forge_objects(store, edit)
 
@@ -191,7 +193,7 @@ def empty_tensor_huge_rows(store: StepStore) -> None:
     tensors = dict(dump_payload.tensors)
     tensors["planted"] = torch.empty((1_000_000_000, 0), dtype=torch.int64)
     objects = dump_payload.objects
-    objects["meta_info"]["planted"] = {
+    objects["mapping"]["meta_info"]["v"]["planted"] = {
         "__si__": "tensorref",
         "spec": {"k": "nested", "buffer": "planted", "sizes": "planted"},
     }
@@ -206,7 +208,7 @@ def jagged_out_of_bounds(store: StepStore) -> None:
     tensors = dict(payload.tensors)
     tensors["v"] = torch.zeros(4, dtype=torch.float32)
     tensors["o"] = torch.tensor([0, 2, 1 << 40], dtype=torch.int64)
-    payload.objects["meta_info"]["planted"] = {
+    payload.objects["mapping"]["meta_info"]["v"]["planted"] = {
         "__si__": "tensorref",
         "spec": {"k": "jagged", "values": "v", "offsets": "o", "lengths": None, "ragged_idx": 1},
     }

@@ -274,19 +274,19 @@ CASES = [
         "objects-other-codec",
         "objects file written by another codec (forged)",
         ("codec",),
-        _objects(lambda o: o.update(codec="TensorDict")),
+        _objects(lambda o: o.update(codec="DataProto")),
     ),
     Case(
         "objects-missing-key",
         "objects file lacks a field (forged)",
         ("cannot load",),
-        _objects(lambda o: o.pop("non_tensor_batch")),
+        _objects(lambda o: o.pop("mapping")),
     ),
 ]
 
 
-def _trainer(names: tuple[str, str]) -> h.Trainer:
-    return h.Trainer(*names)
+def _trainer(names: tuple[str, str]) -> Any:
+    return h.toy_trainer(*names)
 
 
 def _save_first(dump: Path, case: Case) -> None:

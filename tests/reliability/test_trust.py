@@ -71,7 +71,9 @@ def _rollout_role() -> Any:
     return ROLLOUT
 
 
-@pytest.mark.parametrize("kind", ["rollout:gen_batch.dp", "toy:0/tq_batch.pt"])
+@pytest.mark.parametrize(
+    "kind", [pytest.param("rollout:gen_batch.dp", marks=pytest.mark.integration), "toy:0/tq_batch.pt"]
+)  # the rollout role's codec takes verl's DataProto
 def test_planted_upstream_pickle_is_reported_kept_and_regenerated_beside(
     tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture, ledger: Any
 ) -> None:
@@ -91,7 +93,7 @@ def test_planted_upstream_pickle_is_reported_kept_and_regenerated_beside(
     lost = 0
 
     rt = h.runtime(dump, role=role)
-    target = h.ToyTarget()
+    target = h.ToyTarget(dataproto=name == "rollout")
     result = h.call(rt, target, 3)
     h.end_run(rt)
     reports = [m for m in h.records(caplog) if file_name.split("/")[-1] in m]
@@ -113,14 +115,14 @@ def test_planted_upstream_pickle_is_reported_kept_and_regenerated_beside(
 
     # the next run hits skipinject's own cache; the pickle is still not touched
     caplog.clear()
-    again = h.ToyTarget()
+    again = h.ToyTarget(dataproto=name == "rollout")
     h.call(h.runtime(dump, role=role), again, 3)
     lost += int(again.calls != []) + len([m for m in h.records(caplog) if file_name.split("/")[-1] in m])
     lost += int(marker.exists()) + int(planted.read_bytes() != original)
 
     # the gate is the flag: trusted, the same kind of file is loaded (and its code runs)
     plant(project / "4" / file_name, marker)
-    h.call(h.runtime(dump, role=role, trust_upstream=True), h.ToyTarget(), 4)
+    h.call(h.runtime(dump, role=role, trust_upstream=True), h.ToyTarget(dataproto=name == "rollout"), 4)
     trusted_ran = marker.exists()
     ledger(
         "trust",
@@ -141,7 +143,7 @@ def test_rollout_tq_role_reports_its_upstream_file_untrusted(
     role = plugin.make_role()
     assert role.upstream is not None and role.upstream.file_name == "0/tq_batch.pt"
     marker = tmp_path / "code-ran"
-    trainer = h.Trainer()
+    trainer = h.toy_trainer()
     trainer.global_steps = 3  # type: ignore[attr-defined]
     settings_ = RoleConfig(enable=True, dump_dir=str(tmp_path / "dump"), steps=(3,))
     rt = RoleRuntime(role, settings_, owner="tests")
@@ -211,7 +213,7 @@ def test_names_from_the_run_config_stay_inside_dump_dir(experiment: str, project
             from dataclasses import replace
 
             role = replace(role, cache_subdir=subdir)
-        trainer = h.Trainer(experiment, project)
+        trainer = h.toy_trainer(experiment, project)
         rt = h.runtime(dump, role=role)
         target = h.ToyTarget()
         _ESCAPES["tried"] += 1

@@ -15,13 +15,6 @@ from skipinject.store.remote import FsspecFiles
 from tests.remote_checks import start
 
 
-@pytest.fixture
-def toy(toy_path: Path) -> Any:
-    import toy_targets
-
-    return toy_targets
-
-
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_the_engine_opens_one_store_class_whose_backend_comes_from_dump_dir(toy: Any, tmp_path: Path, where: str):
     dump_dir = str(tmp_path / "dump") if where == "local" else f"memory://skipinject-tests/{uuid.uuid4().hex}"

@@ -20,13 +20,6 @@ from skipinject.plugin_manager import load_plugins
 
 
 @pytest.fixture
-def toy(toy_path: Path) -> Any:
-    import toy_targets
-
-    return toy_targets
-
-
-@pytest.fixture
 def dump(toy: Any, tmp_path: Path) -> Path:
     """Steps 1 and 2 of role ``toy``, written by the engine with the toy plugin's JsonCodec."""
     root = tmp_path / "dump"

@@ -30,13 +30,6 @@ def fit(toy: Any, steps: int, shift: int = 0) -> tuple[list[Any], list[str]]:
     return outputs, list(toy.CALLS)
 
 
-@pytest.fixture
-def toy(toy_path: Path) -> Any:
-    import toy_targets
-
-    return toy_targets
-
-
 def test_cache_miss_saves_then_hit_skips_the_target(toy: Any, tmp_path: Path, caplog):
     start(tmp_path, steps=(1, 3))
     with caplog.at_level(logging.INFO, logger="skipinject"):

@@ -254,13 +254,6 @@ def test_step_listing_ignores_foreign_names(store: RemoteStepStore):
 # ---------------------------------------------------------------- through the engine
 
 
-@pytest.fixture
-def toy(toy_path: Path) -> Any:
-    import toy_targets
-
-    return toy_targets
-
-
 def test_engine_caches_a_step_in_a_remote_store_then_serves_it(toy: Any, url: str, caplog):
     first = check_engine_round_trip(toy, url, caplog)
     start(url, steps=(5,), action="repeat")

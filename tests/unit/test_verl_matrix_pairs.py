@@ -1,5 +1,6 @@
-"""What ``SKIPINJECT_VERL_MATRIX`` chooses: CI (the default) runs one older verl and no pair of several
-calls per step (those cost 2-3 min each and are chosen by their id only)."""
+"""What ``SKIPINJECT_VERL_MATRIX`` chooses: CI (the default) runs one older verl pair, verl 0.6.1's sync
+worker-group path with several calls per step (DAPO's recipe); the other pairs of several calls per
+step (2-3 min each) are chosen by their id only."""
 
 from __future__ import annotations
 
@@ -20,9 +21,24 @@ def _chosen(monkeypatch: pytest.MonkeyPatch, value: str | None) -> list[str]:
 
 def test_the_default_runs_exactly_one_older_verl_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     chosen = _chosen(monkeypatch, None)
-    assert chosen == ["0.8.0"]
-    assert chosen[0] in envs.VERSIONS and chosen[0] != envs.NEWEST
+    assert chosen == ["0.6.1-sync-dapo"]
+    [pair] = [pair for pair in PAIRS + CALL_PAIRS if pair.id == chosen[0]]
+    assert pair.version in envs.VERSIONS and pair.version != envs.NEWEST
+    assert pair.sync and pair.variant == "dapo", "the worker-group path, several calls per step"
+    assert skip_reason(pair, selected_versions()) is None
     assert _chosen(monkeypatch, "  ") == chosen
+
+
+def test_stack_says_which_verls_ci_runs_and_which_run_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
+    from packaging.specifiers import SpecifierSet
+
+    from skipinject import stack
+
+    monkeypatch.delenv("SKIPINJECT_VERL_MATRIX", raising=False)
+    in_ci = {envs.NEWEST} | {pair.version for pair in PAIRS + CALL_PAIRS if is_chosen(pair, selected_versions())}
+    assert set(stack.VERL_IN_CI) == in_ci
+    assert set(stack.VERL_ON_DEMAND) == set(envs.VERSIONS) - in_ci
+    assert all(version in SpecifierSet(stack.TESTED["verl"]) for version in envs.VERSIONS)
 
 
 def test_a_version_picks_its_pairs_but_not_the_call_pairs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,7 @@
 """Which older-verl pairs exist and which ``SKIPINJECT_VERL_MATRIX`` chooses (no verl imported here).
 
-Its own module so that the unit tier can pin what CI runs by default (one older verl, never a pair
-of several calls per step, which is chosen by its id only) without importing the e2e harness.
+Its own module so that the unit tier can pin what CI runs by default (one older verl: the sync
+worker-group pair of several calls per step, ``0.6.1-sync-dapo``) without importing the e2e harness.
 """
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ import os
 from dataclasses import dataclass
 
 OLDER = ("0.8.0", "0.7.1", "0.6.1", "0.5.0", "0.4.1")
-#: Run by ``make test`` (and so in CI) unless SKIPINJECT_VERL_MATRIX says otherwise.
-DEFAULT_VERSIONS = ("0.8.0",)
+#: Run by ``make test`` (and so in CI) unless SKIPINJECT_VERL_MATRIX says otherwise: versions or pair
+#: ids. verl 0.6.1's DAPO recipe on the worker group proves the mechanisms verl 0.9.1's runs cannot (the
+#: ``init_workers->actor_rollout_wg.generate_sequences`` target, several calls per step, an older verl).
+DEFAULT_VERSIONS = ("0.6.1-sync-dapo",)
 
 
 @dataclass(frozen=True)
