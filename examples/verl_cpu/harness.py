@@ -291,7 +291,7 @@ def has_use_v1(version: str) -> bool:
 
 
 def _version_overrides(version: str, rollout_mode: str | None = None) -> list[str]:
-    """What a verl older than 0.9 needs on top of the common overrides (README.md says why).
+    """What a verl older than 0.9 needs on top of the common overrides (examples/verl_cpu/README.md says why).
 
     * Before 0.8 the V0 trainer runs verl's legacy FSDP workers: FSDP1 refuses CPU parameters,
       so ``fsdp_config.strategy=fsdp2`` for actor and reference; their auto-wrap policy finds no
@@ -333,7 +333,7 @@ def _reward_overrides(assets: Assets, version: str) -> list[str]:
 def _common_overrides(
     assets: Assets, *, experiment: str, project: str, version: str | None = None, rollout_mode: str | None = None
 ) -> list[str]:
-    """Overrides every CPU run needs, whatever the trainer (README.md says why each is there)."""
+    """Overrides every CPU run needs, whatever the trainer (examples/verl_cpu/README.md says why each is there)."""
     version = version or verl_version()
     return [
         "algorithm.adv_estimator=grpo",

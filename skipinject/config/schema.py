@@ -74,7 +74,7 @@ class RoleConfig:
         meaning=(
             "cache root: a local path (`~` expanded; created private to the user, mode 0700), or an fsspec "
             "URL of a store every node sees (`s3://bucket/dir`, `gs://…`, `hdfs://…`; see [Caches in object "
-            "stores](#caches-in-object-stores))"
+            "stores](docs/object-stores.md))"
         ),
     )
     steps: StepSet = _setting(  # noqa: RUF009  (field() with the README's words)
@@ -94,7 +94,7 @@ class RoleConfig:
             "missing or unusable cache stops the run (for replay you rely on). `match`: each row (prompt) whose "
             "result was cached at any step of this layout (or of one differing only in the batch size) is served, "
             "only the others generated, in one call "
-            "(see [Replay by content](#replay-by-content-actionmatch))"
+            "(see [Replay by content](docs/match.md))"
         ),
     )
     #: Load verl's own pickled caches (``gen_batch.dp``, ``tq_batch.pt``): they run code when loaded.
@@ -132,7 +132,7 @@ class RoleConfig:
         meaning=(
             "how saved steps are stored: `none`, `zstd` (level 1) or `zstd-2` … `zstd-22`, in independent 4 MiB "
             "frames, with exact compact encodings of derivable tensors; `auto`: `zstd` for object stores and "
-            "network file systems, `none` on local disks (see [Compression](#compression)). Steps of either "
+            "network file systems, `none` on local disks (see [Compression](docs/compression.md)). Steps of either "
             "kind are read whatever it says"
         ),
     )
@@ -144,7 +144,7 @@ class RoleConfig:
             "compressed hits decode into memory kept from earlier hits, whose batches training no longer "
             "holds: up to this many batches' decoded size stays allocated between hits (0 … 16; `0`: every "
             "hit takes fresh memory, freed with its tensors). The default covers verl's loop: one batch still "
-            "held while the next loads (see [Compression](#compression))"
+            "held while the next loads (see [Compression](docs/compression.md))"
         ),
     )
 
@@ -156,7 +156,7 @@ class RoleConfig:
             "checked and loaded in a background thread while this one trains, so its hit waits for (almost) "
             "nothing; used only if its `meta.json` is unchanged by then, else read again as usual. Holds one "
             "batch's decoded size more while it waits (`action` `cache`, `strict`, `repeat`; see "
-            "[Read-ahead](#read-ahead))"
+            "[Read-ahead](docs/compression.md#read-ahead))"
         ),
     )
 

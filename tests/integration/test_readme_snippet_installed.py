@@ -1,4 +1,4 @@
-"""The README's plugin snippets, pip-installed and run through the runner; the verl role resolves in
+"""The plugin guide's snippets (docs/plugins.md), pip-installed and run through the runner; the verl role resolves in
 the real verl (the snippets' verl-free tests are in ``tests/unit/test_readme_snippet.py``)."""
 
 from __future__ import annotations

@@ -688,7 +688,7 @@ def test_the_match_snippet_serves_the_rows_it_saw_and_generates_only_the_others(
     sys.modules.update({"my_pkg": package, "my_pkg.gen": module})
     namespace: dict[str, object] = {}
     try:
-        exec(compile(snippets(ROOT / "README.md")["match-role"], "my_gen.py", "exec"), namespace)
+        exec(compile(snippets(ROOT / "docs" / "plugins.md")["match-role"], "my_gen.py", "exec"), namespace)
         role = namespace["ROLE"]
 
         def step(action: str, number: int, prompts: list[str]) -> DataProto:

@@ -1,6 +1,6 @@
-"""The README's "Write your own role" snippets work as printed: extracted, installed, run.
+"""The plugin guide's snippets (docs/plugins.md) work as printed: extracted, installed, run.
 
-The snippets are taken from ``README.md``, written into a temporary distribution, and run through a cache miss
+The snippets are taken from ``docs/plugins.md``, written into a temporary distribution, and run through a cache miss
 then hit on a toy trainer: in this process (loaded by module path through ``VERL_SKIP_PLUGINS``)
 and through the real runner after ``pip install`` (found by its entry point). No verl needed.
 """
@@ -56,8 +56,8 @@ def snippets(path: Path) -> dict[str, str]:
 
 
 def documents() -> list[Path]:
-    """README.md's "Write your own role" section (the snippets are tested as printed there)."""
-    return [ROOT / "README.md"]
+    """docs/plugins.md, the plugin guide (the snippets are tested as printed there)."""
+    return [ROOT / "docs" / "plugins.md"]
 
 
 @pytest.fixture(params=documents(), ids=lambda p: p.name)
@@ -182,7 +182,7 @@ def test_the_readmes_test_passes_with_the_test_kit(importable: None, tmp_path: P
 def test_the_cache_tool_lists_verifies_shows_diffs_and_prunes_the_readmes_role(
     importable: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``skipinject cache`` on the README's judge role (a codec storing plain JSON, whose ``decode`` checks
+    """``skipinject cache`` on the plugin guide's judge role (a codec storing plain JSON, whose ``decode`` checks
     the call's responses): listed, verified by sizes and checksums, shown and compared raw with the reason
     its codec gave, pruned, exactly like a built-in role's."""
     import json

@@ -1,5 +1,5 @@
 """Each role setting declared once (issue 21): RoleConfig's fields drive the OmegaConf schema, the
-transport, the runner's help and the README's configuration table."""
+transport, the runner's help and the README's configuration table (generated: tests/readme_sync.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ from dataclasses import fields
 from skipinject.cli import USAGE
 from skipinject.config import Config, RoleConfig, RoleSchema, role_config
 from skipinject.config.schema import ROLE_KEYS, choices, readme_table
+from tests import readme_sync
 from tests.conftest import ROOT
 
 
 def test_the_readme_configuration_table_is_the_settings_table() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Configuration (per role)", 1)[1].strip().split("\n\n", 1)[0]
-    printed = section + "\n"
-    assert printed == readme_table(), "README's table differs from skipinject.config.schema.readme_table()"
+    printed = readme_sync.blocks((ROOT / "README.md").read_text())["settings"]
+    assert printed == readme_table(), "README's table differs from readme_table(): run python tests/readme_sync.py"
 
 
 def test_the_runners_help_names_every_key_and_its_choices() -> None:

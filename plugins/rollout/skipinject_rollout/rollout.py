@@ -17,7 +17,7 @@ Validation batches (``meta_info["validate"]``) always run the original.
 
 REMAX (verl 0.4-0.6) generates a greedy baseline in every step, a second call of the same step
 (``meta_info["do_sample"] = False``): like any second call of a step it is recorded as the step's
-call 2 and replayed as such (see the README, "Several calls in one step"), never served call 1.
+call 2 and replayed as such (see docs/how-it-works.md, "Several calls in one step"), never served call 1.
 
 On verl < 0.9 the built-in rollout skip is the older ``RolloutSkip`` (0.6-0.8; it wraps the same
 worker-group attribute, or the agent loop manager in 0.8); while this role is enabled it is turned
