@@ -336,9 +336,11 @@ class PhaseContext(Protocol):
         The step is cached only once :meth:`commit` is called: a step the run moves past before
         that (a call of the role at another step, the end of the run) is dropped with one warning."""
 
-    def commit(self, call: Call, step: int, meta: Mapping[str, Any] | None = None, *, note: str = "") -> None:
+    def commit(
+        self, call: Call, step: int, meta: Mapping[str, Any] | None = None, *, unit: str = "rows", note: str = ""
+    ) -> None:
         """Commit the parts :meth:`record` saved of ``step``, after their writes, with ``meta`` in its
-        ``meta.json``; its save line ends with ``note`` (plugin API 1.3)."""
+        ``meta.json``; its save line counts the rows as ``unit`` and ends with ``note`` (plugin API 1.3)."""
 
     def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
         """Run ``job`` (a write to ``store``) after the store's earlier jobs, off the training thread.

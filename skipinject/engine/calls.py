@@ -64,9 +64,11 @@ class StepCalls:
     committed_parts: int = 0
     saving_seconds: float = 0.0  # encoding, copying, writing and committing the parts (not generating them)
     #: A phase records the step (:meth:`~skipinject.roles.PhaseContext.record`) and commits it with
-    #: ``phase_meta`` (its save line ends with ``note``); uncommitted when the run moves past: dropped.
+    #: ``phase_meta`` (its save line counts ``unit`` and ends with ``note``); uncommitted when the run
+    #: moves past: dropped.
     by_phase: bool = False
     phase_meta: dict[str, Any] = field(default_factory=dict)
+    unit: str = "rows"
     note: str = ""
     #: What this run's phases noted about the step (:meth:`~skipinject.roles.PhaseContext.notes`).
     notes: dict[str, Any] = field(default_factory=dict)

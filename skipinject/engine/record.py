@@ -181,7 +181,7 @@ class Recorder:
                 self.drop(record, f"cannot commit ({type(exc).__name__}: {exc})", in_job=True)
                 return
             if record.by_phase:
-                what, note = f"{record.rows} rows in {parts} part(s)", record.note
+                what, note = f"{record.rows} {record.unit} in {parts} part(s)", record.note
             else:
                 what, note = (f"{record.rows} rows" if parts == 1 else f"{parts} calls ({record.rows} rows)"), ""
             seconds = record.saving_seconds
@@ -249,11 +249,11 @@ class Recorder:
         self.record(record, index, call, result)
         return None if record.failed else index
 
-    def commit_step(self, call: Call, step: int, meta: Mapping[str, Any] | None, note: str) -> None:
+    def commit_step(self, call: Call, step: int, meta: Mapping[str, Any] | None, unit: str, note: str) -> None:
         """See :meth:`skipinject.roles.PhaseContext.commit`."""
         record = self.step(call, step)
         with record.lock:
-            record.phase_meta, record.note = dict(meta or {}), note
+            record.phase_meta, record.unit, record.note = dict(meta or {}), unit, note
         self.commit(record)
 
     def served(self, call: Call, step: int) -> bool | None:

@@ -112,8 +112,10 @@ class RoleRuntime(RoleContext):
     def record(self, call: Call, step: int, result: Any) -> int | None:
         return self.recorder.record_part(call, step, result)
 
-    def commit(self, call: Call, step: int, meta: Mapping[str, Any] | None = None, *, note: str = "") -> None:
-        self.recorder.commit_step(call, step, meta, note)
+    def commit(
+        self, call: Call, step: int, meta: Mapping[str, Any] | None = None, *, unit: str = "rows", note: str = ""
+    ) -> None:
+        self.recorder.commit_step(call, step, meta, unit, note)
 
     def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
         self.recorder.in_background(store, job)

@@ -363,7 +363,7 @@ class SamplePhase:
             return
         record = self._record(role, call, step, notes)
         meta = {"parameter_sync_step": expected, "trajectories": notes["trajectories"], **record}
-        role.commit(call, step, meta, note=_describe_record(record))
+        role.commit(call, step, meta, unit="trajectories", note=_describe_record(record))
 
     def _after_served(self, role: PhaseContext, call: Call, step: int) -> None:
         """Say so when a step generated after a served one misses what the recorded run carried into it.

@@ -623,7 +623,7 @@ def test_parameter_sync_step_parts_and_interrupted_step(tmp_path: Path, clean_tq
         "step 3: could not save" in m and "1 part(s) recorded and not committed before step 4 began" in m
         for m in messages
     )
-    assert any("rollout_tq step 2: saved 8 rows in 2 part(s)" in m for m in messages), messages
+    assert any("rollout_tq step 2: saved 8 trajectories in 2 part(s)" in m for m in messages), messages
     assert not any("step 1: saved" in m or "step 3: saved" in m for m in messages), messages
 
 
