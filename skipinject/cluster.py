@@ -16,112 +16,15 @@ import socket
 import sys
 import threading
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from skipinject.dump_root import LOCAL_SCHEMES, DumpRoot, is_remote, is_url, local_path_text
+from skipinject.store.mounts import fs_type, is_network_path, is_shared_fs_type, parse_mountinfo
 
 logger = logging.getLogger("skipinject")
 
-MOUNTINFO = "/proc/self/mountinfo"
-
-#: File systems that several nodes mount (network, cluster, parallel file systems).
-SHARED_FS_TYPES = frozenset(
-    {
-        "nfs",
-        "nfs4",
-        "cifs",
-        "smb3",
-        "smbfs",
-        "ncpfs",
-        "afs",
-        "lustre",
-        "gpfs",
-        "beegfs",
-        "ceph",
-        "cephfs",
-        "glusterfs",
-        "ocfs2",
-        "gfs2",
-        "panfs",
-        "pvfs2",
-        "orangefs",
-        "wekafs",
-        "quobyte",
-        "vastfs",
-        "davfs",
-        "9p.nfs",
-    }
-)
-#: ``fuse.*`` mounts are mostly network clients (sshfs, s3fs, gcsfuse, juicefs, ...); these are not.
-LOCAL_FUSE_TYPES = frozenset({"fuse.lxcfs", "fuse-overlayfs", "fuse.fuse-overlayfs", "fuse.portal", "fuse.gvfsd-fuse"})
-
 _warn_lock = threading.Lock()
 _warned = False
-
-
-def _unescape(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as ``\\ooo``."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
-def parse_mountinfo(text: str) -> list[tuple[str, str]]:
-    """``(mount point, file system type)`` of each line of a ``/proc/<pid>/mountinfo`` text."""
-    mounts = []
-    for line in text.splitlines():
-        fields = line.split()
-        if "-" not in fields or len(fields) < 5:
-            continue
-        sep = fields.index("-")
-        if sep + 1 >= len(fields):
-            continue
-        mounts.append((_unescape(fields[4]), fields[sep + 1]))
-    return mounts
-
-
-def _existing_ancestor(path: Path) -> Path:
-    path = path.expanduser().absolute()
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            return candidate.resolve()
-    return Path("/")
-
-
-def fs_type(path: str | os.PathLike[str], mountinfo: str | None = None) -> str | None:
-    """The type of the file system ``path`` is (or would be) on; ``None`` when it cannot be told.
-
-    ``path`` need not exist yet: its nearest existing parent decides. The mount is the longest
-    mount point that contains the resolved path (the last mounted wins on equal mount points).
-    """
-    if mountinfo is None:
-        try:
-            mountinfo = Path(MOUNTINFO).read_text()
-        except OSError:
-            return None
-    target = _existing_ancestor(Path(path))
-    best: tuple[int, str] | None = None
-    for mount_point, kind in parse_mountinfo(mountinfo):
-        mount = Path(mount_point)
-        if target == mount or mount in target.parents:
-            depth = len(mount.parts)
-            if best is None or depth >= best[0]:
-                best = (depth, kind)
-    return None if best is None else best[1]
-
-
-def is_shared_fs_type(kind: str) -> bool:
-    kind = kind.lower()
-    if kind in SHARED_FS_TYPES:
-        return True
-    return kind.startswith(("fuse.", "fuseblk.")) and kind not in LOCAL_FUSE_TYPES
 
 
 def is_node_local(path: str | os.PathLike[str] | DumpRoot, mountinfo: str | None = None) -> bool:
@@ -134,10 +37,7 @@ def is_node_local(path: str | os.PathLike[str] | DumpRoot, mountinfo: str | None
     root = path if isinstance(path, DumpRoot) else DumpRoot.parse(str(path))
     if root.path is None:
         return False
-    kind = fs_type(root.path, mountinfo)
-    if kind is None:
-        return False
-    return not is_shared_fs_type(kind)
+    return is_network_path(root.path, mountinfo) is False
 
 
 def _ray() -> Any | None:

@@ -39,18 +39,10 @@ _WRITER_KEYS = frozenset(
 )
 
 
-def _stored(meta: dict[str, Any]) -> int:
-    return sum(int(spec.get("size") or 0) for part in meta["parts"] for spec in part["files"].values())
-
-
-def _compressed(meta: dict[str, Any]) -> bool:
-    return all("encoding" in spec for part in meta["parts"] for spec in part["files"].values())
-
-
 def compact_step(step_dir: Path, compression: Compression) -> tuple[int, int] | None:
     """Store one committed step compressed; (stored bytes before, after), or None if it already was."""
     store, meta = open_step(step_dir)
-    if _compressed(meta):
+    if meta.compressed:
         return None
     step = int(step_dir.name)
     entry = store.verified(step)
@@ -61,16 +53,16 @@ def compact_step(step_dir: Path, compression: Compression) -> tuple[int, int] | 
         )
         writer = packed.begin(step)
         try:
-            for record, payload in zip(meta["parts"], payloads, strict=True):
+            for record, payload in zip(meta.parts, payloads, strict=True):
                 part = Payload(tensors=dict(payload.tensors), objects=payload.objects, rows=payload.rows)
-                writer.add_part(part, record.get("dir", ""))
+                writer.add_part(part, record.dir)
             writer.commit({key: value for key, value in meta.items() if key not in _WRITER_KEYS})
         except BaseException:
             writer.abort()
             raise
     finally:
         entry.release()
-    return _stored(meta), _stored(packed.read_meta(step))
+    return meta.stored_size, packed.read_meta(step).stored_size
 
 
 def cmd_compact(root: Path, *, compression: str, dry_run: bool, as_json: bool) -> int:
@@ -92,8 +84,8 @@ def cmd_compact(root: Path, *, compression: str, dry_run: bool, as_json: bool) -
         try:
             if dry_run:
                 _, meta = open_step(item.path)
-                result["state"] = "compressed" if _compressed(meta) else "would compact"
-                result["before"] = _stored(meta)
+                result["state"] = "compressed" if meta.compressed else "would compact"
+                result["before"] = meta.stored_size
             else:
                 done = compact_step(item.path, chosen)
                 result["state"] = "compressed" if done is None else "compacted"

@@ -7,7 +7,6 @@ running, never through a link), the removal (one small function, :func:`remove_s
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import time
 from collections.abc import Sequence
@@ -16,7 +15,9 @@ from typing import Any
 
 from skipinject.cache_tool.common import OK, CommandError, mutable_root
 from skipinject.cache_tool.render import emit_json, human_size, say, schema
-from skipinject.cache_tool.scan import Item, lstat_regular, scan
+from skipinject.cache_tool.scan import Item, scan
+from skipinject.cache_tool.verify import damage
+from skipinject.store.files import entries, regular_stat
 from skipinject.store.format import META_NAME, is_ours, is_part_name
 
 _AGE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)$")
@@ -80,6 +81,11 @@ def select(
 ) -> list[tuple[Item, str]]:
     """The items the options choose, each with the reason."""
     chosen: list[tuple[Item, str]] = []
+    for item in items if damaged else ():
+        if item.kind == "skipinject" and item.state == "complete":
+            problems = damage(item)  # verify's question: every byte checked by the store
+            if problems:
+                item.state, item.problems = "damaged", problems
     by_role: dict[tuple[str, str, str, Path], list[Item]] = {}
     for item in items:
         if item.kind == "skipinject" and item.state == "complete":
@@ -155,20 +161,20 @@ def _our_files(item: Item) -> list[Path]:
         return list(item.files)
     out = []
     directories = [item.path] + [
-        item.path / e.name for e in os.scandir(item.path) if e.is_dir(follow_symlinks=False) and is_part_name(e.name)
+        item.path / e.name for e in entries(item.path) if e.is_dir(follow_symlinks=False) and is_part_name(e.name)
     ]
     for directory in directories:
-        for entry in os.scandir(directory):
+        for entry in entries(directory):
             if is_ours(entry.name) and entry.is_file(follow_symlinks=False):
                 out.append(directory / entry.name)
     meta = item.path / META_NAME
-    if item.kind == "skipinject" and lstat_regular(meta) is not None:
+    if item.kind == "skipinject" and regular_stat(meta) is not None:
         out.append(meta)
     return out
 
 
 def _sizes(paths: list[Path]) -> list[int]:
-    return [info.st_size for info in (lstat_regular(p) for p in paths) if info is not None]
+    return [info.st_size for info in (regular_stat(p) for p in paths) if info is not None]
 
 
 def _unsafe(item: Item, root_real: Path, now: float) -> str | None:
@@ -187,7 +193,7 @@ def _unsafe(item: Item, root_real: Path, now: float) -> str | None:
     except OSError as exc:
         return f"cannot list it ({exc})"
     for path in ours:
-        info = lstat_regular(path)
+        info = regular_stat(path)
         if info is None:
             continue
         if (path not in named or item.state != "complete") and now - info.st_mtime < MIN_AGE:
@@ -197,9 +203,9 @@ def _unsafe(item: Item, root_real: Path, now: float) -> str | None:
 
 def remove_step(item: Item, root: Path) -> tuple[int, int]:
     """Delete ``meta.json`` first (the step becomes absent at once), then its data files and empty dirs:
-    relative to descriptors opened once from ``root`` (:mod:`skipinject.store.removal`), so a step
+    relative to descriptors opened once from ``root`` (:mod:`skipinject.store.files`), so a step
     swapped for a link after the check removes nothing through it."""
-    from skipinject.store.removal import remove_step as remove_under
+    from skipinject.store.files import remove_step as remove_under
 
     if item.state == "partial":
         chosen = {p.relative_to(item.path).as_posix() for p in item.files}

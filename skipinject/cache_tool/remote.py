@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from skipinject.cache_tool.scan import LAYOUT_RE, Item, step_identity
+from skipinject.cache_tool.scan import LAYOUT_RE, Item, open_step
 from skipinject.errors import CorruptCacheError
-from skipinject.store import RemoteStepStore, StepStore
-from skipinject.store.files import parse_json
-from skipinject.store.format import DATA_NAME, FORMAT, MAX_META_DEPTH, META_NAME, PART_NAME, STEP_NAME
+from skipinject.store import StepStore
+from skipinject.store.format import DATA_NAME, META_NAME, PART_NAME, STEP_NAME
+from skipinject.store.meta import StepMeta
 from skipinject.store.remote import FsspecFiles, RemotePath, open_remote
 
 
@@ -90,40 +90,9 @@ def _read_commit(item: Item, fs: Any, location: RemotePath) -> None:
         item.state, item.problems = "damaged", [f"{location}/meta.json: {type(exc).__name__}: {exc}"]
         return
     item.state = "complete"
-    item.role = meta["role"]
-    item.meta = meta
-    item.rows = meta.get("rows") if type(meta.get("rows")) is int else None
-    item.parts = len(meta["parts"])
-    item.created = meta.get("created") if isinstance(meta.get("created"), str) else None
-    writer = meta.get("writer")
-    item.writer = {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}
+    item.describe(meta)
 
 
-def open_remote_step(fs: Any, location: RemotePath) -> tuple[StepStore, dict[str, Any]]:
-    """The store holding a remote step (role and context from its own ``meta.json``) and its checked meta.
-
-    ``meta.json`` is read by the store's backend (one bounded request) and parsed by the store's parser,
-    with the training run's bounds; the store's :meth:`~StepStore.read_meta` then checks it whole."""
-    step = FsspecFiles(fs).open_step(location, "-")  # type: ignore[arg-type]
-    try:
-        raw = step.read_meta()
-    finally:
-        step.close()
-    meta = parse_json(raw, location / META_NAME, what="meta.json", max_depth=MAX_META_DEPTH)  # type: ignore[arg-type]
-    role, context = step_identity(meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None, location)
-    store = RemoteStepStore(location.parent, role, context, fs)
-    return store, store.read_meta(int(location.name))
-
-
-def verify_remote(item: Item) -> list[str]:
-    """Problems of a complete remote step after reading and checking every file (``[]``: ok)."""
-    location: RemotePath = item.path  # type: ignore[assignment]
-    fs, _ = open_remote(str(location))
-    try:
-        store, _ = open_remote_step(fs, location)
-        store.load(store.verified(int(location.name)))  # the run's reader: no codec needed
-    except (CorruptCacheError, OSError) as exc:
-        return [str(exc)]
-    except Exception as exc:
-        return [f"{location}: {type(exc).__name__}: {exc}"]
-    return []
+def open_remote_step(fs: Any, location: RemotePath) -> tuple[StepStore, StepMeta]:
+    """:func:`~skipinject.cache_tool.scan.open_step` of a step in the fsspec filesystem ``fs``."""
+    return open_step(location, FsspecFiles(fs))  # type: ignore[arg-type]

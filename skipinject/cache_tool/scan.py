@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +26,21 @@ from typing import Any, TypedDict
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepStore
-from skipinject.store.compression import expansion
-from skipinject.store.files import parse_json, read_small, unresolved_problem
-from skipinject.store.format import FORMAT, MAX_META_DEPTH, META_NAME, PART_NAME, ROWS_DIR, STEP_NAME, is_ours
+from skipinject.store.backend import Backend
+from skipinject.store.files import entries as list_entries
+from skipinject.store.files import parse_json, read_small, regular_stat, unresolved_problem
+from skipinject.store.format import (
+    FORMAT,
+    MAX_META_BYTES,
+    MAX_META_DEPTH,
+    META_NAME,
+    PART_NAME,
+    ROWS_DIR,
+    STEP_NAME,
+    is_ours,
+)
+from skipinject.store.local import LocalFiles
+from skipinject.store.meta import StepMeta
 
 LAYOUT_RE = re.compile(r"^GBS(-?[0-9]+)_N(-?[0-9]+)_in(-?[0-9]+)_out(-?[0-9]+)$")
 #: A step directory's name: the store's rule (decimal, no leading zeros), anchored for ``match``.
@@ -41,20 +52,6 @@ def read_json(path: Path) -> Any:
     """A small JSON file (a ``meta.json``, ours or verl's) by the store's own bounded reader and parser:
     the same byte and nesting bounds as the training run; CorruptCacheError for anything wrong."""
     return parse_json(read_small(path), path, what="meta.json", max_depth=MAX_META_DEPTH)
-
-
-def lstat_regular(path: Path) -> os.stat_result | None:
-    """``lstat`` of ``path`` if it is a regular file (not a link), else ``None``."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return info if stat.S_ISREG(info.st_mode) else None
-
-
-def _entries(directory: Path) -> list[os.DirEntry[str]]:
-    with os.scandir(directory) as found:
-        return list(found)
 
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:
@@ -115,6 +112,18 @@ class Item:
     meta: dict[str, Any] | None = field(default=None, repr=False)
     upstream: Upstream | None = field(default=None, repr=False)  # the declaration of a foreign item
     decoded: int | None = None  # its size once compressed files are decoded (None: as stored)
+
+    def describe(self, meta: dict[str, Any]) -> None:
+        """What a step's ``meta.json`` says of it (role, creation, writer, rows, parts), each shown
+        only when it has the right type (a forged one is listed, never trusted)."""
+        self.meta = meta
+        if isinstance(meta.get("role"), str):
+            self.role = meta["role"]
+        self.created = meta.get("created") if isinstance(meta.get("created"), str) else None
+        writer = meta.get("writer")
+        self.writer = {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}
+        self.rows = meta.get("rows") if type(meta.get("rows")) is int else None
+        self.parts = len(meta["parts"]) if isinstance(meta.get("parts"), list) else 0
 
     def record(self) -> ItemRecord:
         """The stable JSON form (docs/cache-tool.md)."""
@@ -212,13 +221,13 @@ def _classify(
     step_dir: Path, project: str, layout: str, role_dir: str | None, upstreams: Sequence[Upstream]
 ) -> list[Item]:
     items: list[Item] = []
-    entries = _entries(step_dir)
+    entries = list_entries(step_dir)
     files = {e.name: e for e in entries if _is_file(e)}
     subdirs = sorted((e for e in entries if _is_dir(e) and PART_NAME.fullmatch(e.name)), key=lambda e: int(e.name))
     sub_files: dict[str, dict[str, os.DirEntry[str]]] = {}
     for sub in subdirs:
         try:
-            sub_files[sub.name] = {e.name: e for e in _entries(Path(sub.path)) if _is_file(e)}
+            sub_files[sub.name] = {e.name: e for e in list_entries(Path(sub.path)) if _is_file(e)}
         except OSError:
             sub_files[sub.name] = {}
 
@@ -273,7 +282,7 @@ def _classify(
 def _measure(item: Item) -> None:
     kept = []
     for path in item.files:
-        info = lstat_regular(path)
+        info = regular_stat(path)
         if info is None:
             continue
         kept.append(path)
@@ -321,42 +330,27 @@ def step_identity(meta: dict[str, Any] | None, step_dir: object) -> tuple[str, d
     return role, context
 
 
-def open_step(step_dir: Path) -> tuple[StepStore, dict[str, Any]]:
-    """The store holding ``step_dir`` (role and context from its own ``meta.json``) and the checked meta.
+def open_step(step_dir: Path, backend: Backend | None = None) -> tuple[StepStore, StepMeta]:
+    """The store holding ``step_dir`` (role and context from its own ``meta.json``) and the checked meta,
+    local or in the ``backend`` (an object store).
 
-    Built on the store's reader: the meta is checked by :meth:`StepStore.read_meta`, after a bounded
-    read here made sure ``meta.json`` is a small regular file. Raises CorruptCacheError, or
-    FileNotFoundError when the step holds no skipinject ``meta.json``.
+    ``meta.json`` is read bounded by the backend (a small regular file; one request) and parsed with
+    the training run's bounds; the store's :meth:`StepStore.read_meta` then checks it whole. Raises
+    CorruptCacheError, or FileNotFoundError when the step holds no skipinject ``meta.json``.
     """
     if not STEP_RE.match(step_dir.name):
         raise CorruptCacheError(f"{step_dir}: not a step directory (its name is not a step number)")
-    role, context = step_identity(load_meta_json(step_dir / META_NAME), step_dir)
-    store = StepStore(step_dir.parent, role, context)
-    checked = store.read_meta(int(step_dir.name))
-    return store, checked
-
-
-def named_files(store: StepStore, step: int, meta: dict[str, Any]) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """Every data file ``meta.json`` names, with its record (the store's own reading of parts)."""
-    yield from store.named_files(step, meta)
+    files = backend if backend is not None else LocalFiles()
+    shown = step_dir / META_NAME
+    raw = parse_json(files.read_bytes(shown, MAX_META_BYTES), shown, what="meta.json", max_depth=MAX_META_DEPTH)
+    role, context = step_identity(raw if isinstance(raw, dict) and raw.get("format") == FORMAT else None, step_dir)
+    store = StepStore(step_dir.parent, role, context, backend=backend)
+    return store, store.read_meta(int(step_dir.name))
 
 
 def precheck(store: StepStore, step: int, meta: dict[str, Any]) -> list[tuple[Path, int]]:
     """Every named file is a regular file (no link, FIFO) of its recorded size; before the store opens it."""
-    out = []
-    for path, spec in named_files(store, step, meta):
-        if path.parent != store.step_dir(step) and os.path.islink(path.parent):
-            raise CorruptCacheError(f"{path.parent}: part directory is a symbolic link")
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError as exc:
-            raise CorruptCacheError(f"{path}: missing (named by meta.json)") from exc
-        if not stat.S_ISREG(info.st_mode):
-            raise CorruptCacheError(f"{path}: not a regular file (link, FIFO or device)")
-        if info.st_size != spec.get("size"):
-            raise CorruptCacheError(f"{path}: {info.st_size} bytes, meta.json says {spec.get('size')} (truncated?)")
-        out.append((path, info.st_size))
-    return out
+    return store.precheck(step, meta)
 
 
 def _our_step(
@@ -373,16 +367,9 @@ def _our_step(
         return item
     if raw is None:
         return None  # not ours: verl's (beside its pickles) or unknown (reported by the caller)
-    item.meta = raw
-    if isinstance(raw.get("role"), str):
-        item.role = raw["role"]
+    item.describe(raw)
     if step_dir.parent.name == ROWS_DIR and "generated_at" in raw:
         item.layout = f"{layout}/{ROWS_DIR}"  # rows records of action=match, numbered on their own
-    item.created = raw.get("created") if isinstance(raw.get("created"), str) else None
-    writer = raw.get("writer")
-    item.writer = {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}
-    item.rows = raw.get("rows") if type(raw.get("rows")) is int else None
-    item.parts = len(raw["parts"]) if isinstance(raw.get("parts"), list) else 0
     try:
         store, meta = open_step(step_dir)
         item.meta = meta
@@ -395,8 +382,8 @@ def _our_step(
         item.state = "damaged"
         item.problems.append(str(exc) if isinstance(exc, CorruptCacheError) else f"{step_dir}: {exc}")
     _measure(item)
-    if item.state != "damaged" and item.meta is not None and expansion(item.meta):
-        item.decoded = item.size + expansion(item.meta)
+    if item.state != "damaged" and isinstance(item.meta, StepMeta) and item.meta.expansion:
+        item.decoded = item.size + item.meta.expansion
     return item
 
 
@@ -423,7 +410,7 @@ def step_dirs(root: Path, problems: list[str] | None = None, upstreams: Sequence
     while stack:
         directory, depth = stack.pop()
         try:
-            entries = _entries(directory)
+            entries = list_entries(directory)
         except OSError as exc:
             if problems is not None:
                 problems.append(f"{directory}: cannot list it ({type(exc).__name__}: {exc})")

@@ -10,8 +10,8 @@ from skipinject.cache_tool.common import OK, CommandError, existing_dir, writer_
 from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.render import emit_json, human_size, say, schema, shorten, show_table
 from skipinject.cache_tool.scan import STEP_RE, classify, load_meta_json, open_step, precheck
-from skipinject.store.compression import expansion
 from skipinject.store.format import META_NAME
+from skipinject.store.meta import step_meta
 
 
 def cmd_show(step_dir: Path, *, as_json: bool, rows: int, tokenizer: str | None) -> int:
@@ -70,7 +70,8 @@ def describe(
         if found:
             texts[name] = found
     inputs = meta.get("inputs") if isinstance(meta.get("inputs"), list) else None
-    stored = stored_size(meta)
+    checked = step_meta(meta, step_dir)
+    stored = checked.stored_size
     summary: dict[str, Any] = {
         "path": str(step_dir),
         "role": meta.get("role"),
@@ -84,21 +85,11 @@ def describe(
         "inputs": {"rows": len(inputs), "first": inputs[:rows]} if inputs is not None else None,
         "calls": meta.get("calls") if type(meta.get("calls")) is int else None,
         "size": stored,
-        "decoded_size": stored + expansion(meta),
+        "decoded_size": stored + checked.expansion,
         "plugin": roles.plugin_of(str(meta.get("role"))),
         "note": step.note,
     }
     return summary, infos, texts
-
-
-def stored_size(meta: dict[str, Any]) -> int:
-    """Bytes of the data files a (verified) ``meta.json`` names, as stored."""
-    return sum(
-        int(spec.get("size") or 0)
-        for part in meta.get("parts") or []
-        for spec in (part.get("files") or {}).values()
-        if isinstance(spec, dict)
-    )
 
 
 def _decode_tokens(flat: dict[str, Any], tokenizer_path: str, rows: int) -> dict[str, list[str]]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +10,9 @@ from skipinject.cache_tool.common import FOUND, OK, scan_any
 from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.progress import Progress
 from skipinject.cache_tool.render import emit_json, human_size, say, schema
-from skipinject.cache_tool.scan import Item, ItemRecord, lstat_regular, open_step, precheck
+from skipinject.cache_tool.scan import Item, ItemRecord, open_step, precheck
 from skipinject.errors import CorruptCacheError
+from skipinject.store.files import read_head, regular_stat
 
 
 class CheckedRecord(ItemRecord):
@@ -94,52 +93,47 @@ def _verify_item(item: Item) -> Checked:
         return Checked(item, "damaged", list(item.problems))
     if item.state in ("partial", "untrusted"):
         return Checked(item, item.state, list(item.problems))
-    if not isinstance(item.path, Path):  # a step in a remote store
-        from skipinject.cache_tool.remote import verify_remote
-
-        problems = verify_remote(item)
-        return Checked(item, "damaged" if problems else "ok", problems)
-    if item.state == "foreign":
+    if item.state == "foreign" and isinstance(item.path, Path):
         return _verify_foreign(item)
+    problems = damage(item)
+    return Checked(item, "damaged" if problems else "ok", problems)
+
+
+def damage(item: Item) -> list[str]:
+    """What is wrong with a committed step's bytes (``[]``: intact), by the store's own check of every
+    byte (:meth:`~skipinject.store.StepStore.check`): the one question ``verify`` and ``prune --damaged``
+    ask, so they never disagree. No codec is needed, so every role's steps are checked alike."""
     try:
-        store, meta = open_step(item.path)
-        precheck(store, int(item.path.name), meta)
-        # The store's reader checks sizes, checksums, the tensor index and the JSON tree: what a run
-        # checks before it serves a step. No codec is needed, so every role's steps verify alike.
-        store.load(store.verified(int(item.path.name)))
+        if isinstance(item.path, Path):
+            store, meta = open_step(item.path)
+            precheck(store, int(item.path.name), meta)
+        else:  # a step in a remote store
+            from skipinject.cache_tool.remote import open_remote_step
+            from skipinject.store.remote import open_remote
+
+            store, _ = open_remote_step(open_remote(str(item.path))[0], item.path)
+        store.check(int(item.path.name))
     except (CorruptCacheError, OSError) as exc:
-        return Checked(item, "damaged", [str(exc)])
+        return [str(exc)]
     except Exception as exc:
-        return Checked(item, "damaged", [f"{item.path}: {type(exc).__name__}: {exc}"])
-    return Checked(item, "ok", [])
+        return [f"{item.path}: {type(exc).__name__}: {exc}"]
+    return []
 
 
 def _verify_foreign(item: Item) -> Checked:
     problems = []
     for path in item.files:
         try:
-            head = _head(path)
+            head = read_head(path, 8)
         except OSError as exc:
             problems.append(f"{path}: cannot read it ({exc})")
             continue
         if not head.startswith(_PICKLE_MAGIC):
             problems.append(f"{path}: not a pickle or torch.save file (damaged?)")
     for name in item.upstream.format.required if item.upstream is not None else ():
-        if lstat_regular(item.path / name) is None:
+        if regular_stat(item.path / name) is None:
             problems.append(f"{item.path}: verl's {name} is missing; verl itself will not load this step")
     return Checked(item, "damaged" if problems else "foreign", problems)
-
-
-def _head(path: Path) -> bytes:
-    if lstat_regular(path) is None:
-        raise OSError("not a regular file")
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError("not a regular file")
-        return os.read(fd, 8)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------- render

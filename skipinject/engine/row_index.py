@@ -19,21 +19,17 @@ among 10,000 cached steps reads no step but the ones its rows are in. Every copy
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import io
 import logging
-import os
 import re
 import threading
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from skipinject.errors import CorruptCacheError
-from skipinject.store.files import read_small
-from skipinject.store.format import MAX_INDEXED_ROWS, MAX_ROW_INDEX_BYTES, META_NAME, ROW_INDEX_NAME
+from skipinject.store.format import MAX_INDEXED_ROWS, MAX_ROW_INDEX_BYTES, ROW_INDEX_NAME
 
 if TYPE_CHECKING:
     from skipinject.store import StepStore
@@ -93,8 +89,6 @@ class RowIndex:
         self.stores = (steps, rows)
         self.lock = threading.Lock()
         self.path = steps.project_dir / ROW_INDEX_NAME
-        # kept beside the steps: a local file, or an object of the store
-        self._file: _IndexFile = _LocalIndex(self) if steps.backend.checks_owners else _StoredIndex(self)
         self._np = np
         self._arrays: dict[str, Any] = {name: np.zeros(0, dtype=_dtype(name)) for name in _ARRAYS}
         self._loaded = False
@@ -202,8 +196,8 @@ class RowIndex:
             a[name] = a[name][keep]
 
     def _mtime(self, kind: int, number: int) -> int:
-        """The version of the record's ``meta.json`` (local: its mtime in ns; -1: unknown)."""
-        return self._file.version(kind, number)
+        """The version of the record's ``meta.json`` (:meth:`StepStore.meta_versions`; -1: unknown)."""
+        return self.stores[kind].meta_versions([number]).get(number, -1)
 
     # ------------------------------------------------------------ the file
 
@@ -211,7 +205,7 @@ class RowIndex:
         """The saved index if it loads and checks out; else an empty one (rebuilt by the refresh)."""
         np = self._np
         try:
-            data = self._file.read()
+            data = self.stores[STEPS].read_file(ROW_INDEX_NAME, MAX_ROW_INDEX_BYTES)
             _check_members(data)
             with np.load(io.BytesIO(data), allow_pickle=False) as saved:
                 arrays = {name: saved[name] for name in _ARRAYS}
@@ -233,7 +227,11 @@ class RowIndex:
                     strict=True,
                 )
             )
-            versions = self._file.versions([(kind, number) for kind, number, _ in seen])
+            versions = {
+                (kind, number): version
+                for kind, store in enumerate(self.stores)
+                for number, version in store.meta_versions([n for k, n, _ in seen if k == kind]).items()
+            }
             changed = {(kind, number) for kind, number, mtime in seen if versions.get((kind, number), -1) != mtime}
             if changed:
                 self._drop(changed)
@@ -244,118 +242,9 @@ class RowIndex:
         buffer = io.BytesIO()
         self._np.savez(buffer, **self._arrays)
         try:
-            self._file.write(buffer.getvalue())
+            self.stores[STEPS].replace_file(ROW_INDEX_NAME, buffer.getvalue())
         except Exception as exc:
             logger.debug("row index %s not saved (%s: %s)", self.path, type(exc).__name__, exc)
-
-
-class _IndexFile(Protocol):
-    """Where a :class:`RowIndex` is kept, and what tells a re-recorded ``meta.json`` from the indexed one."""
-
-    def read(self) -> bytes:
-        """The saved index (at most :data:`MAX_ROW_INDEX_BYTES`); FileNotFoundError when there is none."""
-
-    def write(self, data: bytes) -> None:
-        """Replace the saved index whole (a reader sees the old one or the new one)."""
-
-    def version(self, kind: int, number: int) -> int:
-        """A number that changes when the record's ``meta.json`` does (-1: unknown)."""
-
-    def versions(self, records: Sequence[tuple[int, int]]) -> dict[tuple[int, int], int]:
-        """:meth:`version` of many records (an object store: one listing, no ``meta.json`` read)."""
-
-
-class _LocalIndex:
-    """``row-index.npz`` beside the steps: written to a temporary file, then renamed."""
-
-    def __init__(self, index: RowIndex) -> None:
-        self.index = index
-
-    def read(self) -> bytes:
-        return read_small(self.index.path, MAX_ROW_INDEX_BYTES)
-
-    def write(self, data: bytes) -> None:
-        path = self.index.path
-        directory = path.parent
-        temporary = directory / f".{ROW_INDEX_NAME}.tmp-{os.getpid()}-{threading.get_ident()}"
-        if not directory.is_dir():
-            return
-        try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(temporary, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
-
-    def version(self, kind: int, number: int) -> int:
-        try:
-            path = self.index.stores[kind].step_dir(number) / META_NAME
-            return os.stat(path, follow_symlinks=False).st_mtime_ns
-        except (OSError, ValueError):
-            return -1
-
-    def versions(self, records: Sequence[tuple[int, int]]) -> dict[tuple[int, int], int]:
-        return {record: self.version(*record) for record in records}
-
-
-class _StoredIndex:
-    """``row-index.npz`` as an object of the store: one bounded GET to read, one PUT to replace (an
-    object appears whole); a ``meta.json``'s version is its ETag (or modification time) and size."""
-
-    def __init__(self, index: RowIndex) -> None:
-        self.index = index
-        self.fs: Any = index.stores[0].backend.fs  # type: ignore[attr-defined]
-
-    def _key(self, location: Any) -> str:
-        return str(location.path)
-
-    def read(self) -> bytes:
-        data = bytes(self.fs.cat_file(self._key(self.index.path), start=0, end=MAX_ROW_INDEX_BYTES + 1))
-        if len(data) > MAX_ROW_INDEX_BYTES:
-            raise CorruptCacheError(f"larger than {MAX_ROW_INDEX_BYTES} bytes")
-        return data
-
-    def write(self, data: bytes) -> None:
-        self.fs.pipe_file(self._key(self.index.path), data)
-
-    def version(self, kind: int, number: int) -> int:
-        try:
-            return _object_version(self.fs.info(self._key(self.index.stores[kind].step_dir(number) / META_NAME)))
-        except Exception:
-            return -1
-
-    def versions(self, records: Sequence[tuple[int, int]]) -> dict[tuple[int, int], int]:
-        """One recursive listing of the project (paged by the store), no object read."""
-        if not records:
-            return {}
-        stores = self.index.stores
-        keys = {self._key(stores[kind].step_dir(number) / META_NAME): (kind, number) for kind, number in records}
-        root = self._key(self.index.stores[0].project_dir)
-        try:
-            with contextlib.suppress(Exception):
-                self.fs.invalidate_cache(root)
-            listed = self.fs.find(root, detail=True)
-        except Exception:
-            return {}
-        found = {}
-        for name, info in listed.items():
-            record = keys.get(str(name).rstrip("/"))
-            if record is not None:
-                found[record] = _object_version(info)
-        return found
-
-
-def _object_version(info: Mapping[str, Any]) -> int:
-    """A 56-bit digest of what tells one upload of an object from another."""
-    tag = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or info.get("created")
-    text = f"{tag}|{info.get('size')}".encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
 
 
 def _check_members(data: bytes) -> None:

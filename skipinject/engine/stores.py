@@ -66,14 +66,8 @@ class RoleStores:
             return []
         subdir = role.name if role.cache_subdir is None else role.cache_subdir
 
-        def names_above(levels: int) -> Any:
-            directory = store.project_dir
-            for _ in range(levels):
-                directory = directory.parent
-            return store.backend.names(directory, directories=True)
-
         try:
-            found = other_batch_sizes(store.project_dir, store.context, subdir, names_above)
+            found = other_batch_sizes(store.project_dir, store.context, subdir, store.names_above)
         except Exception:
             return []
         if len(found) > limit:

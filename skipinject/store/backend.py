@@ -6,7 +6,7 @@ meta.json checks, the commit rule, checksums before decoding); a :class:`Backend
 * ``names``: names in a directory (step directories of a project, files of a step or part);
 * ``open_step`` then :meth:`StepFiles.read_meta` / :meth:`StepFiles.read`: bounded reads of one step,
   sizes checked before a byte is read, checksums computed as the bytes come;
-* ``put_tensors`` / ``put_bytes``: a data file written whole under its final, fresh name;
+* ``write``: a file written whole under its final name (data files under fresh ones);
 * ``commit``: ``meta.json`` replaced last, in one step;
 * ``remove`` / ``collect``: a failed writer's files, and leftovers once abandoned.
 
@@ -20,14 +20,14 @@ last, streamed bounded reads). :meth:`skipinject.dump_root.DumpRoot.backend` pic
 from __future__ import annotations
 
 import mmap
-from collections.abc import Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
-    from skipinject.store.compression import Compression
+T = TypeVar("T")
 
 #: A location in a backend: a local path, or a :class:`~skipinject.store.remote.RemotePath` standing in
 #: for one (it joins with ``/`` and has ``name``, ``parent`` and ``str``: all the store uses of a path).
@@ -79,22 +79,24 @@ class Backend(Protocol):
         """``name`` (one level of part directory allowed) is a regular file in a real, trusted step
         directory. Never raises."""
 
+    def stat(self, location: Location) -> tuple[str, int] | None:
+        """``(kind, size)`` of a name, never through a link (kind: file, directory, link or other);
+        None when there is none or it cannot be told."""
+
+    def read_bytes(self, location: Location, limit: int) -> bytes:
+        """A whole small file, at most ``limit`` bytes (more: CorruptCacheError); FileNotFoundError."""
+
+    def versions(self, root: Location, locations: list[Location]) -> dict[Location, int]:
+        """A number per existing file that changes when it is replaced (``root``: where all lie, for
+        one listing); never raises."""
+
     def prepare(self, step_dir: Location, folder: Location) -> list[Location]:
         """Make ``folder`` (the step or a part directory) ready for files; returns what it created."""
 
-    def put_tensors(
-        self,
-        location: Location,
-        tensors: Mapping[str, torch.Tensor],
-        algo: str,
-        write_id: str,
-        compression: Compression | None = None,
-    ) -> tuple[int, str, dict[str, Any] | None]:
-        """Write a tensor file whole under its final name (compressed when ``compression`` is given);
-        its size, checksum (of the stored bytes) and what its record adds (decoded size, frames)."""
-
-    def put_bytes(self, location: Location, data: bytes, write_id: str) -> int:
-        """Write ``data`` whole under its final name; its size."""
+    def write(self, location: Location, produce: Callable[[BinaryIO], T], write_id: str | None = None) -> tuple[int, T]:
+        """Write a file whole under its final name, its bytes from ``produce(handle)`` (a local file
+        through a temporary name, an object in one upload): its size and what ``produce`` returned.
+        A reader sees the old file or the new one, never part of it."""
 
     def commit(self, step_dir: Location, meta: bytes, write_id: str) -> None:
         """Replace the step's ``meta.json`` with ``meta``, last and in one step."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.format import FRAME_BYTES, MAX_EXPANSION, ZSTD_DEFAULT_LEVEL, ZSTD_MAX_LEVEL
+from skipinject.store.mounts import is_network_path
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -65,36 +66,11 @@ def parse_compression(value: str, *, remote: bool = False, network_fs: bool = Fa
     return Compression(int(match.group(1) or ZSTD_DEFAULT_LEVEL))
 
 
-#: File system types (``/proc/self/mounts``) whose bytes cross a network: ``auto`` compresses there.
-NETWORK_FILESYSTEMS = frozenset(
-    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "beegfs", "9p", "afs", "orangefs"}
-)
-
-
-def is_network_filesystem(path: str, mounts: str = "/proc/self/mounts") -> bool:
-    """Whether ``path`` (an absolute local path) lies on a network file system (or a FUSE mount of one,
-    ``fuse.sshfs``, ``fuse.s3fs``, ...); False when that cannot be told."""
-    try:
-        with open(mounts, encoding="utf-8", errors="replace") as handle:
-            table = [line.split() for line in handle]
-    except OSError:
-        return False
-    best, kind = "", ""
-    for fields in table:
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, fields[2]
-    return kind in NETWORK_FILESYSTEMS or (kind.startswith("fuse.") and kind != "fuse.portal")
-
-
 def compression_for(value: str, root: object) -> Compression | None:
     """The compression a store under ``root`` (a local ``Path`` or a remote location) uses for ``value``."""
     if not isinstance(root, Path):
         return parse_compression(value, remote=True)
-    network = value == "auto" and is_network_filesystem(str(root))
+    network = value == "auto" and bool(is_network_path(root))
     return parse_compression(value, network_fs=network)
 
 
@@ -197,16 +173,6 @@ def compress_bytes(data: bytes, compression: Compression, hasher: _Hasher) -> tu
 
 
 # ---------------------------------------------------------------- reading
-
-
-def expansion(meta: Mapping[str, Any]) -> int:
-    """Bytes the compressed files a (checked) ``meta.json`` names gain when decoded (0: none compressed)."""
-    gained = 0
-    for part in meta.get("parts") or []:
-        for spec in (part.get("files") or {}).values() if isinstance(part, dict) else []:
-            if isinstance(spec, dict) and "encoding" in spec:
-                gained += int(spec.get("decoded_size") or 0) - int(spec.get("size") or 0)
-    return gained
 
 
 def check_record(spec: Mapping[str, Any], stored: int, shown: Path) -> tuple[int, list[int]]:

@@ -12,41 +12,32 @@
   (``trust_permissions``). The dump directory is also checked *as given*, before its links are
   resolved (:func:`unresolved_problem`): a link another user owns, or a parent others can write.
 
-Every failure is a :class:`~skipinject.errors.CorruptCacheError` (a missing file stays
-``FileNotFoundError``: a miss); nothing else escapes.
+* Removal: a check on a path followed by a second look-up of it is a race (another user of a
+  shared, sticky dump directory can swap a step for a link to someone else's in between). A
+  directory is reached from an *anchor* (the dump or project directory, opened once) one name at a
+  time with ``O_DIRECTORY | O_NOFOLLOW`` and held by its descriptor; files are ``fstat``-ed and
+  unlinked relative to the descriptor they were listed in, directories removed with
+  ``rmdir(name, dir_fd=)``. A link anywhere below the anchor ends the removal there.
+
+Every failure to read is a :class:`~skipinject.errors.CorruptCacheError` (a missing file stays
+``FileNotFoundError``: a miss); nothing else escapes. Nothing outside :mod:`skipinject.store` opens,
+lists or removes a cache's files: this module is the one that does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
 import os
 import stat
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from skipinject.errors import CorruptCacheError
-from skipinject.store.format import MAX_INDEX_BYTES, MAX_META_BYTES, MAX_META_DEPTH, SPARSE_FACTOR, SPARSE_MIN_SIZE
-
-__all__ = [
-    "MAX_INDEX_BYTES",
-    "MAX_META_BYTES",
-    "MAX_META_DEPTH",
-    "SPARSE_FACTOR",
-    "SPARSE_MIN_SIZE",
-    "check_not_sparse",
-    "file_kind",
-    "map_fd",
-    "open_dir",
-    "open_regular",
-    "parse_json",
-    "read_fd",
-    "read_small",
-    "trust_problem",
-    "unresolved_problem",
-    "untrusted_reason",
-]
+from skipinject.store.format import MAX_META_BYTES, META_NAME, PART_NAME, SPARSE_FACTOR, SPARSE_MIN_SIZE
 
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -269,3 +260,177 @@ def read_small(path: Path, limit: int = MAX_META_BYTES) -> bytes:
         raise CorruptCacheError(f"{path}: cannot read it ({_why(exc)})") from exc
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------- listing (the cache tool's walk)
+
+
+def entries(directory: Path) -> list[os.DirEntry[str]]:
+    """The entries of a directory (never followed through a link by the callers' ``follow_symlinks=False``)."""
+    with os.scandir(directory) as found:
+        return list(found)
+
+
+def regular_stat(path: Path) -> os.stat_result | None:
+    """``lstat`` of ``path`` if it is a regular file (not a link), else ``None``."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info if stat.S_ISREG(info.st_mode) else None
+
+
+def read_head(path: Path, size: int) -> bytes:
+    """The first ``size`` bytes of a regular file (never a link, a FIFO never blocks); OSError otherwise."""
+    fd = os.open(path, _FILE_FLAGS)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("not a regular file")
+        return os.read(fd, size)
+    finally:
+        os.close(fd)
+
+
+def try_open_dir(name: str | Path, dir_fd: int | None = None) -> int | None:
+    """A directory descriptor (never through a link), or None for anything else."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------- removal (see the module doc)
+
+#: Called with (descriptor of the directory, name) right before a name is unlinked; tests use it
+#: to make a race deterministic. Production code never sets it.
+BEFORE_UNLINK: Callable[[int, str], None] | None = None
+
+
+class LinkedPath(OSError):
+    """A name below the anchor is a symbolic link or not a directory: nothing is removed through it."""
+
+
+def relative_parts(anchor: Path, path: Path) -> tuple[str, ...]:
+    """The names leading from ``anchor`` to ``path`` (ValueError when ``path`` is not below it)."""
+    parts = Path(path).relative_to(anchor).parts
+    if any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"{path}: not a plain path below {anchor}")
+    return parts
+
+
+def open_below(anchor: Path | int, parts: Sequence[str]) -> int:
+    """A descriptor of ``anchor/parts...``: the anchor opened once (a path, or a descriptor that is
+    duplicated), every name below it with ``O_NOFOLLOW``. Raises :class:`LinkedPath` for a link."""
+    fd = os.dup(anchor) if isinstance(anchor, int) else os.open(anchor, _DIR_FLAGS & ~os.O_NOFOLLOW)
+    try:
+        for part in parts:
+            if part in ("", ".", "..") or "/" in part:
+                raise LinkedPath(errno.EINVAL, f"{part!r} is not a plain name")
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise LinkedPath(exc.errno, f"{part}: a symbolic link or not a directory") from exc
+                raise
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def opened_below(anchor: Path | int, parts: Sequence[str]) -> Iterator[int]:
+    fd = open_below(anchor, parts)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def unlink_regular(dir_fd: int, name: str, keep: Callable[[os.stat_result], bool] | None = None) -> int | None:
+    """Unlink ``name`` in ``dir_fd`` if it is a regular file (never a link's target: ``unlinkat``
+    removes the name itself) and ``keep`` does not veto it; its size, or None when kept."""
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or (keep is not None and keep(info)):
+        return None
+    if BEFORE_UNLINK is not None:
+        BEFORE_UNLINK(dir_fd, name)
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        return None
+    return info.st_size
+
+
+def remove_name(anchor: Path, path: Path) -> None:
+    """Remove one file or empty directory ``path`` below ``anchor`` (best effort, never raises):
+    the writer's clean-up. The anchor itself, or a directory above it, is only removed when empty
+    (``rmdir`` never follows a link); a path not below the anchor is anchored at its parent."""
+    with contextlib.suppress(OSError, ValueError):
+        try:
+            parts = relative_parts(anchor, path)
+        except ValueError:
+            above = Path(anchor).is_relative_to(path)
+            parts = () if above else relative_parts(path.parent, path)
+            anchor = path.parent
+        if not parts:
+            os.rmdir(path)
+            return
+        with opened_below(anchor, parts[:-1]) as parent:
+            try:
+                os.unlink(parts[-1], dir_fd=parent)  # never follows a link: removes the name
+            except (IsADirectoryError, PermissionError):
+                os.rmdir(parts[-1], dir_fd=parent)
+
+
+def remove_step(
+    anchor: Path,
+    step_dir: Path,
+    wanted: Callable[[str, str], bool],
+    keep: Callable[[os.stat_result], bool] | None = None,
+) -> tuple[int, int]:
+    """Remove the files of a step directory below ``anchor`` that ``wanted(part, name)`` selects
+    (``part`` is ``""`` for the step directory itself), ``meta.json`` first (the step is absent at
+    once), then empty part directories and the step directory. Everything relative to descriptors
+    opened once from ``anchor``; a link on the way removes nothing. Returns (files, bytes)."""
+    parts = relative_parts(anchor, step_dir)
+    if not parts:
+        raise ValueError(f"{step_dir}: the anchor itself is no step directory")
+    files = size = 0
+    with opened_below(anchor, parts[:-1]) as parent_fd, opened_below(parent_fd, parts[-1:]) as step_fd:
+        names = os.listdir(step_fd)
+        ordered = sorted(names, key=lambda n: n != META_NAME)
+        for name in ordered:
+            if PART_NAME.fullmatch(name):
+                continue
+            if wanted("", name):
+                removed = unlink_regular(step_fd, name, keep)
+                if removed is not None:
+                    files += 1
+                    size += removed
+        for name in names:
+            if not PART_NAME.fullmatch(name):
+                continue
+            try:
+                part_fd = open_below(step_fd, [name])
+            except OSError:
+                continue  # a link or a file named like a part: not ours to follow
+            try:
+                for leaf in os.listdir(part_fd):
+                    if wanted(name, leaf):
+                        removed = unlink_regular(part_fd, leaf, keep)
+                        if removed is not None:
+                            files += 1
+                            size += removed
+            finally:
+                os.close(part_fd)
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=step_fd)  # only ever succeeds when empty
+        with contextlib.suppress(OSError):
+            os.rmdir(parts[-1], dir_fd=parent_fd)
+    return files, size

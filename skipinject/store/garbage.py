@@ -18,7 +18,7 @@ A writer on *another* host sharing the file system is protected by the age rule 
 leave a file untouched for 10 minutes before committing it. A step directory whose ``meta.json``
 exists but cannot be read is left alone entirely (its files may be evidence, or a newer format).
 Nothing here follows a symbolic link or leaves ``project_dir``: every directory is reached from the
-project directory's descriptor by :mod:`skipinject.store.removal` (``O_NOFOLLOW`` at every level,
+project directory's descriptor by :mod:`skipinject.store.files` (``O_NOFOLLOW`` at every level,
 files unlinked relative to the descriptor they were checked in); each file is checked again right
 before it is unlinked.
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import stat
 import threading
@@ -36,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from skipinject.store.files import open_below, relative_parts, try_open_dir, unlink_regular
 from skipinject.store.format import (
     DATA_NAME,
     MAX_META_BYTES,
@@ -46,7 +46,7 @@ from skipinject.store.format import (
     WRITE_ID,
     is_ours,
 )
-from skipinject.store.removal import open_below, relative_parts, unlink_regular
+from skipinject.store.meta import read_named
 
 ABANDONED_AFTER = 600.0
 PID_REUSE_AFTER = 86400.0
@@ -96,34 +96,8 @@ def _writer_gone(name: str, age: float) -> bool:
 def _named_by_meta(step_fd: int) -> set[str] | None:
     """``part/name`` of every file the step's meta.json names; empty if it has none; None if unreadable."""
     try:
-        fd = os.open(META_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=step_fd)
-    except FileNotFoundError:
-        return set()
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_META_BYTES:
-            return None
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            data = handle.read(MAX_META_BYTES + 1)
-        meta = json.loads(data)
-        named = set()
-        for part in meta["parts"]:
-            sub = part.get("dir", "") or ""
-            for spec in part["files"].values():
-                named.add(f"{sub}/{spec['name']}")
-        return named
+        return read_named(step_fd, Path(META_NAME), MAX_META_BYTES)
     except Exception:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _open_dir(name: str | Path, dir_fd: int | None = None) -> int | None:
-    try:
-        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
         return None
 
 
@@ -167,7 +141,7 @@ def _scan_folder(
 def _scan_step(
     project_fd: int, project_dir: Path, step_name: str, now: float, min_age: float, out: list[Leftover]
 ) -> None:
-    step_fd = _open_dir(step_name, project_fd)
+    step_fd = try_open_dir(step_name, project_fd)
     if step_fd is None:
         return  # a symlink, not a directory, or unreadable: not ours to touch
     try:
@@ -185,7 +159,7 @@ def _scan_step(
         for child in children:
             if not PART_NAME.fullmatch(child):
                 continue
-            part_fd = _open_dir(child, step_fd)
+            part_fd = try_open_dir(child, step_fd)
             if part_fd is None:
                 continue
             try:
@@ -215,7 +189,7 @@ def _clean_commit(step_fd: int) -> bool:
         listings = [names]
         for child in names:
             if PART_NAME.fullmatch(child):
-                part_fd = _open_dir(child, step_fd)
+                part_fd = try_open_dir(child, step_fd)
                 if part_fd is None:
                     continue
                 try:
@@ -245,7 +219,7 @@ def _part_dir_empty_after(part_fd: int, removed: list[Leftover]) -> bool:
 def find_leftovers(project_dir: Path, *, now: float | None = None, min_age: float = ABANDONED_AFTER) -> list[Leftover]:
     """Abandoned files of our own saves under ``project_dir`` (its step directories and their parts)."""
     now = time.time() if now is None else now
-    project_fd = _open_dir(project_dir)
+    project_fd = try_open_dir(project_dir)
     if project_fd is None:
         return []
     out: list[Leftover] = []
@@ -266,7 +240,7 @@ def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONE
     """Unlink leftovers (files first, then empty part directories); returns (files removed, bytes).
 
     Each file's directory is reached from its project directory's descriptor without following a
-    link (:func:`~skipinject.store.removal.open_below`), and the file is checked again there right
+    link (:func:`~skipinject.store.files.open_below`), and the file is checked again there right
     before it is unlinked relative to that descriptor (a regular file, still abandoned with the same
     ``min_age``, still not named by its step's meta.json); anything that changed is kept.
     """
@@ -285,7 +259,7 @@ def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONE
                 with contextlib.suppress(OSError):
                     os.rmdir(item.path.name, dir_fd=parent_fd)  # only ever succeeds when empty
                 continue
-            step_fd = parent_fd if len(parts) == 2 else _open_dir("..", parent_fd)
+            step_fd = parent_fd if len(parts) == 2 else try_open_dir("..", parent_fd)
             if step_fd is None:
                 continue
             try:
@@ -340,7 +314,7 @@ def collect(project_dir: Path, *, step: int | None = None, force: bool = False) 
 
 
 def _step_leftovers(project_dir: Path, step_name: str) -> list[Leftover]:
-    project_fd = _open_dir(project_dir)
+    project_fd = try_open_dir(project_dir)
     if project_fd is None:
         return []
     out: list[Leftover] = []

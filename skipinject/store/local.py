@@ -15,9 +15,9 @@ import contextlib
 import os
 import stat
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 from skipinject.errors import CacheError, CorruptCacheError, UntrustedCacheError
 from skipinject.store.checksums import _digest, _digest_parallel
@@ -27,21 +27,20 @@ from skipinject.store.files import (
     open_dir,
     open_regular,
     read_fd,
+    read_small,
+    remove_name,
     trust_problem,
     unresolved_problem,
     untrusted_reason,
 )
 from skipinject.store.format import MAX_CLAIMS, MAX_META_BYTES, META_NAME, step_name, tmp_name
 from skipinject.store.garbage import collect
-from skipinject.store.removal import remove_name
-from skipinject.store.tensorfile import tensor_file
 
 if TYPE_CHECKING:
     import mmap
 
-    import torch
 
-    from skipinject.store.compression import Compression
+T = TypeVar("T")
 
 
 class LocalFiles:
@@ -147,6 +146,33 @@ class LocalFiles:
             step.close()
         return True
 
+    def stat(self, location: Path) -> tuple[str, int] | None:
+        try:
+            info = os.lstat(location)
+        except OSError:
+            return None
+        mode = info.st_mode
+        kind = (
+            "file"
+            if stat.S_ISREG(mode)
+            else "directory"
+            if stat.S_ISDIR(mode)
+            else "link"
+            if stat.S_ISLNK(mode)
+            else "other"
+        )
+        return kind, info.st_size
+
+    def read_bytes(self, location: Path, limit: int) -> bytes:
+        return read_small(location, limit)
+
+    def versions(self, root: Path, locations: list[Path]) -> dict[Path, int]:
+        found = {}
+        for location in locations:
+            with contextlib.suppress(OSError, ValueError):
+                found[location] = os.stat(location, follow_symlinks=False).st_mtime_ns
+        return found
+
     # ------------------------------------------------------------ writing
 
     def prepare(self, step_dir: Path, folder: Path) -> list[Path]:
@@ -157,21 +183,10 @@ class LocalFiles:
             _refuse_link(directory)
         return list(created)
 
-    def put_tensors(
-        self,
-        location: Path,
-        tensors: Mapping[str, torch.Tensor],
-        algo: str,
-        write_id: str,
-        compression: Compression | None = None,
-    ) -> tuple[int, str, dict[str, Any] | None]:
-        done: list[tuple[str, dict[str, Any] | None]] = []
-        _write_file_atomic(location, lambda h: done.append(tensor_file(h, tensors, algo, compression)), write_id)
-        return location.stat().st_size, *done[0]
-
-    def put_bytes(self, location: Path, data: bytes, write_id: str) -> int:
-        _write_file_atomic(location, lambda h: h.write(data), write_id)
-        return location.stat().st_size
+    def write(self, location: Path, produce: Callable[[BinaryIO], T], write_id: str | None = None) -> tuple[int, T]:
+        done: list[T] = []
+        _write_file_atomic(location, lambda handle: done.append(produce(handle)), write_id)
+        return location.stat().st_size, done[0]
 
     def commit(self, step_dir: Path, meta: bytes, write_id: str) -> None:
         _refuse_link(step_dir)
@@ -198,7 +213,7 @@ class LocalFiles:
 
     def remove(self, location: Path, anchor: Path | None = None) -> None:
         """Reached from ``anchor`` (the dump or project directory) without following a link, never by
-        a path looked up again after a check (:func:`~skipinject.store.removal.remove_name`)."""
+        a path looked up again after a check (:func:`~skipinject.store.files.remove_name`)."""
         remove_name(anchor if anchor is not None else location.parent, location)
 
     def collect(self, project: Path, step: int, named: set[str] | None) -> tuple[int, int]:
@@ -289,8 +304,9 @@ def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id
 
     The temporary name carries the writer's id (see :mod:`skipinject.store.garbage`)."""
     tmp = path.with_name(tmp_name(path.name, write_id or uuid.uuid4().hex[:8]))
+    handle = open(tmp, "wb", opener=_exclusive)  # noqa: SIM115 - closed below
     try:
-        with open(tmp, "wb") as handle:
+        with handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
@@ -299,6 +315,11 @@ def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def _exclusive(path: str, flags: int) -> int:
+    """A fresh file, never a name planted there: no link followed, nothing truncated."""
+    return os.open(path, flags | os.O_EXCL | os.O_NOFOLLOW, 0o666)
 
 
 def make_private_dirs(path: Path) -> list[Path]:

@@ -18,12 +18,13 @@ bucket is the store's own access control. ``file://`` URLs are plain local paths
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import posixpath
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.store.checksums import _Hasher
@@ -37,14 +38,13 @@ from skipinject.store.format import (
     step_name,
 )
 from skipinject.store.garbage import ACTIVE_WRITE_IDS
-from skipinject.store.tensorfile import tensor_file
 
 if TYPE_CHECKING:
-    import torch
     from fsspec import AbstractFileSystem
 
-    from skipinject.store.compression import Compression
     from skipinject.store.hit_memory import Decoded
+
+T = TypeVar("T")
 
 #: Bytes moved per request when reading a data file (a multiple of the tree checksum's 32 MiB
 #: chunk). Large: some servers (moto, and any that do not index objects) pay for a ranged read in
@@ -136,32 +136,49 @@ class FsspecFiles:
         """verl's own caches are pickles on local disks; never looked for in a remote store."""
         return False
 
+    def stat(self, location: Path) -> tuple[str, int] | None:
+        try:
+            info = self.fs.info(_at(location).path)
+        except Exception:
+            return None
+        size = info.get("size")
+        return ("file" if info.get("type") == "file" else "directory"), size if type(size) is int else 0
+
+    def read_bytes(self, location: Path, limit: int) -> bytes:
+        data = bytes(self.fs.cat_file(_at(location).path, start=0, end=limit + 1))
+        if len(data) > limit:
+            raise CorruptCacheError(f"{location}: larger than {limit} bytes")
+        return data
+
+    def versions(self, root: Path, locations: list[Path]) -> dict[Path, int]:
+        """An object's ETag (or modification time) and size, digested; many from one recursive listing."""
+        try:
+            if len(locations) == 1:
+                return {locations[0]: _object_version(self.fs.info(_at(locations[0]).path))}
+            keys = {_at(location).path: location for location in locations}
+            with contextlib.suppress(Exception):
+                self.fs.invalidate_cache(_at(root).path)
+            listed = self.fs.find(_at(root).path, detail=True)
+        except Exception:
+            return {}
+        found = {str(name).rstrip("/"): info for name, info in listed.items()}
+        return {keys[name]: _object_version(info) for name, info in found.items() if name in keys}
+
     # ------------------------------------------------------------ writing
 
     def prepare(self, step_dir: Path, folder: Path) -> list[Path]:
         return []  # no directories to create: keys appear with their objects
 
-    def put_tensors(
-        self,
-        location: Path,
-        tensors: Mapping[str, torch.Tensor],
-        algo: str,
-        write_id: str,
-        compression: Compression | None = None,
-    ) -> tuple[int, str, dict[str, Any] | None]:
+    def write(self, location: Path, produce: Callable[[BinaryIO], T], write_id: str | None = None) -> tuple[int, T]:
         handle = self.fs.open(_at(location).path, "wb")
         try:
-            checksum, record = tensor_file(_Pieces(handle), tensors, algo, compression)  # type: ignore[arg-type]
+            result = produce(_Pieces(handle))  # type: ignore[arg-type]
             size = int(handle.tell())
         except BaseException:
             _discard(handle)
             raise
         handle.close()  # the upload completes here: the object appears whole
-        return size, checksum, record
-
-    def put_bytes(self, location: Path, data: bytes, write_id: str) -> int:
-        self.fs.pipe_file(_at(location).path, data)
-        return len(data)
+        return size, result
 
     def commit(self, step_dir: Path, meta: bytes, write_id: str) -> None:
         self.fs.pipe_file((_at(step_dir) / META_NAME).path, meta)
@@ -361,6 +378,13 @@ def _modified(info: Mapping[str, Any], default: float) -> float:
             with contextlib.suppress(ValueError):
                 return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
     return default
+
+
+def _object_version(info: Mapping[str, Any]) -> int:
+    """A 56-bit digest of what tells one upload of an object from another."""
+    tag = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or info.get("created")
+    text = f"{tag}|{info.get('size')}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
 
 
 class _Pieces:

@@ -11,7 +11,7 @@ failure is a :class:`CorruptCacheError` (a missing step stays ``FileNotFoundErro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,6 +34,7 @@ from skipinject.store.format import (
     step_name,
 )
 from skipinject.store.hit_memory import Claim, HitMemory
+from skipinject.store.meta import Part, StepMeta, short, step_meta
 from skipinject.store.payload import Payload, StepEntry
 from skipinject.store.tensorfile import read_tensors
 from skipinject.store.writer import StepWriter
@@ -123,6 +124,33 @@ class StepStore:
 
     def release(self, step: int, token: str) -> None:
         self.backend.release(self.project_dir, step, token)
+
+    # ------------------------------------------------------------ files beside the steps
+
+    def read_file(self, name: str, limit: int) -> bytes:
+        """A file of the project directory beside the steps (``match``'s row index), at most ``limit``
+        bytes (more is a CorruptCacheError); FileNotFoundError when there is none."""
+        return self.backend.read_bytes(self.project_dir / name, limit)
+
+    def replace_file(self, name: str, data: bytes) -> None:
+        """Replace a file beside the steps whole: a reader sees the old bytes or the new ones."""
+        self.backend.write(self.project_dir / name, lambda handle: handle.write(data))
+
+    def meta_versions(self, steps: Sequence[int]) -> dict[int, int]:
+        """A number per step that changes whenever its ``meta.json`` is replaced (a local file's
+        mtime, an object's ETag; steps without one are left out). No ``meta.json`` is read."""
+        wanted = {self.step_dir(step) / META_NAME: step for step in steps}
+        if not wanted:
+            return {}
+        return {wanted[at]: version for at, version in self.backend.versions(self.project_dir, list(wanted)).items()}
+
+    def names_above(self, levels: int) -> list[str]:
+        """Directory names ``levels`` directories above the project directory (an experiment's
+        other layouts); FileNotFoundError when there is none."""
+        location = self.project_dir
+        for _ in range(levels):
+            location = location.parent
+        return self.backend.names(location, directories=True)
 
     # ------------------------------------------------------------ trust
 
@@ -244,7 +272,7 @@ class StepStore:
 
     # ------------------------------------------------------------ reading
 
-    def read_meta(self, step: int) -> dict[str, Any]:
+    def read_meta(self, step: int) -> StepMeta:
         """Read and check a step's ``meta.json`` (format, version, role, context, self-checksum)."""
         files = self._open_step(step)
         try:
@@ -252,7 +280,7 @@ class StepStore:
         finally:
             files.close()
 
-    def _read_meta(self, files: StepFiles, step: int) -> dict[str, Any]:
+    def _read_meta(self, files: StepFiles, step: int) -> StepMeta:
         path = self.step_dir(step) / META_NAME
         data = files.read_meta()
         meta = parse_json(data, path, what="meta.json", max_depth=MAX_META_DEPTH)
@@ -263,36 +291,36 @@ class StepStore:
         except Exception as exc:
             raise CorruptCacheError(f"{path}: meta.json is malformed ({type(exc).__name__}: {exc})") from exc
 
-    def _check_meta(self, meta: object, path: Path, step: int) -> dict[str, Any]:
+    def _check_meta(self, meta: object, path: Path, step: int) -> StepMeta:
         """``meta`` (parsed JSON) once checked to be this role's and step's ``meta.json``."""
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CorruptCacheError(f"{path}: not a skipinject cache (no format marker)")
         if meta.get("format_version") not in READABLE_VERSIONS:
             raise CorruptCacheError(
-                f"{path}: written in format version {_short(meta.get('format_version'))}, "
+                f"{path}: written in format version {short(meta.get('format_version'))}, "
                 f"this skipinject reads versions {', '.join(map(str, READABLE_VERSIONS))}"
             )
         if meta.get("meta_checksum") != _meta_digest(meta):
             raise CorruptCacheError(f"{path}: meta.json was edited or damaged (its checksum does not match)")
         if meta.get("role") != self.role:
-            raise CorruptCacheError(f"{path}: written by role {_short(meta.get('role'))}, not {self.role!r}")
+            raise CorruptCacheError(f"{path}: written by role {short(meta.get('role'))}, not {self.role!r}")
         if meta.get("step") != step:
-            raise CorruptCacheError(f"{path}: records step {_short(meta.get('step'))}, but lies in step {step}")
+            raise CorruptCacheError(f"{path}: records step {short(meta.get('step'))}, but lies in step {step}")
         context = meta.get("context", {})
         if not isinstance(context, dict):
-            raise CorruptCacheError(f"{path}: meta.json is malformed (context {_short(context)} is not a mapping)")
+            raise CorruptCacheError(f"{path}: meta.json is malformed (context {short(context)} is not a mapping)")
         if context != self.context:
             raise CorruptCacheError(
-                f"{path}: written for other trainer metadata {_short(context)}, this run is {self.context!r}"
+                f"{path}: written for other trainer metadata {short(context)}, this run is {self.context!r}"
             )
         rows = meta.get("rows")
         if rows is not None and (type(rows) is not int or not 0 <= rows <= MAX_ROWS):
-            raise CorruptCacheError(f"{path}: meta.json is malformed (rows {_short(rows)} is no row count)")
+            raise CorruptCacheError(f"{path}: meta.json is malformed (rows {short(rows)} is no row count)")
         if meta.get("checksum_algo") not in CHECKSUM_ALGOS:
             raise CorruptCacheError(
-                f"{path}: meta.json is malformed (unknown checksum algorithm {_short(meta.get('checksum_algo'))})"
+                f"{path}: meta.json is malformed (unknown checksum algorithm {short(meta.get('checksum_algo'))})"
             )
-        return meta
+        return StepMeta(meta, path)
 
     def verified(self, step: int) -> StepEntry:
         """The step's entry after checking every file it names; raises CorruptCacheError.
@@ -304,13 +332,9 @@ class StepStore:
         files = self._open_step(step)
         try:
             meta = self._read_meta(files, step)
-            directory = self.step_dir(step)
-            parts = meta.get("parts")
-            if not isinstance(parts, list) or not parts:
-                raise CorruptCacheError(f"{directory}: meta.json names no parts")
-            entry = StepEntry(step, directory, meta, memory=Claim(self.memory))
+            entry = StepEntry(step, self.step_dir(step), meta, memory=Claim(self.memory))
             try:
-                for part in parts:
+                for part in meta.parts:
                     self._verify_part(entry, files, part)
             except BaseException:
                 entry.release()
@@ -319,18 +343,18 @@ class StepStore:
         finally:
             files.close()
 
-    def _verify_part(self, entry: StepEntry, files: StepFiles, part: Any) -> None:
-        sub, named = self._part_files(entry.directory, part)
+    def _verify_part(self, entry: StepEntry, files: StepFiles, part: Part) -> None:
         algo = entry.meta["checksum_algo"]
-        for kind, name, spec in named:
-            path = entry.directory / sub / name if sub else entry.directory / name
+        for file in part.files:
+            kind, name, spec = file.kind, file.name, file.spec
+            path = part.at(entry.directory, name)
             make = entry.memory.buffer if kind == "tensors" else bytearray
             read_decoded = getattr(files, "read_decoded", None)
-            if "encoding" in spec and read_decoded is not None:  # decoded as it downloads, kept only if intact
-                data, checksum = read_decoded(sub, name, spec, algo, make)
+            if file.encoded and read_decoded is not None:  # decoded as it downloads, kept only if intact
+                data, checksum = read_decoded(part.dir, name, spec, algo, make)
             else:
-                data, checksum = files.read(sub, name, spec.get("size"), kind, algo)
-                if "encoding" in spec:  # compressed: decoded once its stored bytes are checked
+                data, checksum = files.read(part.dir, name, spec.get("size"), kind, algo)
+                if file.encoded:  # compressed: decoded once its stored bytes are checked
                     stored = data
                     try:
                         if checksum != spec.get("checksum"):
@@ -346,6 +370,16 @@ class StepStore:
             if checksum != spec.get("checksum"):
                 raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
 
+    def check(self, step: int) -> None:
+        """Read and check every byte of a step as a hit would (sizes, checksums, tensor index, JSON
+        tree), then let it go: the one question ``cache verify`` and ``cache prune --damaged`` both
+        ask. CorruptCacheError when damaged; FileNotFoundError when nothing is committed."""
+        entry = self.verified(step)
+        try:
+            self.load(entry)
+        finally:
+            entry.release()
+
     def load(self, entry: StepEntry) -> list[Payload]:
         """Load every part of a verified entry. Tensors are views of a copy-on-write file mapping.
 
@@ -359,9 +393,8 @@ class StepStore:
         if not entry.mapped and not entry.blobs:
             entry = self.verified(entry.step)  # not read by verified(): read it now, under the same rules
         payloads = []
-        for part in entry.meta["parts"]:
-            sub, files = self._part_files(entry.directory, part)
-            paths = {kind: (entry.directory / sub / name if sub else entry.directory / name) for kind, name, _ in files}
+        for part in step_meta(entry.meta, entry.directory).parts:
+            paths = {file.kind: part.at(entry.directory, file.name) for file in part.files}
             try:
                 tensors = read_tensors(entry.mapped.get(paths["tensors"]), paths["tensors"], entry.memory)
                 blob = entry.blobs.get(paths["objects"])
@@ -372,45 +405,39 @@ class StepStore:
                 raise
             except Exception as exc:
                 raise CorruptCacheError(
-                    f"{entry.directory}: cannot load part {sub!r}: {type(exc).__name__}: {exc}"
+                    f"{entry.directory}: cannot load part {part.dir!r}: {type(exc).__name__}: {exc}"
                 ) from exc
             if not isinstance(tensors, dict) or not isinstance(objects, dict):
-                raise CorruptCacheError(f"{entry.directory}: part {sub!r} has an unexpected structure")
-            rows = part.get("rows")
-            payloads.append(Payload(tensors=tensors, objects=objects, rows=rows if type(rows) is int else None))
+                raise CorruptCacheError(f"{entry.directory}: part {part.dir!r} has an unexpected structure")
+            payloads.append(Payload(tensors=tensors, objects=objects, rows=part.rows))
         return payloads
 
     def named_files(self, step: int, meta: Mapping[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
         """Every data file a step's ``meta.json`` names, with its record (``kind``, ``size``, ``checksum``);
         every name checked to be safe (CorruptCacheError otherwise). No file is opened."""
         directory = self.step_dir(step)
-        parts = meta.get("parts")
-        if not isinstance(parts, list) or not parts:
-            raise CorruptCacheError(f"{directory}: meta.json names no parts")
-        out = []
-        for part in parts:
-            sub, files = self._part_files(directory, part)
-            for kind, name, spec in files:
-                out.append(((directory / sub / name) if sub else directory / name, {**spec, "kind": kind}))
-        return out
+        return [
+            (part.at(directory, file.name), {**file.spec, "kind": file.kind})
+            for part, file in step_meta(meta, directory).files()
+        ]
 
-    def _part_files(self, directory: Path, part: Any) -> tuple[str, list[tuple[str, str, dict[str, Any]]]]:
-        """A part's sub-directory and its files ``(kind, name, spec)``, every name checked to be safe."""
-        if not isinstance(part, Mapping):
-            raise CorruptCacheError(f"{directory}: meta.json is malformed (part {_short(part)} is not a record)")
-        sub = part.get("dir", "")
-        if not isinstance(sub, str) or (sub and not SAFE_NAME.match(sub)) or sub in (".", ".."):
-            raise CorruptCacheError(f"{directory}: meta.json names an unsafe part directory {_short(sub)}")
-        files = part.get("files")
-        if not isinstance(files, dict) or set(files) != {"tensors", "objects"}:
-            raise CorruptCacheError(f"{directory}: meta.json part {sub!r} does not name its files")
+    def precheck(self, step: int, meta: Mapping[str, Any]) -> list[tuple[Path, int]]:
+        """Every named file is a regular file (no link, FIFO) of its recorded size, and no part
+        directory is a link: checked by name, before the step is opened (the cache tool's listing)."""
         out = []
-        for kind, spec in files.items():
-            name = spec.get("name") if isinstance(spec, dict) else None
-            if not isinstance(name, str) or not SAFE_NAME.match(name) or ".." in name or name == META_NAME:
-                raise CorruptCacheError(f"{directory}: meta.json names an unsafe file {_short(name)}")
-            out.append((kind, name, spec))
-        return sub, out
+        for path, spec in self.named_files(step, meta):
+            holder = self.backend.stat(path.parent) if path.parent != self.step_dir(step) else None
+            if holder is not None and holder[0] == "link":
+                raise CorruptCacheError(f"{path.parent}: part directory is a symbolic link")
+            kind = self.backend.stat(path)
+            if kind is None:
+                raise CorruptCacheError(f"{path}: missing (named by meta.json)")
+            if kind[0] != "file":
+                raise CorruptCacheError(f"{path}: not a regular file (link, FIFO or device)")
+            if kind[1] != spec.get("size"):
+                raise CorruptCacheError(f"{path}: {kind[1]} bytes, meta.json says {spec.get('size')} (truncated?)")
+            out.append((path, kind[1]))
+        return out
 
     def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]:
         """Remove abandoned leftovers of this step's saves now (see :mod:`skipinject.store.garbage`,
@@ -444,12 +471,3 @@ def _close(buffer: object) -> None:
     close = getattr(buffer, "close", None)
     if close is not None:
         close()
-
-
-def _short(value: Any, limit: int = 200) -> str:
-    """``repr`` of a value from a cache, cut to one short line (a forged meta.json may hold megabytes)."""
-    try:
-        text = repr(value)
-    except Exception:  # a RecursionError on a value nested past the limit
-        return f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skipinject._version import __version__
-from skipinject.cluster import node_identity
 from skipinject.store.checksums import _digest, _Hasher
 from skipinject.store.compression import compress_bytes
 from skipinject.store.format import (
@@ -27,6 +26,7 @@ from skipinject.store.format import (
 )
 from skipinject.store.garbage import ACTIVE_WRITE_IDS
 from skipinject.store.payload import Payload
+from skipinject.store.tensorfile import tensor_file
 
 if TYPE_CHECKING:
     from skipinject.store.backend import Backend
@@ -86,7 +86,9 @@ class StepWriter:
         compression = self.store.compression
         tensors_at = folder / tensors_name(self.write_id)
         self._written.append(tensors_at)
-        size, checksum, encoded = backend.put_tensors(tensors_at, payload.tensors, algo, self.write_id, compression)
+        size, (checksum, encoded) = backend.write(
+            tensors_at, lambda handle: tensor_file(handle, payload.tensors, algo, compression), self.write_id
+        )
         files: dict[str, Any] = {
             "tensors": {"name": tensors_at.name, "size": size, "checksum": checksum, **(encoded or {})}
         }
@@ -99,7 +101,7 @@ class StepWriter:
             hasher = _Hasher(algo)
             blob, written = compress_bytes(blob, compression, hasher)
             record = {"checksum": hasher.hexdigest(), **written.record()}
-        size = backend.put_bytes(objects_at, blob, self.write_id)
+        size, _ = backend.write(objects_at, lambda handle: handle.write(blob), self.write_id)
         files["objects"] = {"name": objects_at.name, "size": size, **record}
         self.parts[part] = {"dir": part, "rows": payload.rows, "files": files}
 
@@ -116,6 +118,8 @@ class StepWriter:
 
     def meta_record(self, meta: Mapping[str, Any]) -> bytes:
         """The ``meta.json`` committing the parts written so far, with ``meta`` (role-specific keys)."""
+        from skipinject.cluster import node_identity  # cluster reads the store's mount classifier
+
         record = dict(meta)
         record.update(
             {

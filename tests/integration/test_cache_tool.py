@@ -19,11 +19,17 @@ from skipinject.cache_tool.scan import scan
 from skipinject.codecs import DataProtoCodec, TensorDictCodec
 from skipinject.store import StepStore
 from tests.integration.test_codecs_verl import tq_sample_result
-from tests.reliability.helpers import make_batch, same_batch
+from tests.reliability import helpers
+from tests.reliability.helpers import as_dataproto, same_batch
 
 EXP, PROJ = "exp", "proj"
 LAYOUT = "GBS4_N2_in32_out16"
 TQ_LAYOUT = "GBS1_N2_in32_out16"
+
+
+def make_batch(rows: int, width: int = 16, *, seed: int = 0) -> Any:
+    """The reliability suite's toy batch as verl's ``DataProto``: these tests cache it with ``DataProtoCodec``."""
+    return as_dataproto(helpers.make_batch(rows, width, seed=seed))
 
 
 def context(gbs: int = 4, experiment: str = EXP, project: str = PROJ) -> dict[str, Any]:
@@ -442,6 +448,21 @@ def test_prune_keep_last_older_than_partial_dry_run(dump: Path, capsys):
     assert doc["removed"] == []
     code, _, err = run(capsys, "prune", dump, "--older-than", "soon")
     assert code == 2 and "bad age" in err
+
+
+def test_prune_damaged_removes_the_steps_verify_calls_damaged(dump: Path, capsys):
+    """A data file changed in place (same size, other bytes: only its checksum tells) makes a step
+    that ``verify`` calls DAMAGED; ``prune --damaged`` asks the store the same question and removes it."""
+    where = _damage(dump)
+    age(dump, 3600)
+    code, out, _ = run(capsys, "verify", where["checksum"])
+    assert code == 1 and "DAMAGED: " in out and "checksum mismatch" in out
+    code, out, _ = run(capsys, "prune", dump, "--damaged", "--dry-run")
+    assert f"would remove {where['checksum']} (damaged" in out and (where["checksum"] / "meta.json").exists()
+    code, doc = run_json(capsys, "prune", dump, "--damaged")
+    assert {Path(r["path"]).name for r in doc["removed"]} == {"2", "3"} and not where["checksum"].exists()
+    code, out, _ = run(capsys, "verify", dump)
+    assert code == 0 and "0 damaged, 1 partial" in out, "what remains verifies (the partial save is --partial's)"
 
 
 def test_prune_never_touches_a_running_save_nor_verls_pickles(tmp_path: Path, capsys):

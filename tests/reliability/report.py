@@ -138,7 +138,7 @@ their own (`prune --damaged` leaves them), and checks the path it is given the s
 
 ## Links, races, names and bounds
 
-* **Removal** (`skipinject/store/removal.py`, the one primitive of `cache prune`, `cache import`'s
+* **Removal** (`skipinject/store/files.py`, the one primitive of `cache prune`, `cache import`'s
   writer, garbage collection and a failed save's clean-up): a directory is reached from the dump or
   project directory one name at a time with `O_DIRECTORY|O_NOFOLLOW` and held by its descriptor;
   files are `fstat`-ed and unlinked relative to the descriptor they were listed in (`unlinkat`),

@@ -151,7 +151,7 @@ def test_prune_does_not_remove_through_a_step_swapped_before_its_first_unlink(
 ) -> None:
     """Once the step is open, a swap of its name cannot redirect the removal: the opened directory
     is the one that was checked (its own files go, the victim's stay)."""
-    from skipinject.store import removal
+    from skipinject.store import files as removal
 
     names = step_files()
     victim, before = victim_step(shared, 4, names)

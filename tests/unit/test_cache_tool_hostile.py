@@ -190,6 +190,34 @@ def test_ls_of_a_remote_store_with_a_4300_digit_number_lists_everything_else(
         memory.rm(path, recursive=True)
 
 
+def test_prune_and_verify_agree_on_a_damaged_step_in_a_memory_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A data file changed in place in an object store: ``verify`` says DAMAGED, and ``prune``'s
+    choice of damaged steps (the same store check) picks that step, only it."""
+    fsspec = pytest.importorskip("fsspec")
+    from skipinject.cache_tool.common import scan_any
+    from skipinject.cache_tool.prune import select
+
+    local = tmp_path / "dump"
+    for step in (1, 2):
+        save(local / "e_p" / LAYOUT, step)
+    memory = fsspec.filesystem("memory")
+    path = f"/agree-{os.getpid()}-{tmp_path.name}"
+    memory.put(str(local), path, recursive=True)
+    try:
+        (tensors,) = [p for p in memory.find(path) if "/2/tensors-" in p]
+        data = memory.cat_file(tensors)
+        memory.pipe_file(tensors, data[:-1] + bytes([data[-1] ^ 0xFF]))
+        code, out, _ = run(capsys, "verify", f"memory://{path}")
+        assert code == 1 and "DAMAGED: " in out and "checksum mismatch" in out and "1 ok, 1 damaged" in out
+        items = scan_any(f"memory://{path}", [])
+        chosen = select(items, keep_last=None, older_than=None, partial=False, damaged=True, now=0.0)
+        assert [(item.step, reason) for item, reason in chosen] == [(2, "damaged")]
+    finally:
+        memory.rm(path, recursive=True)
+
+
 # ---------------------------------------------------------------- names that are not UTF-8
 
 

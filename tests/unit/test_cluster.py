@@ -10,6 +10,7 @@ import pytest
 
 from skipinject import bootstrap, cluster
 from skipinject.config import Config, RoleConfig
+from skipinject.store import mounts
 
 
 def mountinfo(*mounts: tuple[str, str]) -> str:
@@ -78,7 +79,7 @@ def test_urls_are_not_node_local_and_unknown_is_not_claimed_local(tmp_path: Path
     assert cluster.is_node_local("file:///srv/x", mountinfo())
     assert not cluster.is_node_local("file:///srv/x", mountinfo(("/srv", "nfs4")))
     assert not cluster.is_url("/tmp/a://b") and not cluster.is_url("relative/dir")
-    monkeypatch.setattr(cluster, "MOUNTINFO", str(tmp_path / "no-such-mountinfo"))
+    monkeypatch.setattr(mounts, "MOUNTINFO", str(tmp_path / "no-such-mountinfo"))
     assert cluster.fs_type(tmp_path) is None
     assert cluster.is_node_local(tmp_path) is False
 
@@ -107,7 +108,7 @@ def test_warns_once_per_process_with_the_fix(caplog: pytest.LogCaptureFixture, t
 
 
 def test_no_warning_when_the_cache_is_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(cluster, "MOUNTINFO", str(tmp_path / "mi"))
+    monkeypatch.setattr(mounts, "MOUNTINFO", str(tmp_path / "mi"))
     (tmp_path / "mi").write_text(mountinfo((str(tmp_path.resolve()), "nfs4")))
     assert not cluster.warn_if_cache_not_shared({"rollout": str(tmp_path / "d"), "x": "s3://b/d"}, nodes=4)
 

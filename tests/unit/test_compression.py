@@ -24,10 +24,10 @@ from skipinject.store import Payload, RemoteStepStore, StepStore, format
 from skipinject.store.compression import (
     Compression,
     compression_for,
-    is_network_filesystem,
     parse_compression,
 )
 from skipinject.store.hit_memory import anonymous
+from skipinject.store.mounts import is_network_path
 from skipinject.store.remote import open_remote
 from tests.conftest import ROOT
 
@@ -555,15 +555,20 @@ def test_the_setting_names_none_zstd_and_levels() -> None:
 
 
 def test_auto_compresses_object_stores_and_network_file_systems_only(tmp_path: Path) -> None:
-    mounts = tmp_path / "mounts"
-    mounts.write_text(
-        "/dev/vda1 / ext4 rw 0 0\nserver:/export /mnt/shared nfs4 rw 0 0\nsshfs#me@host: /mnt/fuse fuse.sshfs rw 0 0\n"
+    shared, fuse, near = tmp_path / "shared", tmp_path / "fuse", tmp_path / "sharedx"
+    for directory in (shared, fuse, near):
+        directory.mkdir()
+    mounts = "\n".join(
+        f"{n} 1 0:1 / {point} rw - {kind} src rw"
+        for n, (point, kind) in enumerate(
+            [("/", "ext4"), (shared.resolve(), "nfs4"), (fuse.resolve(), "fuse.sshfs"), (near.resolve(), "fuse.lxcfs")]
+        )
     )
-    assert is_network_filesystem("/mnt/shared/dump", str(mounts))
-    assert is_network_filesystem("/mnt/fuse", str(mounts))
-    assert not is_network_filesystem("/mnt/sharedx", str(mounts))
-    assert not is_network_filesystem("/home/me", str(mounts))
-    assert not is_network_filesystem("/x", str(tmp_path / "absent"))
+    assert is_network_path(shared / "dump", mounts)
+    assert is_network_path(fuse, mounts)
+    assert not is_network_path(near, mounts), "one classifier: a local FUSE mount is no network file system"
+    assert not is_network_path("/home/me", mounts)
+    assert is_network_path("/x", "") is None
     _, root = open_remote("memory://skipinject-tests/auto")
     assert compression_for("auto", root) == Compression()
     assert compression_for("none", root) is None

@@ -120,13 +120,13 @@ def test_meta_json_is_put_last_after_every_data_file(store: RemoteStepStore, mon
 
 
 def test_an_upload_that_fails_leaves_nothing_visible_and_the_step_absent(store: RemoteStepStore, monkeypatch):
-    import skipinject.store.remote as remote
+    import skipinject.store.writer as writer
 
     def broken(handle: Any, tensors: Any, algo: str, compression: Any) -> tuple[str, None]:
         handle.write(b"partial bytes")
         raise ConnectionError("network gone")
 
-    monkeypatch.setattr(remote, "tensor_file", broken)
+    monkeypatch.setattr(writer, "tensor_file", broken)
     with pytest.raises(ConnectionError):
         store.save(2, payload(2))
     assert not store.backend.fs.exists(store.at(2).path) or objects(store, 2) == {}

@@ -8,7 +8,7 @@ import pytest
 
 from skipinject.config.bounded_yaml import MAX_NODES, check_yaml
 from skipinject.errors import ConfigError
-from skipinject.store.removal import LinkedPath, open_below, remove_name, remove_step
+from skipinject.store.files import LinkedPath, open_below, remove_name, remove_step
 
 
 def _victim(tmp_path: Path) -> Path:

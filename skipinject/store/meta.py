@@ -1,0 +1,162 @@
+"""A step's ``meta.json`` as one typed value, checked once (docs/cache-format.md).
+
+:class:`StepMeta` is the parsed commit record (still a mapping: role-specific keys are read as
+such); its :attr:`~StepMeta.parts` are the format's part and file records, every name checked to be
+safe before a path is built from it. The store, garbage collection and the cache tool read parts,
+named files and sizes from here only, never by walking the JSON themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from skipinject.errors import CorruptCacheError
+from skipinject.store.files import parse_json, read_fd
+from skipinject.store.format import MAX_META_DEPTH, META_NAME, SAFE_NAME
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """One data file of a part as ``meta.json`` records it (``spec``: size, checksum, encoding...)."""
+
+    kind: str  # tensors | objects
+    name: str
+    spec: Mapping[str, Any]
+
+    @property
+    def size(self) -> int:
+        size = self.spec.get("size")
+        return size if type(size) is int else 0
+
+    @property
+    def encoded(self) -> bool:
+        return "encoding" in self.spec
+
+    @property
+    def gained(self) -> int:
+        """Bytes it gains when decoded (0 unless compressed)."""
+        decoded = self.spec.get("decoded_size")
+        return (decoded if type(decoded) is int else 0) - self.size if self.encoded else 0
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a step: its directory (``""``: the step directory itself), rows and files."""
+
+    dir: str
+    rows: int | None
+    files: tuple[DataFile, ...]
+
+    def at(self, step_dir: Path, name: str) -> Path:
+        return step_dir / self.dir / name if self.dir else step_dir / name
+
+
+class StepMeta(dict[str, Any]):
+    """A checked ``meta.json`` (``shown``: where it was read, for messages)."""
+
+    def __init__(self, raw: Mapping[str, Any], shown: Path) -> None:
+        super().__init__(raw)
+        self.shown = shown
+        self._parts: tuple[Part, ...] | None = None
+
+    @property
+    def directory(self) -> Path:
+        return self.shown.parent
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """Every part, every name checked to be safe (CorruptCacheError otherwise); parsed once."""
+        if self._parts is None:
+            self._parts = tuple(_part(self.directory, part) for part in _parts_list(self, self.directory))
+        return self._parts
+
+    def files(self) -> list[tuple[Part, DataFile]]:
+        return [(part, file) for part in self.parts for file in part.files]
+
+    def named(self) -> set[str]:
+        """``part/name`` of every data file it names (``/name`` in the step directory itself)."""
+        return {f"{part.dir}/{file.name}" for part, file in self.files()}
+
+    @property
+    def stored_size(self) -> int:
+        return sum(file.size for _, file in self.files())
+
+    @property
+    def expansion(self) -> int:
+        """Bytes its compressed files gain when decoded (0: none compressed)."""
+        return sum(file.gained for _, file in self.files())
+
+    @property
+    def compressed(self) -> bool:
+        return all(file.encoded for _, file in self.files())
+
+
+def step_meta(meta: Mapping[str, Any], step_dir: Path) -> StepMeta:
+    """``meta`` as a :class:`StepMeta` (itself if it is one)."""
+    return meta if isinstance(meta, StepMeta) else StepMeta(meta, step_dir / META_NAME)
+
+
+def peek(data: bytes, shown: Path) -> StepMeta:
+    """A ``meta.json``'s bytes parsed with the run's bounds, before its role and context are known
+    (the cache tool, garbage collection): a CorruptCacheError unless it is a JSON object."""
+    raw = parse_json(data, shown, what="meta.json", max_depth=MAX_META_DEPTH)
+    if not isinstance(raw, dict):
+        raise CorruptCacheError(f"{shown}: not a skipinject cache (no format marker)")
+    return StepMeta(raw, shown)
+
+
+def read_named(step_fd: int, shown: Path, limit: int) -> set[str]:
+    """What the ``meta.json`` in the directory ``step_fd`` names (garbage collection's question):
+    empty when there is none; CorruptCacheError or OSError when it cannot be read."""
+    from skipinject.store.files import open_regular
+
+    try:
+        fd, info = open_regular(META_NAME, step_fd, shown)
+    except FileNotFoundError:
+        return set()
+    try:
+        if info.st_size > limit:
+            raise CorruptCacheError(f"{shown}: larger than any meta.json")
+        return peek(read_fd(fd, info.st_size, shown), shown).named()
+    finally:
+        import os
+
+        os.close(fd)
+
+
+def _parts_list(meta: Mapping[str, Any], directory: Path) -> list[Any]:
+    parts = meta.get("parts")
+    if not isinstance(parts, list) or not parts:
+        raise CorruptCacheError(f"{directory}: meta.json names no parts")
+    return parts
+
+
+def _part(directory: Path, part: Any) -> Part:
+    if not isinstance(part, Mapping):
+        raise CorruptCacheError(f"{directory}: meta.json is malformed (part {short(part)} is not a record)")
+    sub = part.get("dir", "")
+    if not isinstance(sub, str) or (sub and not SAFE_NAME.match(sub)) or sub in (".", ".."):
+        raise CorruptCacheError(f"{directory}: meta.json names an unsafe part directory {short(sub)}")
+    files = part.get("files")
+    if not isinstance(files, dict) or set(files) != {"tensors", "objects"}:
+        raise CorruptCacheError(f"{directory}: meta.json part {sub!r} does not name its files")
+    out = []
+    for kind, spec in files.items():
+        name = spec.get("name") if isinstance(spec, dict) else None
+        if not isinstance(name, str) or not SAFE_NAME.match(name) or ".." in name or name == META_NAME:
+            raise CorruptCacheError(f"{directory}: meta.json names an unsafe file {short(name)}")
+        out.append(DataFile(kind, name, spec))
+    rows = part.get("rows")
+    return Part(sub, rows if type(rows) is int else None, tuple(out))
+
+
+def short(value: Any, limit: int = 200) -> str:
+    """``repr`` of a value from a cache, cut to one short line (a forged meta.json may hold megabytes)."""
+    try:
+        text = repr(value)
+    except Exception:  # a RecursionError on a value nested past the limit
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
