@@ -37,9 +37,9 @@ for path in (ROOT / "benchmarks", ROOT):
 
 from bench_store import build_batch, check_equal, measure, tensor_bytes, touch  # noqa: E402
 
-from skipinject.codecs import DataProtoCodec  # noqa: E402
 from skipinject.store import RemoteStepStore, StepStore  # noqa: E402
 from skipinject.store.remote import open_remote  # noqa: E402
+from skipinject.verl.codecs import DataProtoCodec  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from skipinject.codecs import DataProtoCodec  # noqa: E402
 from skipinject.store import StepStore  # noqa: E402
+from skipinject.verl.codecs import DataProtoCodec  # noqa: E402
 
 PAGE = 4096
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -96,7 +96,7 @@ def build_tq_batch(rows: int, prompt_len: int, response_len: int, n: int) -> dic
     """Upstream's V1 dump payload around a TensorDict shaped like a ``tq.kv_batch_get`` result."""
     from tensordict import NonTensorStack, TensorDict
 
-    from skipinject.codecs.tensordicts import non_tensor_items
+    from skipinject.verl.tensordicts import non_tensor_items
 
     gen = torch.Generator().manual_seed(0)
     prompt_lens = torch.randint(prompt_len // 2, prompt_len + 1, (rows,), generator=gen)
@@ -322,7 +322,7 @@ def hit_stages(figures: dict[str, Any], store: StepStore, codec: Any, repeat: in
 
 
 def run_v1(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, workdir: Path) -> dict[str, Any]:
-    from skipinject.codecs import TensorDictCodec
+    from skipinject.verl.codecs import TensorDictCodec
 
     batch = build_tq_batch(rows, prompt_len, response_len, n)
     codec = TensorDictCodec()

@@ -4,7 +4,8 @@ This module is the plugin API (version :data:`API_VERSION`): everything a plugin
 exported here and listed in ``__all__`` (API 1.1 added the plugin kit, :mod:`skipinject.plugin_kit`:
 codec headers, row digests, verl ranges; and :meth:`PhaseContext.load`; API 1.2 added
 ``action=match``: :class:`RowCodec`, :class:`MatchInfo` and the role's ``row_key``/``match_settings``/
-``on_match``; then a phase's ``PhaseContext.record``/``commit``/``served``/``notes``); a plugin's
+``on_match``; API 1.3 added ``Role.record_meta``, the recorded ``meta.json`` in :class:`HitInfo` and
+:class:`MatchInfo`, and a phase's ``PhaseContext.record``/``commit``/``served``/``notes``); a plugin's
 tests may also use :mod:`skipinject.testing`. Every other module is internal and may change in any release. A
 plugin may declare the API it was written for as ``SKIPINJECT_API = 1`` (an incompatible one is
 refused in one clear line)::
@@ -57,33 +58,33 @@ from skipinject.roles import (
     StepWriting,
     Target,
     UpstreamFormat,
-    default_bypass,
 )
-from skipinject.verl_compat import run_config_of, select, verl_version, version_matches
+from skipinject.verl.compat import default_bypass, run_config_of, select, verl_version, version_matches
 
 if TYPE_CHECKING:
     from skipinject.codecs import (
-        DataProtoCodec,
-        TensorDictCodec,
         TensorSink,
         decode_tensor,
         encode_tensor,
         from_jsonable,
         to_jsonable,
     )
-    from skipinject.config import Action, MismatchPolicy, RoleConfig
+    from skipinject.config import Action, MismatchPolicy, RescorePolicy, RoleConfig
     from skipinject.hookspecs import hookimpl
-    from skipinject.store import Payload, StepEntry
+    from skipinject.payload import Payload
+    from skipinject.store import StepEntry
+    from skipinject.verl.codecs import DataProtoCodec, TensorDictCodec
 
 #: Public names imported on first use: name -> defining module.
 _LAZY = {
     "Action": "skipinject.config",
-    "DataProtoCodec": "skipinject.codecs",
+    "DataProtoCodec": "skipinject.verl.codecs",
     "MismatchPolicy": "skipinject.config",
-    "Payload": "skipinject.store",
+    "RescorePolicy": "skipinject.config",
+    "Payload": "skipinject.payload",
     "RoleConfig": "skipinject.config",
     "StepEntry": "skipinject.store",
-    "TensorDictCodec": "skipinject.codecs",
+    "TensorDictCodec": "skipinject.verl.codecs",
     "TensorSink": "skipinject.codecs",
     "decode_tensor": "skipinject.codecs",
     "encode_tensor": "skipinject.codecs",
@@ -125,6 +126,7 @@ __all__ = [
     "Plan",
     "PluginError",
     "PromptMismatchError",
+    "RescorePolicy",
     "Role",
     "RoleConfig",
     "RowCodec",

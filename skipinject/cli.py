@@ -1,200 +1,269 @@
-"""``python -m skipinject [options] (SCRIPT | -m MODULE) [ARGS...]`` — run a program with hooks.
+"""``python -m skipinject [options] (SCRIPT | -m MODULE | -c CODE) [ARGS...]`` — run a program with hooks.
 
-The program runs as ``python SCRIPT ARGS`` would (same ``sys.argv``, ``__main__``, exit code and
-tracebacks). ``skip.<role>.<key>=value`` items (also ``+skip...`` / ``++skip...``) are taken out
-of ARGS, validated before the program starts, and never reach it.
+The program runs as ``python SCRIPT ARGS`` would (same ``sys.argv``, ``sys.path``, ``__main__``, exit
+code and traceback). ``skip.<role>.<key>=value`` items (also ``+skip...`` / ``++skip...``) are taken out
+of ARGS, validated before the program starts, and never reach it. The ``skipinject`` command is the
+same runner. Every mistake in what the user gave is one line and exit status 2 (one error boundary,
+:func:`main`); a module that cannot be found is one line and status 1, as python says it.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.machinery
+import importlib.util
 import os
 import runpy
 import sys
+import textwrap
+import types
+import zipfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import CodeType, TracebackType
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from skipinject.config.schema import settings_help
-from skipinject.errors import SkipInjectError
+from skipinject.errors import SkipInjectError, UsageError, did_you_mean
 
 if TYPE_CHECKING:
+    from skipinject.config import Config
     from skipinject.plugin_manager import PluginSet
 
 USAGE = """\
-usage: python -m skipinject [--plugins LIST] [--skip-config FILE] [--list] [--version]
-                            (SCRIPT | -m MODULE | -c CODE) [ARGS...]
-       python -m skipinject cache {ls,verify,show,diff,import,prune} ...
+python -m skipinject [options] (SCRIPT | -m MODULE | -c CODE) [ARGS...]
+       python -m skipinject cache COMMAND [...]
+       (`skipinject` is the same command as `python -m skipinject`)"""
 
-Run a Python program (typically verl's trainer) with skipinject's hooks installed:
-  python -m skipinject -m verl.trainer.main_ppo skip.rollout.enable=True skip.rollout.steps=[1,2,3] ...
-
-options:
-  --plugins LIST  plugins to load (overrides VERL_SKIP_PLUGINS): names, module[:attr], -name to exclude
-  --skip-config FILE
-                  YAML file with a top-level `skip:` mapping of role settings (the command line wins)
-  -c CODE         run CODE as `python -c` would
-  --list          show plugins, their roles and targets, and whether each target exists here; then exit
-  --version       show the versions of skipinject, its plugin API, each plugin and verl's stack; exit
-  -h, --help      show this help and exit
-
-""" + settings_help()
+DESCRIPTION = """\
+Run a Python program (typically verl's trainer) as python would, with skipinject's hooks installed:
+  python -m skipinject -m verl.trainer.main_ppo skip.rollout.enable=True skip.rollout.steps=[1,2,3]"""
 
 
-class UsageError(SkipInjectError):
-    """The runner's own command line is wrong."""
+@dataclass(frozen=True)
+class Program:
+    """What to run, as python's command line names it: a script, ``-m`` a module or ``-c`` code."""
+
+    kind: str  # "script", "module" or "code"
+    target: str
+    args: list[str]
 
 
-def _parse(argv: Sequence[str]) -> tuple[dict[str, str | bool], str | None, str | None, list[str]]:
-    """Options, then SCRIPT, ``-m MODULE`` or ``-c CODE`` (returned as the script ``-c`` with options["code"])."""
-    options: dict[str, str | bool] = {}
-    args = list(argv)
-    while args:
-        arg = args[0]
-        if arg in ("-h", "--help"):
-            options["help"] = True
-            return options, None, None, []
-        if arg == "--version":
-            options["version"] = True
-            args.pop(0)
-        elif arg == "--list":
-            options["list"] = True
-            args.pop(0)
-        elif arg.split("=", 1)[0] in ("--plugins", "--skip-config"):
-            args.pop(0)
-            name = arg.split("=", 1)[0]
-            if name[2:] in options:
-                raise UsageError(f"{name} given twice (the first would be ignored); give it once")
-            if "=" in arg:
-                options[name[2:]] = arg.split("=", 1)[1]
-            elif args:
-                options[name[2:]] = args.pop(0)
-            else:
-                raise UsageError(f"{name} needs a value")
-        elif arg == "-c" or (arg.startswith("-c") and len(arg) > 2):
-            code = arg[2:] if len(arg) > 2 else (args[1] if len(args) > 1 else None)
-            if code is None:
-                raise UsageError("-c needs a program text")
-            options["code"] = code
-            return options, None, None, args[1:] if len(arg) > 2 else args[2:]
-        elif arg == "-m":
-            if len(args) < 2:
-                raise UsageError("-m needs a module name")
-            return options, None, args[1], args[2:]
-        elif arg.startswith("-m") and len(arg) > 2:
-            return options, None, arg[2:], args[1:]
-        elif arg == "--":
-            args.pop(0)
-            break
-        elif arg.startswith("-"):
-            raise UsageError(f"unknown option {arg!r} (options go before SCRIPT or -m MODULE)")
-        else:
-            break
-    if not args:
-        return options, None, None, []
-    return options, args[0], None, args[1:]
+class _Parser(argparse.ArgumentParser):
+    """argparse, its errors raised as one-line :class:`UsageError` (with a "did you mean")."""
+
+    def error(self, message: str) -> NoReturn:
+        unknown = message.partition("unrecognized arguments: ")[2].split()
+        options = [name for action in self._actions for name in action.option_strings]
+        hint = did_you_mean(unknown[0], options) if unknown else ""
+        raise UsageError(f"{message}{hint} (options go before SCRIPT, -m MODULE or -c CODE; see --help)")
+
+    def format_help(self) -> str:
+        self.epilog = _epilog()  # built only when asked for: it reads the cache tool's commands
+        return super().format_help()
+
+
+class _Once(argparse.Action):
+    """An option given at most once (argparse would keep the last and ignore the first in silence)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, *_: Any) -> None:
+        if getattr(namespace, self.dest) is not None:
+            raise argparse.ArgumentError(self, "given twice (the first would be ignored); give it once")
+        setattr(namespace, self.dest, values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The runner's command line: options, then the program and its ARGS (``argparse.REMAINDER``)."""
+    parser = _Parser(
+        prog="python -m skipinject",
+        usage=USAGE,
+        description=DESCRIPTION,
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=22, width=100),
+        allow_abbrev=False,
+    )
+    for flag, metavar, meaning in (
+        ("--plugins", "LIST", "plugins to load (instead of VERL_SKIP_PLUGINS): names, module[:attr], -name to exclude"),
+        ("--skip-config", "FILE", "YAML file with a top-level `skip:` mapping of role settings (ARGS win)"),
+    ):
+        parser.add_argument(flag, metavar=metavar, help=meaning, action=_Once)
+    for flag, meaning in (
+        ("--list", "show plugins, their roles and targets, and whether each target exists here; then exit"),
+        ("--version", "show the versions of skipinject, its plugin API, each plugin and verl's stack; then exit"),
+    ):
+        parser.add_argument(flag, action="store_true", help=meaning)
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("-m", dest="module", action="store_true", help=argparse.SUPPRESS)  # see "commands"
+    which.add_argument("-c", dest="code", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("program", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def _epilog() -> str:
+    """Every command, setting source and environment variable (the lists come from their declarations)."""
+    from skipinject.cache_tool import build_parser as cache_parser
+    from skipinject.config.environment import VARIABLES
+    from skipinject.config.schema import ROLE_KEYS, choices
+
+    sub = next(a for a in cache_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    keys = ", ".join(f"{key} ({'|'.join(choices(key))})" if choices(key) else key for key in ROLE_KEYS)
+    wrap = textwrap.TextWrapper(100, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False)
+    return "\n".join(
+        [
+            "commands:",
+            "  SCRIPT [ARGS...]    run a script as `python SCRIPT ARGS` would",
+            "  -m MODULE [ARGS...] run a module as `python -m MODULE ARGS` would",
+            "  -c CODE [ARGS...]   run code as `python -c CODE ARGS` would",
+            *(f"  {'cache ' + c.dest:<18}  {c.help}" for c in sub._choices_actions),
+            "  (`python -m skipinject cache COMMAND --help` shows each command's options)",
+            "",
+            "settings skip.<role>.<key>=<value>, from (the later wins):",
+            "  --skip-config FILE  a YAML file: `skip: {<role>: {<key>: <value>}}`",
+            "  ARGS                skip.<role>.<key>=<value>, also +skip... and ++skip... as Hydra writes them:",
+            "                      taken out of ARGS, validated before the program starts, never passed on",
+            *wrap.wrap("keys: " + keys + "."),
+            "",
+            "environment variables:",
+            *(f"  {name:<30} {meaning}" for name, meaning in VARIABLES.items()),
+            "  (object stores take their credentials from their own variables, through fsspec)",
+            "",
+        ]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``skipinject`` and ``python -m skipinject``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Entry point of ``skipinject`` and ``python -m skipinject``: the one error boundary."""
+    if argv is None:
+        _console_script_path()
+        argv = sys.argv[1:]
     if argv[:1] == ["cache"]:
         from skipinject.cache_tool import main as cache_main
 
         return cache_main(argv[1:])
     try:
-        options, script, module, program_args = _parse(argv)
-    except UsageError as exc:
-        print(f"skipinject: error: {exc}", file=sys.stderr)
-        return 2
-    if options.get("help"):
-        print(USAGE, end="")
-        return 0
-    if options.get("version"):
-        from skipinject.listing import render_versions
-
-        print(render_versions(), end="")
-        return 0
-
-    from skipinject.config.overrides import split_overrides
-
-    code = options.get("code")
-    from skipinject.config.environment import ENV_PLUGINS
-
-    chosen = options.get("list") or options.get("skip-config") or options.get("plugins") or ENV_PLUGINS in os.environ
-    if not chosen:
-        try:
-            overrides, rest = split_overrides(program_args)
-        except SkipInjectError as exc:
-            print(f"skipinject: error: {exc}", file=sys.stderr)
-            return 2
-        if not overrides:  # no setting names a role: none can be on, so no plugin is loaded or installed
-            from skipinject.config import environment
-
-            try:
-                environment.check()
-                if script is None and module is None and not isinstance(code, str):
-                    raise UsageError("give a SCRIPT, -m MODULE or -c CODE to run (see --help)")
-            except SkipInjectError as exc:
-                print(f"skipinject: error: {exc}", file=sys.stderr)
-                return 2
-            return _run(script, module, rest, code if isinstance(code, str) else None)
-
-    from skipinject import bootstrap
-    from skipinject.config import Config, apply_overrides, apply_settings, environment, load_file
-    from skipinject.plugin_manager import load_plugins
-
-    selection = options.get("plugins")
-    selection_text = str(selection) if isinstance(selection, str) else os.environ.get(ENV_PLUGINS)
-    try:
-        environment.check()
-        plugins = load_plugins(selection_text or "")
-        if options.get("list"):
-            from skipinject.listing import render
-
-            print(render(plugins), end="")
-            return 0
-        if script is None and module is None and not isinstance(code, str):
-            raise UsageError("give a SCRIPT, -m MODULE or -c CODE to run (see --help)")
-        hint = "; see `python -m skipinject --list`"
-        config = Config()
-        settings_file = options.get("skip-config")
-        if isinstance(settings_file, str):
-            config = apply_settings(config, load_file(settings_file), plugins.roles, hint=hint)
-        overrides, program_args = split_overrides(program_args)
-        config = apply_overrides(config, overrides, plugins.roles, hint=hint)
-        owners = sorted({plugins.plugin_of(name).name for name in config.enabled_roles})
-        config = Config(
-            plugins=",".join(owners),
-            plugin_sources=plugins.sources_of(owners),
-            roles=config.roles,
-            triggers=_triggers(plugins, config.enabled_roles),
-        )
-        if config.enabled_roles:
-            config.to_json()  # refuses, in one line, what cannot reach the run's other processes
+        program = _prepare(list(argv))
     except SkipInjectError as exc:
         print(f"skipinject: error: {exc}", file=sys.stderr)
         return 2
+    return 0 if program is None else _run(program)
+
+
+def _console_script_path() -> None:
+    """python puts a script's directory first on ``sys.path``, ``python -m`` the current directory: as
+    the ``skipinject`` console script, make it what ``python -m skipinject`` has."""
+    if _safe_path() or not sys.path:
+        return
+    if sys.path[0] == os.path.dirname(os.path.realpath(sys.argv[0])) and Path(sys.argv[0]).name != "__main__.py":
+        sys.path[0] = os.getcwd()
+
+
+def _attach_values(argv: list[str]) -> list[str]:
+    """``--plugins -name`` excludes a plugin: argparse would read ``-name`` as an option, so a value-taking
+    option's next word is attached to it (``--plugins=-name``) before the program's own words begin."""
+    joined: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word in ("--plugins", "--skip-config"):
+            value = next(words, None)
+            joined.append(word if value is None else f"{word}={value}")
+        elif not word.startswith("-") or word in ("-m", "-c"):
+            joined.append(word)
+            joined.extend(words)  # the program and its ARGS: never rewritten
+        else:
+            joined.append(word)
+    return joined
+
+
+def _prepare(argv: list[str]) -> Program | None:
+    """Parse, validate, load the plugins and start the hooks; the program to run (``None``: done)."""
+    args = build_parser().parse_args(_attach_values(argv))
+    if args.version:
+        from skipinject.listing import render_versions
+
+        print(render_versions(), end="")
+        return None
+    from skipinject.config import environment
+    from skipinject.config.overrides import split_overrides
+
+    environment.check()
+    program = _program(args)
+    overrides, rest = split_overrides(program.args if program else [])
+    if program is not None:
+        program = Program(program.kind, program.target, rest)
+    chosen = args.list or args.skip_config or args.plugins is not None or environment.ENV_PLUGINS in os.environ
+    if not chosen and not overrides:  # no setting names a role: none can be on, so no plugin is loaded
+        return _required(program)
+    plugins, config = _configure(args, overrides)
+    if args.list:
+        from skipinject.listing import render
+
+        print(render(plugins), end="")
+        return None
+    program = _required(program)
+
+    from skipinject import bootstrap
 
     bootstrap.configure_logging()
     if config.enabled_roles and not bootstrap.disabled():
-        from skipinject.stack import warn_if_untested
+        from skipinject.verl.stack import warn_if_untested
 
         warn_if_untested()
         bootstrap.export(config)
-        _export_plugin_paths(plugins, owners)
-        try:
-            engine = bootstrap.start(config, plugins)
-            if engine is not None:
-                engine.check_targets()
-        except SkipInjectError as exc:
-            print(f"skipinject: error: {exc}", file=sys.stderr)
-            return 2
-    return _run(script, module, program_args, code if isinstance(code, str) else None)
+        _export_plugin_paths(plugins, config)
+        engine = bootstrap.start(config, plugins)
+        if engine is not None:
+            engine.check_targets()
+    return program
+
+
+def _program(args: argparse.Namespace) -> Program | None:
+    """The program named after the options; a script that does not exist is refused as python does."""
+    words = args.program[1:] if args.program[:1] == ["--"] else args.program
+    if not words:
+        if args.module or args.code:
+            raise UsageError(f"{'-m' if args.module else '-c'} needs {'a module name' if args.module else 'code'}")
+        return None
+    kind = "module" if args.module else "code" if args.code else "script"
+    if kind == "script" and not os.path.exists(words[0]):
+        raise UsageError(f"can't open file {words[0]!r}: no such file")
+    return Program(kind, words[0], words[1:])
+
+
+def _required(program: Program | None) -> Program:
+    if program is None:
+        raise UsageError("give a SCRIPT, -m MODULE or -c CODE to run (see --help)")
+    return program
+
+
+def _configure(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> tuple[PluginSet, Config]:
+    """The plugins chosen (``--plugins`` or ``VERL_SKIP_PLUGINS``) and the validated settings."""
+    from skipinject.config import Config, apply_overrides, apply_settings, load_file
+    from skipinject.config.environment import ENV_PLUGINS
+    from skipinject.plugin_manager import load_plugins
+
+    if args.plugins is not None:
+        plugins = load_plugins(args.plugins, given_as="--plugins")
+    else:
+        plugins = load_plugins(os.environ.get(ENV_PLUGINS) or "")
+    hint = "; see `python -m skipinject --list`"
+    config = Config()
+    if args.skip_config is not None:
+        config = apply_settings(config, load_file(args.skip_config), plugins.roles, hint=hint)
+    config = apply_overrides(config, overrides, plugins.roles, hint=hint)
+    owners = sorted({plugins.plugin_of(name).name for name in config.enabled_roles})
+    config = Config(
+        plugins=",".join(owners),
+        plugin_sources=plugins.sources_of(owners),
+        roles=config.roles,
+        triggers=_triggers(plugins, config.enabled_roles),
+    )
+    if config.enabled_roles:
+        config.to_json()  # refuses, in one line, what cannot reach the run's other processes
+    return plugins, config
 
 
 def _triggers(plugins: PluginSet, enabled: list[str]) -> tuple[str, ...]:
     """Top-level packages holding the enabled roles' targets and clocks (and verl's SkipManager guard)."""
-    from skipinject.engine.builtin_guard import BUILTIN_SKIP_INIT
+    from skipinject.verl.builtin_guard import BUILTIN_SKIP_INIT
 
     paths = [BUILTIN_SKIP_INIT] if any(plugins.roles[name].builtin for name in enabled) else []
     for name in enabled:
@@ -203,12 +272,12 @@ def _triggers(plugins: PluginSet, enabled: list[str]) -> tuple[str, ...]:
     return tuple(sorted({path.split(":")[0].split(".")[0] for path in paths}))
 
 
-def _export_plugin_paths(plugins: PluginSet, names: list[str]) -> None:
+def _export_plugin_paths(plugins: PluginSet, config: Config) -> None:
     """Plugins given as ``module[:attr]`` paths must import in children too (Ray workers start
     elsewhere than the current directory): append their directories to ``PYTHONPATH``."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     for plugin in plugins.plugins:
-        if plugin.name not in names or plugin.distribution is not None:
+        if plugin.name not in config.plugin_sources or plugin.distribution is not None:
             continue
         top = sys.modules.get(plugin.source.split(":")[0].split(".")[0])
         location = getattr(top, "__file__", None)
@@ -223,30 +292,71 @@ def _export_plugin_paths(plugins: PluginSet, names: list[str]) -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(paths)
 
 
-def _run(script: str | None, module: str | None, args: list[str], code: str | None = None) -> int:
-    """Run the program as ``python`` would; its SystemExit and exceptions pass through."""
-    if code is not None:
-        import types
-
-        sys.argv = ["-c", *args]
-        if sys.path[:1] != [""]:
-            sys.path.insert(0, "")
-        main_module = types.ModuleType("__main__")
-        main_module.__dict__["__builtins__"] = __builtins__
-        sys.modules["__main__"] = main_module
-        exec(compile(code, "<string>", "exec"), main_module.__dict__)
-        return 0
-    if module is not None:
-        sys.argv = [module, *args]  # runpy sets argv[0] to the module's file, as ``python -m`` does
-        if sys.path and sys.path[0] != os.getcwd():
-            sys.path.insert(0, os.getcwd())
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        return 0
-    assert script is not None
-    if not os.path.exists(script):
-        print(f"skipinject: error: can't open file {script!r}: no such file", file=sys.stderr)
-        return 2
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+def _run(program: Program) -> int:
+    """Run the program as ``python`` would. Its ``SystemExit`` passes through; its exceptions are printed
+    by ``sys.excepthook`` from its own first frame, as python prints them (exit status 1). A module
+    runpy cannot find is one line, as python says it."""
+    try:
+        _execute(program)
+    except Exception as exc:
+        frames = _program_frames(exc.__traceback__)
+        if frames is None and isinstance(exc, ImportError):
+            print(f"skipinject: error: {exc}", file=sys.stderr)
+        else:
+            sys.excepthook(type(exc), exc.with_traceback(frames), frames)
+        return 1
     return 0
+
+
+def _execute(program: Program) -> None:
+    sys.argv = [program.target if program.kind != "code" else "-c", *program.args]
+    if program.kind == "module":  # runpy sets argv[0] to the module's file, as ``python -m`` does
+        runpy.run_module(program.target, run_name="__main__", alter_sys=True)
+        return
+    if program.kind == "code":
+        if not _safe_path():
+            sys.path[0] = ""
+        _run_as_main(compile(program.target, "<string>", "exec"))
+        return
+    script = os.path.abspath(program.target)  # python's ``__file__`` and tracebacks name it so
+    if os.path.isdir(script) or zipfile.is_zipfile(script):  # with a __main__.py: runpy puts it on sys.path
+        if not _safe_path():
+            del sys.path[0]
+        runpy.run_path(program.target, run_name="__main__")
+        return
+    if not _safe_path():
+        sys.path[0] = os.path.dirname(script)
+    source = Path(script).read_bytes()
+    if source.startswith(importlib.util.MAGIC_NUMBER):  # compiled code
+        runpy.run_path(program.target, run_name="__main__")
+    else:
+        _run_as_main(compile(source, script, "exec"), script)
+
+
+def _run_as_main(code: CodeType, file: str | None = None) -> None:
+    """Execute ``code`` as the ``__main__`` module, as python runs ``-c`` code or a script."""
+    main_module = types.ModuleType("__main__")
+    main_module.__dict__["__builtins__"] = __builtins__
+    if file is not None:
+        main_module.__file__ = file
+        main_module.__loader__ = importlib.machinery.SourceFileLoader("__main__", file)
+        main_module.__dict__["__cached__"] = None
+    sys.modules["__main__"] = main_module
+    exec(code, main_module.__dict__)
+
+
+def _safe_path() -> bool:
+    """``python -P`` (3.11+): python put no directory of the program's first on ``sys.path``."""
+    return bool(getattr(sys.flags, "safe_path", False))
+
+
+_OURS = (__file__, runpy.__file__, "<frozen runpy>")
+
+
+def _program_frames(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback from the program's first frame on (``None``: it never started)."""
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename in _OURS or tb.tb_frame.f_code.co_filename.startswith("<frozen importlib")
+    ):
+        tb = tb.tb_next
+    return tb

@@ -5,20 +5,19 @@ on any node, and the next run may land on another one. A ``dump_dir`` on a node-
 system (the default ``~/.verl/rollout_dump`` usually is) then holds each node's steps only: a
 later run on another node misses them. This module finds that out and says so once.
 
-Nothing here imports Ray: Ray is asked only when the program has already imported it.
+Nothing here imports Ray: Ray is asked only when the program has already imported it (:mod:`skipinject.node`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
-import sys
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from skipinject.dump_root import LOCAL_SCHEMES, DumpRoot, is_remote, is_url, local_path_text
+from skipinject.node import _ray, node_identity
 from skipinject.store.mounts import fs_type, is_network_path, is_shared_fs_type, parse_mountinfo
 
 logger = logging.getLogger("skipinject")
@@ -38,30 +37,6 @@ def is_node_local(path: str | os.PathLike[str] | DumpRoot, mountinfo: str | None
     if root.path is None:
         return False
     return is_network_path(root.path, mountinfo) is False
-
-
-def _ray() -> Any | None:
-    """The Ray module if the program imported it and is connected, else ``None`` (never imports Ray)."""
-    ray = sys.modules.get("ray")
-    try:
-        if ray is not None and ray.is_initialized():
-            return ray
-    except Exception:
-        return None
-    return None
-
-
-def node_identity() -> dict[str, str]:
-    """Which node this process runs on: host name, and Ray's node id and IP when Ray is connected."""
-    identity = {"hostname": socket.gethostname()}
-    ray = _ray()
-    if ray is not None:
-        try:
-            identity["ray_node_id"] = ray.get_runtime_context().get_node_id()
-            identity["ray_node_ip"] = ray.util.get_node_ip_address()
-        except Exception:
-            pass
-    return identity
 
 
 def ray_alive_nodes() -> int:

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class SkipInjectError(Exception):
     """Base class of every error skipinject raises on purpose."""
+
+
+def did_you_mean(word: object, known: Iterable[str]) -> str:
+    """``"; did you mean 'rollout'?"`` for the closest of ``known`` to a mistyped ``word``, else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), list(known), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+class UsageError(SkipInjectError):
+    """A command line is wrong (an unknown option, a missing SCRIPT or module)."""
 
 
 class ConfigError(SkipInjectError):

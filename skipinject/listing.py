@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from importlib.metadata import PackageNotFoundError, version
 
-from skipinject import stack
 from skipinject._version import API_VERSION, __version__
 from skipinject.plugin_manager import ENTRY_POINT_GROUP, PluginSet, installed_entry_points
 from skipinject.roles import TargetPath
-from skipinject.verl_compat import version_matches
+from skipinject.verl import stack
+from skipinject.verl.compat import verl_version, version_matches
 
 
 def resolve(path: str) -> str:
@@ -30,11 +29,8 @@ def resolve(path: str) -> str:
 
 
 def render(plugins: PluginSet) -> str:
-    try:
-        verl_version: str | None = version("verl")
-    except PackageNotFoundError:
-        verl_version = None
-    lines = [f"verl: {verl_version or 'not installed'}"]
+    installed = verl_version()
+    lines = [f"verl: {installed or 'not installed'}"]
     for plugin in plugins.plugins:
         origin = f"{plugin.distribution} {plugin.version}" if plugin.distribution else plugin.source
         lines.append(f"plugin {plugin.name} ({origin})")
@@ -44,7 +40,7 @@ def render(plugins: PluginSet) -> str:
                 lines.append(f"    {role.description}")
             for target in role.targets:
                 wanted = target.verl or "any"
-                state = "not for this verl" if not version_matches(target.verl, verl_version) else resolve(target.path)
+                state = "not for this verl" if not version_matches(target.verl, installed) else resolve(target.path)
                 lines.append(f"    target {target.label}  verl {wanted}  [{state}]")
             for clock in role.clocks:
                 lines.append(f"    clock  {clock}  [{resolve(clock)}]")

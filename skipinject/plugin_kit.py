@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skipinject.errors import CodecError
-from skipinject.verl_compat import verl_version, version_matches
+from skipinject.verl.compat import verl_version, version_matches
 
 __all__ = [
     "DIGEST_BYTES",

@@ -30,7 +30,7 @@ import pluggy
 from skipinject import hookspecs
 from skipinject._version import API_VERSION
 from skipinject.config.environment import ENV_PLUGINS
-from skipinject.errors import PluginError
+from skipinject.errors import PluginError, did_you_mean
 from skipinject.roles import Role
 
 logger = logging.getLogger("skipinject")
@@ -56,8 +56,9 @@ class PluginSelection:
         return not self.include
 
 
-def parse_selection(text: str | None) -> PluginSelection:
-    """Parse a comma list of names, ``module[:attr]`` paths and ``-name`` exclusions (duplicates once)."""
+def parse_selection(text: str | None, given_as: str = ENV_PLUGINS) -> PluginSelection:
+    """Parse a comma list of names, ``module[:attr]`` paths and ``-name`` exclusions (duplicates once);
+    errors name where the list was given (``VERL_SKIP_PLUGINS`` or ``--plugins``)."""
     include: list[str] = []
     exclude: list[str] = []
     for raw in (text or "").split(","):
@@ -67,14 +68,14 @@ def parse_selection(text: str | None) -> PluginSelection:
         if item.startswith("-"):
             name = item[1:].strip()
             if not name or not _NAME_ITEM.match(name):
-                raise PluginError(f"{ENV_PLUGINS}: {item!r} is not a plugin name to exclude")
+                raise PluginError(f"{given_as}: {item!r} is not a plugin name to exclude")
             if name not in exclude:
                 exclude.append(name)
         elif _PATH_ITEM.match(item) or _NAME_ITEM.match(item):
             if item not in include:
                 include.append(item)
         else:
-            raise PluginError(f"{ENV_PLUGINS}: {item!r} is neither a plugin name nor a module[:attribute] path")
+            raise PluginError(f"{given_as}: {item!r} is neither a plugin name nor a module[:attribute] path")
     return PluginSelection(tuple(include), tuple(exclude))
 
 
@@ -149,20 +150,20 @@ def installed_entry_points() -> dict[str, Any]:
     return found
 
 
-def load_plugins(selection_text: str | None = None) -> PluginSet:
+def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS) -> PluginSet:
     """Discover, choose, import and register plugins; collect their roles.
 
-    ``selection_text`` defaults to ``$VERL_SKIP_PLUGINS``.
+    ``selection_text`` defaults to ``$VERL_SKIP_PLUGINS``; ``given_as`` is what errors blame.
     """
     import os
 
     if selection_text is None:
         selection_text = os.environ.get(ENV_PLUGINS)
-    selection = parse_selection(selection_text)
+    selection = parse_selection(selection_text, given_as)
     entry_points = installed_entry_points()
     for name in selection.exclude:
         if name not in entry_points:
-            raise PluginError(_unknown(f"-{name}", name, entry_points))
+            raise PluginError(_unknown(f"-{name}", name, entry_points, given_as))
     manager = SkipPluginManager()
     for name in selection.exclude:
         manager.set_blocked(name)
@@ -181,7 +182,10 @@ def load_plugins(selection_text: str | None = None) -> PluginSet:
         for item in selection.include:
             if manager.is_blocked(item):
                 continue
-            loaded = _from_entry_point(entry_points[item]) if item in entry_points else _from_path(item, entry_points)
+            if item in entry_points:
+                loaded = _from_entry_point(entry_points[item])
+            else:
+                loaded = _from_path(item, entry_points, given_as=given_as)
             plugins.append(_register(manager, loaded))
     _collect_roles(manager, plugins)
     return PluginSet(manager, plugins, failures)
@@ -198,9 +202,12 @@ def load_sources(sources: Mapping[str, str]) -> PluginSet:
     return PluginSet(manager, plugins, {})
 
 
-def _unknown(item: str, name: str, entry_points: Mapping[str, Any]) -> str:
+def _unknown(item: str, name: str, entry_points: Mapping[str, Any], given_as: str) -> str:
     installed = ", ".join(sorted(entry_points)) or "none"
-    return f"{ENV_PLUGINS}: unknown plugin {name!r} in {item!r} (installed plugins: {installed})"
+    where = f" in {item!r}" if item != name else ""
+    return (
+        f"{given_as}: unknown plugin {name!r}{where} (installed plugins: {installed}){did_you_mean(name, entry_points)}"
+    )
 
 
 def _from_entry_point(ep: Any) -> LoadedPlugin:
@@ -214,9 +221,11 @@ def _from_entry_point(ep: Any) -> LoadedPlugin:
     )
 
 
-def _from_path(item: str, entry_points: Mapping[str, Any], *, name: str | None = None) -> LoadedPlugin:
+def _from_path(
+    item: str, entry_points: Mapping[str, Any], *, name: str | None = None, given_as: str = ENV_PLUGINS
+) -> LoadedPlugin:
     if not _PATH_ITEM.match(item):
-        raise PluginError(_unknown(item, item, entry_points))
+        raise PluginError(_unknown(item, item, entry_points, given_as))
     module_name, _, attr = item.partition(":")
     if name is None and "." not in module_name and not attr:
         # A bare word: an entry-point name we do not know, unless it is an importable module.
@@ -225,7 +234,7 @@ def _from_path(item: str, entry_points: Mapping[str, Any], *, name: str | None =
         except (ImportError, ValueError):
             found = False
         if not found:
-            raise PluginError(_unknown(item, item, entry_points))
+            raise PluginError(_unknown(item, item, entry_points, given_as))
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:

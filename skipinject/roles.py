@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from skipinject.clock import CLOCK
 from skipinject.errors import TargetError
+from skipinject.verl.compat import STEP_KEY, default_bypass
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -87,7 +88,7 @@ class Call:
     @property
     def run_config(self) -> Any:
         """The verl config of the run: the bound instance's, else the trainer clock's (or ``None``)."""
-        from skipinject.verl_compat import run_config_of
+        from skipinject.verl.compat import run_config_of
 
         return run_config_of(self)
 
@@ -109,7 +110,7 @@ class StepSource:
     fallbacks: tuple[StepSource, ...] = ()
 
     @classmethod
-    def meta(cls, key: str = "global_steps") -> StepSource:
+    def meta(cls, key: str = STEP_KEY) -> StepSource:
         """``batch.meta_info[key]`` of the call's batch argument."""
         return cls("meta", key)
 
@@ -124,7 +125,7 @@ class StepSource:
         return cls("attribute", name)
 
     @classmethod
-    def clock(cls, name: str = "global_steps") -> StepSource:
+    def clock(cls, name: str = STEP_KEY) -> StepSource:
         """An attribute of the trainer captured by the role's ``clock`` targets."""
         return cls("clock", name)
 
@@ -321,17 +322,17 @@ class PhaseContext(Protocol):
 
     def served(self, call: Call, step: int) -> bool | None:
         """Whether this run serves ``step`` from the cache (decided by :meth:`load` or :meth:`record`
-        at the step), ``None`` before a call decided it (new after plugin API 1.2)."""
+        at the step), ``None`` before a call decided it (plugin API 1.3)."""
 
     def notes(self, call: Call, step: int) -> dict[str, Any]:
         """What this run's phases noted about ``step``: a dict kept with the step until the run moves
-        past it (e.g. the prompts a submit and its refills drew; new after plugin API 1.2)."""
+        past it (e.g. the prompts a submit and its refills drew; plugin API 1.3)."""
 
     def record(self, call: Call, step: int, result: Any) -> int | None:
         """Save ``result`` as ``step``'s next part ``k`` (in ``{step}/{k}/``); returns ``k``, or ``None``
         when this run does not record the step (it was served or is cached already, its directory is
         unusable, a part failed: reported once). Encoded and copied now, written in the background
-        (new after plugin API 1.2).
+        (plugin API 1.3).
 
         The step is cached only once :meth:`commit` is called: a step the run moves past before
         that (a call of the role at another step, the end of the run) is dropped with one warning."""
@@ -340,7 +341,8 @@ class PhaseContext(Protocol):
         self, call: Call, step: int, meta: Mapping[str, Any] | None = None, *, unit: str = "rows", note: str = ""
     ) -> None:
         """Commit the parts :meth:`record` saved of ``step``, after their writes, with ``meta`` in its
-        ``meta.json``; its save line counts the rows as ``unit`` and ends with ``note`` (new after plugin API 1.2)."""
+        ``meta.json`` (after the fields :attr:`Role.record_meta` gave for the first part); its save
+        line counts the rows as ``unit`` and ends with ``note`` (plugin API 1.3)."""
 
     def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
         """Run ``job`` (a write to ``store``) after the store's earlier jobs, off the training thread.
@@ -401,21 +403,6 @@ class Target:
         return f"{self.path}->{self.attribute}" if self.attribute else self.path
 
 
-def default_bypass(call: Call) -> bool:
-    """Validation batches always run the original (``validate=True`` in meta or non-tensor data)."""
-    batch = call.batch
-    meta = getattr(batch, "meta_info", None)
-    if isinstance(meta, Mapping) and meta.get("validate"):
-        return True
-    non_tensor = getattr(batch, "non_tensor_data", None)
-    if isinstance(non_tensor, Mapping):
-        try:
-            return bool(non_tensor.get("validate", False))
-        except Exception:
-            return False
-    return False
-
-
 @dataclass(frozen=True)
 class HitInfo:
     """What the engine knows about a cache hit, handed to :attr:`Role.on_hit`."""
@@ -426,19 +413,29 @@ class HitInfo:
     mismatched_rows: int = 0
     compared_rows: int = 0
     directory: str = ""
+    #: The served step's ``meta.json`` (empty for verl's own files): what :attr:`Role.record_meta` added
+    #: when it was recorded, so that ``on_hit`` can tell whether this run would compute it alike.
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    #: The role's settings in this run (``None`` when not known).
+    settings: RoleConfig | None = None
 
 
 @dataclass(frozen=True)
 class MatchInfo:
     """What the engine did for one call with ``action=match``, handed to :attr:`Role.on_match`.
 
-    ``sources``: the cached records rows were served from (``"step 3"``, ``"rows 2"``), with how many."""
+    ``sources``: the cached records rows were served from (``"step 3"``, ``"rows 2"``), with how many;
+    ``served``: per source, the merged result's output rows it served; ``source_meta``: per source, its
+    ``meta.json`` (see :attr:`HitInfo.meta`)."""
 
     step: int
     served_rows: int
     generated_rows: int
     sources: Mapping[str, int]
     seconds: float
+    served: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    source_meta: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    settings: RoleConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -494,6 +491,10 @@ class Role:
     fingerprint: Callable[[Call], Sequence[str] | None] | None = None
     #: Adjusts a result served from the cache (e.g. replace the old run's timing with hit metrics).
     on_hit: Callable[[Any, Call, HitInfo], Any] | None = None
+    #: Fields added to the ``meta.json`` of a step (or rows record) this call's result is saved in: what
+    #: else decided the result besides its inputs (e.g. the reward that scored a rollout). JSON-safe
+    #: values; the first call's fields of a step are kept. Served back as :attr:`HitInfo.meta`.
+    record_meta: Callable[[Call], Mapping[str, Any] | None] | None = None
     #: Adjusts a freshly computed result (e.g. mark the miss in the metrics).
     on_miss: Callable[[Any, Call], Any] | None = None
     #: Per input row, a digest of everything of the call deciding its result (``action=match``, plugin

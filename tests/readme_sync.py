@@ -41,11 +41,11 @@ def verl_versions() -> tuple[str, list[str]]:
 
 def tested_table() -> str:
     """The stack skipinject is tested with: the ranges the runner checks at start and the verls each test
-    run covers (``skipinject.stack``), and the versions pinned in the lock the tests run in."""
-    from skipinject.stack import TESTED, VERL_IN_CI, VERL_ON_DEMAND
+    run covers (``skipinject.verl.stack``), and the versions pinned in the lock the tests run in."""
+    from skipinject.verl.stack import TESTED, VERL_IN_CI, VERL_ON_DEMAND
 
     main, older = verl_versions()
-    assert {main, *older} == {*VERL_IN_CI, *VERL_ON_DEMAND}, "requirements/ and skipinject.stack disagree"
+    assert {main, *older} == {*VERL_IN_CI, *VERL_ON_DEMAND}, "requirements/ and skipinject.verl.stack disagree"
     in_ci = [v for v in older if v in VERL_IN_CI]
     lock = pinned(ROOT / "requirements" / "lock.txt")
     lines = ["| package | range checked at start | versions the tests run |", "|---|---|---|"]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from skipinject.errors import SkipInjectError
+from skipinject.errors import SkipInjectError, did_you_mean
 
 DESCRIPTION = "See, verify, show, compare, import and prune skipinject's (and verl's own) rollout caches."
 
@@ -123,8 +123,15 @@ def main(argv: Sequence[str]) -> int:
     from skipinject.config import environment
     from skipinject.errors import ConfigError
 
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if argv and not argv[0].startswith("-") and argv[0] not in commands:
+        known = ", ".join(commands)
+        hint = did_you_mean(argv[0], commands)
+        print(f"skipinject cache: error: unknown command {argv[0]!r} (commands: {known}){hint}", file=sys.stderr)
+        return USAGE
     try:
-        args = build_parser().parse_args(list(argv))
+        args = parser.parse_args(list(argv))
     except SystemExit as exc:
         return int(exc.code or 0)
     try:

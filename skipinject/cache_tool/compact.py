@@ -19,14 +19,14 @@ from skipinject.errors import CacheError
 from skipinject.store import Payload, StepStore
 from skipinject.store.compression import Compression, parse_compression
 
-#: meta.json keys the writer sets itself on every commit (everything else is the role's, and kept).
+#: meta.json keys the writer sets itself on every commit (everything else is kept: the role's keys, and
+#: the step under the trainer's name, ``global_steps``).
 _WRITER_KEYS = frozenset(
     {
         "format",
         "format_version",
         "role",
         "step",
-        "global_steps",
         "context",
         "checksum_algo",
         "parts",

@@ -14,16 +14,6 @@ from skipinject.store import Payload
 if TYPE_CHECKING:
     from skipinject.cache_tool.plugins import InstalledRoles
 
-#: Codecs whose header (``objects["codec"]``) names them; a step of a role whose plugin is not
-#: installed is still decoded by them when its header says so (they are skipinject's own).
-KNOWN_CODECS = ("DataProto", "TensorDict")
-
-
-def _builtin(name: str) -> Codec:
-    from skipinject.codecs import DataProtoCodec, TensorDictCodec
-
-    return DataProtoCodec() if name == "DataProto" else TensorDictCodec()
-
 
 def codec_name(codec: Codec) -> str:
     """What ``show`` calls a codec: its ``name`` (the built-ins' header), else its class name."""
@@ -54,10 +44,11 @@ def decode(payloads: Sequence[Payload], meta: Mapping[str, Any], roles: Installe
     codec = roles.codec(str(role))
     note = roles.missing(str(role), meta) if codec is None else None
     if codec is None:
+        from skipinject.verl.codecs import codec_named
+
         names = {p.objects.get("codec") for p in payloads}
-        name = names.pop() if len(names) == 1 else None
-        if name in KNOWN_CODECS:
-            codec, note = _builtin(str(name)), None
+        codec = codec_named(names.pop()) if len(names) == 1 else None
+        note = note if codec is None else None
     if codec is None:
         return Decoded(_raw(payloads), "raw", note)
     calls = meta.get("calls")

@@ -19,13 +19,13 @@ from skipinject.cache_tool.common import FOUND, OK, USAGE, CommandError, mutable
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.cache_tool.progress import Progress
 from skipinject.cache_tool.render import emit_json, say, schema
-from skipinject.cache_tool.scan import LAYOUT_RE, Item, load_meta_json, read_json, scan
+from skipinject.cache_tool.scan import Item, load_meta_json, read_json, scan
 from skipinject.errors import CorruptCacheError
 from skipinject.roles import Call
 from skipinject.store import META_NAME, StepStore
+from skipinject.verl.compat import STEP_KEY
+from skipinject.verl.layout import layout_values, path_safe, run_names
 
-#: verl's defaults for trainer.experiment_name / trainer.project_name (``layout_of`` uses them too).
-DEFAULT_EXPERIMENT, DEFAULT_PROJECT = "default_experiment_name", "default_project_name"
 WARNING = (
     "verl's caches are pickles: loading one runs whatever code it holds. "
     "Import only caches you wrote yourself or otherwise trust, with --trust."
@@ -34,36 +34,21 @@ WARNING = (
 
 def context_for(layout_dir: Path, experiment: str | None, project: str | None) -> dict[str, Any]:
     """The trainer context naming ``layout_dir`` (what the engine's ``layout_of`` gives for that run)."""
-    match = LAYOUT_RE.match(layout_dir.name)
-    if not match:
+    values = layout_values(layout_dir.name)
+    if values is None:
         raise CommandError(f"{layout_dir}: not a GBS.._N.._in.._out.. layout directory")
-    gbs, n, prompt, response = (int(g) for g in match.groups())
     name = layout_dir.parent.name
     if experiment is None or project is None:
-        found = _known_names(layout_dir.parent)
-        if found is not None:
-            experiment, project = found
-        elif name.count("_") == 1:
-            experiment, project = name.split("_")
-        elif name.startswith(f"{DEFAULT_EXPERIMENT}_"):
-            experiment, project = DEFAULT_EXPERIMENT, name[len(DEFAULT_EXPERIMENT) + 1 :]
-        elif name.endswith(f"_{DEFAULT_PROJECT}"):
-            experiment, project = name[: -len(DEFAULT_PROJECT) - 1], DEFAULT_PROJECT
-        else:
+        found = _known_names(layout_dir.parent) or run_names(name)
+        if found is None:
             raise CommandError(
                 f"{layout_dir.parent}: cannot tell the experiment name from the project name in {name!r}; "
                 "give --experiment and --project (trainer.experiment_name, trainer.project_name)"
             )
-    if f"{experiment}_{project}".replace("/", "_").replace("\\", "_") != name:
+        experiment, project = found
+    if path_safe(f"{experiment}_{project}") != name:
         raise CommandError(f"--experiment {experiment!r} --project {project!r} do not name the directory {name!r}")
-    return {
-        "experiment_name": experiment,
-        "project_name": project,
-        "gbs": gbs,
-        "n": n,
-        "prompt_length": prompt,
-        "response_length": response,
-    }
+    return {"experiment_name": experiment, "project_name": project, **values}
 
 
 def _known_names(project_dir: Path) -> tuple[str, str] | None:
@@ -133,7 +118,7 @@ def import_item(
     codec = roles.codec(role_name)
     if codec is None:
         raise CommandError(f"no installed plugin provides role {role_name!r} (give --role an installed role)")
-    store = StepStore(layout_dir, role_name, context, plugin=roles.plugin_of(role_name))
+    store = StepStore(layout_dir, role_name, context, plugin=roles.plugin_of(role_name), step_aliases=(STEP_KEY,))
     if _already(store, step):
         return {**record, "role": role_name, "status": "already", "path": str(store.step_dir(step))}
     if upstream.per_part:  # the loader, handed part 0, reads every part of the step

@@ -107,7 +107,7 @@ class InstalledRoles:
         if found[0].codec is not None:
             return found[0].codec
         if self._default_codec is None:
-            from skipinject.codecs import DataProtoCodec
+            from skipinject.verl.codecs import DataProtoCodec
 
             self._default_codec = DataProtoCodec()
         return self._default_codec

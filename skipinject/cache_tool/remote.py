@@ -10,18 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from skipinject.cache_tool.scan import LAYOUT_RE, Item, open_step
+from skipinject.cache_tool.scan import Item, open_step
 from skipinject.errors import CorruptCacheError
 from skipinject.store import StepStore
 from skipinject.store.format import DATA_NAME, META_NAME, PART_NAME, STEP_NAME
 from skipinject.store.meta import StepMeta
 from skipinject.store.remote import FsspecFiles, RemotePath, open_remote
+from skipinject.verl.layout import layout_values
 
 
 def _where(parts: list[str]) -> tuple[str, str, str | None]:
     """(project, layout, role directory or None) from the names between the root and a step."""
     for index in range(len(parts) - 1, -1, -1):
-        if LAYOUT_RE.match(parts[index]):
+        if layout_values(parts[index]) is not None:
             role_dir = parts[index + 1] if index + 1 < len(parts) else None
             return (parts[index - 1] if index else "-"), parts[index], role_dir
     return (parts[-1] if parts else "-"), "-", None

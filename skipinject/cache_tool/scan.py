@@ -41,8 +41,8 @@ from skipinject.store.format import (
 )
 from skipinject.store.local import LocalFiles
 from skipinject.store.meta import StepMeta
+from skipinject.verl.layout import layout_values
 
-LAYOUT_RE = re.compile(r"^GBS(-?[0-9]+)_N(-?[0-9]+)_in(-?[0-9]+)_out(-?[0-9]+)$")
 #: A step directory's name: the store's rule (decimal, no leading zeros), anchored for ``match``.
 STEP_RE = re.compile(rf"^(?:{STEP_NAME.pattern})$")
 MAX_DEPTH = 8
@@ -148,7 +148,7 @@ class Item:
 def _where(step_dir: Path) -> tuple[str, str, str | None]:
     """(project, layout, role directory or None) from the names above a step directory."""
     for ancestor in step_dir.parents:
-        if LAYOUT_RE.match(ancestor.name):
+        if layout_values(ancestor.name) is not None:
             role_dir = step_dir.parent.name if step_dir.parent != ancestor else None
             return ancestor.parent.name, ancestor.name, role_dir
     return step_dir.parent.name, "-", None

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from skipinject.codecs.tensors import TensorSink, _dtype_name, _tensor_ref, _torch_dtype, decode_tensor, encode_tensor
 from skipinject.errors import CodecError
-from skipinject.store.format import TENSOR_DTYPES
+from skipinject.payload import TENSOR_DTYPES
 
 if TYPE_CHECKING:
     import torch

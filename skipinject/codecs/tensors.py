@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from skipinject.errors import CodecError
-from skipinject.store.format import TENSOR_DTYPES
+from skipinject.payload import TENSOR_DTYPES
 
 if TYPE_CHECKING:
     import torch

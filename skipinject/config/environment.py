@@ -1,12 +1,4 @@
-"""The environment variables skipinject reads, each validated like a command-line key.
-
-==========================  =====================================================================
-``SKIPINJECT_DISABLE``      ``1/true/yes/on`` turns everything off; ``0/false/no/off`` or empty: on
-``SKIPINJECT_LOG_LEVEL``    ``DEBUG``, ``INFO`` (default), ``WARNING``, ``ERROR`` or ``CRITICAL``
-``VERL_SKIP_PLUGINS``       which plugins load (see :mod:`skipinject.plugin_manager`)
-``SKIPINJECT_CONFIG``       the runner's validated configuration, for child processes
-``SKIPINJECT_DEBUG``        ``1``: ``skipinject cache`` shows a traceback for an internal error
-==========================  =====================================================================
+"""The environment variables skipinject reads (:data:`VARIABLES`), each validated like a command-line key.
 
 A bad value is a :class:`~skipinject.errors.ConfigError` naming the variable: the runner exits 2
 with that one line; a child process logs it and uses the default.
@@ -26,6 +18,18 @@ ENV_PLUGINS = "VERL_SKIP_PLUGINS"
 ENV_DEBUG = "SKIPINJECT_DEBUG"
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+#: Every environment variable skipinject reads, and what it does (the runner's ``--help`` lists them).
+VARIABLES = {
+    ENV_PLUGINS: "plugins to load, as --plugins (unset: every installed one)",
+    ENV_DISABLE: "1/true/yes/on: skipinject off everywhere (default: on)",
+    ENV_LOG_LEVEL: "DEBUG, INFO (default), WARNING, ERROR or CRITICAL",
+    ENV_DEBUG: "1: `skipinject cache` shows a traceback of an internal error",
+    ENV_CONFIG: "set by the runner: the checked settings, for the run's processes",
+    "SKIPINJECT_CHAINED_SETUP_HOOK": "set by skipinject: the job's own Ray worker setup hook, run next",
+    "PYTHONPATH": "extended by the runner: its start-up hook, plugins given as paths",
+    "RAY_JOB_CONFIG_JSON_ENV_VAR": "Ray's: whether a submitted job has its own worker setup hook",
+}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 

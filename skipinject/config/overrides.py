@@ -15,7 +15,7 @@ from typing import Any, cast
 from skipinject.config.bounded_yaml import check_yaml
 from skipinject.config.schema import role_config
 from skipinject.config.transport import Config
-from skipinject.errors import ConfigError
+from skipinject.errors import ConfigError, did_you_mean
 
 _OVERRIDE = re.compile(r"^\+{0,2}skip\.(?P<rest>.*)$", re.DOTALL)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -157,7 +157,9 @@ def apply_settings(
         if role not in known:
             listed = ", ".join(sorted(known)) or "none"
             first = next(iter(values), "enable")
-            raise ConfigError(f"skip.{role}.{first}: unknown role {role!r} (loaded roles: {listed}){hint}")
+            raise ConfigError(
+                f"skip.{role}.{first}: unknown role {role!r} (loaded roles: {listed}{hint}){did_you_mean(role, known)}"
+            )
         roles[role] = role_config(role, values, roles.get(role), texts=(texts or {}).get(role))
     return Config(plugins=base.plugins, plugin_sources=base.plugin_sources, roles=roles)
 

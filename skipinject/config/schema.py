@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import enum
 import functools
-import textwrap
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, make_dataclass, replace
 from typing import Any
 
 from skipinject.config.steps import StepSet
 from skipinject.dump_root import DumpRoot
-from skipinject.errors import ConfigError
+from skipinject.errors import ConfigError, did_you_mean
 
 DEFAULT_DUMP_DIR = "~/.verl/rollout_dump"
 #: Longest ``dump_dir`` accepted: Linux's PATH_MAX (a longer path cannot be opened anyway).
@@ -49,12 +48,72 @@ class MismatchPolicy(str, enum.Enum):
         return self.value
 
 
-def _setting(default: Any = None, *, shown: str, meaning: str, factory: Any = None) -> Any:
-    """A field of :class:`RoleConfig` with what the README's configuration table and the runner's help say."""
-    metadata = {"shown": shown, "meaning": meaning}
+class RescorePolicy(str, enum.Enum):
+    """Whether a served result is scored again by this run's code (``skip.<role>.rescore``): the rollout
+    roles' rewards, which verl >= 0.7 computes inside the rollout."""
+
+    auto = "auto"  # when what scored it differs from this run's (or is unknown)
+    always = "always"
+    never = "never"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _setting(
+    default: Any = None,
+    *,
+    meaning: str,
+    expected: str,
+    check: Callable[[Any], None] | None = None,
+    factory: Any = None,
+) -> Any:
+    """A field of :class:`RoleConfig`: its default, what the README's table says (``meaning``), the line
+    a value of the wrong type gets (``expected``), and ``check``: what a value of the right type must
+    also be (raises ``ValueError`` saying what is wrong)."""
+    metadata = {"meaning": meaning, "expected": expected, "check": check}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+_BOOLEAN = "expected true or false"
+
+
+def _boolean(value: Any) -> None:
+    if type(value) is not bool:
+        raise ValueError(_BOOLEAN)
+
+
+def _directory_path(value: Any) -> None:
+    if not isinstance(value, str) or not value.strip() or "\x00" in value:
+        raise ValueError("expected a directory path")
+    if len(value) > MAX_PATH_CHARS:
+        raise ValueError(f"{len(value)} characters, longer than any path ({MAX_PATH_CHARS}); expected a directory path")
+
+
+_COMPRESSIONS = "expected auto, none, zstd or zstd-1 .. zstd-22"
+
+
+def _compression(value: Any) -> None:
+    if value == "auto":  # the default: no import at start-up
+        return
+    from skipinject.payload import COMPRESSION_VALUE
+
+    if not isinstance(value, str) or not COMPRESSION_VALUE.fullmatch(value):
+        raise ValueError(_COMPRESSIONS)
+
+
+_BATCHES = f"expected a number of batches, 0 .. {MAX_HIT_MEMORY}"
+
+
+def _batches(value: Any) -> None:
+    if type(value) is not int or not 0 <= value <= MAX_HIT_MEMORY:
+        raise ValueError(_BATCHES)
+
+
+#: The settings whose values are an enum's (converted from plain values as the schema would).
+ENUM_KEYS: dict[str, type[enum.Enum]] = {"action": Action, "on_mismatch": MismatchPolicy, "rescore": RescorePolicy}
 
 
 @dataclass(frozen=True)
@@ -63,31 +122,31 @@ class RoleConfig:
 
     Every ``skip.<role>`` key is declared here, once: the OmegaConf schema (:data:`RoleSchema`), the
     transport to child processes (:mod:`skipinject.config.transport`), the runner's help and the
-    README's configuration table all come from these fields (a test keeps the README equal). The
-    first four are upstream's keys, with upstream's defaults.
+    README's configuration table all come from these fields (a test keeps the README equal), and so
+    do each key's check and error message. The first four are upstream's keys, with upstream's defaults.
     """
 
-    enable: bool = _setting(False, shown="False", meaning="master switch")
+    enable: bool = _setting(False, meaning="master switch", expected=_BOOLEAN, check=_boolean)
     dump_dir: str = _setting(
         DEFAULT_DUMP_DIR,
-        shown="~/.verl/rollout_dump",
         meaning=(
             "cache root: a local path (`~` expanded; created private to the user, mode 0700), or an fsspec "
             "URL of a store every node sees (`s3://bucket/dir`, `gs://…`, `hdfs://…`; see [Caches in object "
             "stores](docs/object-stores.md))"
         ),
+        expected="expected a directory path",
+        check=_directory_path,
     )
     steps: StepSet = _setting(  # noqa: RUF009  (field() with the README's words)
         factory=StepSet,
-        shown="[]",
         meaning=(
             "steps at which the role may skip; elsewhere the target always runs. Lists `[1,2,3]`, ranges "
             "`1-128`, mixed `[1-4,10]`; steps are 0 to 10⁹, held as ranges"
         ),
+        expected="expected a list of steps (e.g. [1,2,3] or 1-128)",
     )
     action: Action = _setting(  # noqa: RUF009  (field() with the README's words)
         Action.cache,
-        shown="cache",
         meaning=(
             "`cache`: own step cached → load it, else run and save. `repeat`: exact step, else the largest "
             "cached step below, else the smallest above; none → run and save. `strict`: like `cache`, but a "
@@ -96,61 +155,65 @@ class RoleConfig:
             "only the others generated, in one call "
             "(see [Replay by content](docs/match.md))"
         ),
+        expected=f"unknown action (choose one of {', '.join(Action)})",
     )
     #: Load verl's own pickled caches (``gen_batch.dp``, ``tq_batch.pt``): they run code when loaded.
     trust_upstream: bool = _setting(
         False,
-        shown="False",
         meaning=(
             "load verl's own pickled caches (`gen_batch.dp`, `tq_batch.pt`) found in the cache directory. "
             "They run code when loaded: only for directories you trust"
         ),
+        expected=_BOOLEAN,
+        check=_boolean,
     )
     on_mismatch: MismatchPolicy = _setting(  # noqa: RUF009  (field() with the README's words)
         MismatchPolicy.warn,
-        shown="warn",
         meaning=(
             "a cached result whose inputs (prompts) differ from this call's: `warn` (one line + metric, "
             "train on it, like upstream but not silently), `regenerate`, or `fail`"
         ),
+        expected=f"expected one of {', '.join(MismatchPolicy)}",
     )
     #: Load from cache directories other users can write to or own (ssh's StrictModes, switched off).
     trust_dir_permissions: bool = _setting(
         False,
-        shown="False",
         meaning=(
             "load from and save into cache directories that other users can write to or own "
             "(group/world-writable without the sticky bit, another owner, a `dump_dir` that is another user's "
             "link or lies in a directory others can write: refused by default with one warning naming the "
             "directory, like ssh's StrictModes)"
         ),
+        expected=_BOOLEAN,
+        check=_boolean,
     )
 
     compression: str = _setting(
         "auto",
-        shown="auto",
         meaning=(
             "how saved steps are stored: `none`, `zstd` (level 1) or `zstd-2` … `zstd-22`, in independent 4 MiB "
             "frames, with exact compact encodings of derivable tensors; `auto`: `zstd` for object stores and "
             "network file systems, `none` on local disks (see [Compression](docs/compression.md)). Steps of either "
             "kind are read whatever it says"
         ),
+        expected=_COMPRESSIONS,
+        check=_compression,
     )
 
     reuse_hit_memory: int = _setting(
         2,
-        shown="2",
         meaning=(
             "compressed hits decode into memory kept from earlier hits, whose batches training no longer "
             "holds: up to this many batches' decoded size stays allocated between hits (0 … 16; `0`: every "
             "hit takes fresh memory, freed with its tensors). The default covers verl's loop: one batch still "
             "held while the next loads (see [Compression](docs/compression.md))"
         ),
+        expected=_BATCHES,
+        check=_batches,
     )
 
     read_ahead: bool = _setting(
         True,
-        shown="True",
         meaning=(
             "once a chosen step's first call has returned, the next chosen step cached in the store is read, "
             "checked and loaded in a background thread while this one trains, so its hit waits for (almost) "
@@ -158,20 +221,35 @@ class RoleConfig:
             "batch's decoded size more while it waits (`action` `cache`, `strict`, `repeat`; see "
             "[Read-ahead](docs/compression.md#read-ahead))"
         ),
+        expected=_BOOLEAN,
+        check=_boolean,
+    )
+
+    rescore: RescorePolicy = _setting(  # noqa: RUF009  (field() with the README's words)
+        RescorePolicy.auto,
+        meaning=(
+            "rollout roles: whether served responses are scored by this run's reward. `auto`: when the reward "
+            "recorded with them differs from this run's (or none is recorded); `always`; `never`: serve the "
+            "recorded scores (one line when the reward differs; see [Re-scoring](docs/rescore.md))"
+        ),
+        expected=f"expected one of {', '.join(RescorePolicy)}",
     )
 
     def __post_init__(self) -> None:
-        # Accept plain values from code (``steps=(1, 2)``, ``action="repeat"``), as the schema would.
+        # Accept plain values from code (``steps=(1, 2)``, ``action="repeat"``), as the schema would;
+        # then every key's own check (ValueError), wherever the settings come from.
         if not isinstance(self.steps, StepSet):
             object.__setattr__(self, "steps", StepSet.from_value(list(self.steps), "steps"))
-        object.__setattr__(self, "action", Action(self.action))
-        object.__setattr__(self, "on_mismatch", MismatchPolicy(self.on_mismatch))
-        if type(self.reuse_hit_memory) is not int or not 0 <= self.reuse_hit_memory <= MAX_HIT_MEMORY:
-            raise ValueError(f"reuse_hit_memory must be 0 .. {MAX_HIT_MEMORY}, got {self.reuse_hit_memory!r}")
-        if self.compression != "auto":  # the default needs no check (and no import at start-up)
-            from skipinject.store.compression import parse_compression
-
-            parse_compression(self.compression)  # ValueError naming the choices
+        for f in fields(self):
+            value = getattr(self, f.name)
+            try:
+                if f.name in ENUM_KEYS:
+                    object.__setattr__(self, f.name, ENUM_KEYS[f.name](value))
+                elif f.metadata["check"] is not None:
+                    f.metadata["check"](value)
+            except ValueError as exc:
+                reason = f.metadata["expected"] if f.name in ENUM_KEYS else exc
+                raise ValueError(f"{f.name}={_show(repr(value))}: {reason}") from None
 
     @functools.cached_property
     def root(self) -> DumpRoot:
@@ -183,10 +261,10 @@ class RoleConfig:
         return self.enable and step is not None and step in self.steps
 
 
-#: Each key's type, resolved once (``bool``, ``str``, ``StepSet`` or one of the enums).
+#: Each key's type, resolved once (``bool``, ``str``, ``int``, ``StepSet`` or one of the enums).
 KEY_TYPES: dict[str, Any] = {f.name: typing.get_type_hints(RoleConfig)[f.name] for f in fields(RoleConfig)}
 ROLE_KEYS = tuple(KEY_TYPES)
-_BOOL_KEYS = {key for key, kind in KEY_TYPES.items() if kind is bool}
+_FIELDS = {f.name: f for f in fields(RoleConfig)}
 
 
 def _schema_field(f: Any) -> tuple[str, Any, Any]:
@@ -206,18 +284,12 @@ def choices(key: str) -> tuple[str, ...]:
     return tuple(member.value for member in kind) if isinstance(kind, type) and issubclass(kind, enum.Enum) else ()
 
 
-def settings_help(width: int = 100) -> str:
-    """The runner's help line about ``skip.<role>.<key>`` (every key, with its choices)."""
-    keys = [f"{key} ({'|'.join(choices(key))})" if choices(key) else key for key in ROLE_KEYS]
-    text = "skip.<role>.<key>=<value> in ARGS configures a role; keys: " + ", ".join(keys) + "."
-    return textwrap.fill(text, width, break_on_hyphens=False) + "\n"
-
-
 def readme_table() -> str:
     """The README's per-role configuration table."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
     for f in fields(RoleConfig):
-        lines.append(f"| `{f.name}` | `{f.metadata['shown']}` | {f.metadata['meaning']} |")
+        default = RoleConfig().steps.format() if f.name == "steps" else f.default
+        lines.append(f"| `{f.name}` | `{default}` | {f.metadata['meaning']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -233,44 +305,36 @@ def role_config(
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    cfg = base or RoleConfig()
     node = OmegaConf.structured(RoleSchema)
     changes: dict[str, Any] = {}
     for raw_key, value in values.items():
         key = str(raw_key)
         dotted = f"skip.{role}.{key}"
         if key not in ROLE_KEYS:
-            raise ConfigError(f"{dotted}: unknown key {key!r} (known: {', '.join(ROLE_KEYS)})")
-        shown = (texts or {}).get(key)
-        if key == "steps":
+            raise ConfigError(
+                f"{dotted}: unknown key {key!r} (known: {', '.join(ROLE_KEYS)}){did_you_mean(key, ROLE_KEYS)}"
+            )
+        if key == "steps":  # read by StepSet itself (ranges stay ranges); its errors name the key
             changes[key] = StepSet.from_value(_plain(value), dotted)
             continue
-        shown = shown if shown is not None else _show(value)
+        shown = _show((texts or {}).get(key, value))
+        setting = _FIELDS[key].metadata
         try:
-            node[key] = value
+            node[key] = value  # OmegaConf converts to the key's type: True/yes/1, enum names
             converted = node[key]
-            if key == "dump_dir" and converted is None:
-                raise ValueError("no directory")
-        except (OmegaConfBaseException, ValueError, TypeError) as exc:
-            raise ConfigError(f"{dotted}={shown}: {_expected(key)}") from exc
-        if key == "compression":
-            from skipinject.store.compression import COMPRESSION_VALUE
-
-            if not isinstance(converted, str) or not COMPRESSION_VALUE.fullmatch(converted):
-                raise ConfigError(f"{dotted}={shown}: {_expected(key)}")
-        if key == "reuse_hit_memory" and not 0 <= converted <= MAX_HIT_MEMORY:
-            raise ConfigError(f"{dotted}={shown}: {_expected(key)}")
-        if key == "dump_dir" and (not converted.strip() or "\x00" in converted):
-            raise ConfigError(f"{dotted}={shown}: expected a directory path")
-        if key == "dump_dir" and len(converted) > MAX_PATH_CHARS:
-            raise ConfigError(
-                f"{dotted}={_show(converted)}: {len(converted)} characters, longer than any path "
-                f"({MAX_PATH_CHARS}); expected a directory path"
-            )
-        if key == "dump_dir":
+        except (OmegaConfBaseException, ValueError, TypeError) as exc:  # not of the key's type
+            raise ConfigError(f"{dotted}={shown}: {setting['expected']}{did_you_mean(value, choices(key))}") from exc
+        try:
+            if converted is None:
+                raise ValueError(setting["expected"])
+            if setting["check"] is not None:
+                setting["check"](converted)
+        except ValueError as exc:  # of the key's type, but not a value the key takes
+            raise ConfigError(f"{dotted}={shown}: {exc}") from None
+        if key == "dump_dir":  # a URL's protocol: imports fsspec, so only for what a user gave
             DumpRoot.parse(converted).check(dotted)
         changes[key] = converted
-    return replace(cfg, **changes)
+    return replace(base or RoleConfig(), **changes)
 
 
 def _plain(value: Any) -> Any:
@@ -284,19 +348,3 @@ def _plain(value: Any) -> Any:
 def _show(value: Any) -> str:
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= 200 else text[:200] + "..."
-
-
-def _expected(key: str) -> str:
-    if key in _BOOL_KEYS:
-        return "expected true or false"
-    if key == "action":
-        return f"unknown action (choose one of {', '.join(a.value for a in Action)})"
-    if key == "on_mismatch":
-        return f"expected one of {', '.join(p.value for p in MismatchPolicy)}"
-    if key == "dump_dir":
-        return "expected a directory path"
-    if key == "compression":
-        return "expected auto, none, zstd or zstd-1 .. zstd-22"
-    if key == "reuse_hit_memory":
-        return f"expected a number of batches, 0 .. {MAX_HIT_MEMORY}"
-    return "invalid value"

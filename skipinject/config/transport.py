@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from skipinject.config.schema import KEY_TYPES, MAX_PATH_CHARS, ROLE_KEYS, RoleConfig
+from skipinject.config.schema import ROLE_KEYS, RoleConfig
 from skipinject.config.steps import StepSet
 from skipinject.errors import ConfigError
 
@@ -64,21 +64,15 @@ class Config:
             "triggers": list(self.triggers),
         }
         text = json.dumps({**body, "roles": roles}, sort_keys=True, separators=(",", ":"))
-        if len(text) > MAX_EXPANDED_BYTES:
+        expanded = len(text)
+        if _COMPRESS_ABOVE < expanded <= MAX_EXPANDED_BYTES:
+            text = _COMPRESSED + base64.b85encode(zlib.compress(text.encode(), 9)).decode()
+        if expanded > MAX_EXPANDED_BYTES or len(text) > MAX_SERIALISED_BYTES:
             longest = max(self.roles, key=lambda n: len(self.roles[n].steps.spans))
             raise ConfigError(
                 f"skip.{longest}.steps: {len(self.roles[longest].steps.spans)} separate steps or ranges are too many "
-                f"to hand to the processes of the run ({len(text)} bytes of settings, at most {MAX_EXPANDED_BYTES}); "
+                f"to hand to the processes of the run ({len(text)} bytes of settings, at most {MAX_SERIALISED_BYTES}); "
                 "write them as ranges like 1-128"
-            )
-        if len(text) > _COMPRESS_ABOVE:
-            text = _COMPRESSED + base64.b85encode(zlib.compress(text.encode(), 9)).decode()
-        if len(text) > MAX_SERIALISED_BYTES:
-            longest = max(self.roles, key=lambda n: len(self.roles[n].steps.spans))
-            count = len(self.roles[longest].steps.spans)
-            raise ConfigError(
-                f"skip.{longest}.steps: {count} separate steps or ranges are too many to hand to the processes "
-                f"of the run ({len(text)} bytes, at most {MAX_SERIALISED_BYTES}); write them as ranges like 1-128"
             )
         return text
 
@@ -132,26 +126,12 @@ def _plain_value(value: Any) -> Any:
 
 def _serialised_role(name: str, values: Any) -> RoleConfig:
     """A role as :meth:`Config.to_json` wrote it, checked strictly without OmegaConf (children start fast):
-    every key of :class:`RoleConfig`, each by its declared type."""
+    every key of :class:`RoleConfig`, each by its declared check."""
     if not isinstance(values, dict) or set(values) != set(ROLE_KEYS):
         raise ValueError(f"role {name!r} does not have exactly the keys {', '.join(ROLE_KEYS)}")
-    settings: dict[str, Any] = {}
-    for key, kind in KEY_TYPES.items():
-        value = values[key]
-        if kind is bool:
-            if type(value) is not bool:
-                raise ValueError(f"skip.{name}.{key} is not a boolean")
-        elif kind is int:
-            if type(value) is not int:
-                raise ValueError(f"skip.{name}.{key} is not a whole number")
-        elif kind is str:
-            if not isinstance(value, str) or not value or "\x00" in value or len(value) > MAX_PATH_CHARS:
-                raise ValueError(f"skip.{name}.{key} is not a path")
-        elif kind is StepSet:
-            if not isinstance(value, str):
-                raise ValueError(f"skip.{name}.{key} is not a step list")
-            value = StepSet.parse(value, f"skip.{name}.{key}")
-        else:
-            value = kind(value)  # an enum: ValueError for anything else
-        settings[key] = value
-    return RoleConfig(**settings)
+    if not isinstance(values["steps"], str):
+        raise ValueError(f"skip.{name}.steps is not a step list")
+    try:
+        return RoleConfig(**{**values, "steps": StepSet.parse(values["steps"], f"skip.{name}.steps")})
+    except ValueError as exc:  # RoleConfig's checks name the key
+        raise ValueError(f"skip.{name}.{exc}") from None

@@ -10,8 +10,8 @@ Its parts, in the order a call meets them:
 * :mod:`~skipinject.engine.calls` — the calls of one step: recorded as its parts, replayed in order;
 * :mod:`~skipinject.engine.decision` — which cached step serves a call (``cache``/``repeat``/``strict``);
 * :mod:`~skipinject.engine.matching` — ``match``: rows served by their inputs (:mod:`~skipinject.engine.row_index`);
-* :mod:`~skipinject.engine.layout` — where the run's steps live (upstream's directory names);
-* :mod:`~skipinject.engine.builtin_guard` — verl's own SkipManager turned off for our roles.
+* :mod:`~skipinject.verl.layout` — where the run's steps live (upstream's directory names);
+* :mod:`~skipinject.verl.builtin_guard` — verl's own SkipManager turned off for our roles.
 
 Every decision is one line on the ``skipinject`` logger.
 """
@@ -27,14 +27,14 @@ from typing import Any
 
 from skipinject.config import Action, Config
 from skipinject.engine.background import WRITER
-from skipinject.engine.builtin_guard import BUILTIN_SKIP_INIT, BuiltinGuard
 from skipinject.engine.matching import check_matchable
 from skipinject.engine.phases import ClockInterceptor, TargetInterceptor
 from skipinject.engine.runtime import RoleRuntime
 from skipinject.errors import ConfigError
 from skipinject.injector import INJECTOR, Injector, target_key
 from skipinject.roles import Role
-from skipinject.verl_compat import is_run_config, module_exists, verl_version, version_matches
+from skipinject.verl.builtin_guard import BUILTIN_SKIP_INIT, BuiltinGuard
+from skipinject.verl.compat import is_run_config, module_exists, verl_version, version_matches
 
 logger = logging.getLogger("skipinject")
 

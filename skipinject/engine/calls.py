@@ -58,6 +58,8 @@ class StepCalls:
     inputs: dict[int, list[str] | None] = field(default_factory=dict)
     #: Per call, its row keys and output rows per input row (``action=match``; see engine/matching.py).
     row_keys: dict[int, tuple[list[str], int]] = field(default_factory=dict)
+    #: What the role's ``record_meta`` added for the step's first recorded call (see :class:`~skipinject.roles.Role`).
+    extra_meta: dict[str, Any] = field(default_factory=dict)
     rows: int = 0
     parts: int = 0  # parts handed to the writer
     failed: bool = False
@@ -87,7 +89,7 @@ class StepCalls:
     def commit_meta(self) -> dict[str, Any]:
         """The role-level part of ``meta.json``: how many calls the step holds and each one's inputs."""
         calls = self.parts
-        meta: dict[str, Any] = {"inputs": self.inputs.get(0), "calls": calls}
+        meta: dict[str, Any] = {**self.extra_meta, "inputs": self.inputs.get(0), "calls": calls}
         if calls > 1:
             meta["call_inputs"] = [self.inputs.get(index) for index in range(calls)]
         if self.row_keys:

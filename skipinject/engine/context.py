@@ -32,7 +32,7 @@ class RoleContext:
         if self.role.codec is not None:
             return self.role.codec
         if self._default_codec is None:
-            from skipinject.codecs import DataProtoCodec
+            from skipinject.verl.codecs import DataProtoCodec
 
             self._default_codec = DataProtoCodec()
         return self._default_codec
@@ -61,6 +61,23 @@ class RoleContext:
             )
             return None
         return None if rows is None else [str(r) for r in rows]
+
+    def extra_meta(self, call: Call) -> dict[str, Any]:
+        """The role's ``record_meta`` fields for a result of ``call`` (none when it fails: one warning)."""
+        if self.role.record_meta is None:
+            return {}
+        try:
+            return dict(self.role.record_meta(call) or {})
+        except Exception as exc:
+            self.once(
+                ("record_meta", type(exc)),
+                logging.WARNING,
+                "%s: cannot describe the result for meta.json (%s: %s); saved without it",
+                self.name,
+                type(exc).__name__,
+                exc,
+            )
+            return {}
 
     def after_miss(self, call: Call, result: Any) -> Any:
         if self.role.on_miss is None:

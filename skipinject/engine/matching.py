@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,7 +62,7 @@ def check_matchable(role: Role, codec: Any) -> None:
 
 def settings_digest(role: Role, config: Any) -> bytes:
     """The run settings deciding a row's result (the role's ``match_settings``), as one digest."""
-    from skipinject.verl_compat import select
+    from skipinject.verl.compat import select
 
     values = {path: _plain(select(config, path)) for path in role.match_settings}
     text = json.dumps(values, sort_keys=True, default=repr).encode()
@@ -265,9 +265,21 @@ class RowMatcher:
         runtime = self.runtime
         keys, misses, merged = pending.keys, pending.misses, pending.merged
         assert keys is not None and pending.record.plan is not None
-        self._save(pending, merged, fresh=pending.generated, fresh_rows=misses, ratio=pending.ratio)
         step = pending.record.plan.step
-        info = MatchInfo(step, len(pending.served), len(misses), dict(pending.sources), pending.seconds)
+        ratio = pending.ratio or 1
+        served: dict[str, list[int]] = {}
+        for row, (piece, _) in sorted(pending.served.items()):
+            served.setdefault(pending.piece_sources[piece], []).extend(range(row * ratio, row * ratio + ratio))
+        info = MatchInfo(
+            step,
+            len(pending.served),
+            len(misses),
+            dict(pending.sources),
+            pending.seconds,
+            served,
+            dict(pending.source_meta),
+            runtime.settings,
+        )
         sources = sorted(pending.sources.items(), key=lambda item: (-item[1], item[0]))
         shown = ", ".join(f"{name} ({count})" for name, count in sources[:SHOWN_SOURCES])
         more = f" and {len(sources) - SHOWN_SOURCES} more" if len(sources) > SHOWN_SOURCES else ""
@@ -283,8 +295,9 @@ class RowMatcher:
             len(misses),
             " (target not called)" if not misses else f" in one call of {len(misses) + pending.padding} rows",
         )
-        if runtime.role.on_match is not None:
+        if runtime.role.on_match is not None:  # before saving: what it recomputes is saved as this run's
             merged = runtime.role.on_match(merged, pending.call, info)
+        self._save(pending, merged, fresh=pending.generated, fresh_rows=misses, ratio=pending.ratio)
         return merged
 
     def _serve_cached(self, store: StepStore, call: Call, pending: _Pending) -> int | None:
@@ -330,7 +343,9 @@ class RowMatcher:
                     name += f" of {_layout_label(where_store)}"
                 stores = {STEPS: where_store, ROWS: self.rows_store(where_store)}
                 try:
-                    piece, piece_ratio, kept = self._load_rows(stores[source], number, part, rows, keys, codec, call)
+                    piece, piece_ratio, kept, meta = self._load_rows(
+                        stores[source], number, part, rows, keys, codec, call
+                    )
                 except Exception as exc:  # this source does not serve: its rows try their next copy
                     runtime.once(
                         ("match-source", str(where_store.project_dir), source, number),
@@ -353,6 +368,8 @@ class RowMatcher:
                 for position, row in enumerate(kept):
                     served[row] = (len(pieces), position)
                 pieces.append(piece)
+                pending.piece_sources.append(name)
+                pending.source_meta[name] = meta
                 sources[name] = sources.get(name, 0) + len(kept)
         return ratio
 
@@ -375,9 +392,9 @@ class RowMatcher:
         keys: list[str],
         codec: RowCodec,
         call: Call,
-    ) -> tuple[Any, int, list[int]]:
+    ) -> tuple[Any, int, list[int], Mapping[str, Any]]:
         """The output rows of those of ``rows`` whose key the verified source records where the index
-        said, and which rows those are (the others are not served from here)."""
+        said, which rows those are (the others are not served from here) and the source's ``meta.json``."""
         entry = store.verified(number)
         try:
             records = match_records(entry.meta)
@@ -387,7 +404,7 @@ class RowMatcher:
             recorded, ratio = record
             kept = [(row, at) for row, at in rows if at.row < len(recorded) and recorded[at.row] == keys[row]]
             if not kept:
-                return None, ratio, []
+                return None, ratio, [], entry.meta
             payloads = store.load(entry)
             if part >= len(payloads):
                 raise CorruptCacheError(f"{entry.directory}: holds {len(payloads)} parts, not call {part + 1}")
@@ -397,7 +414,7 @@ class RowMatcher:
                     f"{entry.directory}: holds {codec.result_rows(result)} rows, not {len(recorded) * ratio}"
                 )
             picked = [where.row * ratio + j for _, where in kept for j in range(ratio)]
-            return codec.select_rows(result, picked), ratio, [row for row, _ in kept]
+            return codec.select_rows(result, picked), ratio, [row for row, _ in kept], entry.meta
         finally:
             entry.release()
 
@@ -458,7 +475,8 @@ class RowMatcher:
             fresh_inputs = [inputs[row] for row in fresh_rows] if inputs and len(inputs) == len(keys) else None
             rows_store = self.rows_store(plan.store)
             fresh_keys = [keys[row] for row in fresh_rows]
-            self._save_rows(rows_store, plan.store, plan.step, fresh, fresh_keys, ratio, fresh_inputs)
+            extra = self.runtime.extra_meta(pending.call)
+            self._save_rows(rows_store, plan.store, plan.step, fresh, fresh_keys, ratio, fresh_inputs, extra)
 
     def _save_rows(
         self,
@@ -469,6 +487,7 @@ class RowMatcher:
         keys: Sequence[str],
         ratio: int,
         inputs: Sequence[str] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         """Keep a call's newly generated rows as the next rows record (``action=match`` at a step that
         was committed before: a committed step is never rewritten). Logged, never raised."""
@@ -484,6 +503,7 @@ class RowMatcher:
             )
             return
         meta = {
+            **(extra or {}),
             "inputs": None if inputs is None else list(inputs),
             "calls": 1,
             "row_keys": [list(keys)],
@@ -526,7 +546,7 @@ MAX_LAYOUTS = 8
 
 def _layout_label(where: StepStore) -> str:
     """The layout of ``where`` as a match line names it (``GBS8_N2_in32_out16``)."""
-    from skipinject.engine.layout import layout_name
+    from skipinject.verl.layout import layout_name
 
     try:
         return layout_name(where.context)
@@ -548,6 +568,8 @@ class _Pending:
     served: dict[int, tuple[int, int]] = field(default_factory=dict)  # input row -> (piece, row in piece)
     pieces: list[Any] = field(default_factory=list)
     sources: dict[str, int] = field(default_factory=dict)
+    piece_sources: list[str] = field(default_factory=list)  # per piece, the name of its source
+    source_meta: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # per source, its meta.json
     ratio: int | None = None
     seconds: float = 0.0
     whole: bool = False

@@ -122,7 +122,10 @@ class Recorder:
         except Exception as exc:
             self.drop(record, f"cannot encode {what} ({type(exc).__name__}: {exc})")
             return
+        extra = self.runtime.extra_meta(call) if index == 0 else {}
         with record.lock:
+            if index == 0:
+                record.extra_meta = extra
             if record.writer is None:
                 record.writer = plan.store.begin(plan.step)
             writer = record.writer
@@ -166,7 +169,7 @@ class Recorder:
             writer = record.writer
             if plan is None or writer is None or record.failed or record.parts <= record.committed_parts:
                 return
-            meta = dict(record.phase_meta) if record.by_phase else record.commit_meta()
+            meta = {**record.extra_meta, **record.phase_meta} if record.by_phase else record.commit_meta()
             record.committed_parts = parts = record.parts
         name = self.runtime.name
 

@@ -167,7 +167,8 @@ class Replay:
             elapsed,
         )
         if rt.role.on_hit is not None:
-            info = HitInfo(plan.step, plan.served_step, elapsed, mismatched, compared, source)
+            recorded = plan.entry.meta if plan.entry is not None else {}
+            info = HitInfo(plan.step, plan.served_step, elapsed, mismatched, compared, source, recorded, rt.settings)
             result = rt.role.on_hit(result, call, info)
         return result
 

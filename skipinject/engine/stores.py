@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.engine.context import RoleContext
-from skipinject.engine.layout import other_batch_sizes, project_dir
 from skipinject.roles import Call
 from skipinject.store import StepStore
 from skipinject.store.compression import compression_for
 from skipinject.store.hit_memory import HitMemory
+from skipinject.verl.compat import STEP_KEY
+from skipinject.verl.layout import other_batch_sizes, project_dir
 
 logger = logging.getLogger("skipinject")
 
@@ -98,6 +99,7 @@ class RoleStores:
             backend=root.backend(trust_permissions=trust),
             compression=compression_for(settings.compression, root.location()),
             memory=self.hit_memory,
+            step_aliases=(STEP_KEY,),
         )
 
     def opened(self) -> list[StepStore]:

@@ -23,8 +23,9 @@ Loading it runs no code: the file is mapped copy-on-write once, checksummed thro
 verified hit costs one pass over the bytes, and in-place writes to a loaded tensor stay private.
 """
 
+from skipinject.payload import Payload
 from skipinject.store.format import FORMAT, FORMAT_VERSION, META_NAME
-from skipinject.store.payload import Payload, StepEntry
+from skipinject.store.payload import StepEntry
 from skipinject.store.step_store import RemoteStepStore, StepStore
 from skipinject.store.writer import StepWriter, writer_versions
 

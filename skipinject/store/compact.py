@@ -1,11 +1,12 @@
 """Exact compact encodings of a tensor file's tensors (used with compression on).
 
-A rollout batch stores much that follows from the rest: verl's ``input_ids`` is ``prompts`` and
-``responses`` side by side, the masks are one run of ones per row, the position ids a clamped ramp
-per row, and token ids fit in 32 bits. At save time each tensor is checked, bit for bit, against
-what its compact form rebuilds; only an exact match is stored compactly, anything else as it is:
+A rollout batch stores much that follows from the rest: a tensor may be two others side by side
+(which ones the codec names: :attr:`~skipinject.payload.Payload.concats`), masks are one run of ones
+per row, position ids a clamped ramp per row, and token ids fit in 32 bits. At save time each tensor
+is checked, bit for bit, against what its compact form rebuilds; only an exact match is stored
+compactly, anything else as it is:
 
-* ``concat``: the tensor is two other stored tensors of the same dtype side by side (last dimension);
+* ``concat``: the tensor is the two stored tensors the codec names, of its dtype, side by side (last dimension);
 * ``run``: a 2-D tensor whose row ``b`` is 1 on ``[start_b, end_b)`` and 0 elsewhere;
 * ``ramp``: a 2-D integer tensor whose row ``b`` is ``clamp(j - start_b, 0, top_b)``;
 * ``narrow``: an integer tensor stored in the smallest dtype holding its values, restored to its
@@ -61,14 +62,17 @@ def _itemsize(dtype_name: str) -> int:
     return int(torch.empty((), dtype=getattr(torch, dtype_name)).element_size())
 
 
-def plan_tensors(tensors: Mapping[str, torch.Tensor]) -> list[Plan]:
-    """The compact plan of every tensor (input order), each one checked to rebuild exactly."""
+def plan_tensors(tensors: Mapping[str, torch.Tensor], concats: Mapping[str, tuple[str, str]]) -> list[Plan]:
+    """The compact plan of every tensor (input order), each one checked to rebuild exactly;
+    ``concats``: which tensor may be which two others side by side (:attr:`Payload.concats`)."""
     plans = [Plan(name, tensor) for name, tensor in tensors.items()]
     for plan in plans:
         plan.derive = _run(plan.tensor) or _ramp(plan.tensor)
+    named = {plan.name: plan for plan in plans}
     for plan in plans:
-        if plan.derive is None:
-            plan.derive = _concat(plan, [p for p in plans if p is not plan and p.derive is None])
+        left, right = (named.get(part) for part in concats.get(plan.name, ("", "")))
+        if plan.derive is None and left is not None and right is not None:
+            plan.derive = _concat(plan, left, right)
     for plan in plans:
         if plan.derive is None:
             plan.stored, plan.stored_dtype = _narrowed(plan.tensor)
@@ -124,16 +128,6 @@ def _bits(tensor: torch.Tensor) -> Any:
 
 def _rows_of(tensor: torch.Tensor) -> bool:
     return bool(tensor.dim() == 2 and tensor.shape[0] > 0 and tensor.shape[1] > 0)
-
-
-def _numpy_dtype(dtype: Any) -> Any:
-    """The numpy dtype of a torch dtype (ValueError for bfloat16, which numpy lacks)."""
-    import torch
-
-    try:
-        return torch.empty(0, dtype=dtype).numpy().dtype
-    except TypeError as exc:
-        raise ValueError(f"no numpy dtype for {dtype}") from exc
 
 
 def _run(tensor: torch.Tensor) -> dict[str, Any] | None:
@@ -197,28 +191,21 @@ def _bfloat16() -> Any:
     return torch.bfloat16
 
 
-def _concat(plan: Plan, candidates: list[Plan]) -> dict[str, Any] | None:
-    """``{"concat": [a, b]}`` if the tensor is stored tensors ``a`` and ``b`` side by side (last dim)."""
+def _concat(plan: Plan, left: Plan, right: Plan) -> dict[str, Any] | None:
+    """``{"concat": [left, right]}`` if the tensor is the stored tensors ``left`` and ``right`` side by side."""
     import numpy as np
 
-    tensor = plan.tensor
-    if tensor.dim() < 2 or tensor.is_complex():
+    tensor, parts = plan.tensor, (left.tensor, right.tensor)
+    if tensor.dim() < 2 or tensor.is_complex() or any(p.derive is not None or p is plan for p in (left, right)):
         return None
-    lead, width = tuple(tensor.shape[:-1]), tensor.shape[-1]
-    fits = [c for c in candidates if c.tensor.dtype == tensor.dtype and tuple(c.tensor.shape[:-1]) == lead]
-    bits = None
-    for left in fits:
-        split = left.tensor.shape[-1]
-        if not 0 < split < width:
-            continue
-        for right in fits:
-            if right is left or right.tensor.shape[-1] != width - split:
-                continue
-            bits = _bits(tensor) if bits is None else bits
-            if np.array_equal(bits[..., :split], _bits(left.tensor)) and np.array_equal(
-                bits[..., split:], _bits(right.tensor)
-            ):
-                return {"concat": [left.name, right.name]}
+    split, width = parts[0].shape[-1], tensor.shape[-1]
+    if left is right or not 0 < split < width or parts[1].shape[-1] != width - split:
+        return None
+    if any(p.dtype != tensor.dtype or p.shape[:-1] != tensor.shape[:-1] for p in parts):
+        return None
+    bits = _bits(tensor)
+    if np.array_equal(bits[..., :split], _bits(parts[0])) and np.array_equal(bits[..., split:], _bits(parts[1])):
+        return {"concat": [left.name, right.name]}
     return None
 
 

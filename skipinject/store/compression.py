@@ -18,7 +18,6 @@ further fails instead of growing it): a decompression bomb is refused before its
 from __future__ import annotations
 
 import os
-import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from skipinject.errors import CorruptCacheError
-from skipinject.store.format import FRAME_BYTES, MAX_EXPANSION, ZSTD_DEFAULT_LEVEL, ZSTD_MAX_LEVEL
+from skipinject.payload import COMPRESSION_VALUE as COMPRESSION_VALUE
+from skipinject.payload import Compression as Compression
+from skipinject.payload import parse_compression as parse_compression
+from skipinject.store.format import FRAME_BYTES, MAX_EXPANSION
 from skipinject.store.mounts import is_network_path
 
 if TYPE_CHECKING:
@@ -37,33 +39,7 @@ if TYPE_CHECKING:
     from skipinject.store.checksums import _Hasher
     from skipinject.store.hit_memory import Decoded
 
-#: What ``skip.<role>.compression`` accepts: ``auto``, ``none``, ``zstd`` or ``zstd-<level>``.
-COMPRESSION_VALUE = re.compile(r"auto|none|zstd(?:-([1-9]|1[0-9]|2[0-2]))?")
 ENCODING = "zstd"
-
-
-@dataclass(frozen=True)
-class Compression:
-    """How a store compresses the files it writes (``None`` in its place: stored as they are)."""
-
-    level: int = ZSTD_DEFAULT_LEVEL
-
-    @property
-    def name(self) -> str:
-        return ENCODING if self.level == ZSTD_DEFAULT_LEVEL else f"{ENCODING}-{self.level}"
-
-
-def parse_compression(value: str, *, remote: bool = False, network_fs: bool = False) -> Compression | None:
-    """The compression a setting names; ``auto``: zstd for object stores and network file systems,
-    none on local disks (where a hit reads at memory speed and decompressing would only cost)."""
-    match = COMPRESSION_VALUE.fullmatch(value)
-    if match is None:
-        raise ValueError(f"unknown compression {value!r} (auto, none, zstd, zstd-1 .. zstd-{ZSTD_MAX_LEVEL})")
-    if value == "auto":
-        return Compression() if remote or network_fs else None
-    if value == "none":
-        return None
-    return Compression(int(match.group(1) or ZSTD_DEFAULT_LEVEL))
 
 
 def compression_for(value: str, root: object) -> Compression | None:

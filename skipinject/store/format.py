@@ -15,6 +15,10 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
+from skipinject.payload import TENSOR_DTYPES as TENSOR_DTYPES  # part of the format, as the codecs know it
+from skipinject.payload import ZSTD_DEFAULT_LEVEL as ZSTD_DEFAULT_LEVEL
+from skipinject.payload import ZSTD_MAX_LEVEL as ZSTD_MAX_LEVEL
+
 FORMAT = "skipinject"
 #: The version written when a step holds a compressed file; steps stored as they are keep version 2,
 #: which every earlier reader reads (``READABLE_VERSIONS``: what this one reads).
@@ -77,11 +81,6 @@ TREE_CHUNK = 32 << 20
 FRAME_BYTES = 4 << 20
 #: No zstd data expands more than this (a 128 KiB block in 4 bytes): a compressed file claiming more is forged.
 MAX_EXPANSION = 1 << 15
-#: ``zstd`` without a level. Level 1, not zstd's own 3: after the compact encodings a rollout batch
-#: stores the same bytes at either level (0.053x of pickle, ``bench_compression.py``), and level 1 saves
-#: and decodes faster.
-ZSTD_DEFAULT_LEVEL = 1
-ZSTD_MAX_LEVEL = 22
 #: Tensors a compact tensor file rebuilds (derived or widened) total at most this many times its
 #: decoded size plus :data:`MAX_REBUILT_SLACK` bytes.
 MAX_REBUILT_FACTOR = 64
@@ -190,24 +189,3 @@ def reference_table() -> str:
 
 if __name__ == "__main__":
     print(reference_table(), end="")
-
-#: Tensor dtypes the tensor file holds (by ``torch`` attribute name).
-TENSOR_DTYPES = frozenset(
-    {
-        "bool",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    }
-)

@@ -1,4 +1,4 @@
-"""What the store holds for one part of a step, and a verified entry ready to load."""
+"""A verified cache entry, ready to load (what it loads: :class:`~skipinject.payload.Payload`)."""
 
 from __future__ import annotations
 
@@ -7,33 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from skipinject.payload import Payload
 from skipinject.store.hit_memory import FRESH, Claim
 
 if TYPE_CHECKING:
-    import torch
-
     from skipinject.store.hit_memory import Decoded
-
-
-@dataclass
-class Payload:
-    """One part of a result: plain tensors plus JSON-safe values (see :mod:`skipinject.codecs`)."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    objects: dict[str, Any] = field(default_factory=dict)
-    rows: int | None = None
-
-    def private_copy(self) -> Payload:
-        """A copy with its own tensors and JSON tree: later in-place changes to the result cannot reach it.
-
-        A miss saved in the background is copied first, so what is written is what training saw
-        when the call returned, whatever training (or a transport's buffer reuse) does afterwards.
-        """
-        import json
-
-        tensors = {name: tensor.detach().clone() for name, tensor in self.tensors.items()}
-        objects = json.loads(json.dumps(self.objects, separators=(",", ":"), allow_nan=True))
-        return Payload(tensors=tensors, objects=objects, rows=self.rows)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from skipinject.errors import CacheError, CorruptCacheError
+from skipinject.payload import Payload
 from skipinject.store.backend import Backend, StepFiles
 from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo
 from skipinject.store.compression import Compression, decompress_into
@@ -35,7 +36,7 @@ from skipinject.store.format import (
 )
 from skipinject.store.hit_memory import Claim, HitMemory
 from skipinject.store.meta import Part, StepMeta, short, step_meta
-from skipinject.store.payload import Payload, StepEntry
+from skipinject.store.payload import StepEntry
 from skipinject.store.tensorfile import read_tensors
 from skipinject.store.writer import StepWriter
 
@@ -62,6 +63,7 @@ class StepStore:
         backend: Backend | None = None,
         compression: Compression | None = None,
         memory: HitMemory | None = None,
+        step_aliases: Sequence[str] = (),
     ) -> None:
         """``trust_permissions``: load from directories other users could write (the user's opt-in,
         ``skip.<role>.trust_dir_permissions``). ``dump_dir``: the cache root; it and every directory
@@ -70,7 +72,8 @@ class StepStore:
         names it where it is not installed). ``backend``: where the files are (default: local files,
         see :meth:`~skipinject.dump_root.DumpRoot.backend`). ``compression``: how the files this store
         writes are compressed (None: stored as they are; steps of either kind are read). ``memory``: the
-        pool compressed hits decode into (None: fresh memory each hit; see :mod:`~skipinject.store.hit_memory`)."""
+        pool compressed hits decode into (None: fresh memory each hit; see :mod:`~skipinject.store.hit_memory`).
+        ``step_aliases``: more ``meta.json`` keys holding the step (the trainer's name for it)."""
         if backend is None:
             from skipinject.store.local import LocalFiles
 
@@ -85,6 +88,7 @@ class StepStore:
         self.plugin = plugin
         self.compression = compression
         self.memory = memory
+        self.step_aliases = tuple(step_aliases)
 
     @property
     def location(self) -> Path:

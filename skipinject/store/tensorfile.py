@@ -40,26 +40,36 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, torch.Tensor], algo: s
 
 
 def tensor_file(
-    handle: BinaryIO, tensors: Mapping[str, torch.Tensor], algo: str, compression: Compression | None
+    handle: BinaryIO,
+    tensors: Mapping[str, torch.Tensor],
+    algo: str,
+    compression: Compression | None,
+    concats: Mapping[str, tuple[str, str]] | None = None,
 ) -> tuple[str, dict[str, Any] | None]:
     """Write the tensor file, compressed or not; its checksum and what its record adds (None: stored as it is)."""
     if compression is None:
         return write_tensors(handle, tensors, algo), None
-    checksum, written = write_compressed_tensors(handle, tensors, algo, compression)
+    checksum, written = write_compressed_tensors(handle, tensors, algo, compression, concats)
     return checksum, written.record()
 
 
 def write_compressed_tensors(
-    handle: BinaryIO, tensors: Mapping[str, torch.Tensor], algo: str, compression: Compression
+    handle: BinaryIO,
+    tensors: Mapping[str, torch.Tensor],
+    algo: str,
+    compression: Compression,
+    concats: Mapping[str, tuple[str, str]] | None = None,
 ) -> tuple[str, Written]:
     """Write the tensor file compactly encoded (:mod:`~skipinject.store.compact`) and compressed in
     frames (:mod:`~skipinject.store.compression`); its checksum (of the stored bytes) and record."""
     hasher = _Hasher(algo)
-    written = write_compressed(handle, _file_pieces(tensors, compact=True), compression, hasher)
+    written = write_compressed(handle, _file_pieces(tensors, compact=True, concats=concats), compression, hasher)
     return hasher.hexdigest(), written
 
 
-def _file_pieces(tensors: Mapping[str, torch.Tensor], *, compact: bool) -> list[Buffer]:
+def _file_pieces(
+    tensors: Mapping[str, torch.Tensor], *, compact: bool, concats: Mapping[str, tuple[str, str]] | None = None
+) -> list[Buffer]:
     """The tensor file's bytes as pieces in order: magic, index length, index, then each tensor's bytes."""
     import torch
 
@@ -71,7 +81,11 @@ def _file_pieces(tensors: Mapping[str, torch.Tensor], *, compact: bool) -> list[
         if dtype not in TENSOR_DTYPES or tensor.is_nested or tensor.layout != torch.strided:
             raise TypeError(f"payload tensor {name!r}: {tensor.dtype} {tensor.layout} tensors are not supported")
         checked[name] = tensor.detach().cpu().contiguous()
-    plans = plan_tensors(checked) if compact else [Plan(name, value, stored=value) for name, value in checked.items()]
+    plans = (
+        plan_tensors(checked, concats or {})
+        if compact
+        else [Plan(name, value, stored=value) for name, value in checked.items()]
+    )
     views = []
     index: list[dict[str, Any]] = []
     offset = 0

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skipinject._version import __version__
+from skipinject.node import node_identity
+from skipinject.payload import Payload
 from skipinject.store.checksums import _digest, _Hasher
 from skipinject.store.compression import compress_bytes
 from skipinject.store.format import (
@@ -25,7 +27,6 @@ from skipinject.store.format import (
     tensors_name,
 )
 from skipinject.store.garbage import ACTIVE_WRITE_IDS
-from skipinject.store.payload import Payload
 from skipinject.store.tensorfile import tensor_file
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class WritableStore(Protocol):
     compression: Compression | None
     dump_dir: Path | None
     project_dir: Path
+    step_aliases: tuple[str, ...]
 
     def step_dir(self, step: int) -> Path: ...
 
@@ -87,7 +89,7 @@ class StepWriter:
         tensors_at = folder / tensors_name(self.write_id)
         self._written.append(tensors_at)
         size, (checksum, encoded) = backend.write(
-            tensors_at, lambda handle: tensor_file(handle, payload.tensors, algo, compression), self.write_id
+            tensors_at, lambda h: tensor_file(h, payload.tensors, algo, compression, payload.concats), self.write_id
         )
         files: dict[str, Any] = {
             "tensors": {"name": tensors_at.name, "size": size, "checksum": checksum, **(encoded or {})}
@@ -118,8 +120,6 @@ class StepWriter:
 
     def meta_record(self, meta: Mapping[str, Any]) -> bytes:
         """The ``meta.json`` committing the parts written so far, with ``meta`` (role-specific keys)."""
-        from skipinject.cluster import node_identity  # cluster reads the store's mount classifier
-
         record = dict(meta)
         record.update(
             {
@@ -127,7 +127,7 @@ class StepWriter:
                 "format_version": FORMAT_VERSION if self._encoded() else PLAIN_FORMAT_VERSION,
                 "role": self.store.role,
                 "step": self.step,
-                "global_steps": self.step,
+                **dict.fromkeys(self.store.step_aliases, self.step),
                 "context": dict(self.store.context),
                 "checksum_algo": self.store.checksum_algo,
                 "parts": [self.parts[name] for name in sorted(self.parts, key=_part_order)],

@@ -125,6 +125,27 @@ def rollout_records(directory: Path) -> dict[int, list[dict]]:
     }
 
 
+#: Another reward function than the harness's (which scores ``min(len / 40, 1)``): a run replaying a
+#: recording with it must train on these scores of the served responses (``skip.<role>.rescore``).
+WORD_COUNT_REWARD = '''"""Toy reward: the number of words of the answer."""
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return float(len(solution_str.split()))
+'''
+
+
+def word_count_reward(tmp: Path) -> list[str]:
+    """The override making a run score with :data:`WORD_COUNT_REWARD` (a file written under ``tmp``)."""
+    path = tmp / "word_count_reward.py"
+    path.write_text(WORD_COUNT_REWARD)
+    return [f"reward.custom_reward_function.path={path}"]
+
+
+def word_count(text: str) -> float:
+    return float(len(text.split()))
+
+
 # -- the installed environment ------------------------------------------------------------
 
 #: The user-added roles of the V0 pair: distributions of their own (``plugins/advantage``, ``plugins/reward``).

@@ -29,6 +29,8 @@ from tests.e2e.conftest import (
     launch,
     rollout_records,
     skip_lines,
+    word_count,
+    word_count_reward,
 )
 
 pytestmark = pytest.mark.e2e
@@ -75,6 +77,8 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
             # Seed 7 draws, 2 a step, a step of two prompts run 1 saw and 4 prompts it did not.
             "data.seed=7",
             *SMALLER_BATCH,
+            # Another reward than run 1's: the served rows are scored by it (skip.rollout.rescore=auto).
+            *word_count_reward(tmp_path),
         ],
     )
     second, generated_2 = launch(assets, tmp_path, "run2", overrides)
@@ -103,7 +107,10 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
             text = _prompt_text(r)
             if text in seen:
                 assert r["output"] in outputs_1[text], f"step {step}: served another prompt's response"
+    for step, records in two.items():  # served and generated rows alike: scored by this run's reward
+        assert [r["score"] for r in records] == [word_count(r["output"]) for r in records], f"step {step}"
     lines = skip_lines(second, "rollout")
+    assert any("rows re-scored by this run's reward-loop workers" in line for line in lines), lines
     matched = [line for line in lines if ": match: " in line and "rows served from" in line]
     assert len(matched) >= 1, lines
     assert any("rows served from step" in line for line in matched)

@@ -11,6 +11,7 @@ object store is proven by the DAPO recipe's pair (``test_dapo_recipe_e2e.py``), 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,13 @@ def test_v0_rollout_cache_then_hit(v0_runs: V0Runs):
     assert not any("other inputs" in line for line in lines if "rollout step 3:" not in line), lines
     step_two = [line for line in lines if "rollout step 2: hit" in line]
     assert len(step_two) == 1 and "read ahead, waited" in step_two[0], lines  # read while step 1 trained
+    # The same reward: the recorded scores are served bit for bit (meta.json records what scored them).
+    for step in (1, 2):
+        assert any(
+            f"rollout step {step}: rewards served as recorded (recorded by this run's reward)" in line for line in lines
+        )
+    assert not any("re-scored" in line for line in lines), lines
+    assert json.loads((layout / "1" / "meta.json").read_text())["reward"]["files"]
     one, two = rollout_records(v0_runs.tmp / "run1"), rollout_records(v0_runs.tmp / "run2")
     assert sorted(one) == [1, 2] and sorted(two) == [1, 2, 3]
     for step in (1, 2):

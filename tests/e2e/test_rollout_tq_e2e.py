@@ -125,6 +125,7 @@ def test_v1_rollout_tq_k_part_steps_cache_then_hit(v1_pair: V1Pair):
         meta = json.loads((layout / step / "meta.json").read_text())
         assert [part["dir"] for part in meta["parts"]] == [str(i) for i in range(SYNC_STEP)]
         assert meta["rows"] == per_step
+        assert meta["reward"]["files"]["reward.custom_reward_function.path"]["sha256"], "what scored it"
     assert not list(layout.rglob("tq_batch.pt")), "only skipinject's safe format is written"
     lines = skip_lines(v1_pair.first, ROLE)
     assert sum(f"{ROLE} step {s}: saved {per_step} trajectories" in line for line in lines for s in (1, 2)) == 2, lines
@@ -135,6 +136,8 @@ def test_v1_rollout_tq_k_part_steps_cache_then_hit(v1_pair: V1Pair):
     assert sum("hit, served step" in line and "rollout not submitted" in line for line in lines) == 2, lines
     assert not any(": saved" in line for line in lines), "a served step is not saved again"
     assert "async warm-up prefetch switched off" in v1_pair.second.stdout + v1_pair.second.stderr
+    served = [line for line in lines if "rewards served as recorded (recorded by this run's reward)" in line]
+    assert len(served) == 2 and not any("re-scored" in line for line in lines), lines  # the same reward
     one, two = _generations(v1_pair.tmp / "run1"), _generations(v1_pair.tmp / "run2")
     assert sorted(one) == sorted(two) == [1, 2, 3]
     for step in (1, 2):

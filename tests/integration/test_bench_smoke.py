@@ -73,3 +73,24 @@ def test_bench_match_index_quick() -> None:
     assert size["rows"] == 5000 and size["build_meta_reads"] == 50
     assert size["lookup_meta_reads"] == 0, "a new run's lookup reads no step's meta.json"
     assert size["new_step_meta_reads"] == 1, "a step committed since the index: only its meta.json is read"
+
+
+def test_bench_rescore_quick() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_rescore.py"),
+            "--prompts",
+            "4",
+            "--response",
+            "8",
+            "--repeat",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "re-scored hit" in out.stdout and "goal (served + reward)" in out.stdout

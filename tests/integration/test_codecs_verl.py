@@ -17,9 +17,9 @@ from tensordict import NonTensorStack, TensorDict
 from verl.protocol import DataProto
 from verl.utils import tensordict_utils as tu
 
-from skipinject.codecs import DataProtoCodec, TensorDictCodec
 from skipinject.errors import CodecError, CorruptCacheError
 from skipinject.store import Payload, StepStore
+from skipinject.verl.codecs import CONCATS, DataProtoCodec, TensorDictCodec
 from tests.codec_checks import assert_td_equal, round_trip, same
 
 # ---------------------------------------------------------------- fixtures
@@ -186,6 +186,17 @@ def test_dataproto_round_trip(store: StepStore) -> None:
     # The decoded batch is usable like the original.
     assert len(decoded.select_idxs([0, 5])) == 2
     assert len(DataProto.concat([decoded, decoded])) == 2 * len(original)
+
+
+def test_dataproto_names_input_ids_as_prompts_then_responses() -> None:
+    """The codec tells the store which tensor may be two others side by side (the store checks it)."""
+    batch = grpo_dataproto()
+    assert DataProtoCodec().encode(batch).concats == {}  # no input_ids
+    batch.batch["input_ids"] = torch.cat([batch.batch["prompts"], batch.batch["responses"]], dim=1)
+    payload = DataProtoCodec().encode(batch)
+    names = {key: next(n for n in payload.tensors if n.endswith(f"[{key!r}]")) for key in CONCATS["input_ids"]}
+    whole = next(n for n in payload.tensors if n.endswith("['input_ids']"))
+    assert payload.concats == {whole: (names["prompts"], names["responses"])}
 
 
 def test_dataproto_repeats_are_stored_once() -> None:

@@ -26,11 +26,11 @@ from typing import Any
 
 import pytest
 
-from skipinject.engine.builtin_guard import BUILTIN_SKIP_INIT
 from skipinject.injector import Injector, SkipinjectWrapper, convention_of
 from skipinject.plugin_manager import load_plugins
 from skipinject.roles import Call, TargetPath
-from skipinject.verl_compat import verl_version, version_matches
+from skipinject.verl.builtin_guard import BUILTIN_SKIP_INIT
+from skipinject.verl.compat import verl_version, version_matches
 from tests.conftest import ROOT
 
 

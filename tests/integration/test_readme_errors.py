@@ -17,7 +17,7 @@ MISTAKES: list[tuple[list[str], dict[str, str]]] = [
     (["-c", "pass", "skip.rollout.enabel=True"], {}),
     (["-c", "pass", "skip.rollout.action=skip"], {}),
     (["-c", "pass", "skip.rolout.enable=True"], {}),
-    (["-c", "pass", "skip.rollout.enable=True"], {"VERL_SKIP_PLUGINS": "rolout"}),
+    (["--plugins", "rolout", "-c", "pass", "skip.rollout.enable=True"], {}),
     (["-c", "pass", "skip.rollout_tq.enable=True", "skip.rollout_tq.action=match"], {}),
     (["-c", "pass", "skip.rollout.enable=True", "skip.rollout.dump_dir=foo://x"], {}),
     (["-c", "pass"], {"SKIPINJECT_DISABLE": "maybe"}),

@@ -164,3 +164,76 @@ def test_hooks_reach_a_real_ray_actor(toy_site: Path, tmp_path: Path):
     assert two["outputs"] == one["outputs"]
     # (The actor's "hit" log line is forwarded by Ray asynchronously and may miss the driver's shutdown.)
     os.environ.pop("SKIPINJECT_CONFIG", None)
+
+
+CONSOLE_SCRIPT = Path(sys.executable).parent / "skipinject"
+
+
+def test_the_console_script_is_python_dash_m_skipinject(tmp_path: Path):
+    """``skipinject`` has the current directory first on sys.path, as ``python -m skipinject`` has: a plugin
+    module beside the script loads (examples/toy), and the program sees the same sys.path either way."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SKIPINJECT", "VERL_SKIP", "PYTHONPATH"))}
+    toy = ROOT / "examples" / "toy"
+    settings = ["skip.toy_rollout.enable=True", "skip.toy_rollout.steps=[1]", f"skip.toy_rollout.dump_dir={tmp_path}"]
+    for command in ([str(CONSOLE_SCRIPT)], list(RUNNER)):
+        proc = subprocess.run(
+            [*command, "--plugins", "toy_skip_plugin", "train.py", "1", *settings],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=toy,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "toy_rollout step 1:" in proc.stderr
+    show = "import json, sys; print(json.dumps(sys.path))"
+    (tmp_path / "show.py").write_text(show)
+    for program in (["-c", show], ["show.py"], ["-m", "show"]):
+        paths = [
+            subprocess.run([*command, *program], capture_output=True, text=True, env=env, cwd=tmp_path).stdout
+            for command in ([str(CONSOLE_SCRIPT)], list(RUNNER), [sys.executable])
+        ]
+        assert json.loads(paths[0]) == json.loads(paths[1]) == json.loads(paths[2]), program
+
+
+def test_the_programs_traceback_is_pythons(tmp_path: Path):
+    script = tmp_path / "boom.py"
+    script.write_text("def fail():\n    raise ValueError('boom')\n\nfail()\n")
+    (tmp_path / "broken.py").write_text("x = (\n")
+    for program in (["boom.py", "a"], ["broken.py"], ["-c", "import json; json.loads('{')"]):
+        plain = subprocess.run([sys.executable, *program], capture_output=True, text=True, cwd=tmp_path)
+        ours = subprocess.run([*RUNNER, *program], capture_output=True, text=True, cwd=tmp_path)
+        assert ours.returncode == plain.returncode == 1
+        assert ours.stderr == plain.stderr, program
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "code", "line"),
+    [
+        (
+            ["-m", "nosuch.module"],
+            {},
+            1,
+            "skipinject: error: Error while finding module specification for 'nosuch.module'",
+        ),
+        (["-m", "json"], {}, 1, "skipinject: error: No module named json.__main__; 'json' is a package"),
+        (["nosuch.py"], {}, 2, "skipinject: error: can't open file 'nosuch.py': no such file"),
+        (["--plugins", "rolout", "-c", "0"], {}, 2, "skipinject: error: --plugins: unknown plugin 'rolout'"),
+        (
+            ["-c", "0"],
+            {"VERL_SKIP_PLUGINS": "rolout"},
+            2,
+            "skipinject: error: VERL_SKIP_PLUGINS: unknown plugin 'rolout'",
+        ),
+        (["-c", "0", "skip.rollout.acton=cache"], {}, 2, "skipinject: error: skip.rollout.acton: unknown key"),
+        (["--plugin", "rollout", "-c", "0"], {}, 2, "skipinject: error: unrecognized arguments: --plugin; did you"),
+        (["cache", "compat"], {}, 2, "skipinject cache: error: unknown command 'compat'"),
+    ],
+)
+def test_every_user_error_is_one_line(tmp_path: Path, args: list[str], env: dict[str, str], code: int, line: str):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SKIPINJECT", "VERL_SKIP"))}
+    proc = subprocess.run([*RUNNER, *args], capture_output=True, text=True, env={**clean, **env}, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == code and len(lines) == 1 and lines[0].startswith(line), proc.stderr
+    if "rolout" in line or "acton" in line or "compat" in line:
+        assert "did you mean" in lines[0]

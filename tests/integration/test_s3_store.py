@@ -142,7 +142,7 @@ def test_a_real_dataproto_round_trips_through_s3_unchanged(url: str):
     from tensordict import TensorDict
     from verl import DataProto
 
-    from skipinject.codecs import DataProtoCodec
+    from skipinject.verl.codecs import DataProtoCodec
 
     batch = DataProto(
         batch=TensorDict({"responses": torch.arange(24).view(4, 6), "mask": torch.ones(4, 6)}, batch_size=[4]),

@@ -12,11 +12,11 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from verl.utils import tensordict_utils as tu
 
-from skipinject.codecs import TensorDictCodec
-from skipinject.codecs import tensordicts as tds
 from skipinject.codecs.columns import encode_column
 from skipinject.codecs.tagged_json import to_jsonable
 from skipinject.store import StepStore
+from skipinject.verl import tensordicts as tds
+from skipinject.verl.codecs import TensorDictCodec
 from tests.codec_checks import assert_td_equal, same
 from tests.integration.test_codecs_verl import file_digests, tq_sample_result
 
@@ -183,7 +183,7 @@ def test_decode_builds_rows_without_per_row_constructors(tmp_path: Path, monkeyp
     assert tds._stack_layout()  # checked once against the constructor before counting
     monkeypatch.setattr(NonTensorData, "__init__", count_ntd)
     monkeypatch.setattr(NonTensorStack, "__init__", count_stack)
-    from skipinject.codecs import results
+    from skipinject.verl import codecs as results
 
     during: list[bool] = []
     real_decode = results.decode_tensordict
@@ -199,7 +199,7 @@ def test_decode_builds_rows_without_per_row_constructors(tmp_path: Path, monkeyp
 
 def test_encode_runs_under_one_gc_pause(monkeypatch: pytest.MonkeyPatch) -> None:
     """Collections over the batch's row objects while the JSON tree grows cost more than the encode itself."""
-    from skipinject.codecs import results
+    from skipinject.verl import codecs as results
 
     td = TensorDict({"x": torch.arange(8), "s": NonTensorStack(*[f"r{i}" for i in range(8)])}, batch_size=[8])
     during: list[bool] = []

@@ -56,7 +56,7 @@ def same_payload(a: Payload, b: Payload) -> bool:
 
 def codec_payload(rows: int, width: int = 16, *, seed: int = 0) -> Payload:
     """What the engine would save for a batch of this size (the toy role's codec, no pickle)."""
-    from skipinject.codecs import TensorDictCodec
+    from skipinject.verl.codecs import TensorDictCodec
 
     return TensorDictCodec().encode(make_batch(rows, width, seed=seed))
 
@@ -156,7 +156,7 @@ def toy_trainer(experiment: str = "exp", project: str = "proj") -> testing.ToyTr
 
 
 def toy_role(name: str = "toy", *, upstream: UpstreamFormat | None = None, step: StepSource | None = None) -> Role:
-    from skipinject.codecs import TensorDictCodec
+    from skipinject.verl.codecs import TensorDictCodec
 
     return Role(
         name=name,

@@ -64,6 +64,7 @@ def without_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_engine_records_the_plugin_and_no_codec_header(dump: Path) -> None:
     meta = json.loads((step_dir(dump, 1) / "meta.json").read_text())
     assert meta["role"] == "toy" and meta["plugin"] == "toy"
+    assert meta["step"] == meta["global_steps"] == 1  # the step also under the trainer's name for it
     objects = next(step_dir(dump, 1).glob("objects-*.json"))
     assert "codec" not in json.loads(objects.read_text())  # plain objects: the built-ins' header is not a rule
 

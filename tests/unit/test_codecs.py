@@ -15,11 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from skipinject.codecs import TensorDictCodec, TensorSink, from_jsonable, to_jsonable
+from skipinject.codecs import TensorSink, from_jsonable, to_jsonable
 from skipinject.codecs.columns import decode_column, encode_column
-from skipinject.codecs.tensordicts import non_tensor_items
 from skipinject.errors import CodecError
 from skipinject.store import StepStore
+from skipinject.verl.codecs import TensorDictCodec
+from skipinject.verl.tensordicts import non_tensor_items
 from tests.codec_checks import assert_td_equal, round_trip, same
 from tests.conftest import ROOT
 

@@ -29,6 +29,7 @@ from skipinject.store.compression import (
 from skipinject.store.hit_memory import anonymous
 from skipinject.store.mounts import is_network_path
 from skipinject.store.remote import open_remote
+from skipinject.verl.codecs import CONCATS
 from tests.conftest import ROOT
 
 torch = pytest.importorskip("torch")
@@ -110,7 +111,7 @@ def test_a_compressed_step_loads_bit_for_bit_and_is_smaller(tmp_path: Path) -> N
     tensors = padded_batch()
     plain, packed = _store(tmp_path / "a", None), _store(tmp_path / "b")
     for store in (plain, packed):
-        store.save(1, Payload(tensors=dict(tensors), objects={"v": [1, 2, 3]}, rows=16))
+        store.save(1, Payload(concats=CONCATS, tensors=dict(tensors), objects={"v": [1, 2, 3]}, rows=16))
     sizes = {}
     for name, store in (("plain", plain), ("packed", packed)):
         part = _load(store, 1)
@@ -127,7 +128,7 @@ def test_a_compressed_step_loads_bit_for_bit_and_is_smaller(tmp_path: Path) -> N
 def test_the_derivable_tensors_are_rebuilt_and_the_rest_stored_narrowed(tmp_path: Path) -> None:
     tensors = padded_batch()
     store = _store(tmp_path)
-    store.save(1, Payload(tensors=tensors, objects={}, rows=16))
+    store.save(1, Payload(concats=CONCATS, tensors=tensors, objects={}, rows=16))
     index = {entry["name"]: entry for entry in _index(store, 1)}
     assert index["input_ids"]["derive"] == {"concat": ["prompts", "responses"]}
     for name in ("attention_mask", "response_mask", "bool_mask"):
@@ -137,6 +138,32 @@ def test_the_derivable_tensors_are_rebuilt_and_the_rest_stored_narrowed(tmp_path
     assert index["prompts"]["stored_dtype"] == "int32" and index["prompts"]["dtype"] == "int64"
     assert "derive" not in index["rollout_log_probs"] and "stored_dtype" not in index["rollout_log_probs"]
     assert_same(_load(store, 1).tensors, tensors)
+
+
+def test_a_concatenation_is_stored_as_such_only_where_the_codec_names_it(tmp_path: Path) -> None:
+    """The store searches for no concatenation: ``input_ids`` is rebuilt from ``prompts`` and ``responses``
+    because verl's codec names them (a TensorDict's, at any depth), and stored whole when nobody does."""
+    from tensordict import TensorDict
+
+    from skipinject.verl.codecs import TensorDictCodec
+
+    tensors = padded_batch()
+    unnamed = _store(tmp_path / "unnamed")
+    unnamed.save(1, Payload(tensors=tensors, objects={}, rows=16))
+    assert "derive" not in {entry["name"]: entry for entry in _index(unnamed, 1)}["input_ids"]
+    td = TensorDict(tensors, batch_size=[16])
+    nested = TensorDict({"inner": td.clone()}, batch_size=[16])
+    for value in (td, {"tensordict": td, "keys": ["k"]}, nested):
+        payload = TensorDictCodec().encode(value)
+        ((whole, (left, right)),) = payload.concats.items()
+        assert (whole, left, right) == tuple(
+            next(n for n in payload.tensors if n.endswith(f"[{key!r}]"))
+            for key in ("input_ids", "prompts", "responses")
+        )
+        store = _store(tmp_path / str(len(whole)) / type(value).__name__)
+        store.save(1, payload)
+        assert {entry["name"]: entry for entry in _index(store, 1)}[whole]["derive"] == {"concat": [left, right]}
+        assert_same(_load(store, 1).tensors, payload.tensors)
 
 
 def test_what_is_not_derivable_is_stored_as_it_is(tmp_path: Path) -> None:
@@ -164,7 +191,7 @@ def test_what_is_not_derivable_is_stored_as_it_is(tmp_path: Path) -> None:
     }
     saved = {**tensors, **odd}
     store = _store(tmp_path)
-    store.save(1, Payload(tensors=saved, objects={}, rows=8))
+    store.save(1, Payload(concats=CONCATS, tensors=saved, objects={}, rows=8))
     index = {entry["name"]: entry for entry in _index(store, 1)}
     for name in ("mrope_position_ids", "holed_response_mask", "input_ids", "wide"):
         assert "derive" not in index[name], name
@@ -177,7 +204,7 @@ def test_what_is_not_derivable_is_stored_as_it_is(tmp_path: Path) -> None:
 def test_a_loaded_compressed_tensor_is_private_and_writable(tmp_path: Path) -> None:
     tensors = padded_batch()
     store = _store(tmp_path)
-    store.save(1, Payload(tensors=tensors, objects={}, rows=16))
+    store.save(1, Payload(concats=CONCATS, tensors=tensors, objects={}, rows=16))
     first = _load(store, 1).tensors
     first["rollout_log_probs"].add_(1.0)
     first["prompts"][0, 0] = 5
@@ -200,7 +227,7 @@ def test_a_hit_decompresses_each_frame_straight_into_the_decoded_file(
 
     tensors = padded_batch(rows=64, prompt=64, response=2048)
     store = _store(tmp_path)
-    store.save(1, Payload(tensors=tensors, objects={"k": 1}, rows=64))
+    store.save(1, Payload(concats=CONCATS, tensors=tensors, objects={"k": 1}, rows=64))
     monkeypatch.setattr(zstandard, "ZstdDecompressor", InPlaceOnly)
     part = _load(store, 1)
     assert_same(part.tensors, tensors)
@@ -218,7 +245,7 @@ def test_restored_tensors_are_written_once_into_one_private_mapping(
 
     tensors = padded_batch(rows=64, prompt=24, response=40)
     store = _store(tmp_path)
-    store.save(1, Payload(tensors=tensors, objects={}, rows=64))
+    store.save(1, Payload(concats=CONCATS, tensors=tensors, objects={}, rows=64))
     index = {entry["name"]: entry for entry in _index(store, 1)}
     restored = [name for name, entry in index.items() if "derive" in entry or "stored_dtype" in entry]
     assert {"input_ids", "attention_mask", "position_ids", "prompts"} <= set(restored)
@@ -265,7 +292,7 @@ def test_the_decoded_file_is_private_anonymous_memory() -> None:
 def test_the_codec_result_round_trips_through_a_compressed_store(tmp_path: Path) -> None:
     """A real TensorDict result (the DataProto batch is one) through the codec and a compressed store."""
     tensordict = pytest.importorskip("tensordict")
-    from skipinject.codecs import TensorDictCodec
+    from skipinject.verl.codecs import TensorDictCodec
 
     tensors = padded_batch()
     td = tensordict.TensorDict(tensors, batch_size=[16])
@@ -278,8 +305,8 @@ def test_the_codec_result_round_trips_through_a_compressed_store(tmp_path: Path)
 
 def test_steps_of_either_kind_are_read_whatever_the_store_writes(tmp_path: Path) -> None:
     tensors = padded_batch()
-    _store(tmp_path, None).save(1, Payload(tensors=tensors, objects={}, rows=16))
-    _store(tmp_path).save(2, Payload(tensors=tensors, objects={}, rows=16))
+    _store(tmp_path, None).save(1, Payload(concats=CONCATS, tensors=tensors, objects={}, rows=16))
+    _store(tmp_path).save(2, Payload(concats=CONCATS, tensors=tensors, objects={}, rows=16))
     for compression in (None, Compression(), Compression(9)):
         for step in (1, 2):
             assert_same(_load(_store(tmp_path, compression), step).tensors, tensors)
@@ -303,7 +330,7 @@ def test_a_remote_step_is_compressed_and_loads(tmp_path: Path) -> None:
     store = RemoteStepStore(root / "project", "toy", {"run": 1}, fs, compression=compression_for("auto", root))
     assert store.compression == Compression()
     tensors = padded_batch()
-    store.save(1, Payload(tensors=tensors, objects={"v": 1}, rows=16))
+    store.save(1, Payload(concats=CONCATS, tensors=tensors, objects={"v": 1}, rows=16))
     part = _load(store, 1)
     assert_same(part.tensors, tensors)
     assert part.objects == {"v": 1}
@@ -312,7 +339,7 @@ def test_a_remote_step_is_compressed_and_loads(tmp_path: Path) -> None:
 def test_a_batch_larger_than_a_frame_is_many_frames(tmp_path: Path) -> None:
     tensors = {"noise": torch.randint(0, 1 << 30, (3, format.FRAME_BYTES // 8), dtype=torch.int64)}
     store = _store(tmp_path)
-    store.save(1, Payload(tensors=tensors, objects={}, rows=3))
+    store.save(1, Payload(concats=CONCATS, tensors=tensors, objects={}, rows=3))
     meta = json.loads((store.step_dir(1) / "meta.json").read_text())
     spec = meta["parts"][0]["files"]["tensors"]
     assert len(spec["frames"]) == -(-spec["decoded_size"] // format.FRAME_BYTES) >= 2
@@ -332,7 +359,7 @@ def test_a_remote_hit_decodes_frames_while_the_download_streams(monkeypatch: pyt
     store = _remote_store()
     noise = torch.randint(0, 1 << 30, (6, format.FRAME_BYTES // 8), dtype=torch.int64)  # 6 frames, incompressible
     tensors = {**padded_batch(), "noise": noise}
-    store.save(1, Payload(tensors=tensors, objects={"v": 1}, rows=16))
+    store.save(1, Payload(concats=CONCATS, tensors=tensors, objects={"v": 1}, rows=16))
     events: list[tuple[str, int]] = []
     monkeypatch.setattr(remote, "STREAM_CHUNK", 1 << 20)
 
@@ -376,7 +403,7 @@ def test_a_hostile_remote_file_is_refused_while_it_streams(forge: str, message: 
     from skipinject.store.checksums import _digest
 
     store = _remote_store()
-    store.save(1, Payload(tensors=padded_batch(), objects={}, rows=16))
+    store.save(1, Payload(concats=CONCATS, tensors=padded_batch(), objects={}, rows=16))
     fs = store.backend.fs  # type: ignore[attr-defined]
     meta_key = store.step_dir(1).path + "/meta.json"  # type: ignore[attr-defined]
     meta = json.loads(fs.cat_file(meta_key))
@@ -406,7 +433,7 @@ def test_a_hostile_remote_file_is_refused_while_it_streams(forge: str, message: 
 
 def _saved(tmp_path: Path, tensors: dict[str, Any] | None = None) -> tuple[StepStore, Path, dict[str, Any]]:
     store = _store(tmp_path)
-    store.save(1, Payload(tensors=tensors or padded_batch(), objects={}, rows=16))
+    store.save(1, Payload(concats=CONCATS, tensors=tensors or padded_batch(), objects={}, rows=16))
     meta_path = store.step_dir(1) / "meta.json"
     return store, meta_path, json.loads(meta_path.read_text())
 
@@ -611,7 +638,11 @@ def test_cache_compact_stores_old_steps_compressed_and_keeps_what_they_hold(
     store = _layout_store(dump)
     tensors = padded_batch()
     for step in (1, 2):
-        store.save(step, Payload(tensors=tensors, objects={"step": step}, rows=16), {"trajectories": step * 10})
+        store.save(
+            step,
+            Payload(concats=CONCATS, tensors=tensors, objects={"step": step}, rows=16),
+            {"trajectories": step * 10},
+        )
     before = {step: json.loads((store.step_dir(step) / "meta.json").read_text()) for step in (1, 2)}
     assert main(["compact", str(dump), "--dry-run"]) == 0
     assert capsys.readouterr().out.count("would compact") == 2
@@ -646,7 +677,7 @@ def test_cache_compact_leaves_a_step_it_cannot_read_as_it_was(
 
     dump = tmp_path / "dump"
     store = _layout_store(dump)
-    store.save(1, Payload(tensors=padded_batch(), objects={}, rows=16))
+    store.save(1, Payload(concats=CONCATS, tensors=padded_batch(), objects={}, rows=16))
     meta = json.loads((store.step_dir(1) / "meta.json").read_text())
     data = store.step_dir(1) / meta["parts"][0]["files"]["tensors"]["name"]
     damaged = bytearray(data.read_bytes())
@@ -662,7 +693,7 @@ def test_cache_compact_leaves_a_step_it_cannot_read_as_it_was(
 def test_jagged_tensors_round_trip_through_a_compressed_store(tmp_path: Path) -> None:
     """verl's V1 batches: jagged values and offsets (narrowed, then restored to int64)."""
     tensordict = pytest.importorskip("tensordict")
-    from skipinject.codecs import TensorDictCodec
+    from skipinject.verl.codecs import TensorDictCodec
 
     lengths = torch.tensor([3, 0, 5, 2])
     offsets = torch.zeros(5, dtype=torch.int64)
@@ -683,8 +714,8 @@ def test_cache_show_prints_stored_and_decoded_sizes(tmp_path: Path, capsys: pyte
 
     dump = tmp_path / "dump"
     plain, packed = _layout_store(dump), _layout_store(dump, ZSTD)
-    plain.save(1, Payload(tensors=padded_batch(), objects={}, rows=16))
-    packed.save(2, Payload(tensors=padded_batch(), objects={}, rows=16))
+    plain.save(1, Payload(concats=CONCATS, tensors=padded_batch(), objects={}, rows=16))
+    packed.save(2, Payload(concats=CONCATS, tensors=padded_batch(), objects={}, rows=16))
     sizes = {}
     for step, store in ((1, plain), (2, packed)):
         files = json.loads((store.step_dir(step) / "meta.json").read_text())["parts"][0]["files"].values()
@@ -729,4 +760,4 @@ def test_a_hit_writes_no_zeros_into_the_fresh_memory_of_masks_and_position_ids()
 def _plan_index(tensors: dict[str, Any]) -> list[dict[str, Any]]:
     from skipinject.store.compact import plan_tensors
 
-    return [{"name": p.name, "derive": p.derive} for p in plan_tensors(tensors) if p.derive is not None]
+    return [{"name": p.name, "derive": p.derive} for p in plan_tensors(tensors, CONCATS) if p.derive is not None]

@@ -19,7 +19,7 @@ from skipinject.errors import ConfigError
 from skipinject.store import Payload, StepStore
 from skipinject.store.compression import Compression
 from skipinject.store.hit_memory import HitMemory, anonymous
-from tests.unit.test_compression import ZSTD, assert_same, padded_batch
+from tests.unit.test_compression import CONCATS, ZSTD, _index, assert_same, padded_batch
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("zstandard")
@@ -28,7 +28,7 @@ pytest.importorskip("zstandard")
 def _saved(tmp_path: Path, memory: HitMemory | None, compression: Compression | None = ZSTD) -> Any:
     tensors = padded_batch(rows=64, prompt=48, response=200)
     store = StepStore(tmp_path / "project", "toy", {"run": 1}, compression=compression, memory=memory)
-    store.save(1, Payload(tensors=tensors, objects={"k": 1}, rows=64))
+    store.save(1, Payload(tensors=tensors, objects={"k": 1}, rows=64, concats=CONCATS))
     return store, tensors
 
 
@@ -244,14 +244,17 @@ def test_concatenations_and_widened_tensors_of_every_dtype_keep_every_bit(tmp_pa
     into fresh and into reused memory alike."""
     gen = torch.Generator().manual_seed(3)
     tensors: dict[str, Any] = {}
+    concats: dict[str, tuple[str, str]] = {}
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int16, torch.int64, torch.bool):
         name = str(dtype).removeprefix("torch.")
         left = (torch.randn(6, 5, generator=gen) * 100).to(dtype)
         right = (torch.randn(6, 7, generator=gen) * 100).to(dtype)
         tensors |= {f"{name}_l": left, f"{name}_r": right, f"{name}_lr": torch.cat([left, right], dim=1)}
+        concats[f"{name}_lr"] = (f"{name}_l", f"{name}_r")
     tensors["narrowed"] = torch.randint(-(1 << 14), 1 << 14, (6, 9), generator=gen, dtype=torch.int64)
     store = StepStore(tmp_path / "project", "toy", {"run": 1}, compression=ZSTD, memory=HitMemory(1))
-    store.save(1, Payload(tensors=tensors, objects={}, rows=6))
+    store.save(1, Payload(tensors=tensors, objects={}, rows=6, concats=concats))
+    assert len(concats) == 6 and all("derive" in entry for entry in _index(store, 1) if entry["name"] in concats)
     _hits_trained_on(store, tensors, 3)
 
 
@@ -259,12 +262,12 @@ _RELEASE_THEN_READ = """
 import sys
 from pathlib import Path
 from skipinject.store import Payload, StepStore
-from tests.unit.test_compression import ZSTD, padded_batch
+from tests.unit.test_compression import CONCATS, ZSTD, padded_batch
 
 compression = None if sys.argv[2] == "none" else ZSTD
 saved = padded_batch(rows=64, prompt=48, response=200)
 store = StepStore(Path(sys.argv[1]) / "project", "toy", {"run": 1}, compression=compression, memory=None)
-store.save(1, Payload(tensors=saved, objects={"k": 1}, rows=64))
+store.save(1, Payload(tensors=saved, objects={"k": 1}, rows=64, concats=CONCATS))
 entry = store.verified(1)
 (part,) = store.load(entry)
 entry.release()

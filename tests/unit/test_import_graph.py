@@ -1,5 +1,6 @@
 """skipinject's modules import each other without a cycle: read from the source (every import,
-also those under ``TYPE_CHECKING`` and inside functions), so a cycle fails here before it fails a run."""
+also those under ``TYPE_CHECKING`` and inside functions, and the packages an import runs the
+``__init__`` of), so a cycle fails here before it fails a run."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def module_names() -> dict[str, tuple[Path, bool]]:
 
 
 def imports_of(name: str, path: Path, package: bool, modules: dict[str, tuple[Path, bool]]) -> set[str]:
-    """The skipinject modules ``name`` imports (``from a.b import c`` is ``a.b.c`` when that is a module)."""
+    """The skipinject modules ``name`` imports (``from a.b import c`` is ``a.b.c`` when that is a module),
+    with the packages above each that importing it runs: ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__``,
+    but not those of ``name``'s own packages (they ran before ``name`` did)."""
     wanted: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -36,13 +39,21 @@ def imports_of(name: str, path: Path, package: bool, modules: dict[str, tuple[Pa
                 target = node.module or ""
             wanted.add(target)
             wanted.update(f"{target}.{alias.name}" for alias in node.names)
+    own = packages_above(name)
     found = set()
     for target in wanted:
         while target and target not in modules:
             target = target.rpartition(".")[0]
         if target and target != name:
             found.add(target)
+            found.update(parent for parent in packages_above(target) if parent not in own and parent != name)
     return found
+
+
+def packages_above(name: str) -> set[str]:
+    """``a.b.c`` -> ``{"a", "a.b"}``."""
+    parts = name.split(".")
+    return {".".join(parts[:end]) for end in range(1, len(parts))}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -80,6 +91,14 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def test_importing_a_module_runs_the_packages_above_it(tmp_path: Path):
+    names = {"p": (tmp_path, True), "p.a": (tmp_path, False), "p.b": (tmp_path, True), "p.b.c": (tmp_path, False)}
+    (tmp_path / "a.py").write_text("from p.b.c import x\n")
+    assert imports_of("p.a", tmp_path / "a.py", False, names) == {"p.b", "p.b.c"}
+    (tmp_path / "c.py").write_text("import p.a\n")  # p and p.b ran before p.b.c did
+    assert imports_of("p.b.c", tmp_path / "c.py", False, names) == {"p.a"}
+
+
 def test_cycles_are_found():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
@@ -87,7 +106,7 @@ def test_cycles_are_found():
 
 def test_skipinject_imports_no_module_that_imports_it_back():
     modules = module_names()
-    assert {"skipinject.roles", "skipinject.verl_compat", "skipinject.store.writer"} <= set(modules)
+    assert {"skipinject.roles", "skipinject.verl.compat", "skipinject.store.writer"} <= set(modules)
     graph = {name: imports_of(name, path, package, modules) for name, (path, package) in modules.items()}
     assert "skipinject.store.step_store" in graph["skipinject.store"]  # the reading works
     found = cycles(graph)

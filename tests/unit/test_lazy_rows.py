@@ -20,11 +20,11 @@ import pytest
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from skipinject.codecs import TensorDictCodec
-from skipinject.codecs import tensordicts as tds
-from skipinject.codecs.tensordicts import LazyRows, non_tensor_stack
 from skipinject.errors import CodecError, CorruptCacheError
 from skipinject.store import StepStore
+from skipinject.verl import tensordicts as tds
+from skipinject.verl.codecs import TensorDictCodec
+from skipinject.verl.tensordicts import LazyRows, non_tensor_stack
 from tests.codec_checks import assert_td_equal, same
 
 ROWS: list[Any] = [{"a": 1}, "s", None, [1, 2], 3, 2.5, True, (1, "t"), torch.arange(2), {"a": 1}]

@@ -562,7 +562,7 @@ def test_another_batch_size_is_served_from_the_project_s_other_layouts(
 
 
 def test_only_layouts_differing_in_the_batch_size_are_looked_at() -> None:
-    from skipinject.engine.layout import batch_size_layouts
+    from skipinject.verl.layout import batch_size_layouts
 
     context = {"gbs": 4, "n": 2, "prompt_length": 6, "response_length": 4}
     names = [
@@ -756,3 +756,47 @@ def test_match_in_an_object_store_serves_another_batch_size_and_keeps_the_index_
     assert fs.exists(f"{layouts}/GBS4_N2_in6_out4/gen/row-index.npz"), "the index is an object of the store"
     assert fs.exists(f"{layouts}/GBS2_N2_in6_out4/gen/2/meta.json"), "saved in this run's layout"
     assert not fs.exists(f"{layouts}/GBS4_N2_in6_out4/gen/rows"), "nothing saved into the other layout"
+
+
+def test_record_meta_is_saved_with_steps_and_rows_and_on_match_sees_each_sources_rows_and_meta(
+    targets: Any, tmp_path: Path
+) -> None:
+    """A role's ``record_meta`` (e.g. what scored a rollout) is in every record it saves, and ``on_match``
+    gets, per source, the merged result's rows it served and its ``meta.json``."""
+    seen: list[Any] = []
+    label = {"now": "first"}
+
+    def record_meta(call: Any) -> dict[str, Any]:
+        return {"made_by": label["now"]}
+
+    def on_match(result: Any, call: Any, info: Any) -> Any:
+        seen.append(info)
+        return result
+
+    role = make_role(record_meta=record_meta, on_match=on_match)
+    run(targets, tmp_path, {1: [1, 2, 3, 4]}, role=role)
+    label["now"] = "second"
+    run(targets, tmp_path, {1: [1, 20, 3, 21]}, action="match", role=role)
+    layout = project(tmp_path)
+    assert json.loads((layout / "1" / "meta.json").read_text())["made_by"] == "first"
+    assert json.loads((layout / "rows" / "1" / "meta.json").read_text())["made_by"] == "second"
+    [info] = seen
+    assert dict(info.served) == {"step 1": [0, 1, 4, 5]}, "prompts 1 and 3, n=2 rows each, in the call's order"
+    assert info.source_meta["step 1"]["made_by"] == "first"
+    assert info.settings is not None and info.settings.action.value == "match"
+
+
+def test_on_hit_sees_the_served_steps_meta_and_the_roles_settings(targets: Any, tmp_path: Path) -> None:
+    hits: list[Any] = []
+
+    def on_hit(result: Any, call: Any, info: Any) -> Any:
+        hits.append(info)
+        return result
+
+    role = make_role(record_meta=lambda call: {"made_by": "run 1"}, on_hit=on_hit)
+    run(targets, tmp_path, {1: [1, 2, 3, 4]}, role=role)
+    assert hits == []
+    run(targets, tmp_path, {1: [1, 2, 3, 4]}, role=role)
+    [info] = hits
+    assert info.meta["made_by"] == "run 1" and info.meta["calls"] == 1
+    assert info.settings is not None and info.settings.rescore.value == "auto"

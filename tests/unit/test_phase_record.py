@@ -92,13 +92,16 @@ def targets() -> Iterator[Any]:
     del sys.modules[MODULE]
 
 
-def run(tmp_path: Path, trainer_calls: dict[int, int], module: Any) -> list[Any]:
+def run(
+    tmp_path: Path, trainer_calls: dict[int, int], module: Any, record_meta: Callable[[Call], Any] | None = None
+) -> list[Any]:
     role = Role(
         name="mini",
         targets=[Target(f"{MODULE}:Trainer.sample", phase=MiniBatches())],
         step=StepSource.attribute("global_steps"),
         codec=JsonCodec(),
         clocks=[f"{MODULE}:Trainer.fit"],
+        record_meta=record_meta,
     )
     config = Config(roles={"mini": RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1, 2, 3))})
     engine = Engine(config, {"mini": (role, "test")})
@@ -158,3 +161,18 @@ def test_a_part_that_cannot_be_saved_drops_its_step(
     assert meta(tmp_path, 2)["mini_batches"] == PARTS
     dropped = [m for m in messages(caplog) if "could not save" in m]
     assert len(dropped) == 1 and "cannot encode part 1" in dropped[0], dropped
+
+
+def test_a_phase_committed_step_carries_what_the_roles_record_meta_gave_for_its_first_part(
+    targets: Any, tmp_path: Path
+) -> None:
+    asked: list[int] = []
+
+    def scored_by(call: Call) -> dict[str, Any]:
+        asked.append(call.instance.global_steps)
+        return {"reward": {"digest": "abc"}, "mini_batches": "overridden by the phase"}
+
+    run(tmp_path, {1: 2}, targets, record_meta=scored_by)
+    assert meta(tmp_path, 1)["reward"] == {"digest": "abc"}, "the role's record_meta reaches meta.json"
+    assert meta(tmp_path, 1)["mini_batches"] == PARTS, "the phase's own keys win"
+    assert asked == [1], "asked once per step, at its first part"

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from skipinject.codecs import DataProtoCodec
 from skipinject.config import role_config
 from skipinject.engine.runtime import RoleRuntime
 from skipinject.errors import ConfigError
 from skipinject.store import StepStore
 from skipinject.store.compression import parse_compression
+from skipinject.verl.codecs import DataProtoCodec
 from tests.read_ahead_checks import (
     GENERATED,
     assert_same,

@@ -47,7 +47,7 @@ def test_every_plugin_api_version_the_docs_state_is_the_current_one() -> None:
 def test_the_verl_range_is_the_range_of_the_test_locks() -> None:
     from packaging.specifiers import SpecifierSet
 
-    from skipinject.stack import TESTED
+    from skipinject.verl.stack import TESTED
 
     main, older = readme_sync.verl_versions()
     every = [main, *older]

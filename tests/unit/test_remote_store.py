@@ -122,7 +122,7 @@ def test_meta_json_is_put_last_after_every_data_file(store: RemoteStepStore, mon
 def test_an_upload_that_fails_leaves_nothing_visible_and_the_step_absent(store: RemoteStepStore, monkeypatch):
     import skipinject.store.writer as writer
 
-    def broken(handle: Any, tensors: Any, algo: str, compression: Any) -> tuple[str, None]:
+    def broken(handle: Any, tensors: Any, algo: str, compression: Any, concats: Any) -> tuple[str, None]:
         handle.write(b"partial bytes")
         raise ConnectionError("network gone")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 
-from skipinject.cli import USAGE
+from skipinject.cli import build_parser
 from skipinject.config import Config, RoleConfig, RoleSchema, role_config
 from skipinject.config.schema import ROLE_KEYS, choices, readme_table
 from tests import readme_sync
@@ -19,7 +19,7 @@ def test_the_readme_configuration_table_is_the_settings_table() -> None:
 
 
 def test_the_runners_help_names_every_key_and_its_choices() -> None:
-    helped = " ".join(USAGE.split("keys:", 1)[1].split())
+    helped = " ".join(build_parser().format_help().split("keys:", 1)[1].split())
     for key in ROLE_KEYS:
         assert re.search(rf"\b{key}\b", helped), key
         for choice in choices(key):
@@ -49,6 +49,7 @@ def test_every_key_travels_to_child_processes() -> None:
             "compression": "zstd-9",
             "reuse_hit_memory": 0,
             "read_ahead": False,
+            "rescore": "never",
         },
     )
     assert {f.name for f in fields(changed) if getattr(changed, f.name) != getattr(RoleConfig(), f.name)} == set(

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from skipinject import API_VERSION, __version__, stack
+from skipinject import API_VERSION, __version__
+from skipinject.verl import stack
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK = ("verl", "torch", "tensordict", "ray")

@@ -41,7 +41,7 @@ def test_module_lookup_imports_nothing() -> None:
     import sys
 
     code = (
-        "import sys; from skipinject.verl_compat import module_exists; "
+        "import sys; from skipinject.verl.compat import module_exists; "
         "print(module_exists('xml.dom.minidom'), module_exists('xml.no_such'), module_exists('si_none.x'), "
         "'xml.dom' in sys.modules)"
     )

@@ -32,7 +32,7 @@ def test_the_default_runs_exactly_one_older_verl_pair(monkeypatch: pytest.Monkey
 def test_stack_says_which_verls_ci_runs_and_which_run_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
     from packaging.specifiers import SpecifierSet
 
-    from skipinject import stack
+    from skipinject.verl import stack
 
     monkeypatch.delenv("SKIPINJECT_VERL_MATRIX", raising=False)
     in_ci = {envs.NEWEST} | {pair.version for pair in PAIRS + CALL_PAIRS if is_chosen(pair, selected_versions())}

@@ -20,7 +20,7 @@ from skipinject_rollout.rollout import ROLLOUT, cannot_fire
 from skipinject_rollout_tq.plugin import make_role
 
 from skipinject.roles import Call
-from skipinject.verl_compat import version_matches
+from skipinject.verl.compat import version_matches
 
 VERSIONS = ("0.4.1", "0.5.0", "0.6.1", "0.7.0", "0.7.1", "0.8.0", "0.9.1")
 

@@ -17,6 +17,8 @@ from skipinject import (
     row_text,
 )
 
+from skipinject_rollout import rescore
+
 __all__ = [
     "GENERATION_SETTINGS",
     "GENSTEP_BATCH",
@@ -115,7 +117,11 @@ def workers_of(call: Call) -> int:
 
 
 def mark_match(result: Any, call: Call, info: MatchInfo) -> Any:
-    """A merged batch reports what was served and generated (``timing_s/skipinject/match_*``)."""
+    """A merged batch's served rows are scored by this run's reward where their recording's was another
+    (:mod:`skipinject_rollout.rescore`); it reports what was served, generated and re-scored
+    (``timing_s/skipinject/match_*``, ``…/rescored_rows``, ``…/rescore_s``)."""
+    sources = [(info.source_meta.get(name, {}), rows) for name, rows in info.served.items()]
+    done = rescore.apply(result, call, "rollout", info.step, info.settings, sources) if sources else None
     meta = getattr(result, "meta_info", None)
     if isinstance(meta, dict):
         timing = meta.get("timing") if info.generated_rows else None
@@ -127,6 +133,8 @@ def mark_match(result: Any, call: Call, info: MatchInfo) -> Any:
                 "skipinject/match_served_rows": float(info.served_rows),
                 "skipinject/match_generated_rows": float(info.generated_rows),
                 "skipinject/match_source_steps": float(len(info.sources)),
+                "skipinject/rescored_rows": float(done.rows if done else 0),
+                "skipinject/rescore_s": done.seconds if done else 0.0,
             }
         )
         meta["timing"] = timing
@@ -134,7 +142,10 @@ def mark_match(result: Any, call: Call, info: MatchInfo) -> Any:
 
 
 def mark_hit(result: Any, call: Call, info: HitInfo) -> Any:
-    """A served batch reports the hit, not the old run's generation timing."""
+    """A served batch is scored by this run's reward where the recording's was another
+    (:mod:`skipinject_rollout.rescore`) and reports the hit, not the old run's generation timing."""
+    _align_shared_keys(result, call)
+    done = rescore.apply(result, call, "rollout", info.requested_step, info.settings, [(info.meta, None)])
     meta = getattr(result, "meta_info", None)
     if isinstance(meta, dict):
         meta["timing"] = {
@@ -142,8 +153,16 @@ def mark_hit(result: Any, call: Call, info: HitInfo) -> Any:
             "skipinject/load_s": info.load_seconds,
             "skipinject/served_step": float(info.served_step),
             "skipinject/prompt_mismatch_rows": float(info.mismatched_rows),
+            "skipinject/rescored_rows": float(done.rows),
+            "skipinject/rescore_s": done.seconds,
         }
-    _align_shared_keys(result, call)
+    return result
+
+
+def rescore_sample(result: Any, call: Call, info: HitInfo) -> Any:
+    """A served fully async sample, scored by this run's reward where the recording's was another. Nothing
+    else is added: the fully async trainer asserts that its samples' ``meta_info`` agree."""
+    rescore.apply(result, call, "async_rollout", info.requested_step, info.settings, [(info.meta, None)])
     return result
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from skipinject import Call, CorruptCacheError, Loaded, PhaseContext, StepCache, run_config_of, select
+from skipinject_rollout import rescore
+from skipinject_rollout.reward_identity import reward_identity
 
 from skipinject_rollout_tq.transfer import (
     TRAIN,
@@ -171,8 +173,20 @@ class SubmitPhase:
         except Exception as exc:  # only the note below depends on it
             earlier = 0
             notes.append(f"could not count the groups already in the replay buffer ({type(exc).__name__}: {exc})")
-        remapped = inject(loaded.value)
         meta: Mapping[str, Any] = plan.entry.meta if plan.entry is not None else {}
+        # verl scores V1 trajectories in the rollout: the served ones are scored by this run's reward if the
+        # recording's was another (skipinject_rollout.rescore); the reward role, when it serves, wins later.
+        reward_loop = getattr(call.instance, "reward_loop_manager", None)
+        rescore.apply_trajectories(
+            loaded.value.fields,
+            getattr(reward_loop, "reward_loop_worker_handles", None),
+            reward_identity(config),
+            role.name,
+            step,
+            role.settings,
+            meta,
+        )
+        remapped = inject(loaded.value)
         self.last_served[store.project_dir] = ServedRecord(step, _count(meta.get("carried_over")))
         exact = self._draw_recorded(call, plan.served_step, step, meta, len(uids), notes)
         if earlier:

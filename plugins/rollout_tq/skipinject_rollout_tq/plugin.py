@@ -31,6 +31,7 @@ from skipinject import (
     installed_verl_matches,
     select,
 )
+from skipinject_rollout.reward_identity import record_reward
 
 from skipinject_rollout_tq.phases import LastServed, RefillPhase, SamplePhase, SubmitPhase, WarmupOff
 from skipinject_rollout_tq.transfer import UPSTREAM_FILE, load_upstream_file
@@ -76,6 +77,9 @@ def make_role() -> Role:
         ],
         step=StepSource.clock("global_steps").or_else(StepSource.argument("global_steps")),
         codec=TensorDictCodec(),
+        # What scored the trajectories, in each saved step's meta.json (a served step is re-scored when
+        # this run's reward differs: skipinject_rollout.rescore).
+        record_meta=record_reward,
         # The V1 trainer's fit does not exist before verl 0.9: no clock there (nothing to time).
         clocks=[FIT] if installed_verl_matches(V1_VERL) else [],
         builtin="rollout_tq",

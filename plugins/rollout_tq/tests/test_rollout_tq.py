@@ -25,12 +25,12 @@ pytest.importorskip("transfer_queue")
 import transfer_queue as tq
 from omegaconf import OmegaConf
 from skipinject.clock import CLOCK
-from skipinject.codecs import TensorDictCodec
 from skipinject.config import Config, RoleConfig
 from skipinject.engine import Engine
 from skipinject.engine.background import WRITER
 from skipinject.store import StepStore
 from skipinject.store.writer import StepWriter
+from skipinject.verl.codecs import TensorDictCodec
 from skipinject_rollout_tq.phases import parameter_sync_step
 from skipinject_rollout_tq.plugin import cannot_fire, make_role
 from skipinject_rollout_tq.transfer import CachedBatch, group_rows, inject, prepare, remap, select_rows

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
+
+from skipinject.verl.compat import installed_version
 
 logger = logging.getLogger("skipinject")
 
@@ -33,14 +34,6 @@ TESTED: Mapping[str, str] = {
 }
 #: Needed by every cache (the codecs); the others may be absent (a program that is not verl).
 REQUIRED = ("torch",)
-
-
-def installed_version(distribution: str) -> str | None:
-    """The installed version of ``distribution``, or ``None``."""
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return None
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.dump_root import DumpRoot
-from skipinject.verl_compat import select
+from skipinject.verl.compat import select
 
 #: The project directory of calls made without a verl trainer config in sight.
 DEFAULT_PROJECT = "skipinject_default"
+#: verl's defaults for ``trainer.experiment_name`` and ``trainer.project_name``.
+VERL_EXPERIMENT, VERL_PROJECT = "default_experiment_name", "default_project_name"
+#: A layout directory's name, as any writer may have made it (:func:`layout_values` reads it).
+LAYOUT_RE = re.compile(r"^GBS(-?[0-9]+)_N(-?[0-9]+)_in(-?[0-9]+)_out(-?[0-9]+)$")
 
 
 def path_safe(name: str) -> str:
@@ -30,8 +34,8 @@ def layout_of(config: Any) -> tuple[str, dict[str, Any]]:
     if gbs is None:
         gbs = select(config, "data.train_batch_size", 0)
     context: dict[str, Any] = {
-        "experiment_name": str(select(config, "trainer.experiment_name", "default_experiment_name")),
-        "project_name": str(select(config, "trainer.project_name", "default_project_name")),
+        "experiment_name": str(select(config, "trainer.experiment_name", VERL_EXPERIMENT)),
+        "project_name": str(select(config, "trainer.project_name", VERL_PROJECT)),
         "gbs": int(gbs),
         "n": int(select(config, "actor_rollout_ref.rollout.n", 0)),
         "prompt_length": int(select(config, "data.max_prompt_length", 0)),
@@ -44,6 +48,27 @@ def layout_of(config: Any) -> tuple[str, dict[str, Any]]:
 def layout_name(context: Mapping[str, Any]) -> str:
     """``GBS{gbs}_N{n}_in{prompt_length}_out{response_length}`` of a layout's values."""
     return f"GBS{context['gbs']}_N{context['n']}_in{context['prompt_length']}_out{context['response_length']}"
+
+
+def layout_values(name: str) -> dict[str, int] | None:
+    """The values a layout directory's ``name`` gives (:func:`layout_name`'s inverse), or ``None``."""
+    match = LAYOUT_RE.match(name)
+    if match is None:
+        return None
+    return dict(zip(("gbs", "n", "prompt_length", "response_length"), map(int, match.groups()), strict=True))
+
+
+def run_names(name: str) -> tuple[str, str] | None:
+    """``(experiment_name, project_name)`` of a run directory ``{experiment}_{project}``, where the
+    name alone tells them apart (one ``_``, or one of verl's default names), else ``None``."""
+    if name.count("_") == 1:
+        experiment, project = name.split("_")
+        return experiment, project
+    if name.startswith(f"{VERL_EXPERIMENT}_"):
+        return VERL_EXPERIMENT, name[len(VERL_EXPERIMENT) + 1 :]
+    if name.endswith(f"_{VERL_PROJECT}"):
+        return name[: -len(VERL_PROJECT) - 1], VERL_PROJECT
+    return None
 
 
 #: A layout directory's batch size (the rest of the name is compared whole).

@@ -1,4 +1,4 @@
-"""What skipinject needs to know about verl, in one place: its version and its run config.
+"""What skipinject needs to know about verl's runs: its version, the run config, the step, validation.
 
 Public for plugins (re-exported by :mod:`skipinject`): a plugin reads the trainer config with
 :func:`select` and asks for the installed verl with :func:`verl_version`. Nothing here imports
@@ -13,7 +13,9 @@ from typing import Any
 
 from skipinject.clock import CLOCK
 
-__all__ = ["is_run_config", "module_exists", "run_config_of", "select", "verl_version", "version_matches"]
+#: The trainer's name for the training step (``trainer.global_steps``, ``meta_info["global_steps"]``),
+#: also written into each step's ``meta.json`` beside ``step``.
+STEP_KEY = "global_steps"
 
 
 def select(config: Any, dotted: str, default: Any = None) -> Any:
@@ -46,15 +48,36 @@ def run_config_of(call: Any) -> Any:
     return None
 
 
-@functools.lru_cache(maxsize=1)
-def verl_version() -> str | None:
-    """The installed verl's version, or ``None`` when verl is not installed."""
+def default_bypass(call: Any) -> bool:
+    """Validation batches always run the original (``validate=True`` in a :class:`~skipinject.roles.Call`'s
+    batch's meta or non-tensor data)."""
+    batch = call.batch
+    meta = getattr(batch, "meta_info", None)
+    if isinstance(meta, Mapping) and meta.get("validate"):
+        return True
+    non_tensor = getattr(batch, "non_tensor_data", None)
+    if isinstance(non_tensor, Mapping):
+        try:
+            return bool(non_tensor.get("validate", False))
+        except Exception:
+            return False
+    return False
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution`` (its metadata: nothing is imported), or ``None``."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("verl")
+        return version(distribution)
     except PackageNotFoundError:
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def verl_version() -> str | None:
+    """The installed verl's version, or ``None`` when verl is not installed."""
+    return installed_version("verl")
 
 
 def version_matches(specifier: str | None, version: str | None) -> bool:

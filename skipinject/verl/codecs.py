@@ -6,14 +6,30 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from skipinject.codecs.columns import decode_array_column, encode_array_column
-from skipinject.codecs.rows import merge, take, with_rows
 from skipinject.codecs.tagged_json import CODEC_VERSION, from_jsonable, to_jsonable
-from skipinject.codecs.tensordicts import decode_tensordict, encode_tensordict, gc_paused
 from skipinject.codecs.tensors import TensorSink
 from skipinject.errors import CodecError
-from skipinject.store.payload import Payload
+from skipinject.payload import Payload
+from skipinject.verl.rows import merge, take, with_rows
+from skipinject.verl.tensordicts import decode_tensordict, encode_tensordict, gc_paused
 
-# ---------------------------------------------------------------- codecs
+#: verl's tensors that are two others side by side (last dimension): a rollout's ``input_ids`` is its
+#: left-padded ``prompts`` then its right-padded ``responses``. The store stores only the parts when
+#: that holds bit for bit (:attr:`Payload.concats`); a dense TensorDict's names, at any depth.
+CONCATS = {"input_ids": ("prompts", "responses")}
+
+
+def concats_of(spec: Mapping[str, Any], found: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    """:data:`CONCATS` as the tensor file names of an encoded TensorDict ``spec`` (and its sub-TensorDicts)."""
+    fields = spec["fields"]
+    for name, parts in CONCATS.items():
+        entries = [fields.get(key, {}) for key in (name, *parts)]
+        if all(entry.get("k") == "dense" for entry in entries):
+            found[entries[0]["ref"]] = (entries[1]["ref"], entries[2]["ref"])
+    for entry in fields.values():
+        if entry.get("k") == "td":
+            concats_of(entry["td"], found)
+    return found
 
 
 def _header(objects: Mapping[str, Any], codec: str) -> None:
@@ -29,7 +45,7 @@ def _header(objects: Mapping[str, Any], codec: str) -> None:
 class DataProtoCodec:
     """verl ``DataProto``: ``batch`` TensorDict, ``non_tensor_batch`` numpy arrays, ``meta_info`` dict.
 
-    Also a :class:`~skipinject.roles.RowCodec` (``action=match``, :mod:`skipinject.codecs.rows`):
+    Also a :class:`~skipinject.roles.RowCodec` (``action=match``, :mod:`skipinject.verl.rows`):
     ``divisor(call)`` is the number of parts the target splits a batch into (its workers), to which
     a batch of only some rows is padded; ``None``: any size.
     """
@@ -55,7 +71,8 @@ class DataProtoCodec:
             },
             "meta_info": to_jsonable(dict(meta_info), "meta_info", sink=sink),
         }
-        return Payload(tensors=sink.tensors, objects=objects, rows=len(result))
+        concats = {} if objects["batch"] is None else concats_of(objects["batch"], {})
+        return Payload(tensors=sink.tensors, objects=objects, rows=len(result), concats=concats)
 
     def decode(self, payload: Payload, call: Any = None) -> Any:
         """Rebuild the DataProto; tensors stay the loaded (copy-on-write mapped) ones."""
@@ -137,7 +154,10 @@ class TensorDictCodec:
             objects["mapping"] = entries
         else:
             raise CodecError(f"cannot cache a {type(result).__qualname__} with the TensorDict codec")
-        return Payload(tensors=sink.tensors, objects=objects, rows=rows)
+        concats: dict[str, tuple[str, str]] = {}
+        for spec in [objects["td"]] if "td" in objects else [e["td"] for e in objects["mapping"].values() if "td" in e]:
+            concats_of(spec, concats)
+        return Payload(tensors=sink.tensors, objects=objects, rows=rows, concats=concats)
 
     def decode(self, payload: Payload, call: Any = None) -> Any:
         objects = payload.objects
@@ -177,3 +197,14 @@ class TensorDictCodec:
 
 def _rows(td: Any) -> int | None:
     return int(td.batch_size[0]) if len(td.batch_size) else None
+
+
+def codec_named(header: object) -> DataProtoCodec | TensorDictCodec | None:
+    """The codec whose header (``objects["codec"]``) is ``header``: ``skipinject cache`` decodes a step
+    of a role whose plugin is not installed with it when the step's header names it."""
+    codecs: dict[object, type[DataProtoCodec | TensorDictCodec]] = {
+        "DataProto": DataProtoCodec,
+        "TensorDict": TensorDictCodec,
+    }
+    found = codecs.get(header)
+    return None if found is None else found()
