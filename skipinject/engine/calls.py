@@ -124,6 +124,20 @@ class StepBook:
         self.lock = threading.Lock()
         self.open: dict[tuple[Hashable, int], StepCalls] = {}
         self.remembered: OrderedDict[tuple[Hashable, int], StepCalls] = OrderedDict()
+        #: Steps this run recorded (bounded): a call coming back to one is never served what it recorded.
+        self.recorded: OrderedDict[tuple[Hashable, int], None] = OrderedDict()
+
+    def mark_recorded(self, project: Hashable, step: int) -> None:
+        with self.lock:
+            self.recorded[(project, step)] = None
+            self.recorded.move_to_end((project, step))
+            while len(self.recorded) > REMEMBERED_STEPS:
+                self.recorded.popitem(last=False)
+
+    def recorded_here(self, project: Hashable, step: int) -> bool:
+        """This run recorded ``step`` (a step it comes back to, 1 -> 2 -> 1, is generated again)."""
+        with self.lock:
+            return (project, step) in self.recorded
 
     def get(self, project: Hashable, step: int) -> tuple[StepCalls, list[StepCalls]]:
         """The step's record (new if none), and the records the run has moved past (clocked roles)."""

@@ -17,7 +17,8 @@ did not pass the same checks.
 
 One step at a time per role. Its entry holds one batch's decoded buffers (from the role's hit
 memory, or fresh memory when every slot is busy), let go when its plan uses it or when it will not
-be used: the run moved past its step, the run ended, or the step changed in the store.
+be used: the run moved past its step, the run ended (without waiting for a read that hangs: the
+thread is a daemon, and lets its entry go when its read ends), or the step changed in the store.
 """
 
 from __future__ import annotations
@@ -162,13 +163,12 @@ class ReadAhead:
                 self._drop(reading)
 
     def close(self) -> None:
-        """The run ended: let go of the step read ahead, once its read is over."""
+        """The run ended: let go of the step read ahead. Never waits for its thread (a read may hang on
+        a stalled mount or download): a read still running lets its entry go itself when it ends."""
         with self._lock:
             reading = self._reading
             if reading is not None:
                 self._drop(reading)
-        if reading is not None and reading.thread is not None:
-            reading.thread.join()
 
     def wait(self) -> None:
         """Block until the step being read ahead (if any) is read (tests and benchmarks)."""

@@ -128,6 +128,7 @@ class Recorder:
                 record.extra_meta = extra
             if record.writer is None:
                 record.writer = plan.store.begin(plan.step)
+                self.steps.mark_recorded(record.project, record.step)
             writer = record.writer
             record.inputs[index] = list(inputs) if inputs is not None else self.runtime.fingerprint(call)
             ratio = self._rows_per_key(result, keys)

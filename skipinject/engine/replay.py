@@ -44,6 +44,15 @@ class Replay:
         rt = self.runtime
         store = self.stores.store_for(call)
         WRITER.flush(store.project_dir)
+        if self.steps.recorded_here(store.project_dir, step):  # 1 -> 2 -> 1: never served its own recording
+            rt.once(
+                ("revisit", str(store.project_dir), step),
+                logging.INFO,
+                "%s step %d: recorded by this run already; generating it again (not saved)",
+                rt.name,
+                step,
+            )
+            return Plan(store, step, reason="recorded by this run", saves=False)
         ahead = self.read_ahead.take(store, step) if rt.settings.read_ahead else None
         entry, waited = ahead if ahead is not None else (None, 0.0)
         unusable = self.stores.unusable(store)
@@ -108,7 +117,7 @@ class Replay:
         project, steps = plan.store.project_dir, self.steps
 
         def ahead(step: int) -> bool:  # chosen, and not met by this run yet (concurrent calls may be ahead)
-            return settings.allows(step) and not steps.known(project, step)
+            return settings.allows(step) and not steps.known(project, step) and not steps.recorded_here(project, step)
 
         self.read_ahead.start(plan.store, plan.step, ahead)
 

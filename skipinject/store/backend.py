@@ -19,13 +19,12 @@ last, streamed bounded reads). :meth:`skipinject.dump_root.DumpRoot.backend` pic
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    pass
+    from skipinject.store.hit_memory import Decoded
 
 T = TypeVar("T")
 
@@ -43,11 +42,12 @@ class StepFiles(Protocol):
         ``FileNotFoundError`` when there is none; any other failure is a CorruptCacheError."""
 
     def read(
-        self, sub: str, name: str, size: object, kind: str, algo: str
-    ) -> tuple[mmap.mmap | bytes | bytearray, str]:
+        self, sub: str, name: str, size: object, kind: str, algo: str, make: Callable[[int], Decoded] | None = None
+    ) -> tuple[Decoded | bytes, str]:
         """A data file of part ``sub`` and its checksum: refused (CorruptCacheError) unless it is a
-        regular file of exactly ``size`` bytes, checked before a byte is read; tensor files may come
-        back mapped copy-on-write.
+        regular file of exactly ``size`` bytes, checked before a byte is read. Always memory of this
+        process, never a mapping of the file (what was checksummed cannot change after); ``make``: a
+        buffer of a given size to read it into (a tensor file, from the hit's memory).
 
         A backend may also offer ``read_decoded(sub, name, spec, algo, make)``: a compressed file
         decoded as it is read, and the checksum of its stored bytes (an object store's, which

@@ -14,7 +14,11 @@ from skipinject.errors import CorruptCacheError
 from skipinject.store.format import TREE_CHUNK
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12 on
+
+    from skipinject.store.hit_memory import Decoded
 
 # ---------------------------------------------------------------- checksums
 
@@ -80,6 +84,47 @@ def _digest_parallel(data: bytes | mmap.mmap, algo: str) -> str:
             chunk.release()
         view.release()
     return _Leaf("xxh3_64", b"".join(digests)).hexdigest()
+
+
+def read_private(fd: int, size: int, make: Callable[[int], Decoded], algo: str, shown: Path) -> tuple[Decoded, str]:
+    """The ``size`` bytes of open file ``fd`` copied into a private buffer from ``make`` (never a mapping
+    of the file: what is checksummed is what is served, whatever happens to the file later), and their
+    checksum. A tree checksum hashes each chunk in a thread while the next one is read (both release
+    the GIL). A file that shrank meanwhile is refused (CorruptCacheError)."""
+    buffer = make(size)
+    tree = algo == "xxh3_64-tree" and size > _TREE_CHUNK
+    with memoryview(buffer) as whole, whole.cast("B") as view:
+        if not tree:
+            _pread_exact(fd, view, 0, shown)
+            return buffer, _digest(view, algo)
+        from concurrent.futures import ThreadPoolExecutor
+
+        workers = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        with ThreadPoolExecutor(max(1, workers - 1), thread_name_prefix="skipinject-hash") as pool:
+            digests = []
+            for start in range(0, size, _TREE_CHUNK):
+                chunk = view[start : start + _TREE_CHUNK]
+                _pread_exact(fd, chunk, start, shown)
+                digests.append(pool.submit(_chunk_digest, chunk))
+            joined = b"".join(done.result() for done in digests)
+        return buffer, _Leaf("xxh3_64", joined).hexdigest()
+
+
+def _chunk_digest(chunk: memoryview) -> bytes:
+    try:
+        return _Leaf("xxh3_64", chunk).digest()
+    finally:
+        chunk.release()
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, shown: Path) -> None:
+    got = 0
+    while got < len(view):
+        with view[got:] as rest:
+            count = os.preadv(fd, [rest], offset + got)
+        if not count:
+            raise CorruptCacheError(f"{shown}: changed while being read (ends at {offset + got} bytes)")
+        got += count
 
 
 class _Leaf:

@@ -2,8 +2,9 @@
 
 Reading (:mod:`skipinject.store.files`): a step is opened by its directory's descriptor
 (``O_DIRECTORY|O_NOFOLLOW``), its files relative to it with ``O_NOFOLLOW|O_NONBLOCK``, each opened
-descriptor ``fstat``-ed (a regular file of the recorded size before a byte is read), tensor files
-mapped copy-on-write and checksummed through the mapping; directories other users could write are
+descriptor ``fstat``-ed (a regular file of the recorded size before a byte is read), every file read
+into private memory and checksummed there (what was verified is what is served: a file rewritten or
+truncated in place afterwards changes nothing and faults nothing); directories other users could write are
 refused unless trusted (ssh's StrictModes). Writing: every file through a temporary name, fsynced,
 renamed into place; ``meta.json`` last, then the directory fsynced; never through a linked
 directory; directories created private to the user (0700).
@@ -20,10 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 from skipinject.errors import CacheError, CorruptCacheError, UntrustedCacheError
-from skipinject.store.checksums import _digest, _digest_parallel
+from skipinject.store.checksums import _digest, read_private
 from skipinject.store.files import (
     file_kind,
-    map_fd,
     open_dir,
     open_regular,
     read_fd,
@@ -37,7 +37,7 @@ from skipinject.store.format import MAX_CLAIMS, MAX_META_BYTES, META_NAME, step_
 from skipinject.store.garbage import collect
 
 if TYPE_CHECKING:
-    import mmap
+    from skipinject.store.hit_memory import Decoded
 
 
 T = TypeVar("T")
@@ -258,8 +258,8 @@ class _LocalStep:
         return fd
 
     def read(
-        self, sub: str, name: str, size: object, kind: str, algo: str
-    ) -> tuple[mmap.mmap | bytes | bytearray, str]:
+        self, sub: str, name: str, size: object, kind: str, algo: str, make: Callable[[int], Decoded] | None = None
+    ) -> tuple[Decoded | bytes, str]:
         part_fd = self._part_fd(sub)
         path = self.directory / sub / name if sub else self.directory / name
         try:
@@ -267,10 +267,8 @@ class _LocalStep:
         except FileNotFoundError as exc:
             raise CorruptCacheError(f"{path}: missing (named by meta.json)") from exc
         try:
-            if kind == "tensors":
-                mapped = map_fd(fd, info.st_size)
-                data: mmap.mmap | bytes = b"" if mapped is None else mapped
-                return data, _digest_parallel(data, algo)
+            if make is not None:
+                return read_private(fd, info.st_size, make, algo, path)
             blob = read_fd(fd, info.st_size, path)
             return blob, _digest(blob, algo)
         except CacheError:

@@ -289,7 +289,10 @@ class _RemoteStep:
             raise CorruptCacheError(f"{location}: {got} bytes read, meta.json records {size}")
         return buffer
 
-    def read(self, sub: str, name: str, size: object, kind: str, algo: str) -> tuple[bytes | bytearray, str]:
+    def read(
+        self, sub: str, name: str, size: object, kind: str, algo: str, make: object = None
+    ) -> tuple[bytes | bytearray, str]:
+        """Downloaded whole into memory of this process (``make`` is not needed: the bytes are private)."""
         location = self._location(sub, name)
         with self._reading(location, size) as size:
             hasher = _Hasher(algo)

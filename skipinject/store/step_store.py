@@ -360,8 +360,9 @@ class StepStore:
             read_decoded = getattr(files, "read_decoded", None)
             if file.encoded and read_decoded is not None:  # decoded as it downloads, kept only if intact
                 data, checksum = read_decoded(part.dir, name, spec, algo, make)
-            else:
-                data, checksum = files.read(part.dir, name, spec.get("size"), kind, algo)
+            else:  # tensors into private memory (never served from a mapping of the file), stored bytes whole
+                private = make if kind == "tensors" and not file.encoded else None
+                data, checksum = files.read(part.dir, name, spec.get("size"), kind, algo, private)
                 if file.encoded:  # compressed: decoded once its stored bytes are checked
                     stored = data
                     try:

@@ -528,3 +528,48 @@ def test_leftovers_of_killed_saves_are_collected_by_a_later_save(tmp_path: Path,
     ledger("crash", "4 saves SIGKILLed mid-write (2 parts each); files aged 11 min; a later save of another step",
            4, f"left behind: {len(left)} files; after the later save: {len(remaining)}", lost)  # fmt: skip
     assert lost == 0, (killed, left, remaining)
+
+
+# ---------------------------------------------------------------- a data file changed after it was verified
+
+_CHANGED_AFTER_VERIFY = """
+import os, sys, torch
+from pathlib import Path
+from skipinject.store import Payload, StepStore
+
+store = StepStore(Path(sys.argv[1]), "toy", {"run": 1})
+store.save(1, Payload(tensors={"x": torch.arange(1 << 20, dtype=torch.int64)}, objects={}, rows=1))
+entry = store.verified(1)  # what a read-ahead holds while the step before it trains
+(path,) = store.step_dir(1).glob("tensors-*.bin")
+size = path.stat().st_size
+with open(path, "r+b") as handle:  # another process rewrites the file in place, then truncates it
+    handle.seek(size // 2)
+    handle.write(bytes(size // 2))
+(part,) = store.load(entry)
+with open(path, "r+b") as handle:
+    handle.truncate(64)
+x = part.tensors["x"]
+print(bool(torch.equal(x, torch.arange(1 << 20, dtype=torch.int64))), int(x.sum()))
+"""
+
+
+def test_a_served_tensor_never_changes_nor_faults_after_it_was_verified(tmp_path: Path, ledger: Any) -> None:
+    """An uncompressed local step verified (as a read-ahead does), then its tensor file rewritten in
+    place and truncated by another process: what is served is what was verified, and the process
+    does not die of SIGBUS (a child process, so that a fault cannot take the suite with it)."""
+    import subprocess
+    import sys
+
+    child = subprocess.run(
+        [sys.executable, "-c", _CHANGED_AFTER_VERIFY, str(tmp_path / "project")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    expected = f"True {sum(range(1 << 20))}"
+    lost = int(child.returncode != 0 or child.stdout.strip() != expected)
+    outcome = "served as verified, no fault" if not lost else f"exit {child.returncode}: {child.stdout.strip()!r}"
+    ledger(
+        "integrity", "a verified tensor file rewritten in place, then truncated, before it is served", 1, outcome, lost
+    )
+    assert not lost, (child.returncode, child.stdout, child.stderr[-500:])

@@ -253,3 +253,25 @@ def test_a_recipe_trainer_overriding_fit_is_the_clock_too(targets: Any, tmp_path
         assert meta(tmp_path, 1)["calls"] == 3, "the recipe's fit returning committed its last step"
         generated = len(GENERATED)
         assert Recipe(CALLS).fit(1) == first and len(GENERATED) == generated, "the next fit replays it"
+
+
+def test_a_step_the_run_comes_back_to_is_never_served_its_own_recording(targets: Any, tmp_path: Path) -> None:
+    """Steps 1 -> 2 -> 1 (a trainer that resumes or reruns a step): the second step 1 is generated
+    again, never served what this run recorded at the first, and not saved; a later run is served the
+    first recording at both visits."""
+    with Run(tmp_path, make_role(), steps=(1, 2)):
+        trainer = targets.Trainer(CALLS)
+        first = []
+        for step in (1, 2, 1):
+            trainer.global_steps = step
+            first.append(trainer.generate([2 * step, 2 * step + 1]))
+    assert len(GENERATED) == 3 and first[2] != first[0], "the revisit was generated, not served"
+    assert meta(tmp_path, 1)["calls"] == 1
+    GENERATED.clear()
+    with Run(tmp_path, make_role(), steps=(1, 2)):
+        trainer = targets.Trainer(CALLS)
+        second = []
+        for step in (1, 2, 1):
+            trainer.global_steps = step
+            second.append(trainer.generate([2 * step, 2 * step + 1]))
+    assert GENERATED == [] and second == [first[0], first[1], first[0]], "an earlier run's recording serves"

@@ -277,3 +277,35 @@ def test_a_step_read_ahead_is_let_go_when_the_run_moves_past_it(
     run(targets, tmp_path, (1, 2, 3), trained=(1, 2, 4), between=train, keep=False, reuse_hit_memory=16)
     assert read_ahead_lines(log) == ["1 -> 2", "2 -> 3"]
     assert held == {4: 0}
+
+
+def test_ending_the_run_never_waits_for_a_read_ahead_that_hangs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-ahead stuck in a store read (a hung mount, a download without a timeout) of a step the run
+    never reaches: ``close()`` returns at once; the read's entry is let go whenever it ends."""
+    from skipinject.engine.read_ahead import ReadAhead
+    from skipinject.store import Payload
+
+    store = StepStore(tmp_path / "project", "toy", {"run": 1})
+    store.save(2, Payload(tensors={}, objects={"x": 1}, rows=None))
+    hung, released = threading.Event(), threading.Event()
+    verified = store.verified
+
+    def stuck(step: int) -> Any:
+        hung.wait(60)
+        return verified(step)
+
+    from skipinject.store.payload import StepEntry
+
+    release = StepEntry.release
+    monkeypatch.setattr(StepEntry, "release", lambda entry: (release(entry), released.set()))
+    monkeypatch.setattr(store, "verified", stuck)
+    reader = ReadAhead("toy")
+    reader.start(store, 1, lambda step: True)
+    closed = threading.Thread(target=reader.close, daemon=True)
+    closed.start()
+    closed.join(5)
+    assert not closed.is_alive(), "close() waited for the hung read"
+    hung.set()
+    assert released.wait(30), "the entry read after close() is let go"
