@@ -124,7 +124,8 @@ class StepBook:
         self.lock = threading.Lock()
         self.open: dict[tuple[Hashable, int], StepCalls] = {}
         self.remembered: OrderedDict[tuple[Hashable, int], StepCalls] = OrderedDict()
-        #: Steps this run recorded (bounded): a call coming back to one is never served what it recorded.
+        #: Steps this run recorded (bounded; forgotten when the run ends): a call coming back to one is never
+        #: served what it recorded.
         self.recorded: OrderedDict[tuple[Hashable, int], None] = OrderedDict()
 
     def mark_recorded(self, project: Hashable, step: int) -> None:
@@ -188,6 +189,7 @@ class StepBook:
             records = list(self.open.values())
             self.open.clear()
             self.remembered.clear()
+            self.recorded.clear()  # a next fit in this process is another run: it may be served them
             return records
 
     def _take_other(self, step: int) -> list[StepCalls]:
