@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "--train-seconds",
         type=float,
         default=2.0,
-        help="how long a step 'trains' between two hits read ahead (zstd rows; 0: no read-ahead rows)",
+        help="how long a step 'trains' between two hits read ahead (zstd and local none rows; 0: none)",
     )
     parser.add_argument("--s3", action="store_true", help="also measure against a local S3 server (moto)")
     parser.add_argument("--quick", action="store_true", help="small batch, 1 repeat (smoke test)")

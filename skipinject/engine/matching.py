@@ -347,6 +347,9 @@ class RowMatcher:
                         stores[source], number, part, rows, keys, codec, call
                     )
                 except Exception as exc:  # this source does not serve: its rows try their next copy
+                    failed.add((place, source, number))
+                    if self.index(where_store).forget(source, number):
+                        continue  # only the index file said so: it is rebuilt (one line for all of it)
                     runtime.once(
                         ("match-source", str(where_store.project_dir), source, number),
                         logging.WARNING,
@@ -357,8 +360,6 @@ class RowMatcher:
                         type(exc).__name__,
                         exc,
                     )
-                    failed.add((place, source, number))
-                    self.index(where_store).forget(source, number)
                     continue
                 if len(kept) < len(rows):  # the index is stale there: read that record again next time
                     self.index(where_store).forget(source, number)
@@ -515,7 +516,7 @@ class RowMatcher:
             token = f"{int(time.time())}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             number = None
             try:  # the next number no concurrent run takes too (both records survive)
-                number = rows_store.claim(max(rows_store.step_numbers_on_disk(), default=0) + 1, token)
+                number = rows_store.claim(token)
                 directory = rows_store.save(number, snapshot, meta)
             except Exception as exc:
                 logger.warning(

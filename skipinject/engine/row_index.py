@@ -22,7 +22,9 @@ from __future__ import annotations
 import io
 import logging
 import re
+import struct
 import threading
+import time
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -92,6 +94,11 @@ class RowIndex:
         self._np = np
         self._arrays: dict[str, Any] = {name: np.zeros(0, dtype=_dtype(name)) for name in _ARRAYS}
         self._loaded = False
+        #: Records whose ``meta.json`` this process read (what came from the file only is a hint).
+        self._read_here: set[tuple[int, int]] = set()
+        #: Records looked at without a readable ``meta.json`` (a claim, a save under way), and when.
+        self._unreadable: dict[tuple[int, int], float] = {}
+        self._distrusted = False
 
     # ------------------------------------------------------------ lookup
 
@@ -120,11 +127,31 @@ class RowIndex:
                 )
             return found
 
-    def forget(self, source: int, number: int) -> None:
-        """A source did not serve what the index said: drop it (it is read again at the next refresh)."""
+    def forget(self, source: int, number: int) -> bool:
+        """A source did not serve what the index said: drop it (it is read again at the next refresh).
+
+        True when the entry came from the index file, not from a ``meta.json`` this process read: the
+        file is then not trusted at all (every entry only it vouches for is dropped, and read again from
+        the steps), in one line per index and run, so a forged file costs one line, not one per entry."""
         with self.lock:
-            self._drop({(source, number)})
+            hint = (source, number) not in self._read_here
+            if hint:
+                self._distrust()
+            else:
+                self._drop({(source, number)})
             self._save()
+            return hint
+
+    def _distrust(self) -> None:
+        a = self._arrays
+        recorded = set(zip(a["seen_source"].tolist(), a["seen_number"].tolist(), strict=True))
+        self._drop(recorded - self._read_here)
+        if not self._distrusted:
+            self._distrusted = True
+            logger.warning(
+                "row index %s names rows its steps do not hold (damaged or forged); rebuilding it from the steps",
+                self.path,
+            )
 
     @property
     def rows(self) -> int:
@@ -145,12 +172,24 @@ class RowIndex:
             return
         if gone:
             self._drop(gone)
+            self._read_here -= gone
         added: dict[str, list[Any]] = {name: [] for name in _ARRAYS}
-        for kind, number in sorted(new):
+        now = time.monotonic()
+        failures = 0
+        for kind, number in sorted(new, key=lambda record: (-record[1], record[0])):  # the newest first
+            looked = self._unreadable.get((kind, number))
+            if looked is not None and now - looked < RECHECK_SECONDS:
+                continue
+            if failures >= MAX_UNREADABLE_LOOKS:
+                break  # a directory of empty claims costs a bounded look per refresh (the collector removes them)
             mtime = self._mtime(kind, number)  # before reading: a later change is seen as one
             rows = self._read(kind, number)
             if rows is None:
-                continue  # not committed (yet) or not ours: looked at again next time
+                failures += 1
+                self._unreadable[(kind, number)] = now  # not committed (yet) or not ours: looked at again later
+                continue
+            self._unreadable.pop((kind, number), None)
+            self._read_here.add((kind, number))
             added["seen_source"].append(np.array([kind], dtype=np.uint8))
             added["seen_number"].append(np.array([number], dtype=np.int64))
             added["seen_mtime"].append(np.array([mtime], dtype=np.int64))
@@ -248,7 +287,17 @@ class RowIndex:
 
 
 def _check_members(data: bytes) -> None:
-    """The archive holds exactly our arrays, stored (not compressed: no member expands beyond the file)."""
+    """The archive holds exactly our arrays, stored (not compressed: no member expands beyond the file).
+    Its end record is read first: an archive of any other number of members, or with a comment, is
+    refused before its directory is parsed (a few MB of members would cost gigabytes)."""
+    end = data[-_END_RECORD.size :]
+    if len(data) < _END_RECORD.size or end[:4] != b"PK\x05\x06":
+        raise CorruptCacheError("not a zip archive of its arrays (or one with a comment)")
+    _, disk, first_disk, here, total, directory_size, _, comment = _END_RECORD.unpack(end)
+    if (disk, first_disk, comment) != (0, 0, 0) or here != total or total != len(_ARRAYS):
+        raise CorruptCacheError(f"{total} members, not {len(_ARRAYS)}")
+    if directory_size > 1024 * len(_ARRAYS):
+        raise CorruptCacheError(f"a member directory of {directory_size} bytes")
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         members = archive.infolist()
     names = sorted(member.filename for member in members)
@@ -256,6 +305,14 @@ def _check_members(data: bytes) -> None:
         raise CorruptCacheError(f"unexpected members {names[:10]}")
     if any(member.compress_type != zipfile.ZIP_STORED or member.file_size > len(data) for member in members):
         raise CorruptCacheError("a member is compressed or larger than the file")
+
+
+#: A zip archive's end record (no comment: numpy writes none).
+_END_RECORD = struct.Struct("<4s4H2LH")
+#: Records without a readable ``meta.json`` one refresh looks at, at most, and how long one is not looked
+#: at again.
+MAX_UNREADABLE_LOOKS = 256
+RECHECK_SECONDS = 60.0
 
 
 def _record_code(source: Any, number: Any) -> Any:

@@ -14,6 +14,9 @@ committed ``meta.json`` of its step directory names it, and
   exists on this host; or the pid is this process and none of its open writers has that id; or the
   file is older than :data:`PID_REUSE_AFTER` (a day; pids are reused).
 
+An empty step directory untouched for :data:`ABANDONED_AFTER` (a rows record's number claimed by a
+writer that died before writing, or a forger's thousands of them) is removed too.
+
 A writer on *another* host sharing the file system is protected by the age rule only: it must not
 leave a file untouched for 10 minutes before committing it. A step directory whose ``meta.json``
 exists but cannot be read is left alone entirely (its files may be evidence, or a newer format).
@@ -145,6 +148,9 @@ def _scan_step(
     if step_fd is None:
         return  # a symlink, not a directory, or unreadable: not ours to touch
     try:
+        if _dead_claim(step_fd, now, min_age):
+            out.append(Leftover(project_dir / step_name, 0, _DEAD_CLAIM, project_dir))
+            return
         if _clean_commit(step_fd):
             return
         named = _named_by_meta(step_fd)
@@ -176,6 +182,18 @@ def _scan_step(
                 os.close(part_fd)
     finally:
         os.close(step_fd)
+
+
+_DEAD_CLAIM = "empty step directory (a claim or save that never wrote a file)"
+
+
+def _dead_claim(step_fd: int, now: float, min_age: float) -> bool:
+    """An empty step directory, untouched for ``min_age``: a rows record's number claimed (``mkdir``) by
+    a writer that never wrote it, or a save killed right after creating its directory."""
+    try:
+        return not os.listdir(step_fd) and now - os.fstat(step_fd).st_mtime >= min_age
+    except OSError:
+        return False
 
 
 def _clean_commit(step_fd: int) -> bool:
@@ -237,7 +255,8 @@ def find_leftovers(project_dir: Path, *, now: float | None = None, min_age: floa
 
 
 def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONED_AFTER) -> tuple[int, int]:
-    """Unlink leftovers (files first, then empty part directories); returns (files removed, bytes).
+    """Unlink leftovers (files first, then empty part directories, then empty step directories); returns
+    (files removed, bytes).
 
     Each file's directory is reached from its project directory's descriptor without following a
     link (:func:`~skipinject.store.files.open_below`), and the file is checked again there right
@@ -247,7 +266,8 @@ def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONE
     items = list(leftovers)
     files = bytes_ = 0
     now = time.time()
-    for item in sorted(items, key=lambda i: i.size == 0 and i.reason.startswith("part directory")):
+    order = {_DEAD_CLAIM: 2, "part directory of a save that never committed": 1}
+    for item in sorted(items, key=lambda i: order.get(i.reason, 0) if i.size == 0 else 0):
         anchor = item.anchor if item.anchor is not None else _project_of(item.path)
         try:
             parts = relative_parts(anchor, item.path)
@@ -255,7 +275,7 @@ def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONE
         except (OSError, ValueError):
             continue
         try:
-            if item.reason.startswith("part directory"):
+            if item.reason in order:
                 with contextlib.suppress(OSError):
                     os.rmdir(item.path.name, dir_fd=parent_fd)  # only ever succeeds when empty
                 continue

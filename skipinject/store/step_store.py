@@ -24,6 +24,7 @@ from skipinject.store.files import parse_json
 from skipinject.store.format import (
     DATA_NAME,
     FORMAT,
+    MAX_CLAIMS,
     MAX_META_DEPTH,
     MAX_ROWS,
     META_NAME,
@@ -119,11 +120,14 @@ class StepStore:
             writer.abort()
             raise
 
-    def claim(self, first: int, token: str) -> int:
-        """A new step number from ``first`` on that no concurrent writer of this store also takes
-        (``match``'s rows records); :meth:`release` it once saved (or not)."""
+    def claim(self, token: str, first: int | None = None) -> int:
+        """A new record number (``match``'s rows records) that no concurrent writer of this store also
+        takes, from ``first`` on (default: after the numbers in use, :func:`next_number`); :meth:`release`
+        it once saved (or not)."""
         self.backend.prepare(self.project_dir, self.project_dir)
         self.check_writable([])
+        if first is None:
+            first = next_number(self.step_numbers_on_disk())
         return self.backend.claim(self.project_dir, first, token)
 
     def release(self, step: int, token: str) -> None:
@@ -469,6 +473,18 @@ class StepStore:
         except Exception:
             named = None
         return self.backend.collect(self.project_dir, step, named)
+
+
+def next_number(numbers: Sequence[int]) -> int:
+    """The number after the run of numbers in use that starts at 1 (sorted ``numbers``): a number more
+    than :data:`~skipinject.store.format.MAX_CLAIMS` past the one before it is not followed (a forged or
+    stray directory never makes every later record jump to it, nor past what a step name holds)."""
+    last = 0
+    for number in numbers:
+        if number - last > MAX_CLAIMS:
+            break
+        last = number
+    return last + 1
 
 
 def RemoteStepStore(

@@ -141,6 +141,22 @@ def test_empty_part_directories_of_uncommitted_steps_go_too(tmp_path: Path) -> N
     assert not part.exists() and not any(p.exists() for p in planted)
 
 
+def test_empty_step_directories_left_by_dead_claims_are_collected(tmp_path: Path) -> None:
+    """``match``'s rows records claim a number by creating its directory; a writer that died there (or a
+    forger's thousands of them) leaves empty directories the collector removes once 10 minutes old."""
+    store = StepStore(tmp_path / "rows", "toy", {})
+    store.save(1, _payload())
+    dead = [store.step_dir(number) for number in range(2, 2000)]
+    for directory in dead:
+        directory.mkdir()
+        os.utime(directory, (time.time() - OLD, time.time() - OLD))
+    fresh = store.step_dir(2000)
+    fresh.mkdir()  # a claim being written right now
+    garbage.collect(store.project_dir, force=True)
+    assert not any(directory.exists() for directory in dead)
+    assert fresh.is_dir() and store.step_numbers_on_disk() == [1, 2000]
+
+
 def test_upstream_file_only_from_real_trusted_step_dirs(tmp_path: Path) -> None:
     store = StepStore(tmp_path / "proj", "toy", {})
     (store.step_dir(1) / "0").mkdir(parents=True)

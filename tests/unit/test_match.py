@@ -300,6 +300,93 @@ def test_a_forged_index_is_never_trusted(targets: Any, tmp_path: Path) -> None:
         assert GENERATED == [], "a damaged or compressed (a possible bomb) index is rebuilt from the steps"
 
 
+def test_a_forged_index_costs_one_line_per_run(targets: Any, tmp_path: Path, caplog) -> None:
+    """Every entry of a forged index names a call its step does not hold: the index is dropped and
+    rebuilt from the steps in one line, not one line per record it names."""
+    for step, ids in FIRST.items():
+        run(targets, tmp_path, {step: ids})
+    run(targets, tmp_path, {3: [1, 5, 9]}, action="match")  # builds the index
+    index = project(tmp_path) / "row-index.npz"
+    with np.load(index) as saved:
+        arrays = {name: saved[name].copy() for name in saved.files}
+    arrays["call"][:] = 7
+    np.savez(index, **arrays)
+    GENERATED.clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="skipinject"):
+        out = run(targets, tmp_path, {3: [2, 6, 10, 3]}, action="match")
+    warnings = [r.getMessage() for r in caplog.records if r.name == "skipinject" and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "row index" in warnings[0], warnings
+    assert [p for p, _ in responses(out[3][1])] == [2, 2, 6, 6, 10, 10, 3, 3], "never another prompt's rows"
+    GENERATED.clear()
+    run(targets, tmp_path, {3: [2, 6, 10, 3]}, action="match")
+    assert GENERATED == [], "the rebuilt index serves every row"
+
+
+def test_an_index_of_many_members_is_refused_before_its_directory_is_read() -> None:
+    """A zip of 100,000 tiny members (a few MB) is refused from its end record, at no cost."""
+    import io
+    import time
+    import tracemalloc
+    import zipfile
+
+    from skipinject.engine.row_index import _check_members
+    from skipinject.errors import CorruptCacheError
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        for number in range(100_000):
+            archive.writestr(f"{number}.npy", b"")
+    data = buffer.getvalue()
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        with pytest.raises(CorruptCacheError, match="members"):
+            _check_members(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 0.1 and peak < 1 << 20, (time.perf_counter() - started, peak)
+
+
+def test_a_stray_huge_record_number_is_never_followed(targets: Any, tmp_path: Path, capsys) -> None:
+    """A rows directory numbered 999999999999 (a dead claim, or forged): the next rows record is not
+    numbered after it (13 digits: a name no reader lists), but after the records in use."""
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    rows = project(tmp_path) / "rows"
+    (rows / "999999999999").mkdir(parents=True)
+    run(targets, tmp_path, {1: [1, 50]}, action="match")
+    assert sorted(p.name for p in rows.iterdir()) == ["1", "999999999999"]
+    GENERATED.clear()
+    run(targets, tmp_path, {2: [50]}, action="match")
+    assert GENERATED == [], "the new rows are listed, indexed and served"
+
+
+def test_dead_claims_cost_a_bounded_look_per_refresh(targets: Any, tmp_path: Path, monkeypatch) -> None:
+    """Thousands of empty rows directories (claims never written): a refresh of the row index looks at a
+    bounded number of them, and not at the same ones again at once."""
+    from skipinject.engine.row_index import MAX_UNREADABLE_LOOKS, RowIndex
+    from skipinject.store import StepStore
+
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    layout = project(tmp_path)
+    for number in range(1, 5001):
+        (layout / "rows" / str(number)).mkdir(parents=True)
+    context = json.loads((layout / "1" / "meta.json").read_text())["context"]
+    steps, rows = StepStore(layout, "gen", context), StepStore(layout / "rows", "gen", context)
+    looked: list[int] = []
+    read_meta = StepStore.read_meta
+    monkeypatch.setattr(
+        StepStore, "read_meta", lambda self, n: (self is rows and looked.append(n)) or read_meta(self, n)
+    )
+    index = RowIndex(steps, rows)
+    assert index.lookup(["0" * 16]) == [[]]
+    assert len(looked) == MAX_UNREADABLE_LOOKS and looked[0] == 5000, "the newest first"
+    looked.clear()
+    index.lookup(["0" * 16])
+    assert len(looked) == MAX_UNREADABLE_LOOKS and not set(looked) & set(range(4745, 5001))
+
+
 def _deflated(arrays: dict[str, Any]) -> bytes:
     import io
 

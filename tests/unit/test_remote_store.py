@@ -349,12 +349,12 @@ def test_engine_compresses_by_default_in_a_remote_store_and_not_on_a_local_disk(
 def test_new_record_numbers_are_claimed_so_racing_writers_never_share_one(store: RemoteStepStore):
     """No exclusive create in an object store: a writer takes a number only when its claim is the
     only one listed there (``match``'s rows records of two concurrent runs both survive)."""
-    first = store.claim(1, "writer-a")
-    second = store.claim(1, "writer-b")  # a's claim is listed at 1
+    first = store.claim("writer-a", first=1)
+    second = store.claim("writer-b", first=1)  # a's claim is listed at 1
     assert (first, second) == (1, 2)
     store.save(first, payload(1))
     store.release(first, "writer-a")
-    assert store.claim(1, "writer-c") == 3, "1 is committed, 2 claimed by b"
+    assert store.claim("writer-c", first=1) == 3, "1 is committed, 2 claimed by b"
     store.save(second, payload(2))
     store.release(second, "writer-b")
     assert store.step_numbers_on_disk() == [1, 2, 3]
