@@ -289,23 +289,26 @@ def test_ending_the_run_never_waits_for_a_read_ahead_that_hangs(
 
     store = StepStore(tmp_path / "project", "toy", {"run": 1})
     store.save(2, Payload(tensors={}, objects={"x": 1}, rows=None))
-    hung, released = threading.Event(), threading.Event()
+    hung, entered = threading.Event(), threading.Event()
     verified = store.verified
+    entries: list[Any] = []
 
     def stuck(step: int) -> Any:
+        entered.set()
         hung.wait(60)
-        return verified(step)
+        entries.append(verified(step))
+        return entries[-1]
 
-    from skipinject.store.payload import StepEntry
-
-    release = StepEntry.release
-    monkeypatch.setattr(StepEntry, "release", lambda entry: (release(entry), released.set()))
     monkeypatch.setattr(store, "verified", stuck)
     reader = ReadAhead("toy")
     reader.start(store, 1, lambda step: True)
+    reading = reader._reading
+    assert reading is not None and reading.thread is not None
+    assert entered.wait(30), "the read began"
     closed = threading.Thread(target=reader.close, daemon=True)
     closed.start()
     closed.join(5)
     assert not closed.is_alive(), "close() waited for the hung read"
     hung.set()
-    assert released.wait(30), "the entry read after close() is let go"
+    reading.thread.join(30)
+    assert len(entries) == 1 and not entries[0].blobs, "the entry read after close() is let go"
