@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skipinject._version import __version__
+from skipinject.errors import CacheError
 from skipinject.node import node_identity
 from skipinject.payload import Payload
 from skipinject.store.checksums import _digest, _Hasher
@@ -27,6 +28,7 @@ from skipinject.store.format import (
     tensors_name,
 )
 from skipinject.store.garbage import ACTIVE_WRITE_IDS
+from skipinject.store.meta import part_budget
 from skipinject.store.tensorfile import tensor_file
 
 if TYPE_CHECKING:
@@ -80,6 +82,8 @@ class StepWriter:
         if part and not SAFE_NAME.match(part):
             raise ValueError(f"bad part name {part!r}")
         ACTIVE_WRITE_IDS.add(self.write_id)  # again, after a commit: not collected while being written
+        blob = json.dumps(payload.objects, separators=(",", ":"), allow_nan=True).encode()
+        self._check_budget(payload, len(blob))
         backend = self.store.backend
         folder = self.directory / part if part else self.directory
         self._created.extend(backend.prepare(self.directory, folder))
@@ -96,7 +100,6 @@ class StepWriter:
         }
         objects_at = folder / objects_name(self.write_id)
         self._written.append(objects_at)
-        blob = json.dumps(payload.objects, separators=(",", ":"), allow_nan=True).encode()
         if compression is None:
             record: dict[str, Any] = {"checksum": _digest(blob, algo)}
         else:
@@ -106,6 +109,18 @@ class StepWriter:
         size, _ = backend.write(objects_at, lambda handle: handle.write(blob), self.write_id)
         files["objects"] = {"name": objects_at.name, "size": size, **record}
         self.parts[part] = {"dir": part, "rows": payload.rows, "files": files}
+
+    def _check_budget(self, payload: Payload, objects_bytes: int) -> None:
+        """Never write a part no reader would load (:func:`~skipinject.store.meta.part_budget`: its rows
+        times what a row may take): refused here, in one line, instead of a cache that is never a hit."""
+        tensors = [t for t in payload.tensors.values() if hasattr(t, "element_size")]  # others: refused later
+        decoded = objects_bytes + sum(t.numel() * t.element_size() for t in tensors)
+        budget = part_budget(payload.rows, self.store.context)
+        if decoded > budget:
+            raise CacheError(
+                f"{self.directory}: a part of {payload.rows} rows taking {decoded} bytes is more than a reader "
+                f"loads ({budget}); not saved"
+            )
 
     def commit(self, meta: Mapping[str, Any]) -> Path:
         """Publish the step: write ``meta.json`` last, in one step. Returns the step directory."""

@@ -62,11 +62,12 @@ def codec_payload(rows: int, width: int = 16, *, seed: int = 0) -> Payload:
 
 
 def plain_payload(numel: int, value: float, *, tag: str = "") -> Payload:
-    """A payload whose every byte is derived from ``value`` (so a torn mix is detectable)."""
+    """A payload whose every byte is derived from ``value`` (so a torn mix is detectable): flat tensors,
+    no rows (its size is bounded by the memory budget only, not by a row count)."""
     return Payload(
         tensors={"x": torch.full((numel,), float(value)), "y": torch.full((numel // 4 + 1,), int(value))},
         objects={"value": value, "tag": tag, "rows": [value] * 8},
-        rows=8,
+        rows=None,
     )
 
 

@@ -647,6 +647,15 @@ def test_a_compact_rebuild_beyond_the_declared_rows_is_refused_before_it_allocat
         store.load(verified)
 
 
+def test_the_writer_never_saves_a_part_no_reader_would_load(tmp_path: Path) -> None:
+    from skipinject.errors import CacheError
+
+    store = StepStore(tmp_path / "project", "toy", WIDE, compression=ZSTD)
+    with pytest.raises(CacheError, match="more than a reader loads"):
+        store.save(1, Payload(tensors={"x": torch.zeros(1, 5 << 20)}, objects={}, rows=1))
+    assert not store.step_dir(1).exists() or not any(store.step_dir(1).iterdir())
+
+
 def test_memory_a_refused_step_took_is_not_kept_by_hit_memory(tmp_path: Path) -> None:
     """The decoded file came from the pool, then its index was refused: the pool lets it go."""
     from skipinject.store.hit_memory import HitMemory
