@@ -92,12 +92,24 @@ FOUND = """\
   merely untrusted for damaged; `action=repeat` logged a line per unusable candidate (3000 lines for
   3 calls over 1000 damaged steps).
 
+* Hostile input, round 4 (issue 37): real zstd frames of zeros (~29,000x, within zstd's ratio) made
+  a tensor file of a few KB decode to gigabytes, and a compact index of a few hundred bytes rebuild a
+  gigabyte mask (the only bounds were ratios of the file's size); compact recipes with runs outside
+  their row, ramps a dtype cannot hold or a "narrowed" dtype wider than its tensor's were served; a
+  declared decoded size beyond memory ended a run with a bare `MemoryError` (strict too) and `cache
+  show` with an internal error, a 4000-digit size `cache ls` with an `OverflowError`; memory a refused
+  step took stayed in hit memory; an uncompressed hit served views of the file's mapping, so a file
+  rewritten in place after it was verified changed the served tensors and one truncated killed the
+  process (SIGBUS); ending a run joined a read-ahead stuck in a store read forever; a row index zip of
+  100,000 members cost its parse before it was refused, a forged one a warning per record it named;
+  an empty `rows/999999999999/` made the next rows record 13 digits long (a name no reader lists),
+  and thousands of empty claims were re-read on every call and never removed; a run going 1 -> 2 -> 1
+  was served at the second step 1 what it had recorded at the first.
+
 Not covered here: power loss (only SIGKILL: data files are fsynced before they are renamed and named
 by meta.json, and every file is checked against meta.json on load, so a lost directory entry
-shows up as a missing file, i.e. a regenerated step); a file truncated *while* it is mapped by a
-reader (SIGBUS; only someone who can write the step directory can do that, and trusted directories
-are writable by their owner only); writers on other hosts of a shared file system are protected from
-garbage collection by the 10-minute age rule only.
+shows up as a missing file, i.e. a regenerated step); writers on other hosts of a shared file system
+are protected from garbage collection by the 10-minute age rule only.
 
 ## Bounds on a load
 
@@ -110,12 +122,31 @@ JSON deeper than the interpreter's recursion limit is a parse error; a file of 6
 occupy at least 1/64 of its size on disk (a sparse forgery is refused before it is hashed). Every
 failure of any type is one `CorruptCacheError` line (strict: it stops the run).
 
-With that, a verified load does one pass over the files' bytes, and the memory it allocates is at
-most **the tensor file's copy-on-write mapping + 64 times the objects file's size + 64 KiB per
-fixed-width string array**: every container a column builds is backed by a row on disk (its leading
-shape products may not exceed its rows), a tensor without elements may not claim more rows than its
-file has bytes, a string array may take at most 64 bytes per byte of its JSON, and jagged offsets
-must lie inside their values.
+With that, a verified load reads each file once into the process's own memory and checksums it there
+(never a mapping of the file: what was verified is what is served, whatever another process does to
+the file afterwards, and nothing faults), and the memory it allocates is bounded absolutely, from
+what the writer could have written, before a frame is decompressed or a tensor rebuilt: a part's
+data files decoded plus the tensors its compact tensor file rebuilds take at most **its declared rows
+x the layout's width (`prompt_length + response_length`) x 4096 bytes + 16 MiB** (256 MiB a row where
+no width is declared; rows at most 2^48, widths 2^20), and a step at most **half the memory the
+process may use** (physical, cgroup limit, `RLIMIT_AS`); the writer refuses to save what a reader
+would refuse. Every compact recipe is checked whole against its shape and dtype (runs inside their
+row, ramps of a signed dtype that holds their top, starting where the writer finds them, one entry
+per row, a narrowed dtype smaller than its tensor's). Objects files: 64 times their size + 64 KiB
+per fixed-width string array: every container a column builds is backed by a row on disk (its
+leading shape products may not exceed its rows), a tensor without elements may not claim more rows
+than its file has bytes, a string array may take at most 64 bytes per byte of its JSON, and jagged
+offsets must lie inside their values. Memory a refused step took is released (hit memory does not
+keep it), and any failure while a step is read, `MemoryError` included, is a `CorruptCacheError`.
+
+`action=match`'s row index and rows records are bounded too: the index is a zip of exactly its 8
+arrays (its end record is read first), an entry only the file vouches for that does not serve drops
+the whole file in one line per run (it is rebuilt from the `meta.json`s), a refresh looks at most at
+256 records without a readable `meta.json` (newest first; not again for 60 s), a rows record's number
+follows the records in use from 1 (a stray or forged number more than 1000 past them is never
+followed), and empty record directories (claims never written) are collected after 10 minutes. A
+run that comes back to a step it recorded (1 -> 2 -> 1) generates it again; ending a run never waits
+for a read-ahead.
 
 ## Directory trust and leftovers
 
