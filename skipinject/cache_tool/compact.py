@@ -3,7 +3,10 @@
 Each step is verified and loaded with the training run's own reader, written anew under a fresh
 write id with the chosen compression (the compact encodings checked bit for bit as in any save),
 and committed with one ``meta.json`` replace: the step is the old one or the new one, whole, at
-every moment, and a failure leaves the old one as it was. The old files, named by no ``meta.json``
+every moment, and a failure leaves the old one as it was. The commit happens only over the step it
+read (its ``meta.json`` read again right before): a step recorded anew meanwhile is kept, and said.
+Every step it does not compact is a ``skipped`` line with the reason (damaged, partial, untrusted,
+linked: exit 1; verl's own pickles: exit 0). The old files, named by no ``meta.json``
 any more, are collected by the commit. Role-specific ``meta.json`` keys and the creation time are
 kept (``prune --older-than`` still sees when the step was generated).
 """
@@ -56,7 +59,8 @@ def compact_step(step_dir: Path, compression: Compression) -> tuple[int, int] | 
             for record, payload in zip(meta.parts, payloads, strict=True):
                 part = Payload(tensors=dict(payload.tensors), objects=payload.objects, rows=payload.rows)
                 writer.add_part(part, record.dir)
-            writer.commit({key: value for key, value in meta.items() if key not in _WRITER_KEYS})
+            kept = {key: value for key, value in meta.items() if key not in _WRITER_KEYS}
+            writer.commit(kept, over=meta)  # only over the step it read: a step recorded anew is kept
         except BaseException:
             writer.abort()
             raise
@@ -66,7 +70,8 @@ def compact_step(step_dir: Path, compression: Compression) -> tuple[int, int] | 
 
 
 def cmd_compact(root: Path, *, compression: str, dry_run: bool, as_json: bool) -> int:
-    """Compress every complete, uncompressed skipinject step under ``root``; exit 1 if one failed."""
+    """Compress every complete, uncompressed skipinject step under ``root``; exit 1 if one failed or was
+    skipped as unusable."""
     from skipinject.cache_tool.common import CommandError, mutable_root
 
     try:
@@ -77,10 +82,18 @@ def cmd_compact(root: Path, *, compression: str, dry_run: bool, as_json: bool) -
         raise CommandError("--compression must name a compression (zstd or zstd-<level>)")
     mutable_root(root, "compact")
     results: list[dict[str, Any]] = []
-    for item in scan(root):
-        if item.kind != "skipinject" or item.state != "complete":
-            continue
+    problems: list[str] = []
+    items = scan(root, problems)
+    for problem in problems:  # links, unlistable directories: never compacted, never silently
+        results.append({"path": problem.split(": ", 1)[0], "state": "skipped", "problem": problem, "unusable": True})
+    for item in items:
         result: dict[str, Any] = {"path": str(item.path), "role": item.role, "step": item.step}
+        if item.kind != "skipinject" or item.state != "complete":  # said, never skipped silently
+            why = "; ".join(item.problems) or ("verl's own cache" if item.kind != "skipinject" else item.state)
+            result["state"], result["problem"] = "skipped", f"{item.state}: {' '.join(why.split())}"
+            result["unusable"] = item.kind == "skipinject"
+            results.append(result)
+            continue
         try:
             if dry_run:
                 _, meta = open_step(item.path)
@@ -105,4 +118,4 @@ def cmd_compact(root: Path, *, compression: str, dry_run: bool, as_json: bool) -
                 sizes = f": {result['before']} bytes"
             problem = f" ({result['problem']})" if "problem" in result else ""
             print(f"{result['state']} {result['path']}{sizes}{problem}")
-    return 1 if any(r["state"] == "failed" for r in results) else 0
+    return 1 if any(r["state"] == "failed" or r.get("unusable") for r in results) else 0

@@ -404,6 +404,13 @@ def _looks_like_step(directory: Path, entries: list[os.DirEntry[str]], upstreams
     return False
 
 
+def _linked_step(entry: os.DirEntry[str]) -> bool:
+    try:
+        return STEP_RE.match(entry.name) is not None and entry.is_symlink()
+    except OSError:
+        return False
+
+
 def step_dirs(root: Path, problems: list[str] | None = None, upstreams: Sequence[Upstream] = ()) -> Iterator[Path]:
     """Step directories at or under ``root``; never follows a link, never leaves ``root``."""
     stack = [(root, 0)]
@@ -418,6 +425,8 @@ def step_dirs(root: Path, problems: list[str] | None = None, upstreams: Sequence
         if _looks_like_step(directory, entries, upstreams):
             yield directory
             continue
+        if problems is not None:  # a step that is a link is never followed, and said
+            problems += [f"{e.path}: a symbolic link, not followed" for e in entries if _linked_step(e)]
         if depth >= MAX_DEPTH:
             continue
         children = sorted((e for e in entries if _is_dir(e)), key=lambda e: e.name, reverse=True)

@@ -51,6 +51,8 @@ class WritableStore(Protocol):
 
     def step_dir(self, step: int) -> Path: ...
 
+    def read_meta(self, step: int) -> Mapping[str, Any]: ...
+
     def check_writable(self, directories: list[Path]) -> None: ...
 
     def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]: ...
@@ -122,9 +124,20 @@ class StepWriter:
                 f"loads ({budget}); not saved"
             )
 
-    def commit(self, meta: Mapping[str, Any]) -> Path:
-        """Publish the step: write ``meta.json`` last, in one step. Returns the step directory."""
+    def commit(self, meta: Mapping[str, Any], *, over: Mapping[str, Any] | None = None) -> Path:
+        """Publish the step: write ``meta.json`` last, in one step. Returns the step directory.
+
+        ``over``: the committed ``meta.json`` this commit replaces (a step stored anew, ``cache
+        compact``): read again right before the commit, and if the step was recorded anew (or removed)
+        since, nothing is replaced (CacheError): never a lost update of a newer recording."""
         text = self.meta_record(meta)
+        if over is not None:
+            try:
+                current: object = self.store.read_meta(self.step)
+            except (OSError, CacheError) as exc:
+                current = exc
+            if current != over:
+                raise CacheError(f"{self.directory}: recorded anew or removed since it was read; not replaced")
         self.store.backend.commit(self.directory, text, self.write_id)
         self._written.clear()
         self._created.clear()

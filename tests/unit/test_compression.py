@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -889,3 +890,57 @@ def _plan_index(tensors: dict[str, Any]) -> list[dict[str, Any]]:
     from skipinject.store.compact import plan_tensors
 
     return [{"name": p.name, "derive": p.derive} for p in plan_tensors(tensors, CONCATS) if p.derive is not None]
+
+
+def test_cache_compact_says_why_it_skips_each_step_it_does_not_compact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A linked step, one in a world-writable directory, one whose meta.json is a FIFO: each a
+    ``skipped`` line with its reason; a damaged one found when read is ``failed``; exit 1; the good one
+    compacted."""
+    from skipinject.cache_tool import main
+
+    dump = tmp_path / "dump"
+    store = _layout_store(dump)
+    for step in (1, 3, 4, 5):
+        store.save(step, Payload(concats=CONCATS, tensors=padded_batch(), objects={}, rows=16))
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(store.step_dir(1), elsewhere)
+    os.symlink(elsewhere, store.step_dir(2))
+    store.step_dir(3).chmod(0o777)
+    (store.step_dir(4) / "meta.json").unlink()
+    os.mkfifo(store.step_dir(4) / "meta.json")
+    next(store.step_dir(5).glob("objects-*")).write_bytes(b"[]")
+    assert main(["compact", str(dump)]) == 1
+    out = capsys.readouterr().out
+    lines = {line.split()[1].rstrip(":").rsplit("/", 1)[-1]: line for line in out.splitlines()}
+    assert sorted(lines) == ["1", "2", "3", "4", "5"], out
+    assert lines["1"].startswith("compacted "), out
+    assert all(lines[step].startswith("skipped ") for step in ("2", "3", "4")), out
+    assert "symbolic link" in lines["2"] and "untrusted" in lines["3"] and "damaged" in lines["4"], out
+    assert lines["5"].startswith("failed ") and "checksum mismatch" in lines["5"], out
+
+
+def test_cache_compact_commits_only_over_the_step_it_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step is recorded anew between compact's load and its commit: the new recording is kept
+    (no lost update), and the step is reported as failed with the reason."""
+    from skipinject.cache_tool import main
+    from skipinject.store.writer import StepWriter
+
+    dump = tmp_path / "dump"
+    store = _layout_store(dump)
+    store.save(1, Payload(concats=CONCATS, tensors=padded_batch(), objects={"run": 1}, rows=16))
+    commit = StepWriter.commit
+
+    def racing_commit(self: StepWriter, meta: Any, **kwargs: Any) -> Any:
+        if kwargs.get("over") is not None:  # compact's commit: another run records the step right now
+            _layout_store(dump).save(1, Payload(concats=CONCATS, tensors=padded_batch(), objects={"run": 2}, rows=16))
+        return commit(self, meta, **kwargs)
+
+    monkeypatch.setattr(StepWriter, "commit", racing_commit)
+    assert main(["compact", str(dump)]) == 1
+    out = capsys.readouterr().out
+    assert "failed" in out and "recorded anew" in out, out
+    assert _load(store, 1).objects == {"run": 2}, "the newer recording is kept"
