@@ -17,8 +17,13 @@ from skipinject.cache_tool.render import emit_json, say, schema
 from skipinject.cache_tool.scan import scan
 from skipinject.plugin_kit import row_digest, row_text
 
-#: Rows of a dataset this command reads at most.
-MAX_DATASET_ROWS = 50_000_000
+#: Rows of a dataset this command reads at most (checked in the file's footer before any is read, and
+#: again as they are read), and rows read at a time.
+MAX_DATASET_ROWS = 10_000_000
+BATCH_ROWS = 1024
+#: Bytes the column may take decoded: this many times the file's size, plus 256 MiB (a few KB of
+#: repeated dictionary values must not decode to gigabytes).
+MAX_EXPANSION = 64
 
 
 def cmd_show_match(path: Path, dataset: Path, *, column: str, as_json: bool) -> int:
@@ -53,18 +58,47 @@ def cmd_show_match(path: Path, dataset: Path, *, column: str, as_json: bool) -> 
 
 
 def dataset_fingerprints(dataset: Path, column: str) -> list[str]:
-    """The rollout roles' input fingerprint of each row's prompt (its chat messages)."""
-    try:
-        import pyarrow.parquet as pq  # type: ignore[import-not-found]  # comes with verl (pandas, datasets)
+    """The rollout roles' input fingerprint of each row's prompt (its chat messages), read
+    :data:`BATCH_ROWS` rows at a time from a regular file (a FIFO or device is named as such), at
+    most :data:`MAX_DATASET_ROWS` rows and :data:`MAX_EXPANSION` times the file's size decoded (a small
+    file whose pages expand to more is refused as it is read, a batch at a time)."""
+    import os
+    import stat
 
-        table = pq.read_table(dataset, columns=[column])
+    from skipinject.store.files import file_kind
+
+    try:
+        fd = os.open(dataset, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError as exc:
         raise CommandError(f"{dataset}: no such file") from exc
-    except Exception as exc:
-        raise CommandError(f"{dataset}: cannot read column {column!r} of it ({type(exc).__name__}: {exc})") from exc
-    if table.num_rows > MAX_DATASET_ROWS:
-        raise CommandError(f"{dataset}: {table.num_rows} rows, more than {MAX_DATASET_ROWS}")
-    return [row_digest(row_text(value)) for value in table.column(column).to_pylist()]
+    except OSError as exc:
+        raise CommandError(f"{dataset}: cannot open it ({type(exc).__name__}: {exc.strerror})") from exc
+    with os.fdopen(fd, "rb") as handle:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CommandError(f"{dataset} is {file_kind(mode)}, not a parquet file")
+        digests: list[str] = []
+        limit, decoded = MAX_EXPANSION * os.fstat(fd).st_size + (256 << 20), 0
+        try:
+            import pyarrow.parquet as pq  # type: ignore[import-not-found]  # comes with verl (pandas, datasets)
+
+            parquet = pq.ParquetFile(handle)
+            if parquet.metadata.num_rows > MAX_DATASET_ROWS:
+                raise CommandError(f"{dataset}: {parquet.metadata.num_rows} rows, more than {MAX_DATASET_ROWS}")
+            for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=[column]):
+                if len(digests) + batch.num_rows > MAX_DATASET_ROWS:
+                    raise CommandError(f"{dataset}: more than {MAX_DATASET_ROWS} rows (more than its footer says)")
+                for value in batch.column(0).to_pylist():
+                    text = row_text(value)
+                    decoded += len(text)
+                    if decoded > limit:
+                        raise CommandError(f"{dataset}: column {column!r} decodes to more than {limit} bytes; not read")
+                    digests.append(row_digest(text))
+        except CommandError:
+            raise
+        except Exception as exc:
+            raise CommandError(f"{dataset}: cannot read column {column!r} of it ({type(exc).__name__}: {exc})") from exc
+    return digests
 
 
 def cached_fingerprints(path: Path) -> tuple[set[str], int]:

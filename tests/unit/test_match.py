@@ -887,3 +887,32 @@ def test_on_hit_sees_the_served_steps_meta_and_the_roles_settings(targets: Any, 
     [info] = hits
     assert info.meta["made_by"] == "run 1" and info.meta["calls"] == 1
     assert info.settings is not None and info.settings.rescore.value == "auto"
+
+
+def test_cache_show_match_reads_a_bounded_dataset_and_names_a_fifo(tmp_path: Path, capsys) -> None:
+    """A small parquet file of a long repeated prompt (dictionary-encoded: a few KB for gigabytes of
+    rows) is refused as it is read, in one line; a FIFO named as the dataset is named a FIFO."""
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from skipinject.cache_tool import main
+
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    bomb = tmp_path / "bomb.parquet"
+    prompt = "x" * 100_000
+    values = pa.DictionaryArray.from_arrays(pa.array(np.zeros(200_000, dtype=np.int32)), pa.array([prompt]))
+    pq.write_table(pa.table({"prompt": values}), bomb, row_group_size=200_000)
+    assert bomb.stat().st_size < 1 << 20
+    started = time.perf_counter()
+    assert main(["show", str(dump), "--match", str(bomb)]) == 2
+    err = capsys.readouterr().err
+    assert "decodes to more than" in err and len(err.splitlines()) == 1, err
+    assert time.perf_counter() - started < 30
+    fifo = tmp_path / "train.parquet"
+    os.mkfifo(fifo)
+    assert main(["show", str(dump), "--match", str(fifo)]) == 2
+    err = capsys.readouterr().err
+    assert "is a pipe, not a parquet file" in err and len(err.splitlines()) == 1, err
