@@ -28,7 +28,18 @@ if TYPE_CHECKING:
     from skipinject.engine import Engine
     from skipinject.plugin_manager import PluginSet
 
-__all__ = ["ENV_CONFIG", "ENV_DISABLE", "ENV_LOG_LEVEL", "configure_logging", "disabled", "export", "start", "stop"]
+__all__ = [
+    "ENV_CONFIG",
+    "ENV_DISABLE",
+    "ENV_LOG_LEVEL",
+    "active",
+    "configure_logging",
+    "disabled",
+    "export",
+    "start",
+    "started",
+    "stop",
+]
 
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "_bootstrap")
 RAY_SETUP_HOOK = "skipinject.bootstrap.ray_worker_setup"
@@ -53,6 +64,16 @@ def disabled() -> bool:
         configure_logging()
         logger.error("%s; skipinject stays off in process %d", exc, os.getpid())
         return True
+
+
+def started() -> bool:
+    """Whether :func:`start` ran in this process (and :func:`stop` did not undo it)."""
+    return _started
+
+
+def active() -> bool:
+    """Whether hooks of this process's configuration are installed here."""
+    return _engine is not None
 
 
 def configure_logging() -> None:
@@ -105,6 +126,9 @@ def stop() -> None:
         if _engine is not None:
             _engine.stop()
         INJECTOR.uninstrument(RAY_INIT)
+        run_start = sys.modules.get("skipinject.report.start")
+        if run_start is not None:
+            run_start.unwatch()
         _engine = None
         _started = False
 
@@ -235,6 +259,9 @@ class _RayInitInterceptor:
             kwargs["job_config"] = job_config
         else:
             kwargs["runtime_env"] = self.amend(kwargs.get("runtime_env"))
+        run_start = sys.modules.get("skipinject.report.start")
+        if run_start is not None:  # the driver: its start lines, if verl's config was not seen first
+            run_start.at_ray_init()
         result = proceed()
         self.check_cluster()
         return result
