@@ -220,7 +220,7 @@ def open_store(name: str, role: Role, settings: RoleConfig, run_config: Any) -> 
     from skipinject.verl.layout import project_dir
 
     subdir = role.name if role.cache_subdir is None else role.cache_subdir
-    project, context = project_dir(settings.root, run_config, subdir)
+    project, context = project_dir(settings.root, run_config, subdir, before_trainer=True)
     trust = settings.trust_dir_permissions
     return StepStore(
         project,

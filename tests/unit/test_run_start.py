@@ -172,7 +172,8 @@ def test_the_role_lines_are_said_once_when_verl_gets_its_config(
 
 
 def test_without_verl_config_the_line_comes_at_ray_init(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    watch = start.RunStart(config(toyrole=RoleConfig(enable=True, dump_dir=str(tmp_path), steps=StepSet.parse("1-4"))), {})
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=StepSet.parse("1-4"))
+    watch = start.RunStart(config(toyrole=settings), {})
     with caplog.at_level(logging.INFO, "skipinject"):
         watch.at_ray_init()
         watch.at_ray_init()
@@ -213,3 +214,19 @@ def test_the_runner_says_each_problem_before_the_program_and_stops_a_strict_run(
         f"skipinject: error: skip.rollout.dump_dir={blocker}: {blocker} is not a directory: nothing can be cached "
         "there (skip.rollout.action=strict relies on the cache)\n"
     )
+
+
+def test_the_driver_resolves_the_batch_size_the_v1_trainer_will_use(tmp_path: Path) -> None:
+    """verl's V1 trainer sets ``data.gen_batch_size=1`` when it starts (async modes, group filtering): the
+    driver's config does not say so yet, the start line does."""
+    from skipinject.verl.layout import trainer_batch_size
+
+    run_config = Trainer().config
+    v1 = {**run_config, "trainer": {**run_config["trainer"], "use_v1": True}}
+    assert trainer_batch_size(run_config) is None and trainer_batch_size(v1) is None  # V0; V1 sync mode
+    separate = {**v1, "trainer": {**v1["trainer"], "v1": {"trainer_mode": "separate_async"}}}
+    filtering = {**v1, "algorithm": {"filter_groups": {"enable": True}}}
+    assert trainer_batch_size(separate) == trainer_batch_size(filtering) == 1
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1,))
+    found = start.layout_lines(config(toyrole=settings), {"toyrole": toy_role()}, separate)
+    assert found[0][1] == f"toyrole: cache step 1 in {tmp_path}/e_p/GBS1_N2_in8_out8: 0 cached, 1 to generate"
