@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from skipinject.config import Config
 from skipinject.config import environment as env_vars
-from skipinject.config.environment import ENV_CONFIG, ENV_DISABLE, ENV_LOG_LEVEL
+from skipinject.config.environment import ENV_CONFIG, ENV_DISABLE, ENV_LOG_LEVEL, ENV_RUN_REPORT
 from skipinject.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -235,6 +235,8 @@ class _RayInitInterceptor:
         amended = copy.copy(runtime_env) if runtime_env else {}
         env_vars = dict(amended.get("env_vars") or {})
         env_vars.setdefault(ENV_CONFIG, self.config_json)
+        if os.environ.get(ENV_RUN_REPORT):  # the driver's: where this node's processes write their counts
+            env_vars.setdefault(ENV_RUN_REPORT, os.environ[ENV_RUN_REPORT])
         user_hook = amended.get("worker_process_setup_hook")
         if _job_setup_hook_injected():
             pass  # `ray job submit` set a hook for the job: a second one would make ray.init fail

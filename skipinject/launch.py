@@ -76,16 +76,18 @@ def install(config: Config, plugins: PluginSet) -> bool:
     run_start.check_settings(config, disabled=off)
     if not config.enabled_roles or off:
         return False
+    from skipinject.report import summary
     from skipinject.verl.stack import warn_if_untested
 
     warn_if_untested()
+    end = summary.begin(config.enabled_roles)  # before the engine: its exit flush runs before the summary
     bootstrap.export(config)
     _export_plugin_paths(plugins, config)
     engine = bootstrap.start(config, plugins)
     if engine is None:
         return False
     engine.check_targets()
-    run_start.watch(config, plugins.roles)
+    run_start.watch(config, plugins.roles, end)
     return True
 
 

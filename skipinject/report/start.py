@@ -1,5 +1,5 @@
 """The start of a run, in the driver: the settings that cannot work, then one line per role saying what
-it will do and how much of it is cached already.
+it will do and how much of it is cached already (and, when ``run_ppo`` returns, the run's summary).
 
 At once (before the program runs): an enabled role with no steps, steps for a role that is off,
 skipinject switched off by ``SKIPINJECT_DISABLE``, a local ``dump_dir`` that cannot be created or
@@ -26,6 +26,7 @@ from skipinject.config.environment import ENV_DISABLE
 from skipinject.errors import ConfigError
 
 if TYPE_CHECKING:
+    from skipinject.report.summary import RunEnd
     from skipinject.roles import Call, Role
     from skipinject.store import StepStore
 
@@ -238,9 +239,10 @@ def open_store(name: str, role: Role, settings: RoleConfig, run_config: Any) -> 
 class RunStart:
     """Says the role lines once, when the driver first hands verl its config (or starts Ray without)."""
 
-    def __init__(self, config: Config, roles: Mapping[str, Role]) -> None:
+    def __init__(self, config: Config, roles: Mapping[str, Role], end: RunEnd | None = None) -> None:
         self.config = config
         self.roles = dict(roles)
+        self.end = end
         self._said = False
         self._lock = threading.Lock()
 
@@ -258,7 +260,11 @@ class RunStart:
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
         run_config = call.args[0] if call.args else call.kwargs.get("config")
         self.say(lambda: layout_lines(self.config, self.roles, run_config))
-        return proceed()
+        try:
+            return proceed()
+        finally:  # the trainer's fit returned (or failed): every process's counts are written
+            if self.end is not None:
+                self.end.say()
 
     async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:  # pragma: no cover - run_ppo is sync
         return self.sync(call, proceed)
@@ -270,14 +276,15 @@ class RunStart:
 _watch: RunStart | None = None
 
 
-def watch(config: Config, roles: Mapping[str, Role]) -> None:
-    """In the driver: say each enabled role's start line when verl gets its config (see the module doc)."""
+def watch(config: Config, roles: Mapping[str, Role], end: RunEnd | None = None) -> None:
+    """In the driver: say each enabled role's start line when verl gets its config (see the module doc),
+    and ``end``'s summary when ``run_ppo`` returns."""
     global _watch
     from skipinject.injector import INJECTOR
 
     if not any(config.role(name).steps for name in config.enabled_roles):
         return
-    _watch = RunStart(config, roles)
+    _watch = RunStart(config, roles, end)
     INJECTOR.uninstrument(RUN_ENTRY)
     INJECTOR.instrument(RUN_ENTRY, _watch, owner="skipinject/start")
 

@@ -230,3 +230,41 @@ def test_the_driver_resolves_the_batch_size_the_v1_trainer_will_use(tmp_path: Pa
     settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1,))
     found = start.layout_lines(config(toyrole=settings), {"toyrole": toy_role()}, separate)
     assert found[0][1] == f"toyrole: cache step 1 in {tmp_path}/e_p/GBS1_N2_in8_out8: 0 cached, 1 to generate"
+
+
+def test_a_miss_names_the_same_step_cached_under_another_layout_or_run_name(tmp_path: Path) -> None:
+    """Issue 34, part 3: a changed layout field or run name is named, as settings, at a miss."""
+    from skipinject.report.misses import nearest_cache
+
+    with RoleRun(toy_role(), tmp_path, [1]):
+        Trainer(response_length=16).fit(1)
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1, 2))
+    here = start.open_store("toyrole", toy_role(), settings, Trainer(response_length=8).config)
+    assert nearest_cache(here, 1) == (
+        f"cached under another layout, {tmp_path}/e_p/GBS4_N2_in8_out16/1: data.max_response_length is 16 there, 8 here"
+    )
+    assert nearest_cache(here, 2) is None
+    elsewhere = start.open_store("toyrole", toy_role(), settings, Trainer(experiment="e2", response_length=16).config)
+    assert nearest_cache(elsewhere, 1) == (
+        f"cached under another run name, {tmp_path}/e_p/GBS4_N2_in8_out16/1: "
+        "trainer.experiment_name is 'e' there, 'e2' here"
+    )
+
+
+def test_the_search_for_the_nearest_cache_is_bounded(tmp_path: Path) -> None:
+    import time
+
+    from skipinject.report.misses import nearest_cache
+
+    run = tmp_path / "e_p"
+    for index in range(10_000):  # a layout of 10,000 cached steps, and many other layouts
+        (run / "GBS4_N2_in8_out16" / str(index)).mkdir(parents=True)
+    for gbs in range(5, 2000):
+        (run / f"GBS{gbs}_N2_in8_out8").mkdir()
+    (run / "GBS4_N2_in8_out16" / "9999" / "meta.json").write_text("{}")
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(9999,))
+    here = start.open_store("toyrole", toy_role(), settings, Trainer().config)
+    started = time.perf_counter()
+    found = nearest_cache(here, 9999)
+    assert time.perf_counter() - started < 0.5
+    assert found is not None and "GBS4_N2_in8_out16/9999" in found
