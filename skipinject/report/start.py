@@ -5,20 +5,23 @@ At once (before the program runs): an enabled role with no steps, steps for a ro
 skipinject switched off by ``SKIPINJECT_DISABLE``, a local ``dump_dir`` that cannot be created or
 written or is not trusted (an error under ``action=strict``, which relies on it). Then, when the
 program hands verl its composed config (``verl.trainer.main_ppo:run_ppo``, which ``main_ppo``, the
-fully async main and recipes call before Ray starts), each enabled role's line, its layout resolved
-from that config as the trainer will resolve it::
+fully async main and recipes call before Ray starts; when ``main_ppo`` runs as ``__main__``, at its
+``ray.init``), each enabled role's line, its layout resolved from that config as the trainer will
+resolve it::
 
     rollout: cache steps 1-64 in /data/skip/e_p/GBS512_N16_in2048_out28672: 40 cached, 24 to generate
 
-A program that starts Ray without ``run_ppo`` gets the line at ``ray.init``, without the layout.
+A program that starts Ray outside ``run_ppo`` gets the line at ``ray.init``, without the layout.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from skipinject.config import Action, Config, RoleConfig, StepSet
@@ -270,7 +273,32 @@ class RunStart:
         return self.sync(call, proceed)
 
     def at_ray_init(self) -> None:
-        self.say(lambda: pending_lines(self.config))
+        """Ray starts in the driver: the role lines from the config of the ``run_ppo`` calling it (a
+        program run as ``-m verl.trainer.main_ppo`` defines ``run_ppo`` in ``__main__``, where no import
+        hook sees it), else without the layout."""
+        run_config = _caller_config(sys._getframe(1))
+        if run_config is not None:
+            self.say(lambda: layout_lines(self.config, self.roles, run_config))
+        else:
+            self.say(lambda: pending_lines(self.config))
+
+
+#: How many frames above ``ray.init`` are searched for the run's config.
+MAX_FRAMES = 12
+
+
+def _caller_config(frame: FrameType | None) -> Any:
+    """The verl run config held as ``config`` by a function calling ``ray.init`` (verl's ``run_ppo``)."""
+    from skipinject.verl.compat import is_run_config
+
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("config") if frame.f_code.co_name == "run_ppo" else None
+        if candidate is not None and is_run_config(candidate):
+            return candidate
+        frame = frame.f_back
+    return None
 
 
 _watch: RunStart | None = None

@@ -268,3 +268,19 @@ def test_the_search_for_the_nearest_cache_is_bounded(tmp_path: Path) -> None:
     found = nearest_cache(here, 9999)
     assert time.perf_counter() - started < 0.5
     assert found is not None and "GBS4_N2_in8_out16/9999" in found
+
+
+def test_at_ray_init_the_line_comes_from_the_config_of_the_run_ppo_calling_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``python -m skipinject -m verl.trainer.main_ppo`` runs main_ppo as ``__main__``: its ``run_ppo`` is
+    seen when it starts Ray."""
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1,))
+    watch = start.RunStart(config(toyrole=settings), {"toyrole": toy_role()})
+
+    def run_ppo(config: Any, task_runner_class: Any = None) -> None:
+        watch.at_ray_init()  # as ray.init's interceptor calls it
+
+    with caplog.at_level(logging.INFO, "skipinject"):
+        run_ppo(Trainer().config)
+    assert lines_of(caplog) == [f"toyrole: cache step 1 in {tmp_path}/e_p/GBS4_N2_in8_out8: 0 cached, 1 to generate"]
