@@ -81,10 +81,17 @@ def install(config: Config, plugins: PluginSet) -> bool:
 
     warn_if_untested()
     end = summary.begin(config.enabled_roles)  # before the engine: its exit flush runs before the summary
-    bootstrap.export(config)
-    _export_plugin_paths(plugins, config)
-    engine = bootstrap.start(config, plugins)
+    try:
+        bootstrap.export(config)
+        _export_plugin_paths(plugins, config)
+        engine = bootstrap.start(config, plugins)
+    except BaseException:
+        if end is not None:
+            end.cancel()  # the program does not start: there is no run to sum up
+        raise
     if engine is None:
+        if end is not None:
+            end.cancel()
         return False
     engine.check_targets()
     run_start.watch(config, plugins.roles, end)

@@ -94,6 +94,16 @@ class RunEnd:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
+    def cancel(self) -> None:
+        """No run follows: nothing is said at exit, the directory is removed."""
+        with self._lock:
+            self._said = True
+        atexit.unregister(self.say)
+        if os.environ.get(ENV_RUN_REPORT) == str(self.directory):
+            del os.environ[ENV_RUN_REPORT]
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
     """Write ``data`` to ``path`` whole (a reader sees the old file or the new one); one warning if it cannot."""
     try:

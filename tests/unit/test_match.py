@@ -501,7 +501,12 @@ def test_rows_that_do_not_fit_together_are_not_merged_the_call_runs_whole(target
 def test_the_runner_refuses_match_for_rollout_tq_in_one_line_before_the_program_runs(tmp_path: Path) -> None:
     import subprocess
 
-    settings = ["skip.rollout_tq.enable=True", "skip.rollout_tq.action=match", f"skip.rollout_tq.dump_dir={tmp_path}"]
+    settings = [
+        "skip.rollout_tq.enable=True",
+        "skip.rollout_tq.steps=[1]",
+        "skip.rollout_tq.action=match",
+        f"skip.rollout_tq.dump_dir={tmp_path}",
+    ]
     proc = subprocess.run(
         [sys.executable, "-m", "skipinject", "-c", "print('the program ran')", *settings],
         capture_output=True,
