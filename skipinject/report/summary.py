@@ -93,7 +93,6 @@ class RunEnd:
         finally:
             shutil.rmtree(self.directory, ignore_errors=True)
 
-
     def cancel(self) -> None:
         """No run follows: nothing is said at exit, the directory is removed."""
         with self._lock:
