@@ -17,10 +17,23 @@ import stat
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from skipinject.config.environment import ENV_RUN_REPORT
 
-__all__ = ["ENV_RUN_REPORT", "FIELDS", "TALLY", "Tally", "collect"]
+__all__ = [
+    "ENV_RUN_REPORT",
+    "FIELDS",
+    "METRICS_TARGET",
+    "TALLY",
+    "MetricsInterceptor",
+    "Tally",
+    "collect",
+    "hit_amounts",
+]
+
+#: Where verl's trainers log a step's metrics (every verl this supports).
+METRICS_TARGET = "verl.utils.tracking:Tracking.log"
 
 
 #: What is counted per role (every value a number; ``*_s`` in seconds).
@@ -135,3 +148,38 @@ def collect(directory: Path) -> dict[str, dict[str, float]]:
                 if type(value) in (int, float) and 0 <= value < 1e18:
                     into[key] += value
     return merged
+
+
+def hit_amounts(meta: Mapping[str, object]) -> dict[str, float]:
+    """What serving a verified step with ``meta.json`` ``meta`` adds: one step, the bytes of its files,
+    and the generation time it recorded (``generation_s``)."""
+    size = 0
+    parts = meta.get("parts")
+    for part in parts if isinstance(parts, list) else ():
+        files = part.get("files") if isinstance(part, dict) else None
+        for spec in files.values() if isinstance(files, dict) else ():
+            value = spec.get("size") if isinstance(spec, dict) else None
+            size += value if type(value) is int and value > 0 else 0
+    recorded = meta.get("generation_s")
+    seconds = float(recorded) if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) else 0.0
+    seconds = seconds if 0 <= seconds < 1e9 else 0.0
+    return {"served_steps": 1, "bytes_read": size, "generation_s_saved": seconds}
+
+
+class MetricsInterceptor:
+    """verl's ``Tracking.log``: the trainer's metrics of a step get this process's running totals."""
+
+    def sync(self, call: Any, proceed: Any) -> Any:
+        totals = TALLY.metrics()
+        if totals:
+            args, kwargs = list(call.args), dict(call.kwargs)
+            if "data" in kwargs and isinstance(kwargs["data"], Mapping):
+                kwargs["data"] = {**kwargs["data"], **totals}
+                return proceed(*args, **kwargs)
+            if args and isinstance(args[0], Mapping):
+                args[0] = {**args[0], **totals}
+                return proceed(*args, **kwargs)
+        return proceed()
+
+    async def run_async(self, call: Any, proceed: Any) -> Any:  # pragma: no cover - Tracking.log is sync
+        return self.sync(call, proceed)

@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from skipinject import Call, CodecError, Payload, Role, StepSource, Target
 from skipinject.config.environment import ENV_RUN_REPORT, ENV_SUMMARY
 from skipinject.report import summary, tally
+from skipinject.testing import RoleRun, ToyTrainer
 
 pytestmark = pytest.mark.unit
 
@@ -100,3 +104,98 @@ def test_begin_makes_a_private_directory_and_hands_it_on(monkeypatch: pytest.Mon
     finally:
         atexit.unregister(end.say)
         end.say()
+
+
+# ---------------------------------------------------------------- what the engine counts
+
+#: Seconds the toy generator takes per call.
+GENERATION_S = 0.05
+
+
+class Numbers:
+    def encode(self, result: int) -> Payload:
+        return Payload(objects={"value": int(result)}, rows=1)
+
+    def decode(self, payload: Payload, call: Call) -> int:
+        value = payload.objects.get("value")
+        if not isinstance(value, int):
+            raise CodecError("no value")
+        return value
+
+
+class Trainer(ToyTrainer):
+    def generate(self, index: int) -> int:
+        time.sleep(GENERATION_S)
+        return 10 * self.global_steps
+
+
+def toy_role() -> Role:
+    return Role(
+        name="toyrole",
+        targets=[Target(f"{__name__}:Trainer.generate")],
+        step=StepSource.attribute("global_steps"),
+        codec=Numbers(),
+        cache_subdir="",
+    )
+
+
+def counted() -> dict[str, float]:
+    return dict(tally.TALLY.roles.get("toyrole", {}))
+
+
+def test_a_saved_step_records_its_generation_time_and_a_hit_counts_exactly_that(tmp_path: Path) -> None:
+    tally.TALLY.clear()
+    with RoleRun(toy_role(), tmp_path, [1, 2]):
+        Trainer(calls={2: 2}).fit(3)
+    assert counted()["generated_steps"] == 2 and counted()["served_steps"] == 0
+    layout = tmp_path / "e_p" / "GBS4_N2_in8_out8"
+    recorded = [json.loads((layout / str(step) / "meta.json").read_text())["generation_s"] for step in (1, 2)]
+    assert recorded[0] >= GENERATION_S and recorded[1] >= 2 * GENERATION_S, "every call of the step is counted"
+    tally.TALLY.clear()
+    with RoleRun(toy_role(), tmp_path, [1, 2]) as run:
+        Trainer(calls={2: 2}).fit(3)
+    hits = run.hits()
+    assert len(hits) == 3 and all(float(line.split(" in ")[-1].split(" s;")[0]) < GENERATION_S for line in hits)
+    assert counted()["served_steps"] == 2 and counted()["generated_steps"] == 0
+    assert counted()["generation_s_saved"] == pytest.approx(sum(recorded), abs=1e-9)
+    assert counted()["bytes_read"] > 0
+    totals = tally.TALLY.metrics()
+    assert totals["skipinject/served_steps_total"] == 2
+    assert totals["skipinject/generation_s_saved_total"] == pytest.approx(sum(recorded), abs=1e-9)
+
+
+def test_a_cache_that_cannot_serve_counts_as_failed_and_generated(tmp_path: Path) -> None:
+    tally.TALLY.clear()
+    with RoleRun(toy_role(), tmp_path, [1]):
+        Trainer().fit(1)
+    step = tmp_path / "e_p" / "GBS4_N2_in8_out8" / "1"
+    damaged = next(step.glob("objects-*.json"))
+    damaged.write_bytes(damaged.read_bytes()[:-2] + b"!}")
+    tally.TALLY.clear()
+    with RoleRun(toy_role(), tmp_path, [1]):
+        Trainer().fit(1)
+    assert counted()["failed_steps"] == 1 and counted()["generated_steps"] == 1 and counted()["served_steps"] == 0
+
+
+def test_the_trainers_metrics_get_the_running_totals() -> None:
+    tally.TALLY.clear()
+    tally.TALLY.add("toyrole", served_steps=3, generation_s_saved=4.5)
+    logged: list[Any] = []
+
+    def log(data: Any, step: int) -> None:
+        logged.append((data, step))
+
+    call = Call(tally.METRICS_TARGET, log, None, (), {"data": {"actor/loss": 0.1}, "step": 7})
+    tally.MetricsInterceptor().sync(call, lambda *a, **k: log(*a, **k) if (a or k) else log(**call.kwargs))
+    assert logged == [
+        (
+            {
+                "actor/loss": 0.1,
+                **{f"skipinject/{key}_total": 0 for key in tally.FIELDS},
+                "skipinject/served_steps_total": 3,
+                "skipinject/generation_s_saved_total": 4.5,
+            },
+            7,
+        )
+    ]
+    tally.TALLY.clear()
