@@ -80,7 +80,8 @@ def install(config: Config, plugins: PluginSet) -> bool:
     from skipinject.verl.stack import warn_if_untested
 
     warn_if_untested()
-    end = summary.begin(config.enabled_roles)  # before the engine: its exit flush runs before the summary
+    acting = [name for name in config.enabled_roles if config.role(name).steps]
+    end = summary.begin(acting) if acting else None  # before the engine: its exit flush runs before the summary
     try:
         bootstrap.export(config)
         _export_plugin_paths(plugins, config)

@@ -47,7 +47,7 @@ def _run(
         gen_log=gen_log,
         launcher=launcher,
         timeout=1200,
-        env_extra={"RAY_DEDUP_LOGS": "0"},
+        env_extra={"RAY_DEDUP_LOGS": "0", "SKIPINJECT_SUMMARY": str(tmp / f"{name}.summary.json")},
     )
     (tmp / f"{name}.stdout.txt").write_text(proc.stdout)
     (tmp / f"{name}.stderr.txt").write_text(proc.stderr)
@@ -144,9 +144,22 @@ def test_v1_rollout_tq_k_part_steps_cache_then_hit(v1_pair: V1Pair):
     start = f"skipinject INFO: {ROLE}: cache steps 1-2 in {layout}: "
     assert start + "0 cached, 2 to generate" in v1_pair.first.stderr.splitlines(), v1_pair.first.stderr[-3000:]
 
+    # The driver's summary: what every process counted (the trainer is a Ray actor), also as JSON.
+    summary = f"skipinject INFO: summary: {ROLE}: "
+    said = [line for line in v1_pair.first.stderr.splitlines() if line.startswith(summary)]
+    assert said and said[0].startswith(summary + "0 steps served, 2 generated, 0 failed;"), said
+    recorded = [json.loads((layout / str(s) / "meta.json").read_text())["generation_s"] for s in (1, 2)]
+    assert all(seconds > 0 for seconds in recorded), "a saved step records its generation time"
+
     # Run 2 (skipinject.enable and run_ppo from Python, no runner): both steps injected from the cache;
     # the generator runs for step 3 only; training finishes.
     assert start + "2 cached, 0 to generate" in v1_pair.second.stderr.splitlines(), v1_pair.second.stderr[-3000:]
+    said = [line for line in v1_pair.second.stderr.splitlines() if line.startswith(summary)]
+    assert said and said[0].startswith(summary + "2 steps served, 0 generated, 0 failed;"), said
+    assert said[0].endswith(f"{sum(recorded):.1f} s of generation saved"), (said, recorded)
+    counts = json.loads((v1_pair.tmp / "run2.summary.json").read_text())["roles"][ROLE]
+    assert counts["served_steps"] == 2 and counts["generation_s_saved"] == pytest.approx(sum(recorded))
+    assert "skipinject/served_steps_total:2" in v1_pair.second.stdout.replace(" ", ""), "the trainer's metrics"
     assert v1_pair.calls[1] == per_step, f"run 2 called the generator {v1_pair.calls[1]} times: step 3's only"
     lines = skip_lines(v1_pair.second, ROLE)
     assert sum("hit, served step" in line and "rollout not submitted" in line for line in lines) == 2, lines
