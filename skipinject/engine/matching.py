@@ -39,6 +39,7 @@ from skipinject.engine.record import Recorder
 from skipinject.engine.row_index import ROWS, STEPS, RowIndex, RowSource, match_records
 from skipinject.engine.stores import RoleStores
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
+from skipinject.report.misses import settings_differ
 from skipinject.report.tally import TALLY
 from skipinject.roles import Call, MatchInfo, Role, RowCodec
 from skipinject.store.format import ROWS_DIR
@@ -197,11 +198,13 @@ class RowMatcher:
         pending.seconds = time.perf_counter() - started
         if not pending.served:
             if pending.keys is not None:
+                differ = settings_differ(store, runtime.role.match_settings, call.run_config)
                 logger.info(
-                    "%s step %d: match: no row of this call cached (%d rows); running the target",
+                    "%s step %d: match: no row of this call cached (%d rows%s); running the target",
                     runtime.name,
                     plan.step,
                     len(pending.keys),
+                    f"; {differ}" if differ else "",
                 )
             pending.whole = True
             return pending

@@ -16,6 +16,7 @@ directories, each cut at :data:`MAX_NAMES`) and one ``stat`` per candidate (at m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ from skipinject.verl.layout import layout_name, layout_values, path_safe, run_na
 if TYPE_CHECKING:
     from skipinject.store import StepStore
 
-__all__ = ["MAX_CANDIDATES", "MAX_NAMES", "nearest_cache"]
+__all__ = ["MAX_CANDIDATES", "MAX_NAMES", "SETTINGS_KEY", "nearest_cache", "recorded_settings", "settings_differ"]
 
 #: Most names read from one listing, and most candidate directories looked into.
 MAX_NAMES = 4096
@@ -149,3 +150,51 @@ def _shown(value: object) -> str:
     from skipinject.cache_tool.quote import shown
 
     return shown(value)
+
+
+#: ``meta.json``'s record of the run settings a role's rows depend on (its ``match_settings``).
+SETTINGS_KEY = "generation_settings"
+
+
+def recorded_settings(settings: Sequence[str], run_config: Any) -> dict[str, Any]:
+    """The values of the run settings ``settings`` names (dotted paths), as ``meta.json`` records them."""
+    import json
+
+    from skipinject.verl.compat import select
+
+    values = {}
+    for path in settings:
+        value = select(run_config, path)
+        try:
+            from omegaconf import DictConfig, ListConfig, OmegaConf
+
+            if isinstance(value, (DictConfig, ListConfig)):
+                value = OmegaConf.to_container(value, resolve=True)
+        except ImportError:  # pragma: no cover - omegaconf comes with verl
+            pass
+        values[path] = json.loads(json.dumps(value, default=repr))
+    return values
+
+
+def settings_differ(store: StepStore, settings: Sequence[str], run_config: Any) -> str | None:
+    """Why no row of a call matched when the layout's latest cached step was generated with other
+    settings: ``actor_rollout_ref.rollout.temperature is 0.7 there, 1.0 here`` (settings, never digests);
+    ``None`` when they are the same, unknown, or nothing is cached. One listing, one ``meta.json``."""
+    try:
+        steps = store.step_numbers_on_disk()
+        if not steps or not settings:
+            return None
+        recorded = store.read_meta(steps[-1]).get(SETTINGS_KEY)
+        if not isinstance(recorded, dict):
+            return None
+        here = recorded_settings(settings, run_config)
+        differ = [
+            f"{path} is {_shown(recorded[path])} there, {_shown(here[path])} here"
+            for path in settings
+            if path in recorded and recorded[path] != here[path]
+        ]
+    except Exception:
+        return None
+    if not differ:
+        return None
+    return f"the cached rows of step {steps[-1]} were generated with other settings: " + "; ".join(differ[:4])

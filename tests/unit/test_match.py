@@ -251,7 +251,7 @@ def test_a_generator_repeating_after_generation_maps_each_prompt_to_its_n_sample
     assert list(result.non_tensor_batch["uid"]) == list(np.repeat(out[2][0].non_tensor_batch["uid"], N))
 
 
-def test_other_generation_settings_never_match(targets: Any, tmp_path: Path, monkeypatch) -> None:
+def test_other_generation_settings_never_match(targets: Any, tmp_path: Path, monkeypatch, caplog) -> None:
     run(targets, tmp_path, {1: [1, 2, 3, 4]})
     GENERATED.clear()
     original = targets.Trainer.__init__
@@ -261,8 +261,14 @@ def test_other_generation_settings_never_match(targets: Any, tmp_path: Path, mon
         self.config["actor_rollout_ref"]["rollout"]["temperature"] = 0.7
 
     monkeypatch.setattr(targets.Trainer, "__init__", hotter)
-    run(targets, tmp_path, {2: [1, 2, 3, 4]}, action="match")
+    with caplog.at_level(logging.INFO, "skipinject"):
+        run(targets, tmp_path, {2: [1, 2, 3, 4]}, action="match")
     assert GENERATED == [[1, 1, 2, 2, 3, 3, 4, 4]], "another temperature: everything generated"
+    said = [m for m in messages(caplog) if "match: no row of this call cached" in m]
+    assert said == [
+        "gen step 2: match: no row of this call cached (8 rows; the cached rows of step 1 were generated with other "
+        "settings: actor_rollout_ref.rollout.temperature is 1.0 there, 0.7 here); running the target"
+    ], "the settings that differ are named, never digests"
 
 
 def test_a_forged_or_damaged_source_only_causes_a_miss(targets: Any, tmp_path: Path) -> None:
