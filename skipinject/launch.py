@@ -73,8 +73,9 @@ def install(config: Config, plugins: PluginSet) -> bool:
 
     bootstrap.configure_logging()
     off = bootstrap.disabled()
-    run_start.check_settings(config, disabled=off)
+    problems = run_start.check_settings(config, disabled=off)  # said once the settings are known to start
     if not config.enabled_roles or off:
+        run_start.say(problems)
         return False
     from skipinject.report import summary
     from skipinject.verl.stack import warn_if_untested
@@ -90,6 +91,7 @@ def install(config: Config, plugins: PluginSet) -> bool:
         if end is not None:
             end.cancel()  # the program does not start: there is no run to sum up
         raise
+    run_start.say(problems)
     if engine is None:
         if end is not None:
             end.cancel()

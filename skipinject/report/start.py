@@ -112,13 +112,13 @@ def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
     return None
 
 
-def check_settings(config: Config, *, disabled: bool) -> None:
-    """Log :func:`setting_problems` and each enabled role's :func:`dump_dir_problem`; a role that relies on
-    its cache (``action=strict``) raises :class:`ConfigError` for the latter instead (the runner exits 2)."""
-    for level, line in setting_problems(config, disabled=disabled):
-        logger.log(level, "%s", line)
+def check_settings(config: Config, *, disabled: bool) -> list[tuple[int, str]]:
+    """:func:`setting_problems` and each enabled role's :func:`dump_dir_problem`, to be logged once the
+    settings are known to start (an error that stops the run comes alone); a role that relies on its
+    cache (``action=strict``) raises :class:`ConfigError` for the latter instead (the runner exits 2)."""
+    lines = setting_problems(config, disabled=disabled)
     if disabled:
-        return
+        return lines
     for name in config.enabled_roles:
         settings = config.role(name)
         if not settings.steps:
@@ -128,7 +128,13 @@ def check_settings(config: Config, *, disabled: bool) -> None:
             continue
         if settings.action is Action.strict:
             raise ConfigError(f"{problem} (skip.{name}.action=strict relies on the cache)")
-        logger.warning("%s", problem)
+        lines.append((logging.WARNING, problem))
+    return lines
+
+
+def say(lines: Iterable[tuple[int, str]]) -> None:
+    for level, line in lines:
+        logger.log(level, "%s", line)
 
 
 # ---------------------------------------------------------------- when verl has its config: the role lines
