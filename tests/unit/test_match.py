@@ -811,3 +811,18 @@ def test_on_hit_sees_the_served_steps_meta_and_the_roles_settings(targets: Any, 
     [info] = hits
     assert info.meta["made_by"] == "run 1" and info.meta["calls"] == 1
     assert info.settings is not None and info.settings.rescore.value == "auto"
+
+
+def test_a_refreshed_step_serves_its_new_rows_never_the_old_index_entries(targets: Any, tmp_path: Path) -> None:
+    """``action=refresh`` records a step anew: the saved row index's entries of the old commit are dropped
+    (its ``meta.json`` changed), so a later ``match`` serves the refreshed rows."""
+    schedule = {1: [1, 2, 3, 4]}
+    recorded = responses(run(targets, tmp_path, schedule)[1][1])
+    assert responses(run(targets, tmp_path, schedule, action="match")[1][1]) == recorded  # the index is saved
+    assert (project(tmp_path) / "row-index.npz").is_file()
+    GENERATED.clear()
+    refreshed = responses(run(targets, tmp_path, schedule, action="refresh")[1][1])
+    assert GENERATED == [[1, 1, 2, 2, 3, 3, 4, 4]] and refreshed != recorded
+    GENERATED.clear()
+    assert responses(run(targets, tmp_path, schedule, action="match")[1][1]) == refreshed
+    assert GENERATED == [], "every row served, from the refreshed commit"
