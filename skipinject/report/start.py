@@ -87,7 +87,7 @@ def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
     root = settings.root
     if root.path is None:
         return None
-    saves = getattr(settings, "save", True)
+    saves = settings.save
     try:
         existing = root.path
         while not os.path.lexists(existing) and existing.parent != existing:
@@ -157,11 +157,11 @@ def counts_phrase(settings: RoleConfig, chosen: int | None, cached: int, on_disk
         phrase = f"{cached} cached, {left} served from the nearest of the {on_disk} cached step(s)"
     elif action is Action.strict:
         phrase = f"{cached} cached" + (f", {left} missing: the run stops at the first" if todo != 0 else "")
-    elif str(action) == "refresh":
+    elif action is Action.refresh:
         phrase = f"{cached} cached, all generated and saved again"
     else:
         phrase = f"{cached} cached, {left} to generate"
-    if not getattr(settings, "save", True):
+    if not settings.save:
         phrase += "; read-only (save=false): nothing is saved"
     return phrase
 

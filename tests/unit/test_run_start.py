@@ -135,6 +135,12 @@ def test_the_role_line_counts_the_chosen_steps_cached_in_the_runs_layout(tmp_pat
     assert line(steps=StepSet.parse("1-10"), action="repeat") == (
         f"toyrole: repeat steps 1-10 in {layout}: 2 cached, 8 served from the nearest of the 2 cached step(s)"
     )
+    assert line(steps=StepSet.parse("1-3"), action="refresh") == (
+        f"toyrole: refresh steps 1-3 in {layout}: 2 cached, all generated and saved again"
+    )
+    assert line(steps=StepSet.parse("1-3"), save=False) == (
+        f"toyrole: cache steps 1-3 in {layout}: 2 cached, 1 to generate; read-only (save=false): nothing is saved"
+    )
     other = dict(run_config, data={**run_config["data"], "max_response_length": 16})
     found = start.layout_lines(
         config(toyrole=RoleConfig(enable=True, dump_dir=str(tmp_path), steps=StepSet.parse("1-3"))), roles, other
