@@ -20,6 +20,7 @@ from skipinject.store.compression import compress_bytes
 from skipinject.store.format import (
     FORMAT,
     FORMAT_VERSION,
+    META_NAME,
     PART_NAME,
     PLAIN_FORMAT_VERSION,
     SAFE_NAME,
@@ -138,7 +139,7 @@ class StepWriter:
                 current = exc
             if current != over:
                 raise CacheError(f"{self.directory}: recorded anew or removed since it was read; not replaced")
-        self.store.backend.commit(self.directory, text, self.write_id)
+        self.store.backend.replace(self.directory / META_NAME, text, self.write_id)
         self._written.clear()
         self._created.clear()
         ACTIVE_WRITE_IDS.discard(self.write_id)
