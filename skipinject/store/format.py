@@ -87,10 +87,12 @@ MAX_EXPANSION = 1 << 15
 #: tensor file rebuilds), from what its ``meta.json`` declares, checked before a frame or a rebuild
 #: allocates (:func:`skipinject.store.meta.part_budget`): per row, this many bytes per token of the
 #: layout's width (``prompt_length + response_length`` in ``context``; room for any per-token tensor a
-#: rollout carries, e.g. MoE routing), or :data:`MAX_ROW_BYTES` where no width is declared, plus
+#: rollout carries, e.g. MoE routing; never less than :data:`MIN_ROW_BYTES`, so rows wider than the
+#: layout declares still fit), or :data:`MAX_ROW_BYTES` where no width is declared, plus
 #: :data:`PART_SLACK` for what is not per row (headers, objects shared by the rows). A step takes at
 #: most the process's memory budget in all (:func:`skipinject.store.hit_memory.memory_budget`).
 MAX_BYTES_PER_TOKEN = 4096
+MIN_ROW_BYTES = 1 << 20
 MAX_ROW_BYTES = 256 << 20
 PART_SLACK = 16 << 20
 #: The widest row of tokens a ``context`` may declare, and a compact mask or ramp may rebuild.
@@ -177,7 +179,7 @@ def reference_table() -> str:
         ),
         (
             "decoded part",
-            f"rows x width x {MAX_BYTES_PER_TOKEN} B + {_mib(PART_SLACK)}",
+            f"rows x max(width x {MAX_BYTES_PER_TOKEN} B, {_mib(MIN_ROW_BYTES)}) + {_mib(PART_SLACK)}",
             f"data files decoded and compact tensors rebuilt; {_mib(MAX_ROW_BYTES)} a row without a declared "
             "width; a step at most half the memory the process may use",
         ),

@@ -23,6 +23,7 @@ from skipinject.store.format import (
     MAX_ROWS,
     MAX_WIDTH,
     META_NAME,
+    MIN_ROW_BYTES,
     PART_SLACK,
     SAFE_NAME,
 )
@@ -134,7 +135,8 @@ class StepMeta(dict[str, Any]):
 def part_budget(rows: int | None, context: Mapping[str, Any]) -> int:
     """The most bytes one part of ``rows`` rows may take decoded and rebuilt (its data files decoded plus
     the tensors its compact tensor file rebuilds): ``rows`` times what a row may take (per token of the
-    width ``context`` declares, :data:`~skipinject.store.format.MAX_BYTES_PER_TOKEN`) plus
+    width ``context`` declares, :data:`~skipinject.store.format.MAX_BYTES_PER_TOKEN`, at least
+    :data:`~skipinject.store.format.MIN_ROW_BYTES`) plus
     :data:`~skipinject.store.format.PART_SLACK`, never more than the memory budget (rows not recorded:
     the memory budget)."""
     from skipinject.store.hit_memory import memory_budget
@@ -144,7 +146,7 @@ def part_budget(rows: int | None, context: Mapping[str, Any]) -> int:
         return budget
     widths = [context.get("prompt_length"), context.get("response_length")]
     if all(type(w) is int and 0 <= w <= MAX_WIDTH for w in widths):
-        per_row = max(1, sum(int(w) for w in widths if w is not None)) * MAX_BYTES_PER_TOKEN
+        per_row = max(sum(int(w) for w in widths if w is not None) * MAX_BYTES_PER_TOKEN, MIN_ROW_BYTES)
     else:
         per_row = MAX_ROW_BYTES
     return min(budget, rows * per_row + PART_SLACK)

@@ -127,8 +127,8 @@ With that, a verified load reads each file once into the process's own memory an
 the file afterwards, and nothing faults), and the memory it allocates is bounded absolutely, from
 what the writer could have written, before a frame is decompressed or a tensor rebuilt: a part's
 data files decoded plus the tensors its compact tensor file rebuilds take at most **its declared rows
-x the layout's width (`prompt_length + response_length`) x 4096 bytes + 16 MiB** (256 MiB a row where
-no width is declared; rows at most 2^48, widths 2^20), and a step at most **half the memory the
+x max(the layout's width (`prompt_length + response_length`) x 4096 bytes, 1 MiB) + 16 MiB** (256 MiB
+a row where no width is declared; rows at most 2^48, widths 2^20), and a step at most **half the memory the
 process may use** (physical, cgroup limit, `RLIMIT_AS`); the writer refuses to save what a reader
 would refuse. Every compact recipe is checked whole against its shape and dtype (runs inside their
 row, ramps of a signed dtype that holds their top, starting where the writer finds them, one entry
