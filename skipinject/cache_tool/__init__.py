@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from skipinject.errors import SkipInjectError, did_you_mean
 
-DESCRIPTION = "See, verify, show, compare, import and prune skipinject's (and verl's own) rollout caches."
+DESCRIPTION = "See, verify, show, compare, import, prune and remove skipinject's (and verl's own) rollout caches."
 
 
 def default_dump_dir() -> Path:
@@ -31,13 +31,13 @@ def local_path(text: str) -> Path:
 
     if is_remote(text):
         raise argparse.ArgumentTypeError(
-            f"{text}: a remote store's URL; only `skipinject cache ls` and `verify` read those"
+            f"{text}: a remote store's URL; only `skipinject cache ls`, `verify`, `prune` and `rm` take those"
         )
     return Path(local_path_text(text))
 
 
 def location(text: str) -> Path | str:
-    """A local path, or a remote store's URL (``ls`` and ``verify`` read both)."""
+    """A local path, or a remote store's URL (``ls``, ``verify``, ``prune`` and ``rm`` take both)."""
     from skipinject.cluster import is_remote
 
     return text.rstrip("/") if is_remote(text) else local_path(text)
@@ -59,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ls", help="list projects, layouts, roles and steps, with size, age, writer and state")
     p.add_argument("dump_dir", nargs="?", type=location, help=dump_help + "; or a URL such as s3://bucket/dir")
     p.add_argument("-l", "--steps", action="store_true", help="one line per step instead of per step range")
+    p.add_argument(
+        "--sort",
+        choices=("size", "served", "created", "step"),
+        default="step",
+        help="order: size (largest first), served (least recently served first, never served before), "
+        "created (oldest first), step (default)",
+    )
+    p.add_argument("--role", action="append", default=[], help="only this role's steps (repeatable)")
+    p.add_argument(
+        "--state",
+        action="append",
+        default=[],
+        choices=("complete", "partial", "damaged", "untrusted", "foreign"),
+        help="only steps in this state (repeatable)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output (schema skipinject.cache.ls/1)")
 
     p = sub.add_parser("verify", help="check sizes, checksums and format of every step; exit 1 if any is damaged")
@@ -100,11 +115,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("prune", help="remove steps and leftovers of interrupted saves (never verl's pickles)")
-    p.add_argument("dump_dir", nargs="?", type=local_path, help=dump_help)
+    p.add_argument("dump_dir", nargs="?", type=location, help=dump_help + "; or a URL such as s3://bucket/dir")
     p.add_argument("--keep-last", type=int, metavar="N", help="keep the N highest steps of each role")
-    p.add_argument("--older-than", metavar="AGE", help="remove steps created longer ago than AGE (30m, 12h, 7d)")
+    p.add_argument(
+        "--max-size",
+        metavar="SIZE",
+        help="remove the least recently served steps (never served: oldest created) until the rest fit in SIZE "
+        "(500G, 10M, 1.5T; K, M, G, T are powers of 1024)",
+    )
+    p.add_argument("--older-than", metavar="AGE", help="remove steps older than AGE (30m, 12h, 7d); see --by")
+    p.add_argument(
+        "--by",
+        choices=("created", "served"),
+        default="created",
+        help="what --older-than measures: when a step was created (default) or last served (created if never)",
+    )
     p.add_argument("--partial", action="store_true", help="remove interrupted saves (data without meta.json)")
     p.add_argument("--damaged", action="store_true", help="remove steps whose meta.json or files are damaged")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("rm", help="remove named steps (never verl's pickles, never a save still running)")
+    p.add_argument("steps", nargs="+", type=location, metavar="PATH/STEP", help="step directories, or their URLs")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     p.add_argument("--json", action="store_true")
 
@@ -165,7 +197,15 @@ def _run(args: argparse.Namespace) -> int:
         from skipinject.cache_tool.ls import cmd_ls
 
         root = args.dump_dir or default_dump_dir()
-        return cmd_ls(root, as_json=args.json, per_step=args.steps, default=args.dump_dir is None)
+        return cmd_ls(
+            root,
+            as_json=args.json,
+            per_step=args.steps,
+            default=args.dump_dir is None,
+            sort=args.sort,
+            roles=args.role,
+            states=args.state,
+        )
     if args.command == "verify":
         from skipinject.cache_tool.verify import cmd_verify
 
@@ -194,17 +234,23 @@ def _run(args: argparse.Namespace) -> int:
             as_json=args.json,
         )
     if args.command == "prune":
-        from skipinject.cache_tool.prune import cmd_prune, parse_age
+        from skipinject.cache_tool.prune import cmd_prune, parse_age, parse_size
 
         return cmd_prune(
             args.dump_dir or default_dump_dir(),
             keep_last=args.keep_last,
+            max_size=None if args.max_size is None else parse_size(args.max_size),
             older_than=None if args.older_than is None else parse_age(args.older_than),
+            by=args.by,
             partial=args.partial,
             damaged=args.damaged,
             dry_run=args.dry_run,
             as_json=args.json,
         )
+    if args.command == "rm":
+        from skipinject.cache_tool.prune import cmd_rm
+
+        return cmd_rm(args.steps, dry_run=args.dry_run, as_json=args.json)
     if args.command == "compact":
         from skipinject.cache_tool.compact import cmd_compact
 

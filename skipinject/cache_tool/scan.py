@@ -16,10 +16,13 @@ from it, and hands the step to the store's own :class:`~skipinject.store.StepSto
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -41,11 +44,17 @@ from skipinject.store.format import (
 )
 from skipinject.store.local import LocalFiles
 from skipinject.store.meta import StepMeta
+from skipinject.store.usage import Usage
 from skipinject.verl.layout import layout_values
 
 #: A step directory's name: the store's rule (decimal, no leading zeros), anchored for ``match``.
 STEP_RE = re.compile(rf"^(?:{STEP_NAME.pattern})$")
 MAX_DEPTH = 8
+
+
+def iso_time(when: float) -> str:
+    """A unix time as ``meta.json``'s ``created`` writes it (local time, with its offset)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(when))
 
 
 def read_json(path: Path) -> Any:
@@ -86,6 +95,8 @@ class ItemRecord(TypedDict):
     decoded: int
     parts: int
     created: str | None
+    last_served: str | None
+    hits: int
     writer: dict[str, str]
     problems: list[str]
 
@@ -112,6 +123,26 @@ class Item:
     meta: dict[str, Any] | None = field(default=None, repr=False)
     upstream: Upstream | None = field(default=None, repr=False)  # the declaration of a foreign item
     decoded: int | None = None  # its size once compressed files are decoded (None: as stored)
+    hits: int = 0  # times served, by its usage record (skipinject's steps)
+    served: float | None = None  # when last served (unix time), None: never (or no record)
+
+    @property
+    def created_time(self) -> float:
+        """When it was written (``meta.json``'s ``created``, else its files' time)."""
+        if self.created:
+            for layout in ("%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S"):
+                with contextlib.suppress(ValueError):
+                    return datetime.strptime(self.created[:24], layout).timestamp()
+        return self.mtime
+
+    @property
+    def last_used(self) -> float:
+        """When it was last served, else when it was written: what ``prune --max-size`` goes by."""
+        return self.served if self.served is not None else self.created_time
+
+    def note_usage(self, usage: Usage | None) -> None:
+        if usage is not None:
+            self.hits, self.served = usage.hits, usage.last_served
 
     def describe(self, meta: dict[str, Any]) -> None:
         """What a step's ``meta.json`` says of it (role, creation, writer, rows, parts), each shown
@@ -140,6 +171,8 @@ class Item:
             "decoded": self.size if self.decoded is None else self.decoded,
             "parts": self.parts,
             "created": self.created,
+            "last_served": None if self.served is None else iso_time(self.served),
+            "hits": self.hits,
             "writer": dict(self.writer),
             "problems": list(self.problems),
         }
@@ -375,6 +408,7 @@ def _our_step(
         item.meta = meta
         sized = precheck(store, step, meta)
         item.files += [path for path, _ in sized]
+        item.note_usage(store.usage(step))
     except UntrustedCacheError as exc:  # intact perhaps, but in a tree another user controls
         item.state = "untrusted"
         item.problems.append(str(exc))

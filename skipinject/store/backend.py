@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar
 
@@ -32,6 +33,18 @@ T = TypeVar("T")
 #: A location in a backend: a local path, or a :class:`~skipinject.store.remote.RemotePath` standing in
 #: for one (it joins with ``/`` and has ``name``, ``parent`` and ``str``: all the store uses of a path).
 Location = Path
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """A name in a step directory (``part``: ``""``) or one of its part directories, as listed:
+    ``kind`` is file, directory, link or other (never followed); ``mtime`` in unix seconds."""
+
+    part: str
+    name: str
+    kind: str
+    size: int
+    mtime: float
 
 
 class StepFiles(Protocol):
@@ -83,6 +96,10 @@ class Backend(Protocol):
         """``(kind, size)`` of a name, never through a link (kind: file, directory, link or other);
         None when there is none or it cannot be told."""
 
+    def step_files(self, step_dir: Location) -> list[StoredFile]:
+        """Every name in a step directory and its part directories, none followed through a link;
+        FileNotFoundError when there is no step, CorruptCacheError when it is a link or no directory."""
+
     def read_bytes(self, location: Location, limit: int) -> bytes:
         """A whole small file, at most ``limit`` bytes (more: CorruptCacheError); FileNotFoundError."""
 
@@ -112,6 +129,11 @@ class Backend(Protocol):
         """Remove a file (or an empty directory) a failed writer left; best effort, never raises.
 
         ``anchor``: the store's root, from which a local backend walks down without following links."""
+
+    def remove_step(self, anchor: Location, step_dir: Location, wanted: Callable[[str, str], bool]) -> tuple[int, int]:
+        """Remove the files of a step that ``wanted(part, name)`` selects (``part``: ``""`` for the step
+        directory itself), ``meta.json`` first, then empty directories: (files, bytes) removed. A local
+        backend reaches the step from ``anchor`` without following a link."""
 
     def collect(self, project: Location, step: int, named: set[str] | None) -> tuple[int, int]:
         """Remove leftovers of ``step`` (files no meta.json names, once abandoned; ``named``: those it names, None

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 from skipinject.errors import CacheError, CorruptCacheError, UntrustedCacheError
+from skipinject.store.backend import StoredFile
 from skipinject.store.checksums import _digest, _digest_parallel
 from skipinject.store.files import (
     file_kind,
@@ -29,11 +30,12 @@ from skipinject.store.files import (
     read_fd,
     read_small,
     remove_name,
+    remove_step,
     trust_problem,
     unresolved_problem,
     untrusted_reason,
 )
-from skipinject.store.format import MAX_CLAIMS, MAX_META_BYTES, META_NAME, step_name, tmp_name
+from skipinject.store.format import MAX_CLAIMS, MAX_META_BYTES, META_NAME, PART_NAME, step_name, tmp_name
 from skipinject.store.garbage import collect
 
 if TYPE_CHECKING:
@@ -151,17 +153,30 @@ class LocalFiles:
             info = os.lstat(location)
         except OSError:
             return None
-        mode = info.st_mode
-        kind = (
-            "file"
-            if stat.S_ISREG(mode)
-            else "directory"
-            if stat.S_ISDIR(mode)
-            else "link"
-            if stat.S_ISLNK(mode)
-            else "other"
-        )
-        return kind, info.st_size
+        return _kind(info.st_mode), info.st_size
+
+    def step_files(self, step_dir: Path) -> list[StoredFile]:
+        """Listed relative to the step's descriptor (``O_NOFOLLOW``), each name ``lstat``-ed there."""
+        out: list[StoredFile] = []
+
+        def listed(fd: int, part: str) -> None:
+            for name in os.listdir(fd):
+                with contextlib.suppress(OSError):
+                    info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    out.append(StoredFile(part, name, _kind(info.st_mode), info.st_size, info.st_mtime))
+                    if not part and stat.S_ISDIR(info.st_mode) and PART_NAME.fullmatch(name):
+                        part_fd = open_dir(name, fd)
+                        try:
+                            listed(part_fd, name)
+                        finally:
+                            os.close(part_fd)
+
+        step_fd = open_dir(step_dir)
+        try:
+            listed(step_fd, "")
+        finally:
+            os.close(step_fd)
+        return out
 
     def read_bytes(self, location: Path, limit: int) -> bytes:
         return read_small(location, limit)
@@ -215,6 +230,10 @@ class LocalFiles:
         """Reached from ``anchor`` (the dump or project directory) without following a link, never by
         a path looked up again after a check (:func:`~skipinject.store.files.remove_name`)."""
         remove_name(anchor if anchor is not None else location.parent, location)
+
+    def remove_step(self, anchor: Path, step_dir: Path, wanted: Callable[[str, str], bool]) -> tuple[int, int]:
+        """Relative to descriptors opened once from ``anchor`` (:func:`~skipinject.store.files.remove_step`)."""
+        return remove_step(anchor, step_dir, wanted)
 
     def collect(self, project: Path, step: int, named: set[str] | None) -> tuple[int, int]:
         """The garbage rule of :mod:`skipinject.store.garbage` (which rereads meta.json itself)."""
@@ -285,6 +304,14 @@ class _LocalStep:
             os.close(fd)
         self._parts.clear()
         os.close(self.fd)
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    return "link" if stat.S_ISLNK(mode) else "other"
 
 
 # ---------------------------------------------------------------- writing

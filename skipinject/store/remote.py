@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from skipinject.errors import CacheError, CorruptCacheError
+from skipinject.store.backend import StoredFile
 from skipinject.store.checksums import _Hasher
 from skipinject.store.format import (
     CLAIM_PREFIX,
@@ -144,6 +145,22 @@ class FsspecFiles:
         size = info.get("size")
         return ("file" if info.get("type") == "file" else "directory"), size if type(size) is int else 0
 
+    def step_files(self, step_dir: Path) -> list[StoredFile]:
+        """One recursive listing of the step's prefix (keys below a part directory's are left out)."""
+        step = _at(step_dir)
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(step.path)
+        listed: dict[str, Any] = self.fs.find(step.path, detail=True)
+        if not listed:
+            raise FileNotFoundError(str(step))
+        out = []
+        for key, info in listed.items():
+            part, _, name = str(key)[len(step.path) + 1 :].rpartition("/")
+            if str(key).startswith(step.path + "/") and name and "/" not in part:
+                size = info.get("size")
+                out.append(StoredFile(part, name, "file", size if type(size) is int else 0, _modified(info, 0.0)))
+        return out
+
     def read_bytes(self, location: Path, limit: int) -> bytes:
         data = bytes(self.fs.cat_file(_at(location).path, start=0, end=limit + 1))
         if len(data) > limit:
@@ -208,6 +225,23 @@ class FsspecFiles:
     def remove(self, location: Path, anchor: Path | None = None) -> None:
         with contextlib.suppress(Exception):
             self.fs.rm_file(_at(location).path)
+
+    def remove_step(self, anchor: Path, step_dir: Path, wanted: Callable[[str, str], bool]) -> tuple[int, int]:
+        """Delete the step's chosen objects, ``meta.json`` first (no directories to remove)."""
+        try:
+            listed = self.step_files(step_dir)
+        except FileNotFoundError:
+            return 0, 0
+        chosen = sorted(
+            (f for f in listed if wanted(f.part, f.name)), key=lambda f: bool(f.part) or f.name != META_NAME
+        )
+        files = size = 0
+        for found in chosen:
+            where = _at(step_dir) / found.part / found.name if found.part else _at(step_dir) / found.name
+            self.fs.rm_file(where.path)
+            files += 1
+            size += found.size
+        return files, size
 
     def collect(self, project: Path, step: int, named: set[str] | None) -> tuple[int, int]:
         """Remove data files of ``step`` that no ``meta.json`` names (``named``) and that are older than

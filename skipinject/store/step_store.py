@@ -11,13 +11,13 @@ failure is a :class:`CorruptCacheError` (a missing step stays ``FileNotFoundErro
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.payload import Payload
-from skipinject.store.backend import Backend, StepFiles
+from skipinject.store.backend import Backend, StepFiles, StoredFile
 from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo
 from skipinject.store.compression import Compression, decompress_into
 from skipinject.store.files import parse_json
@@ -32,12 +32,14 @@ from skipinject.store.format import (
     SAFE_NAME,
     STEP_NAME,
     _meta_digest,
+    is_ours,
     step_name,
 )
 from skipinject.store.hit_memory import Claim, HitMemory
 from skipinject.store.meta import Part, StepMeta, short, step_meta
 from skipinject.store.payload import StepEntry
 from skipinject.store.tensorfile import read_tensors
+from skipinject.store.usage import Usage, is_usage_name, note_hit, read_usage
 from skipinject.store.writer import StepWriter
 
 if TYPE_CHECKING:
@@ -442,6 +444,35 @@ class StepStore:
                 raise CorruptCacheError(f"{path}: {kind[1]} bytes, meta.json says {spec.get('size')} (truncated?)")
             out.append((path, kind[1]))
         return out
+
+    # ------------------------------------------------------------ upkeep
+
+    def note_hit(self, step: int) -> None:
+        """Record that ``step`` was served now (:mod:`~skipinject.store.usage`); never raises."""
+        note_hit(self, step)
+
+    def usage(self, step: int) -> Usage | None:
+        """When ``step`` was last served and how often, or None (never, or a record not to be trusted)."""
+        return read_usage(self, step)
+
+    def files(self, step: int) -> list[StoredFile]:
+        """Every name in the step's directory and part directories (what ``cache prune`` weighs before
+        removing it), never through a link; FileNotFoundError, CorruptCacheError for a link."""
+        return self.backend.step_files(self.step_dir(step))
+
+    def remove(self, step: int, only: Collection[str] | None = None, anchor: Path | None = None) -> tuple[int, int]:
+        """Remove a step: ``meta.json`` first (the step is absent at once), then its data files, usage
+        record and empty directories, never verl's own files; ``only``: just these ``part/name`` files
+        (an interrupted save's). Locally everything is reached from ``anchor`` (default: the dump or
+        project directory) without following a link. Returns (files, bytes) removed."""
+
+        def wanted(part: str, name: str) -> bool:
+            if only is not None:
+                return f"{part}/{name}" in only
+            return is_ours(name) or (not part and (name == META_NAME or is_usage_name(name)))
+
+        root = anchor if anchor is not None else self.dump_dir if self.dump_dir is not None else self.project_dir
+        return self.backend.remove_step(root, self.step_dir(step), wanted)
 
     def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]:
         """Remove abandoned leftovers of this step's saves now (see :mod:`skipinject.store.garbage`,

@@ -100,8 +100,8 @@ def test_ls_lists_projects_layouts_roles_step_ranges_rows_size_writer_state(dump
     code, out, err = run(capsys, "ls", dump)
     assert code == 0 and not err
     lines = out.splitlines()
-    heads = ["PROJECT", "LAYOUT", "ROLE", "STEPS", "ROWS", "SIZE", "CREATED", "WRITTEN", "BY", "STATE"]
-    assert lines[0].split() == heads
+    heads = ["PROJECT", "LAYOUT", "ROLE", "STEPS", "ROWS", "SIZE", "CREATED", "LAST", "SERVED", "HITS"]
+    assert lines[0].split() == [*heads, "WRITTEN", "BY", "STATE"]
     rollout = next(line for line in lines if " rollout " in line)
     assert f"{EXP}_{PROJ}" in rollout and LAYOUT in rollout and " 1-3 " in rollout and " 24 " in rollout
     assert "complete" in rollout and "skipinject" in rollout and "torch" in rollout and "KiB" in rollout
@@ -118,7 +118,7 @@ def test_ls_lists_projects_layouts_roles_step_ranges_rows_size_writer_state(dump
     assert {g["steps"] for g in doc["groups"] if g["role"] == "rollout"} == {"1-3"}
 
     code, out, _ = run(capsys, "ls", "-l", dump)
-    assert code == 0 and len(out.splitlines()) == 6
+    assert code == 0 and len(out.splitlines()) == 7 and out.splitlines()[-1].startswith("5 step(s), ")
 
 
 def test_ls_default_dump_dir_and_bad_paths(tmp_path: Path, capsys, monkeypatch):
