@@ -94,7 +94,8 @@ def cmd_rm(paths: Sequence[Path | str], *, dry_run: bool, as_json: bool, now: fl
     outcome: dict[str, Any] = {"removed": [], "skipped": [], "leftovers": None, "files": 0, "bytes": 0}
     for path in paths:
         item = _named_step(path)
-        done = act(item.path.parent, [item], [(item, "named")], partial=False, dry_run=dry_run, now=now)
+        root = item.path.parent if isinstance(item.path, Path) else str(item.path.parent)
+        done = act(root, [item], [(item, "named")], partial=False, dry_run=dry_run, now=now)
         for key in ("removed", "skipped"):
             outcome[key] += done[key]
         outcome["files"] += done["files"]
@@ -269,6 +270,8 @@ def _unsafe(item: Item, root_real: Path | str, now: float) -> str | None:
         return f"cannot list it ({exc})"
     named = _named(item)
     for found in ours:
+        if not found.part and is_usage_name(found.name):
+            continue  # a hit's record, not a save
         recent = now - found.mtime < MIN_AGE
         if recent and (f"{found.part}/{found.name}" not in named or item.state != "complete"):
             return f"a save may still be writing it ({found.name} changed {now - found.mtime:.0f} s ago)"

@@ -67,7 +67,7 @@ def scan_remote(url: str, problems: list[str]) -> list[Item]:
         project, layout, role_dir = _where(list(step_parts[:-1]))
         location = _location(root, step_parts)
         files = members[step_parts]
-        item = Item(location, project, layout, role_dir or "-", int(step_parts[-1]), "partial")  # type: ignore[arg-type]
+        item = Item(location, project, layout, role_dir or "-", int(step_parts[-1]), "partial")
         item.files = [_location(root, rel) for rel in files]
         item.size = sum(sizes[rel] for rel in files)
         if step_parts in committed:

@@ -447,9 +447,10 @@ class StepStore:
 
     # ------------------------------------------------------------ upkeep
 
-    def note_hit(self, step: int) -> None:
-        """Record that ``step`` was served now (:mod:`~skipinject.store.usage`); never raises."""
-        note_hit(self, step)
+    def note_hit(self, step: int, now: float | None = None) -> None:
+        """Record that ``step`` was served (now, or at unix time ``now``; :mod:`~skipinject.store.usage`).
+        Never raises: a failure costs the statistics, never the hit."""
+        note_hit(self, step, now)
 
     def usage(self, step: int) -> Usage | None:
         """When ``step`` was last served and how often, or None (never, or a record not to be trusted)."""

@@ -61,7 +61,7 @@ def is_usage_name(name: str) -> bool:
 
 
 def parse_usage(data: bytes, shown: object, now: float) -> Usage:
-    """A record's bytes checked; CorruptCacheError naming what is wrong."""
+    """A record's bytes checked; a CacheError naming what is wrong."""
     if len(data) > MAX_USAGE_BYTES:
         raise CacheError(f"{shown}: {len(data)} bytes, larger than any usage record")
     raw = parse_json(data, shown, what="usage record", max_depth=1)  # type: ignore[arg-type]
@@ -69,12 +69,14 @@ def parse_usage(data: bytes, shown: object, now: float) -> Usage:
     served = raw.get("last_served") if isinstance(raw, dict) else None
     if type(hits) is not int or not 0 <= hits <= MAX_HITS:
         raise CacheError(f"{shown}: no hit count in the usage record")
-    if type(served) not in (int, float) or not math.isfinite(served) or not 0 <= served <= now + FUTURE_SLACK:
+    if not isinstance(served, (int, float)) or type(served) is bool or not math.isfinite(served):
+        raise CacheError(f"{shown}: no last-served time in the usage record")
+    if not 0 <= served <= now + FUTURE_SLACK:
         raise CacheError(f"{shown}: no plausible last-served time in the usage record")
     return Usage(hits, float(served))
 
 
-def _ignored(store: StepStore, problem: str) -> None:
+def _ignored(problem: str) -> None:
     """Say once per process that a record was ignored (its statistics are all that is lost)."""
     global _warned
     with _lock:
@@ -94,7 +96,7 @@ def read_usage(store: StepStore, step: int, now: float | None = None) -> Usage |
     except FileNotFoundError:
         return None
     except Exception as exc:
-        _ignored(store, str(exc) if isinstance(exc, CacheError) else f"{location}: {type(exc).__name__}: {exc}")
+        _ignored(str(exc) if isinstance(exc, CacheError) else f"{location}: {type(exc).__name__}: {exc}")
         return None
 
 
