@@ -107,9 +107,7 @@ def note_hit(store: StepStore, step: int, now: float | None = None) -> None:
     try:
         backend = store.backend
         step_dir = store.step_dir(step)
-        if (backend.stat(step_dir) or ("",))[0] != "directory" or (backend.stat(step_dir / META_NAME) or ("",))[
-            0
-        ] != "file":
+        if _kind(backend.stat(step_dir)) != "directory" or _kind(backend.stat(step_dir / META_NAME)) != "file":
             return  # removed meanwhile (or a link): nothing to count in
         store.check_writable([step_dir])
         before = read_usage(store, step, now)
@@ -118,3 +116,7 @@ def note_hit(store: StepStore, step: int, now: float | None = None) -> None:
         backend.write(store.at(step, USAGE_NAME), lambda handle: handle.write(record))
     except Exception as exc:
         logger.debug("%s step %d: usage not recorded (%s: %s)", store.role, step, type(exc).__name__, exc)
+
+
+def _kind(found: tuple[str, int] | None) -> str:
+    return found[0] if found is not None else "missing"
