@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("show", help="what one step holds: fields, dtypes, shapes, rows, inputs, first text rows")
+    p = sub.add_parser(
+        "show", help="what one step holds: fields, dtypes, shapes, inputs; rows with prompt, response, score"
+    )
     p.add_argument(
         "step_path", type=local_path, metavar="STEP_PATH", help="a step directory (with --match: any directory above)"
     )
@@ -93,13 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: how many of this dataset's prompts have a cached rollout under STEP_PATH",
     )
     p.add_argument("--column", default="prompt", help="the dataset's prompt column for --match (default: prompt)")
-    p.add_argument("--rows", type=int, default=3, help="text rows to show per field (default 3)")
+    p.add_argument("--rows", type=int, default=3, help="rows to show (default 3)")
     p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer (model directory) to decode token ids")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("diff", help="compare two steps, or two runs' project directories; exit 1 if they differ")
     p.add_argument("a", type=local_path, metavar="A")
     p.add_argument("b", type=local_path, metavar="B")
+    p.add_argument("--rows", type=int, default=3, help="differing rollout rows to show per step (default 3)")
+    p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer (model directory) to decode token ids")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("import", help="convert verl's own pickled caches into skipinject's format (needs --trust)")
@@ -221,7 +225,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "diff":
         from skipinject.cache_tool.diff import cmd_diff
 
-        return cmd_diff(args.a, args.b, as_json=args.json)
+        return cmd_diff(args.a, args.b, as_json=args.json, rows=args.rows, tokenizer=args.tokenizer)
     if args.command == "import":
         from skipinject.cache_tool.importer import cmd_import
 
