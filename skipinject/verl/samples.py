@@ -53,12 +53,15 @@ def _field(fields: Mapping[str, Any], prefix: str, name: str) -> Any:
 def samples(fields: Mapping[str, Any]) -> list[Sample] | None:
     """The rows of a rollout batch from its flattened fields; None when it holds no responses."""
     key = next((k for k in fields if k == RESPONSES or k.endswith(f".{RESPONSES}")), None)
-    responses = _rows(fields[key]) if key is not None else None
-    if responses is None or getattr(fields[key], "dtype", None) is None or fields[key].dtype.is_floating_point:
+    if key is None:
+        return None
+    value = fields[key]
+    responses = _rows(value)
+    if responses is None or value.dtype.is_floating_point:
         return None
     prefix = key[: -len(RESPONSES)]
-    jagged = bool(getattr(fields[key], "is_nested", False))
-    width = 0 if jagged else int(fields[key].shape[-1])
+    jagged = bool(getattr(value, "is_nested", False))
+    width = 0 if jagged else int(value.shape[-1])
     masks = _rows(_field(fields, prefix, RESPONSE_MASK))
     attention = _rows(_field(fields, prefix, ATTENTION_MASK))
     if masks is None and attention is not None and not jagged:

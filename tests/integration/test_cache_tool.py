@@ -303,7 +303,7 @@ def test_diff_two_steps_fields_rows_and_amounts(tmp_path: Path, capsys):
 def test_diff_two_runs_project_dirs(tmp_path: Path, capsys):
     one, two = write_dump(tmp_path / "one"), write_dump(tmp_path / "two")
     code, out, _ = run(capsys, "diff", one["project"], two["project"])
-    assert code == 0 and "no differences" in out and out.count("identical") == 5
+    assert code == 0 and "no differences" in out and out.count("field(s) identical") == 5
     StepStore(two["layout"], "rollout", context()).save(4, DataProtoCodec().encode(make_batch(4)))
     code, doc = run_json(capsys, "diff", one["project"], two["project"])
     assert code == 1 and doc["only"] == [{"side": "b", "step": f"{LAYOUT}/4"}]
