@@ -56,13 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     dump_help = "dump directory (default: skip.<role>.dump_dir's default, ~/.verl/rollout_dump)"
 
-    p = sub.add_parser("ls", help="list projects, layouts, roles and steps, with size, age, writer and state")
+    p = sub.add_parser("ls", help="list projects, layouts, roles and steps: size, age, last use, hits, writer, state")
     p.add_argument("dump_dir", nargs="?", type=location, help=dump_help + "; or a URL such as s3://bucket/dir")
     p.add_argument("-l", "--steps", action="store_true", help="one line per step instead of per step range")
     p.add_argument(
         "--sort",
         choices=("size", "served", "created", "step"),
         default="step",
+        metavar="KEY",
         help="order: size (largest first), served (least recently served first, never served before), "
         "created (oldest first), step (default)",
     )
@@ -72,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         choices=("complete", "partial", "damaged", "untrusted", "foreign"),
-        help="only steps in this state (repeatable)",
+        metavar="STATE",
+        help="only steps in this state: complete, partial, damaged, untrusted or foreign (repeatable)",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output (schema skipinject.cache.ls/1)")
 
@@ -132,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--by",
         choices=("created", "served"),
         default="created",
+        metavar="WHAT",
         help="what --older-than measures: when a step was created (default) or last served (created if never)",
     )
     p.add_argument("--partial", action="store_true", help="remove interrupted saves (data without meta.json)")
