@@ -96,6 +96,7 @@ class Replay:
             cannot_load(self.runtime.name, self.runtime.settings, plan, exc, "running the target instead")
             return None
         loaded.seconds = time.perf_counter() - started
+        self.note_hit(plan)
         return loaded
 
     def read_after(self, plan: Plan) -> None:
@@ -166,11 +167,19 @@ class Replay:
             source,
             elapsed,
         )
+        if index == 0:
+            self.note_hit(plan)
         if rt.role.on_hit is not None:
             recorded = plan.entry.meta if plan.entry is not None else {}
             info = HitInfo(plan.step, plan.served_step, elapsed, mismatched, compared, source, recorded, rt.settings)
             result = rt.role.on_hit(result, call, info)
         return result
+
+    @staticmethod
+    def note_hit(plan: Plan) -> None:
+        """Count the hit in the served step's usage record (``cache ls``, ``prune --max-size``); never raises."""
+        if plan.entry is not None:
+            plan.store.note_hit(plan.entry.step)
 
     def _load_calls(self, plan: Plan) -> tuple[list[Payload], list[Any]]:
         """Every recorded call of the planned entry (one part each), with their recorded inputs."""

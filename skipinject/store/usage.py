@@ -107,7 +107,8 @@ def note_hit(store: StepStore, step: int, now: float | None = None) -> None:
     try:
         backend = store.backend
         step_dir = store.step_dir(step)
-        if _kind(backend.stat(step_dir)) != "directory" or _kind(backend.stat(step_dir / META_NAME)) != "file":
+        linked = backend.checks_owners and _kind(backend.stat(step_dir)) != "directory"  # object stores: no links
+        if linked or _kind(backend.stat(step_dir / META_NAME)) != "file":
             return  # removed meanwhile (or a link): nothing to count in
         store.check_writable([step_dir])
         before = read_usage(store, step, now)

@@ -247,3 +247,17 @@ def test_rm_keeps_a_step_a_save_is_writing_and_never_removes_verls_pickles(tmp_p
     (pickle_dir / "gen_batch.dp").write_bytes(b"\x80\x04N.")
     code, _, err = run(capsys, "rm", pickle_dir)
     assert code == 2 and "skipinject never removes it" in err and (pickle_dir / "gen_batch.dp").exists()
+
+
+def test_every_hit_through_the_engine_is_counted(toy: Any, dump: str, capsys):
+    from skipinject import bootstrap
+    from tests.remote_checks import generate, start
+
+    for _ in range(3):  # one run records steps 1 and 2, two runs serve them
+        start(dump, steps=(1, 2))
+        generate(toy, (1, 2))
+        bootstrap.stop()
+    assert len(toy.CALLS) == 2, "only the first run called the target"
+    code, doc, _ = run(capsys, "ls", dump, "--json", "--steps")
+    assert code == 0 and [(s["step"], s["hits"]) for s in doc["steps"]] == [(1, 2), (2, 2)]
+    assert all(s["last_served"] is not None for s in doc["steps"])
