@@ -19,14 +19,13 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 from skipinject.errors import CacheError
+from skipinject.store.backend import Backend
 from skipinject.store.files import parse_json
 from skipinject.store.format import META_NAME
-
-if TYPE_CHECKING:
-    from skipinject.store.step_store import StepStore
 
 logger = logging.getLogger("skipinject")
 
@@ -42,6 +41,19 @@ FUTURE_SLACK = 86400.0
 
 _warned = False
 _lock = threading.Lock()
+
+
+class UsageStore(Protocol):
+    """What the record uses of its :class:`~skipinject.store.StepStore`."""
+
+    backend: Backend
+    role: str
+
+    def step_dir(self, step: int) -> Path: ...
+
+    def at(self, step: int, *names: str) -> Path: ...
+
+    def check_writable(self, directories: list[Path]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -87,7 +99,7 @@ def _ignored(problem: str) -> None:
         logger.debug("%s", problem)
 
 
-def read_usage(store: StepStore, step: int, now: float | None = None) -> Usage | None:
+def read_usage(store: UsageStore, step: int, now: float | None = None) -> Usage | None:
     """The step's record, or None (none yet, or one not to be trusted). Never raises."""
     location = store.at(step, USAGE_NAME)
     try:
@@ -100,7 +112,7 @@ def read_usage(store: StepStore, step: int, now: float | None = None) -> Usage |
         return None
 
 
-def note_hit(store: StepStore, step: int, now: float | None = None) -> None:
+def note_hit(store: UsageStore, step: int, now: float | None = None) -> None:
     """Count a hit of ``step`` (one more, now). Only into a committed step in a directory the run
     trusts; never raises (a failure costs the statistics, never the hit)."""
     now = time.time() if now is None else now
