@@ -20,7 +20,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -29,9 +29,9 @@ from typing import Any, TypedDict
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepStore
-from skipinject.store.backend import Backend
+from skipinject.store.backend import Backend, StoredFile
 from skipinject.store.files import entries as list_entries
-from skipinject.store.files import parse_json, read_small, regular_stat, unresolved_problem
+from skipinject.store.files import parse_json, read_small, unresolved_problem
 from skipinject.store.format import (
     FORMAT,
     MAX_META_BYTES,
@@ -66,13 +66,6 @@ def read_json(path: Path) -> Any:
 def _is_dir(entry: os.DirEntry[str]) -> bool:
     try:
         return entry.is_dir(follow_symlinks=False)
-    except OSError:
-        return False
-
-
-def _is_file(entry: os.DirEntry[str]) -> bool:
-    try:
-        return entry.is_file(follow_symlinks=False)
     except OSError:
         return False
 
@@ -212,8 +205,8 @@ def classify(step_dir: Path, upstreams: Sequence[Upstream] = ()) -> list[Item]:
 def _foreign(
     step_dir: Path,
     where: tuple[str, str, str | None],
-    files: dict[str, os.DirEntry[str]],
-    sub_files: dict[str, dict[str, os.DirEntry[str]]],
+    files: Mapping[str, StoredFile],
+    sub_files: Mapping[str, Mapping[str, StoredFile]],
     upstreams: Sequence[Upstream],
 ) -> Item | None:
     """verl's own cache in ``step_dir`` by the first declaration it matches (never loaded here)."""
@@ -254,20 +247,17 @@ def _classify(
     step_dir: Path, project: str, layout: str, role_dir: str | None, upstreams: Sequence[Upstream]
 ) -> list[Item]:
     items: list[Item] = []
-    entries = list_entries(step_dir)
-    files = {e.name: e for e in entries if _is_file(e)}
-    subdirs = sorted((e for e in entries if _is_dir(e) and PART_NAME.fullmatch(e.name)), key=lambda e: int(e.name))
-    sub_files: dict[str, dict[str, os.DirEntry[str]]] = {}
-    for sub in subdirs:
-        try:
-            sub_files[sub.name] = {e.name: e for e in list_entries(Path(sub.path)) if _is_file(e)}
-        except OSError:
-            sub_files[sub.name] = {}
+    listing = LocalFiles().step_files(step_dir)  # the store's listing: no link followed, part directories too
+    measured = {step_dir / f.part / f.name if f.part else step_dir / f.name: f for f in listing if f.kind == "file"}
+    files = {f.name: f for f in listing if not f.part and f.kind == "file"}
+    sub_files: dict[str, dict[str, StoredFile]] = {}
+    for found in sorted((f for f in listing if f.part and f.kind == "file"), key=lambda f: int(f.part)):
+        sub_files.setdefault(found.part, {})[found.name] = found
 
     # verl's own pickles (never loaded here; only their presence and size).
     foreign = _foreign(step_dir, (project, layout, role_dir), files, sub_files, upstreams)
     if foreign is not None:
-        _measure(foreign)
+        _measure(foreign, measured)
         _upstream_rows(foreign)
         items.append(foreign)
     ours_dir = STEP_RE.match(step_dir.name) is not None
@@ -277,25 +267,25 @@ def _classify(
     for sub_name, sub_entries in sub_files.items():
         ours_data += [step_dir / sub_name / n for n in sub_entries if is_ours(n)]
     meta_entry = files.get(META_NAME)
-    if meta_entry is None and META_NAME in {e.name for e in entries}:
+    if meta_entry is None and any(not f.part and f.name == META_NAME for f in listing):
         problem = f"{step_dir}/meta.json: not a regular file"
         items.append(Item(step_dir, project, layout, role_dir or "-", step, "damaged", problems=[problem]))
         return items
     if not ours_dir or step is None:
         return items  # verl's own directory (genstep_*, with its own meta.json): skipinject never writes it
     if meta_entry is not None:
-        item = _our_step(step_dir, project, layout, role_dir, step, foreign is not None)
+        item = _our_step(step_dir, project, layout, role_dir, step, foreign is not None, measured)
         if item is not None and item.state == "damaged":
             item.rows, item.size, item.mtime = None, 0, 0.0  # what a damaged meta.json claims is not shown
             item.files = [step_dir / META_NAME, *ours_data]
-            _measure(item)
+            _measure(item, measured)
         if item is not None:
             items.append(item)
             return items
     if ours_data:
         item = Item(step_dir, project, layout, role_dir or "-", step, "partial", files=ours_data)
         item.problems.append(f"{step_dir}: data files but no meta.json (a save was interrupted, or is running)")
-        _measure(item)
+        _measure(item, measured)
         items.append(item)
     elif meta_entry is not None and foreign is None:
         items.append(
@@ -312,15 +302,16 @@ def _classify(
     return items
 
 
-def _measure(item: Item) -> None:
+def _measure(item: Item, measured: Mapping[Path, StoredFile]) -> None:
+    """Size and newest time of the item's files, as the step's listing found them (regular files only)."""
     kept = []
     for path in item.files:
-        info = regular_stat(path)
-        if info is None:
+        found = measured.get(path)
+        if found is None:
             continue
         kept.append(path)
-        item.size += info.st_size
-        item.mtime = max(item.mtime, info.st_mtime)
+        item.size += found.size
+        item.mtime = max(item.mtime, found.mtime)
     item.files = kept
 
 
@@ -387,7 +378,13 @@ def precheck(store: StepStore, step: int, meta: dict[str, Any]) -> list[tuple[Pa
 
 
 def _our_step(
-    step_dir: Path, project: str, layout: str, role_dir: str | None, step: int, beside_foreign: bool
+    step_dir: Path,
+    project: str,
+    layout: str,
+    role_dir: str | None,
+    step: int,
+    beside_foreign: bool,
+    measured: Mapping[Path, StoredFile],
 ) -> Item | None:
     item = Item(step_dir, project, layout, role_dir or "-", step, "complete", files=[step_dir / META_NAME])
     try:
@@ -415,7 +412,7 @@ def _our_step(
     except (CorruptCacheError, OSError, ValueError, TypeError, AttributeError) as exc:
         item.state = "damaged"
         item.problems.append(str(exc) if isinstance(exc, CorruptCacheError) else f"{step_dir}: {exc}")
-    _measure(item)
+    _measure(item, measured)
     if item.state != "damaged" and isinstance(item.meta, StepMeta) and item.meta.expansion:
         item.decoded = item.size + item.meta.expansion
     return item
