@@ -584,9 +584,12 @@ def check_real_dump(
         assert proc.returncode == 0, proc.stderr
         shown = json.loads(proc.stdout)
         assert shown["role"] == role and shown["rows"] == found[0]["rows"] and shown["fields"], shown
+        if role == "rollout":  # rows: prompt, response, score, length
+            samples = shown["samples"]
+            assert samples and samples["rows"] == found[0]["rows"] and samples["mean_length"], shown
         if tokenizer is not None and role == "rollout":
             proc = cli("show", found[0]["path"], "--tokenizer", tokenizer, "--rows", "2")
-            assert proc.returncode == 0 and "batch.responses (decoded):" in proc.stdout, proc.stdout + proc.stderr
+            assert proc.returncode == 0 and f"decoded by {tokenizer};" in proc.stdout, proc.stdout + proc.stderr
         if len(found) > 1:
             proc = cli("diff", found[0]["path"], found[1]["path"], "--json")
             assert proc.returncode in (0, 1), proc.stderr
