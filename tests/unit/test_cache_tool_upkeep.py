@@ -261,3 +261,31 @@ def test_every_hit_through_the_engine_is_counted(toy: Any, dump: str, capsys):
     code, doc, _ = run(capsys, "ls", dump, "--json", "--steps")
     assert code == 0 and [(s["step"], s["hits"]) for s in doc["steps"]] == [(1, 2), (2, 2)]
     assert all(s["last_served"] is not None for s in doc["steps"])
+
+
+def test_the_cache_tool_touches_a_cache_only_through_the_store():
+    """No module of ``skipinject/cache_tool/`` opens, lists, renames or removes a file itself: the store
+    (``StepStore``, its backends, ``skipinject.store.files``) does, with its link and bound rules."""
+    import ast
+
+    import skipinject.cache_tool as package
+
+    forbidden_os = {"open", "scandir", "listdir", "walk", "unlink", "remove", "rename", "replace", "rmdir",
+                    "mkdir", "makedirs", "fdopen"}  # fmt: skip
+    forbidden_path = {"open", "iterdir", "glob", "rglob", "unlink", "rename", "rmdir", "mkdir",
+                      "read_bytes", "read_text", "write_bytes", "write_text", "touch"}  # fmt: skip
+    found = []
+    for path in sorted(Path(package.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Name) and func.id == "open":
+                found.append(f"{path.name}:{node.lineno} open()")
+            elif isinstance(func, ast.Attribute):
+                owner = func.value.id if isinstance(func.value, ast.Name) else None
+                if owner in ("os", "shutil") and (owner == "shutil" or func.attr in forbidden_os):
+                    found.append(f"{path.name}:{node.lineno} {owner}.{func.attr}")
+                elif owner not in ("os", "files", "store", "backend", "fs") and func.attr in forbidden_path:
+                    found.append(f"{path.name}:{node.lineno} .{func.attr}()")
+    assert found == [], found
