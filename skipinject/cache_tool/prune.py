@@ -17,9 +17,9 @@ from skipinject.cache_tool.render import emit_json, human_size, say, schema
 from skipinject.cache_tool.scan import Item
 from skipinject.cache_tool.verify import damage
 from skipinject.errors import CacheError
-from skipinject.store.backend import StoredFile
 from skipinject.store.format import META_NAME, is_ours
 from skipinject.store.meta import StepMeta
+from skipinject.store.step_store import StoredFile
 from skipinject.store.usage import is_usage_name
 
 _AGE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)$")

@@ -29,7 +29,7 @@ from typing import Any, TypedDict
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepStore
-from skipinject.store.backend import Backend, StoredFile
+from skipinject.store.backend import Backend
 from skipinject.store.files import entries as list_entries
 from skipinject.store.files import parse_json, read_small, unresolved_problem
 from skipinject.store.format import (
@@ -44,6 +44,7 @@ from skipinject.store.format import (
 )
 from skipinject.store.local import LocalFiles
 from skipinject.store.meta import StepMeta
+from skipinject.store.step_store import StoredFile, list_step
 from skipinject.store.usage import Usage
 from skipinject.verl.layout import layout_values
 
@@ -247,7 +248,7 @@ def _classify(
     step_dir: Path, project: str, layout: str, role_dir: str | None, upstreams: Sequence[Upstream]
 ) -> list[Item]:
     items: list[Item] = []
-    listing = LocalFiles().step_files(step_dir)  # the store's listing: no link followed, part directories too
+    listing = list_step(LocalFiles(), step_dir)  # the store's listing: no link followed, part directories too
     measured = {step_dir / f.part / f.name if f.part else step_dir / f.name: f for f in listing if f.kind == "file"}
     files = {f.name: f for f in listing if not f.part and f.kind == "file"}
     sub_files: dict[str, dict[str, StoredFile]] = {}

@@ -41,6 +41,8 @@ from skipinject.engine.stores import RoleStores
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
 from skipinject.roles import Call, MatchInfo, Role, RowCodec
 from skipinject.store.format import ROWS_DIR
+from skipinject.verl.compat import settings_values
+from skipinject.verl.layout import layout_label
 
 if TYPE_CHECKING:
     from skipinject.engine.calls import StepCalls
@@ -62,9 +64,7 @@ def check_matchable(role: Role, codec: Any) -> None:
 
 def settings_digest(role: Role, config: Any) -> bytes:
     """The run settings deciding a row's result (the role's ``match_settings``), as one digest."""
-    from skipinject.verl.compat import select
-
-    values = {path: _plain(select(config, path)) for path in role.match_settings}
+    values = settings_values(config, role.match_settings)
     text = json.dumps(values, sort_keys=True, default=repr).encode()
     return hashlib.blake2b(text, digest_size=16).digest()
 
@@ -80,17 +80,6 @@ def row_keys(role: Role, call: Call, digests: Sequence[str]) -> list[str]:
         material = base + digest.encode("utf-8", "replace") + b"\x1f" + str(occurrence).encode()
         keys.append(hashlib.blake2b(material, digest_size=8).hexdigest())
     return keys
-
-
-def _plain(value: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(value, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf comes with verl
-        pass
-    return value
 
 
 class RowMatcher:
@@ -340,7 +329,7 @@ class RowMatcher:
                 where_store = places[place]
                 name = f"{'step' if source == STEPS else 'rows'} {number}"
                 if place:
-                    name += f" of {_layout_label(where_store)}"
+                    name += f" of {layout_label(where_store.context, str(where_store.project_dir))}"
                 stores = {STEPS: where_store, ROWS: self.rows_store(where_store)}
                 try:
                     piece, piece_ratio, kept, meta = self._load_rows(
@@ -543,16 +532,6 @@ SHOWN_SOURCES = 8
 MAX_COPIES = 4
 #: Other batch-size layouts of the project a lookup reads the index of (the nearest batch sizes).
 MAX_LAYOUTS = 8
-
-
-def _layout_label(where: StepStore) -> str:
-    """The layout of ``where`` as a match line names it (``GBS8_N2_in32_out16``)."""
-    from skipinject.verl.layout import layout_name
-
-    try:
-        return layout_name(where.context)
-    except KeyError:
-        return str(where.project_dir)
 
 
 @dataclass

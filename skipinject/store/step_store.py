@@ -11,19 +11,22 @@ failure is a :class:`CorruptCacheError` (a missing step stays ``FileNotFoundErro
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.payload import Payload
-from skipinject.store.backend import Backend, StepFiles, StoredFile
-from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo
-from skipinject.store.compression import Compression, decompress_into
+from skipinject.store.backend import Backend, StepFiles
+from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo, _Hasher
+from skipinject.store.compression import Compression, FrameDecoder, decompress_into
 from skipinject.store.files import parse_json
 from skipinject.store.format import (
+    CLAIM_PREFIX,
     DATA_NAME,
     FORMAT,
+    MAX_CLAIMS,
     MAX_META_DEPTH,
     MAX_ROWS,
     META_NAME,
@@ -35,6 +38,7 @@ from skipinject.store.format import (
     is_ours,
     step_name,
 )
+from skipinject.store.garbage import collect, collect_by_name
 from skipinject.store.hit_memory import Claim, HitMemory
 from skipinject.store.meta import Part, StepMeta, short, step_meta
 from skipinject.store.payload import StepEntry
@@ -45,6 +49,7 @@ from skipinject.store.writer import StepWriter
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
+    from skipinject.store.hit_memory import Decoded
     from skipinject.store.remote import RemotePath
 
 __all__ = ["STEP_NAME", "RemoteStepStore", "StepStore"]
@@ -123,13 +128,38 @@ class StepStore:
 
     def claim(self, first: int, token: str) -> int:
         """A new step number from ``first`` on that no concurrent writer of this store also takes
-        (``match``'s rows records); :meth:`release` it once saved (or not)."""
-        self.backend.prepare(self.project_dir, self.project_dir)
+        (``match``'s rows records); :meth:`release` it once saved (or not).
+
+        Where there are directories, the number whose step directory this call creates (an exclusive
+        ``mkdir``). In an object store (no exclusive create): a claim object ``.claim-<token>`` in the
+        step, then a listing; the number is taken only if this claim is the only one there and no
+        ``meta.json`` is (strongly consistent listings: of two racing writers at most one sees only
+        its own; both may step on)."""
+        backend = self.backend
+        backend.prepare(self.project_dir, self.project_dir)
         self.check_writable([])
-        return self.backend.claim(self.project_dir, first, token)
+        for number in range(first, first + MAX_CLAIMS):
+            step_dir = self.step_dir(number)
+            created = backend.make_dir(step_dir)
+            if created is not None:
+                if created:
+                    return number
+                continue
+            marker = step_dir / f"{CLAIM_PREFIX}{token}"
+            backend.write(marker, lambda handle: None)
+            try:
+                names = backend.names(step_dir)
+            except FileNotFoundError:
+                names = []
+            if [n for n in names if n.startswith(CLAIM_PREFIX) or n == META_NAME] == [marker.name]:
+                return number
+            backend.remove(marker)
+        raise CacheError(f"{self.project_dir}: steps {first} to {first + MAX_CLAIMS - 1} are all taken")
 
     def release(self, step: int, token: str) -> None:
-        self.backend.release(self.project_dir, step, token)
+        """Remove what :meth:`claim` left that the committed record does not need (an object store's
+        claim object; a claimed directory is the record's). Never raises."""
+        self.backend.remove(self.step_dir(step) / f"{CLAIM_PREFIX}{token}", self.dump_dir or self.project_dir)
 
     # ------------------------------------------------------------ files beside the steps
 
@@ -242,7 +272,7 @@ class StepStore:
 
         def part_holds_data(sub: str) -> bool:
             try:
-                return holds_data(self.backend.list_part(self.step_dir(step), sub))
+                return holds_data(self.backend.names(self.step_dir(step) / sub))
             except Exception:
                 return False
 
@@ -268,11 +298,18 @@ class StepStore:
         if directory_name is not None and (not SAFE_NAME.match(directory_name) or ".." in directory_name):
             return None
         base = self.step_dir(step) if directory_name is None else self.project_dir / directory_name
+        if not isinstance(base, Path):  # verl's own caches are pickles on local disks, loaded by path
+            return None
+        sub, leaf = pieces if len(pieces) == 2 else ("", name)
         try:
             self.check_trust()
+            files = self.backend.open_step(base, self.role)
+            try:
+                with files.stream(sub, leaf, None):  # opened as a regular file, no link followed
+                    pass
+            finally:
+                files.close()
         except Exception:
-            return None
-        if not self.backend.is_regular(base, name):
             return None
         return base / name
 
@@ -355,11 +392,10 @@ class StepStore:
             kind, name, spec = file.kind, file.name, file.spec
             path = part.at(entry.directory, name)
             make = entry.memory.buffer if kind == "tensors" else bytearray
-            read_decoded = getattr(files, "read_decoded", None)
-            if file.encoded and read_decoded is not None:  # decoded as it downloads, kept only if intact
-                data, checksum = read_decoded(part.dir, name, spec, algo, make)
+            if file.encoded and files.streams:  # decoded as it downloads, kept only if intact
+                data, checksum = _decode_streamed(files, part.dir, name, spec, algo, make, path)
             else:
-                data, checksum = files.read(part.dir, name, spec.get("size"), kind, algo)
+                data, checksum = files.read(part.dir, name, spec.get("size"), algo, mapped=kind == "tensors")
                 if file.encoded:  # compressed: decoded once its stored bytes are checked
                     stored = data
                     try:
@@ -459,13 +495,14 @@ class StepStore:
     def files(self, step: int) -> list[StoredFile]:
         """Every name in the step's directory and part directories (what ``cache prune`` weighs before
         removing it), never through a link; FileNotFoundError, CorruptCacheError for a link."""
-        return self.backend.step_files(self.step_dir(step))
+        return list_step(self.backend, self.step_dir(step))
 
     def remove(self, step: int, only: Collection[str] | None = None, anchor: Path | None = None) -> tuple[int, int]:
         """Remove a step: ``meta.json`` first (the step is absent at once), then its data files, usage
         record and empty directories, never verl's own files; ``only``: just these ``part/name`` files
         (an interrupted save's). Locally everything is reached from ``anchor`` (default: the dump or
-        project directory) without following a link. Returns (files, bytes) removed."""
+        project directory) by descriptors opened once without following a link
+        (:func:`~skipinject.store.files.remove_step`). Returns (files, bytes) removed."""
 
         def wanted(part: str, name: str) -> bool:
             if only is not None:
@@ -473,18 +510,71 @@ class StepStore:
             return is_ours(name) or (not part and (name == META_NAME or is_usage_name(name)))
 
         root = anchor if anchor is not None else self.dump_dir if self.dump_dir is not None else self.project_dir
-        return self.backend.remove_step(root, self.step_dir(step), wanted)
+        step_dir = self.step_dir(step)
+        if self.backend.checks_owners:  # a directory tree: removed relative to directory descriptors
+            from skipinject.store.files import remove_step
+
+            return remove_step(root, step_dir, wanted)
+        try:
+            listed = self.files(step)
+        except FileNotFoundError:
+            return 0, 0
+        chosen = sorted((f for f in listed if f.kind == "file" and wanted(f.part, f.name)), key=_meta_first)
+        for found in chosen:
+            self.backend.remove(step_dir / found.part / found.name if found.part else step_dir / found.name)
+        return len(chosen), sum(found.size for found in chosen)
 
     def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]:
-        """Remove abandoned leftovers of this step's saves now (see :mod:`skipinject.store.garbage`,
-        and :data:`skipinject.store.remote.ABANDONED_AFTER` for object stores). Never raises."""
+        """Remove abandoned leftovers of this step's saves now (see :mod:`skipinject.store.garbage`):
+        on a local disk by its descriptor-walking rule, elsewhere by name. Never raises."""
+        if isinstance(self.project_dir, Path):
+            return collect(self.project_dir, step=step)
         try:
             named: set[str] | None = {
                 str(path) for path, _ in self.named_files(step, meta if meta is not None else self.read_meta(step))
             }
         except Exception:
             named = None
-        return self.backend.collect(self.project_dir, step, named)
+        return collect_by_name(self.backend, self.step_dir(step), named)
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """A name in a step directory (``part``: ``""``) or one of its part directories, as listed:
+    ``kind`` is file, directory, link or other (never followed); ``mtime`` in unix seconds (0: unknown)."""
+
+    part: str
+    name: str
+    kind: str
+    size: int
+    mtime: float
+
+
+def list_step(backend: Backend, step_dir: Path) -> list[StoredFile]:
+    """Every name in a step directory (any name: verl's ``genstep_*`` too) and its part directories,
+    by the backend's listing and ``stat`` (never through a link); FileNotFoundError when there is no
+    such directory, CorruptCacheError when it is a link or no directory."""
+    found = backend.stat(step_dir)
+    if found is None:
+        raise FileNotFoundError(str(step_dir))
+    if found.kind != "directory":
+        raise CorruptCacheError(f"{step_dir} is {found.kind}, not a step directory; not read")
+    out = []
+    for name in backend.names(step_dir):
+        info = backend.stat(step_dir / name)
+        if info is None:
+            continue
+        out.append(StoredFile("", name, info.kind, info.size, info.modified or 0.0))
+        if info.kind == "directory" and PART_NAME.fullmatch(name):
+            for leaf in backend.names(step_dir / name):
+                inner = backend.stat(step_dir / name / leaf)
+                if inner is not None:
+                    out.append(StoredFile(name, leaf, inner.kind, inner.size, inner.modified or 0.0))
+    return out
+
+
+def _meta_first(found: StoredFile) -> bool:
+    return bool(found.part) or found.name != META_NAME
 
 
 def RemoteStepStore(
@@ -501,6 +591,49 @@ def RemoteStepStore(
     return StepStore(
         cast(Path, project_dir), role, context, backend=FsspecFiles(fs), plugin=plugin, compression=compression
     )
+
+
+def _decode_streamed(
+    files: StepFiles,
+    sub: str,
+    name: str,
+    spec: Mapping[str, Any],
+    algo: str,
+    make: Callable[[int], Decoded],
+    path: Path,
+) -> tuple[Decoded, str]:
+    """A compressed data file decoded while it arrives, and the checksum of its stored bytes: each
+    complete frame decompressed in a thread while the next piece comes; the whole stored file is
+    never held. Same size and frame checks as a read; a file whose stored bytes do not match
+    ``spec["checksum"]`` is reported as such, whatever its frames did."""
+    size = spec.get("size")
+    if type(size) is not int or size < 0:
+        raise CorruptCacheError(f"{path}: meta.json records no size")
+    with files.stream(sub, name, size) as pieces:
+        decoder = FrameDecoder(spec, size, path, make)
+        try:
+            hasher = _Hasher(algo)
+            got = 0
+            failure: CorruptCacheError | None = None
+            for piece in pieces:
+                hasher.update(piece)
+                got += len(piece)
+                if failure is None:
+                    try:
+                        decoder.feed(piece)
+                    except CorruptCacheError as exc:  # read on: a changed file is reported as such
+                        failure = exc
+            if got != size:
+                raise CorruptCacheError(f"{path}: {got} bytes read, meta.json records {size}")
+            if hasher.hexdigest() != spec.get("checksum"):
+                raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
+            if failure is not None:
+                raise failure
+            decoded = decoder.finish()
+        except BaseException:
+            decoder.abandon()
+            raise
+    return decoded, hasher.hexdigest()
 
 
 def _close(buffer: object) -> None:

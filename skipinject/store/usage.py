@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from skipinject.errors import CacheError
-from skipinject.store.backend import Backend
+from skipinject.store.backend import Backend, Stat
 from skipinject.store.files import parse_json
 from skipinject.store.format import META_NAME
 
@@ -131,5 +131,5 @@ def note_hit(store: UsageStore, step: int, now: float | None = None) -> None:
         logger.debug("%s step %d: usage not recorded (%s: %s)", store.role, step, type(exc).__name__, exc)
 
 
-def _kind(found: tuple[str, int] | None) -> str:
-    return found[0] if found is not None else "missing"
+def _kind(found: Stat | None) -> str:
+    return found.kind if found is not None else "missing"
