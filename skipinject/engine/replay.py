@@ -195,10 +195,10 @@ class Replay:
             result = rt.role.on_hit(result, call, info)
         return result
 
-    @staticmethod
-    def note_hit(plan: Plan) -> None:
-        """Count the hit in the served step's usage record (``cache ls``, ``prune --max-size``); never raises."""
-        if plan.entry is not None:
+    def note_hit(self, plan: Plan) -> None:
+        """Count the hit in the served step's usage record (``cache ls``, ``prune --max-size``; not with
+        ``save=false``, which writes nothing); never raises."""
+        if plan.entry is not None and self.runtime.settings.save:
             plan.store.note_hit(plan.entry.step)
 
     def _load_calls(self, plan: Plan) -> tuple[list[Payload], list[Any]]:
