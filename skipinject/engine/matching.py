@@ -40,7 +40,7 @@ from skipinject.engine.row_index import ROWS, STEPS, RowIndex, RowSource, match_
 from skipinject.engine.stores import RoleStores
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
 from skipinject.report.misses import settings_differ
-from skipinject.report.tally import TALLY
+from skipinject.report.tally import TALLY, rescored_rows
 from skipinject.roles import Call, MatchInfo, Role, RowCodec
 from skipinject.store.format import ROWS_DIR
 from skipinject.verl.compat import settings_values
@@ -293,6 +293,7 @@ class RowMatcher:
         TALLY.add(runtime.name, served_rows=len(pending.served), generated_rows=len(misses))
         if runtime.role.on_match is not None:  # before saving: what it recomputes is saved as this run's
             merged = runtime.role.on_match(merged, pending.call, info)
+            TALLY.add(runtime.name, rescored_rows=rescored_rows(merged))
         self._save(pending, merged, fresh=pending.generated, fresh_rows=misses, ratio=pending.ratio)
         return merged
 
