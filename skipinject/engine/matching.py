@@ -377,6 +377,8 @@ class RowMatcher:
                 for position, row in enumerate(kept):
                     served[row] = (len(pieces), position)
                 pieces.append(piece)
+                if runtime.settings.save:  # its usage record: last served, hits
+                    stores[source].note_hit(number)
                 pending.piece_sources.append(name)
                 pending.source_meta[name] = meta
                 sources[name] = sources.get(name, 0) + len(kept)
