@@ -83,6 +83,10 @@ def dataset_fingerprints(dataset: Path, column: str) -> list[str]:
             import pyarrow.parquet as pq  # type: ignore[import-not-found]  # comes with verl (pandas, datasets)
 
             parquet = pq.ParquetFile(handle)
+            names = [name for name in parquet.schema_arrow.names if not name.startswith("__")]  # not pyarrow's own
+            if column not in names:
+                shown = ", ".join(repr(name) for name in names[:40]) + (" ..." if len(names) > 40 else "")
+                raise CommandError(f"{dataset}: no column {column!r}; its columns: {shown} (choose one with --column)")
             if parquet.metadata.num_rows > MAX_DATASET_ROWS:
                 raise CommandError(f"{dataset}: {parquet.metadata.num_rows} rows, more than {MAX_DATASET_ROWS}")
             for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=[column]):
