@@ -62,23 +62,21 @@ def dataset_fingerprints(dataset: Path, column: str) -> list[str]:
     :data:`BATCH_ROWS` rows at a time from a regular file (a FIFO or device is named as such), at
     most :data:`MAX_DATASET_ROWS` rows and :data:`MAX_EXPANSION` times the file's size decoded (a small
     file whose pages expand to more is refused as it is read, a batch at a time)."""
-    import os
-    import stat
-
-    from skipinject.store.files import file_kind
+    from skipinject.errors import CorruptCacheError
+    from skipinject.store.files import open_plain
 
     try:
-        fd = os.open(dataset, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        opened = open_plain(dataset, "a parquet file")
     except FileNotFoundError as exc:
         raise CommandError(f"{dataset}: no such file") from exc
+    except CorruptCacheError as exc:
+        raise CommandError(str(exc)) from exc
     except OSError as exc:
         raise CommandError(f"{dataset}: cannot open it ({type(exc).__name__}: {exc.strerror})") from exc
-    with os.fdopen(fd, "rb") as handle:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise CommandError(f"{dataset} is {file_kind(mode)}, not a parquet file")
+    with opened as handle:
         digests: list[str] = []
-        limit, decoded = MAX_EXPANSION * os.fstat(fd).st_size + (256 << 20), 0
+        limit, decoded = MAX_EXPANSION * handle.seek(0, 2) + (256 << 20), 0
+        handle.seek(0)
         try:
             import pyarrow.parquet as pq  # type: ignore[import-not-found]  # comes with verl (pandas, datasets)
 

@@ -34,7 +34,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.format import MAX_META_BYTES, META_NAME, PART_NAME, SPARSE_FACTOR, SPARSE_MIN_SIZE
@@ -434,3 +434,16 @@ def remove_step(
         with contextlib.suppress(OSError):
             os.rmdir(parts[-1], dir_fd=parent_fd)
     return files, size
+
+
+def open_plain(path: Path, what: str = "a regular file") -> BinaryIO:
+    """A file named on the command line (not a cache's: e.g. a dataset) opened for reading, only if it
+    is a regular file (a FIFO or device is a CorruptCacheError naming it as such, never waited on).
+    FileNotFoundError stays."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    handle = os.fdopen(fd, "rb")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        handle.close()
+        raise CorruptCacheError(f"{path} is {file_kind(mode)}, not {what}")
+    return handle
