@@ -39,6 +39,8 @@ from skipinject.engine.record import Recorder
 from skipinject.engine.row_index import ROWS, STEPS, RowIndex, RowSource, match_records
 from skipinject.engine.stores import RoleStores
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
+from skipinject.report.misses import settings_differ
+from skipinject.report.tally import TALLY, rescored_rows
 from skipinject.roles import Call, MatchInfo, Role, RowCodec
 from skipinject.store.format import ROWS_DIR
 from skipinject.verl.compat import settings_values
@@ -129,7 +131,8 @@ class RowMatcher:
         with self._lock:
             index = self._indexes.get(store.project_dir)
             if index is None:
-                index = self._indexes[store.project_dir] = RowIndex(store, rows)
+                saves = self.runtime.settings.save
+                index = self._indexes[store.project_dir] = RowIndex(store, rows, saves=saves)
             return index
 
     # ------------------------------------------------------------ one call
@@ -184,11 +187,13 @@ class RowMatcher:
         pending.seconds = time.perf_counter() - started
         if not pending.served:
             if pending.keys is not None:
+                differ = settings_differ(store, runtime.role.match_settings, call.run_config)
                 logger.info(
-                    "%s step %d: match: no row of this call cached (%d rows); running the target",
+                    "%s step %d: match: no row of this call cached (%d rows%s); running the target",
                     runtime.name,
                     plan.step,
                     len(pending.keys),
+                    f"; {differ}" if differ else "",
                 )
             pending.whole = True
             return pending
@@ -219,6 +224,7 @@ class RowMatcher:
         out = pending.codec.result_rows(result) if keys else 0
         ratio = out // len(keys) if keys and out and out % len(keys) == 0 else None
         self._save(pending, result, fresh=result if ratio else None, fresh_rows=range(len(keys or ())), ratio=ratio)
+        TALLY.add(self.runtime.name, generated_rows=len(keys or ()))
         return self.runtime.after_miss(pending.call, result)
 
     def merge(self, pending: _Pending, fresh: Any) -> bool:
@@ -284,8 +290,10 @@ class RowMatcher:
             len(misses),
             " (target not called)" if not misses else f" in one call of {len(misses) + pending.padding} rows",
         )
+        TALLY.add(runtime.name, served_rows=len(pending.served), generated_rows=len(misses))
         if runtime.role.on_match is not None:  # before saving: what it recomputes is saved as this run's
             merged = runtime.role.on_match(merged, pending.call, info)
+            TALLY.add(runtime.name, rescored_rows=rescored_rows(merged))
         self._save(pending, merged, fresh=pending.generated, fresh_rows=misses, ratio=pending.ratio)
         return merged
 
@@ -357,6 +365,8 @@ class RowMatcher:
                 for position, row in enumerate(kept):
                     served[row] = (len(pieces), position)
                 pieces.append(piece)
+                if runtime.settings.save:  # its usage record: last served, hits
+                    stores[source].note_hit(number)
                 pending.piece_sources.append(name)
                 pending.source_meta[name] = meta
                 sources[name] = sources.get(name, 0) + len(kept)
@@ -458,7 +468,13 @@ class RowMatcher:
                 keys=pending.keys,
                 background=pending.background,
             )
-        elif fresh is not None and fresh_rows and ratio is not None and self.stores.unusable(plan.store) is None:
+        elif (
+            fresh is not None
+            and fresh_rows
+            and ratio is not None
+            and self.runtime.settings.save
+            and self.stores.unusable(plan.store) is None
+        ):
             keys, inputs = pending.keys, pending.inputs
             assert keys is not None
             fresh_inputs = [inputs[row] for row in fresh_rows] if inputs and len(inputs) == len(keys) else None
