@@ -839,3 +839,21 @@ def test_a_refreshed_step_serves_its_new_rows_never_the_old_index_entries(target
     GENERATED.clear()
     assert responses(run(targets, tmp_path, schedule, action="match")[1][1]) == refreshed
     assert GENERATED == [], "every row served, from the refreshed commit"
+
+
+def test_rows_served_count_their_share_of_the_recorded_generation_time(targets: Any, tmp_path: Path) -> None:
+    """The summary of a ``match`` run: rows served and generated, and for each source step the share of its
+    recorded ``generation_s`` that the served rows stand for."""
+    from skipinject.report.tally import TALLY
+
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    recorded = json.loads((project(tmp_path) / "1" / "meta.json").read_text())["generation_s"]
+    assert recorded > 0
+    TALLY.clear()
+    run(targets, tmp_path, {2: [1, 2, 9, 10]}, action="match")
+    counts = TALLY.roles["gen"]
+    assert (counts["served_rows"], counts["generated_rows"]) == (4, 4)  # 2 prompts x n=2 each
+    assert counts["generation_s_saved"] == pytest.approx(recorded / 2)
+    meta = json.loads((project(tmp_path) / "2" / "meta.json").read_text())
+    assert meta["generation_s"] > 0, "the merged call records the time of the rows it generated"
+    TALLY.clear()
