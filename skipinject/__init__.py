@@ -4,9 +4,9 @@ This module is the plugin API (version :data:`API_VERSION`): everything a plugin
 exported here and listed in ``__all__`` (API 1.1 added the plugin kit, :mod:`skipinject.plugin_kit`:
 codec headers, row digests, verl ranges; and :meth:`PhaseContext.load`; API 1.2 added
 ``action=match``: :class:`RowCodec`, :class:`MatchInfo` and the role's ``row_key``/``match_settings``/
-``on_match``; API 1.3 added ``Role.record_meta`` and the recorded ``meta.json`` in :class:`HitInfo`
-and :class:`MatchInfo`); a plugin's tests may also
-use :mod:`skipinject.testing`. Every other module is internal and may change in any release. A
+``on_match``; API 1.3 added ``Role.record_meta``, the recorded ``meta.json`` in :class:`HitInfo` and
+:class:`MatchInfo`, and a phase's ``PhaseContext.record``/``commit``/``served``/``notes``); a plugin's
+tests may also use :mod:`skipinject.testing`. Every other module is internal and may change in any release. A
 plugin may declare the API it was written for as ``SKIPINJECT_API = 1`` (an incompatible one is
 refused in one clear line)::
 

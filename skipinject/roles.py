@@ -320,6 +320,30 @@ class PhaseContext(Protocol):
         the phase serves (:attr:`Loaded.value`) under the same policy: a cache that does not fit the
         call cannot serve it either."""
 
+    def served(self, call: Call, step: int) -> bool | None:
+        """Whether this run serves ``step`` from the cache (decided by :meth:`load` or :meth:`record`
+        at the step), ``None`` before a call decided it (plugin API 1.3)."""
+
+    def notes(self, call: Call, step: int) -> dict[str, Any]:
+        """What this run's phases noted about ``step``: a dict kept with the step until the run moves
+        past it (e.g. the prompts a submit and its refills drew; plugin API 1.3)."""
+
+    def record(self, call: Call, step: int, result: Any) -> int | None:
+        """Save ``result`` as ``step``'s next part ``k`` (in ``{step}/{k}/``); returns ``k``, or ``None``
+        when this run does not record the step (it was served or is cached already, its directory is
+        unusable, a part failed: reported once). Encoded and copied now, written in the background
+        (plugin API 1.3).
+
+        The step is cached only once :meth:`commit` is called: a step the run moves past before
+        that (a call of the role at another step, the end of the run) is dropped with one warning."""
+
+    def commit(
+        self, call: Call, step: int, meta: Mapping[str, Any] | None = None, *, unit: str = "rows", note: str = ""
+    ) -> None:
+        """Commit the parts :meth:`record` saved of ``step``, after their writes, with ``meta`` in its
+        ``meta.json`` (after the fields :attr:`Role.record_meta` gave for the first part); its save
+        line counts the rows as ``unit`` and ends with ``note`` (plugin API 1.3)."""
+
     def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
         """Run ``job`` (a write to ``store``) after the store's earlier jobs, off the training thread.
 

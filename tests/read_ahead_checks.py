@@ -173,4 +173,4 @@ def hit_line(caplog: pytest.LogCaptureFixture, step: int) -> str:
 
 
 def wait_for_read_ahead(step: int, runtime: RoleRuntime) -> None:
-    runtime.read_ahead.wait()
+    runtime.replay.read_ahead.wait()

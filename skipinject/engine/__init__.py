@@ -4,7 +4,9 @@ For each enabled role the engine patches the role's targets (through the injecto
 Its parts, in the order a call meets them:
 
 * :mod:`~skipinject.engine.phases` — the interceptors and the default one-call-one-unit phase;
-* :mod:`~skipinject.engine.runtime` — a role's settings and cache in this process;
+* :mod:`~skipinject.engine.runtime` — a role in this process, made of three parts:
+  :mod:`~skipinject.engine.stores` (its stores), :mod:`~skipinject.engine.replay` (serving a cached
+  step) and :mod:`~skipinject.engine.record` (saving a fresh one);
 * :mod:`~skipinject.engine.calls` — the calls of one step: recorded as its parts, replayed in order;
 * :mod:`~skipinject.engine.decision` — which cached step serves a call (``cache``/``repeat``/``strict``);
 * :mod:`~skipinject.engine.matching` — ``match``: rows served by their inputs (:mod:`~skipinject.engine.row_index`);

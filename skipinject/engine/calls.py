@@ -65,6 +65,15 @@ class StepCalls:
     failed: bool = False
     committed_parts: int = 0
     saving_seconds: float = 0.0  # encoding, copying, writing and committing the parts (not generating them)
+    #: A phase records the step (:meth:`~skipinject.roles.PhaseContext.record`) and commits it with
+    #: ``phase_meta`` (its save line counts ``unit`` and ends with ``note``); uncommitted when the run
+    #: moves past: dropped.
+    by_phase: bool = False
+    phase_meta: dict[str, Any] = field(default_factory=dict)
+    unit: str = "rows"
+    note: str = ""
+    #: What this run's phases noted about the step (:meth:`~skipinject.roles.PhaseContext.notes`).
+    notes: dict[str, Any] = field(default_factory=dict)
     # -- replaying
     payloads: Sequence[Payload] | None = None
     recorded_inputs: list[Any] = field(default_factory=list)
@@ -135,6 +144,18 @@ class StepBook:
                 else:
                     self.remembered.move_to_end(key)
             return record, passed
+
+    def find(self, project: Hashable, step: int) -> StepCalls | None:
+        """The step's record, if a call of this run has met it."""
+        key = (project, step)
+        with self.lock:
+            return self.open.get(key) or self.remembered.get(key)
+
+    def by_phase(self, project: Hashable, other_than: int) -> list[StepCalls]:
+        """The remembered steps of ``project`` a phase records, except ``other_than`` (taken out)."""
+        with self.lock:
+            keys = [k for k, r in self.remembered.items() if k[0] == project and k[1] != other_than and r.by_phase]
+            return [self.remembered.pop(key) for key in keys]
 
     def known(self, project: Hashable, step: int) -> bool:
         """A call of this run has met ``step`` already (its record is open or remembered)."""

@@ -32,59 +32,19 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from skipinject.engine.context import RoleContext
+from skipinject.engine.record import Recorder
 from skipinject.engine.row_index import ROWS, STEPS, RowIndex, RowSource, match_records
+from skipinject.engine.stores import RoleStores
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
 from skipinject.roles import Call, MatchInfo, Role, RowCodec
 from skipinject.store.format import ROWS_DIR
 
 if TYPE_CHECKING:
-    from skipinject.config import RoleConfig
     from skipinject.engine.calls import StepCalls
-    from skipinject.roles import Codec
     from skipinject.store import StepStore
-
-
-class MatchingRole(Protocol):
-    """What matching uses of its role in this process (:class:`~skipinject.engine.runtime.RoleRuntime`)."""
-
-    role: Role
-    settings: RoleConfig
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def codec(self) -> Codec: ...
-
-    def once(self, key: Any, level: int, message: str, *args: Any) -> None: ...
-
-    def fingerprint(self, call: Call) -> list[str] | None: ...
-
-    def unusable(self, store: StepStore) -> str | None: ...
-
-    def sibling_store(self, store: StepStore, name: str) -> StepStore: ...
-
-    def batch_size_stores(self, store: StepStore, limit: int) -> list[StepStore]: ...
-
-    def record(
-        self,
-        record: StepCalls,
-        index: int,
-        call: Call,
-        result: Any,
-        inputs: Sequence[str] | None = None,
-        *,
-        background: bool = True,
-        keys: Sequence[str] | None = None,
-    ) -> None: ...
-
-    def in_background(self, store: StepStore, job: Callable[[], None]) -> None: ...
-
-    def extra_meta(self, call: Call) -> dict[str, Any]: ...
-
-    def after_miss(self, call: Call, result: Any) -> Any: ...
 
 
 logger = logging.getLogger("skipinject")
@@ -136,8 +96,10 @@ def _plain(value: Any) -> Any:
 class RowMatcher:
     """``action=match`` for one role in this process: the row indexes and rows stores of its projects."""
 
-    def __init__(self, runtime: MatchingRole) -> None:
+    def __init__(self, runtime: RoleContext, stores: RoleStores, recorder: Recorder) -> None:
         self.runtime = runtime
+        self.stores = stores
+        self.recorder = recorder
         self._indexes: dict[Path, RowIndex] = {}
         self._rows: dict[Path, StepStore] = {}
         self._siblings: dict[Path, list[StepStore]] = {}
@@ -170,7 +132,7 @@ class RowMatcher:
         with self._lock:
             rows = self._rows.get(store.project_dir)
             if rows is None:
-                rows = self._rows[store.project_dir] = self.runtime.sibling_store(store, ROWS_DIR)
+                rows = self._rows[store.project_dir] = self.stores.sibling(store, ROWS_DIR)
             return rows
 
     def index(self, store: StepStore) -> RowIndex:
@@ -214,7 +176,7 @@ class RowMatcher:
         assert isinstance(codec, RowCodec)
         pending = _Pending(record, index, call, codec, background)
         pending.inputs = runtime.fingerprint(call)  # before the target runs: it may change its inputs
-        pending.keys = self.keys(call) if runtime.unusable(store) is None else None
+        pending.keys = self.keys(call) if self.stores.unusable(store) is None else None
         started = time.perf_counter()
         if pending.keys is not None:
             try:
@@ -416,7 +378,7 @@ class RowMatcher:
         with self._lock:
             found = self._siblings.get(store.project_dir)
         if found is None:
-            found = self.runtime.batch_size_stores(store, MAX_LAYOUTS)
+            found = self.stores.batch_size_stores(store, MAX_LAYOUTS)
             with self._lock:
                 found = self._siblings.setdefault(store.project_dir, found)
         return found
@@ -494,12 +456,11 @@ class RowMatcher:
         ratio: int | None = None,
     ) -> None:
         """The whole call as the step's part when the step is not committed; else its new rows as a rows record."""
-        runtime = self.runtime
         record = pending.record
         plan = record.plan
         assert plan is not None
         if plan.saves:
-            runtime.record(
+            self.recorder.record(
                 record,
                 pending.index,
                 pending.call,
@@ -508,13 +469,13 @@ class RowMatcher:
                 keys=pending.keys,
                 background=pending.background,
             )
-        elif fresh is not None and fresh_rows and ratio is not None and runtime.unusable(plan.store) is None:
+        elif fresh is not None and fresh_rows and ratio is not None and self.stores.unusable(plan.store) is None:
             keys, inputs = pending.keys, pending.inputs
             assert keys is not None
             fresh_inputs = [inputs[row] for row in fresh_rows] if inputs and len(inputs) == len(keys) else None
             rows_store = self.rows_store(plan.store)
             fresh_keys = [keys[row] for row in fresh_rows]
-            extra = runtime.extra_meta(pending.call)
+            extra = self.runtime.extra_meta(pending.call)
             self._save_rows(rows_store, plan.store, plan.step, fresh, fresh_keys, ratio, fresh_inputs, extra)
 
     def _save_rows(
@@ -572,7 +533,7 @@ class RowMatcher:
                     rows_store.release(number, token)
             logger.info("%s step %d: saved %d new rows to %s", self.runtime.name, step, len(keys), directory)
 
-        self.runtime.in_background(store, write)
+        self.recorder.in_background(store, write)
 
 
 #: A match line names at most this many of the records rows were served from.

@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 from skipinject.clock import CLOCK
 from skipinject.config import Action
-from skipinject.engine.runtime import REGENERATE, RoleRuntime
+from skipinject.engine.replay import REGENERATE
+from skipinject.engine.runtime import RoleRuntime
 from skipinject.roles import Call, Phase, StepSource, Target
 
 
@@ -34,12 +35,12 @@ class WholeCall:
     step's calls run the target and are saved as its parts (see :mod:`skipinject.engine.calls`)."""
 
     def run(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[..., Any]) -> Any:
-        record, index = role.enter(call, step)
+        record, index = role.recorder.enter(call, step)
         try:
             if role.settings.action is Action.match:
                 return role.matcher.run(record, index, call, proceed)
             if not record.recording:
-                result = role.serve_call(record, index, call)
+                result = role.replay.serve_call(record, index, call)
                 if result is not REGENERATE:
                     return result
                 if not record.recording:  # a later call of a replayed step: run it, save nothing
@@ -47,18 +48,18 @@ class WholeCall:
             inputs = role.fingerprint(call)  # before the target runs: it may change its inputs
             keys = role.matcher.keys(call)
             result = proceed()
-            role.record(record, index, call, result, inputs, keys=keys)
+            role.recorder.record(record, index, call, result, inputs, keys=keys)
             return role.after_miss(call, result)
         finally:
-            role.leave(record)
+            role.recorder.leave(record)
 
     async def run_async(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[..., Any]) -> Any:
-        record, index = await asyncio.to_thread(role.enter, call, step)
+        record, index = await asyncio.to_thread(role.recorder.enter, call, step)
         try:
             if role.settings.action is Action.match:
                 return await role.matcher.run_async(record, index, call, proceed)
             if not record.recording:
-                result = await asyncio.to_thread(role.serve_call, record, index, call)
+                result = await asyncio.to_thread(role.replay.serve_call, record, index, call)
                 if result is not REGENERATE:
                     return result
                 if not record.recording:
@@ -68,11 +69,13 @@ class WholeCall:
             result = await proceed()
             # Awaiting callers (the fully async Rollouter) run many samples at once and may be stopped
             # without an exit hook: their samples are written before they are returned.
-            save = functools.partial(role.record, record, index, call, result, inputs, background=False, keys=keys)
+            save = functools.partial(
+                role.recorder.record, record, index, call, result, inputs, background=False, keys=keys
+            )
             await asyncio.to_thread(save)
             return role.after_miss(call, result)
         finally:
-            await asyncio.to_thread(role.leave, record)
+            await asyncio.to_thread(role.recorder.leave, record)
 
 
 WHOLE_CALL = WholeCall()
@@ -151,7 +154,7 @@ class TargetInterceptor:
         steps = runtime.settings.steps
         chosen = frozenset(steps) if len(steps) <= _HASHED_STEPS else steps
         #: Asked by the injector first on every call, before a Call exists (see compile_passes).
-        self.passes = compile_passes(runtime.role.step, chosen, target.every_step, runtime.steps.open)
+        self.passes = compile_passes(runtime.role.step, chosen, target.every_step, runtime.recorder.steps.open)
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
         step = self.runtime.applicable_step(call, any_step=self.every_step)

@@ -282,7 +282,7 @@ def test_the_next_step_is_read_ahead_from_s3_and_its_hit_downloads_no_data_file(
     caplog.clear()
 
     def train(step: int, runtime: Any) -> None:
-        runtime.read_ahead.wait()
+        runtime.replay.read_ahead.wait()
         if step < 3:
             assert remove_data_files(url, step + 1)
 

@@ -366,7 +366,9 @@ def _load_via_store(dump: Path) -> Any:
     store = h.store_of(rt)
     entry = store.verified(STEP)
     payloads = store.load(entry)
-    return rt.decode(payloads, None)
+    if len(payloads) != 1:
+        raise CorruptCacheError(f"expected one part, the cache has {len(payloads)}")
+    return rt.codec.decode(payloads[0], None)
 
 
 _FUZZ: dict[str, int] = {"examples": 0, "rejected": 0, "identical": 0, "lost": 0}

@@ -2,7 +2,7 @@
 while it is still the step in the store; a read-ahead that fails changes nothing the run reports.
 
 Real stores (uncompressed and zstd), real ``DataProto`` batches through the default codec. Each
-test waits for the read-ahead (``runtime.read_ahead.wait()``) where it changes the store: nothing
+test waits for the read-ahead (``runtime.replay.read_ahead.wait()``) where it changes the store: nothing
 depends on timing. "Read no data file again" is shown by removing the step's data files once it
 was read ahead: its hit still serves it, bit for bit.
 """
@@ -63,7 +63,7 @@ def test_the_next_cached_step_is_read_ahead_and_its_hit_reads_no_data_file(
     log.clear()
 
     def train(step: int, runtime: RoleRuntime) -> None:
-        runtime.read_ahead.wait()
+        runtime.replay.read_ahead.wait()
         if step < 3:
             assert remove_data_files(tmp_path, step + 1)  # only meta.json is left to read
 
@@ -167,7 +167,7 @@ def test_a_step_recorded_anew_or_removed_after_it_was_read_ahead_is_read_again(
     log.clear()
 
     def train(step: int, runtime: RoleRuntime) -> None:
-        runtime.read_ahead.wait()
+        runtime.replay.read_ahead.wait()
         if step == 1:  # another run records step 2 again
             store.save(2, DataProtoCodec().encode(anew), {"inputs": None, "calls": 1})
         if step == 2:  # and removes step 3
@@ -246,8 +246,8 @@ def test_only_steps_the_settings_allow_and_the_store_holds_are_read_ahead(
 def _nothing_held(runtime: RoleRuntime) -> int:
     """Bytes of the role's hit memory still held once every batch is gone (a leaked entry holds its slot)."""
     gc.collect()
-    runtime.hit_memory.clear()
-    return runtime.hit_memory.nbytes
+    runtime.stores.hit_memory.clear()
+    return runtime.stores.hit_memory.nbytes
 
 
 def test_a_step_read_ahead_is_let_go_when_the_run_ends(
@@ -270,7 +270,7 @@ def test_a_step_read_ahead_is_let_go_when_the_run_moves_past_it(
     held: dict[int, int] = {}
 
     def train(step: int, runtime: RoleRuntime) -> None:
-        runtime.read_ahead.wait()
+        runtime.replay.read_ahead.wait()
         if step == 4:  # the run skipped step 3 (the role's target was not called there)
             held[step] = _nothing_held(runtime)
 

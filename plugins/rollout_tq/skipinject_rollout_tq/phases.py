@@ -3,11 +3,13 @@
 verl's V1 trainer splits a rollout in two: ``PPOTrainer._add_batch_to_generate`` submits the
 step's prompts (TransferQueue tags + ``generate_sequences``), and ``ReplayBuffer.sample`` later
 takes finished trajectories out. So one step's cache is written by the sample phase and served by
-the submit phase, and the two share a :class:`StepBook`.
+the submit phase: the engine keeps the step's decision (:meth:`PhaseContext.served`), its parts and
+its commit (:meth:`PhaseContext.record`, :meth:`PhaseContext.commit`).
 
 With group filtering (DAPO, ``algorithm.filter_groups.enable``) or failed-group refills the
 replay buffer draws more prompts inside ``sample`` through ``PPOTrainer._add_prompts_to_generate``
-(its ``refill_fn``): the refill phase counts them, the step's record (``meta.json``) says how many
+(its ``refill_fn``): the refill phase counts them in the step's notes (:meth:`PhaseContext.notes`),
+the step's record (``meta.json``) says how many
 prompts the step drew in all, and a served step draws that many again, so the dataloader stays
 where the recorded run had it.
 """
@@ -16,16 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skipinject import Call, CorruptCacheError, Loaded, PhaseContext, StepCache, StepWriting, run_config_of, select
+from skipinject import Call, CorruptCacheError, Loaded, PhaseContext, StepCache, run_config_of, select
 from skipinject_rollout import rescore
-from skipinject_rollout.reward_identity import record_reward, reward_identity
+from skipinject_rollout.reward_identity import reward_identity
 
 from skipinject_rollout_tq.transfer import (
     TRAIN,
@@ -76,39 +77,6 @@ def gen_batch_size(config: Any) -> int:
     return 1
 
 
-@dataclass
-class _SavingStep:
-    """The step whose sampled mini-batches are being saved (or deliberately not saved)."""
-
-    step: int
-    expected: int
-    writer: StepWriting | None  # None: nothing (more) to save for this step (the sampling side's view)
-    written: int = 0  # parts handed to the background writer
-    rows: int = 0
-    #: What the step's record says besides its parts: the prompts it drew, what it left in the buffer.
-    record: dict[str, Any] = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)
-    #: Set by the background job whose part failed: the step is aborted and its later parts are dropped.
-    failed: bool = False
-    #: What scored the trajectories (:func:`skipinject_rollout.reward_identity.record_reward`), for ``meta.json``.
-    scored_by: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Draws:
-    """The prompts the dataloader gave one step of this run: the submit's, then each refill's."""
-
-    step: int
-    submitted: int
-    refills: list[int] = field(default_factory=list)
-    #: ``False`` once prompts were drawn outside the phases' sight (the total is then unknown).
-    known: bool = True
-
-    @property
-    def total(self) -> int:
-        return self.submitted + sum(self.refills)
-
-
 @dataclass(frozen=True)
 class ServedRecord:
     """A step served in this run and what its record says the recorded run carried into the next step."""
@@ -129,49 +97,8 @@ def _describe_record(record: Mapping[str, Any]) -> str:
     return text
 
 
-class StepBook:
-    """What the submit phase decided per cache directory, and the open writer of the sample phase.
-
-    State is per cache directory and per step: a writer left open by a step whose last mini-batch
-    never came is aborted as soon as another step samples, so its parts are never committed.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.served: dict[Path, tuple[int, bool]] = {}
-        self.saving: dict[Path, _SavingStep] = {}
-        #: The prompts drawn by the step being generated (its submit and refills), per cache directory.
-        self.draws: dict[Path, Draws] = {}
-        #: The last step served, per cache directory (for the step after it).
-        self.last_served: dict[Path, ServedRecord] = {}
-
-    def record_submit(self, store: StepCache, step: int, served: bool) -> None:
-        with self.lock:
-            self.served[store.project_dir] = (step, served)
-
-    def record_draws(self, store: StepCache, step: int, submitted: int) -> None:
-        """The submit of a generated step drew ``submitted`` prompts; its refills come next."""
-        with self.lock:
-            self.draws[store.project_dir] = Draws(step, submitted)
-
-    def record_refill(self, store: StepCache, step: int, prompts: int) -> Draws:
-        """A refill of ``prompts`` at ``step``; returns the step's draws so far."""
-        with self.lock:
-            draws = self.draws.get(store.project_dir)
-            if draws is None or draws.step != step:  # the submit of this step was not seen
-                draws = self.draws[store.project_dir] = Draws(step, 0, known=False)
-            draws.refills.append(prompts)
-            return draws
-
-    def draws_of(self, store: StepCache, step: int) -> Draws | None:
-        with self.lock:
-            draws = self.draws.get(store.project_dir)
-        return draws if draws is not None and draws.step == step else None
-
-    def was_served(self, store: StepCache, step: int) -> bool | None:
-        with self.lock:
-            decision = self.served.get(store.project_dir)
-        return decision[1] if decision is not None and decision[0] == step else None
+#: The last step served per cache directory, and what its record says was carried past it.
+LastServed = dict[Path, "ServedRecord"]
 
 
 def _splits(trainer: Any) -> bool:
@@ -187,8 +114,8 @@ class SubmitPhase:
     prompts they would have had without skipping.
     """
 
-    def __init__(self, book: StepBook) -> None:
-        self.book = book
+    def __init__(self, last_served: LastServed) -> None:
+        self.last_served = last_served
 
     def run(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         if not _splits(call.instance):
@@ -216,10 +143,8 @@ class SubmitPhase:
         batch = trainer._next_train_batch()
         uids = [str(uid) for uid in batch["uid"]]
         store = role.store_for(call)
-        served = self._serve(role, call, store, step, uids)
-        self.book.record_submit(store, step, served)
-        if not served:
-            self.book.record_draws(store, step, len(uids))
+        if not self._serve(role, call, store, step, uids):
+            role.notes(call, step)["prompts_submitted"] = len(uids)  # its refills are counted beside it
             trainer._submit_batch_to_rollout(batch)
 
     def _serve(self, role: PhaseContext, call: Call, store: StepCache, step: int, uids: list[str]) -> bool:
@@ -249,7 +174,6 @@ class SubmitPhase:
             earlier = 0
             notes.append(f"could not count the groups already in the replay buffer ({type(exc).__name__}: {exc})")
         meta: Mapping[str, Any] = plan.entry.meta if plan.entry is not None else {}
-        config = run_config_of(call)
         # verl scores V1 trajectories in the rollout: the served ones are scored by this run's reward if the
         # recording's was another (skipinject_rollout.rescore); the reward role, when it serves, wins later.
         reward_loop = getattr(call.instance, "reward_loop_manager", None)
@@ -263,8 +187,7 @@ class SubmitPhase:
             meta,
         )
         remapped = inject(loaded.value)
-        with self.book.lock:
-            self.book.last_served[store.project_dir] = ServedRecord(step, _count(meta.get("carried_over")))
+        self.last_served[store.project_dir] = ServedRecord(step, _count(meta.get("carried_over")))
         exact = self._draw_recorded(call, plan.served_step, step, meta, len(uids), notes)
         if earlier:
             exact = False
@@ -360,9 +283,6 @@ class RefillPhase:
     and said so: nothing else could satisfy the buffer, which waits for the groups it asked for.
     """
 
-    def __init__(self, book: StepBook) -> None:
-        self.book = book
-
     def run(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         self.before_refill(role, call, step)
         return proceed()
@@ -372,9 +292,8 @@ class RefillPhase:
         return await proceed()
 
     def before_refill(self, role: PhaseContext, call: Call, step: int) -> None:
-        store = role.store_for(call)
         prompts = _count(call.argument("num_prompts"))
-        if self.book.was_served(store, step):
+        if role.served(call, step):
             logger.warning(
                 "%s step %d: the replay buffer asks for %d more prompts at this served step (it evicted groups); "
                 "generating them: the step no longer trains on exactly the recorded data, and the dataloader runs "
@@ -385,14 +304,16 @@ class RefillPhase:
                 prompts,
             )
             return
-        draws = self.book.record_refill(store, step, prompts)
+        notes = role.notes(call, step)
+        notes.setdefault("refills", []).append(prompts)
+        drawn = _drawn(notes)
         logger.info(
             "%s step %d: refill of %d prompts generated (the replay buffer evicted groups); the step has drawn %s "
             "prompts so far",
             role.name,
             step,
             prompts,
-            draws.total if draws.known else "an unknown number of",
+            "an unknown number of" if drawn is None else drawn,
         )
 
 
@@ -401,12 +322,13 @@ class SamplePhase:
 
     With ``parameter_sync_step = k`` the trainer samples k mini-batches per step; they become parts
     ``0..k-1`` of one step commit, published only after the k-th, so a step is loadable only whole.
-    Its targets are ``every_step``: a sample at any later step closes (aborts) an unfinished one.
-    Parts are copied in the call and written (and the step committed) by the engine's background writer.
+    Its targets are ``every_step``: a sample at any later step tells the engine the run moved past
+    an unfinished one, which is then dropped. Parts are copied in the call and written (and the step
+    committed) by the engine's background writer.
     """
 
-    def __init__(self, book: StepBook) -> None:
-        self.book = book
+    def __init__(self, last_served: LastServed) -> None:
+        self.last_served = last_served
 
     def run(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         result = proceed()
@@ -419,37 +341,57 @@ class SamplePhase:
         return result
 
     def after_sample(self, role: PhaseContext, call: Call, step: int, result: Any) -> None:
+        """Read the mini-batch back and hand it to the engine as the step's next part; commit after the last.
+
+        The copy is what training sampled, whatever TransferQueue's buffers or the trainer do with
+        the data afterwards; the write, fsync and checksums run in the engine's background writer,
+        in order with this store's other jobs (the next step's submit waits for them).
+        """
         batch = result[0] if isinstance(result, tuple) and result else result
         if getattr(batch, "partition_id", None) != TRAIN:
             return
-        if self.book.last_served:
-            self._after_served(role, role.store_for(call), step)
-        allowed = role.settings.allows(step)
-        if not allowed and not self.book.saving:
+        if self.last_served:
+            self._after_served(role, call, step)
+        if not role.settings.allows(step) or role.served(call, step):
             return
-        store = role.store_for(call)
-        with self.book.lock:
-            if not allowed:  # seen only to close a step whose last mini-batch never came
-                self._close_other(role, store, step)
-                return
-            saving = self._saving_for(role, call, store, step)
-            if saving.writer is None:
-                return
-            self._save_part(role, store, saving, batch, step)
+        try:
+            sampled = snapshot(batch, step)
+        except Exception as exc:  # the step misses a part: it is never committed
+            role.once(
+                ("sample", step),
+                logging.WARNING,
+                "%s step %d: cannot read the sampled mini-batch back (%s: %s); the step is not cached",
+                role.name,
+                step,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        part = role.record(call, step, sampled)
+        if part is None:
+            return
+        notes = role.notes(call, step)
+        notes["trajectories"] = notes.get("trajectories", 0) + len(sampled["keys"])
+        expected = parameter_sync_step(run_config_of(call))
+        if part + 1 < expected:
+            return
+        record = self._record(role, call, step, notes)
+        meta = {"parameter_sync_step": expected, "trajectories": notes["trajectories"], **record}
+        role.commit(call, step, meta, unit="trajectories", note=_describe_record(record))
 
-    def _after_served(self, role: PhaseContext, store: StepCache, step: int) -> None:
+    def _after_served(self, role: PhaseContext, call: Call, step: int) -> None:
         """Say so when a step generated after a served one misses what the recorded run carried into it.
 
         In the async modes the recorded run's buffer kept groups of a step (drawn there, finished or
         in flight, not sampled) for the steps after it; a served step drew their prompts but has no
         trajectories for them, so the first generated step after it trains on other prompts.
         """
-        with self.book.lock:
-            record = self.book.last_served.get(store.project_dir)
-            if record is None or record.step >= step:
-                return
-            del self.book.last_served[store.project_dir]
-        if record.carried_over and not self.book.was_served(store, step):
+        project = role.store_for(call).project_dir
+        record = self.last_served.get(project)
+        if record is None or record.step >= step:
+            return
+        self.last_served.pop(project, None)
+        if record.carried_over and not role.served(call, step):
             logger.warning(
                 "%s step %d: served step %d's record says the recorded run carried %d prompt groups (drawn then, "
                 "sampled later) past it; this run has none of them (their prompts were drawn and dropped at step %d), "
@@ -462,114 +404,8 @@ class SamplePhase:
                 step,
             )
 
-    def _close_other(self, role: PhaseContext, store: StepCache, step: int) -> None:
-        """Forget the step being saved if it is not ``step``; abort its writer if it is incomplete."""
-        current = self.book.saving.get(store.project_dir)
-        if current is None or current.step == step:
-            return
-        del self.book.saving[store.project_dir]
-        if current.writer is not None:
-            role.in_background(store, current.writer.abort)  # after the parts still being written
-            logger.warning(
-                "%s step %d: only %d of %d mini-batches were sampled before step %d began; the step is not cached",
-                role.name,
-                current.step,
-                current.written,
-                current.expected,
-                step,
-            )
-
-    def _saving_for(self, role: PhaseContext, call: Call, store: StepCache, step: int) -> _SavingStep:
-        self._close_other(role, store, step)
-        current = self.book.saving.get(store.project_dir)
-        if current is not None:
-            return current
-        expected = parameter_sync_step(run_config_of(call))
-        served = self.book.was_served(store, step)
-        if served is None:  # the submit phase did not see this step: trust only a committed cache
-            served = store.is_committed(step)
-        writer = None if served else store.begin(step)
-        current = self.book.saving[store.project_dir] = _SavingStep(step, expected, writer)
-        if writer is not None:
-            current.scored_by = dict(record_reward(call) or {})
-        return current
-
-    def _save_part(self, role: PhaseContext, store: StepCache, saving: _SavingStep, batch: Any, step: int) -> None:
-        """Read the mini-batch back and copy it now; write it (and commit the step after the last) in the background.
-
-        The copy is what training sampled, whatever TransferQueue's buffers or the trainer do with
-        the data afterwards; the write, fsync and checksums run in the engine's background writer,
-        in order with this store's other jobs (the next step's submit waits for them).
-        """
-        assert saving.writer is not None
-        part = saving.written
-        try:
-            payload = role.codec.encode(snapshot(batch, step)).private_copy()
-        except Exception as exc:
-            role.in_background(store, saving.writer.abort)
-            saving.writer = None
-            self._save_failed(role, store, saving, part, exc)
-            return
-        saving.written += 1
-        saving.rows += payload.rows or 0
-        last = saving.written == saving.expected
-        if last:
-            saving.record = self._record(role, store, step)
-        writer = saving.writer
-        role.in_background(store, lambda: self._write_part(role, store, saving, writer, payload, part, last))
-        if last:
-            saving.writer = None  # nothing more to save for this step; the job above commits it
-
-    def _write_part(
-        self,
-        role: PhaseContext,
-        store: StepCache,
-        saving: _SavingStep,
-        writer: StepWriting,
-        payload: Any,
-        part: int,
-        last: bool,
-    ) -> None:
-        """The background job of one mini-batch: write it, and commit the step if it is the last."""
-        if saving.failed:  # an earlier part of this step failed: the step is not cached
-            return
-        try:
-            writer.add_part(payload, part=str(part))
-            if not last:
-                logger.info(
-                    "%s step %d: saved mini-batch %d of %d (%s trajectories); the step is committed after the last",
-                    role.name,
-                    saving.step,
-                    part + 1,
-                    saving.expected,
-                    payload.rows,
-                )
-                return
-            directory = writer.commit(
-                {
-                    **saving.scored_by,
-                    "parameter_sync_step": saving.expected,
-                    "trajectories": saving.rows,
-                    **saving.record,
-                }
-            )
-        except Exception as exc:
-            writer.abort()
-            saving.failed = True
-            self._save_failed(role, store, saving, part, exc)
-            return
-        logger.info(
-            "%s step %d: saved %d trajectories in %d part(s) to %s in %.3f s%s",
-            role.name,
-            saving.step,
-            saving.rows,
-            saving.expected,
-            directory,
-            time.perf_counter() - saving.started,
-            _describe_record(saving.record),
-        )
-
-    def _record(self, role: PhaseContext, store: StepCache, step: int) -> dict[str, Any]:
+    @staticmethod
+    def _record(role: PhaseContext, call: Call, step: int, notes: Mapping[str, Any]) -> dict[str, Any]:
         """What the step's ``meta.json`` says besides its parts, read after its last sample.
 
         ``prompts_drawn``: prompts the dataloader gave the step (the submit's, ``prompts_submitted``,
@@ -579,14 +415,15 @@ class SamplePhase:
         groups one for one).
         """
         record: dict[str, Any] = {}
-        draws = self.book.draws_of(store, step)
-        if draws is not None and draws.known:
-            record.update(prompts_drawn=draws.total, prompts_submitted=draws.submitted, refills=list(draws.refills))
+        drawn = _drawn(notes)
+        if drawn is not None:
+            refills = list(notes.get("refills", ()))
+            record.update(prompts_drawn=drawn, prompts_submitted=notes["prompts_submitted"], refills=refills)
         try:
             record["carried_over"] = prompt_groups()
         except Exception as exc:  # the record is still whole without it; the served step then assumes 0
             role.once(
-                ("carried", str(store.project_dir)),
+                ("carried", str(role.store_for(call).project_dir)),
                 logging.WARNING,
                 "%s step %d: cannot count the prompt groups left in the replay buffer (%s: %s); not recorded",
                 role.name,
@@ -596,19 +433,11 @@ class SamplePhase:
             )
         return record
 
-    @staticmethod
-    def _save_failed(role: PhaseContext, store: StepCache, saving: _SavingStep, part: int, exc: Exception) -> None:
-        role.once(
-            ("save", str(store.project_dir), saving.step),
-            logging.WARNING,
-            "%s step %d: could not save mini-batch %d to %s (%s: %s); training goes on without the cache",
-            role.name,
-            saving.step,
-            part,
-            store.step_dir(saving.step),
-            type(exc).__name__,
-            exc,
-        )
+
+def _drawn(notes: Mapping[str, Any]) -> int | None:
+    """The prompts a step drew so far (its submit's and refills'), ``None`` when its submit went unseen."""
+    submitted = notes.get("prompts_submitted")
+    return None if submitted is None else submitted + sum(notes.get("refills", ()))
 
 
 class WarmupOff:

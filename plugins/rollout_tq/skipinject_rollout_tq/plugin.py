@@ -31,8 +31,9 @@ from skipinject import (
     installed_verl_matches,
     select,
 )
+from skipinject_rollout.reward_identity import record_reward
 
-from skipinject_rollout_tq.phases import RefillPhase, SamplePhase, StepBook, SubmitPhase, WarmupOff
+from skipinject_rollout_tq.phases import LastServed, RefillPhase, SamplePhase, SubmitPhase, WarmupOff
 from skipinject_rollout_tq.transfer import UPSTREAM_FILE, load_upstream_file
 
 TRAINER = "verl.trainer.ppo.v1.trainer_base:PPOTrainer"
@@ -63,19 +64,22 @@ def cannot_fire(config: Any) -> str | None:
     return None
 
 
-def make_role(book: StepBook | None = None) -> Role:
-    """The ``rollout_tq`` role; its submit and sample phases share ``book`` (a fresh one by default)."""
-    book = book or StepBook()
+def make_role() -> Role:
+    """The ``rollout_tq`` role; its submit and sample phases share the last served step per cache directory."""
+    last_served: LastServed = {}
     return Role(
         name="rollout_tq",
         targets=[
-            Target(SUBMIT, phase=SubmitPhase(book), verl=V1_VERL),
-            Target(REFILL, phase=RefillPhase(book), verl=V1_VERL),
-            *(Target(path, phase=SamplePhase(book), every_step=True, verl=V1_VERL) for path in SAMPLES),
+            Target(SUBMIT, phase=SubmitPhase(last_served), verl=V1_VERL),
+            Target(REFILL, phase=RefillPhase(), verl=V1_VERL),
+            *(Target(path, phase=SamplePhase(last_served), every_step=True, verl=V1_VERL) for path in SAMPLES),
             Target(WARMUP, phase=WarmupOff(), every_step=True, verl=V1_VERL),
         ],
         step=StepSource.clock("global_steps").or_else(StepSource.argument("global_steps")),
         codec=TensorDictCodec(),
+        # What scored the trajectories, in each saved step's meta.json (a served step is re-scored when
+        # this run's reward differs: skipinject_rollout.rescore).
+        record_meta=record_reward,
         # The V1 trainer's fit does not exist before verl 0.9: no clock there (nothing to time).
         clocks=[FIT] if installed_verl_matches(V1_VERL) else [],
         builtin="rollout_tq",

@@ -31,7 +31,7 @@ from skipinject.engine.background import WRITER
 from skipinject.store import StepStore
 from skipinject.store.writer import StepWriter
 from skipinject.verl.codecs import TensorDictCodec
-from skipinject_rollout_tq.phases import StepBook, parameter_sync_step
+from skipinject_rollout_tq.phases import parameter_sync_step
 from skipinject_rollout_tq.plugin import cannot_fire, make_role
 from skipinject_rollout_tq.transfer import CachedBatch, group_rows, inject, prepare, remap, select_rows
 from tensordict import TensorDict
@@ -314,7 +314,7 @@ class Session:
 
     def __init__(self, dump: Path, steps: tuple[int, ...] = (1, 2), **settings: Any) -> None:
         cfg = RoleConfig(enable=True, dump_dir=str(dump), steps=steps, **settings)
-        self.engine = Engine(Config(roles={"rollout_tq": cfg}), {"rollout_tq": (make_role(StepBook()), "test")})
+        self.engine = Engine(Config(roles={"rollout_tq": cfg}), {"rollout_tq": (make_role(), "test")})
 
     def __enter__(self) -> Engine:
         self.engine.start()
@@ -580,14 +580,16 @@ def test_jagged_fields_survive_save_load_and_row_selection(tmp_path: Path, clean
 def test_parameter_sync_step_parts_and_interrupted_step(tmp_path: Path, clean_tq: None, caplog):
     dump = tmp_path / "dump"
     layout = dump / LAYOUT.format(gbs=1)
-    with Session(dump, steps=(1, 2, 3)):
+    with Session(dump, steps=(1, 2, 3)) as engine:
         trainer = make_trainer("separate_async", k=2)
         assert parameter_sync_step(trainer.config) == 2
         first = train_step(trainer, 1)
-        # Step 2: one of two mini-batches sampled, then the process "dies" (the run is dropped as is).
+        # Step 2: one of two mini-batches sampled, then the process "dies" (the run is dropped as is:
+        # a killed process runs no end-of-run hook, so its open step is neither committed nor aborted).
         trainer.global_steps = 2
         trainer._add_batch_to_generate()
         trainer.replay_buffer.sample(global_steps=2, partition_id="train", batch_size=2)
+        engine.runtimes["rollout_tq"].recorder.steps.take_all()
     assert len(trainer.agent_loop_manager.calls) == 2
     meta = json.loads((layout / "1" / "meta.json").read_text())
     assert [p["dir"] for p in meta["parts"]] == ["0", "1"] and meta["rows"] == BATCH * N
@@ -617,8 +619,12 @@ def test_parameter_sync_step_parts_and_interrupted_step(tmp_path: Path, clean_tq
     assert not (layout / "3" / "meta.json").exists() and not list((layout / "3" / "0").glob("tensors-*"))
     messages = [r.getMessage() for r in caplog.records]
     assert any("rollout_tq step 2:" in m and ("interrupted" in m or "miss" in m) for m in messages), messages
-    assert any("step 3: only 1 of 2 mini-batches were sampled before step 4 began" in m for m in messages)
-    assert sum("saved mini-batch 1 of 2" in m for m in messages) == 2
+    assert any(
+        "step 3: could not save" in m and "1 part(s) recorded and not committed before step 4 began" in m
+        for m in messages
+    )
+    assert any("rollout_tq step 2: saved 8 trajectories in 2 part(s)" in m for m in messages), messages
+    assert not any("step 1: saved" in m or "step 3: saved" in m for m in messages), messages
 
 
 @pytest.mark.ray
@@ -787,5 +793,5 @@ def test_a_failed_background_part_leaves_no_step_and_drops_the_later_part(
     assert not (layout / "1" / "meta.json").exists()
     assert not list(layout.rglob("tensors-*")), "nothing of the failed step is left"
     messages = [r.getMessage() for r in caplog.records]
-    assert sum("could not save mini-batch 0" in m and "No space left" in m for m in messages) == 1, messages
-    assert not any("saved mini-batch" in m or "saved 8 trajectories" in m for m in messages), messages
+    assert sum("could not save" in m and "cannot write part 1" in m and "No space left" in m for m in messages) == 1
+    assert not any(": saved" in m for m in messages), messages

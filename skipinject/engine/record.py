@@ -1,0 +1,272 @@
+"""Recording: a step's fresh results saved as its parts and committed once (see :mod:`skipinject.engine.calls`).
+
+Encoding and a private copy happen in the call (the caller gets the result afterwards and may
+change it); writing and the commit happen in the background writer when the role has clocks (the
+trainer's ``fit`` returning waits for them; a Ray actor may be killed without running exit hooks),
+else at once. A step whose part cannot be saved is dropped whole (one warning), as is a step a
+phase records (:meth:`Recorder.record_part`) and does not commit before the run moves past it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from skipinject.engine.background import WRITER
+from skipinject.engine.calls import StepBook, StepCalls, part_name
+from skipinject.engine.context import RoleContext
+from skipinject.engine.replay import Replay
+from skipinject.engine.stores import RoleStores
+from skipinject.roles import Call, Plan, RowCodec, StepCache
+
+logger = logging.getLogger("skipinject")
+
+
+class Recorder:
+    """The steps of one role this process meets, and the saving of those it records."""
+
+    def __init__(self, runtime: RoleContext, stores: RoleStores, replay: Replay, steps: StepBook) -> None:
+        self.runtime = runtime
+        self.stores = stores
+        self.replay = replay
+        #: The steps this process's calls are in (see :mod:`skipinject.engine.calls`).
+        self.steps = steps
+
+    # ------------------------------------------------------------ the calls of a step
+
+    def step(self, call: Call, step: int) -> StepCalls:
+        """The record of ``step`` in the run of ``call``; steps the run moved past are closed first."""
+        record, passed = self.steps.get(self.stores.store_for(call).project_dir, step)
+        self.close(passed, step)
+        return record
+
+    def enter(self, call: Call, step: int) -> tuple[StepCalls, int]:
+        """Begin a call at ``step``: its step's record (planned at the step's first call) and its index.
+        Every ``enter`` that returns is followed by one :meth:`leave`."""
+        record = self.step(call, step)
+        with record.lock:
+            if record.plan is None:
+                record.plan = self.replay.plan(call, step)
+            index = record.started
+            record.started += 1
+            record.running += 1
+        return record, index
+
+    def leave(self, record: StepCalls) -> None:
+        """A call of ``record`` ended: commit the step if the run moved past it (or, without a clock, now)."""
+        with record.lock:
+            record.running -= 1
+            due = record.running == 0 and (record.closed or not self.steps.clocked)
+            first, record.left = not record.left, True
+        if first and record.plan is not None:
+            self.replay.read_after(record.plan)
+        if due:
+            self.commit(record)
+
+    def moved_to(self, step: int) -> None:
+        """The run is at ``step`` (a call of this role was seen there): close the steps it moved past."""
+        if self.steps.open:
+            self.close(self.steps.moved_to(step), step)
+
+    def close_all(self) -> None:
+        """The run ended: close every step."""
+        self.replay.read_ahead.close()
+        self.close(self.steps.take_all(), None)
+
+    def close(self, records: Sequence[StepCalls], at: int | None) -> None:
+        for record in records:
+            with record.lock:
+                record.closed = True
+                record.payloads = None if record.running == 0 else record.payloads
+                due = record.running == 0
+            if not due:
+                continue
+            if record.by_phase and record.parts > record.committed_parts:
+                began = "the run ended" if at is None else f"step {at} began"
+                self.drop(record, f"{record.parts} part(s) recorded and not committed before {began}")
+            else:
+                self.commit(record)
+
+    # ------------------------------------------------------------ saving
+
+    def record(
+        self,
+        record: StepCalls,
+        index: int,
+        call: Call,
+        result: Any,
+        inputs: Sequence[str] | None = None,
+        *,
+        background: bool = True,
+        keys: Sequence[str] | None = None,
+    ) -> None:
+        """Save call ``index``'s fresh result as the step's part ``index``; failures are logged, never raised.
+
+        ``inputs``: the call's fingerprint taken before the target ran; ``keys``: its row keys
+        (``action=match``), saved when the result has a whole number of rows per key;
+        ``background=False``: written here (callers already off the training thread).
+        """
+        plan = record.plan
+        assert plan is not None
+        if record.failed or not plan.saves:
+            return  # an unusable or untrusted cache directory was reported once already
+        what = f"{'part' if record.by_phase else 'call'} {index + 1}"
+        if result is None:
+            self.drop(record, f"{what} returned None")
+            return
+        started = time.perf_counter()
+        try:
+            snapshot = self.runtime.codec.encode(result).private_copy()
+        except Exception as exc:
+            self.drop(record, f"cannot encode {what} ({type(exc).__name__}: {exc})")
+            return
+        extra = self.runtime.extra_meta(call) if index == 0 else {}
+        with record.lock:
+            if index == 0:
+                record.extra_meta = extra
+            if record.writer is None:
+                record.writer = plan.store.begin(plan.step)
+            writer = record.writer
+            record.inputs[index] = list(inputs) if inputs is not None else self.runtime.fingerprint(call)
+            ratio = self._rows_per_key(result, keys)
+            if keys and ratio:
+                record.row_keys[index] = (list(keys), ratio)
+            record.parts += 1
+            record.rows += snapshot.rows or 0
+            record.saving_seconds += time.perf_counter() - started
+
+        def write() -> None:
+            if record.failed:
+                return
+            began = time.perf_counter()
+            try:
+                writer.add_part(snapshot, part=str(index) if record.by_phase else part_name(index))
+                record.saving_seconds += time.perf_counter() - began
+            except Exception as exc:
+                self.drop(record, f"cannot write {what} ({type(exc).__name__}: {exc})", in_job=True)
+
+        if background:
+            self.in_background(plan.store, write)
+        else:
+            write()
+
+    def _rows_per_key(self, result: Any, keys: Sequence[str] | None) -> int | None:
+        codec = self.runtime.codec
+        if not keys or not isinstance(codec, RowCodec):
+            return None
+        try:
+            rows = codec.result_rows(result)
+        except Exception:
+            return None
+        return rows // len(keys) if rows and rows % len(keys) == 0 else None
+
+    def commit(self, record: StepCalls) -> None:
+        """Queue the commit of a recorded step's parts (after their writes, in order)."""
+        plan = record.plan
+        with record.lock:
+            writer = record.writer
+            if plan is None or writer is None or record.failed or record.parts <= record.committed_parts:
+                return
+            meta = {**record.extra_meta, **record.phase_meta} if record.by_phase else record.commit_meta()
+            record.committed_parts = parts = record.parts
+        name = self.runtime.name
+
+        def commit() -> None:
+            if record.failed:
+                return
+            began = time.perf_counter()
+            try:
+                directory = writer.commit(meta)
+                record.saving_seconds += time.perf_counter() - began
+            except Exception as exc:
+                self.drop(record, f"cannot commit ({type(exc).__name__}: {exc})", in_job=True)
+                return
+            if record.by_phase:
+                what, note = f"{record.rows} {record.unit} in {parts} part(s)", record.note
+            else:
+                what, note = (f"{record.rows} rows" if parts == 1 else f"{parts} calls ({record.rows} rows)"), ""
+            seconds = record.saving_seconds
+            logger.info("%s step %d: saved %s to %s in %.3f s%s", name, plan.step, what, directory, seconds, note)
+
+        self.in_background(plan.store, commit)
+
+    def drop(self, record: StepCalls, why: str, *, in_job: bool = False) -> None:
+        """A part of the step cannot be saved: nothing of the step is cached (one warning).
+
+        ``in_job``: called from a write job (the writer thread): the writer is aborted right here.
+        """
+        plan = record.plan
+        assert plan is not None
+        with record.lock:
+            already, record.failed = record.failed, True
+            writer = record.writer
+        if already:
+            return
+        if writer is not None:
+            if in_job:
+                writer.abort()
+            else:
+                self.in_background(plan.store, writer.abort)
+        self.runtime.once(
+            ("save", str(plan.store.project_dir), plan.step),
+            logging.WARNING,
+            "%s step %d: could not save the cache to %s (%s); training goes on without it",
+            self.runtime.name,
+            plan.step,
+            plan.store.step_dir(plan.step),
+            why,
+        )
+
+    def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
+        """See :meth:`skipinject.roles.PhaseContext.in_background`."""
+        if self.runtime.role.clocks:
+            WRITER.submit(store.project_dir, job)
+        else:
+            job()
+
+    # ------------------------------------------------------------ the phase API
+
+    def record_part(self, call: Call, step: int, result: Any) -> int | None:
+        """See :meth:`skipinject.roles.PhaseContext.record`."""
+        record = self.step(call, step)
+        store = self.stores.store_for(call)
+        if not self.steps.clocked:  # another step of this store recorded by a phase ends here
+            self.close(self.steps.by_phase(store.project_dir, other_than=step), step)
+        with record.lock:
+            if record.plan is None:  # no phase planned the step in this run: record it unless cached
+                usable = self.stores.unusable(store) is None
+                record.plan = Plan(store, step, reason="recorded", saves=usable and not _committed(store, step))
+            record.by_phase = True
+            if (
+                not record.recording
+                or not record.plan.saves
+                or record.failed
+                or record.closed
+                or record.committed_parts
+            ):
+                return None  # served, cached, unusable, failed, or committed already
+            index = record.started
+            record.started += 1
+        self.record(record, index, call, result)
+        return None if record.failed else index
+
+    def commit_step(self, call: Call, step: int, meta: Mapping[str, Any] | None, unit: str, note: str) -> None:
+        """See :meth:`skipinject.roles.PhaseContext.commit`."""
+        record = self.step(call, step)
+        with record.lock:
+            record.phase_meta, record.unit, record.note = dict(meta or {}), unit, note
+        self.commit(record)
+
+    def served(self, call: Call, step: int) -> bool | None:
+        """See :meth:`skipinject.roles.PhaseContext.served`."""
+        record = self.steps.find(self.stores.store_for(call).project_dir, step)
+        return None if record is None or record.plan is None else record.plan.serves
+
+
+def _committed(store: StepCache, step: int) -> bool:
+    try:
+        return store.is_committed(step)
+    except OSError:
+        return True  # cannot tell: nothing is written into the step

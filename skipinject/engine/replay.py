@@ -1,0 +1,231 @@
+"""Replay: a chosen step planned, its cached calls loaded, checked against the call's inputs and served.
+
+Failures of the cache never reach the training call, except with ``action=strict`` or
+``on_mismatch=fail``: the target runs instead (see :mod:`skipinject.engine.decision`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from skipinject.config import Action, MismatchPolicy
+from skipinject.engine.background import WRITER
+from skipinject.engine.calls import StepBook, StepCalls, recorded_inputs
+from skipinject.engine.context import RoleContext
+from skipinject.engine.decision import cannot_load, nothing_more, plan_step
+from skipinject.engine.read_ahead import ReadAhead
+from skipinject.engine.stores import RoleStores
+from skipinject.errors import CorruptCacheError, PromptMismatchError
+from skipinject.roles import Call, HitInfo, Loaded, Plan
+from skipinject.store import Payload
+
+logger = logging.getLogger("skipinject")
+
+#: Returned by :meth:`Replay.serve_call` when the target must run after all.
+REGENERATE = object()
+
+
+class Replay:
+    """One role's serving from its cache in this process."""
+
+    def __init__(self, runtime: RoleContext, stores: RoleStores, steps: StepBook) -> None:
+        self.runtime = runtime
+        self.stores = stores
+        self.steps = steps
+        #: The next chosen step, verified and loaded in the background while this one trains (``read_ahead``).
+        self.read_ahead = ReadAhead(runtime.role.name)
+
+    def plan(self, call: Call, step: int) -> Plan:
+        """See :func:`skipinject.engine.decision.plan_step` (after this project's pending saves)."""
+        rt = self.runtime
+        store = self.stores.store_for(call)
+        WRITER.flush(store.project_dir)
+        ahead = self.read_ahead.take(store, step) if rt.settings.read_ahead else None
+        entry, waited = ahead if ahead is not None else (None, 0.0)
+        unusable = self.stores.unusable(store)
+        try:
+            plan = plan_step(rt.name, store, rt.settings, rt.role.upstream_formats, step, unusable, ahead=entry)
+        except BaseException:
+            if entry is not None:
+                entry.release()
+            raise
+        if entry is not None and plan.entry is entry:
+            plan = replace(plan, reason=f"{plan.reason}; read ahead, waited {waited:.3f} s")
+        elif entry is not None:
+            entry.release()
+        if plan.untrusted_upstream is not None:
+            rt.once(
+                ("untrusted", str(plan.untrusted_upstream)),
+                logging.WARNING,
+                "%s step %d: found verl's own cache %s but did not load it: it is a pickle, which runs code "
+                "when loaded. Set skip.%s.trust_upstream=true if you trust it; generating again and caching "
+                "in skipinject's format beside it",
+                rt.name,
+                step,
+                plan.untrusted_upstream,
+                rt.name,
+            )
+        return plan
+
+    def load(self, plan: Plan, call: Call, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
+        """See :meth:`skipinject.roles.PhaseContext.load`: what serves ``plan``, loaded, or ``None``."""
+        try:
+            return self._load_plan(plan, call, prepare)
+        finally:
+            self.read_after(plan)
+
+    def _load_plan(self, plan: Plan, call: Call, prepare: Callable[[Loaded], Any] | None) -> Loaded | None:
+        if not plan.serves:
+            return None
+        started = time.perf_counter()
+        try:
+            if plan.upstream_file is not None:
+                assert plan.upstream_format is not None
+                results = [plan.upstream_format.load(plan.upstream_file)]
+            else:
+                assert plan.entry is not None
+                results = [self.runtime.codec.decode(payload, call) for payload in plan.store.load(plan.entry)]
+            loaded = Loaded(plan, results)
+            if prepare is not None:
+                loaded.value = prepare(loaded)
+        except Exception as exc:  # whatever is wrong with the cache, it is not trained on
+            cannot_load(self.runtime.name, self.runtime.settings, plan, exc, "running the target instead")
+            return None
+        loaded.seconds = time.perf_counter() - started
+        return loaded
+
+    def read_after(self, plan: Plan) -> None:
+        """The planned step's first call is done: read the next chosen cached step ahead (``read_ahead``;
+        actions that serve whole steps)."""
+        rt = self.runtime
+        settings = rt.settings
+        if not settings.read_ahead or settings.action is Action.match or self.stores.unusable(plan.store) is not None:
+            return
+        project, steps = plan.store.project_dir, self.steps
+
+        def ahead(step: int) -> bool:  # chosen, and not met by this run yet (concurrent calls may be ahead)
+            return settings.allows(step) and not steps.known(project, step)
+
+        self.read_ahead.start(plan.store, plan.step, ahead)
+
+    def serve_call(self, record: StepCalls, index: int, call: Call) -> Any:
+        """Call ``index`` of a replayed step: its recorded result, or ``REGENERATE`` to run the target.
+
+        A failure to load or a mismatch at the step's first call turns the step into a recording
+        (it is generated and saved anew); at a later call, only that call runs the target.
+        """
+        rt = self.runtime
+        plan = record.plan
+        assert plan is not None
+        started = time.perf_counter()
+        try:
+            if record.payloads is None:
+                if plan.upstream_file is not None:
+                    assert plan.upstream_format is not None
+                    record.payloads = [plan.upstream_format.load(plan.upstream_file)]
+                    record.recorded_inputs = [None]
+                else:
+                    record.payloads, record.recorded_inputs = self._load_calls(plan)
+            if index >= record.recorded_calls:
+                return self._extra_call(record, index)
+            if plan.upstream_file is not None:
+                result, source = record.payloads[index], str(plan.upstream_file)
+            else:
+                assert plan.entry is not None
+                result, source = rt.codec.decode(record.payloads[index], call), str(plan.entry.directory)
+        except Exception as exc:  # whatever is wrong with the cache, it is not trained on
+            cannot_load(rt.name, rt.settings, plan, exc, "running the target instead")
+            return self._regenerate(record, index)
+        elapsed = time.perf_counter() - started
+        mismatched, compared = self._compare_inputs(record.recorded_inputs[index], call)
+        calls = record.recorded_calls
+        which = f" call {index + 1} of {calls}" if calls > 1 else ""
+        if mismatched:
+            policy = rt.settings.on_mismatch
+            message = (
+                f"{rt.name} step {plan.step}{which}: the cache served (step {plan.served_step}) was generated from "
+                f"other inputs in {mismatched} of {compared} rows (changed data order, seed or step); "
+            )
+            if policy is MismatchPolicy.fail:
+                raise PromptMismatchError(message + f"skip.{rt.name}.on_mismatch=fail")
+            if policy is MismatchPolicy.regenerate:
+                logger.warning("%s", message + "regenerating (on_mismatch=regenerate)")
+                return self._regenerate(record, index)
+            logger.warning("%s", message + "training on them anyway (on_mismatch=warn)")
+        logger.info(
+            "%s step %d: hit%s, served step %d (%s) from %s in %.3f s; target not called",
+            rt.name,
+            plan.step,
+            f" ({which.strip()})" if which else "",
+            plan.served_step,
+            plan.reason,
+            source,
+            elapsed,
+        )
+        if rt.role.on_hit is not None:
+            recorded = plan.entry.meta if plan.entry is not None else {}
+            info = HitInfo(plan.step, plan.served_step, elapsed, mismatched, compared, source, recorded, rt.settings)
+            result = rt.role.on_hit(result, call, info)
+        return result
+
+    def _load_calls(self, plan: Plan) -> tuple[list[Payload], list[Any]]:
+        """Every recorded call of the planned entry (one part each), with their recorded inputs."""
+        assert plan.entry is not None
+        payloads = plan.store.load(plan.entry)
+        meta = plan.entry.meta
+        calls = meta.get("calls", 1)
+        if type(calls) is not int or calls != len(payloads):
+            raise CorruptCacheError(
+                f"{plan.entry.directory}: meta.json records {str(calls)[:40]!r} calls but holds {len(payloads)} parts"
+            )
+        return payloads, recorded_inputs(meta, calls)
+
+    def _extra_call(self, record: StepCalls, index: int) -> Any:
+        rt, plan, calls = self.runtime, record.plan, record.recorded_calls
+        assert plan is not None
+        nothing_more(rt.name, rt.settings, plan, index, calls)
+        rt.once(
+            ("extra", id(record)),
+            logging.INFO,
+            "%s step %d: this run calls the target more often than the cached step %d holds (%d call%s, in %s); "
+            "running the target for call %d and any later ones (not saved)",
+            rt.name,
+            plan.step,
+            plan.served_step,
+            calls,
+            "s" if calls != 1 else "",
+            plan.source,
+            index + 1,
+        )
+        return REGENERATE
+
+    def _regenerate(self, record: StepCalls, index: int) -> Any:
+        """The cache cannot serve call ``index``: at the step's first call, record the step anew
+        (a later call only runs the target; the step stays as recorded)."""
+        with record.lock:
+            plan = record.plan
+            if index == 0 and record.started == 1 and plan is not None:
+                record.plan = regenerated(plan)
+                record.payloads = None
+        return REGENERATE
+
+    def _compare_inputs(self, stored: Any, call: Call) -> tuple[int, int]:
+        if not isinstance(stored, list):
+            return 0, 0
+        current = self.runtime.fingerprint(call)
+        if current is None:
+            return 0, 0
+        compared = max(len(stored), len(current))
+        same = sum(1 for a, b in zip(stored, current, strict=False) if a == b)
+        return compared - same, compared
+
+
+def regenerated(plan: Plan, failed: bool = True) -> Plan:
+    """``plan`` turned into a recording (``failed``: its cache could not serve)."""
+    if not failed:
+        return plan
+    return replace(plan, entry=None, upstream_file=None, upstream_format=None, reason="regenerated")
