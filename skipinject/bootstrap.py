@@ -21,14 +21,25 @@ from typing import TYPE_CHECKING, Any
 
 from skipinject.config import Config
 from skipinject.config import environment as env_vars
-from skipinject.config.environment import ENV_CONFIG, ENV_DISABLE, ENV_LOG_LEVEL
+from skipinject.config.environment import ENV_CONFIG, ENV_DISABLE, ENV_LOG_LEVEL, ENV_RUN_REPORT
 from skipinject.errors import ConfigError
 
 if TYPE_CHECKING:
     from skipinject.engine import Engine
     from skipinject.plugin_manager import PluginSet
 
-__all__ = ["ENV_CONFIG", "ENV_DISABLE", "ENV_LOG_LEVEL", "configure_logging", "disabled", "export", "start", "stop"]
+__all__ = [
+    "ENV_CONFIG",
+    "ENV_DISABLE",
+    "ENV_LOG_LEVEL",
+    "active",
+    "configure_logging",
+    "disabled",
+    "export",
+    "start",
+    "started",
+    "stop",
+]
 
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "_bootstrap")
 RAY_SETUP_HOOK = "skipinject.bootstrap.ray_worker_setup"
@@ -53,6 +64,16 @@ def disabled() -> bool:
         configure_logging()
         logger.error("%s; skipinject stays off in process %d", exc, os.getpid())
         return True
+
+
+def started() -> bool:
+    """Whether :func:`start` ran in this process (and :func:`stop` did not undo it)."""
+    return _started
+
+
+def active() -> bool:
+    """Whether hooks of this process's configuration are installed here."""
+    return _engine is not None
 
 
 def configure_logging() -> None:
@@ -105,6 +126,9 @@ def stop() -> None:
         if _engine is not None:
             _engine.stop()
         INJECTOR.uninstrument(RAY_INIT)
+        run_start = sys.modules.get("skipinject.report.start")
+        if run_start is not None:
+            run_start.unwatch()
         _engine = None
         _started = False
 
@@ -211,6 +235,8 @@ class _RayInitInterceptor:
         amended = copy.copy(runtime_env) if runtime_env else {}
         env_vars = dict(amended.get("env_vars") or {})
         env_vars.setdefault(ENV_CONFIG, self.config_json)
+        if os.environ.get(ENV_RUN_REPORT):  # the driver's: where this node's processes write their counts
+            env_vars.setdefault(ENV_RUN_REPORT, os.environ[ENV_RUN_REPORT])
         user_hook = amended.get("worker_process_setup_hook")
         if _job_setup_hook_injected():
             pass  # `ray job submit` set a hook for the job: a second one would make ray.init fail
@@ -235,6 +261,9 @@ class _RayInitInterceptor:
             kwargs["job_config"] = job_config
         else:
             kwargs["runtime_env"] = self.amend(kwargs.get("runtime_env"))
+        run_start = sys.modules.get("skipinject.report.start")
+        if run_start is not None:  # the driver: its start lines, if verl's config was not seen first
+            run_start.at_ray_init()
         result = proceed()
         self.check_cluster()
         return result

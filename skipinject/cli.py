@@ -22,13 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType, TracebackType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from skipinject.errors import SkipInjectError, UsageError, did_you_mean
-
-if TYPE_CHECKING:
-    from skipinject.config import Config
-    from skipinject.plugin_manager import PluginSet
 
 USAGE = """\
 python -m skipinject [options] (SCRIPT | -m MODULE | -c CODE) [ARGS...]
@@ -192,26 +188,16 @@ def _prepare(argv: list[str]) -> Program | None:
     chosen = args.list or args.skip_config or args.plugins is not None or environment.ENV_PLUGINS in os.environ
     if not chosen and not overrides:  # no setting names a role: none can be on, so no plugin is loaded
         return _required(program)
-    plugins, config = _configure(args, overrides)
+    from skipinject.launch import install, resolve
+
+    plugins, config = resolve(overrides, plugins=args.plugins, settings_file=args.skip_config)
     if args.list:
         from skipinject.listing import render
 
         print(render(plugins), end="")
         return None
     program = _required(program)
-
-    from skipinject import bootstrap
-
-    bootstrap.configure_logging()
-    if config.enabled_roles and not bootstrap.disabled():
-        from skipinject.verl.stack import warn_if_untested
-
-        warn_if_untested()
-        bootstrap.export(config)
-        _export_plugin_paths(plugins, config)
-        engine = bootstrap.start(config, plugins)
-        if engine is not None:
-            engine.check_targets()
+    install(config, plugins)
     return program
 
 
@@ -232,64 +218,6 @@ def _required(program: Program | None) -> Program:
     if program is None:
         raise UsageError("give a SCRIPT, -m MODULE or -c CODE to run (see --help)")
     return program
-
-
-def _configure(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> tuple[PluginSet, Config]:
-    """The plugins chosen (``--plugins`` or ``VERL_SKIP_PLUGINS``) and the validated settings."""
-    from skipinject.config import Config, apply_overrides, apply_settings, load_file
-    from skipinject.config.environment import ENV_PLUGINS
-    from skipinject.plugin_manager import load_plugins
-
-    if args.plugins is not None:
-        plugins = load_plugins(args.plugins, given_as="--plugins")
-    else:
-        plugins = load_plugins(os.environ.get(ENV_PLUGINS) or "")
-    hint = "; see `python -m skipinject --list`"
-    config = Config()
-    if args.skip_config is not None:
-        config = apply_settings(config, load_file(args.skip_config), plugins.roles, hint=hint)
-    config = apply_overrides(config, overrides, plugins.roles, hint=hint)
-    owners = sorted({plugins.plugin_of(name).name for name in config.enabled_roles})
-    config = Config(
-        plugins=",".join(owners),
-        plugin_sources=plugins.sources_of(owners),
-        roles=config.roles,
-        triggers=_triggers(plugins, config.enabled_roles),
-    )
-    if config.enabled_roles:
-        config.to_json()  # refuses, in one line, what cannot reach the run's other processes
-    return plugins, config
-
-
-def _triggers(plugins: PluginSet, enabled: list[str]) -> tuple[str, ...]:
-    """Top-level packages holding the enabled roles' targets and clocks (and verl's SkipManager guard)."""
-    from skipinject.verl.builtin_guard import BUILTIN_SKIP_INIT
-
-    paths = [BUILTIN_SKIP_INIT] if any(plugins.roles[name].builtin for name in enabled) else []
-    for name in enabled:
-        role = plugins.roles[name]
-        paths += [target.path for target in role.targets] + list(role.clocks)
-    return tuple(sorted({path.split(":")[0].split(".")[0] for path in paths}))
-
-
-def _export_plugin_paths(plugins: PluginSet, config: Config) -> None:
-    """Plugins given as ``module[:attr]`` paths must import in children too (Ray workers start
-    elsewhere than the current directory): append their directories to ``PYTHONPATH``."""
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    for plugin in plugins.plugins:
-        if plugin.name not in config.plugin_sources or plugin.distribution is not None:
-            continue
-        top = sys.modules.get(plugin.source.split(":")[0].split(".")[0])
-        location = getattr(top, "__file__", None)
-        if location is None:
-            continue
-        base = Path(location).resolve().parent
-        if Path(location).name == "__init__.py":
-            base = base.parent
-        if str(base) not in paths:
-            paths.append(str(base))
-    if paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join(paths)
 
 
 def _run(program: Program) -> int:

@@ -11,6 +11,8 @@ copying them. The built-in roles do. Nothing here imports torch or verl at impor
   then reported, ``skip.<role>.on_mismatch``).
 * :func:`installed_verl_matches` — whether a version range holds for the installed verl (for clocks
   and checks, which carry no range of their own).
+
+What is verl's (its tensor names, its versions) lives in :mod:`skipinject.verl`; this module hands it on.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from skipinject.errors import CodecError
-from skipinject.verl.compat import verl_version, version_matches
+from skipinject.verl.compat import installed_verl_matches
+from skipinject.verl.rows import attended_tokens
 
 __all__ = [
     "DIGEST_BYTES",
@@ -88,25 +91,3 @@ def row_digest(*pieces: Any) -> str:
         else:
             digest.update(row_text(piece).encode())
     return digest.hexdigest()
-
-
-def attended_tokens(tensors: Any) -> list[Any] | None:
-    """Each row's ``input_ids`` where ``attention_mask`` is set (padding left out), or ``None`` when
-    the batch's tensors (a TensorDict) have no ``input_ids``."""
-    keys = () if tensors is None else tensors.keys()  # TensorDict refuses ``in`` on itself
-    if "input_ids" not in keys:
-        return None
-    ids = tensors["input_ids"]
-    mask = tensors["attention_mask"] if "attention_mask" in keys else None
-    return [ids[index] if mask is None else ids[index][mask[index].bool()] for index in range(ids.shape[0])]
-
-
-def installed_verl_matches(spec: str) -> bool:
-    """Whether the installed verl is in ``spec`` (``">=0.9"``); ``True`` when verl is absent.
-
-    For clock targets and checks, which carry no version range of their own: a clock of a trainer
-    that does not exist in this verl is left out instead of being listed as missing. Development
-    builds count as their release (``0.10.0.dev0`` is in ``>=0.9``).
-    """
-    installed = verl_version()
-    return installed is None or version_matches(spec, installed)

@@ -84,24 +84,12 @@ def _raw(payloads: Sequence[Payload]) -> dict[str, Any]:
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     """Leaf fields by dotted name: tensors, numpy arrays, lists and plain values."""
+    from skipinject.verl.codecs import verl_fields
+
+    found = verl_fields(value, prefix, flatten)
+    if found is not None:
+        return found
     out: dict[str, Any] = {}
-    kind = type(value).__name__
-    if hasattr(value, "non_tensor_batch") and hasattr(value, "meta_info") and hasattr(value, "batch"):
-        if value.batch is not None:
-            out.update(flatten(value.batch, f"{prefix}batch."))
-        for key, column in value.non_tensor_batch.items():
-            out[f"{prefix}non_tensor_batch.{key}"] = column
-        for key, item in dict(value.meta_info).items():
-            out[f"{prefix}meta_info.{key}"] = item
-        return out
-    if kind == "TensorDict":
-        for key in value.keys():
-            out.update(flatten(value.get(key), f"{prefix}{key}."))
-        return out
-    if kind in ("NonTensorStack",):
-        return {prefix.rstrip("."): value.tolist()}
-    if kind == "NonTensorData":
-        return {prefix.rstrip("."): value.data}
     nested = isinstance(value, Mapping) and not prefix.startswith("objects.") and all(isinstance(k, str) for k in value)
     if nested and (not prefix or _has_container(value)):
         for key, item in value.items():
@@ -115,7 +103,9 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _has_container(value: Mapping[str, Any]) -> bool:
-    return any(type(v).__name__ in ("TensorDict", "Tensor", "ndarray") for v in value.values())
+    from skipinject.verl.codecs import is_tensordict
+
+    return any(type(v).__name__ in ("Tensor", "ndarray") or is_tensordict(v) for v in value.values())
 
 
 # ---------------------------------------------------------------- describing

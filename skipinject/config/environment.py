@@ -16,6 +16,8 @@ ENV_DISABLE = "SKIPINJECT_DISABLE"
 ENV_LOG_LEVEL = "SKIPINJECT_LOG_LEVEL"
 ENV_PLUGINS = "VERL_SKIP_PLUGINS"
 ENV_DEBUG = "SKIPINJECT_DEBUG"
+ENV_SUMMARY = "SKIPINJECT_SUMMARY"
+ENV_RUN_REPORT = "SKIPINJECT_RUN_REPORT"
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -25,7 +27,9 @@ VARIABLES = {
     ENV_DISABLE: "1/true/yes/on: skipinject off everywhere (default: on)",
     ENV_LOG_LEVEL: "DEBUG, INFO (default), WARNING, ERROR or CRITICAL",
     ENV_DEBUG: "1: `skipinject cache` shows a traceback of an internal error",
+    ENV_SUMMARY: "a file: the run's summary is also written there, as JSON",
     ENV_CONFIG: "set by the runner: the checked settings, for the run's processes",
+    ENV_RUN_REPORT: "set by the runner: where the run's processes write their counts for the summary",
     "SKIPINJECT_CHAINED_SETUP_HOOK": "set by skipinject: the job's own Ray worker setup hook, run next",
     "PYTHONPATH": "extended by the runner: its start-up hook, plugins given as paths",
     "RAY_JOB_CONFIG_JSON_ENV_VAR": "Ray's: whether a submitted job has its own worker setup hook",

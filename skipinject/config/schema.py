@@ -32,6 +32,7 @@ class Action(str, enum.Enum):
     repeat = "repeat"  # exact step, else the largest cached below, else the smallest above
     strict = "strict"  # like cache, but a missing or unusable cache stops the run
     match = "match"  # rows served by their inputs from any cached step, only the others generated
+    refresh = "refresh"  # generate and save again, replacing what is cached (never served)
 
     def __str__(self) -> str:
         return self.value
@@ -153,7 +154,8 @@ class RoleConfig:
             "missing or unusable cache stops the run (for replay you rely on). `match`: each row (prompt) whose "
             "result was cached at any step of this layout (or of one differing only in the batch size) is served, "
             "only the others generated, in one call "
-            "(see [Replay by content](docs/match.md))"
+            "(see [Replay by content](docs/match.md)). `refresh`: generate the chosen steps again and save each "
+            "in place of its earlier commit (replaced whole, never half; nothing served)"
         ),
         expected=f"unknown action (choose one of {', '.join(Action)})",
     )
@@ -233,6 +235,16 @@ class RoleConfig:
             "recorded scores (one line when the reward differs; see [Re-scoring](docs/rescore.md))"
         ),
         expected=f"expected one of {', '.join(RescorePolicy)}",
+    )
+
+    save: bool = _setting(
+        True,
+        meaning=(
+            "`false`: read-only: serve what is cached and never write (no step, rows record or row index is saved; "
+            "misses are generated and not kept), for team caches, CI and buckets the run may read but not write"
+        ),
+        expected=_BOOLEAN,
+        check=_boolean,
     )
 
     def __post_init__(self) -> None:

@@ -32,6 +32,7 @@ from skipinject.engine.phases import ClockInterceptor, TargetInterceptor
 from skipinject.engine.runtime import RoleRuntime
 from skipinject.errors import ConfigError
 from skipinject.injector import INJECTOR, Injector, target_key
+from skipinject.report.tally import METRICS_TARGET, MetricsInterceptor
 from skipinject.roles import Role
 from skipinject.verl.builtin_guard import BUILTIN_SKIP_INIT, BuiltinGuard
 from skipinject.verl.compat import is_run_config, module_exists, verl_version, version_matches
@@ -88,6 +89,8 @@ class Engine:
         if any(rt.role.builtin for rt in self.runtimes.values()):
             self._instrument(BUILTIN_SKIP_INIT, BuiltinGuard(self), "skipinject/builtin-guard")
         if self.runtimes:
+            # the trainer's metrics get the cache's running totals (skipinject/served_steps_total, ...)
+            self._instrument(METRICS_TARGET, MetricsInterceptor(), "skipinject/metrics")
             atexit.register(self.end_of_run)  # after the writer's own exit flush was registered: runs first
             logger.debug("skipinject active for %s", ", ".join(self.runtimes))
 

@@ -65,6 +65,8 @@ class StepCalls:
     failed: bool = False
     committed_parts: int = 0
     saving_seconds: float = 0.0  # encoding, copying, writing and committing the parts (not generating them)
+    #: The wall time of the target's calls that made the step (``generation_s`` in ``meta.json``: a hit saves it).
+    generation_seconds: float = 0.0
     #: A phase records the step (:meth:`~skipinject.roles.PhaseContext.record`) and commits it with
     #: ``phase_meta`` (its save line counts ``unit`` and ends with ``note``); uncommitted when the run
     #: moves past: dropped.
@@ -90,6 +92,8 @@ class StepCalls:
         """The role-level part of ``meta.json``: how many calls the step holds and each one's inputs."""
         calls = self.parts
         meta: dict[str, Any] = {**self.extra_meta, "inputs": self.inputs.get(0), "calls": calls}
+        if self.generation_seconds > 0:
+            meta["generation_s"] = round(self.generation_seconds, 6)
         if calls > 1:
             meta["call_inputs"] = [self.inputs.get(index) for index in range(calls)]
         if self.row_keys:

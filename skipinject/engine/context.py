@@ -63,11 +63,20 @@ class RoleContext:
         return None if rows is None else [str(r) for r in rows]
 
     def extra_meta(self, call: Call) -> dict[str, Any]:
-        """The role's ``record_meta`` fields for a result of ``call`` (none when it fails: one warning)."""
+        """The role's ``record_meta`` fields for a result of ``call`` (none when it fails: one warning), and
+        the values of its ``match_settings`` (a later miss names those that differ)."""
+        recorded: dict[str, Any] = {}
+        if self.role.match_settings:
+            from skipinject.report.misses import SETTINGS_KEY, recorded_settings
+
+            try:
+                recorded[SETTINGS_KEY] = recorded_settings(self.role.match_settings, call.run_config)
+            except Exception:  # only the explanation of a later miss depends on it
+                pass
         if self.role.record_meta is None:
-            return {}
+            return recorded
         try:
-            return dict(self.role.record_meta(call) or {})
+            return {**recorded, **dict(self.role.record_meta(call) or {})}
         except Exception as exc:
             self.once(
                 ("record_meta", type(exc)),

@@ -3,9 +3,11 @@ that cannot serve does to the run.
 
 ``cache`` serves the step's own entry; ``repeat`` the exact step, else the largest cached step
 below, else the smallest above; ``strict`` is ``cache`` that stops the run when there is nothing to
-serve; ``match`` serves no step whole (its rows are matched by key,
-:mod:`skipinject.engine.matching`). A cache that cannot be used (damaged, foreign, unreadable) is
-never loaded: the decision is logged in one line and the step is generated again.
+serve; ``refresh`` serves nothing and saves every chosen step anew; ``match`` serves no step whole
+(its rows are matched by key, :mod:`skipinject.engine.matching`); ``save=false`` saves nothing. A
+miss names the nearest cache of the role elsewhere (:mod:`skipinject.report.misses`). A cache that
+cannot be used (damaged, foreign, unreadable) is never loaded: the decision is logged in one line
+and the step is generated again.
 
 Pure: :func:`plan_step` gets what it needs (the store, the role's settings and upstream formats)
 and returns a :class:`~skipinject.roles.Plan`; the strict/fallback rule for every way a cache can
@@ -17,10 +19,12 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from skipinject.config import Action, RoleConfig
 from skipinject.errors import CacheMissError, CorruptCacheError, UntrustedCacheError
+from skipinject.report.misses import nearest_cache
 from skipinject.roles import Plan, UpstreamFormat
 from skipinject.store import StepEntry, StepStore
 
@@ -54,8 +58,13 @@ def plan_step(
         if action is Action.strict:
             raise CacheMissError(f"{name} step {step}: skip.{name}.action=strict and {unusable}")
         return Plan(store, step, reason="cache directory unusable", saves=False)
+    saving = "saving its result" if settings.save else "not saving it (save=false)"
+    if action is Action.refresh:
+        logger.info("%s step %d: refresh: running the target and %s in place of any cached one", name, step, saving)
+        return Plan(store, step, reason="refresh", saves=settings.save)
     if action is Action.match:
-        return match_plan(name, store, step)
+        plan = match_plan(name, store, step)
+        return plan if settings.save else replace(plan, saves=False)
     problems: list[str] = []
     untrusted_own = False  # the step's own directory is another user's: nothing is saved there either
     found: tuple[Path, UpstreamFormat] | None = None
@@ -93,8 +102,9 @@ def plan_step(
     interrupted = None if problems else store.interrupted(step)
     if interrupted:
         problems.append(interrupted)
+    near = None if problems else nearest_cache(store, step)
     if action is Action.strict:
-        detail = summary(problems) if problems else f"no cache at {where}"
+        detail = summary(problems) if problems else f"no cache at {where}" + (f" ({near})" if near else "")
         if untrusted is not None:
             detail += f" (verl's own cache {untrusted} is not loaded: skip.{name}.trust_upstream is false)"
         raise CacheMissError(f"{name} step {step}: skip.{name}.action=strict and {detail}")
@@ -104,12 +114,15 @@ def plan_step(
             name,
             step,
             summary(problems),
-            "not saving its result there" if untrusted_own else "saving its result",
+            "not saving its result there" if untrusted_own else saving,
         )
-        return Plan(store, step, reason="cache unusable", untrusted_upstream=untrusted, saves=not untrusted_own)
+        saves = settings.save and not untrusted_own
+        return Plan(store, step, reason="cache unusable", untrusted_upstream=untrusted, saves=saves)
     reason = f"no cached step in {store.project_dir}" if action is Action.repeat else f"no cache at {where}"
-    logger.info("%s step %d: miss (%s); running the target and saving its result", name, step, reason)
-    return Plan(store, step, reason=reason, untrusted_upstream=untrusted)
+    logger.info(
+        "%s step %d: miss (%s); running the target and %s", name, step, reason + (f"; {near}" if near else ""), saving
+    )
+    return Plan(store, step, reason=reason, untrusted_upstream=untrusted, saves=settings.save)
 
 
 def match_plan(name: str, store: StepStore, step: int) -> Plan:

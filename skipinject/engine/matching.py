@@ -39,8 +39,12 @@ from skipinject.engine.record import Recorder
 from skipinject.engine.row_index import ROWS, STEPS, RowIndex, RowSource, match_records
 from skipinject.engine.stores import RoleStores
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
+from skipinject.report.misses import settings_differ
+from skipinject.report.tally import TALLY
 from skipinject.roles import Call, MatchInfo, Role, RowCodec
 from skipinject.store.format import ROWS_DIR
+from skipinject.verl.compat import settings_values
+from skipinject.verl.layout import layout_label
 
 if TYPE_CHECKING:
     from skipinject.engine.calls import StepCalls
@@ -62,9 +66,7 @@ def check_matchable(role: Role, codec: Any) -> None:
 
 def settings_digest(role: Role, config: Any) -> bytes:
     """The run settings deciding a row's result (the role's ``match_settings``), as one digest."""
-    from skipinject.verl.compat import select
-
-    values = {path: _plain(select(config, path)) for path in role.match_settings}
+    values = settings_values(config, role.match_settings)
     text = json.dumps(values, sort_keys=True, default=repr).encode()
     return hashlib.blake2b(text, digest_size=16).digest()
 
@@ -80,17 +82,6 @@ def row_keys(role: Role, call: Call, digests: Sequence[str]) -> list[str]:
         material = base + digest.encode("utf-8", "replace") + b"\x1f" + str(occurrence).encode()
         keys.append(hashlib.blake2b(material, digest_size=8).hexdigest())
     return keys
-
-
-def _plain(value: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(value, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf comes with verl
-        pass
-    return value
 
 
 class RowMatcher:
@@ -140,7 +131,8 @@ class RowMatcher:
         with self._lock:
             index = self._indexes.get(store.project_dir)
             if index is None:
-                index = self._indexes[store.project_dir] = RowIndex(store, rows)
+                saves = self.runtime.settings.save
+                index = self._indexes[store.project_dir] = RowIndex(store, rows, saves=saves)
             return index
 
     # ------------------------------------------------------------ one call
@@ -195,11 +187,13 @@ class RowMatcher:
         pending.seconds = time.perf_counter() - started
         if not pending.served:
             if pending.keys is not None:
+                differ = settings_differ(store, runtime.role.match_settings, call.run_config)
                 logger.info(
-                    "%s step %d: match: no row of this call cached (%d rows); running the target",
+                    "%s step %d: match: no row of this call cached (%d rows%s); running the target",
                     runtime.name,
                     plan.step,
                     len(pending.keys),
+                    f"; {differ}" if differ else "",
                 )
             pending.whole = True
             return pending
@@ -230,6 +224,7 @@ class RowMatcher:
         out = pending.codec.result_rows(result) if keys else 0
         ratio = out // len(keys) if keys and out and out % len(keys) == 0 else None
         self._save(pending, result, fresh=result if ratio else None, fresh_rows=range(len(keys or ())), ratio=ratio)
+        TALLY.add(self.runtime.name, generated_rows=len(keys or ()))
         return self.runtime.after_miss(pending.call, result)
 
     def merge(self, pending: _Pending, fresh: Any) -> bool:
@@ -295,6 +290,7 @@ class RowMatcher:
             len(misses),
             " (target not called)" if not misses else f" in one call of {len(misses) + pending.padding} rows",
         )
+        TALLY.add(runtime.name, served_rows=len(pending.served), generated_rows=len(misses))
         if runtime.role.on_match is not None:  # before saving: what it recomputes is saved as this run's
             merged = runtime.role.on_match(merged, pending.call, info)
         self._save(pending, merged, fresh=pending.generated, fresh_rows=misses, ratio=pending.ratio)
@@ -340,7 +336,7 @@ class RowMatcher:
                 where_store = places[place]
                 name = f"{'step' if source == STEPS else 'rows'} {number}"
                 if place:
-                    name += f" of {_layout_label(where_store)}"
+                    name += f" of {layout_label(where_store.context, str(where_store.project_dir))}"
                 stores = {STEPS: where_store, ROWS: self.rows_store(where_store)}
                 try:
                     piece, piece_ratio, kept, meta = self._load_rows(
@@ -469,7 +465,13 @@ class RowMatcher:
                 keys=pending.keys,
                 background=pending.background,
             )
-        elif fresh is not None and fresh_rows and ratio is not None and self.stores.unusable(plan.store) is None:
+        elif (
+            fresh is not None
+            and fresh_rows
+            and ratio is not None
+            and self.runtime.settings.save
+            and self.stores.unusable(plan.store) is None
+        ):
             keys, inputs = pending.keys, pending.inputs
             assert keys is not None
             fresh_inputs = [inputs[row] for row in fresh_rows] if inputs and len(inputs) == len(keys) else None
@@ -542,16 +544,6 @@ SHOWN_SOURCES = 8
 MAX_COPIES = 4
 #: Other batch-size layouts of the project a lookup reads the index of (the nearest batch sizes).
 MAX_LAYOUTS = 8
-
-
-def _layout_label(where: StepStore) -> str:
-    """The layout of ``where`` as a match line names it (``GBS8_N2_in32_out16``)."""
-    from skipinject.verl.layout import layout_name
-
-    try:
-        return layout_name(where.context)
-    except KeyError:
-        return str(where.project_dir)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable, Mapping, Sized
 from typing import Any, Protocol
 
@@ -47,7 +48,9 @@ class WholeCall:
                     return role.after_miss(call, proceed())
             inputs = role.fingerprint(call)  # before the target runs: it may change its inputs
             keys = role.matcher.keys(call)
+            began = time.perf_counter()
             result = proceed()
+            record.generation_seconds += time.perf_counter() - began  # what a hit of the step saves
             role.recorder.record(record, index, call, result, inputs, keys=keys)
             return role.after_miss(call, result)
         finally:
@@ -66,7 +69,9 @@ class WholeCall:
                     return role.after_miss(call, await proceed())
             inputs = role.fingerprint(call)
             keys = role.matcher.keys(call)
+            began = time.perf_counter()
             result = await proceed()
+            record.generation_seconds += time.perf_counter() - began
             # Awaiting callers (the fully async Rollouter) run many samples at once and may be stopped
             # without an exit hook: their samples are written before they are returned.
             save = functools.partial(

@@ -14,11 +14,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from skipinject.config import Action
 from skipinject.engine.background import WRITER
 from skipinject.engine.calls import StepBook, StepCalls, part_name
 from skipinject.engine.context import RoleContext
 from skipinject.engine.replay import Replay
 from skipinject.engine.stores import RoleStores
+from skipinject.report.tally import TALLY
 from skipinject.roles import Call, Plan, RowCodec, StepCache
 
 logger = logging.getLogger("skipinject")
@@ -204,6 +206,7 @@ class Recorder:
             writer = record.writer
         if already:
             return
+        TALLY.add(self.runtime.name, failed_steps=1)
         if writer is not None:
             if in_job:
                 writer.abort()
@@ -236,8 +239,10 @@ class Recorder:
             self.close(self.steps.by_phase(store.project_dir, other_than=step), step)
         with record.lock:
             if record.plan is None:  # no phase planned the step in this run: record it unless cached
-                usable = self.stores.unusable(store) is None
-                record.plan = Plan(store, step, reason="recorded", saves=usable and not _committed(store, step))
+                settings = self.runtime.settings
+                usable = self.stores.unusable(store) is None and settings.save
+                anew = settings.action is Action.refresh or not _committed(store, step)
+                record.plan = Plan(store, step, reason="recorded", saves=usable and anew)
             record.by_phase = True
             if (
                 not record.recording

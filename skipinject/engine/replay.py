@@ -6,6 +6,9 @@ Failures of the cache never reach the training call, except with ``action=strict
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import logging
 import time
 from collections.abc import Callable
@@ -20,6 +23,7 @@ from skipinject.engine.decision import cannot_load, nothing_more, plan_step
 from skipinject.engine.read_ahead import ReadAhead
 from skipinject.engine.stores import RoleStores
 from skipinject.errors import CorruptCacheError, PromptMismatchError
+from skipinject.report.tally import TALLY, hit_amounts
 from skipinject.roles import Call, HitInfo, Loaded, Plan
 from skipinject.store import Payload
 
@@ -57,6 +61,9 @@ class Replay:
             plan = replace(plan, reason=f"{plan.reason}; read ahead, waited {waited:.3f} s")
         elif entry is not None:
             entry.release()
+        if not plan.serves and rt.settings.action is not Action.match:
+            failed = plan.reason in ("cache unusable", "cache directory unusable")
+            TALLY.add(rt.name, generated_steps=1, failed_steps=int(failed))
         if plan.untrusted_upstream is not None:
             rt.once(
                 ("untrusted", str(plan.untrusted_upstream)),
@@ -81,6 +88,7 @@ class Replay:
     def _load_plan(self, plan: Plan, call: Call, prepare: Callable[[Loaded], Any] | None) -> Loaded | None:
         if not plan.serves:
             return None
+        warm_imports()
         started = time.perf_counter()
         try:
             if plan.upstream_file is not None:
@@ -94,8 +102,10 @@ class Replay:
                 loaded.value = prepare(loaded)
         except Exception as exc:  # whatever is wrong with the cache, it is not trained on
             cannot_load(self.runtime.name, self.runtime.settings, plan, exc, "running the target instead")
+            TALLY.add(self.runtime.name, failed_steps=1, generated_steps=1)
             return None
         loaded.seconds = time.perf_counter() - started
+        TALLY.add(self.runtime.name, **hit_amounts(plan.entry.meta if plan.entry is not None else {}))
         return loaded
 
     def read_after(self, plan: Plan) -> None:
@@ -103,7 +113,11 @@ class Replay:
         actions that serve whole steps)."""
         rt = self.runtime
         settings = rt.settings
-        if not settings.read_ahead or settings.action is Action.match or self.stores.unusable(plan.store) is not None:
+        if (
+            not settings.read_ahead
+            or settings.action in (Action.match, Action.refresh)
+            or self.stores.unusable(plan.store) is not None
+        ):
             return
         project, steps = plan.store.project_dir, self.steps
 
@@ -121,6 +135,7 @@ class Replay:
         rt = self.runtime
         plan = record.plan
         assert plan is not None
+        warm_imports()
         started = time.perf_counter()
         try:
             if record.payloads is None:
@@ -139,6 +154,8 @@ class Replay:
                 result, source = rt.codec.decode(record.payloads[index], call), str(plan.entry.directory)
         except Exception as exc:  # whatever is wrong with the cache, it is not trained on
             cannot_load(rt.name, rt.settings, plan, exc, "running the target instead")
+            if index == 0:
+                TALLY.add(rt.name, failed_steps=1, generated_steps=1)
             return self._regenerate(record, index)
         elapsed = time.perf_counter() - started
         mismatched, compared = self._compare_inputs(record.recorded_inputs[index], call)
@@ -154,6 +171,8 @@ class Replay:
                 raise PromptMismatchError(message + f"skip.{rt.name}.on_mismatch=fail")
             if policy is MismatchPolicy.regenerate:
                 logger.warning("%s", message + "regenerating (on_mismatch=regenerate)")
+                if index == 0:
+                    TALLY.add(rt.name, generated_steps=1)
                 return self._regenerate(record, index)
             logger.warning("%s", message + "training on them anyway (on_mismatch=warn)")
         logger.info(
@@ -166,6 +185,8 @@ class Replay:
             source,
             elapsed,
         )
+        if index == 0:
+            TALLY.add(rt.name, **hit_amounts(plan.entry.meta if plan.entry is not None else {}))
         if rt.role.on_hit is not None:
             recorded = plan.entry.meta if plan.entry is not None else {}
             info = HitInfo(plan.step, plan.served_step, elapsed, mismatched, compared, source, recorded, rt.settings)
@@ -229,3 +250,19 @@ def regenerated(plan: Plan, failed: bool = True) -> Plan:
     if not failed:
         return plan
     return replace(plan, entry=None, upstream_file=None, upstream_format=None, reason="regenerated")
+
+
+#: Modules a first hit would import while it is timed (the store's readers, the codecs' libraries).
+WARM_MODULES = ("numpy", "torch", "tensordict", "skipinject.codecs", "skipinject.store.tensorfile")
+
+
+@functools.cache
+def warm_imports() -> None:
+    """Import, once and before a hit is timed, what decoding it imports on first use: a hit's time is the
+    load's, never a one-off import's (a first hit is never reported slower than the generation it replaced)."""
+    for name in WARM_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                importlib.import_module(name)
+        except Exception:  # a library that does not import here: decoding says so, if it needs it
+            continue

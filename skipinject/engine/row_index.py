@@ -83,9 +83,11 @@ def match_records(meta: Mapping[str, Any]) -> list[tuple[list[str], int] | None]
 class RowIndex:
     """The row keys of one project directory's steps and rows records (see the module)."""
 
-    def __init__(self, steps: StepStore, rows: StepStore) -> None:
+    def __init__(self, steps: StepStore, rows: StepStore, *, saves: bool = True) -> None:
+        """``saves``: keep the index in its file too (``False``: a read-only run, ``save=false``)."""
         import numpy as np
 
+        self.saves = saves
         self.stores = (steps, rows)
         self.lock = threading.Lock()
         self.path = steps.project_dir / ROW_INDEX_NAME
@@ -239,6 +241,8 @@ class RowIndex:
             logger.info("row index %s not used (malformed); rebuilding it from the steps", self.path)
 
     def _save(self) -> None:
+        if not self.saves:
+            return
         buffer = io.BytesIO()
         self._np.savez(buffer, **self._arrays)
         try:

@@ -15,12 +15,14 @@ committed ``meta.json`` of its step directory names it, and
   file is older than :data:`PID_REUSE_AFTER` (a day; pids are reused).
 
 A writer on *another* host sharing the file system is protected by the age rule only: it must not
-leave a file untouched for 10 minutes before committing it. A step directory whose ``meta.json``
-exists but cannot be read is left alone entirely (its files may be evidence, or a newer format).
-Nothing here follows a symbolic link or leaves ``project_dir``: every directory is reached from the
-project directory's descriptor by :mod:`skipinject.store.files` (``O_NOFOLLOW`` at every level,
-files unlinked relative to the descriptor they were checked in); each file is checked again right
-before it is unlinked.
+leave a file untouched for 10 minutes before committing it. An object store gives no process ids
+and no descriptors: there a data file no ``meta.json`` names is removed by name once it is
+:data:`BY_NAME_ABANDONED_AFTER` old (:func:`collect_by_name`, on the backend's byte methods).
+A step directory whose ``meta.json`` exists but cannot be read is left alone entirely (its files
+may be evidence, or a newer format). Nothing here follows a symbolic link or leaves ``project_dir``:
+every directory is reached from the project directory's descriptor by :mod:`skipinject.store.files`
+(``O_NOFOLLOW`` at every level, files unlinked relative to the descriptor they were checked in);
+each file is checked again right before it is unlinked.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from skipinject.store.files import open_below, relative_parts, try_open_dir, unlink_regular
 from skipinject.store.format import (
@@ -48,7 +51,13 @@ from skipinject.store.format import (
 )
 from skipinject.store.meta import read_named
 
+if TYPE_CHECKING:
+    from skipinject.store.backend import Backend
+
 ABANDONED_AFTER = 600.0
+#: Where no process can be asked whether it is alive (an object store): a writer slower than this
+#: loses its upload, and simply saves the step again next time.
+BY_NAME_ABANDONED_AFTER = 3600.0
 PID_REUSE_AFTER = 86400.0
 #: A later save scans its whole project at most this often per process (its own step: every time).
 SCAN_INTERVAL = 600.0
@@ -323,3 +332,31 @@ def _step_leftovers(project_dir: Path, step_name: str) -> list[Leftover]:
     finally:
         os.close(project_fd)
     return out
+
+
+def collect_by_name(backend: Backend, step_dir: Path, named: set[str] | None) -> tuple[int, int]:
+    """Remove data files of a step (and its parts) that no ``meta.json`` names (``named``: their
+    locations, None when it cannot be read: then nothing can be told apart from a live upload), that
+    no writer of this process holds, and that are :data:`BY_NAME_ABANDONED_AFTER` old. Never raises."""
+    removed = freed = 0
+    if named is None:
+        return removed, freed
+    try:
+        folders = [step_dir] + [step_dir / n for n in backend.names(step_dir) if PART_NAME.fullmatch(n)]
+        now = time.time()
+        for folder in folders:
+            for name in backend.names(folder):
+                location = folder / name
+                if not DATA_NAME.fullmatch(name) or str(location) in named:
+                    continue
+                if any(write_id in name for write_id in ACTIVE_WRITE_IDS):
+                    continue
+                found = backend.stat(location)
+                if found is None or now - (found.modified or now) < BY_NAME_ABANDONED_AFTER:
+                    continue
+                backend.remove(location)
+                removed += 1
+                freed += found.size
+    except Exception:
+        pass
+    return removed, freed

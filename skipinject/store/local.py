@@ -15,11 +15,12 @@ import contextlib
 import os
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 from skipinject.errors import CacheError, CorruptCacheError, UntrustedCacheError
+from skipinject.store.backend import Stat
 from skipinject.store.checksums import _digest, _digest_parallel
 from skipinject.store.files import (
     file_kind,
@@ -33,8 +34,7 @@ from skipinject.store.files import (
     unresolved_problem,
     untrusted_reason,
 )
-from skipinject.store.format import MAX_CLAIMS, MAX_META_BYTES, META_NAME, step_name, tmp_name
-from skipinject.store.garbage import collect
+from skipinject.store.format import MAX_META_BYTES, META_NAME, tmp_name
 
 if TYPE_CHECKING:
     import mmap
@@ -84,7 +84,7 @@ class LocalFiles:
             if not self.trust_permissions and untrusted_reason(info) is not None:
                 raise UntrustedCacheError(trust_problem(directory, info, role))
 
-    def check_fd(self, fd: int, path: Path, role: str) -> None:
+    def _check_fd(self, fd: int, path: Path, role: str) -> None:
         if self.trust_permissions:
             return
         info = os.fstat(fd)
@@ -103,50 +103,16 @@ class LocalFiles:
         finally:
             os.close(fd)
 
-    def list_part(self, step_dir: Path, sub: str) -> list[str]:
-        """Names in part ``sub`` of a step, opened relative to the step's descriptor (no link followed)."""
-        fd = open_dir(step_dir)
-        try:
-            part_fd = open_dir(sub, fd)
-            try:
-                return os.listdir(part_fd)
-            finally:
-                os.close(part_fd)
-        finally:
-            os.close(fd)
-
     def open_step(self, directory: Path, role: str) -> _LocalStep:
         fd = open_dir(directory)
         try:
-            self.check_fd(fd, directory, role)
+            self._check_fd(fd, directory, role)
         except BaseException:
             os.close(fd)
             raise
         return _LocalStep(self, directory, fd, role)
 
-    def is_regular(self, directory: Path, name: str) -> bool:
-        try:
-            step = self.open_step(directory, "")
-        except Exception:
-            return False
-        try:
-            parent_fd, leaf = step.fd, name
-            sub, _, rest = name.partition("/")
-            if rest:  # one part directory level, e.g. "0/tq_batch.pt"
-                parent_fd, leaf = open_dir(sub, step.fd), rest
-            try:
-                fd, _ = open_regular(leaf, parent_fd, directory / name)
-                os.close(fd)
-            finally:
-                if parent_fd != step.fd:
-                    os.close(parent_fd)
-        except Exception:
-            return False
-        finally:
-            step.close()
-        return True
-
-    def stat(self, location: Path) -> tuple[str, int] | None:
+    def stat(self, location: Path) -> Stat | None:
         try:
             info = os.lstat(location)
         except OSError:
@@ -161,7 +127,7 @@ class LocalFiles:
             if stat.S_ISLNK(mode)
             else "other"
         )
-        return kind, info.st_size
+        return Stat(kind, info.st_size, info.st_mtime)
 
     def read_bytes(self, location: Path, limit: int) -> bytes:
         return read_small(location, limit)
@@ -188,41 +154,33 @@ class LocalFiles:
         _write_file_atomic(location, lambda handle: done.append(produce(handle)), write_id)
         return location.stat().st_size, done[0]
 
-    def commit(self, step_dir: Path, meta: bytes, write_id: str) -> None:
-        _refuse_link(step_dir)
-        _write_file_atomic(step_dir / META_NAME, lambda h: h.write(meta), write_id)
-        _fsync_dir(step_dir)
+    def replace(self, location: Path, data: bytes, write_id: str) -> None:
+        """Through a temporary name, fsynced, renamed; then the directory fsynced (never through a link)."""
+        _refuse_link(location.parent)
+        _write_file_atomic(location, lambda h: h.write(data), write_id)
+        _fsync_dir(location.parent)
 
-    def claim(self, project: Path, first: int, token: str) -> int:
-        """The first number whose step directory this call creates: ``mkdir`` (relative to the
-        project's descriptor, no link followed) fails for every other writer of that number."""
-        fd = open_dir(project)
+    def make_dir(self, location: Path) -> bool:
+        """``mkdir`` relative to the parent's descriptor (no link followed): it fails for every other creator."""
+        fd = open_dir(location.parent)
         try:
-            for number in range(first, first + MAX_CLAIMS):
-                try:
-                    os.mkdir(step_name(number), 0o700, dir_fd=fd)
-                except FileExistsError:
-                    continue
-                return number
+            os.mkdir(location.name, 0o700, dir_fd=fd)
+        except FileExistsError:
+            return False
         finally:
             os.close(fd)
-        raise CacheError(f"{project}: steps {first} to {first + MAX_CLAIMS - 1} are all taken")
-
-    def release(self, project: Path, number: int, token: str) -> None:
-        """Nothing to release: the claimed directory is the record's."""
+        return True
 
     def remove(self, location: Path, anchor: Path | None = None) -> None:
         """Reached from ``anchor`` (the dump or project directory) without following a link, never by
         a path looked up again after a check (:func:`~skipinject.store.files.remove_name`)."""
         remove_name(anchor if anchor is not None else location.parent, location)
 
-    def collect(self, project: Path, step: int, named: set[str] | None) -> tuple[int, int]:
-        """The garbage rule of :mod:`skipinject.store.garbage` (which rereads meta.json itself)."""
-        return collect(project, step=step)
-
 
 class _LocalStep:
     """One step directory, held by its descriptor; part directories opened relative to it."""
+
+    streams = False
 
     def __init__(self, files: LocalFiles, directory: Path, fd: int, role: str) -> None:
         self.files = files
@@ -254,22 +212,17 @@ class _LocalStep:
             except FileNotFoundError as exc:
                 raise CorruptCacheError(f"{shown}: missing (named by meta.json)") from exc
             self._parts[sub] = fd
-            self.files.check_fd(fd, shown, self.role)
+            self.files._check_fd(fd, shown, self.role)
         return fd
 
     def read(
-        self, sub: str, name: str, size: object, kind: str, algo: str
+        self, sub: str, name: str, size: object, algo: str, *, mapped: bool = False
     ) -> tuple[mmap.mmap | bytes | bytearray, str]:
-        part_fd = self._part_fd(sub)
-        path = self.directory / sub / name if sub else self.directory / name
+        fd, info, path = self._open(sub, name, size)
         try:
-            fd, info = open_regular(name, part_fd, path, size)
-        except FileNotFoundError as exc:
-            raise CorruptCacheError(f"{path}: missing (named by meta.json)") from exc
-        try:
-            if kind == "tensors":
-                mapped = map_fd(fd, info.st_size)
-                data: mmap.mmap | bytes = b"" if mapped is None else mapped
+            if mapped:
+                view = map_fd(fd, info.st_size)
+                data: mmap.mmap | bytes = b"" if view is None else view
                 return data, _digest_parallel(data, algo)
             blob = read_fd(fd, info.st_size, path)
             return blob, _digest(blob, algo)
@@ -279,6 +232,24 @@ class _LocalStep:
             raise CorruptCacheError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from exc
         finally:
             os.close(fd)
+
+    @contextlib.contextmanager
+    def stream(self, sub: str, name: str, size: object) -> Iterator[Iterator[bytes]]:
+        """The file read whole when the first piece is asked for (a local read gains nothing from pieces)."""
+        fd, info, path = self._open(sub, name, size)
+        try:
+            yield (read_fd(fd, info.st_size, path) for _ in range(1))
+        finally:
+            os.close(fd)
+
+    def _open(self, sub: str, name: str, size: object) -> tuple[int, os.stat_result, Path]:
+        part_fd = self._part_fd(sub)
+        path = self.directory / sub / name if sub else self.directory / name
+        try:
+            fd, info = open_regular(name, part_fd, path, size)
+        except FileNotFoundError as exc:
+            raise CorruptCacheError(f"{path}: missing (named by meta.json)") from exc
+        return fd, info, path
 
     def close(self) -> None:
         for fd in self._parts.values():

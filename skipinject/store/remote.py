@@ -20,29 +20,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import posixpath
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from skipinject.errors import CacheError, CorruptCacheError
+from skipinject.store.backend import Stat
 from skipinject.store.checksums import _Hasher
-from skipinject.store.format import (
-    CLAIM_PREFIX,
-    DATA_NAME,
-    MAX_CLAIMS,
-    MAX_META_BYTES,
-    META_NAME,
-    PART_NAME,
-    step_name,
-)
-from skipinject.store.garbage import ACTIVE_WRITE_IDS
+from skipinject.store.format import MAX_META_BYTES, META_NAME
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
-
-    from skipinject.store.hit_memory import Decoded
 
 T = TypeVar("T")
 
@@ -56,10 +45,6 @@ READ_CHUNK = 128 << 20
 STREAM_CHUNK = 8 << 20
 #: Bytes handed to an upload at a time (see :class:`_Pieces`).
 WRITE_PIECE = 8 << 20
-#: An object store gives no process ids to ask whether a writer is alive: a data file no
-#: ``meta.json`` names is removed only once it is this old (a writer slower than this would
-#: lose its upload, and simply save the step again next time).
-ABANDONED_AFTER = 3600.0
 
 
 def _one_line(exc: BaseException) -> str:
@@ -111,9 +96,6 @@ class FsspecFiles:
     def __init__(self, fs: AbstractFileSystem) -> None:
         self.fs = fs
 
-    def check_trust(self, chain: list[Path], role: str) -> None:
-        """Nothing to check: an object store's access control says who may write it."""
-
     # ------------------------------------------------------------ listing
 
     def _names(self, location: RemotePath) -> list[str]:
@@ -126,23 +108,17 @@ class FsspecFiles:
     def names(self, location: Path, *, directories: bool = False) -> list[str]:
         return self._names(_at(location))  # no directories in an object store: names are prefixes
 
-    def list_part(self, step_dir: Path, sub: str) -> list[str]:
-        return self._names(_at(step_dir) / sub)
-
     def open_step(self, directory: Path, role: str) -> _RemoteStep:
         return _RemoteStep(self.fs, _at(directory))
 
-    def is_regular(self, directory: Path, name: str) -> bool:
-        """verl's own caches are pickles on local disks; never looked for in a remote store."""
-        return False
-
-    def stat(self, location: Path) -> tuple[str, int] | None:
+    def stat(self, location: Path) -> Stat | None:
         try:
             info = self.fs.info(_at(location).path)
         except Exception:
             return None
         size = info.get("size")
-        return ("file" if info.get("type") == "file" else "directory"), size if type(size) is int else 0
+        kind = "file" if info.get("type") == "file" else "directory"
+        return Stat(kind, size if type(size) is int else 0, _modified(info, None))
 
     def read_bytes(self, location: Path, limit: int) -> bytes:
         data = bytes(self.fs.cat_file(_at(location).path, start=0, end=limit + 1))
@@ -166,9 +142,6 @@ class FsspecFiles:
 
     # ------------------------------------------------------------ writing
 
-    def prepare(self, step_dir: Path, folder: Path) -> list[Path]:
-        return []  # no directories to create: keys appear with their objects
-
     def write(self, location: Path, produce: Callable[[BinaryIO], T], write_id: str | None = None) -> tuple[int, T]:
         handle = self.fs.open(_at(location).path, "wb")
         try:
@@ -180,65 +153,27 @@ class FsspecFiles:
         handle.close()  # the upload completes here: the object appears whole
         return size, result
 
-    def commit(self, step_dir: Path, meta: bytes, write_id: str) -> None:
-        self.fs.pipe_file((_at(step_dir) / META_NAME).path, meta)
-
-    def claim(self, project: Path, first: int, token: str) -> int:
-        """No exclusive create in an object store: put a claim object in the step, list the step, and
-        take the number only if this claim is the only one there and no ``meta.json`` is (strongly
-        consistent listings: of two racing writers at most one sees only its own; both may step on)."""
-        for number in range(first, first + MAX_CLAIMS):
-            step = _at(project) / step_name(number)
-            marker = step / f"{CLAIM_PREFIX}{token}"
-            self.fs.pipe_file(marker.path, b"")
-            try:
-                names = self._names(step)
-            except FileNotFoundError:
-                names = []
-            if [n for n in names if n.startswith(CLAIM_PREFIX) or n == META_NAME] == [marker.name]:
-                return number
-            with contextlib.suppress(Exception):
-                self.fs.rm_file(marker.path)
-        raise CacheError(f"{project}: steps {first} to {first + MAX_CLAIMS - 1} are all taken")
-
-    def release(self, project: Path, number: int, token: str) -> None:
-        with contextlib.suppress(Exception):
-            self.fs.rm_file((_at(project) / step_name(number) / f"{CLAIM_PREFIX}{token}").path)
+    def replace(self, location: Path, data: bytes, write_id: str) -> None:
+        self.fs.pipe_file(_at(location).path, data)  # one request: the object appears whole
 
     def remove(self, location: Path, anchor: Path | None = None) -> None:
         with contextlib.suppress(Exception):
             self.fs.rm_file(_at(location).path)
 
-    def collect(self, project: Path, step: int, named: set[str] | None) -> tuple[int, int]:
-        """Remove data files of ``step`` that no ``meta.json`` names (``named``) and that are older than
-        :data:`ABANDONED_AFTER` (interrupted or superseded uploads). Never raises."""
-        removed = freed = 0
-        if named is None:  # no readable meta.json: nothing can be told apart from a live upload
-            return removed, freed
-        try:
-            step_dir = _at(project) / step_name(step)
-            folders = [step_dir] + [step_dir / n for n in self._names(step_dir) if PART_NAME.fullmatch(n)]
-            now = time.time()
-            for folder in folders:
-                for name in self._names(folder):
-                    location = folder / name
-                    if not DATA_NAME.fullmatch(name) or str(location) in named:
-                        continue
-                    if any(write_id in name for write_id in ACTIVE_WRITE_IDS):
-                        continue
-                    info = self.fs.info(location.path)
-                    if now - _modified(info, now) < ABANDONED_AFTER:
-                        continue
-                    self.fs.rm_file(location.path)
-                    removed += 1
-                    freed += int(info.get("size") or 0)
-        except Exception:
-            pass
-        return removed, freed
+    def prepare(self, step_dir: Path, folder: Path) -> list[Path]:
+        return []  # no directories to create: keys appear with their objects
+
+    def make_dir(self, location: Path) -> None:
+        """No directories, so no exclusive create: see :meth:`~skipinject.store.StepStore.claim`."""
+
+    def check_trust(self, chain: list[Path], role: str) -> None:
+        """Nothing to check: an object store's access control says who may write it."""
 
 
 class _RemoteStep:
     """One remote step: ``meta.json`` in one bounded request, files streamed after a size check."""
+
+    streams = True
 
     def __init__(self, fs: AbstractFileSystem, directory: RemotePath) -> None:
         self.fs = fs
@@ -289,54 +224,35 @@ class _RemoteStep:
             raise CorruptCacheError(f"{location}: {got} bytes read, meta.json records {size}")
         return buffer
 
-    def read(self, sub: str, name: str, size: object, kind: str, algo: str) -> tuple[bytes | bytearray, str]:
+    def read(
+        self, sub: str, name: str, size: object, algo: str, *, mapped: bool = False
+    ) -> tuple[bytes | bytearray, str]:
         location = self._location(sub, name)
         with self._reading(location, size) as size:
             hasher = _Hasher(algo)
             data = self._stream(location, size, hasher)
-        return (data if kind == "tensors" else bytes(data)), hasher.hexdigest()  # tensors are views of it
+        return (data if mapped else bytes(data)), hasher.hexdigest()  # tensors are views of it
 
-    def read_decoded(
-        self, sub: str, name: str, spec: Mapping[str, Any], algo: str, make: Callable[[int], Decoded]
-    ) -> tuple[Decoded, str]:
-        """A compressed data file decoded while it downloads, and the checksum of its stored bytes
-        (the caller discards the decoded bytes unless it matches): requested in
-        :data:`STREAM_CHUNK` pieces, each complete frame decompressed in a thread while the next
-        piece arrives; the whole stored file is never held. Same size and frame checks as a read; a
-        file whose stored bytes do not match ``spec["checksum"]`` is reported as such, whatever its
-        frames did."""
-        from skipinject.store.compression import FrameDecoder
-
+    @contextlib.contextmanager
+    def stream(self, sub: str, name: str, size: object) -> Iterator[Iterator[bytes]]:
+        """Requested :data:`STREAM_CHUNK` at a time, never held whole: a compressed file's frames are
+        decoded while the next piece arrives (:meth:`skipinject.store.StepStore.verified`)."""
         location = self._location(sub, name)
-        with self._reading(location, spec.get("size")) as size:
-            decoder = FrameDecoder(spec, size, location, make)  # type: ignore[arg-type]
-            try:
-                hasher = _Hasher(algo)
+        with (
+            self._reading(location, size) as size,
+            self.fs.open(location.path, "rb", block_size=STREAM_CHUNK, cache_type="none") as handle,
+        ):
+
+            def pieces() -> Iterator[bytes]:
                 got = 0
-                failure: CorruptCacheError | None = None
-                with self.fs.open(location.path, "rb", block_size=STREAM_CHUNK, cache_type="none") as handle:
-                    while got < size:
-                        piece = handle.read(min(STREAM_CHUNK, size - got))
-                        if not piece:
-                            break
-                        hasher.update(piece)
-                        got += len(piece)
-                        if failure is None:
-                            try:
-                                decoder.feed(piece)
-                            except CorruptCacheError as exc:  # read on: a changed file is reported as such
-                                failure = exc
-                if got != size:
-                    raise CorruptCacheError(f"{location}: {got} bytes read, meta.json records {size}")
-                if hasher.hexdigest() != spec.get("checksum"):
-                    raise CorruptCacheError(f"{location}: checksum mismatch (the file was damaged or changed)")
-                if failure is not None:
-                    raise failure
-                decoded = decoder.finish()
-            except BaseException:
-                decoder.abandon()
-                raise
-        return decoded, hasher.hexdigest()
+                while got < size:
+                    piece = handle.read(min(STREAM_CHUNK, size - got))
+                    if not piece:
+                        return
+                    got += len(piece)
+                    yield piece
+
+            yield pieces()
 
     def _location(self, sub: str, name: str) -> RemotePath:
         return self.directory / sub / name if sub else self.directory / name
@@ -362,7 +278,7 @@ class _RemoteStep:
         """Nothing is held open between requests."""
 
 
-def _modified(info: Mapping[str, Any], default: float) -> float:
+def _modified(info: Mapping[str, Any], default: float | None) -> float | None:
     """An object's modification time (seconds) from fsspec's ``info``; ``default`` when unknown."""
     for key in ("LastModified", "mtime", "updated", "created", "last_modified"):
         value = info.get(key)

@@ -11,19 +11,21 @@ failure is a :class:`CorruptCacheError` (a missing step stays ``FileNotFoundErro
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.payload import Payload
 from skipinject.store.backend import Backend, StepFiles
-from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo
-from skipinject.store.compression import Compression, decompress_into
+from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo, _Hasher
+from skipinject.store.compression import Compression, FrameDecoder, decompress_into
 from skipinject.store.files import parse_json
 from skipinject.store.format import (
+    CLAIM_PREFIX,
     DATA_NAME,
     FORMAT,
+    MAX_CLAIMS,
     MAX_META_DEPTH,
     MAX_ROWS,
     META_NAME,
@@ -34,6 +36,7 @@ from skipinject.store.format import (
     _meta_digest,
     step_name,
 )
+from skipinject.store.garbage import collect, collect_by_name
 from skipinject.store.hit_memory import Claim, HitMemory
 from skipinject.store.meta import Part, StepMeta, short, step_meta
 from skipinject.store.payload import StepEntry
@@ -43,6 +46,7 @@ from skipinject.store.writer import StepWriter
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
+    from skipinject.store.hit_memory import Decoded
     from skipinject.store.remote import RemotePath
 
 __all__ = ["STEP_NAME", "RemoteStepStore", "StepStore"]
@@ -121,13 +125,38 @@ class StepStore:
 
     def claim(self, first: int, token: str) -> int:
         """A new step number from ``first`` on that no concurrent writer of this store also takes
-        (``match``'s rows records); :meth:`release` it once saved (or not)."""
-        self.backend.prepare(self.project_dir, self.project_dir)
+        (``match``'s rows records); :meth:`release` it once saved (or not).
+
+        Where there are directories, the number whose step directory this call creates (an exclusive
+        ``mkdir``). In an object store (no exclusive create): a claim object ``.claim-<token>`` in the
+        step, then a listing; the number is taken only if this claim is the only one there and no
+        ``meta.json`` is (strongly consistent listings: of two racing writers at most one sees only
+        its own; both may step on)."""
+        backend = self.backend
+        backend.prepare(self.project_dir, self.project_dir)
         self.check_writable([])
-        return self.backend.claim(self.project_dir, first, token)
+        for number in range(first, first + MAX_CLAIMS):
+            step_dir = self.step_dir(number)
+            created = backend.make_dir(step_dir)
+            if created is not None:
+                if created:
+                    return number
+                continue
+            marker = step_dir / f"{CLAIM_PREFIX}{token}"
+            backend.write(marker, lambda handle: None)
+            try:
+                names = backend.names(step_dir)
+            except FileNotFoundError:
+                names = []
+            if [n for n in names if n.startswith(CLAIM_PREFIX) or n == META_NAME] == [marker.name]:
+                return number
+            backend.remove(marker)
+        raise CacheError(f"{self.project_dir}: steps {first} to {first + MAX_CLAIMS - 1} are all taken")
 
     def release(self, step: int, token: str) -> None:
-        self.backend.release(self.project_dir, step, token)
+        """Remove what :meth:`claim` left that the committed record does not need (an object store's
+        claim object; a claimed directory is the record's). Never raises."""
+        self.backend.remove(self.step_dir(step) / f"{CLAIM_PREFIX}{token}", self.dump_dir or self.project_dir)
 
     # ------------------------------------------------------------ files beside the steps
 
@@ -240,7 +269,7 @@ class StepStore:
 
         def part_holds_data(sub: str) -> bool:
             try:
-                return holds_data(self.backend.list_part(self.step_dir(step), sub))
+                return holds_data(self.backend.names(self.step_dir(step) / sub))
             except Exception:
                 return False
 
@@ -266,11 +295,18 @@ class StepStore:
         if directory_name is not None and (not SAFE_NAME.match(directory_name) or ".." in directory_name):
             return None
         base = self.step_dir(step) if directory_name is None else self.project_dir / directory_name
+        if not isinstance(base, Path):  # verl's own caches are pickles on local disks, loaded by path
+            return None
+        sub, leaf = pieces if len(pieces) == 2 else ("", name)
         try:
             self.check_trust()
+            files = self.backend.open_step(base, self.role)
+            try:
+                with files.stream(sub, leaf, None):  # opened as a regular file, no link followed
+                    pass
+            finally:
+                files.close()
         except Exception:
-            return None
-        if not self.backend.is_regular(base, name):
             return None
         return base / name
 
@@ -353,11 +389,10 @@ class StepStore:
             kind, name, spec = file.kind, file.name, file.spec
             path = part.at(entry.directory, name)
             make = entry.memory.buffer if kind == "tensors" else bytearray
-            read_decoded = getattr(files, "read_decoded", None)
-            if file.encoded and read_decoded is not None:  # decoded as it downloads, kept only if intact
-                data, checksum = read_decoded(part.dir, name, spec, algo, make)
+            if file.encoded and files.streams:  # decoded as it downloads, kept only if intact
+                data, checksum = _decode_streamed(files, part.dir, name, spec, algo, make, path)
             else:
-                data, checksum = files.read(part.dir, name, spec.get("size"), kind, algo)
+                data, checksum = files.read(part.dir, name, spec.get("size"), algo, mapped=kind == "tensors")
                 if file.encoded:  # compressed: decoded once its stored bytes are checked
                     stored = data
                     try:
@@ -444,15 +479,17 @@ class StepStore:
         return out
 
     def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]:
-        """Remove abandoned leftovers of this step's saves now (see :mod:`skipinject.store.garbage`,
-        and :data:`skipinject.store.remote.ABANDONED_AFTER` for object stores). Never raises."""
+        """Remove abandoned leftovers of this step's saves now (see :mod:`skipinject.store.garbage`):
+        on a local disk by its descriptor-walking rule, elsewhere by name. Never raises."""
+        if isinstance(self.project_dir, Path):
+            return collect(self.project_dir, step=step)
         try:
             named: set[str] | None = {
                 str(path) for path, _ in self.named_files(step, meta if meta is not None else self.read_meta(step))
             }
         except Exception:
             named = None
-        return self.backend.collect(self.project_dir, step, named)
+        return collect_by_name(self.backend, self.step_dir(step), named)
 
 
 def RemoteStepStore(
@@ -469,6 +506,49 @@ def RemoteStepStore(
     return StepStore(
         cast(Path, project_dir), role, context, backend=FsspecFiles(fs), plugin=plugin, compression=compression
     )
+
+
+def _decode_streamed(
+    files: StepFiles,
+    sub: str,
+    name: str,
+    spec: Mapping[str, Any],
+    algo: str,
+    make: Callable[[int], Decoded],
+    path: Path,
+) -> tuple[Decoded, str]:
+    """A compressed data file decoded while it arrives, and the checksum of its stored bytes: each
+    complete frame decompressed in a thread while the next piece comes; the whole stored file is
+    never held. Same size and frame checks as a read; a file whose stored bytes do not match
+    ``spec["checksum"]`` is reported as such, whatever its frames did."""
+    size = spec.get("size")
+    if type(size) is not int or size < 0:
+        raise CorruptCacheError(f"{path}: meta.json records no size")
+    with files.stream(sub, name, size) as pieces:
+        decoder = FrameDecoder(spec, size, path, make)
+        try:
+            hasher = _Hasher(algo)
+            got = 0
+            failure: CorruptCacheError | None = None
+            for piece in pieces:
+                hasher.update(piece)
+                got += len(piece)
+                if failure is None:
+                    try:
+                        decoder.feed(piece)
+                    except CorruptCacheError as exc:  # read on: a changed file is reported as such
+                        failure = exc
+            if got != size:
+                raise CorruptCacheError(f"{path}: {got} bytes read, meta.json records {size}")
+            if hasher.hexdigest() != spec.get("checksum"):
+                raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
+            if failure is not None:
+                raise failure
+            decoded = decoder.finish()
+        except BaseException:
+            decoder.abandon()
+            raise
+    return decoded, hasher.hexdigest()
 
 
 def _close(buffer: object) -> None:

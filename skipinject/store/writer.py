@@ -19,6 +19,7 @@ from skipinject.store.compression import compress_bytes
 from skipinject.store.format import (
     FORMAT,
     FORMAT_VERSION,
+    META_NAME,
     PART_NAME,
     PLAIN_FORMAT_VERSION,
     SAFE_NAME,
@@ -110,7 +111,7 @@ class StepWriter:
     def commit(self, meta: Mapping[str, Any]) -> Path:
         """Publish the step: write ``meta.json`` last, in one step. Returns the step directory."""
         text = self.meta_record(meta)
-        self.store.backend.commit(self.directory, text, self.write_id)
+        self.store.backend.replace(self.directory / META_NAME, text, self.write_id)
         self._written.clear()
         self._created.clear()
         ACTIVE_WRITE_IDS.discard(self.write_id)

@@ -208,3 +208,33 @@ def codec_named(header: object) -> DataProtoCodec | TensorDictCodec | None:
     }
     found = codecs.get(header)
     return None if found is None else found()
+
+
+def is_tensordict(value: Any) -> bool:
+    """Whether ``value`` is a TensorDict (told by its type's name: tensordict is not imported)."""
+    return type(value).__name__ == "TensorDict"
+
+
+def verl_fields(value: Any, prefix: str, flatten: Callable[[Any, str], dict[str, Any]]) -> dict[str, Any] | None:
+    """A ``DataProto``'s or TensorDict's leaf fields by dotted name (``batch.responses``,
+    ``non_tensor_batch.uid``, ``meta_info.global_steps``), nested values through ``flatten``; ``None``
+    for any other value (``skipinject cache show``/``diff``)."""
+    out: dict[str, Any] = {}
+    kind = type(value).__name__
+    if hasattr(value, "non_tensor_batch") and hasattr(value, "meta_info") and hasattr(value, "batch"):
+        if value.batch is not None:
+            out.update(flatten(value.batch, f"{prefix}batch."))
+        for key, column in value.non_tensor_batch.items():
+            out[f"{prefix}non_tensor_batch.{key}"] = column
+        for key, item in dict(value.meta_info).items():
+            out[f"{prefix}meta_info.{key}"] = item
+        return out
+    if is_tensordict(value):
+        for key in value.keys():
+            out.update(flatten(value.get(key), f"{prefix}{key}."))
+        return out
+    if kind == "NonTensorStack":
+        return {prefix.rstrip("."): value.tolist()}
+    if kind == "NonTensorData":
+        return {prefix.rstrip("."): value.data}
+    return None

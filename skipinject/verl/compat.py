@@ -8,7 +8,7 @@ verl; the version comes from the installed distribution's metadata.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from skipinject.clock import CLOCK
@@ -98,6 +98,33 @@ def version_matches(specifier: str | None, version: str | None) -> bool:
     except InvalidVersion:
         return False
     return SpecifierSet(specifier).contains(parsed, prereleases=True)
+
+
+def installed_verl_matches(spec: str) -> bool:
+    """Whether the installed verl is in ``spec`` (``">=0.9"``); ``True`` when verl is absent.
+
+    For clock targets and checks, which carry no version range of their own: a clock of a trainer
+    that does not exist in this verl is left out instead of being listed as missing. Development
+    builds count as their release (``0.10.0.dev0`` is in ``>=0.9``).
+    """
+    installed = verl_version()
+    return installed is None or version_matches(spec, installed)
+
+
+def settings_values(config: Any, paths: Sequence[str]) -> dict[str, Any]:
+    """The run config's values at ``paths`` (dotted), as plain data: OmegaConf subtrees resolved."""
+    return {path: _plain(select(config, path)) for path in paths}
+
+
+def _plain(value: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf comes with verl
+        pass
+    return value
 
 
 def module_exists(dotted: str) -> bool:

@@ -45,9 +45,30 @@ def layout_of(config: Any) -> tuple[str, dict[str, Any]]:
     return relative, context
 
 
+def trainer_batch_size(config: Any) -> int | None:
+    """The batch size verl's V1 trainer (``trainer.use_v1``) puts into ``data.gen_batch_size`` when it
+    starts, where the driver's composed config does not say it yet: 1 whenever refills must be exact
+    (a ``trainer.v1.trainer_mode`` other than ``sync``, group filtering, ``sync_refill_failed_groups``).
+    ``None``: the config's own value stands (the V0 trainer, older verls)."""
+    if select(config, "trainer.use_v1") is not True:
+        return None
+    asynchronous = select(config, "trainer.v1.trainer_mode", "sync") != "sync"
+    filtering = bool(select(config, "algorithm.filter_groups.enable", False))
+    refilling = bool(select(config, "trainer.v1.sampler.sync_refill_failed_groups", False))
+    return 1 if asynchronous or filtering or refilling else None
+
+
 def layout_name(context: Mapping[str, Any]) -> str:
     """``GBS{gbs}_N{n}_in{prompt_length}_out{response_length}`` of a layout's values."""
     return f"GBS{context['gbs']}_N{context['n']}_in{context['prompt_length']}_out{context['response_length']}"
+
+
+def layout_label(context: Mapping[str, Any], fallback: str) -> str:
+    """The layout a trainer context names (``GBS8_N2_in32_out16``), or ``fallback`` without one."""
+    try:
+        return layout_name(context)
+    except KeyError:
+        return fallback
 
 
 def layout_values(name: str) -> dict[str, int] | None:
@@ -109,12 +130,19 @@ def other_batch_sizes(
     ]
 
 
-def project_dir(root: DumpRoot, config: Any, subdir: str) -> tuple[Path, dict[str, Any]]:
+def project_dir(
+    root: DumpRoot, config: Any, subdir: str, *, before_trainer: bool = False
+) -> tuple[Path, dict[str, Any]]:
     """The directory holding one role's steps for a run with ``config`` (``None``: no trainer seen):
     a local ``Path``, or a :class:`~skipinject.store.remote.RemotePath` standing in for one when
-    ``root`` is a remote store."""
+    ``root`` is a remote store. ``before_trainer``: ``config`` is the driver's, before the trainer
+    changed it (:func:`trainer_batch_size`)."""
     if config is not None:
         relative, context = layout_of(config)
+        gbs = trainer_batch_size(config) if before_trainer else None
+        if gbs is not None and gbs != context["gbs"]:
+            context = {**context, "gbs": gbs}
+            relative = f"{relative.rpartition('/')[0]}/{layout_name(context)}"
     else:
         relative, context = DEFAULT_PROJECT, {}
     if subdir:

@@ -15,6 +15,17 @@ from typing import Any
 from skipinject.errors import CodecError
 
 
+def attended_tokens(tensors: Any) -> list[Any] | None:
+    """Each row's ``input_ids`` where ``attention_mask`` is set (padding left out), or ``None`` when
+    the batch's tensors (a TensorDict) have no ``input_ids``."""
+    keys = () if tensors is None else tensors.keys()  # TensorDict refuses ``in`` on itself
+    if "input_ids" not in keys:
+        return None
+    ids = tensors["input_ids"]
+    mask = tensors["attention_mask"] if "attention_mask" in keys else None
+    return [ids[index] if mask is None else ids[index][mask[index].bool()] for index in range(ids.shape[0])]
+
+
 def take(data: Any, rows: Sequence[int]) -> Any:
     """A new DataProto holding ``rows`` of ``data`` in that order (copies; ``meta_info`` copied)."""
     import numpy as np

@@ -4,14 +4,16 @@ One pair of runs (the module's :func:`v1_pair`, shared by its tests: each run co
 every V1 mechanism at once: the ``separate_async`` trainer with ``parameter_sync_step=2`` (two
 mini-batches per step, one commit) and group filtering (DAPO) on, where the replay buffer refills
 evicted groups; steps 1-3 with 1 and 2 chosen. Run 1 generates steps 1 and 2 and caches them; run 2
-(the same command with another reward function) injects them from the cache into TransferQueue,
-never calls the generator for them, trains on its own reward's scores of them, draws what run 1
-drew, and trains step 3 (generated in both runs) on the same prompts (rc 0).
+(the same command with another reward function, launched without the runner: a launcher calls
+``skipinject.enable(...)`` and verl's ``run_ppo`` from Python) injects them from the cache into
+TransferQueue, never calls the generator for them, trains on its own reward's scores of them, draws
+what run 1 drew, and trains step 3 (generated in both runs) on the same prompts (rc 0).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import FIXTURES
 from tests.e2e.conftest import (
     OTHER_REWARD_FILE,
     SKIPINJECT_MAIN_PPO,
@@ -37,16 +40,23 @@ ROLE = "rollout_tq"
 SYNC_STEP = 2
 
 
-def _run(assets: Any, tmp: Path, name: str, overrides: list[str]) -> tuple[Any, int]:
-    """One run through ``python -m skipinject``; returns it and its generator calls (log: ``{name}.gen.jsonl``)."""
+#: Run 2's launcher: ``skipinject.enable(...)`` and verl's ``run_ppo`` called from Python (no runner).
+RUN_PPO_FROM_PYTHON = (sys.executable, str(FIXTURES / "run_ppo_launcher.py"))
+
+
+def _run(
+    assets: Any, tmp: Path, name: str, overrides: list[str], launcher: tuple[str, ...] = SKIPINJECT_MAIN_PPO
+) -> tuple[Any, int]:
+    """One run (by default through ``python -m skipinject``); returns it and its generator calls (log:
+    ``{name}.gen.jsonl``)."""
     gen_log = tmp / f"{name}.gen.jsonl"
     proc = harness.run_main_ppo(
         assets,
         overrides,
         gen_log=gen_log,
-        launcher=SKIPINJECT_MAIN_PPO,
+        launcher=launcher,
         timeout=1200,
-        env_extra={"RAY_DEDUP_LOGS": "0"},
+        env_extra={"RAY_DEDUP_LOGS": "0", "SKIPINJECT_SUMMARY": str(tmp / f"{name}.summary.json")},
     )
     (tmp / f"{name}.stdout.txt").write_text(proc.stdout)
     (tmp / f"{name}.stderr.txt").write_text(proc.stderr)
@@ -116,7 +126,7 @@ def v1_pair(assets: Any, tmp_path_factory: pytest.TempPathFactory) -> V1Pair:
 
     first, calls_1 = _run(assets, tmp, "run1", overrides("run1"))
     # Another reward (its scores: no two answers alike, so group filtering drops no served group).
-    second, calls_2 = _run(assets, tmp, "run2", overrides("run2", *other_reward(tmp)))
+    second, calls_2 = _run(assets, tmp, "run2", overrides("run2", *other_reward(tmp)), RUN_PPO_FROM_PYTHON)
     return V1Pair(tmp, dump, first, second, (calls_1, calls_2))
 
 
@@ -142,7 +152,26 @@ def test_v1_rollout_tq_k_part_steps_cache_then_hit(v1_pair: V1Pair):
     lines = skip_lines(v1_pair.first, ROLE)
     assert sum(f"{ROLE} step {s}: saved {per_step} trajectories" in line for line in lines for s in (1, 2)) == 2, lines
 
-    # Run 2: both steps injected from the cache; the generator runs for step 3 only; training finishes.
+    # The driver's start line names the layout the V1 trainer resolves (it fetches one prompt at a time).
+    start = f"skipinject INFO: {ROLE}: cache steps 1-2 in {layout}: "
+    assert start + "0 cached, 2 to generate" in v1_pair.first.stderr.splitlines(), v1_pair.first.stderr[-3000:]
+
+    # The driver's summary: what every process counted (the trainer is a Ray actor), also as JSON.
+    summary = f"skipinject INFO: summary: {ROLE}: "
+    said = [line for line in v1_pair.first.stderr.splitlines() if line.startswith(summary)]
+    assert said and said[0].startswith(summary + "0 steps served, 2 generated, 0 failed;"), said
+    recorded = [json.loads((layout / str(s) / "meta.json").read_text())["generation_s"] for s in (1, 2)]
+    assert all(seconds > 0 for seconds in recorded), "a saved step records its generation time"
+
+    # Run 2 (skipinject.enable and run_ppo from Python, no runner): both steps injected from the cache;
+    # the generator runs for step 3 only; training finishes.
+    assert start + "2 cached, 0 to generate" in v1_pair.second.stderr.splitlines(), v1_pair.second.stderr[-3000:]
+    said = [line for line in v1_pair.second.stderr.splitlines() if line.startswith(summary)]
+    assert said and said[0].startswith(summary + "2 steps served, 0 generated, 0 failed;"), said
+    assert said[0].endswith(f"{sum(recorded):.1f} s of generation saved"), (said, recorded)
+    counts = json.loads((v1_pair.tmp / "run2.summary.json").read_text())["roles"][ROLE]
+    assert counts["served_steps"] == 2 and counts["generation_s_saved"] == pytest.approx(sum(recorded))
+    assert "skipinject/served_steps_total:2" in v1_pair.second.stdout.replace(" ", ""), "the trainer's metrics"
     assert v1_pair.calls[1] == per_step, f"run 2 called the generator {v1_pair.calls[1]} times: step 3's only"
     lines = skip_lines(v1_pair.second, ROLE)
     assert sum("hit, served step" in line and "rollout not submitted" in line for line in lines) == 2, lines

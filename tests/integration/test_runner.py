@@ -237,3 +237,25 @@ def test_every_user_error_is_one_line(tmp_path: Path, args: list[str], env: dict
     assert proc.returncode == code and len(lines) == 1 and lines[0].startswith(line), proc.stderr
     if "rolout" in line or "acton" in line or "compat" in line:
         assert "did you mean" in lines[0]
+
+
+@pytest.mark.parametrize("mode", ["enable", "auto"])
+def test_enable_from_python_installs_skipinject_here_and_in_child_processes(
+    toy_site: Path, tmp_path: Path, mode: str
+) -> None:
+    """``skipinject.enable(...)`` and ``import skipinject.auto``: a launcher started by plain python gets
+    what the runner gives, in its own process and in the Python processes it starts."""
+    settings = ["skip.toy.enable=True", "skip.toy.steps=[1,2]", f"skip.toy.dump_dir={tmp_path}"]
+    command = [sys.executable, str(FIXTURES / "enable_program.py"), mode, "2", *settings]
+    env = toy_env(toy_site, VERL_SKIP_PLUGINS="toy")
+    first = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert first.returncode == 0, first.stderr
+    result = result_of(first)
+    assert result["argv"][1:] == ["2"], "skip.* settings must not reach the program"
+    assert result["parent"][1].count("generate") == 2 and result["child"][1].count("generate") == 0
+    assert "toy step 1: miss" in first.stderr and "toy step 1: saved" in first.stderr
+    assert first.stderr.count("already installed in this process") == (1 if mode == "enable" else 0)
+    second = result_of(subprocess.run(command, capture_output=True, text=True, env=env, timeout=120))
+    assert second["parent"][1].count("generate") == 0 and second["parent"][0] == result["parent"][0]
+    bad = subprocess.run([*command, "skip.toy.action=sometimes"], capture_output=True, text=True, env=env)
+    assert bad.returncode != 0 and "skip.toy.action=sometimes" in bad.stderr and "RESULT" not in bad.stdout

@@ -35,3 +35,40 @@ def test_no_store_module_subclasses_the_store() -> None:
 
     for path in Path(package.__file__).parent.glob("*.py"):
         assert "(StepStore)" not in path.read_text(), path
+
+
+#: What a backend does: bytes by name, and the few directory operations of a file system (each
+#: justified in skipinject/store/backend.py's docstring). Trust rules beyond POSIX owners, claims,
+#: garbage collection, the format and decoding are the store's.
+BYTES_ONLY = {
+    "names",
+    "stat",
+    "versions",
+    "read_bytes",
+    "open_step",
+    "write",
+    "replace",
+    "remove",
+    "prepare",
+    "make_dir",
+    "check_trust",
+}
+
+
+@pytest.mark.parametrize("backend", ["Backend", "LocalFiles", "FsspecFiles"])
+def test_a_backend_moves_bytes_only(backend: str) -> None:
+    from skipinject.store import backend as protocol
+    from skipinject.store import local, remote
+
+    cls = {"Backend": protocol.Backend, "LocalFiles": local.LocalFiles, "FsspecFiles": remote.FsspecFiles}[backend]
+    public = {name for name in vars(cls) if not name.startswith("_") and callable(getattr(cls, name))}
+    assert public == BYTES_ONLY
+
+
+def test_a_step_reader_reads_bytes_only() -> None:
+    from skipinject.store import backend as protocol
+    from skipinject.store import local, remote
+
+    for cls in (protocol.StepFiles, local._LocalStep, remote._RemoteStep):
+        public = {name for name in vars(cls) if not name.startswith("_") and callable(getattr(cls, name))}
+        assert public == {"read_meta", "read", "stream", "close"}, cls

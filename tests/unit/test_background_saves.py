@@ -17,6 +17,8 @@ from skipinject.config import Config, RoleConfig
 from skipinject.engine import Engine
 from skipinject.engine.background import WRITER, BackgroundWriter
 from skipinject.store import StepStore
+from skipinject.testing import ToyTrainer
+from skipinject.verl.layout import layout_of
 
 pytestmark = pytest.mark.background_saves
 
@@ -33,14 +35,17 @@ class TensorCodec:
         return payload.tensors["x"].clone()
 
 
-class Trainer:
-    global_steps = 0
-
-    def fit(self) -> None:
-        """The run's end: its return waits for the background writer (the role's clock)."""
+class Trainer(ToyTrainer):
+    """``fit()`` is the run's end: its return waits for the background writer (the role's clock)."""
 
     def generate(self, n: int) -> torch.Tensor:
         return torch.arange(n, dtype=torch.float32)
+
+
+def toy_store(dump: Path) -> StepStore:
+    """The store the toy trainer's run saves into (its config names the layout)."""
+    relative, context = layout_of(ToyTrainer().config)
+    return StepStore(dump / relative / "bg", "bg", context)
 
 
 @pytest.fixture
@@ -70,7 +75,7 @@ def test_written_data_is_what_the_call_returned_even_if_training_changes_it(engi
     result = trainer.generate(1000)
     result.mul_(-1)  # training changes the batch in place while (or before) the writer runs
     trainer.fit()  # the run ends (the clock returns): the step is committed, every write done
-    store = StepStore(tmp_path / "skipinject_default" / "bg", "bg", {})
+    store = toy_store(tmp_path)
     (payload,) = store.load(store.verified(1))
     assert torch.equal(payload.tensors["x"], torch.arange(1000, dtype=torch.float32))
 
@@ -95,7 +100,7 @@ def test_a_read_of_the_project_waits_for_its_pending_save(engine: Any, monkeypat
     threading.Timer(0.2, gate.set).start()
     trainer.global_steps = 3
     trainer.generate(10)  # the next step: step 2 is committed, and step 3's read waits for it
-    store = StepStore(engine_dump(engine) / "skipinject_default" / "bg", "bg", {})
+    store = toy_store(engine_dump(engine))
     (payload,) = store.load(store.verified(2))  # committed before step 3's call returned
     assert torch.equal(payload.tensors["x"], first)
     assert WRITER.pending() <= 1, "only step 3's own save may still be pending"
@@ -151,7 +156,7 @@ t = mod.Trainer(); t.global_steps = 1; t.generate(5)
 """
     proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "skipinject_default" / "bg" / "1" / "meta.json").is_file()
+    assert toy_store(tmp_path).is_committed(1)
 
 
 def test_awaiting_callers_are_written_before_the_call_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,9 +165,7 @@ def test_awaiting_callers_are_written_before_the_call_returns(tmp_path: Path, mo
 
     module = type(sys)("si_async_background_targets")
 
-    class AsyncTrainer:
-        global_steps = 1
-
+    class AsyncTrainer(ToyTrainer):
         async def generate(self, n: int) -> torch.Tensor:
             return torch.arange(n, dtype=torch.float32)
 
@@ -179,11 +182,11 @@ def test_awaiting_callers_are_written_before_the_call_returns(tmp_path: Path, mo
     engine = Engine(Config(roles={"bg": settings}), {"bg": (role, "bg")})
     engine.start()
     try:
-        asyncio.run(module.AsyncTrainer().generate(4))
+        asyncio.run(module.AsyncTrainer(global_steps=1).generate(4))
     finally:
         engine.stop()
         del sys.modules[module.__name__]
-    assert (tmp_path / "skipinject_default" / "bg" / "1" / "meta.json").is_file()
+    assert toy_store(tmp_path).is_committed(1)
 
 
 def test_roles_without_a_clock_write_before_the_call_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,4 +211,4 @@ def test_roles_without_a_clock_write_before_the_call_returns(tmp_path: Path, mon
     finally:
         engine.stop()
         del sys.modules[module.__name__]
-    assert (tmp_path / "skipinject_default" / "bg" / "1" / "meta.json").is_file()
+    assert toy_store(tmp_path).is_committed(1)

@@ -53,7 +53,7 @@ def test_interpolation_resolves(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         (
             "skip.rollout.action=skip",
-            "skip.rollout.action=skip: unknown action (choose one of cache, repeat, strict, match)",
+            "skip.rollout.action=skip: unknown action (choose one of cache, repeat, strict, match, refresh)",
         ),
         ("skip.rollout.enable=maybe", "skip.rollout.enable=maybe: expected true or false"),
         ("skip.rollout.stepz=[1]", "skip.rollout.stepz: unknown key 'stepz'"),

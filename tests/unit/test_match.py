@@ -251,7 +251,7 @@ def test_a_generator_repeating_after_generation_maps_each_prompt_to_its_n_sample
     assert list(result.non_tensor_batch["uid"]) == list(np.repeat(out[2][0].non_tensor_batch["uid"], N))
 
 
-def test_other_generation_settings_never_match(targets: Any, tmp_path: Path, monkeypatch) -> None:
+def test_other_generation_settings_never_match(targets: Any, tmp_path: Path, monkeypatch, caplog) -> None:
     run(targets, tmp_path, {1: [1, 2, 3, 4]})
     GENERATED.clear()
     original = targets.Trainer.__init__
@@ -261,8 +261,14 @@ def test_other_generation_settings_never_match(targets: Any, tmp_path: Path, mon
         self.config["actor_rollout_ref"]["rollout"]["temperature"] = 0.7
 
     monkeypatch.setattr(targets.Trainer, "__init__", hotter)
-    run(targets, tmp_path, {2: [1, 2, 3, 4]}, action="match")
+    with caplog.at_level(logging.INFO, "skipinject"):
+        run(targets, tmp_path, {2: [1, 2, 3, 4]}, action="match")
     assert GENERATED == [[1, 1, 2, 2, 3, 3, 4, 4]], "another temperature: everything generated"
+    said = [m for m in messages(caplog) if "match: no row of this call cached" in m]
+    assert said == [
+        "gen step 2: match: no row of this call cached (8 rows; the cached rows of step 1 were generated with other "
+        "settings: actor_rollout_ref.rollout.temperature is 1.0 there, 0.7 here); running the target"
+    ], "the settings that differ are named, never digests"
 
 
 def test_a_forged_or_damaged_source_only_causes_a_miss(targets: Any, tmp_path: Path) -> None:
@@ -501,7 +507,12 @@ def test_rows_that_do_not_fit_together_are_not_merged_the_call_runs_whole(target
 def test_the_runner_refuses_match_for_rollout_tq_in_one_line_before_the_program_runs(tmp_path: Path) -> None:
     import subprocess
 
-    settings = ["skip.rollout_tq.enable=True", "skip.rollout_tq.action=match", f"skip.rollout_tq.dump_dir={tmp_path}"]
+    settings = [
+        "skip.rollout_tq.enable=True",
+        "skip.rollout_tq.steps=[1]",
+        "skip.rollout_tq.action=match",
+        f"skip.rollout_tq.dump_dir={tmp_path}",
+    ]
     proc = subprocess.run(
         [sys.executable, "-m", "skipinject", "-c", "print('the program ran')", *settings],
         capture_output=True,
@@ -800,3 +811,18 @@ def test_on_hit_sees_the_served_steps_meta_and_the_roles_settings(targets: Any, 
     [info] = hits
     assert info.meta["made_by"] == "run 1" and info.meta["calls"] == 1
     assert info.settings is not None and info.settings.rescore.value == "auto"
+
+
+def test_a_refreshed_step_serves_its_new_rows_never_the_old_index_entries(targets: Any, tmp_path: Path) -> None:
+    """``action=refresh`` records a step anew: the saved row index's entries of the old commit are dropped
+    (its ``meta.json`` changed), so a later ``match`` serves the refreshed rows."""
+    schedule = {1: [1, 2, 3, 4]}
+    recorded = responses(run(targets, tmp_path, schedule)[1][1])
+    assert responses(run(targets, tmp_path, schedule, action="match")[1][1]) == recorded  # the index is saved
+    assert (project(tmp_path) / "row-index.npz").is_file()
+    GENERATED.clear()
+    refreshed = responses(run(targets, tmp_path, schedule, action="refresh")[1][1])
+    assert GENERATED == [[1, 1, 2, 2, 3, 3, 4, 4]] and refreshed != recorded
+    GENERATED.clear()
+    assert responses(run(targets, tmp_path, schedule, action="match")[1][1]) == refreshed
+    assert GENERATED == [], "every row served, from the refreshed commit"

@@ -22,6 +22,7 @@ import pytest
 from skipinject import Call, Payload, PhaseContext, Role, StepSource, Target
 from skipinject.config import Config, RoleConfig
 from skipinject.engine import Engine
+from skipinject.testing import ToyTrainer
 
 MODULE = "si_phase_record_targets"
 PARTS = 2
@@ -60,18 +61,10 @@ class MiniBatches:
         raise NotImplementedError
 
 
-class Trainer:
-    def __init__(self) -> None:
-        self.global_steps = 0
+class Trainer(ToyTrainer):
+    """Samples ``calls[step]`` mini-batches per step (:meth:`ToyTrainer.fit` calls ``generate``)."""
 
-    def fit(self, calls: dict[int, int]) -> list[Any]:
-        seen = []
-        for step, count in calls.items():
-            self.global_steps = step
-            seen.extend(self.sample() for _ in range(count))
-        return seen
-
-    def sample(self) -> Any:
+    def generate(self, *args: Any) -> Any:
         token = next(_tokens)
         GENERATED.append(token)
         return UNSAVABLE.get((self.global_steps, len(GENERATED)), f"{self.global_steps}:{token}")
@@ -97,7 +90,7 @@ def run(
 ) -> list[Any]:
     role = Role(
         name="mini",
-        targets=[Target(f"{MODULE}:Trainer.sample", phase=MiniBatches())],
+        targets=[Target(f"{MODULE}:Trainer.generate", phase=MiniBatches())],
         step=StepSource.attribute("global_steps"),
         codec=JsonCodec(),
         clocks=[f"{MODULE}:Trainer.fit"],
@@ -107,13 +100,18 @@ def run(
     engine = Engine(config, {"mini": (role, "test")})
     engine.start()
     try:
-        return module.Trainer().fit(trainer_calls)
+        return module.Trainer(calls=trainer_calls).fit(list(trainer_calls))
     finally:
         engine.stop()
 
 
+def step_dir(dump: Path, step: int | str = "") -> Path:
+    """Where the toy trainer's run caches ``step`` (its config names the layout)."""
+    return dump / "e_p" / "GBS4_N2_in8_out8" / "mini" / str(step)
+
+
 def meta(dump: Path, step: int) -> dict[str, Any]:
-    return json.loads((dump / "skipinject_default" / "mini" / str(step) / "meta.json").read_text())
+    return json.loads((step_dir(dump, step) / "meta.json").read_text())
 
 
 def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -141,10 +139,9 @@ def test_a_step_the_run_moves_past_before_its_commit_is_dropped(
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="skipinject"):
         run(tmp_path, {1: 1, 2: 2, 3: 1}, targets)
-    step_dir = tmp_path / "skipinject_default" / "mini"
-    assert not (step_dir / "1").exists(), "step 1 saw one of its two mini-batches: nothing of it is left"
+    assert not step_dir(tmp_path, 1).exists(), "step 1 saw one of its two mini-batches: nothing of it is left"
     assert meta(tmp_path, 2)["mini_batches"] == PARTS
-    assert not (step_dir / "3").exists(), "the run ended before step 3's commit"
+    assert not step_dir(tmp_path, 3).exists(), "the run ended before step 3's commit"
     dropped = [m for m in messages(caplog) if "could not save" in m]
     assert len(dropped) == 2, dropped
     assert "mini step 1:" in dropped[0] and "1 part(s) recorded and not committed before step 2 began" in dropped[0]
@@ -157,7 +154,7 @@ def test_a_part_that_cannot_be_saved_drops_its_step(
     UNSAVABLE[(1, 1)] = "unsavable"
     with caplog.at_level(logging.WARNING, logger="skipinject"):
         run(tmp_path, {1: 2, 2: 2}, targets)
-    assert not (tmp_path / "skipinject_default" / "mini" / "1" / "meta.json").exists()
+    assert not (step_dir(tmp_path, 1) / "meta.json").exists()
     assert meta(tmp_path, 2)["mini_batches"] == PARTS
     dropped = [m for m in messages(caplog) if "could not save" in m]
     assert len(dropped) == 1 and "cannot encode part 1" in dropped[0], dropped

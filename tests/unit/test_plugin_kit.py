@@ -57,11 +57,11 @@ def test_attended_tokens_leave_padding_out() -> None:
 
 
 def test_installed_verl_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
-    from skipinject import plugin_kit
+    from skipinject.verl import compat
 
-    monkeypatch.setattr(plugin_kit, "verl_version", lambda: "0.10.0.dev0")
+    monkeypatch.setattr(compat, "verl_version", lambda: "0.10.0.dev0")
     assert installed_verl_matches(">=0.9") and not installed_verl_matches("<0.9")
-    monkeypatch.setattr(plugin_kit, "verl_version", lambda: None)
+    monkeypatch.setattr(compat, "verl_version", lambda: None)
     assert installed_verl_matches("<0.5"), "no verl: a plugin's clocks are kept"
 
 

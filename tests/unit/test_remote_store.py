@@ -161,9 +161,9 @@ def test_two_writers_of_one_step_leave_one_whole_step(store: RemoteStepStore, mo
     assert any(second.write_id in name for name in objects(store, 4)) or any(
         second.write_id in entry for entry in store.backend.fs.find(store.at(4).path)
     )
-    import skipinject.store.remote as remote
+    import skipinject.store.garbage as garbage
 
-    monkeypatch.setattr(remote, "ABANDONED_AFTER", -1.0)
+    monkeypatch.setattr(garbage, "BY_NAME_ABANDONED_AFTER", -1.0)
     removed, freed = store.collect_garbage(4)
     assert removed == 4 and freed > 0
     assert not any(second.write_id in entry for entry in store.backend.fs.find(store.at(4).path))

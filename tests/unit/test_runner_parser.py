@@ -102,10 +102,13 @@ def test_every_variable_the_help_lists_is_one_skipinject_reads() -> None:
         ("skip.tyo.enable=true", "skip.tyo.enable: unknown role 'tyo' (loaded roles: toy); did you mean 'toy'?"),
         (
             "skip.toy.action=stirct",
-            "unknown action (choose one of cache, repeat, strict, match); did you mean 'strict'?",
+            "unknown action (choose one of cache, repeat, strict, match, refresh); did you mean 'strict'?",
         ),
         ("skip.toy.on_mismatch=regen", "expected one of warn, regenerate, fail; did you mean 'regenerate'?"),
-        ("skip.toy.action=skip", "skip.toy.action=skip: unknown action (choose one of cache, repeat, strict, match)"),
+        (
+            "skip.toy.action=skip",
+            "skip.toy.action=skip: unknown action (choose one of cache, repeat, strict, match, refresh)",
+        ),
         ("skip.toy.reuse_hit_memory=17", "skip.toy.reuse_hit_memory=17: expected a number of batches, 0 .. 16"),
         ("skip.toy.reuse_hit_memory=many", "skip.toy.reuse_hit_memory=many: expected a number of batches, 0 .. 16"),
         (

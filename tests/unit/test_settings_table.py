@@ -50,6 +50,7 @@ def test_every_key_travels_to_child_processes() -> None:
             "reuse_hit_memory": 0,
             "read_ahead": False,
             "rescore": "never",
+            "save": False,
         },
     )
     assert {f.name for f in fields(changed) if getattr(changed, f.name) != getattr(RoleConfig(), f.name)} == set(

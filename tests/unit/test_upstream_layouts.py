@@ -14,8 +14,11 @@ import pytest
 from skipinject import Role, StepSource, Target, UpstreamFormat
 from skipinject.config import Config, RoleConfig
 from skipinject.engine import Engine
+from skipinject.testing import ToyTrainer
 
 NEW = UpstreamFormat("batch.json", lambda path: json.loads(Path(path).read_text()))
+#: The toy trainer's run's project directory (its config names the layout).
+PROJECT = Path("e_p") / "GBS4_N2_in8_out8"
 OLD = UpstreamFormat("batch.json", lambda path: json.loads(Path(path).read_text()), directory="genstep_{step:06d}")
 
 
@@ -33,8 +36,7 @@ class JsonCodec:
 def module() -> Any:
     mod = types.ModuleType("si_upstream_targets")
 
-    class Trainer:
-        global_steps = 0
+    class Trainer(ToyTrainer):
         calls = 0
 
         def generate(self) -> dict[str, str]:
@@ -61,15 +63,13 @@ def run(module: Any, dump: Path, trust: bool) -> tuple[Any, int]:
     engine.start()
     try:
         module.Trainer.calls = 0
-        trainer = module.Trainer()
-        trainer.global_steps = 3
-        return trainer.generate(), module.Trainer.calls
+        return module.Trainer(global_steps=3).generate(), module.Trainer.calls
     finally:
         engine.stop()
 
 
 def test_older_layout_is_loaded_only_when_trusted(module: Any, tmp_path: Path, caplog) -> None:
-    old_dir = tmp_path / "skipinject_default" / "genstep_000003"
+    old_dir = tmp_path / PROJECT / "genstep_000003"
     old_dir.mkdir(parents=True)
     (old_dir / "batch.json").write_text('{"from": "verl 0.8"}')
     with caplog.at_level(logging.WARNING, logger="skipinject"):
@@ -79,7 +79,7 @@ def test_older_layout_is_loaded_only_when_trusted(module: Any, tmp_path: Path, c
         "genstep_000003/batch.json" in r.getMessage() and "did not load" in r.getMessage() for r in caplog.records
     )
     assert (old_dir / "batch.json").exists(), "verl's cache is never deleted"
-    (tmp_path / "skipinject_default" / "3").rename(tmp_path / "ours")  # only verl's cache is left
+    (tmp_path / PROJECT / "3").rename(tmp_path / "ours")  # only verl's cache is left
     result, calls = run(module, tmp_path, trust=True)
     assert result == {"from": "verl 0.8"} and calls == 0
 
@@ -88,7 +88,7 @@ def test_a_linked_older_step_directory_is_not_followed(module: Any, tmp_path: Pa
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "batch.json").write_text('{"from": "a link"}')
-    project = tmp_path / "dump" / "skipinject_default"
+    project = tmp_path / "dump" / PROJECT
     project.mkdir(parents=True)
     (project / "genstep_000003").symlink_to(elsewhere)
     result, calls = run(module, tmp_path / "dump", trust=True)

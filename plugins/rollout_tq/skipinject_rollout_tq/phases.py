@@ -144,7 +144,9 @@ class SubmitPhase:
         uids = [str(uid) for uid in batch["uid"]]
         store = role.store_for(call)
         if not self._serve(role, call, store, step, uids):
-            role.notes(call, step)["prompts_submitted"] = len(uids)  # its refills are counted beside it
+            notes = role.notes(call, step)
+            notes["prompts_submitted"] = len(uids)  # its refills are counted beside it
+            notes["submitted_at"] = time.perf_counter()  # its generation time ends with its last sample
             trainer._submit_batch_to_rollout(batch)
 
     def _serve(self, role: PhaseContext, call: Call, store: StepCache, step: int, uids: list[str]) -> bool:
@@ -377,6 +379,9 @@ class SamplePhase:
             return
         record = self._record(role, call, step, notes)
         meta = {"parameter_sync_step": expected, "trajectories": notes["trajectories"], **record}
+        submitted = notes.get("submitted_at")
+        if isinstance(submitted, float):  # from the submit to the last sample: what a hit of the step saves
+            meta["generation_s"] = round(time.perf_counter() - submitted, 6)
         role.commit(call, step, meta, unit="trajectories", note=_describe_record(record))
 
     def _after_served(self, role: PhaseContext, call: Call, step: int) -> None:

@@ -1,0 +1,290 @@
+"""The start of a run in the driver: one line per setting that cannot work, then one line per role
+saying what it will do and how many of its chosen steps are cached (issue 34, part 1)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from skipinject import Call, CodecError, Payload, Role, StepSource, Target
+from skipinject.config import Config, RoleConfig, StepSet
+from skipinject.errors import ConfigError
+from skipinject.report import start
+from skipinject.testing import RoleRun, ToyTrainer
+
+pytestmark = pytest.mark.unit
+
+
+class Numbers:
+    def encode(self, result: int) -> Payload:
+        return Payload(objects={"value": int(result)}, rows=1)
+
+    def decode(self, payload: Payload, call: Call) -> int:
+        value = payload.objects.get("value")
+        if not isinstance(value, int):
+            raise CodecError("no value")
+        return value
+
+
+class Trainer(ToyTrainer):
+    def generate(self, index: int) -> int:
+        return 10 * self.global_steps + index
+
+
+def toy_role() -> Role:
+    return Role(
+        name="toyrole",
+        targets=[Target(f"{__name__}:Trainer.generate")],
+        step=StepSource.attribute("global_steps"),
+        codec=Numbers(),
+        cache_subdir="",
+    )
+
+
+def config(**roles: RoleConfig) -> Config:
+    return Config(roles=roles)
+
+
+def lines_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.name == "skipinject"]
+
+
+def test_an_enabled_role_without_steps_and_steps_without_enable_are_one_line_each() -> None:
+    found = start.setting_problems(
+        config(a=RoleConfig(enable=True), b=RoleConfig(steps=(1, 2, 3)), c=RoleConfig(enable=True, steps=(1,))),
+        disabled=False,
+    )
+    assert found == [
+        (
+            logging.WARNING,
+            "skip.a.enable=true but skip.a.steps is empty: the role acts at no step "
+            "(give skip.a.steps=[1,2] or a range like 1-64)",
+        ),
+        (
+            logging.WARNING,
+            "skip.b.steps=1-3 is given but skip.b.enable is false: the role is off (add skip.b.enable=true)",
+        ),
+    ]
+    assert start.setting_problems(config(c=RoleConfig(enable=True, steps=(1,))), disabled=False) == []
+
+
+def test_skipinject_disabled_by_the_environment_says_so_once() -> None:
+    found = start.setting_problems(
+        config(a=RoleConfig(enable=True, steps=(1,)), b=RoleConfig(enable=True)), disabled=True
+    )
+    assert found == [
+        (
+            logging.WARNING,
+            "skipinject is off (SKIPINJECT_DISABLE is set): skip.a and 1 more role(s) will not act in this run",
+        )
+    ]
+    assert start.setting_problems(config(a=RoleConfig()), disabled=True) == []
+
+
+def test_a_dump_dir_that_cannot_hold_a_cache_warns_or_stops_a_strict_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    settings = RoleConfig(enable=True, steps=(1,), dump_dir=str(blocker / "cache"))
+    problem = start.dump_dir_problem("r", settings)
+    assert problem == f"skip.r.dump_dir={blocker}/cache: {blocker} is not a directory: nothing can be cached there"
+    assert start.check_settings(config(r=settings), disabled=False) == [(logging.WARNING, problem)]
+    strict = RoleConfig(enable=True, steps=(1,), dump_dir=str(blocker), action="strict")
+    with pytest.raises(ConfigError, match=r"not a directory.*action=strict relies on the cache"):
+        start.check_settings(config(r=strict), disabled=False)
+    assert start.dump_dir_problem("r", RoleConfig(enable=True, dump_dir=str(tmp_path / "new" / "dir"))) is None
+
+
+def test_a_dump_dir_other_users_can_write_is_not_trusted(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    problem = start.dump_dir_problem("r", RoleConfig(enable=True, dump_dir=str(shared)))
+    assert problem is not None and "writable by" in problem and "trust_dir_permissions" in problem
+    assert (
+        start.dump_dir_problem("r", RoleConfig(enable=True, dump_dir=str(shared), trust_dir_permissions=True)) is None
+    )
+
+
+def test_the_role_line_counts_the_chosen_steps_cached_in_the_runs_layout(tmp_path: Path) -> None:
+    with RoleRun(toy_role(), tmp_path, [1, 2]):
+        Trainer().fit(2)
+    roles = {"toyrole": toy_role()}
+    run_config = Trainer().config
+    layout = tmp_path / "e_p" / "GBS4_N2_in8_out8"
+
+    def line(**settings: Any) -> str:
+        found = start.layout_lines(
+            config(toyrole=RoleConfig(enable=True, dump_dir=str(tmp_path), **settings)), roles, run_config
+        )
+        assert len(found) == 1 and found[0][0] == logging.INFO
+        return found[0][1]
+
+    assert line(steps=StepSet.parse("1-3")) == f"toyrole: cache steps 1-3 in {layout}: 2 cached, 1 to generate"
+    assert line(steps=(2,), action="strict") == f"toyrole: strict step 2 in {layout}: 1 cached"
+    assert (
+        line(steps=(3, 4), action="strict")
+        == f"toyrole: strict steps 3-4 in {layout}: 0 cached, 2 missing: the run stops at the first"
+    )
+    assert line(steps=StepSet.parse("1-10"), action="repeat") == (
+        f"toyrole: repeat steps 1-10 in {layout}: 2 cached, 8 served from the nearest of the 2 cached step(s)"
+    )
+    assert line(steps=StepSet.parse("1-3"), action="refresh") == (
+        f"toyrole: refresh steps 1-3 in {layout}: 2 cached, all generated and saved again"
+    )
+    assert line(steps=StepSet.parse("1-3"), save=False) == (
+        f"toyrole: cache steps 1-3 in {layout}: 2 cached, 1 to generate; read-only (save=false): nothing is saved"
+    )
+    other = dict(run_config, data={**run_config["data"], "max_response_length": 16})
+    found = start.layout_lines(
+        config(toyrole=RoleConfig(enable=True, dump_dir=str(tmp_path), steps=StepSet.parse("1-3"))), roles, other
+    )
+    assert found[0][1].endswith("GBS4_N2_in8_out16: 0 cached, 3 to generate")
+    last = dict(run_config, trainer={**run_config["trainer"], "total_training_steps": 2})
+    found = start.layout_lines(
+        config(toyrole=RoleConfig(enable=True, dump_dir=str(tmp_path), steps=StepSet.parse("1-64"))), roles, last
+    )
+    assert found[0][1].endswith(": 2 cached, 0 to generate"), "steps past the run's last are not counted"
+
+
+def test_the_role_lines_are_said_once_when_verl_gets_its_config(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    watch = start.RunStart(
+        config(toyrole=RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1,))), {"toyrole": toy_role()}
+    )
+    called = []
+
+    def run_ppo(config: Any, task_runner_class: Any = None) -> str:
+        called.append(config)
+        return "ran"
+
+    run_config = Trainer().config
+    with caplog.at_level(logging.INFO, "skipinject"):
+        for _ in range(2):
+            call = Call(start.RUN_ENTRY, run_ppo, None, (run_config,), {})
+            assert watch.sync(call, lambda: run_ppo(run_config)) == "ran"
+        watch.at_ray_init()
+    assert lines_of(caplog) == [f"toyrole: cache step 1 in {tmp_path}/e_p/GBS4_N2_in8_out8: 0 cached, 1 to generate"]
+    assert len(called) == 2
+
+
+def test_without_verl_config_the_line_comes_at_ray_init(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=StepSet.parse("1-4"))
+    watch = start.RunStart(config(toyrole=settings), {})
+    with caplog.at_level(logging.INFO, "skipinject"):
+        watch.at_ray_init()
+        watch.at_ray_init()
+    assert lines_of(caplog) == [
+        f"toyrole: cache steps 1-4 in {tmp_path}/<experiment>_<project>/GBS…_N…_in…_out…: the layout is the trainer's"
+    ]
+
+
+def run_runner(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "skipinject", "-c", "pass", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_the_runner_says_each_problem_before_the_program_and_stops_a_strict_run(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    done = run_runner("skip.rollout.steps=[1,2]", "skip.rollout_tq.enable=True")
+    assert done.returncode == 0
+    assert done.stderr.splitlines() == [
+        "skipinject WARNING: skip.rollout.steps=1-2 is given but skip.rollout.enable is false: the role is off "
+        "(add skip.rollout.enable=true)",
+        "skipinject WARNING: skip.rollout_tq.enable=true but skip.rollout_tq.steps is empty: the role acts at no "
+        "step (give skip.rollout_tq.steps=[1,2] or a range like 1-64)",
+    ]
+    done = run_runner("skip.rollout.enable=True", "skip.rollout.steps=[1]", env={"SKIPINJECT_DISABLE": "1"})
+    assert done.returncode == 0 and "skipinject is off (SKIPINJECT_DISABLE is set)" in done.stderr
+    strict = [f"skip.rollout.dump_dir={blocker}", "skip.rollout.action=strict"]
+    done = run_runner("skip.rollout.enable=True", "skip.rollout.steps=[1]", *strict)
+    assert done.returncode == 2
+    assert done.stderr == (
+        f"skipinject: error: skip.rollout.dump_dir={blocker}: {blocker} is not a directory: nothing can be cached "
+        "there (skip.rollout.action=strict relies on the cache)\n"
+    )
+
+
+def test_the_driver_resolves_the_batch_size_the_v1_trainer_will_use(tmp_path: Path) -> None:
+    """verl's V1 trainer sets ``data.gen_batch_size=1`` when it starts (async modes, group filtering): the
+    driver's config does not say so yet, the start line does."""
+    from skipinject.verl.layout import trainer_batch_size
+
+    run_config = Trainer().config
+    v1 = {**run_config, "trainer": {**run_config["trainer"], "use_v1": True}}
+    assert trainer_batch_size(run_config) is None and trainer_batch_size(v1) is None  # V0; V1 sync mode
+    separate = {**v1, "trainer": {**v1["trainer"], "v1": {"trainer_mode": "separate_async"}}}
+    filtering = {**v1, "algorithm": {"filter_groups": {"enable": True}}}
+    assert trainer_batch_size(separate) == trainer_batch_size(filtering) == 1
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1,))
+    found = start.layout_lines(config(toyrole=settings), {"toyrole": toy_role()}, separate)
+    assert found[0][1] == f"toyrole: cache step 1 in {tmp_path}/e_p/GBS1_N2_in8_out8: 0 cached, 1 to generate"
+
+
+def test_a_miss_names_the_same_step_cached_under_another_layout_or_run_name(tmp_path: Path) -> None:
+    """Issue 34, part 3: a changed layout field or run name is named, as settings, at a miss."""
+    from skipinject.report.misses import nearest_cache
+
+    with RoleRun(toy_role(), tmp_path, [1]):
+        Trainer(response_length=16).fit(1)
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1, 2))
+    here = start.open_store("toyrole", toy_role(), settings, Trainer(response_length=8).config)
+    assert nearest_cache(here, 1) == (
+        f"cached under another layout, {tmp_path}/e_p/GBS4_N2_in8_out16/1: data.max_response_length is 16 there, 8 here"
+    )
+    assert nearest_cache(here, 2) is None
+    elsewhere = start.open_store("toyrole", toy_role(), settings, Trainer(experiment="e2", response_length=16).config)
+    assert nearest_cache(elsewhere, 1) == (
+        f"cached under another run name, {tmp_path}/e_p/GBS4_N2_in8_out16/1: "
+        "trainer.experiment_name is 'e' there, 'e2' here"
+    )
+
+
+def test_the_search_for_the_nearest_cache_is_bounded(tmp_path: Path) -> None:
+    import time
+
+    from skipinject.report.misses import nearest_cache
+
+    run = tmp_path / "e_p"
+    for index in range(10_000):  # a layout of 10,000 cached steps, and many other layouts
+        (run / "GBS4_N2_in8_out16" / str(index)).mkdir(parents=True)
+    for gbs in range(5, 2000):
+        (run / f"GBS{gbs}_N2_in8_out8").mkdir()
+    (run / "GBS4_N2_in8_out16" / "9999" / "meta.json").write_text("{}")
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(9999,))
+    here = start.open_store("toyrole", toy_role(), settings, Trainer().config)
+    started = time.perf_counter()
+    found = nearest_cache(here, 9999)
+    assert time.perf_counter() - started < 0.5
+    assert found is not None and "GBS4_N2_in8_out16/9999" in found
+
+
+def test_at_ray_init_the_line_comes_from_the_config_of_the_run_ppo_calling_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``python -m skipinject -m verl.trainer.main_ppo`` runs main_ppo as ``__main__``: its ``run_ppo`` is
+    seen when it starts Ray."""
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1,))
+    watch = start.RunStart(config(toyrole=settings), {"toyrole": toy_role()})
+
+    def run_ppo(config: Any, task_runner_class: Any = None) -> None:
+        watch.at_ray_init()  # as ray.init's interceptor calls it
+
+    with caplog.at_level(logging.INFO, "skipinject"):
+        run_ppo(Trainer().config)
+    assert lines_of(caplog) == [f"toyrole: cache step 1 in {tmp_path}/e_p/GBS4_N2_in8_out8: 0 cached, 1 to generate"]
