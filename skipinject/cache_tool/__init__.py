@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from skipinject.errors import SkipInjectError, did_you_mean
 
-DESCRIPTION = "See, verify, show, compare, import and prune skipinject's (and verl's own) rollout caches."
+DESCRIPTION = "See, verify, show, compare, import, prune and remove skipinject's (and verl's own) rollout caches."
 
 
 def default_dump_dir() -> Path:
@@ -31,13 +31,13 @@ def local_path(text: str) -> Path:
 
     if is_remote(text):
         raise argparse.ArgumentTypeError(
-            f"{text}: a remote store's URL; only `skipinject cache ls` and `verify` read those"
+            f"{text}: a remote store's URL; only `skipinject cache ls`, `verify`, `prune` and `rm` take those"
         )
     return Path(local_path_text(text))
 
 
 def location(text: str) -> Path | str:
-    """A local path, or a remote store's URL (``ls`` and ``verify`` read both)."""
+    """A local path, or a remote store's URL (``ls``, ``verify``, ``prune`` and ``rm`` take both)."""
     from skipinject.cluster import is_remote
 
     return text.rstrip("/") if is_remote(text) else local_path(text)
@@ -56,9 +56,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     dump_help = "dump directory (default: skip.<role>.dump_dir's default, ~/.verl/rollout_dump)"
 
-    p = sub.add_parser("ls", help="list projects, layouts, roles and steps, with size, age, writer and state")
+    p = sub.add_parser("ls", help="list projects, layouts, roles and steps: size, age, last use, hits, writer, state")
     p.add_argument("dump_dir", nargs="?", type=location, help=dump_help + "; or a URL such as s3://bucket/dir")
     p.add_argument("-l", "--steps", action="store_true", help="one line per step instead of per step range")
+    p.add_argument(
+        "--sort",
+        choices=("size", "served", "created", "step"),
+        default="step",
+        metavar="KEY",
+        help="order: size (largest first), served (least recently served first, never served before), "
+        "created (oldest first), step (default)",
+    )
+    p.add_argument("--role", action="append", default=[], help="only this role's steps (repeatable)")
+    p.add_argument(
+        "--state",
+        action="append",
+        default=[],
+        choices=("complete", "partial", "damaged", "untrusted", "foreign"),
+        metavar="STATE",
+        help="only steps in this state: complete, partial, damaged, untrusted or foreign (repeatable)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output (schema skipinject.cache.ls/1)")
 
     p = sub.add_parser("verify", help="check sizes, checksums and format of every step; exit 1 if any is damaged")
@@ -67,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("show", help="what one step holds: fields, dtypes, shapes, rows, inputs, first text rows")
+    p = sub.add_parser(
+        "show", help="what one step holds: fields, dtypes, shapes, inputs; rows with prompt, response, score"
+    )
     p.add_argument(
         "step_path", type=local_path, metavar="STEP_PATH", help="a step directory (with --match: any directory above)"
     )
@@ -78,13 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: how many of this dataset's prompts have a cached rollout under STEP_PATH",
     )
     p.add_argument("--column", default="prompt", help="the dataset's prompt column for --match (default: prompt)")
-    p.add_argument("--rows", type=int, default=3, help="text rows to show per field (default 3)")
+    p.add_argument("--rows", type=int, default=3, help="rows to show (default 3)")
     p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer (model directory) to decode token ids")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("diff", help="compare two steps, or two runs' project directories; exit 1 if they differ")
     p.add_argument("a", type=local_path, metavar="A")
     p.add_argument("b", type=local_path, metavar="B")
+    p.add_argument("--rows", type=int, default=3, help="differing rollout rows to show per step (default 3)")
+    p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer (model directory) to decode token ids")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("import", help="convert verl's own pickled caches into skipinject's format (needs --trust)")
@@ -100,11 +121,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("prune", help="remove steps and leftovers of interrupted saves (never verl's pickles)")
-    p.add_argument("dump_dir", nargs="?", type=local_path, help=dump_help)
+    p.add_argument("dump_dir", nargs="?", type=location, help=dump_help + "; or a URL such as s3://bucket/dir")
     p.add_argument("--keep-last", type=int, metavar="N", help="keep the N highest steps of each role")
-    p.add_argument("--older-than", metavar="AGE", help="remove steps created longer ago than AGE (30m, 12h, 7d)")
+    p.add_argument(
+        "--max-size",
+        metavar="SIZE",
+        help="remove the least recently served steps (never served: oldest created) until the rest fit in SIZE "
+        "(500G, 10M, 1.5T; K, M, G, T are powers of 1024)",
+    )
+    p.add_argument("--older-than", metavar="AGE", help="remove steps older than AGE (30m, 12h, 7d); see --by")
+    p.add_argument(
+        "--by",
+        choices=("created", "served"),
+        default="created",
+        metavar="WHAT",
+        help="what --older-than measures: when a step was created (default) or last served (created if never)",
+    )
     p.add_argument("--partial", action="store_true", help="remove interrupted saves (data without meta.json)")
     p.add_argument("--damaged", action="store_true", help="remove steps whose meta.json or files are damaged")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("rm", help="remove named steps (never verl's pickles, never a save still running)")
+    p.add_argument("steps", nargs="+", type=location, metavar="PATH/STEP", help="step directories, or their URLs")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     p.add_argument("--json", action="store_true")
 
@@ -165,7 +204,15 @@ def _run(args: argparse.Namespace) -> int:
         from skipinject.cache_tool.ls import cmd_ls
 
         root = args.dump_dir or default_dump_dir()
-        return cmd_ls(root, as_json=args.json, per_step=args.steps, default=args.dump_dir is None)
+        return cmd_ls(
+            root,
+            as_json=args.json,
+            per_step=args.steps,
+            default=args.dump_dir is None,
+            sort=args.sort,
+            roles=args.role,
+            states=args.state,
+        )
     if args.command == "verify":
         from skipinject.cache_tool.verify import cmd_verify
 
@@ -181,7 +228,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "diff":
         from skipinject.cache_tool.diff import cmd_diff
 
-        return cmd_diff(args.a, args.b, as_json=args.json)
+        return cmd_diff(args.a, args.b, as_json=args.json, rows=args.rows, tokenizer=args.tokenizer)
     if args.command == "import":
         from skipinject.cache_tool.importer import cmd_import
 
@@ -194,17 +241,23 @@ def _run(args: argparse.Namespace) -> int:
             as_json=args.json,
         )
     if args.command == "prune":
-        from skipinject.cache_tool.prune import cmd_prune, parse_age
+        from skipinject.cache_tool.prune import cmd_prune, parse_age, parse_size
 
         return cmd_prune(
             args.dump_dir or default_dump_dir(),
             keep_last=args.keep_last,
+            max_size=None if args.max_size is None else parse_size(args.max_size),
             older_than=None if args.older_than is None else parse_age(args.older_than),
+            by=args.by,
             partial=args.partial,
             damaged=args.damaged,
             dry_run=args.dry_run,
             as_json=args.json,
         )
+    if args.command == "rm":
+        from skipinject.cache_tool.prune import cmd_rm
+
+        return cmd_rm(args.steps, dry_run=args.dry_run, as_json=args.json)
     if args.command == "compact":
         from skipinject.cache_tool.compact import cmd_compact
 

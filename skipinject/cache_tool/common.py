@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from skipinject.cache_tool.scan import Item, scan
+from skipinject.store import StepStore
 from skipinject.store.files import unresolved_problem
 
 OK, FOUND, USAGE = 0, 1, 2
@@ -49,3 +50,13 @@ def scan_any(root: Path | str, problems: list[str]) -> list[Item]:
         return scan_remote(root, problems)
     existing_dir(root)
     return scan(root, problems)
+
+
+def item_store(item: Item, root: Path | None = None) -> StepStore:
+    """The store holding ``item``'s step (local, or the object store of its URL), for upkeep that
+    needs no role context (its usage record, its files, its removal): ``root`` anchors local removals."""
+    if isinstance(item.path, Path):
+        return StepStore(item.path.parent, item.role, {}, dump_dir=root)
+    from skipinject.store.remote import FsspecFiles, open_remote
+
+    return StepStore(item.path.parent, item.role, {}, backend=FsspecFiles(open_remote(str(item.path))[0]))

@@ -84,11 +84,11 @@ def cmd_compact(root: Path, *, compression: str, dry_run: bool, as_json: bool) -
         try:
             if dry_run:
                 _, meta = open_step(item.path)
-                result["state"] = "compressed" if meta.compressed else "would compact"
+                result["state"] = "already compressed" if meta.compressed else "would compact"
                 result["before"] = meta.stored_size
             else:
                 done = compact_step(item.path, chosen)
-                result["state"] = "compressed" if done is None else "compacted"
+                result["state"] = "already compressed" if done is None else "compacted"
                 if done is not None:
                     result["before"], result["after"] = done
         except (CacheError, OSError, ValueError, TypeError) as exc:
@@ -97,12 +97,36 @@ def cmd_compact(root: Path, *, compression: str, dry_run: bool, as_json: bool) -
     if as_json:
         print(json.dumps({"schema": "skipinject.cache.compact/1", "steps": results}, indent=1))
     else:
-        for result in results:
-            sizes = ""
-            if "after" in result:
-                sizes = f": {result['before']} -> {result['after']} bytes"
-            elif "before" in result:
-                sizes = f": {result['before']} bytes"
-            problem = f" ({result['problem']})" if "problem" in result else ""
-            print(f"{result['state']} {result['path']}{sizes}{problem}")
+        render(results)
     return 1 if any(r["state"] == "failed" for r in results) else 0
+
+
+def _ratio(before: int, after: int) -> str:
+    return f"{after / before:.0%} of it" if before else "-"
+
+
+def render(results: list[dict[str, Any]]) -> None:
+    """One line per step (sizes and the ratio where compacted), then the total."""
+    from skipinject.cache_tool.render import human_size, say
+
+    for result in results:
+        sizes = ""
+        if "after" in result:
+            before, after = result["before"], result["after"]
+            sizes = f": {human_size(before)} -> {human_size(after)} ({_ratio(before, after)})"
+        elif "before" in result:
+            sizes = f": {human_size(result['before'])}"
+        problem = f" ({result['problem']})" if "problem" in result else ""
+        say(f"{result['state']} {result['path']}{sizes}{problem}")
+    done = [r for r in results if "after" in r]
+    before, after = sum(r["before"] for r in done), sum(r["after"] for r in done)
+    counts = {state: sum(r["state"] == state for r in results) for state in ("would compact", "already compressed")}
+    failed = sum(r["state"] == "failed" for r in results)
+    if counts["would compact"]:
+        pending = sum(r["before"] for r in results if r["state"] == "would compact")
+        head = f"would compact {counts['would compact']} step(s), {human_size(pending)}"
+    else:
+        head = f"compacted {len(done)} step(s)" + (
+            f", {human_size(before)} -> {human_size(after)} ({_ratio(before, after)})" if done else ""
+        )
+    say(f"{head}; {counts['already compressed']} already compressed, {failed} failed")

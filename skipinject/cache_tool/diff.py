@@ -10,13 +10,15 @@ from skipinject.cache_tool.common import FOUND, OK, CommandError, existing_dir
 from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.progress import Progress
 from skipinject.cache_tool.render import emit_json, human_number, say, schema, show_table
+from skipinject.cache_tool.rows import means, same_row, shown_row, step_samples
+from skipinject.cache_tool.rows import tokenizer as tokenizer_for
 from skipinject.cache_tool.scan import STEP_RE, scan
 from skipinject.cache_tool.show import load_step
 from skipinject.errors import CorruptCacheError
 from skipinject.store.format import META_NAME
 
 
-def cmd_diff(a: Path, b: Path, *, as_json: bool) -> int:
+def cmd_diff(a: Path, b: Path, *, as_json: bool, rows: int = 3, tokenizer: str | None = None) -> int:
     existing_dir(a)
     existing_dir(b)
     pairs, only = select(a, b)
@@ -24,7 +26,7 @@ def cmd_diff(a: Path, b: Path, *, as_json: bool) -> int:
     roles = InstalledRoles()
     with Progress(len(pairs), "diff", unit="steps") as bar:
         for x, y in pairs:
-            reports.append(diff_steps(x, y, roles))  # act
+            reports.append(diff_steps(x, y, roles, rows=rows, tokenizer=tokenizer))  # act
             bar.update(1, x.name)
     differ = bool(only) or any(r["differs"] for r in reports)
     if as_json:
@@ -68,7 +70,9 @@ def select(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[tuple[str, s
 # ---------------------------------------------------------------- act
 
 
-def diff_steps(a: Path, b: Path, roles: InstalledRoles) -> dict[str, Any]:
+def diff_steps(
+    a: Path, b: Path, roles: InstalledRoles, *, rows: int = 3, tokenizer: str | None = None
+) -> dict[str, Any]:
     report: dict[str, Any] = {"a": str(a), "b": str(b), "meta": [], "fields": [], "problems": [], "notes": []}
     try:
         meta_a, decoded_a = load_step(a, roles)
@@ -88,14 +92,44 @@ def diff_steps(a: Path, b: Path, roles: InstalledRoles) -> dict[str, Any]:
         report["inputs_differing"] = changed
     else:
         report["inputs_differing"] = None
-    diffs = fields.compare_fields(fields.flatten(value_a), fields.flatten(value_b))
+    flat_a, flat_b = fields.flatten(value_a), fields.flatten(value_b)
+    diffs = fields.compare_fields(flat_a, flat_b)
     report["fields"] = [d.record() for d in diffs]
+    report["samples"] = compare_samples(flat_a, flat_b, meta_a, rows, tokenizer)
     report["differs"] = bool(
         any(m["key"] != "writer" for m in report["meta"])
         or report["inputs_differing"]
         or any(d.status != "same" for d in diffs)
     )
     return report
+
+
+def compare_samples(
+    flat_a: dict[str, Any], flat_b: dict[str, Any], meta: dict[str, Any], rows: int, tokenizer: str | None
+) -> dict[str, Any] | None:
+    """Rollout rows side by side: how many have identical prompts and responses, each side's mean score
+    and response length, and the first ``rows`` differing rows decoded; None unless both hold rows."""
+    a, b = step_samples(flat_a), step_samples(flat_b)
+    if a is None or b is None:
+        return None
+    differing = [i for i in range(max(len(a), len(b))) if i >= len(a) or i >= len(b) or not same_row(a[i], b[i])]
+    decode, source = tokenizer_for(tokenizer, meta) if differing else (None, None)
+    first = [
+        {
+            "row": i,
+            "a": shown_row(i, a[i], decode).record() if i < len(a) else None,
+            "b": shown_row(i, b[i], decode).record() if i < len(b) else None,
+        }
+        for i in differing[:rows]
+    ]
+    return {
+        "rows": [len(a), len(b)],
+        "identical": min(len(a), len(b)) - len([i for i in differing if i < min(len(a), len(b))]),
+        "a": means(a),
+        "b": means(b),
+        "tokenizer": source,
+        "first_differing": first,
+    }
 
 
 # ---------------------------------------------------------------- render
@@ -126,6 +160,9 @@ def _render_step(report: dict[str, Any]) -> None:
         say(f"  meta {item['key']}: {item['a']!r} vs {item['b']!r}")
     if report.get("inputs_differing"):
         say(f"  inputs: {report['inputs_differing']} row(s) were generated from other prompts")
+    samples = report.get("samples")
+    if samples is not None:
+        _render_samples(samples)
     rows = [
         [
             f["name"],
@@ -145,3 +182,25 @@ def _render_step(report: dict[str, Any]) -> None:
         same = len(report["fields"])
         say(f"  all {same} field(s) identical")
     say()
+
+
+def _render_samples(samples: dict[str, Any]) -> None:
+    rows_a, rows_b = samples["rows"]
+    counted = f"{rows_a}" if rows_a == rows_b else f"{rows_a} (A) and {rows_b} (B)"
+    say(f"  rows: {samples['identical']} of {counted} identical (prompt and response)")
+    for side in ("a", "b"):
+        mean = samples[side]
+        say(
+            f"  {side.upper()}: mean score {human_number(mean['mean_score'])}, "
+            f"mean response length {human_number(mean['mean_length'])}"
+        )
+    for pair in samples["first_differing"]:
+        shown = pair["a"] or pair["b"]
+        say(f"  row {pair['row']}: prompt {shown['prompt']}")
+        for side in ("a", "b"):
+            row = pair[side]
+            if row is None:
+                say(f"    {side.upper()}: (no such row)")
+            else:
+                score = human_number(row["score"])
+                say(f"    {side.upper()}: {row['response']} (score {score}, {row['length']} tokens)")

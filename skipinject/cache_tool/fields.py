@@ -284,7 +284,7 @@ def compare(name: str, a: Any, b: Any) -> FieldDiff:
         per_row = unequal.reshape(rows, -1).any(dim=1) if ta.dim() else unequal.reshape(1)
         differing = int(per_row.sum())
         result = FieldDiff(name, "differs" if differing else "same", rows, differing)
-        if ta.dtype != torch.bool and ta.numel():
+        if (ta.dtype.is_floating_point or ta.dtype.is_complex) and ta.numel():  # not for ids, masks, flags
             delta = (ta.to(torch.float64) - tb.to(torch.float64)).abs()
             delta = torch.nan_to_num(delta, nan=0.0)
             result.max_abs = float(delta.max())
@@ -312,7 +312,10 @@ def _row_diff(name: str, ra: list[Any], rb: list[Any]) -> FieldDiff:
         if not _same(x, y):
             differing += 1
         if numeric and isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape:
-            if x.dtype == torch.bool or not x.numel():
+            if not x.dtype.is_floating_point:  # token ids, masks: a difference of ids means nothing
+                numeric = False
+                continue
+            if not x.numel():
                 continue
             delta = torch.nan_to_num((x.to(torch.float64) - y.to(torch.float64)).abs(), nan=0.0)
             max_abs = max(max_abs, float(delta.max()))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +11,21 @@ from skipinject.cache_tool.common import OK, scan_any, writer_text
 from skipinject.cache_tool.render import emit_json, human_size, say, schema, show_table
 from skipinject.cache_tool.scan import Item, step_ranges
 
+#: ``--sort`` keys: largest first, least recently served (or created) first, by step.
+SORTS = ("size", "served", "created", "step")
+STATES = ("complete", "partial", "damaged", "untrusted", "foreign")
 
-def cmd_ls(root: Path | str, *, as_json: bool, per_step: bool, default: bool) -> int:
+
+def cmd_ls(
+    root: Path | str,
+    *,
+    as_json: bool,
+    per_step: bool,
+    default: bool,
+    sort: str = "step",
+    roles: Sequence[str] = (),
+    states: Sequence[str] = (),
+) -> int:
     if default and isinstance(root, Path) and not root.exists():
         if as_json:
             emit_json({"schema": schema("ls"), "dump_dir": str(root), "steps": [], "groups": [], "problems": []})
@@ -20,7 +33,12 @@ def cmd_ls(root: Path | str, *, as_json: bool, per_step: bool, default: bool) ->
             say(f"nothing cached in {root} (it does not exist)")
         return OK
     problems: list[str] = []
-    items = scan_any(root, problems)  # select
+    items = [
+        item
+        for item in scan_any(root, problems)
+        if (not roles or item.role in roles) and (not states or item.state in states)
+    ]  # select
+    items = sorted(items, key=_ORDER[sort])  # stable: the scan's order within equal keys
     groups = group(items)  # act
     if as_json:
         emit_json(
@@ -38,6 +56,19 @@ def cmd_ls(root: Path | str, *, as_json: bool, per_step: bool, default: bool) ->
 
 
 # ---------------------------------------------------------------- act
+
+_ORDER: dict[str, Callable[[Item], Any]] = {
+    "size": lambda item: -item.size,
+    "served": lambda item: (item.served is not None, item.served or 0.0, item.created_time),
+    "created": lambda item: item.created_time,
+    "step": lambda item: (item.project, item.layout, item.role, -1 if item.step is None else item.step, item.kind),
+}
+
+
+def served_text(item: Item) -> str:
+    if item.kind != "skipinject" or item.state != "complete":
+        return "-"
+    return "never" if item.served is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(item.served))
 
 
 def when(created: str | None, mtime: float) -> str:
@@ -64,6 +95,8 @@ def group(items: Sequence[Item]) -> list[dict[str, Any]]:
     for (project, layout, role, state, written_by), members in grouped.items():
         whens = sorted(when(i.created, i.mtime) for i in members)
         rows = [i.rows for i in members]
+        served = [i for i in members if i.served is not None]
+        latest = max(served, key=lambda i: i.served or 0.0) if served else members[0]
         out.append(
             {
                 "project": project,
@@ -75,6 +108,8 @@ def group(items: Sequence[Item]) -> list[dict[str, Any]]:
                 "rows": sum(r for r in rows if r is not None) if any(r is not None for r in rows) else None,
                 "size": sum(i.size for i in members),
                 "created": _span(whens[0], whens[-1]),
+                "last_served": served_text(latest),
+                "hits": sum(i.hits for i in members),
                 "written_by": written_by,
             }
         )
@@ -100,6 +135,8 @@ def render(
                 i.rows,
                 human_size(i.size) + ("" if i.decoded is None else f" ({human_size(i.decoded)} decoded)"),
                 when(i.created, i.mtime),
+                served_text(i),
+                i.hits,
                 writer_text(i.writer) if i.kind == "skipinject" else i.kind,
                 i.state,
             ]
@@ -114,10 +151,12 @@ def render(
             "ROWS",
             "SIZE",
             "CREATED",
+            "LAST SERVED",
+            "HITS",
             "WRITTEN BY",
             "STATE",
         )
-        show_table(heads, rows, right=("STEP", "PARTS", "ROWS", "SIZE"))
+        show_table(heads, rows, right=("STEP", "PARTS", "ROWS", "SIZE", "HITS"))
     else:
         rows = [
             [
@@ -128,17 +167,33 @@ def render(
                 g["rows"],
                 human_size(g["size"]),
                 g["created"] or "-",
+                g["last_served"],
+                g["hits"],
                 g["written_by"],
                 g["state"],
             ]
             for g in groups
         ]
-        heads = ("PROJECT", "LAYOUT", "ROLE", "STEPS", "ROWS", "SIZE", "CREATED", "WRITTEN BY", "STATE")
-        show_table(heads, rows, right=("ROWS", "SIZE"))
+        heads = (
+            "PROJECT",
+            "LAYOUT",
+            "ROLE",
+            "STEPS",
+            "ROWS",
+            "SIZE",
+            "CREATED",
+            "LAST SERVED",
+            "HITS",
+            "WRITTEN BY",
+            "STATE",
+        )
+        show_table(heads, rows, right=("ROWS", "SIZE", "HITS"))
+    if items:
         total = sum(i.size for i in items)
         decoded = sum(i.size if i.decoded is None else i.decoded for i in items)
         unpacked = "" if decoded == total else f" ({human_size(decoded)} decoded)"
-        say(f"{len(items)} step(s), {human_size(total)}{unpacked} in {root}")
+        hits = sum(i.hits for i in items)
+        say(f"{len(items)} step(s), {human_size(total)}{unpacked}, {hits} hit(s) in {root}")
     for item in items:
         if item.state in ("damaged", "untrusted"):
             for problem in item.problems:

@@ -57,7 +57,13 @@ def dataset_fingerprints(dataset: Path, column: str) -> list[str]:
     try:
         import pyarrow.parquet as pq  # type: ignore[import-not-found]  # comes with verl (pandas, datasets)
 
+        names = [name for name in pq.read_schema(dataset).names if not name.startswith("__")]  # not pyarrow's own
+        if column not in names:
+            shown = ", ".join(repr(name) for name in names[:40]) + (" ..." if len(names) > 40 else "")
+            raise CommandError(f"{dataset}: no column {column!r}; its columns: {shown} (choose one with --column)")
         table = pq.read_table(dataset, columns=[column])
+    except CommandError:
+        raise
     except FileNotFoundError as exc:
         raise CommandError(f"{dataset}: no such file") from exc
     except Exception as exc:

@@ -6,19 +6,21 @@ running, never through a link), the removal (one small function, :func:`remove_s
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import OK, CommandError, mutable_root
+from skipinject.cache_tool.common import FOUND, OK, CommandError, item_store, mutable_root, scan_any
 from skipinject.cache_tool.render import emit_json, human_size, say, schema
-from skipinject.cache_tool.scan import Item, scan
+from skipinject.cache_tool.scan import Item
 from skipinject.cache_tool.verify import damage
-from skipinject.store.files import entries, regular_stat
-from skipinject.store.format import META_NAME, is_ours, is_part_name
+from skipinject.errors import CacheError
+from skipinject.store.format import META_NAME, is_ours
+from skipinject.store.meta import StepMeta
+from skipinject.store.step_store import StoredFile
+from skipinject.store.usage import is_usage_name
 
 _AGE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -33,15 +35,19 @@ def parse_age(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def _created_ts(item: Item) -> float:
-    if item.created:
-        with contextlib.suppress(ValueError):
-            return time.mktime(time.strptime(item.created[:19], "%Y-%m-%dT%H:%M:%S"))
-    return item.mtime
+_SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(?:i?b)?$")
+
+
+def parse_size(text: str) -> int:
+    """``500G`` -> bytes (K, M, G, T, P: powers of 1024; a plain number is bytes)."""
+    match = _SIZE.match(text.strip().lower())
+    if not match:
+        raise CommandError(f"bad size {text!r}: use a number with K, M, G or T (e.g. 500G, 10M)")
+    return int(float(match.group(1)) * 1024 ** "_kmgtp".index(match.group(2) or "_"))
 
 
 def cmd_prune(
-    root: Path,
+    root: Path | str,
     *,
     keep_last: int | None,
     older_than: float | None,
@@ -49,22 +55,73 @@ def cmd_prune(
     damaged: bool,
     dry_run: bool,
     as_json: bool,
+    max_size: int | None = None,
+    by: str = "created",
     now: float | None = None,
 ) -> int:
-    if keep_last is None and older_than is None and not partial and not damaged:
-        raise CommandError("nothing to prune: give --keep-last N, --older-than AGE, --partial or --damaged")
+    if keep_last is None and older_than is None and max_size is None and not partial and not damaged:
+        raise CommandError(
+            "nothing to prune: give --keep-last N, --max-size SIZE, --older-than AGE, --partial or --damaged"
+        )
     if keep_last is not None and keep_last < 0:
         raise CommandError("--keep-last must be 0 or more")
-    mutable_root(root, "prune")
+    if isinstance(root, Path):
+        mutable_root(root, "prune")
     now = time.time() if now is None else now
-    items = scan(root)
-    chosen = select(items, keep_last=keep_last, older_than=older_than, partial=partial, damaged=damaged, now=now)
+    problems: list[str] = []
+    items = scan_any(root, problems)
+    chosen = select(
+        items,
+        keep_last=keep_last,
+        older_than=older_than,
+        partial=partial,
+        damaged=damaged,
+        now=now,
+        max_size=max_size,
+        by=by,
+    )
     outcome = act(root, items, chosen, partial=partial, dry_run=dry_run, now=now)
     if as_json:
         emit_json({"schema": schema("prune"), "dump_dir": str(root), "dry_run": dry_run, **outcome})
     else:
         render(outcome, dry_run=dry_run)
     return OK
+
+
+def cmd_rm(paths: Sequence[Path | str], *, dry_run: bool, as_json: bool, now: float | None = None) -> int:
+    """Remove the named steps through :func:`act` (the same checks and removal as ``prune``)."""
+    now = time.time() if now is None else now
+    outcome: dict[str, Any] = {"removed": [], "skipped": [], "leftovers": None, "files": 0, "bytes": 0}
+    for path in paths:
+        item = _named_step(path)
+        root = item.path.parent if isinstance(item.path, Path) else str(item.path.parent)
+        done = act(root, [item], [(item, "named")], partial=False, dry_run=dry_run, now=now)
+        for key in ("removed", "skipped"):
+            outcome[key] += done[key]
+        outcome["files"] += done["files"]
+        outcome["bytes"] += done["bytes"]
+    if as_json:
+        emit_json({"schema": schema("rm"), "dry_run": dry_run, **outcome})
+    else:
+        render(outcome, dry_run=dry_run)
+    return FOUND if outcome["skipped"] else OK
+
+
+def _named_step(path: Path | str) -> Item:
+    """The skipinject step at ``path`` (a local step directory or a step's URL); CommandError otherwise."""
+    problems: list[str] = []
+    if isinstance(path, Path):
+        mutable_root(path.parent, "rm")
+        found = [item for item in scan_any(path, problems) if item.path == path]
+    else:
+        parent = path.rpartition("/")[0]
+        found = [item for item in scan_any(parent, problems) if str(item.path) == path]
+    ours = [item for item in found if item.kind == "skipinject"]
+    if ours:
+        return ours[0]
+    if found:
+        raise CommandError(f"{path}: verl's own cache ({found[0].kind}); skipinject never removes it")
+    raise CommandError(f"{path}: no skipinject step there")
 
 
 # ---------------------------------------------------------------- select
@@ -78,6 +135,8 @@ def select(
     partial: bool,
     damaged: bool,
     now: float,
+    max_size: int | None = None,
+    by: str = "created",
 ) -> list[tuple[Item, str]]:
     """The items the options choose, each with the reason."""
     chosen: list[tuple[Item, str]] = []
@@ -99,9 +158,20 @@ def select(
             for item in members:
                 if id(item) in keep:
                     continue
-                if older_than is not None and now - _created_ts(item) < older_than:
+                used = item.last_used if by == "served" else item.created_time
+                if older_than is not None and now - used < older_than:
                     continue
-                chosen.append((item, "older than --older-than" if keep_last is None else "beyond --keep-last"))
+                why = f"{'unused' if by == 'served' else 'older'} for longer than --older-than"
+                chosen.append((item, why if keep_last is None else "beyond --keep-last"))
+    if max_size is not None:
+        taken = {id(item) for item, _ in chosen}
+        kept = [item for members in by_role.values() for item in members if id(item) not in taken]
+        total = sum(item.size for item in kept)
+        for item in sorted(kept, key=lambda i: i.last_used):
+            if total <= max_size:
+                break
+            total -= item.size
+            chosen.append((item, "least recently served beyond --max-size"))
     for item in items:
         if item.kind != "skipinject":
             continue
@@ -116,14 +186,20 @@ def select(
 
 
 def act(
-    root: Path, items: Sequence[Item], chosen: list[tuple[Item, str]], *, partial: bool, dry_run: bool, now: float
+    root: Path | str,
+    items: Sequence[Item],
+    chosen: list[tuple[Item, str]],
+    *,
+    partial: bool,
+    dry_run: bool,
+    now: float,
 ) -> dict[str, Any]:
     """Remove (or, ``dry_run``, count) what is chosen and safe to remove now; the ``--json`` fields."""
-    root_real = root.resolve()
+    root_real = root if isinstance(root, str) else root.resolve()
     removed: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     files_total = bytes_total = 0
-    garbage_found = _leftovers(items, now) if partial else None
+    garbage_found = _leftovers(items, now) if partial and isinstance(root, Path) else None
     for item, reason in chosen:
         problem = _unsafe(item, root_real, now)
         abandoned = garbage_found is None or set(item.files) <= garbage_found[1]
@@ -132,7 +208,11 @@ def act(
         if problem:
             skipped.append({"path": str(item.path), "reason": problem})
             continue
-        count, size = (len(_our_files(item)), sum(_sizes(_our_files(item)))) if dry_run else remove_step(item, root)
+        if dry_run:
+            ours = _our_files(item)
+            count, size = len(ours), sum(found.size for found in ours)
+        else:
+            count, size = remove_step(item, root)
         files_total += count
         bytes_total += size
         removed.append({"path": str(item.path), "role": item.role, "step": item.step, "reason": reason, "size": size})
@@ -155,72 +235,59 @@ def act(
     }
 
 
-def _our_files(item: Item) -> list[Path]:
-    """The files of ``item`` to delete: skipinject's only (verl's pickles are never deleted)."""
+def _named(item: Item) -> set[str]:
+    """``part/name`` of the files that make up ``item`` (``/name`` in the step directory itself)."""
+    if item.state != "partial" and isinstance(item.meta, StepMeta):
+        return item.meta.named() | {f"/{META_NAME}"}
+    return {_relative(item, path) for path in item.files}
+
+
+def _relative(item: Item, path: Path) -> str:
+    return f"/{path.name}" if path.parent == item.path else f"{path.parent.name}/{path.name}"
+
+
+def _ours(item: Item, found: StoredFile) -> bool:
+    """A file of ``item`` that removing it removes: skipinject's only (verl's pickles are never deleted)."""
     if item.state == "partial":
-        return list(item.files)
-    out = []
-    directories = [item.path] + [
-        item.path / e.name for e in entries(item.path) if e.is_dir(follow_symlinks=False) and is_part_name(e.name)
-    ]
-    for directory in directories:
-        for entry in entries(directory):
-            if is_ours(entry.name) and entry.is_file(follow_symlinks=False):
-                out.append(directory / entry.name)
-    meta = item.path / META_NAME
-    if item.kind == "skipinject" and regular_stat(meta) is not None:
-        out.append(meta)
-    return out
+        return f"{found.part}/{found.name}" in _named(item)
+    top = not found.part and (found.name == META_NAME or is_usage_name(found.name))
+    return found.kind == "file" and (is_ours(found.name) or top)
 
 
-def _sizes(paths: list[Path]) -> list[int]:
-    return [info.st_size for info in (regular_stat(p) for p in paths) if info is not None]
+def _our_files(item: Item) -> list[StoredFile]:
+    """The files of ``item`` to delete, as the store lists them."""
+    return [found for found in item_store(item).files(int(item.path.name)) if _ours(item, found)]
 
 
-def _unsafe(item: Item, root_real: Path, now: float) -> str | None:
-    """Why ``item`` must not be touched now, or None."""
-    try:
-        real = item.path.resolve()
-    except OSError as exc:
-        return f"cannot resolve it ({exc})"
-    if real != root_real and root_real not in real.parents:
-        return "it lies outside the dump directory (reached through a link)"
-    if item.path.is_symlink():
-        return "it is a symbolic link"
-    named = set(item.files)
+def _unsafe(item: Item, root_real: Path | str, now: float) -> str | None:
+    """Why ``item`` must not be touched now, or None: it cannot be listed (a link, gone), or a file
+    of it that is not part of its commit (or any, for an interrupted save) changed too recently."""
+    if item.step is None or item.kind != "skipinject":
+        return "not a skipinject step"
     try:
         ours = _our_files(item)
-    except OSError as exc:
+    except (CacheError, OSError) as exc:
         return f"cannot list it ({exc})"
-    for path in ours:
-        info = regular_stat(path)
-        if info is None:
-            continue
-        if (path not in named or item.state != "complete") and now - info.st_mtime < MIN_AGE:
-            return f"a save may still be writing it ({path.name} changed {now - info.st_mtime:.0f} s ago)"
+    named = _named(item)
+    for found in ours:
+        if not found.part and is_usage_name(found.name):
+            continue  # a hit's record, not a save
+        recent = now - found.mtime < MIN_AGE
+        if recent and (f"{found.part}/{found.name}" not in named or item.state != "complete"):
+            return f"a save may still be writing it ({found.name} changed {now - found.mtime:.0f} s ago)"
     return None
 
 
-def remove_step(item: Item, root: Path) -> tuple[int, int]:
-    """Delete ``meta.json`` first (the step becomes absent at once), then its data files and empty dirs:
-    relative to descriptors opened once from ``root`` (:mod:`skipinject.store.files`), so a step
-    swapped for a link after the check removes nothing through it."""
-    from skipinject.store.files import remove_step as remove_under
-
-    if item.state == "partial":
-        chosen = {p.relative_to(item.path).as_posix() for p in item.files}
-
-        def wanted(part: str, name: str) -> bool:
-            return (f"{part}/{name}" if part else name) in chosen
-
-    else:
-
-        def wanted(part: str, name: str) -> bool:
-            return is_ours(name) or (not part and name == META_NAME and item.kind == "skipinject")
-
+def remove_step(item: Item, root: Path | str) -> tuple[int, int]:
+    """Remove ``item`` through its store (:meth:`~skipinject.store.StepStore.remove`): ``meta.json``
+    first (the step becomes absent at once), then its data files, usage record and empty directories;
+    locally relative to descriptors opened once from ``root``, so a step swapped for a link after the
+    check removes nothing through it."""
+    store = item_store(item, root if isinstance(root, Path) else None)
+    only = _named(item) if item.state == "partial" else None
     try:
-        return remove_under(root, item.path, wanted)
-    except (OSError, ValueError):
+        return store.remove(int(item.path.name), only=only)
+    except (CacheError, OSError, ValueError):
         return 0, 0
 
 

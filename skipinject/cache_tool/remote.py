@@ -16,6 +16,7 @@ from skipinject.store import StepStore
 from skipinject.store.format import DATA_NAME, META_NAME, PART_NAME, STEP_NAME
 from skipinject.store.meta import StepMeta
 from skipinject.store.remote import FsspecFiles, RemotePath, open_remote
+from skipinject.store.usage import USAGE_NAME
 from skipinject.verl.layout import layout_values
 
 
@@ -64,26 +65,32 @@ def scan_remote(url: str, problems: list[str]) -> list[Item]:
     items = []
     for step_parts in sorted(members, key=lambda s: (s[:-1], int(s[-1]))):
         project, layout, role_dir = _where(list(step_parts[:-1]))
-        location = root
-        for piece in step_parts:
-            location = location / piece
+        location = _location(root, step_parts)
         files = members[step_parts]
-        item = Item(location, project, layout, role_dir or "-", int(step_parts[-1]), "partial")  # type: ignore[arg-type]
+        item = Item(location, project, layout, role_dir or "-", int(step_parts[-1]), "partial")
+        item.files = [_location(root, rel) for rel in files]
         item.size = sum(sizes[rel] for rel in files)
         if step_parts in committed:
             meta_key = (*step_parts, META_NAME)
             item.size += sizes[meta_key]
-            _read_commit(item, fs, location)
+            _read_commit(item, fs, location, (*step_parts, USAGE_NAME) in sizes)
         else:
             item.problems.append(f"{location}: data files but no meta.json (a save was interrupted, or is running)")
         items.append(item)
     return items
 
 
-def _read_commit(item: Item, fs: Any, location: RemotePath) -> None:
+def _location(root: RemotePath, parts: tuple[str, ...]) -> Any:
+    for piece in parts:
+        root = root / piece
+    return root
+
+
+def _read_commit(item: Item, fs: Any, location: RemotePath, used: bool) -> None:
     """Fill ``item`` from its ``meta.json`` (checked by the store's reader) or mark it damaged."""
     try:
-        _, meta = open_remote_step(fs, location)
+        store, meta = open_remote_step(fs, location)
+        item.note_usage(store.usage(int(location.name)) if used else None)
     except (CorruptCacheError, OSError) as exc:
         item.state, item.problems = "damaged", [str(exc)]
         return

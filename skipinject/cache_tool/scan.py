@@ -16,10 +16,13 @@ from it, and hands the step to the store's own :class:`~skipinject.store.StepSto
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -28,7 +31,7 @@ from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepStore
 from skipinject.store.backend import Backend
 from skipinject.store.files import entries as list_entries
-from skipinject.store.files import parse_json, read_small, regular_stat, unresolved_problem
+from skipinject.store.files import parse_json, read_small, unresolved_problem
 from skipinject.store.format import (
     FORMAT,
     MAX_META_BYTES,
@@ -41,11 +44,18 @@ from skipinject.store.format import (
 )
 from skipinject.store.local import LocalFiles
 from skipinject.store.meta import StepMeta
+from skipinject.store.step_store import StoredFile, list_step
+from skipinject.store.usage import Usage
 from skipinject.verl.layout import layout_values
 
 #: A step directory's name: the store's rule (decimal, no leading zeros), anchored for ``match``.
 STEP_RE = re.compile(rf"^(?:{STEP_NAME.pattern})$")
 MAX_DEPTH = 8
+
+
+def iso_time(when: float) -> str:
+    """A unix time as ``meta.json``'s ``created`` writes it (local time, with its offset)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(when))
 
 
 def read_json(path: Path) -> Any:
@@ -57,13 +67,6 @@ def read_json(path: Path) -> Any:
 def _is_dir(entry: os.DirEntry[str]) -> bool:
     try:
         return entry.is_dir(follow_symlinks=False)
-    except OSError:
-        return False
-
-
-def _is_file(entry: os.DirEntry[str]) -> bool:
-    try:
-        return entry.is_file(follow_symlinks=False)
     except OSError:
         return False
 
@@ -86,6 +89,8 @@ class ItemRecord(TypedDict):
     decoded: int
     parts: int
     created: str | None
+    last_served: str | None
+    hits: int
     writer: dict[str, str]
     problems: list[str]
 
@@ -112,6 +117,26 @@ class Item:
     meta: dict[str, Any] | None = field(default=None, repr=False)
     upstream: Upstream | None = field(default=None, repr=False)  # the declaration of a foreign item
     decoded: int | None = None  # its size once compressed files are decoded (None: as stored)
+    hits: int = 0  # times served, by its usage record (skipinject's steps)
+    served: float | None = None  # when last served (unix time), None: never (or no record)
+
+    @property
+    def created_time(self) -> float:
+        """When it was written (``meta.json``'s ``created``, else its files' time)."""
+        if self.created:
+            for layout in ("%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S"):
+                with contextlib.suppress(ValueError):
+                    return datetime.strptime(self.created[:24], layout).timestamp()
+        return self.mtime
+
+    @property
+    def last_used(self) -> float:
+        """When it was last served, else when it was written: what ``prune --max-size`` goes by."""
+        return self.served if self.served is not None else self.created_time
+
+    def note_usage(self, usage: Usage | None) -> None:
+        if usage is not None:
+            self.hits, self.served = usage.hits, usage.last_served
 
     def describe(self, meta: dict[str, Any]) -> None:
         """What a step's ``meta.json`` says of it (role, creation, writer, rows, parts), each shown
@@ -140,6 +165,8 @@ class Item:
             "decoded": self.size if self.decoded is None else self.decoded,
             "parts": self.parts,
             "created": self.created,
+            "last_served": None if self.served is None else iso_time(self.served),
+            "hits": self.hits,
             "writer": dict(self.writer),
             "problems": list(self.problems),
         }
@@ -179,8 +206,8 @@ def classify(step_dir: Path, upstreams: Sequence[Upstream] = ()) -> list[Item]:
 def _foreign(
     step_dir: Path,
     where: tuple[str, str, str | None],
-    files: dict[str, os.DirEntry[str]],
-    sub_files: dict[str, dict[str, os.DirEntry[str]]],
+    files: Mapping[str, StoredFile],
+    sub_files: Mapping[str, Mapping[str, StoredFile]],
     upstreams: Sequence[Upstream],
 ) -> Item | None:
     """verl's own cache in ``step_dir`` by the first declaration it matches (never loaded here)."""
@@ -221,20 +248,17 @@ def _classify(
     step_dir: Path, project: str, layout: str, role_dir: str | None, upstreams: Sequence[Upstream]
 ) -> list[Item]:
     items: list[Item] = []
-    entries = list_entries(step_dir)
-    files = {e.name: e for e in entries if _is_file(e)}
-    subdirs = sorted((e for e in entries if _is_dir(e) and PART_NAME.fullmatch(e.name)), key=lambda e: int(e.name))
-    sub_files: dict[str, dict[str, os.DirEntry[str]]] = {}
-    for sub in subdirs:
-        try:
-            sub_files[sub.name] = {e.name: e for e in list_entries(Path(sub.path)) if _is_file(e)}
-        except OSError:
-            sub_files[sub.name] = {}
+    listing = list_step(LocalFiles(), step_dir)  # the store's listing: no link followed, part directories too
+    measured = {step_dir / f.part / f.name if f.part else step_dir / f.name: f for f in listing if f.kind == "file"}
+    files = {f.name: f for f in listing if not f.part and f.kind == "file"}
+    sub_files: dict[str, dict[str, StoredFile]] = {}
+    for found in sorted((f for f in listing if f.part and f.kind == "file"), key=lambda f: int(f.part)):
+        sub_files.setdefault(found.part, {})[found.name] = found
 
     # verl's own pickles (never loaded here; only their presence and size).
     foreign = _foreign(step_dir, (project, layout, role_dir), files, sub_files, upstreams)
     if foreign is not None:
-        _measure(foreign)
+        _measure(foreign, measured)
         _upstream_rows(foreign)
         items.append(foreign)
     ours_dir = STEP_RE.match(step_dir.name) is not None
@@ -244,25 +268,25 @@ def _classify(
     for sub_name, sub_entries in sub_files.items():
         ours_data += [step_dir / sub_name / n for n in sub_entries if is_ours(n)]
     meta_entry = files.get(META_NAME)
-    if meta_entry is None and META_NAME in {e.name for e in entries}:
+    if meta_entry is None and any(not f.part and f.name == META_NAME for f in listing):
         problem = f"{step_dir}/meta.json: not a regular file"
         items.append(Item(step_dir, project, layout, role_dir or "-", step, "damaged", problems=[problem]))
         return items
     if not ours_dir or step is None:
         return items  # verl's own directory (genstep_*, with its own meta.json): skipinject never writes it
     if meta_entry is not None:
-        item = _our_step(step_dir, project, layout, role_dir, step, foreign is not None)
+        item = _our_step(step_dir, project, layout, role_dir, step, foreign is not None, measured)
         if item is not None and item.state == "damaged":
             item.rows, item.size, item.mtime = None, 0, 0.0  # what a damaged meta.json claims is not shown
             item.files = [step_dir / META_NAME, *ours_data]
-            _measure(item)
+            _measure(item, measured)
         if item is not None:
             items.append(item)
             return items
     if ours_data:
         item = Item(step_dir, project, layout, role_dir or "-", step, "partial", files=ours_data)
         item.problems.append(f"{step_dir}: data files but no meta.json (a save was interrupted, or is running)")
-        _measure(item)
+        _measure(item, measured)
         items.append(item)
     elif meta_entry is not None and foreign is None:
         items.append(
@@ -279,15 +303,16 @@ def _classify(
     return items
 
 
-def _measure(item: Item) -> None:
+def _measure(item: Item, measured: Mapping[Path, StoredFile]) -> None:
+    """Size and newest time of the item's files, as the step's listing found them (regular files only)."""
     kept = []
     for path in item.files:
-        info = regular_stat(path)
-        if info is None:
+        found = measured.get(path)
+        if found is None:
             continue
         kept.append(path)
-        item.size += info.st_size
-        item.mtime = max(item.mtime, info.st_mtime)
+        item.size += found.size
+        item.mtime = max(item.mtime, found.mtime)
     item.files = kept
 
 
@@ -354,7 +379,13 @@ def precheck(store: StepStore, step: int, meta: dict[str, Any]) -> list[tuple[Pa
 
 
 def _our_step(
-    step_dir: Path, project: str, layout: str, role_dir: str | None, step: int, beside_foreign: bool
+    step_dir: Path,
+    project: str,
+    layout: str,
+    role_dir: str | None,
+    step: int,
+    beside_foreign: bool,
+    measured: Mapping[Path, StoredFile],
 ) -> Item | None:
     item = Item(step_dir, project, layout, role_dir or "-", step, "complete", files=[step_dir / META_NAME])
     try:
@@ -375,13 +406,14 @@ def _our_step(
         item.meta = meta
         sized = precheck(store, step, meta)
         item.files += [path for path, _ in sized]
+        item.note_usage(store.usage(step))
     except UntrustedCacheError as exc:  # intact perhaps, but in a tree another user controls
         item.state = "untrusted"
         item.problems.append(str(exc))
     except (CorruptCacheError, OSError, ValueError, TypeError, AttributeError) as exc:
         item.state = "damaged"
         item.problems.append(str(exc) if isinstance(exc, CorruptCacheError) else f"{step_dir}: {exc}")
-    _measure(item)
+    _measure(item, measured)
     if item.state != "damaged" and isinstance(item.meta, StepMeta) and item.meta.expansion:
         item.decoded = item.size + item.meta.expansion
     return item

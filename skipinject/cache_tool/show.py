@@ -8,7 +8,9 @@ from typing import Any
 import skipinject.cache_tool.fields as fields
 from skipinject.cache_tool.common import OK, CommandError, existing_dir, writer_text
 from skipinject.cache_tool.plugins import InstalledRoles
-from skipinject.cache_tool.render import emit_json, human_size, say, schema, shorten, show_table
+from skipinject.cache_tool.render import emit_json, human_number, human_size, say, schema, show_table
+from skipinject.cache_tool.rows import means, shown_row, step_samples
+from skipinject.cache_tool.rows import tokenizer as tokenizer_for
 from skipinject.cache_tool.scan import STEP_RE, classify, load_meta_json, open_step, precheck
 from skipinject.store.format import META_NAME
 from skipinject.store.meta import step_meta
@@ -19,7 +21,10 @@ def cmd_show(step_dir: Path, *, as_json: bool, rows: int, tokenizer: str | None)
     roles = InstalledRoles()
     meta, step = load_step(step_dir, roles)  # select
     summary, infos, texts = describe(step_dir, meta, step, roles, rows)  # act
-    decoded = _decode_tokens(fields.flatten(step.value), tokenizer, rows) if tokenizer else {}
+    found = step_samples(fields.flatten(step.value))
+    decode, source = tokenizer_for(tokenizer, meta) if found else (None, None)
+    listed = [shown_row(i, sample, decode).record() for i, sample in enumerate((found or [])[:rows])]
+    samples = None if found is None else {"rows": len(found), **means(found), "tokenizer": source, "first": listed}
     if as_json:
         emit_json(
             {
@@ -27,11 +32,11 @@ def cmd_show(step_dir: Path, *, as_json: bool, rows: int, tokenizer: str | None)
                 **summary,
                 "fields": [i.record() for i in infos],
                 "text": texts,
-                "decoded": decoded,
+                "samples": samples,
             }
         )
     else:
-        render(step_dir, summary, infos, {**texts, **decoded}, rows)
+        render(step_dir, summary, infos, texts, samples)
     return OK
 
 
@@ -92,29 +97,6 @@ def describe(
     return summary, infos, texts
 
 
-def _decode_tokens(flat: dict[str, Any], tokenizer_path: str, rows: int) -> dict[str, list[str]]:
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    except Exception as exc:
-        raise CommandError(f"cannot load a tokenizer from {tokenizer_path} ({type(exc).__name__}: {exc})") from exc
-    out = {}
-    for name, value in flat.items():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf not in ("prompts", "responses", "input_ids") or not hasattr(value, "dtype"):
-            continue
-        if getattr(value.dtype, "is_floating_point", True):
-            continue
-        seqs = list(value.unbind(0)) if getattr(value, "is_nested", False) else list(value)
-        texts = []
-        for seq in seqs[:rows]:
-            ids = [int(t) for t in seq.reshape(-1).tolist()]
-            texts.append(shorten(tokenizer.decode(ids, skip_special_tokens=True), 200))
-        out[f"{name} (decoded)"] = texts
-    return out
-
-
 # ---------------------------------------------------------------- render
 
 
@@ -123,7 +105,7 @@ def render(
     summary: dict[str, Any],
     infos: list[fields.FieldInfo],
     texts: dict[str, list[str]],
-    rows: int,
+    samples: dict[str, Any] | None,
 ) -> None:
     context = summary["context"] or {}
     inputs = summary["inputs"]
@@ -144,8 +126,19 @@ def render(
         say("  input fingerprint: none recorded (prompt mismatches are not detected for this step)")
     say()
     show_table(("FIELD", "KIND", "DTYPE", "SHAPE"), [[i.name, i.kind, i.dtype, i.shape] for i in infos])
-    for name, lines in texts.items():
+    for name, lines in texts.items() if samples is None else ():  # the rows below show a rollout's text
         say()
         say(f"{name}:")
         for index, line in enumerate(lines):
             say(f"  [{index}] {line}")
+    if samples is not None:
+        say()
+        listed = samples["first"]
+        heads = ("ROW", "PROMPT", "RESPONSE", "SCORE", "LENGTH")
+        table = [[r["row"], r["prompt"], r["response"], human_number(r["score"]), r["length"]] for r in listed]
+        show_table(heads, table, right=("ROW", "SCORE", "LENGTH"))
+        decoded = f"decoded by {samples['tokenizer']}" if samples["tokenizer"] else "token ids (--tokenizer decodes)"
+        say(
+            f"{len(listed)} of {samples['rows']} row(s) shown, {decoded}; mean score "
+            f"{human_number(samples['mean_score'])}, mean response length {human_number(samples['mean_length'])}"
+        )

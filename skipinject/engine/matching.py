@@ -40,7 +40,7 @@ from skipinject.engine.row_index import ROWS, STEPS, RowIndex, RowSource, match_
 from skipinject.engine.stores import RoleStores
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
 from skipinject.report.misses import settings_differ
-from skipinject.report.tally import TALLY
+from skipinject.report.tally import TALLY, hit_amounts, rescored_rows
 from skipinject.roles import Call, MatchInfo, Role, RowCodec
 from skipinject.store.format import ROWS_DIR
 from skipinject.verl.compat import settings_values
@@ -141,22 +141,28 @@ class RowMatcher:
         """One call at a chosen step: the cached rows served, the target called once for the others."""
         pending = self.begin(record, index, call)
         if pending.whole:
-            return self.finish_whole(pending, proceed())
-        fresh = proceed(*pending.args, **pending.kwargs) if pending.misses else None
+            return self.finish_whole(pending, pending.timed(proceed))
+        fresh = pending.timed(lambda: proceed(*pending.args, **pending.kwargs)) if pending.misses else None
         if self.merge(pending, fresh):
             return self.finish(pending)
-        return self.finish_whole(pending, proceed())
+        return self.finish_whole(pending, pending.timed(proceed))
 
     async def run_async(self, record: StepCalls, index: int, call: Call, proceed: Callable[..., Any]) -> Any:
         """:meth:`run` for awaiting callers (the store is read and written off the event loop)."""
         pending = await asyncio.to_thread(self.begin, record, index, call, background=False)
+        began = time.perf_counter()
         if pending.whole:
             result = await proceed()
+            pending.add_generation(time.perf_counter() - began)
             return await asyncio.to_thread(self.finish_whole, pending, result)
         fresh = await proceed(*pending.args, **pending.kwargs) if pending.misses else None
+        pending.add_generation(time.perf_counter() - began if pending.misses else 0.0)
         if await asyncio.to_thread(self.merge, pending, fresh):
             return await asyncio.to_thread(self.finish, pending)
-        return await asyncio.to_thread(self.finish_whole, pending, await proceed())
+        began = time.perf_counter()
+        result = await proceed()
+        pending.add_generation(time.perf_counter() - began)
+        return await asyncio.to_thread(self.finish_whole, pending, result)
 
     def begin(self, record: StepCalls, index: int, call: Call, *, background: bool = True) -> _Pending:
         """Key the call's rows and load the cached ones; say which rows the target must generate."""
@@ -290,9 +296,16 @@ class RowMatcher:
             len(misses),
             " (target not called)" if not misses else f" in one call of {len(misses) + pending.padding} rows",
         )
-        TALLY.add(runtime.name, served_rows=len(pending.served), generated_rows=len(misses))
+        saved = 0.0  # each source's recorded generation time, for the share of its rows served
+        for name, rows in served.items():
+            meta = pending.source_meta.get(name, {})
+            total = meta.get("rows")
+            if type(total) is int and total > 0:
+                saved += hit_amounts(meta)["generation_s_saved"] * min(len(rows), total) / total
+        TALLY.add(runtime.name, served_rows=len(pending.served), generated_rows=len(misses), generation_s_saved=saved)
         if runtime.role.on_match is not None:  # before saving: what it recomputes is saved as this run's
             merged = runtime.role.on_match(merged, pending.call, info)
+            TALLY.add(runtime.name, rescored_rows=rescored_rows(merged))
         self._save(pending, merged, fresh=pending.generated, fresh_rows=misses, ratio=pending.ratio)
         return merged
 
@@ -364,6 +377,8 @@ class RowMatcher:
                 for position, row in enumerate(kept):
                     served[row] = (len(pieces), position)
                 pieces.append(piece)
+                if runtime.settings.save:  # its usage record: last served, hits
+                    stores[source].note_hit(number)
                 pending.piece_sources.append(name)
                 pending.source_meta[name] = meta
                 sources[name] = sources.get(name, 0) + len(kept)
@@ -478,6 +493,8 @@ class RowMatcher:
             rows_store = self.rows_store(plan.store)
             fresh_keys = [keys[row] for row in fresh_rows]
             extra = self.runtime.extra_meta(pending.call)
+            if pending.generation_s > 0:
+                extra["generation_s"] = round(pending.generation_s, 6)
             self._save_rows(rows_store, plan.store, plan.step, fresh, fresh_keys, ratio, fresh_inputs, extra)
 
     def _save_rows(
@@ -571,3 +588,15 @@ class _Pending:
     padding: int = 0
     generated: Any = None  # the generated rows without the padding
     merged: Any = None
+    generation_s: float = 0.0  # the target's time for this call (recorded with what it generated)
+
+    def timed(self, generate: Callable[[], Any]) -> Any:
+        began = time.perf_counter()
+        try:
+            return generate()
+        finally:
+            self.add_generation(time.perf_counter() - began)
+
+    def add_generation(self, seconds: float) -> None:
+        self.generation_s += seconds
+        self.record.generation_seconds += seconds

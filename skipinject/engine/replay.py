@@ -23,7 +23,7 @@ from skipinject.engine.decision import cannot_load, nothing_more, plan_step
 from skipinject.engine.read_ahead import ReadAhead
 from skipinject.engine.stores import RoleStores
 from skipinject.errors import CorruptCacheError, PromptMismatchError
-from skipinject.report.tally import TALLY, hit_amounts
+from skipinject.report.tally import TALLY, hit_amounts, rescored_rows
 from skipinject.roles import Call, HitInfo, Loaded, Plan
 from skipinject.store import Payload
 
@@ -106,6 +106,7 @@ class Replay:
             return None
         loaded.seconds = time.perf_counter() - started
         TALLY.add(self.runtime.name, **hit_amounts(plan.entry.meta if plan.entry is not None else {}))
+        self.note_hit(plan)
         return loaded
 
     def read_after(self, plan: Plan) -> None:
@@ -187,11 +188,21 @@ class Replay:
         )
         if index == 0:
             TALLY.add(rt.name, **hit_amounts(plan.entry.meta if plan.entry is not None else {}))
+            self.note_hit(plan)
         if rt.role.on_hit is not None:
             recorded = plan.entry.meta if plan.entry is not None else {}
             info = HitInfo(plan.step, plan.served_step, elapsed, mismatched, compared, source, recorded, rt.settings)
             result = rt.role.on_hit(result, call, info)
+            rows = rescored_rows(result)
+            if rows:
+                TALLY.add(rt.name, rescored_rows=rows)
         return result
+
+    def note_hit(self, plan: Plan) -> None:
+        """Count the hit in the served step's usage record (``cache ls``, ``prune --max-size``; not with
+        ``save=false``, which writes nothing); never raises."""
+        if plan.entry is not None and self.runtime.settings.save:
+            plan.store.note_hit(plan.entry.step)
 
     def _load_calls(self, plan: Plan) -> tuple[list[Payload], list[Any]]:
         """Every recorded call of the planned entry (one part each), with their recorded inputs."""

@@ -11,7 +11,8 @@ failure is a :class:`CorruptCacheError` (a missing step stays ``FileNotFoundErro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,6 +35,7 @@ from skipinject.store.format import (
     SAFE_NAME,
     STEP_NAME,
     _meta_digest,
+    is_ours,
     step_name,
 )
 from skipinject.store.garbage import collect, collect_by_name
@@ -41,6 +43,7 @@ from skipinject.store.hit_memory import Claim, HitMemory
 from skipinject.store.meta import Part, StepMeta, short, step_meta
 from skipinject.store.payload import StepEntry
 from skipinject.store.tensorfile import read_tensors
+from skipinject.store.usage import Usage, is_usage_name, note_hit, read_usage
 from skipinject.store.writer import StepWriter
 
 if TYPE_CHECKING:
@@ -478,6 +481,49 @@ class StepStore:
             out.append((path, kind[1]))
         return out
 
+    # ------------------------------------------------------------ upkeep
+
+    def note_hit(self, step: int, now: float | None = None) -> None:
+        """Record that ``step`` was served (now, or at unix time ``now``; :mod:`~skipinject.store.usage`).
+        Never raises: a failure costs the statistics, never the hit."""
+        note_hit(self, step, now)
+
+    def usage(self, step: int) -> Usage | None:
+        """When ``step`` was last served and how often, or None (never, or a record not to be trusted)."""
+        return read_usage(self, step)
+
+    def files(self, step: int) -> list[StoredFile]:
+        """Every name in the step's directory and part directories (what ``cache prune`` weighs before
+        removing it), never through a link; FileNotFoundError, CorruptCacheError for a link."""
+        return list_step(self.backend, self.step_dir(step))
+
+    def remove(self, step: int, only: Collection[str] | None = None, anchor: Path | None = None) -> tuple[int, int]:
+        """Remove a step: ``meta.json`` first (the step is absent at once), then its data files, usage
+        record and empty directories, never verl's own files; ``only``: just these ``part/name`` files
+        (an interrupted save's). Locally everything is reached from ``anchor`` (default: the dump or
+        project directory) by descriptors opened once without following a link
+        (:func:`~skipinject.store.files.remove_step`). Returns (files, bytes) removed."""
+
+        def wanted(part: str, name: str) -> bool:
+            if only is not None:
+                return f"{part}/{name}" in only
+            return is_ours(name) or (not part and (name == META_NAME or is_usage_name(name)))
+
+        root = anchor if anchor is not None else self.dump_dir if self.dump_dir is not None else self.project_dir
+        step_dir = self.step_dir(step)
+        if self.backend.checks_owners:  # a directory tree: removed relative to directory descriptors
+            from skipinject.store.files import remove_step
+
+            return remove_step(root, step_dir, wanted)
+        try:
+            listed = self.files(step)
+        except FileNotFoundError:
+            return 0, 0
+        chosen = sorted((f for f in listed if f.kind == "file" and wanted(f.part, f.name)), key=_meta_first)
+        for found in chosen:
+            self.backend.remove(step_dir / found.part / found.name if found.part else step_dir / found.name)
+        return len(chosen), sum(found.size for found in chosen)
+
     def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]:
         """Remove abandoned leftovers of this step's saves now (see :mod:`skipinject.store.garbage`):
         on a local disk by its descriptor-walking rule, elsewhere by name. Never raises."""
@@ -490,6 +536,45 @@ class StepStore:
         except Exception:
             named = None
         return collect_by_name(self.backend, self.step_dir(step), named)
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """A name in a step directory (``part``: ``""``) or one of its part directories, as listed:
+    ``kind`` is file, directory, link or other (never followed); ``mtime`` in unix seconds (0: unknown)."""
+
+    part: str
+    name: str
+    kind: str
+    size: int
+    mtime: float
+
+
+def list_step(backend: Backend, step_dir: Path) -> list[StoredFile]:
+    """Every name in a step directory (any name: verl's ``genstep_*`` too) and its part directories,
+    by the backend's listing and ``stat`` (never through a link); FileNotFoundError when there is no
+    such directory, CorruptCacheError when it is a link or no directory."""
+    found = backend.stat(step_dir)
+    if found is None:
+        raise FileNotFoundError(str(step_dir))
+    if found.kind != "directory":
+        raise CorruptCacheError(f"{step_dir} is {found.kind}, not a step directory; not read")
+    out = []
+    for name in backend.names(step_dir):
+        info = backend.stat(step_dir / name)
+        if info is None:
+            continue
+        out.append(StoredFile("", name, info.kind, info.size, info.modified or 0.0))
+        if info.kind == "directory" and PART_NAME.fullmatch(name):
+            for leaf in backend.names(step_dir / name):
+                inner = backend.stat(step_dir / name / leaf)
+                if inner is not None:
+                    out.append(StoredFile(name, leaf, inner.kind, inner.size, inner.modified or 0.0))
+    return out
+
+
+def _meta_first(found: StoredFile) -> bool:
+    return bool(found.part) or found.name != META_NAME
 
 
 def RemoteStepStore(

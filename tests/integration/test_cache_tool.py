@@ -100,8 +100,8 @@ def test_ls_lists_projects_layouts_roles_step_ranges_rows_size_writer_state(dump
     code, out, err = run(capsys, "ls", dump)
     assert code == 0 and not err
     lines = out.splitlines()
-    heads = ["PROJECT", "LAYOUT", "ROLE", "STEPS", "ROWS", "SIZE", "CREATED", "WRITTEN", "BY", "STATE"]
-    assert lines[0].split() == heads
+    heads = ["PROJECT", "LAYOUT", "ROLE", "STEPS", "ROWS", "SIZE", "CREATED", "LAST", "SERVED", "HITS"]
+    assert lines[0].split() == [*heads, "WRITTEN", "BY", "STATE"]
     rollout = next(line for line in lines if " rollout " in line)
     assert f"{EXP}_{PROJ}" in rollout and LAYOUT in rollout and " 1-3 " in rollout and " 24 " in rollout
     assert "complete" in rollout and "skipinject" in rollout and "torch" in rollout and "KiB" in rollout
@@ -118,7 +118,7 @@ def test_ls_lists_projects_layouts_roles_step_ranges_rows_size_writer_state(dump
     assert {g["steps"] for g in doc["groups"] if g["role"] == "rollout"} == {"1-3"}
 
     code, out, _ = run(capsys, "ls", "-l", dump)
-    assert code == 0 and len(out.splitlines()) == 6
+    assert code == 0 and len(out.splitlines()) == 7 and out.splitlines()[-1].startswith("5 step(s), ")
 
 
 def test_ls_default_dump_dir_and_bad_paths(tmp_path: Path, capsys, monkeypatch):
@@ -303,7 +303,7 @@ def test_diff_two_steps_fields_rows_and_amounts(tmp_path: Path, capsys):
 def test_diff_two_runs_project_dirs(tmp_path: Path, capsys):
     one, two = write_dump(tmp_path / "one"), write_dump(tmp_path / "two")
     code, out, _ = run(capsys, "diff", one["project"], two["project"])
-    assert code == 0 and "no differences" in out and out.count("identical") == 5
+    assert code == 0 and "no differences" in out and out.count("field(s) identical") == 5
     StepStore(two["layout"], "rollout", context()).save(4, DataProtoCodec().encode(make_batch(4)))
     code, doc = run_json(capsys, "diff", one["project"], two["project"])
     assert code == 1 and doc["only"] == [{"side": "b", "step": f"{LAYOUT}/4"}]
@@ -584,9 +584,12 @@ def check_real_dump(
         assert proc.returncode == 0, proc.stderr
         shown = json.loads(proc.stdout)
         assert shown["role"] == role and shown["rows"] == found[0]["rows"] and shown["fields"], shown
+        if role == "rollout":  # rows: prompt, response, score, length
+            samples = shown["samples"]
+            assert samples and samples["rows"] == found[0]["rows"] and samples["mean_length"], shown
         if tokenizer is not None and role == "rollout":
             proc = cli("show", found[0]["path"], "--tokenizer", tokenizer, "--rows", "2")
-            assert proc.returncode == 0 and "batch.responses (decoded):" in proc.stdout, proc.stdout + proc.stderr
+            assert proc.returncode == 0 and f"decoded by {tokenizer};" in proc.stdout, proc.stdout + proc.stderr
         if len(found) > 1:
             proc = cli("diff", found[0]["path"], found[1]["path"], "--json")
             assert proc.returncode in (0, 1), proc.stderr

@@ -645,12 +645,14 @@ def test_cache_compact_stores_old_steps_compressed_and_keeps_what_they_hold(
         )
     before = {step: json.loads((store.step_dir(step) / "meta.json").read_text()) for step in (1, 2)}
     assert main(["compact", str(dump), "--dry-run"]) == 0
-    assert capsys.readouterr().out.count("would compact") == 2
+    out = capsys.readouterr().out
+    assert out.count(f"would compact {dump}") == 2 and "would compact 2 step(s), " in out.splitlines()[-1]
     assert all(json.loads((store.step_dir(s) / "meta.json").read_text()) == before[s] for s in (1, 2))
 
     assert main(["compact", str(dump), "--compression", "zstd-5"]) == 0
     out = capsys.readouterr().out
-    assert out.count("compacted ") == 2, out
+    assert out.count(f"compacted {dump}") == 2 and "% of it)" in out, out
+    assert out.splitlines()[-1].startswith("compacted 2 step(s), ") and "% of it); 0 already" in out, out
     for step in (1, 2):
         meta = json.loads((store.step_dir(step) / "meta.json").read_text())
         assert meta["format_version"] == 3 and meta["trajectories"] == step * 10
@@ -662,12 +664,13 @@ def test_cache_compact_stores_old_steps_compressed_and_keeps_what_they_hold(
         assert_same(part.tensors, tensors)
         assert part.objects == {"step": step}
     assert main(["compact", str(dump)]) == 0
-    assert capsys.readouterr().out.count("compressed ") == 2  # nothing left to do
+    out = capsys.readouterr().out
+    assert out.count("already compressed ") == 2 and "compacted 0 step(s); 2 already compressed, 0 failed" in out
     assert main(["ls", str(dump), "--json"]) == 0
     records = json.loads(capsys.readouterr().out)["steps"]
     assert all(r["decoded"] > r["size"] for r in records), records
     assert main(["ls", str(dump), "-l"]) == 0
-    assert capsys.readouterr().out.count(" decoded)") == 2
+    assert capsys.readouterr().out.count(" decoded)") == 3  # two steps and the total line
 
 
 def test_cache_compact_leaves_a_step_it_cannot_read_as_it_was(

@@ -813,6 +813,19 @@ def test_on_hit_sees_the_served_steps_meta_and_the_roles_settings(targets: Any, 
     assert info.settings is not None and info.settings.rescore.value == "auto"
 
 
+def test_a_step_serving_rows_to_match_counts_the_hit(targets: Any, tmp_path: Path) -> None:
+    """``action=match``'s sources are hits too: their usage records say when they last served
+    (``cache ls``, ``prune --max-size`` go by it)."""
+    from skipinject.store import StepStore
+
+    run(targets, tmp_path, FIRST)
+    store = StepStore(project(tmp_path), "gen", {})
+    assert store.usage(1) is None and store.usage(2) is None
+    run(targets, tmp_path, {1: [5, 1, 2, 13]}, action="match")  # rows from steps 1 and 2, one generated
+    assert store.usage(1) is not None and store.usage(1).hits == 1  # type: ignore[union-attr]
+    assert store.usage(2) is not None and store.usage(3) is None
+
+
 def test_a_refreshed_step_serves_its_new_rows_never_the_old_index_entries(targets: Any, tmp_path: Path) -> None:
     """``action=refresh`` records a step anew: the saved row index's entries of the old commit are dropped
     (its ``meta.json`` changed), so a later ``match`` serves the refreshed rows."""
@@ -826,3 +839,21 @@ def test_a_refreshed_step_serves_its_new_rows_never_the_old_index_entries(target
     GENERATED.clear()
     assert responses(run(targets, tmp_path, schedule, action="match")[1][1]) == refreshed
     assert GENERATED == [], "every row served, from the refreshed commit"
+
+
+def test_rows_served_count_their_share_of_the_recorded_generation_time(targets: Any, tmp_path: Path) -> None:
+    """The summary of a ``match`` run: rows served and generated, and for each source step the share of its
+    recorded ``generation_s`` that the served rows stand for."""
+    from skipinject.report.tally import TALLY
+
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    recorded = json.loads((project(tmp_path) / "1" / "meta.json").read_text())["generation_s"]
+    assert recorded > 0
+    TALLY.clear()
+    run(targets, tmp_path, {2: [1, 2, 9, 10]}, action="match")
+    counts = TALLY.roles["gen"]
+    assert (counts["served_rows"], counts["generated_rows"]) == (4, 4)  # 2 prompts x n=2 each
+    assert counts["generation_s_saved"] == pytest.approx(recorded / 2)
+    meta = json.loads((project(tmp_path) / "2" / "meta.json").read_text())
+    assert meta["generation_s"] > 0, "the merged call records the time of the rows it generated"
+    TALLY.clear()

@@ -312,7 +312,7 @@ def test_the_cache_tool_reads_urls_only_where_it_can(tmp_path: Path, capsys):
 
     assert main(["show", "s3://bucket/dump/1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "s3://bucket/dump/1: a remote store's URL; only `skipinject cache ls` and `verify` read those" in err
+    assert "s3://bucket/dump/1: a remote store's URL; only `skipinject cache ls`, `verify`, `prune` and `rm`" in err
     assert main(["ls", f"file://{tmp_path}", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dump_dir"] == str(tmp_path.resolve())
 

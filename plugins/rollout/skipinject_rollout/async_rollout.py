@@ -23,7 +23,7 @@ from skipinject_rollout.common import (
     rescore_matched_sample,
     rescore_sample,
 )
-from skipinject_rollout.reward_identity import record_reward
+from skipinject_rollout.reward_identity import record_run
 
 TARGET = (
     "verl.experimental.fully_async_policy.fully_async_rollouter:FullyAsyncAgentLoopManager.generate_sequences_single"
@@ -65,7 +65,7 @@ ASYNC_ROLLOUT = Role(
     # No hit/miss marks in meta_info: the fully async trainer concatenates samples and asserts that
     # their meta_info agree, so a served sample must carry exactly what a generated one carries.
     on_hit=rescore_sample,
-    record_meta=record_reward,
+    record_meta=record_run,
     cache_subdir="",
     upstream=dataclasses.replace(GEN_BATCH, claims=is_async_batch),
     description="per-sample generation of the fully async Rollouter (step = feed index of the sample id)",

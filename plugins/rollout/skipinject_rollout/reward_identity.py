@@ -35,6 +35,8 @@ META_KEY = "reward"
 REWARD_TREES = ("reward", "reward_model", "custom_reward_function")
 #: Single settings outside those subtrees that decide a score.
 REWARD_SETTINGS = ("data.reward_fn_key",)
+#: The policy's model directory (recorded beside the identity; it decides no reward).
+MODEL_SETTING = "actor_rollout_ref.model.path"
 #: Leaf names that decide where or how fast a score is computed, never its value.
 NOT_DECIDING = frozenset(
     {
@@ -173,6 +175,16 @@ def record_reward(call: Call) -> dict[str, Any] | None:
     """``Role.record_meta`` of the rollout roles: this run's reward identity under ``"reward"``."""
     identity = reward_identity(call.run_config)
     return None if identity is None else {META_KEY: identity}
+
+
+def record_run(call: Call) -> dict[str, Any] | None:
+    """``Role.record_meta`` of the rollout roles: :func:`record_reward`'s identity, and the model
+    directory under ``"model"`` (``skipinject cache show`` decodes rows with its tokenizer)."""
+    recorded = dict(record_reward(call) or {})
+    model = select(call.run_config, MODEL_SETTING) if call.run_config is not None else None
+    if isinstance(model, str) and model:
+        recorded["model"] = model
+    return recorded or None
 
 
 def recorded_identity(meta: Mapping[str, Any]) -> Mapping[str, Any] | None:

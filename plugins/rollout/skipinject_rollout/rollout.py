@@ -47,7 +47,7 @@ from skipinject_rollout.common import (
     workers_of,
 )
 from skipinject_rollout.legacy import BUILTIN_WRAP, BuiltinSkipOff
-from skipinject_rollout.reward_identity import record_reward
+from skipinject_rollout.reward_identity import record_run
 
 TARGET = "verl.experimental.agent_loop.agent_loop:AgentLoopManager.generate_sequences"
 #: verl 0.4-0.6's sync rollout: the worker group's per-instance method, wrapped after init_workers.
@@ -93,7 +93,7 @@ ROLLOUT = Role(
     fingerprint=prompt_fingerprint,
     on_hit=mark_hit,
     on_miss=mark_miss,
-    record_meta=record_reward,
+    record_meta=record_run,
     row_key=prompt_key,
     match_settings=GENERATION_SETTINGS,
     on_match=mark_match,

@@ -23,6 +23,7 @@ pytest.importorskip("verl")
 import verl
 from omegaconf import OmegaConf
 from skipinject import RescorePolicy, bootstrap
+from skipinject.report.tally import TALLY
 from skipinject.testing import RoleRun
 from skipinject_rollout import rescore
 from skipinject_rollout.reward_identity import record_reward, reward_identity
@@ -266,6 +267,7 @@ def test_each_rule_of_rescore(assets: Any, tmp_path: Path, policy: str, recorded
 
 
 def test_a_step_records_its_reward_and_another_reward_rescores_the_served_rows(assets: Any, tmp_path: Path, caplog):
+    TALLY.clear()
     first = run_config(assets, reward_file(tmp_path, "length.py", LENGTH_REWARD))
     second = run_config(assets, reward_file(tmp_path, "words.py", WORD_REWARD))
     with caplog.at_level(logging.INFO, logger="skipinject"):
@@ -284,6 +286,7 @@ def test_a_step_records_its_reward_and_another_reward_rescores_the_served_rows(a
     assert torch.equal(out.batch["responses"], before.batch["responses"]), "the generation is replayed as recorded"
     assert out.meta_info["timing"]["skipinject/rescored_rows"] == len(out)
     assert out.meta_info["timing"]["skipinject/rescore_s"] > 0
+    assert TALLY.roles["rollout"]["rescored_rows"] == len(out), "the run's summary counts them"
     lines = [r.getMessage() for r in caplog.records if "re-scored" in r.getMessage()]
     assert len(lines) == 1 and "rollout step 1: 8 rows re-scored by this run's reward-loop workers" in lines[0]
     assert "words.py" in lines[0] and "length.py" in lines[0]
