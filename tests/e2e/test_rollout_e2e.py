@@ -117,9 +117,9 @@ def test_v0_user_roles_cache_then_hit(v0_runs: V0Runs):
 
 
 def test_cache_tool_on_the_v0_runs_caches(assets: Any, v0_runs: V0Runs, tmp_path: Path):
-    """``skipinject cache ls/verify/show/diff/prune`` on what the V0 runs (rollout + user roles) wrote, each
-    command a ``python -m skipinject cache`` process of its own (the other real dumps: one process for all)."""
-    check_real_dump(v0_runs.dump, {"rollout", *USER_ROLES}, tmp_path, tokenizer=assets.model_dir)
+    """``skipinject cache ls/verify/show/diff/prune`` on what the V0 runs (rollout + user roles) wrote, all
+    in one new interpreter (``python -m skipinject cache`` as a process: tests/integration/test_cache_tool.py)."""
+    check_real_dump(v0_runs.dump, {"rollout", *USER_ROLES}, tmp_path, tokenizer=assets.model_dir, one_process=True)
 
 
 def test_v0_repeat_serves_nearest_step_reports_other_prompts_and_never_skips_validation(v0_runs: V0Runs):
