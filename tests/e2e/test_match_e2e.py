@@ -21,17 +21,19 @@ import pytest
 
 from tests.e2e.conftest import (
     ASYNC_PROMPTS,
+    OTHER_REWARD_FILE,
     AsyncRecording,
     V0Runs,
     async_overrides,
     copy_dump,
     harness,
     launch,
+    other_reward,
+    other_score,
     rollout_records,
     skip_lines,
-    word_count,
-    word_count_reward,
 )
+from tests.e2e.test_rollout_e2e import trained_scores
 
 pytestmark = pytest.mark.e2e
 
@@ -114,7 +116,7 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
             "data.seed=9",
             *SMALLER_BATCH,
             # Another reward than run 1's: the served rows are scored by it (skip.rollout.rescore=auto).
-            *word_count_reward(tmp_path),
+            *other_reward(tmp_path),
         ],
     )
     second, generated_2 = launch(assets, tmp_path, "run2", overrides)
@@ -156,7 +158,7 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
     served = _served_rows(layout, harness.cache_dir(dump, gbs=SMALL_BATCH))
     assert served == {2: rows // 2, 3: rows}, served
     for step, records in two.items():  # served and generated rows alike: scored by this run's reward
-        assert [r["score"] for r in records] == [word_count(r["output"]) for r in records], f"step {step}"
+        assert [r["score"] for r in records] == [other_score(r["output"]) for r in records], f"step {step}"
     assert any("rows re-scored by this run's reward-loop workers" in line for line in lines), lines
     matched = [line for line in lines if ": match: " in line and "rows served from" in line]
     assert len(matched) >= 1, lines
@@ -182,7 +184,8 @@ def test_fully_async_match_serves_a_sample_by_its_prompt_not_its_id(
     """The fully async Rollouter (one prompt per call, ``n`` sequences). Run 1 (the session's
     recording: ``match`` with nothing cached) generates feed indices 1-4 and saves them as ``cache``
     does; run 2 draws other prompts in another order (``data.seed=29``): a sample whose prompt run 1
-    generated, at whatever feed index, is served; only the others are generated."""
+    generated, at whatever feed index, is served; only the others are generated. Run 2 scores with
+    another reward function: the served samples' rows are re-scored by it, so every trained row is."""
     generated_1 = async_recording.generated
     lines = skip_lines(async_recording.first, "async_rollout")
     assert sum("match: no row of this call cached" in line for line in lines) == ASYNC_PROMPTS, lines
@@ -196,11 +199,20 @@ def test_fully_async_match_serves_a_sample_by_its_prompt_not_its_id(
     assert len(digests_1) == ASYNC_PROMPTS, "run 1 generated 4 prompts"
 
     dump = copy_dump(async_recording.dump, tmp_path / "dump")
-    overrides = async_overrides(assets, dump, "skip.async_rollout.action=match", "data.seed=29")
+    overrides = async_overrides(
+        assets, dump, "skip.async_rollout.action=match", "data.seed=29", *other_reward(tmp_path)
+    )
     second, generated_2 = launch(assets, tmp_path, "async2", overrides, fully_async=True)
     per_prompt = collections.Counter(call["prompt"] for call in generated_2)
     assert not set(per_prompt) & digests_1, "a prompt run 1 generated was generated again"
     assert set(per_prompt.values()) <= {harness.ROLLOUT_N}
-    served = [line for line in skip_lines(second, "async_rollout") if "rows served from" in line]
+    lines = skip_lines(second, "async_rollout")
+    served = [line for line in lines if "rows served from" in line]
     assert len(served) == ASYNC_PROMPTS - len(per_prompt) and served, (served, per_prompt)
     assert all("target not called" in line for line in served), "a sample's n rows are served together"
+    rescored = [line for line in lines if f"{harness.ROLLOUT_N} rows re-scored by this run's reward-loop" in line]
+    assert len(rescored) == len(served), lines
+    assert all("recorded by another" in line and OTHER_REWARD_FILE in line for line in rescored), rescored
+    # Every trained row is scored by this run's reward (in [-2, -1)), none by the recorded one ([0, 1]).
+    scores = trained_scores(second)
+    assert scores and all(-2.0 <= value < -1.0 for value in scores), scores
