@@ -11,7 +11,8 @@ server reply with fixed tokens) under one reward function, then served again, ``
 
 The reward-loop worker is verl's own ``RewardLoopWorker`` in this process (its Ray actor handle is the
 only stand-in: no Ray cluster), the same for the re-scored hit and the reward alone. Goal: re-scored
-hit <= served hit + reward alone + 10 %.
+hit <= served hit + reward alone + 10 %. Each is timed in wall-clock and in this process's CPU time
+(everything runs in it), the steadier figure on a shared machine.
 
     python benchmarks/bench_rescore.py [--prompts 128] [--response 64] [--repeat 5]
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -166,13 +168,13 @@ def main() -> None:
         manager(recorded, args.response).generate_sequences(generation_batch(args.prompts))
         bootstrap.stop()
 
-        def hit(cfg: Any) -> tuple[float, Any]:
+        def hit(cfg: Any) -> tuple[tuple[float, float], Any]:
             mgr = manager(cfg, args.response)
             batch = generation_batch(args.prompts)
             RoleRun("rollout", dump, (1,), read_ahead=False).start()
-            started = time.perf_counter()
+            started = _clocks()
             out = mgr.generate_sequences(batch)
-            elapsed = time.perf_counter() - started
+            elapsed = _since(started)
             bootstrap.stop()
             return elapsed, out
 
@@ -187,19 +189,36 @@ def main() -> None:
             mgr = manager(this_run, args.response)
             call = Call("bench", mgr.generate_sequences, mgr, (generation_batch(args.prompts),), {})
             scoring = rescore._scoring_batch(out, call, list(range(len(out))))
-            started = time.perf_counter()
+            started = _clocks()
             rescore._score_with_workers(mgr.reward_loop_worker_handles, scoring)
-            alone.append(time.perf_counter() - started)
-    med = statistics.median
-    goal = (med(served) + med(alone)) * 1.10
+            alone.append(_since(started))
     rows = args.prompts * N
-    print(f"rows {rows}, response {args.response} tokens, median of {args.repeat}")
-    print(f"served hit        {med(served) * 1000:9.1f} ms")
-    print(f"reward alone      {med(alone) * 1000:9.1f} ms")
-    print(f"re-scored hit     {med(rescored) * 1000:9.1f} ms")
-    print(f"goal (served + reward) x 1.10 = {goal * 1000:.1f} ms: {'met' if med(rescored) <= goal else 'NOT met'}")
-    overhead = med(rescored) - med(served) - med(alone)
-    print(f"re-scoring's own overhead: {overhead * 1000:.1f} ms ({overhead / rows * 1e6:.0f} us per row)")
+    print(f"rows {rows}, response {args.response} tokens, median of {args.repeat}; load average {_load()}")
+    for clock, name in enumerate(("wall-clock", "CPU time")):
+        med = [statistics.median(sample[clock] for sample in samples) for samples in (served, alone, rescored)]
+        goal = (med[0] + med[1]) * 1.10
+        overhead = med[2] - med[0] - med[1]
+        print(
+            f"{name:>10}: served hit {med[0] * 1000:.1f} ms, reward alone {med[1] * 1000:.1f} ms, re-scored hit "
+            f"{med[2] * 1000:.1f} ms; goal (served + reward) x 1.10 = {goal * 1000:.1f} ms: "
+            f"{'met' if med[2] <= goal else 'NOT met'} (overhead {overhead * 1000:.1f} ms)"
+        )
+
+
+def _clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _since(started: tuple[float, float]) -> tuple[float, float]:
+    now = _clocks()
+    return now[0] - started[0], now[1] - started[1]
+
+
+def _load() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "unknown"
 
 
 if __name__ == "__main__":

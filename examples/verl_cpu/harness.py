@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -730,6 +730,27 @@ def generate_calls(gen_log: Path) -> list[dict]:
     ``global_steps`` (the trainer step of those weights, as verl passed it with them).
     """
     return gen_log_events(gen_log, "generate")
+
+
+def prompt_digests(assets: Assets, texts: Sequence[str]) -> dict[str, str]:
+    """Digest -> user prompt, for ``texts`` as the agent loop sends them (the chat template applied
+    with its generation prompt) and the shim logs them (a ``generate`` record's ``prompt``)."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    # The shim's module by its file: importing the package would install the shim in this process.
+    spec = importlib.util.spec_from_file_location("verl_cpu_shim_genlog", HERE / "verl_cpu_shim" / "genlog.py")
+    assert spec is not None and spec.loader is not None
+    genlog = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(genlog)
+    tokenizer = AutoTokenizer.from_pretrained(str(assets.model_dir))
+    digests = {}
+    for text in texts:
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+        digests[genlog.prompt_digest([int(t) for t in ids])] = text
+    return digests
 
 
 def count_generate_calls(gen_log: Path) -> int:

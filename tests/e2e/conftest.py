@@ -6,8 +6,8 @@ fixtures several test modules share (each costs minutes, so it is built once per
 * :func:`v0_runs`: the V0 ``main_ppo`` pair (run 1 misses and caches, run 2 hits) of the rollout,
   advantage and reward roles, run by that environment's python -- so the pair is at once the
   installed wheels' real run (``test_install.py``), the V0 roles' proof (``test_rollout_e2e.py``,
-  run 2's rollout ``repeat`` with validation included) and the recording the V0 ``match`` run is
-  served from;
+  run 2's rollout ``repeat`` with validation included, scored by another reward) and the recording
+  the V0 ``match`` run is served from;
 * :func:`async_recording`: run 1 of the fully async trainer (``match`` on an empty cache: it records
   like ``cache``), which the fully async ``cache`` run and ``match`` run are served from.
 
@@ -21,6 +21,7 @@ one core too): the matrix fixture's own build then waits for it and finds it don
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -125,25 +126,34 @@ def rollout_records(directory: Path) -> dict[int, list[dict]]:
     }
 
 
-#: Another reward function than the harness's (which scores ``min(len / 40, 1)``): a run replaying a
-#: recording with it must train on these scores of the served responses (``skip.<role>.rescore``).
-WORD_COUNT_REWARD = '''"""Toy reward: the number of words of the answer."""
+#: Another reward function than the harness's (which scores ``min(len / 40, 1)``, in [0, 1]): a run
+#: replaying a recording with it must train on these scores of the served responses
+#: (``skip.<role>.rescore``). A digest of the answer's words, in [-2, -1): no score of the harness's
+#: reward is one of it, two different answers (nearly) never score alike (so group filtering, which
+#: drops groups of equal scores, drops none), and each is exact in float32.
+OTHER_REWARD = '''"""Toy reward: a digest of the answer's words, in [-2, -1)."""
+import hashlib
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    return float(len(solution_str.split()))
+    words = " ".join(solution_str.split()).encode()
+    return -1.0 - int(hashlib.sha256(words).hexdigest()[:4], 16) / 65536
 '''
+#: The file :data:`OTHER_REWARD` is written to (lines naming the reward name it).
+OTHER_REWARD_FILE = "other_reward.py"
 
 
-def word_count_reward(tmp: Path) -> list[str]:
-    """The override making a run score with :data:`WORD_COUNT_REWARD` (a file written under ``tmp``)."""
-    path = tmp / "word_count_reward.py"
-    path.write_text(WORD_COUNT_REWARD)
+def other_reward(tmp: Path) -> list[str]:
+    """The override making a run score with :data:`OTHER_REWARD` (a file written under ``tmp``)."""
+    path = tmp / OTHER_REWARD_FILE
+    path.write_text(OTHER_REWARD)
     return [f"reward.custom_reward_function.path={path}"]
 
 
-def word_count(text: str) -> float:
-    return float(len(text.split()))
+def other_score(text: str) -> float:
+    """:data:`OTHER_REWARD`'s score of an answer (as verl dumps it: the decoded response)."""
+    words = " ".join(text.split()).encode()
+    return -1.0 - int(hashlib.sha256(words).hexdigest()[:4], 16) / 65536
 
 
 # -- the installed environment ------------------------------------------------------------
@@ -279,7 +289,9 @@ class V0Runs:
 
 
 #: Run 2 of the V0 pair: steps 1-3 chosen with ``action=repeat`` (steps 1 and 2 are served as
-#: cached, step 3 is served step 2), and validation before training, which is never served.
+#: cached, step 3 is served step 2), and validation before training, which is never served. It
+#: scores with another reward function (:func:`other_reward`): the served rollouts are re-scored by
+#: it; at steps 1-2 the reward role then serves run 1's reward, which wins (its order).
 V0_RUN_2 = ("skip.rollout.steps=[1,2,3]", "skip.rollout.action=repeat", "trainer.val_before_train=True")
 
 
@@ -287,7 +299,7 @@ V0_RUN_2 = ("skip.rollout.steps=[1,2,3]", "skip.rollout.action=repeat", "trainer
 def v0_runs(assets: Any, installed_env: InstalledEnv, tmp_path_factory: pytest.TempPathFactory) -> V0Runs:
     """Two runs into one dump_dir with rollout, advantage and reward on at steps 1 and 2, launched by
     the installed environment's ``python -m skipinject -m verl.trainer.main_ppo``: run 1 trains 2
-    steps; run 2 trains 3 with the rollout role's ``repeat`` (:data:`V0_RUN_2`)."""
+    steps; run 2 trains 3 with the rollout role's ``repeat`` and another reward (:data:`V0_RUN_2`)."""
     tmp = tmp_path_factory.mktemp("v0")
     dump = tmp / "dump"
     users = [f"skip.{role}.{key}" for role in USER_ROLES for key in ("enable=True", "steps=[1,2]")]
@@ -295,7 +307,8 @@ def v0_runs(assets: Any, installed_env: InstalledEnv, tmp_path_factory: pytest.T
     launcher = (str(installed_env.env.python), "-m", "skipinject", "-m", "verl.trainer.main_ppo")
     env_extra = {"RAY_DEDUP_LOGS": "0", "PYTHONPATH": str(harness.HERE)}  # the CPU shim only, not this tree
     procs, records = [], []
-    for run, steps, extra in (("run1", 2, ("skip.rollout.steps=[1,2]",)), ("run2", 3, V0_RUN_2)):
+    runs = (("run1", 2, ("skip.rollout.steps=[1,2]",)), ("run2", 3, (*V0_RUN_2, *other_reward(tmp))))
+    for run, steps, extra in runs:
         gen_log = tmp / f"{run}.gen.jsonl"
         overrides = v0_overrides(assets, tmp, dump, run, steps, *extra, *users)
         proc = harness.run_main_ppo(

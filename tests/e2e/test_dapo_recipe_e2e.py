@@ -9,7 +9,9 @@ odd-length prompts uniform, so filtering and extra generation calls really happe
 
 The cache is in an object store (``skip.rollout.dump_dir=s3://...`` on a real S3-compatible server,
 moto): run 1 uploads every call of steps 1-2 from verl's TaskRunner actor, run 2 is served from the
-store. One pair proves both, so the suite runs no separate object-store run.
+store. One pair proves both, so the suite runs no separate object-store run. Both runs score with the
+same reward: run 2 trains on the recorded scores bit for bit (``skip.rollout.rescore=auto``; the V0
+pair's run 2 replays with another reward, ``test_rollout_e2e.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class RecipeLog:
         self.trained: dict[int, list[int]] = {}
         #: Per trained step, the hash of the responses, masks and scores it trained on.
         self.digests: dict[int, str] = {}
+        #: Per trained step, the hash of its responses and masks alone, and each row's score.
+        self.responses: dict[int, str] = {}
+        self.scores: dict[int, list[float]] = {}
         for line in path.read_text().splitlines():
             record = json.loads(line)
             if "call" in record:
@@ -53,6 +58,8 @@ class RecipeLog:
             else:
                 self.trained[record["step"]] = record["trained"]
                 self.digests[record["step"]] = record.get("digest", "")
+                self.responses[record["step"]] = record.get("responses", "")
+                self.scores[record["step"]] = record.get("scores", [])
 
     def calls(self, step: int) -> int:
         return len(self.drawn.get(step, []))
@@ -127,8 +134,13 @@ def test_dapo_recipe_steps_are_replayed_call_by_call_from_an_object_store(assets
         assert log2.digests[step] == log1.digests[step], f"step {step}: run 2 trains on run 1's responses and scores"
     assert log2.drawn[3][0] == log1.drawn[3][0], "after the replayed steps the dataloader is where run 1's was"
     assert generated2 == per_call * log2.calls(3), "0 generator calls at steps 1-2: only step 3 generates"
-    hits = [line for line in skip_lines(second, "rollout") if ": hit" in line]
+    lines = skip_lines(second, "rollout")
+    hits = [line for line in lines if ": hit" in line]
     assert len(hits) == log1.calls(1) + log1.calls(2), hits
+    # The same reward as the recording's: every served call's scores are served as recorded, bit for bit
+    # (the digests above), with the line saying why; nothing is re-scored (skip.rollout.rescore=auto).
+    served = [line for line in lines if "rewards served as recorded (recorded by this run's reward)" in line]
+    assert len(served) == len(hits) and not any("re-scored" in line for line in lines), lines
     assert all(url.removeprefix("s3://") in line for line in hits), f"every call is served from the store: {hits}"
     busiest = max((1, 2), key=log1.calls)
     calls = log1.calls(busiest)

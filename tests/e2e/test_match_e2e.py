@@ -21,17 +21,19 @@ import pytest
 
 from tests.e2e.conftest import (
     ASYNC_PROMPTS,
+    OTHER_REWARD_FILE,
     AsyncRecording,
     V0Runs,
     async_overrides,
     copy_dump,
     harness,
     launch,
+    other_reward,
+    other_score,
     rollout_records,
     skip_lines,
-    word_count,
-    word_count_reward,
 )
+from tests.e2e.test_rollout_e2e import trained_scores
 
 pytestmark = pytest.mark.e2e
 
@@ -51,6 +53,41 @@ def _prompt_text(record: dict) -> str:
     """The user's message of a dumped sample (verl decodes the chat-templated prompt)."""
     match = re.search(r"user\s*\n(.*?)\n", record["input"], re.S)
     return (match.group(1) if match else record["input"]).strip()
+
+
+#: A call of which some rows were served and the others generated: step, served, rows, generated, asked.
+_MATCH_LINE = re.compile(
+    r"step (\d+): match: (\d+) of (\d+) rows served from .*; (\d+) generated in one call of (\d+) rows"
+)
+#: The rollout's fields a served row carries as recorded (its reward's score is re-scored by this run).
+_RECORDED_FIELDS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
+
+
+def _served_rows(recorded: Path, own: Path) -> dict[int, int]:
+    """Step -> rows of ``own``'s steps whose key a step of ``recorded`` holds, each checked to be
+    bit-identical to the recorded row (the rollout's fields and its log-probs)."""
+    import torch
+
+    from skipinject.cache_tool.plugins import InstalledRoles
+    from skipinject.cache_tool.show import load_step
+
+    roles = InstalledRoles()
+    run_1 = {}
+    for step_dir in sorted(p for p in recorded.iterdir() if p.name.isdigit()):
+        meta, step = load_step(step_dir, roles)
+        run_1.update({key: (step.value, row) for row, key in enumerate(meta["row_keys"][0])})
+    served: dict[int, int] = {}
+    for step_dir in sorted(p for p in own.iterdir() if p.name.isdigit()):
+        meta, step = load_step(step_dir, roles)
+        for row, key in enumerate(meta["row_keys"][0]):
+            if key not in run_1:
+                continue
+            old, old_row = run_1[key]
+            for name in (*_RECORDED_FIELDS, "rollout_log_probs"):
+                same = torch.equal(step.value.batch[name][row], old.batch[name][old_row])
+                assert same, f"step {step_dir.name} row {row}: {name} is not run 1's"
+            served[int(step_dir.name)] = served.get(int(step_dir.name), 0) + 1
+    return served
 
 
 def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
@@ -74,11 +111,12 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
             f"skip.rollout.steps=[1-{STEPS}]",
             "skip.rollout.action=match",
             f"trainer.rollout_data_dir={tmp_path / 'run2'}",
-            # Seed 7 draws, 2 a step, a step of two prompts run 1 saw and 4 prompts it did not.
-            "data.seed=7",
+            # Seed 9 draws, 2 a step: step 1 two prompts run 1 did not see, step 2 one it saw and one
+            # it did not (a mixed call), step 3 two it saw (verl's RandomSampler with this seed, no run).
+            "data.seed=9",
             *SMALLER_BATCH,
             # Another reward than run 1's: the served rows are scored by it (skip.rollout.rescore=auto).
-            *word_count_reward(tmp_path),
+            *other_reward(tmp_path),
         ],
     )
     second, generated_2 = launch(assets, tmp_path, "run2", overrides)
@@ -89,27 +127,38 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
     for step in one.values():
         for r in step:
             outputs_1[_prompt_text(r)].append(r["output"])
-    new_prompts = {_prompt_text(r) for step in two.values() for r in step} - seen
-    served_prompts = {_prompt_text(r) for step in two.values() for r in step} & seen
-    assert served_prompts and new_prompts, "the seed draws some prompts run 1 saw and some it did not"
+    drawn = {step: {_prompt_text(r) for r in records} for step, records in two.items()}
+    assert [(len(p & seen), len(p)) for _, p in sorted(drawn.items())] == [(0, 2), (1, 2), (2, 2)], drawn
 
-    # Generated exactly the others: n sequences per new prompt, none of a prompt run 1 generated.
-    digests_1 = {call["prompt"] for call in generated_1}
-    per_prompt = collections.Counter(call["prompt"] for call in generated_2)
-    assert not set(per_prompt) & digests_1, "a prompt run 1 generated was generated again"
-    assert len(per_prompt) == len(new_prompts) and set(per_prompt.values()) == {harness.ROLLOUT_N}, per_prompt
+    # The mixed call: step 2's rows of the seen prompt served, the other prompt's cut out and generated.
+    lines = skip_lines(second, "rollout")
+    calls = {int(m[1]): m.groups()[1:] for line in lines if (m := _MATCH_LINE.search(line))}
+    rows = SMALL_BATCH * harness.ROLLOUT_N
+    assert calls == {2: (str(rows // 2), str(rows), str(rows // 2), str(rows // 2))}, lines
+    assert any("step 1: match: no row of this call cached" in line for line in lines), lines
+    assert any("step 3: match:" in line and "(target not called)" in line for line in lines), lines
 
-    # Trained on its own prompts: each dumped row's ground truth (this run's dataset row) is its
-    # prompt's, and every served prompt got run 1's responses for it.
+    # The generator got exactly the new prompts' rows, each at its step (a record's global_steps are
+    # those of the weights it generated with: the step before), and no prompt run 1 generated.
+    digests = harness.prompt_digests(assets, sorted(seen | set().union(*drawn.values())))
+    got = collections.Counter((int(call["global_steps"]) + 1, digests.get(call["prompt"])) for call in generated_2)
+    wanted = {(step, text): harness.ROLLOUT_N for step, texts in drawn.items() for text in texts - seen}
+    assert got == wanted, (got, wanted)
+    assert not {call["prompt"] for call in generated_2} & {call["prompt"] for call in generated_1}
+
+    # Trained on its own prompts: each dumped row's prompt (decoded from the rollout's output) has the
+    # ground truth of its dataset row (the call's own), and a served prompt got run 1's responses for it.
     for step, records in two.items():
         for r in records:
             assert int(r["gts"]) == len(_prompt_text(r)), f"step {step}: a row is not its prompt's: {r}"
-            text = _prompt_text(r)
-            if text in seen:
-                assert r["output"] in outputs_1[text], f"step {step}: served another prompt's response"
+        for text in drawn[step] & seen:
+            outputs = sorted(r["output"] for r in records if _prompt_text(r) == text)
+            assert outputs == sorted(outputs_1[text]), f"step {step}: {text!r} not served run 1's responses"
+    # The served rows are bit-identical to run 1's (all but the reward's score, re-scored), by row key.
+    served = _served_rows(layout, harness.cache_dir(dump, gbs=SMALL_BATCH))
+    assert served == {2: rows // 2, 3: rows}, served
     for step, records in two.items():  # served and generated rows alike: scored by this run's reward
-        assert [r["score"] for r in records] == [word_count(r["output"]) for r in records], f"step {step}"
-    lines = skip_lines(second, "rollout")
+        assert [r["score"] for r in records] == [other_score(r["output"]) for r in records], f"step {step}"
     assert any("rows re-scored by this run's reward-loop workers" in line for line in lines), lines
     matched = [line for line in lines if ": match: " in line and "rows served from" in line]
     assert len(matched) >= 1, lines
@@ -135,7 +184,8 @@ def test_fully_async_match_serves_a_sample_by_its_prompt_not_its_id(
     """The fully async Rollouter (one prompt per call, ``n`` sequences). Run 1 (the session's
     recording: ``match`` with nothing cached) generates feed indices 1-4 and saves them as ``cache``
     does; run 2 draws other prompts in another order (``data.seed=29``): a sample whose prompt run 1
-    generated, at whatever feed index, is served; only the others are generated."""
+    generated, at whatever feed index, is served; only the others are generated. Run 2 scores with
+    another reward function: the served samples' rows are re-scored by it, so every trained row is."""
     generated_1 = async_recording.generated
     lines = skip_lines(async_recording.first, "async_rollout")
     assert sum("match: no row of this call cached" in line for line in lines) == ASYNC_PROMPTS, lines
@@ -149,11 +199,20 @@ def test_fully_async_match_serves_a_sample_by_its_prompt_not_its_id(
     assert len(digests_1) == ASYNC_PROMPTS, "run 1 generated 4 prompts"
 
     dump = copy_dump(async_recording.dump, tmp_path / "dump")
-    overrides = async_overrides(assets, dump, "skip.async_rollout.action=match", "data.seed=29")
+    overrides = async_overrides(
+        assets, dump, "skip.async_rollout.action=match", "data.seed=29", *other_reward(tmp_path)
+    )
     second, generated_2 = launch(assets, tmp_path, "async2", overrides, fully_async=True)
     per_prompt = collections.Counter(call["prompt"] for call in generated_2)
     assert not set(per_prompt) & digests_1, "a prompt run 1 generated was generated again"
     assert set(per_prompt.values()) <= {harness.ROLLOUT_N}
-    served = [line for line in skip_lines(second, "async_rollout") if "rows served from" in line]
+    lines = skip_lines(second, "async_rollout")
+    served = [line for line in lines if "rows served from" in line]
     assert len(served) == ASYNC_PROMPTS - len(per_prompt) and served, (served, per_prompt)
     assert all("target not called" in line for line in served), "a sample's n rows are served together"
+    rescored = [line for line in lines if f"{harness.ROLLOUT_N} rows re-scored by this run's reward-loop" in line]
+    assert len(rescored) == len(served), lines
+    assert all("recorded by another" in line and OTHER_REWARD_FILE in line for line in rescored), rescored
+    # Every trained row is scored by this run's reward (in [-2, -1)), none by the recorded one ([0, 1]).
+    scores = trained_scores(second)
+    assert scores and all(-2.0 <= value < -1.0 for value in scores), scores

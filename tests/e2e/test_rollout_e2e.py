@@ -20,6 +20,7 @@ import pytest
 
 from tests.e2e.conftest import (
     ASYNC_PROMPTS,
+    OTHER_REWARD_FILE,
     USER_ROLES,
     AsyncRecording,
     V0Runs,
@@ -27,6 +28,8 @@ from tests.e2e.conftest import (
     copy_dump,
     harness,
     launch,
+    other_reward,
+    other_score,
     rollout_records,
     skip_lines,
 )
@@ -66,20 +69,36 @@ def test_v0_rollout_cache_then_hit(v0_runs: V0Runs):
     assert not any("other inputs" in line for line in lines if "rollout step 3:" not in line), lines
     step_two = [line for line in lines if "rollout step 2: hit" in line]
     assert len(step_two) == 1 and "read ahead, waited" in step_two[0], lines  # read while step 1 trained
-    # The same reward: the recorded scores are served bit for bit (meta.json records what scored them).
-    for step in (1, 2):
-        assert any(
-            f"rollout step {step}: rewards served as recorded (recorded by this run's reward)" in line for line in lines
-        )
-    assert not any("re-scored" in line for line in lines), lines
-    assert json.loads((layout / "1" / "meta.json").read_text())["reward"]["files"]
     one, two = rollout_records(v0_runs.tmp / "run1"), rollout_records(v0_runs.tmp / "run2")
     assert sorted(one) == [1, 2] and sorted(two) == [1, 2, 3]
     for step in (1, 2):
         assert [r["output"] for r in two[step]] == [r["output"] for r in one[step]], f"step {step} responses differ"
-        assert [r["score"] for r in two[step]] == [r["score"] for r in one[step]]
     assert "timing_s/skipinject/hit:1.0" in v0_runs.second.stdout.replace(" ", ""), "hits are visible in the metrics"
     assert "timing_s/skipinject/hit:0.0" in v0_runs.first.stdout.replace(" ", "")
+
+
+def test_v0_replay_with_another_reward_trains_on_its_scores(v0_runs: V0Runs):
+    """Run 2 scores with another reward function (``skip.rollout.rescore=auto``): each served step's
+    responses are re-scored by it through the trainer's reward-loop workers, with no generator call.
+    Step 3 (no reward role there) trains on them: each row's score is the new function of its served
+    response. At steps 1-2 the reward role serves run 1's reward, which wins by design (its order)."""
+    layout = harness.cache_dir(v0_runs.dump)
+    recorded = json.loads((layout / "1" / "meta.json").read_text())["reward"]["files"]
+    assert recorded["reward.custom_reward_function.path"]["sha256"], "meta.json records what scored the step"
+    assert v0_runs.calls[1] == 0, "no generator call for training"
+    lines = skip_lines(v0_runs.second, "rollout")
+    rescored = [line for line in lines if "rows re-scored by this run's reward-loop workers" in line]
+    assert [sum(f"rollout step {s}:" in line for line in rescored) for s in (1, 2, 3)] == [1, 1, 1], lines
+    assert all("recorded by another" in line and OTHER_REWARD_FILE in line for line in rescored), rescored
+    assert not any("rewards served as recorded" in line for line in lines), lines
+    one, two = rollout_records(v0_runs.tmp / "run1"), rollout_records(v0_runs.tmp / "run2")
+    assert [r["output"] for r in two[3]] == [r["output"] for r in one[2]], "step 3 serves step 2's responses"
+    scores = [(r["score"], other_score(r["output"])) for r in two[3]]
+    assert all(score == expected for score, expected in scores), f"step 3 trained on other scores: {scores}"
+    for step in (1, 2):  # the reward role's served reward: run 1's scores, not the re-scored rollout's
+        assert [r["score"] for r in two[step]] == [r["score"] for r in one[step]], f"step {step}"
+        assert all(r["score"] >= 0 for r in two[step]), f"step {step}: the reward role's reward wins"
+    assert "timing_s/skipinject/rescored_rows:8.0" in v0_runs.second.stdout.replace(" ", ""), "in the metrics"
 
 
 def test_v0_user_roles_cache_then_hit(v0_runs: V0Runs):
@@ -98,9 +117,9 @@ def test_v0_user_roles_cache_then_hit(v0_runs: V0Runs):
 
 
 def test_cache_tool_on_the_v0_runs_caches(assets: Any, v0_runs: V0Runs, tmp_path: Path):
-    """``skipinject cache ls/verify/show/diff/prune`` on what the V0 runs (rollout + user roles) wrote, each
-    command a ``python -m skipinject cache`` process of its own (the other real dumps: one process for all)."""
-    check_real_dump(v0_runs.dump, {"rollout", *USER_ROLES}, tmp_path, tokenizer=assets.model_dir)
+    """``skipinject cache ls/verify/show/diff/prune`` on what the V0 runs (rollout + user roles) wrote, all
+    in one new interpreter (``python -m skipinject cache`` as a process: tests/integration/test_cache_tool.py)."""
+    check_real_dump(v0_runs.dump, {"rollout", *USER_ROLES}, tmp_path, tokenizer=assets.model_dir, one_process=True)
 
 
 def test_v0_repeat_serves_nearest_step_reports_other_prompts_and_never_skips_validation(v0_runs: V0Runs):
@@ -115,14 +134,30 @@ def test_v0_repeat_serves_nearest_step_reports_other_prompts_and_never_skips_val
 
 def test_fully_async_rollout_cache_then_hit(assets: Any, async_recording: AsyncRecording, tmp_path: Path):
     """Run 1 is the session's fully async recording (4 prompts fed one at a time, two trainer steps);
-    run 2, the same command with ``action=cache``, is served all of it from a copy of its dump dir."""
+    run 2, the same command with ``action=cache``, is served all of it from a copy of its dump dir --
+    with another reward function and ``rescore=never``: the recorded scores are served, said once."""
     assert async_recording.generated, "run 1 generated"
     layout = harness.cache_dir(async_recording.dump, gbs=1)
     assert sorted(int(p.name) for p in layout.iterdir() if p.name.isdigit()) == list(range(1, ASYNC_PROMPTS + 1))
+    meta = json.loads((layout / "1" / "meta.json").read_text())
+    assert meta["reward"]["files"]["reward.custom_reward_function.path"]["sha256"], "what scored it is recorded"
     dump = copy_dump(async_recording.dump, tmp_path / "dump")
-    second, generated_2 = launch(
-        assets, tmp_path, "async2", async_overrides(assets, dump, "skip.async_rollout.action=cache"), fully_async=True
+    overrides = async_overrides(
+        assets, dump, "skip.async_rollout.action=cache", "skip.async_rollout.rescore=never", *other_reward(tmp_path)
     )
+    second, generated_2 = launch(assets, tmp_path, "async2", overrides, fully_async=True)
     assert generated_2 == [], f"feed indices 1-{ASYNC_PROMPTS} are served from the cache"
-    assert sum("hit, served step" in line for line in skip_lines(second, "async_rollout")) == ASYNC_PROMPTS
+    lines = skip_lines(second, "async_rollout")
+    assert sum("hit, served step" in line for line in lines) == ASYNC_PROMPTS
+    warned = [line for line in lines if "not computed by this run's reward" in line]
+    assert len(warned) == 1 and "rescore=never" in warned[0] and OTHER_REWARD_FILE in warned[0], lines
+    assert not any("re-scored" in line for line in lines), lines
+    # The recorded scores (the harness's reward, in [0, 1]) are trained on, none of this run's (< -1).
+    scores = trained_scores(second)
+    assert scores and all(0.0 <= value <= 1.0 for value in scores), scores
     check_real_dump(dump, {"async_rollout"}, tmp_path, one_process=True)
+
+
+def trained_scores(proc: Any) -> list[float]:
+    """Every score statistic (mean, max, min) verl logged to the console for the trained steps."""
+    return [value for step in trained_metrics(proc) for key, value in step.items() if key.startswith("critic/score/")]

@@ -4,9 +4,10 @@ One pair of runs (the module's :func:`v1_pair`, shared by its tests: each run co
 every V1 mechanism at once: the ``separate_async`` trainer with ``parameter_sync_step=2`` (two
 mini-batches per step, one commit) and group filtering (DAPO) on, where the replay buffer refills
 evicted groups; steps 1-3 with 1 and 2 chosen. Run 1 generates steps 1 and 2 and caches them; run 2
-(same command) injects them from the cache into TransferQueue, never calls the generator for them,
-draws what run 1 drew, and trains step 3 (generated in both runs) on the same prompts (rc 0). Run 2
-starts without the runner: a launcher calls ``skipinject.enable(...)`` and verl's ``run_ppo`` from Python.
+(the same command with another reward function, launched without the runner: a launcher calls
+``skipinject.enable(...)`` and verl's ``run_ppo`` from Python) injects them from the cache into
+TransferQueue, never calls the generator for them, trains on its own reward's scores of them, draws
+what run 1 drew, and trains step 3 (generated in both runs) on the same prompts (rc 0).
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from typing import Any
 import pytest
 
 from tests.conftest import FIXTURES
-from tests.e2e.conftest import SKIPINJECT_MAIN_PPO, harness, rollout_records, skip_lines
+from tests.e2e.conftest import (
+    OTHER_REWARD_FILE,
+    SKIPINJECT_MAIN_PPO,
+    harness,
+    other_reward,
+    other_score,
+    rollout_records,
+    skip_lines,
+)
 from tests.integration.test_cache_tool import check_real_dump
 
 pytestmark = pytest.mark.e2e
@@ -56,9 +65,9 @@ def _run(
 
 
 def _generations(directory: Path) -> dict[int, Counter]:
-    """verl's per-step generation dumps as multisets of (prompt, response, score): row order may differ."""
+    """verl's per-step generation dumps as multisets of (prompt, response): row order may differ."""
     return {
-        step: Counter((r["input"], r["output"], round(float(r["score"]), 5)) for r in records)
+        step: Counter((r["input"], r["output"]) for r in records)
         for step, records in rollout_records(directory).items()
     }
 
@@ -88,13 +97,14 @@ class V1Pair:
 @pytest.fixture(scope="module")
 def v1_pair(assets: Any, tmp_path_factory: pytest.TempPathFactory) -> V1Pair:
     """Two runs into one dump_dir: ``separate_async``, ``parameter_sync_step=2``, group filtering on
-    (``algorithm.filter_groups``, the data unshuffled), steps 1-3 with 1 and 2 chosen."""
+    (``algorithm.filter_groups``, the data unshuffled), steps 1-3 with 1 and 2 chosen; run 2 scores
+    with another reward function."""
     tmp = tmp_path_factory.mktemp("v1")
     dump = tmp / "dump"
     reward = tmp / "dapo_reward.py"
     reward.write_text(DAPO_REWARD)
 
-    def overrides(run: str) -> list[str]:
+    def overrides(run: str, *extra: str) -> list[str]:
         return harness.main_ppo_overrides(
             assets,
             use_v1=True,
@@ -110,11 +120,13 @@ def v1_pair(assets: Any, tmp_path_factory: pytest.TempPathFactory) -> V1Pair:
                 f"skip.{ROLE}.enable=True",
                 f"skip.{ROLE}.steps=[1,2]",
                 f"trainer.rollout_data_dir={tmp / run}",
+                *extra,
             ],
         )
 
     first, calls_1 = _run(assets, tmp, "run1", overrides("run1"))
-    second, calls_2 = _run(assets, tmp, "run2", overrides("run2"), RUN_PPO_FROM_PYTHON)
+    # Another reward (its scores: no two answers alike, so group filtering drops no served group).
+    second, calls_2 = _run(assets, tmp, "run2", overrides("run2", *other_reward(tmp)), RUN_PPO_FROM_PYTHON)
     return V1Pair(tmp, dump, first, second, (calls_1, calls_2))
 
 
@@ -165,13 +177,28 @@ def test_v1_rollout_tq_k_part_steps_cache_then_hit(v1_pair: V1Pair):
     assert sum("hit, served step" in line and "rollout not submitted" in line for line in lines) == 2, lines
     assert not any(": saved" in line for line in lines), "a served step is not saved again"
     assert "async warm-up prefetch switched off" in v1_pair.second.stdout + v1_pair.second.stderr
-    served = [line for line in lines if "rewards served as recorded (recorded by this run's reward)" in line]
-    assert len(served) == 2 and not any("re-scored" in line for line in lines), lines  # the same reward
     one, two = _generations(v1_pair.tmp / "run1"), _generations(v1_pair.tmp / "run2")
     assert sorted(one) == sorted(two) == [1, 2, 3]
     for step in (1, 2):
         assert two[step] == one[step], f"step {step}: run 2 trained on other trajectories than run 1 generated"
     check_real_dump(v1_pair.dump, {ROLE}, v1_pair.tmp, one_process=True)  # `skipinject cache ...` on the k-part steps
+
+
+def test_v1_replay_with_another_reward_trains_on_its_scores(v1_pair: V1Pair):
+    """Run 2 scores with another reward function (``skip.rollout_tq.rescore=auto``): the served
+    trajectories are re-scored by the trainer's reward-loop workers before they are put into
+    TransferQueue, with no generator call; each trained row's score is the new function of its response."""
+    layout = harness.cache_dir(v1_pair.dump, gbs=1)
+    meta = json.loads((layout / "1" / "meta.json").read_text())
+    assert meta["reward"]["files"]["reward.custom_reward_function.path"]["sha256"], "what scored it is recorded"
+    lines = skip_lines(v1_pair.second, ROLE)
+    rescored = [line for line in lines if "rows re-scored by this run's reward-loop workers" in line]
+    assert [sum(f"{ROLE} step {s}:" in line for line in rescored) for s in (1, 2)] == [1, 1], lines
+    assert all("recorded by another" in line and OTHER_REWARD_FILE in line for line in rescored), rescored
+    assert not any("rewards served as recorded" in line for line in lines), lines
+    for step, records in rollout_records(v1_pair.tmp / "run2").items():
+        scores = [(r["score"], other_score(r["output"])) for r in records]
+        assert all(score == expected for score, expected in scores), f"step {step}: not this run's reward: {scores}"
 
 
 def test_v1_group_filtering_served_steps_refill_nothing_and_keep_the_dataloader(v1_pair: V1Pair):

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,16 +115,17 @@ def run_twice(
     *,
     module: str = "verl.trainer.main_ppo",
     run_env: Callable[[str], dict[str, str]] | None = None,
+    run_2: Sequence[str] = (),
 ) -> list[tuple[Any, list[dict]]]:
     """Run 1 then run 2 of ``python -m skipinject -m <module>`` (``run_env(run)``: more environment for
-    ``run1``/``run2``): each run's process and generation records."""
+    ``run1``/``run2``; ``run_2``: more overrides for run 2): each run's process and generation records."""
     launcher = (str(python), "-m", "skipinject", "-m", module)
     runs = []
     for run in ("run1", "run2"):
         gen_log = tmp / f"{run}.gen.jsonl"
         proc = harness.run_main_ppo(
             assets,
-            overrides,
+            overrides if run == "run1" else [*overrides, *run_2],
             gen_log=gen_log,
             launcher=launcher,
             timeout=900,
@@ -293,6 +294,17 @@ def test_env_tool_is_idempotent(matrix: MatrixRuns):
 # -- several worker-group calls per step (verl <= 0.6): DAPO's recipe loop, REMAX's baseline -----------
 
 
+#: Run 2's reward in the DAPO pairs: the recipe's reward negated. It drops the groups the recipe's drops
+#: (equal scores stay equal), so run 2 draws what run 1 drew, and scores every row otherwise.
+NEGATED_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    if int(ground_truth) % 2:
+        return -0.5
+    return -min(len(solution_str) / 40.0, 1.0)
+"""
+NEGATED_REWARD_FILE = "negated_reward.py"
+
+
 @dataclass
 class CallRuns:
     pair: Pair
@@ -309,11 +321,13 @@ def _call_pair(pair: Pair, tmp_path_factory: pytest.TempPathFactory, total_steps
     python, tmp, assets = pair_env(pair, tmp_path_factory)
     dump = tmp / "dump"
     extra = ["skip.rollout.enable=True", "skip.rollout.steps=[1,2]"]
-    module, run_env = "verl.trainer.main_ppo", None
+    module, run_env, run_2 = "verl.trainer.main_ppo", None, []
     if pair.variant == "dapo":
-        reward = tmp / "dapo_reward.py"
+        reward, negated = tmp / "dapo_reward.py", tmp / NEGATED_REWARD_FILE
         reward.write_text(REWARD)
+        negated.write_text(NEGATED_REWARD)
         extra.append(f"custom_reward_function.path={reward}")  # top-level before verl 0.7
+        run_2.append(f"custom_reward_function.path={negated}")  # run 2 scores with another reward
         module = "dapo_recipe_wg"
         path = os.pathsep.join([harness.harness_env(assets, None)["PYTHONPATH"], str(FIXTURES / "recipes")])
 
@@ -330,7 +344,7 @@ def _call_pair(pair: Pair, tmp_path_factory: pytest.TempPathFactory, total_steps
         rollout_mode=pair.rollout_mode,
         extra=extra,
     )
-    runs = run_twice(pair, python, assets, tmp, overrides, module=module, run_env=run_env)
+    runs = run_twice(pair, python, assets, tmp, overrides, module=module, run_env=run_env, run_2=run_2)
     (first, records1), (second, records2) = runs
     recipe = None
     if pair.variant == "dapo":
@@ -354,7 +368,11 @@ def _sequences(records: list[dict]) -> int:
 
 
 def test_dapo_recipe_on_the_worker_group_replays_call_by_call(dapo: CallRuns) -> None:
-    """verl <= 0.6's DAPO loop: several ``actor_rollout_wg.generate_sequences`` calls per step."""
+    """verl <= 0.6's DAPO loop: several ``actor_rollout_wg.generate_sequences`` calls per step.
+
+    Run 2 scores with another reward (:data:`NEGATED_REWARD`). On this path the trainer scores a batch
+    after generation (``compute_reward``), so a replayed call carries no scores and nothing needs
+    re-scoring: each replayed row trains on run 2's reward of the served response, its run 1 score negated."""
     assert dapo.recipe is not None
     log1, log2 = dapo.recipe
     per_call = harness.TRAIN_BATCH * harness.ROLLOUT_N
@@ -370,11 +388,16 @@ def test_dapo_recipe_on_the_worker_group_replays_call_by_call(dapo: CallRuns) ->
     for step in (1, 2):
         assert log2.drawn[step] == log1.drawn[step], f"step {step}: run 2 draws the batches run 1 drew"
         assert log2.trained[step] == log1.trained[step], f"step {step}: run 2 trains on run 1's prompts"
-        assert log2.digests[step] == log1.digests[step], f"step {step}: run 2 trains on run 1's responses and scores"
+        assert log2.responses[step] == log1.responses[step], f"step {step}: run 2 trains on run 1's responses"
+        one, two = log1.scores[step], log2.scores[step]
+        assert any(one) and two == [-score for score in one], f"step {step}: not run 2's reward: {one} {two}"
     assert log2.drawn[3][0] == log1.drawn[3][0], "after the replayed steps the dataloader is where run 1's was"
     assert len(dapo.records[1]) == log2.calls(3), "0 generator calls at steps 1-2: only step 3 generates"
-    hits = [line for line in skip_lines(dapo.second, "rollout") if ": hit" in line]
+    lines = skip_lines(dapo.second, "rollout")
+    hits = [line for line in lines if ": hit" in line]
     assert len(hits) == log1.calls(1) + log1.calls(2), hits
+    said = [line for line in lines if "nothing re-scored: no scores recorded with the responses" in line]
+    assert len(said) == len(hits) and all(NEGATED_REWARD_FILE in line for line in said), lines
     busiest = max((1, 2), key=log1.calls)
     calls = log1.calls(busiest)
     assert any(f"rollout step {busiest}: hit (call {calls} of {calls})" in line for line in hits), hits

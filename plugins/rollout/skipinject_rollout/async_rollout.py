@@ -15,7 +15,14 @@ from typing import Any
 
 from skipinject import Call, Role, StepSource, Target, hookimpl
 
-from skipinject_rollout.common import GEN_BATCH, GENERATION_SETTINGS, prompt_fingerprint, prompt_key, rescore_sample
+from skipinject_rollout.common import (
+    GEN_BATCH,
+    GENERATION_SETTINGS,
+    prompt_fingerprint,
+    prompt_key,
+    rescore_matched_sample,
+    rescore_sample,
+)
 from skipinject_rollout.reward_identity import record_run
 
 TARGET = (
@@ -50,9 +57,11 @@ ASYNC_ROLLOUT = Role(
     step=StepSource.per_call(feed_index),
     builtin="async_rollout",
     fingerprint=prompt_fingerprint,
-    # action=match: a sample is served by its prompt (not its id), from whichever step recorded it.
+    # action=match: a sample is served by its prompt (not its id), from whichever step recorded it,
+    # and its served rows are scored by this run's reward where their recording's was another.
     row_key=prompt_key,
     match_settings=GENERATION_SETTINGS,
+    on_match=rescore_matched_sample,
     # No hit/miss marks in meta_info: the fully async trainer concatenates samples and asserts that
     # their meta_info agree, so a served sample must carry exactly what a generated one carries.
     on_hit=rescore_sample,

@@ -29,6 +29,8 @@ __all__ = [
     "mark_miss",
     "prompt_fingerprint",
     "prompt_key",
+    "rescore_matched_sample",
+    "rescore_sample",
     "workers_of",
 ]
 
@@ -163,6 +165,15 @@ def rescore_sample(result: Any, call: Call, info: HitInfo) -> Any:
     """A served fully async sample, scored by this run's reward where the recording's was another. Nothing
     else is added: the fully async trainer asserts that its samples' ``meta_info`` agree."""
     rescore.apply(result, call, "async_rollout", info.requested_step, info.settings, [(info.meta, None)])
+    return result
+
+
+def rescore_matched_sample(result: Any, call: Call, info: MatchInfo) -> Any:
+    """A fully async sample merged by ``action=match``: the rows served from a recording of another reward
+    are scored by this run's; nothing else is added (see :func:`rescore_sample`)."""
+    sources = [(info.source_meta.get(name, {}), rows) for name, rows in info.served.items()]
+    if sources:
+        rescore.apply(result, call, "async_rollout", info.step, info.settings, sources)
     return result
 
 

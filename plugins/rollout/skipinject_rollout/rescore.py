@@ -103,7 +103,7 @@ def rescore_rows(batch: Any, call: Call, rows: Sequence[int] | None = None) -> R
             "scores taken out: this run's trainer scores them (no reward-loop workers on the rollout manager)",
         )
     outputs = _score_with_workers(list(workers), _scoring_batch(batch, call, chosen))
-    _place(batch, chosen, outputs, whole=rows is None or len(chosen) == len(batch))
+    _place(batch, chosen, outputs, whole=chosen == list(range(len(batch))))
     return Rescored(len(chosen), time.perf_counter() - started, "by this run's reward-loop workers")
 
 
@@ -173,11 +173,17 @@ def _place(batch: Any, rows: list[int], outputs: list[dict[str, Any]], *, whole:
 
     tensors = batch.batch
     prompt_length = tensors["prompts"].size(1)
-    index = torch.as_tensor(rows, dtype=torch.long)
-    last = tensors["attention_mask"][index, prompt_length:].sum(dim=1) - 1
-    rm_scores = torch.zeros_like(tensors["rm_scores"]) if whole else tensors["rm_scores"].clone()
-    rm_scores[index] = 0.0
-    rm_scores[index, last] = torch.tensor([float(out["reward_score"]) for out in outputs], dtype=rm_scores.dtype)
+    scores = torch.tensor([float(out["reward_score"]) for out in outputs], dtype=tensors["rm_scores"].dtype)
+    if whole:  # every row, in order: no row selection (each indexing kernel costs ms on a loaded machine)
+        last = tensors["attention_mask"][:, prompt_length:].sum(dim=1) - 1
+        rm_scores = torch.zeros_like(tensors["rm_scores"])
+        rm_scores.scatter_(1, last.unsqueeze(1), scores.unsqueeze(1))
+    else:
+        index = torch.as_tensor(rows, dtype=torch.long)
+        last = tensors["attention_mask"][index, prompt_length:].sum(dim=1) - 1
+        rm_scores = tensors["rm_scores"].clone()
+        rm_scores[index] = 0.0
+        rm_scores[index, last] = scores
     tensors["rm_scores"] = rm_scores
 
     infos = [dict(out.get("reward_extra_info") or {}) for out in outputs]

@@ -131,10 +131,26 @@ def _is_file_setting(key: str, value: Any) -> bool:
     return (leaf == "path" or leaf.endswith("_path")) and isinstance(value, str) and os.path.isfile(value)
 
 
+#: The last run configs asked about and their identities: a run asks at every saved and served step, and
+#: resolving the reward subtrees costs ~10 ms a time; the reward's workers read its file once, at start.
+_last: list[tuple[Any, dict[str, Any]]] = []
+_REMEMBERED = 4
+
+
 def reward_identity(config: Any) -> dict[str, Any] | None:
-    """The reward identity of a run config (see the module's docstring); ``None`` without a config."""
+    """The reward identity of a run config (see the module's docstring); ``None`` without a config.
+    Computed once per config object."""
     if config is None:
         return None
+    for known, identity in _last:
+        if known is config:
+            return identity
+    identity = _identity(config)
+    _last[:] = [(config, identity), *_last[: _REMEMBERED - 1]]
+    return identity
+
+
+def _identity(config: Any) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     for tree in REWARD_TREES:
         node = _plain(select(config, tree))

@@ -6,6 +6,7 @@ agent-loop workers that would drive an LLM server are stand-ins replying with fi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from skipinject.testing import RoleRun
 from skipinject_rollout import rescore
 from skipinject_rollout.reward_identity import record_reward, reward_identity
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+from verl.experimental.fully_async_policy.fully_async_rollouter import FullyAsyncAgentLoopManager
 from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
 from verl.protocol import DataProto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
@@ -74,7 +76,9 @@ def run_config(assets: Any, reward: Path | None, **reward_settings: Any) -> Any:
 
 
 class InProcessHandle:
-    """A Ray actor handle's ``method.remote(...)`` for a worker living in this process (the one stand-in)."""
+    """A Ray actor handle's ``method.remote(...)`` for a worker living in this process (the one stand-in).
+    The worker's event loop runs in a thread of its own, as an actor's does: a caller may be inside a
+    running loop (the fully async manager's)."""
 
     def __init__(self, worker: RewardLoopWorker) -> None:
         self.worker = worker
@@ -87,7 +91,9 @@ class InProcessHandle:
         class Method:
             def remote(self, chunk: DataProto) -> Any:
                 handle.batches.append(len(chunk))
-                return handle.worker.loop.run_until_complete(handle.worker.compute_score_batch(chunk))
+                with concurrent.futures.ThreadPoolExecutor(1) as thread:
+                    work = handle.worker.compute_score_batch(chunk)
+                    return thread.submit(handle.worker.loop.run_until_complete, work).result()
 
         return Method()
 
@@ -137,9 +143,26 @@ class Generator:
         )
 
 
-def manager(config: Any, calls: list[int], *, reward_workers: bool = True) -> Any:
-    mgr = object.__new__(AgentLoopManager)
-    mgr.agent_loop_workers = [Generator(calls), Generator(calls)]
+class FullyAsyncGenerator(Generator):
+    """:class:`Generator` replying as the fully async manager awaits a worker (``ref.future()``)."""
+
+    def __init__(self, calls: list[int]) -> None:
+        super().__init__(calls)
+        outer = self
+
+        class Method:
+            def remote(self, chunk: DataProto) -> Any:
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                future.set_result(outer.generate(chunk))
+                return type("Ref", (), {"future": lambda self: future})()
+
+        self.generate_sequences = Method()
+
+
+def manager(config: Any, calls: list[int], *, reward_workers: bool = True, fully_async: bool = False) -> Any:
+    mgr = object.__new__(FullyAsyncAgentLoopManager if fully_async else AgentLoopManager)
+    worker = FullyAsyncGenerator if fully_async else Generator
+    mgr.agent_loop_workers = [worker(calls), worker(calls)]
     mgr.config = config
     mgr.reward_loop_worker_handles = [InProcessHandle(RewardLoopWorker(config))] if reward_workers else None
     return mgr
@@ -354,6 +377,51 @@ def test_rows_of_one_source_are_rescored_and_the_others_kept(assets: Any, tmp_pa
     lengths = [float(len(t)) for t in decoded(assets, batch)]
     assert batch.batch["rm_scores"][:, 2].tolist() == [0.5] * 4 + lengths[4:]
     assert list(batch.non_tensor_batch["acc"]) == [0.5] * 4 + lengths[4:]
+
+
+def fully_async_sample(index: int, prompt: str) -> DataProto:
+    """What the fully async Rollouter hands ``generate_sequences_single``: one prompt, ``n`` rows."""
+    rows = np.fromiter([[{"role": "user", "content": prompt}]] * N, dtype=object, count=N)
+    return DataProto.from_dict(
+        tensors={"dummy": torch.zeros(N, 1)},
+        non_tensors={
+            "raw_prompt": rows,
+            "data_source": np.array(["toy"] * N, dtype=object),
+            "reward_model": np.array([{"ground_truth": prompt}] * N, dtype=object),
+            "uid": np.array([f"sample_0_{index}"] * N, dtype=object),
+        },
+    )
+
+
+def test_fully_async_match_rescores_the_served_samples_rows(assets: Any, tmp_path: Path, caplog):
+    """``async_rollout`` with ``action=match``: a sample whose prompt a recording of another reward generated is
+    served with this run's scores; a sample it did not see is generated (scored by this run's reward already)."""
+    first = run_config(assets, reward_file(tmp_path, "length.py", LENGTH_REWARD))
+    second = run_config(assets, reward_file(tmp_path, "words.py", WORD_REWARD))
+    dump, calls = tmp_path / "dump", []
+    RoleRun("async_rollout", dump, (1, 2), action="match").start()
+    recording = manager(first, calls, fully_async=True)
+    recorded = [asyncio.run(recording.generate_sequences_single(fully_async_sample(i, PROMPTS[i]))) for i in (1, 2)]
+    assert calls == [N, N]
+    RoleRun("async_rollout", dump, (1, 2), action="match").start()
+    replaying = manager(second, calls, fully_async=True)
+    with caplog.at_level(logging.INFO, logger="skipinject"):
+        served = asyncio.run(replaying.generate_sequences_single(fully_async_sample(1, PROMPTS[2])))
+        generated = asyncio.run(replaying.generate_sequences_single(fully_async_sample(2, PROMPTS[3])))
+    assert calls == [N, N, N], "the prompt run 1 generated (at feed index 2) is served at feed index 1"
+    assert torch.equal(served.batch["responses"], recorded[1].batch["responses"])
+    words = [len(text.split()) for text in decoded(assets, served)]
+    assert served.batch["rm_scores"][:, 2].tolist() == [10.0 * w for w in words], "this run's reward, not 0.5"
+    assert (
+        served.meta_info["reward_extra_keys"] == ["score", "words"] and list(served.non_tensor_batch["words"]) == words
+    )
+    assert "timing" not in served.meta_info, (
+        "nothing added: the fully async trainer asserts its samples' meta_info agree"
+    )
+    assert generated.batch["rm_scores"][:, 2].tolist() == [0.5] * N, "a generated sample keeps what its reward gave"
+    lines = [r.getMessage() for r in caplog.records if "re-scored" in r.getMessage()]
+    assert len(lines) == 1 and f"async_rollout step 1: {N} rows re-scored by this run's reward-loop workers" in lines[0]
+    assert "words.py" in lines[0] and "length.py" in lines[0]
 
 
 def _call(instance: Any, batch: DataProto) -> Any:
