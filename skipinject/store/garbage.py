@@ -53,6 +53,7 @@ from skipinject.store.format import (
     is_ours,
 )
 from skipinject.store.meta import read_named
+from skipinject.store.usage import USAGE_NAME
 
 if TYPE_CHECKING:
     from skipinject.store.backend import Backend
@@ -197,10 +198,11 @@ _DEAD_CLAIM = "empty step directory (a claim or save that never wrote a file)"
 
 
 def _dead_claim(step_fd: int, now: float, min_age: float) -> bool:
-    """An empty step directory, untouched for ``min_age``: a rows record's number claimed (``mkdir``) by
-    a writer that never wrote it, or a save killed right after creating its directory."""
+    """A step directory holding nothing (or only a usage record), untouched for ``min_age``: a rows
+    record's number claimed (``mkdir``) by a writer that never wrote it, a save killed right after
+    creating its directory, or a hit counted while the step was being removed."""
     try:
-        return not os.listdir(step_fd) and now - os.fstat(step_fd).st_mtime >= min_age
+        return set(os.listdir(step_fd)) <= {USAGE_NAME} and now - os.fstat(step_fd).st_mtime >= min_age
     except OSError:
         return False
 
@@ -285,6 +287,11 @@ def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONE
             continue
         try:
             if item.reason in order:
+                if item.reason == _DEAD_CLAIM:
+                    step_fd = try_open_dir(item.path.name, parent_fd)
+                    if step_fd is not None:
+                        unlink_regular(step_fd, USAGE_NAME)  # a usage record left without its step
+                        os.close(step_fd)
                 with contextlib.suppress(OSError):
                     os.rmdir(item.path.name, dir_fd=parent_fd)  # only ever succeeds when empty
                 continue

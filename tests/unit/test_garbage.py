@@ -157,6 +157,21 @@ def test_empty_step_directories_left_by_dead_claims_are_collected(tmp_path: Path
     assert fresh.is_dir() and store.step_numbers_on_disk() == [1, 2000]
 
 
+def test_a_usage_record_left_without_its_step_is_collected(tmp_path: Path) -> None:
+    """A hit counted while ``cache rm``/``prune`` removed the step leaves its directory holding only
+    ``usage.json``: collected like a dead claim once 10 minutes old; a committed step's record stays."""
+    store = StepStore(tmp_path / "rows", "toy", {})
+    store.save(1, _payload())
+    store.note_hit(1)
+    orphan = store.step_dir(2)
+    orphan.mkdir()
+    (orphan / "usage.json").write_text('{"hits": 1, "last_served": 1.0}')
+    os.utime(orphan, (time.time() - OLD, time.time() - OLD))
+    garbage.collect(store.project_dir, force=True)
+    assert not orphan.exists()
+    assert (store.step_dir(1) / "usage.json").is_file() and store.step_numbers_on_disk() == [1]
+
+
 def test_upstream_file_only_from_real_trusted_step_dirs(tmp_path: Path) -> None:
     store = StepStore(tmp_path / "proj", "toy", {})
     (store.step_dir(1) / "0").mkdir(parents=True)
