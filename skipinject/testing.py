@@ -22,7 +22,8 @@ training batch as ``fit`` has it; both need verl.
 Without verl (a unit test of a role's engine side, a store, a cache): :class:`ToyTrainer` is a trainer
 as a role sees it (the ``global_steps`` clock, a ``config`` naming the cache directory),
 :func:`toy_batch` a rollout batch shaped like a ``DataProto`` that the TensorDict codec saves
-bit-exact, and :func:`same_batch` compares two batches of either kind.
+bit-exact, and :func:`same_batch` compares two batches of either kind. :class:`IntCodec` saves a
+target's ``int`` result, for a role under test whose results are plain numbers.
 """
 
 from __future__ import annotations
@@ -37,14 +38,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from skipinject import bootstrap
 from skipinject.config import Config, apply_overrides, split_overrides
-from skipinject.errors import ConfigError
-from skipinject.roles import Role, TargetPath
+from skipinject.errors import CodecError, ConfigError
+from skipinject.payload import Payload
+from skipinject.roles import Call, Role, TargetPath
 
 if TYPE_CHECKING:
     from skipinject.engine import Engine
     from skipinject.plugin_manager import PluginSet
 
 __all__ = [
+    "IntCodec",
     "RoleRun",
     "ToyTrainer",
     "call",
@@ -222,6 +225,19 @@ def call(target: str, *args: Any, **kwargs: Any) -> Any:
 
 
 # ---------------------------------------------------------------- toys without verl
+
+
+class IntCodec:
+    """The codec of a target that returns an ``int``: one row, the number in the JSON objects."""
+
+    def encode(self, result: int) -> Payload:
+        return Payload(objects={"value": int(result)}, rows=1)
+
+    def decode(self, payload: Payload, call: Call) -> int:
+        value = payload.objects.get("value")
+        if not isinstance(value, int):
+            raise CodecError("no value")
+        return value
 
 
 class ToyTrainer:

@@ -9,25 +9,14 @@ from typing import Any
 
 import pytest
 
-from skipinject import Call, CodecError, Payload, Role, StepSource, Target
-from skipinject.testing import RoleRun, ToyTrainer
+from skipinject import Role, StepSource, Target
+from skipinject.testing import IntCodec, RoleRun, ToyTrainer
 
 pytestmark = pytest.mark.unit
 
 #: What the toy generator adds to its output (a new "model" between runs).
 OFFSET = [0]
 GENERATED: list[int] = []
-
-
-class Numbers:
-    def encode(self, result: int) -> Payload:
-        return Payload(objects={"value": int(result)}, rows=1)
-
-    def decode(self, payload: Payload, call: Call) -> int:
-        value = payload.objects.get("value")
-        if not isinstance(value, int):
-            raise CodecError("no value")
-        return value
 
 
 class Trainer(ToyTrainer):
@@ -41,7 +30,7 @@ def toy_role() -> Role:
         name="toyrole",
         targets=[Target(f"{__name__}:Trainer.generate")],
         step=StepSource.attribute("global_steps"),
-        codec=Numbers(),
+        codec=IntCodec(),
         cache_subdir="",
     )
 

@@ -11,24 +11,13 @@ from typing import Any
 
 import pytest
 
-from skipinject import Call, CodecError, Payload, Role, StepSource, Target
+from skipinject import Call, Role, StepSource, Target
 from skipinject.config import Config, RoleConfig, StepSet
 from skipinject.errors import ConfigError
 from skipinject.report import start
-from skipinject.testing import RoleRun, ToyTrainer
+from skipinject.testing import IntCodec, RoleRun, ToyTrainer
 
 pytestmark = pytest.mark.unit
-
-
-class Numbers:
-    def encode(self, result: int) -> Payload:
-        return Payload(objects={"value": int(result)}, rows=1)
-
-    def decode(self, payload: Payload, call: Call) -> int:
-        value = payload.objects.get("value")
-        if not isinstance(value, int):
-            raise CodecError("no value")
-        return value
 
 
 class Trainer(ToyTrainer):
@@ -41,7 +30,7 @@ def toy_role() -> Role:
         name="toyrole",
         targets=[Target(f"{__name__}:Trainer.generate")],
         step=StepSource.attribute("global_steps"),
-        codec=Numbers(),
+        codec=IntCodec(),
         cache_subdir="",
     )
 

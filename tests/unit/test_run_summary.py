@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from skipinject import Call, CodecError, Payload, Role, StepSource, Target
+from skipinject import Call, Role, StepSource, Target
 from skipinject.config.environment import ENV_RUN_REPORT, ENV_SUMMARY
 from skipinject.report import summary, tally
-from skipinject.testing import RoleRun, ToyTrainer
+from skipinject.testing import IntCodec, RoleRun, ToyTrainer
 
 pytestmark = pytest.mark.unit
 
@@ -112,17 +112,6 @@ def test_begin_makes_a_private_directory_and_hands_it_on(monkeypatch: pytest.Mon
 GENERATION_S = 0.05
 
 
-class Numbers:
-    def encode(self, result: int) -> Payload:
-        return Payload(objects={"value": int(result)}, rows=1)
-
-    def decode(self, payload: Payload, call: Call) -> int:
-        value = payload.objects.get("value")
-        if not isinstance(value, int):
-            raise CodecError("no value")
-        return value
-
-
 class Trainer(ToyTrainer):
     def generate(self, index: int) -> int:
         time.sleep(GENERATION_S)
@@ -134,7 +123,7 @@ def toy_role() -> Role:
         name="toyrole",
         targets=[Target(f"{__name__}:Trainer.generate")],
         step=StepSource.attribute("global_steps"),
-        codec=Numbers(),
+        codec=IntCodec(),
         cache_subdir="",
     )
 

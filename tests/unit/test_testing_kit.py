@@ -9,19 +9,8 @@ from typing import Any
 
 import pytest
 
-from skipinject import Call, CodecError, Payload, Role, StepSource, Target, bootstrap
-from skipinject.testing import RoleRun, call, resolve
-
-
-class Doubles:
-    def encode(self, result: int) -> Payload:
-        return Payload(objects={"value": int(result)}, rows=1)
-
-    def decode(self, payload: Payload, call: Call) -> int:
-        value = payload.objects.get("value")
-        if not isinstance(value, int):
-            raise CodecError("no value")
-        return value
+from skipinject import Role, StepSource, Target, bootstrap
+from skipinject.testing import IntCodec, RoleRun, call, resolve
 
 
 def make_role(module: str) -> Role:
@@ -29,7 +18,7 @@ def make_role(module: str) -> Role:
         name="doubled",
         targets=[Target(f"{module}:plain")],
         step=StepSource.argument("x"),
-        codec=Doubles(),
+        codec=IntCodec(),
     )
 
 
