@@ -1,22 +1,11 @@
 """``action=match``: each row of a call served by its inputs from any cached step, only the others generated.
 
-A row's key (:func:`row_keys`) digests the role's per-row inputs (:attr:`~skipinject.roles.Role.row_key`),
-the run settings the role names (:attr:`~skipinject.roles.Role.match_settings`) and the row's
-occurrence among equal rows of the call (GRPO's ``n`` copies of a prompt map to ``n`` cached
-samples). Every recording of a role that has keys stores them in ``meta.json`` (``row_keys``, and
-``rows_per_input``: a target repeating its inputs returns ``r`` rows per input row).
-
-At a chosen step, :class:`RowMatcher` looks the call's keys up in the project's
-:class:`~skipinject.engine.row_index.RowIndex` (this run's layout's, then those of the project's
-layouts that differ only in the batch size), verifies and loads each step the rows are in
-(checking that its verified ``meta.json`` records those keys there; a copy that does not serve
-falls back to an older copy of the key), calls the target once with
-only the other rows (padded as the target needs, the padding's results dropped) and merges the
-pieces in the call's order through the codec (:class:`~skipinject.roles.RowCodec`). The merged
-call is saved as the step's part when the step was not committed yet; otherwise only the new rows
-are saved, as a rows record (``{project}/rows/{n}``), since a committed step is never rewritten.
-Nothing cached: the call runs and is recorded as with ``cache``. A source that does not verify
-only turns its rows into generated ones.
+A row's key (:func:`row_keys`) digests the role's per-row inputs (``Role.row_key``), the run settings
+it names (``Role.match_settings``) and its occurrence among equal rows (GRPO's ``n`` copies map to
+``n`` cached samples). Keys are looked up in the project's :class:`~skipinject.engine.row_index.RowIndex`
+(this layout's, then the nearest other batch sizes'); a source is served only when it verifies and
+records the key where the index said. The target runs once for the other rows, the codec merges the
+pieces; a committed step is never rewritten: new rows are saved as a rows record (``{project}/rows/{n}``).
 """
 
 from __future__ import annotations
@@ -31,12 +20,11 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from skipinject.engine.context import RoleContext
 from skipinject.engine.record import Recorder
-from skipinject.engine.row_index import ROWS, STEPS, RowIndex, RowSource, match_records
+from skipinject.engine.row_index import STEPS, RowIndex, RowSource, match_records
 from skipinject.engine.stores import RoleStores
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
 from skipinject.report.misses import settings_differ
@@ -52,6 +40,14 @@ if TYPE_CHECKING:
 
 
 logger = logging.getLogger("skipinject")
+_T = TypeVar("_T")
+
+#: A match line names at most this many of the records rows were served from.
+SHOWN_SOURCES = 8
+#: Copies of a key tried, the latest first, before its row is generated.
+MAX_COPIES = 4
+#: Other batch-size layouts of the project a lookup reads the index of (the nearest batch sizes).
+MAX_LAYOUTS = 8
 
 
 def check_matchable(role: Role, codec: Any) -> None:
@@ -64,16 +60,10 @@ def check_matchable(role: Role, codec: Any) -> None:
         )
 
 
-def settings_digest(role: Role, config: Any) -> bytes:
-    """The run settings deciding a row's result (the role's ``match_settings``), as one digest."""
-    values = settings_values(config, role.match_settings)
-    text = json.dumps(values, sort_keys=True, default=repr).encode()
-    return hashlib.blake2b(text, digest_size=16).digest()
-
-
 def row_keys(role: Role, call: Call, digests: Sequence[str]) -> list[str]:
     """One key per input row: the row's digest, the run settings, and its occurrence among equal rows."""
-    base = settings_digest(role, call.run_config)
+    settings = json.dumps(settings_values(call.run_config, role.match_settings), sort_keys=True, default=repr)
+    base = hashlib.blake2b(settings.encode(), digest_size=16).digest()
     seen: dict[str, int] = {}
     keys = []
     for digest in digests:
@@ -82,486 +72,6 @@ def row_keys(role: Role, call: Call, digests: Sequence[str]) -> list[str]:
         material = base + digest.encode("utf-8", "replace") + b"\x1f" + str(occurrence).encode()
         keys.append(hashlib.blake2b(material, digest_size=8).hexdigest())
     return keys
-
-
-class RowMatcher:
-    """``action=match`` for one role in this process: the row indexes and rows stores of its projects."""
-
-    def __init__(self, runtime: RoleContext, stores: RoleStores, recorder: Recorder) -> None:
-        self.runtime = runtime
-        self.stores = stores
-        self.recorder = recorder
-        self._indexes: dict[Path, RowIndex] = {}
-        self._rows: dict[Path, StepStore] = {}
-        self._siblings: dict[Path, list[StepStore]] = {}
-        self._lock = threading.Lock()  # awaiting callers look rows up from several threads
-
-    def keys(self, call: Call) -> list[str] | None:
-        """The call's row keys, or ``None`` when the role cannot key it (one warning, the call runs whole)."""
-        role = self.runtime.role
-        keyer = role.row_key
-        if keyer is None:
-            return None
-        try:
-            digests = keyer(call)
-            if digests is None:
-                return None
-            return row_keys(role, call, [str(d) for d in digests])
-        except Exception as exc:
-            self.runtime.once(
-                ("row_key", type(exc)),
-                logging.WARNING,
-                "%s: cannot key the rows of a call (%s: %s); it runs whole",
-                role.name,
-                type(exc).__name__,
-                exc,
-            )
-            return None
-
-    def rows_store(self, store: StepStore) -> StepStore:
-        """Where the rows generated at already committed steps of ``store`` are kept."""
-        with self._lock:
-            rows = self._rows.get(store.project_dir)
-            if rows is None:
-                rows = self._rows[store.project_dir] = self.stores.sibling(store, ROWS_DIR)
-            return rows
-
-    def index(self, store: StepStore) -> RowIndex:
-        rows = self.rows_store(store)
-        with self._lock:
-            index = self._indexes.get(store.project_dir)
-            if index is None:
-                saves = self.runtime.settings.save
-                index = self._indexes[store.project_dir] = RowIndex(store, rows, saves=saves)
-            return index
-
-    # ------------------------------------------------------------ one call
-
-    def run(self, record: StepCalls, index: int, call: Call, proceed: Callable[..., Any]) -> Any:
-        """One call at a chosen step: the cached rows served, the target called once for the others."""
-        pending = self.begin(record, index, call)
-        if pending.whole:
-            return self.finish_whole(pending, pending.timed(proceed))
-        fresh = pending.timed(lambda: proceed(*pending.args, **pending.kwargs)) if pending.misses else None
-        if self.merge(pending, fresh):
-            return self.finish(pending)
-        return self.finish_whole(pending, pending.timed(proceed))
-
-    async def run_async(self, record: StepCalls, index: int, call: Call, proceed: Callable[..., Any]) -> Any:
-        """:meth:`run` for awaiting callers (the store is read and written off the event loop)."""
-        pending = await asyncio.to_thread(self.begin, record, index, call, background=False)
-        began = time.perf_counter()
-        if pending.whole:
-            result = await proceed()
-            pending.add_generation(time.perf_counter() - began)
-            return await asyncio.to_thread(self.finish_whole, pending, result)
-        fresh = await proceed(*pending.args, **pending.kwargs) if pending.misses else None
-        pending.add_generation(time.perf_counter() - began if pending.misses else 0.0)
-        if await asyncio.to_thread(self.merge, pending, fresh):
-            return await asyncio.to_thread(self.finish, pending)
-        began = time.perf_counter()
-        result = await proceed()
-        pending.add_generation(time.perf_counter() - began)
-        return await asyncio.to_thread(self.finish_whole, pending, result)
-
-    def begin(self, record: StepCalls, index: int, call: Call, *, background: bool = True) -> _Pending:
-        """Key the call's rows and load the cached ones; say which rows the target must generate."""
-        runtime = self.runtime
-        plan = record.plan
-        assert plan is not None
-        store = plan.store
-        codec = runtime.codec
-        assert isinstance(codec, RowCodec)
-        pending = _Pending(record, index, call, codec, background)
-        pending.inputs = runtime.fingerprint(call)  # before the target runs: it may change its inputs
-        pending.keys = self.keys(call) if self.stores.unusable(store) is None else None
-        started = time.perf_counter()
-        if pending.keys is not None:
-            try:
-                pending.ratio = self._serve_cached(store, call, pending)
-            except Exception as exc:  # the index failed as a whole: nothing served
-                logger.warning(
-                    "%s step %d: cannot look rows up (%s: %s); generating them",
-                    runtime.name,
-                    plan.step,
-                    type(exc).__name__,
-                    exc,
-                )
-                pending.served.clear()
-                pending.pieces.clear()
-                pending.sources.clear()
-        pending.seconds = time.perf_counter() - started
-        if not pending.served:
-            if pending.keys is not None:
-                differ = settings_differ(store, runtime.role.match_settings, call.run_config)
-                logger.info(
-                    "%s step %d: match: no row of this call cached (%d rows%s); running the target",
-                    runtime.name,
-                    plan.step,
-                    len(pending.keys),
-                    f"; {differ}" if differ else "",
-                )
-            pending.whole = True
-            return pending
-        pending.misses = [row for row in range(len(pending.keys or ())) if row not in pending.served]
-        if pending.misses:
-            try:
-                pending.args, pending.kwargs, pending.padding = codec.with_rows(call, pending.misses)
-            except Exception as exc:  # a call the codec cannot cut: it runs whole
-                self._cannot(pending, "take the uncached rows of", exc)
-                pending.whole = True
-        return pending
-
-    def _cannot(self, pending: _Pending, what: str, exc: Exception) -> None:
-        plan = pending.record.plan
-        assert plan is not None
-        logger.warning(
-            "%s step %d: match: cannot %s the call (%s: %s); running the whole call instead",
-            self.runtime.name,
-            plan.step,
-            what,
-            type(exc).__name__,
-            exc,
-        )
-
-    def finish_whole(self, pending: _Pending, result: Any) -> Any:
-        """Nothing was cached: the call ran whole and is saved as with ``cache``."""
-        keys = pending.keys
-        out = pending.codec.result_rows(result) if keys else 0
-        ratio = out // len(keys) if keys and out and out % len(keys) == 0 else None
-        self._save(pending, result, fresh=result if ratio else None, fresh_rows=range(len(keys or ())), ratio=ratio)
-        TALLY.add(self.runtime.name, generated_rows=len(keys or ()))
-        return self.runtime.after_miss(pending.call, result)
-
-    def merge(self, pending: _Pending, fresh: Any) -> bool:
-        """Merge the generated rows (``fresh``, with its padding) and the cached ones in the call's
-        order; False (one warning) when they do not fit together: the whole call runs then."""
-        codec = pending.codec
-        keys = pending.keys
-        assert keys is not None
-        misses, ratio = pending.misses, pending.ratio
-        try:
-            generated = None
-            if fresh is not None:
-                asked = len(misses) + pending.padding
-                out = codec.result_rows(fresh)
-                if out % asked:
-                    raise CodecError(f"the target returned {out} rows for {asked} inputs")
-                if ratio is not None and out // asked != ratio:
-                    raise CodecError(f"cached rows hold {ratio} results per input, this call {out // asked}")
-                ratio = out // asked
-                generated = codec.select_rows(fresh, range(len(misses) * ratio)) if pending.padding else fresh
-            assert ratio is not None
-            order = self._order(len(keys), misses, pending.served, pending.pieces, ratio, codec)
-            pieces = ([generated] if generated is not None else []) + pending.pieces
-            pending.merged = codec.merge_rows(pieces, order, pending.call)
-        except Exception as exc:
-            self._cannot(pending, "merge the cached and generated rows of", exc)
-            return False
-        pending.generated, pending.ratio = generated, ratio
-        return True
-
-    def finish(self, pending: _Pending) -> Any:
-        """Save what is new of a merged call, log it and hand it to the role's ``on_match``."""
-        runtime = self.runtime
-        keys, misses, merged = pending.keys, pending.misses, pending.merged
-        assert keys is not None and pending.record.plan is not None
-        step = pending.record.plan.step
-        ratio = pending.ratio or 1
-        served: dict[str, list[int]] = {}
-        for row, (piece, _) in sorted(pending.served.items()):
-            served.setdefault(pending.piece_sources[piece], []).extend(range(row * ratio, row * ratio + ratio))
-        info = MatchInfo(
-            step,
-            len(pending.served),
-            len(misses),
-            dict(pending.sources),
-            pending.seconds,
-            served,
-            dict(pending.source_meta),
-            runtime.settings,
-        )
-        sources = sorted(pending.sources.items(), key=lambda item: (-item[1], item[0]))
-        shown = ", ".join(f"{name} ({count})" for name, count in sources[:SHOWN_SOURCES])
-        more = f" and {len(sources) - SHOWN_SOURCES} more" if len(sources) > SHOWN_SOURCES else ""
-        logger.info(
-            "%s step %d: match: %d of %d rows served from %s%s in %.3f s; %d generated%s",
-            runtime.name,
-            step,
-            len(pending.served),
-            len(keys),
-            shown,
-            more,
-            pending.seconds,
-            len(misses),
-            " (target not called)" if not misses else f" in one call of {len(misses) + pending.padding} rows",
-        )
-        saved = 0.0  # each source's recorded generation time, for the share of its rows served
-        for name, rows in served.items():
-            meta = pending.source_meta.get(name, {})
-            total = meta.get("rows")
-            if type(total) is int and total > 0:
-                saved += hit_amounts(meta)["generation_s_saved"] * min(len(rows), total) / total
-        TALLY.add(runtime.name, served_rows=len(pending.served), generated_rows=len(misses), generation_s_saved=saved)
-        if runtime.role.on_match is not None:  # before saving: what it recomputes is saved as this run's
-            merged = runtime.role.on_match(merged, pending.call, info)
-            TALLY.add(runtime.name, rescored_rows=rescored_rows(merged))
-        self._save(pending, merged, fresh=pending.generated, fresh_rows=misses, ratio=pending.ratio)
-        return merged
-
-    def _serve_cached(self, store: StepStore, call: Call, pending: _Pending) -> int | None:
-        """Fill ``pending``'s served rows and pieces with the cached rows that verify; returns their
-        rows per input (``None``: none).
-
-        Rows are looked up in this run's layout, then in the project's layouts of other batch sizes
-        (a key digests the generation settings, so an equal key there is the same generation). Each
-        key's copies are tried the latest first: a row whose copy does not serve (its step does not
-        verify, or no longer records the key there) falls back to its next copy."""
-        runtime = self.runtime
-        keys, codec = pending.keys, pending.codec
-        assert keys is not None
-        served, pieces, sources = pending.served, pending.pieces, pending.sources
-        places = [store, *self.batch_size_stores(store)]
-        # per row: its copies, in the order they are tried
-        copies: list[list[tuple[int, RowSource]]] = [[] for _ in keys]
-        for place, place_store in enumerate(places):
-            missing = [row for row in range(len(keys)) if len(copies[row]) < MAX_COPIES]
-            if not missing:
-                break
-            found = self.index(place_store).lookup([keys[row] for row in missing], MAX_COPIES)
-            for row, there in zip(missing, found, strict=True):
-                copies[row].extend((place, source) for source in there[: MAX_COPIES - len(copies[row])])
-        tried = [0] * len(keys)
-        failed: set[tuple[int, int, int]] = set()
-        ratio: int | None = None
-        for _ in range(MAX_COPIES):
-            wanted: dict[tuple[int, int, int, int], list[tuple[int, RowSource]]] = {}
-            for row, located in enumerate(copies):
-                while row not in served and tried[row] < len(located):
-                    place, where = located[tried[row]]
-                    tried[row] += 1
-                    if (place, where.source, where.number) not in failed:
-                        wanted.setdefault((place, where.source, where.number, where.call), []).append((row, where))
-                        break
-            if not wanted:
-                break
-            for (place, source, number, part), rows in sorted(wanted.items()):
-                where_store = places[place]
-                name = f"{'step' if source == STEPS else 'rows'} {number}"
-                if place:
-                    name += f" of {layout_label(where_store.context, str(where_store.project_dir))}"
-                stores = {STEPS: where_store, ROWS: self.rows_store(where_store)}
-                try:
-                    piece, piece_ratio, kept, meta = self._load_rows(
-                        stores[source], number, part, rows, keys, codec, call
-                    )
-                except Exception as exc:  # this source does not serve: its rows try their next copy
-                    failed.add((place, source, number))
-                    if self.index(where_store).forget(source, number):
-                        continue  # only the index file said so: it is rebuilt (one line for all of it)
-                    runtime.once(
-                        ("match-source", str(where_store.project_dir), source, number),
-                        logging.WARNING,
-                        "%s: cached %s of %s not served (%s: %s); its rows are looked for elsewhere or generated",
-                        runtime.name,
-                        name,
-                        where_store.project_dir,
-                        type(exc).__name__,
-                        exc,
-                    )
-                    continue
-                if len(kept) < len(rows):  # the index is stale there: read that record again next time
-                    self.index(where_store).forget(source, number)
-                if not kept or (ratio is not None and piece_ratio != ratio):
-                    continue  # none left, or recorded with another number of results per input: not mixed
-                ratio = piece_ratio
-                for position, row in enumerate(kept):
-                    served[row] = (len(pieces), position)
-                pieces.append(piece)
-                if runtime.settings.save:  # its usage record: last served, hits
-                    stores[source].note_hit(number)
-                pending.piece_sources.append(name)
-                pending.source_meta[name] = meta
-                sources[name] = sources.get(name, 0) + len(kept)
-        return ratio
-
-    def batch_size_stores(self, store: StepStore) -> list[StepStore]:
-        """The stores of the project's other batch-size layouts (found once per run and layout)."""
-        with self._lock:
-            found = self._siblings.get(store.project_dir)
-        if found is None:
-            found = self.stores.batch_size_stores(store, MAX_LAYOUTS)
-            with self._lock:
-                found = self._siblings.setdefault(store.project_dir, found)
-        return found
-
-    def _load_rows(
-        self,
-        store: StepStore,
-        number: int,
-        part: int,
-        rows: list[tuple[int, RowSource]],
-        keys: list[str],
-        codec: RowCodec,
-        call: Call,
-    ) -> tuple[Any, int, list[int], Mapping[str, Any]]:
-        """The output rows of those of ``rows`` whose key the verified source records where the index
-        said, which rows those are (the others are not served from here) and the source's ``meta.json``."""
-        entry = store.verified(number)
-        try:
-            records = match_records(entry.meta)
-            record = records[part] if part < len(records) else None
-            if record is None:
-                raise CorruptCacheError(f"{entry.directory}: records no row keys for call {part + 1}")
-            recorded, ratio = record
-            kept = [(row, at) for row, at in rows if at.row < len(recorded) and recorded[at.row] == keys[row]]
-            if not kept:
-                return None, ratio, [], entry.meta
-            payloads = store.load(entry)
-            if part >= len(payloads):
-                raise CorruptCacheError(f"{entry.directory}: holds {len(payloads)} parts, not call {part + 1}")
-            result = codec.decode(payloads[part], call)
-            if codec.result_rows(result) != len(recorded) * ratio:
-                raise CorruptCacheError(
-                    f"{entry.directory}: holds {codec.result_rows(result)} rows, not {len(recorded) * ratio}"
-                )
-            picked = [where.row * ratio + j for _, where in kept for j in range(ratio)]
-            return codec.select_rows(result, picked), ratio, [row for row, _ in kept], entry.meta
-        finally:
-            entry.release()
-
-    @staticmethod
-    def _order(
-        count: int,
-        misses: list[int],
-        served: dict[int, tuple[int, int]],
-        pieces: list[Any],
-        ratio: int,
-        codec: RowCodec,
-    ) -> list[int]:
-        """Where each output row of the call is in the concatenation (generated rows first, then the pieces)."""
-        starts = []
-        at = len(misses) * ratio
-        for piece in pieces:
-            starts.append(at)
-            at += codec.result_rows(piece)
-        fresh = {row: position for position, row in enumerate(misses)}
-        order: list[int] = []
-        for row in range(count):
-            if row in fresh:
-                base = fresh[row] * ratio
-            else:
-                piece, position = served[row]
-                base = starts[piece] + position * ratio
-            order.extend(range(base, base + ratio))
-        return order
-
-    # ------------------------------------------------------------ saving
-
-    def _save(
-        self,
-        pending: _Pending,
-        result: Any,
-        *,
-        fresh: Any = None,
-        fresh_rows: Sequence[int] = (),
-        ratio: int | None = None,
-    ) -> None:
-        """The whole call as the step's part when the step is not committed; else its new rows as a rows record."""
-        record = pending.record
-        plan = record.plan
-        assert plan is not None
-        if plan.saves:
-            self.recorder.record(
-                record,
-                pending.index,
-                pending.call,
-                result,
-                pending.inputs,
-                keys=pending.keys,
-                background=pending.background,
-            )
-        elif (
-            fresh is not None
-            and fresh_rows
-            and ratio is not None
-            and self.runtime.settings.save
-            and self.stores.unusable(plan.store) is None
-        ):
-            keys, inputs = pending.keys, pending.inputs
-            assert keys is not None
-            fresh_inputs = [inputs[row] for row in fresh_rows] if inputs and len(inputs) == len(keys) else None
-            rows_store = self.rows_store(plan.store)
-            fresh_keys = [keys[row] for row in fresh_rows]
-            extra = self.runtime.extra_meta(pending.call)
-            if pending.generation_s > 0:
-                extra["generation_s"] = round(pending.generation_s, 6)
-            self._save_rows(rows_store, plan.store, plan.step, fresh, fresh_keys, ratio, fresh_inputs, extra)
-
-    def _save_rows(
-        self,
-        rows_store: StepStore,
-        store: StepStore,
-        step: int,
-        result: Any,
-        keys: Sequence[str],
-        ratio: int,
-        inputs: Sequence[str] | None = None,
-        extra: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Keep a call's newly generated rows as the next rows record (``action=match`` at a step that
-        was committed before: a committed step is never rewritten). Logged, never raised."""
-        try:
-            snapshot = self.runtime.codec.encode(result).private_copy()
-        except Exception as exc:
-            logger.warning(
-                "%s step %d: cannot encode the new rows (%s: %s); not saved",
-                self.runtime.name,
-                step,
-                type(exc).__name__,
-                exc,
-            )
-            return
-        meta = {
-            **(extra or {}),
-            "inputs": None if inputs is None else list(inputs),
-            "calls": 1,
-            "row_keys": [list(keys)],
-            "rows_per_input": [ratio],
-            "generated_at": step,
-        }
-
-        def write() -> None:
-            token = f"{int(time.time())}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            number = None
-            try:  # the next number no concurrent run takes too (both records survive)
-                number = rows_store.claim(token)
-                directory = rows_store.save(number, snapshot, meta)
-            except Exception as exc:
-                logger.warning(
-                    "%s step %d: could not save %d new rows to %s (%s: %s)",
-                    self.runtime.name,
-                    step,
-                    len(keys),
-                    rows_store.project_dir,
-                    type(exc).__name__,
-                    exc,
-                )
-                return
-            finally:
-                if number is not None:
-                    rows_store.release(number, token)
-            logger.info("%s step %d: saved %d new rows to %s", self.runtime.name, step, len(keys), directory)
-
-        self.recorder.in_background(store, write)
-
-
-#: A match line names at most this many of the records rows were served from.
-SHOWN_SOURCES = 8
-#: Copies of a key tried, the latest first, before its row is generated.
-MAX_COPIES = 4
-#: Other batch-size layouts of the project a lookup reads the index of (the nearest batch sizes).
-MAX_LAYOUTS = 8
 
 
 @dataclass
@@ -591,6 +101,11 @@ class _Pending:
     merged: Any = None
     generation_s: float = 0.0  # the target's time for this call (recorded with what it generated)
 
+    @property
+    def step(self) -> int:
+        assert self.record.plan is not None
+        return self.record.plan.step
+
     def timed(self, generate: Callable[[], Any]) -> Any:
         began = time.perf_counter()
         try:
@@ -601,3 +116,381 @@ class _Pending:
     def add_generation(self, seconds: float) -> None:
         self.generation_s += seconds
         self.record.generation_seconds += seconds
+
+
+class RowMatcher:
+    """``action=match`` for one role in this process: the row indexes and rows stores of its projects."""
+
+    def __init__(self, runtime: RoleContext, stores: RoleStores, recorder: Recorder) -> None:
+        self.runtime = runtime
+        self.stores = stores
+        self.recorder = recorder
+        self._memo: dict[tuple[str, Any], Any] = {}
+        self._lock = threading.Lock()  # awaiting callers look rows up from several threads
+
+    def _project(self, kind: str, store: StepStore, make: Callable[[], _T]) -> _T:
+        """What ``make`` gives for ``store``'s project directory, made once per run."""
+        key = (kind, store.project_dir)
+        with self._lock:
+            found: _T | None = self._memo.get(key)
+        if found is None:
+            made = make()
+            with self._lock:
+                found = self._memo.setdefault(key, made)
+        return found
+
+    def rows_store(self, store: StepStore) -> StepStore:
+        """Where the rows generated at already committed steps of ``store`` are kept."""
+        return self._project("rows", store, lambda: self.stores.sibling(store, ROWS_DIR))
+
+    def index(self, store: StepStore) -> RowIndex:
+        rows = self.rows_store(store)
+        return self._project("index", store, lambda: RowIndex(store, rows, saves=self.runtime.settings.save))
+
+    def batch_size_stores(self, store: StepStore) -> list[StepStore]:
+        """The stores of the project's other batch-size layouts (found once per run and layout)."""
+        return self._project("layouts", store, lambda: self.stores.batch_size_stores(store, MAX_LAYOUTS))
+
+    def keys(self, call: Call) -> list[str] | None:
+        """The call's row keys, or ``None`` when the role cannot key it (one warning, the call runs whole)."""
+        role = self.runtime.role
+        try:
+            digests = None if role.row_key is None else role.row_key(call)
+            return None if digests is None else row_keys(role, call, [str(d) for d in digests])
+        except Exception as exc:
+            self.runtime.once(
+                ("row_key", type(exc)),
+                logging.WARNING,
+                "%s: cannot key the rows of a call (%s: %s); it runs whole",
+                role.name,
+                type(exc).__name__,
+                exc,
+            )
+            return None
+
+    def run(self, record: StepCalls, index: int, call: Call, proceed: Callable[..., Any]) -> Any:
+        """One call at a chosen step: the cached rows served, the target called once for the others."""
+        pending = self.begin(record, index, call)
+        if not pending.whole:
+            fresh = pending.timed(lambda: proceed(*pending.args, **pending.kwargs)) if pending.misses else None
+            if self.merge(pending, fresh):
+                return self.finish(pending)
+        return self.finish_whole(pending, pending.timed(proceed))
+
+    async def run_async(self, record: StepCalls, index: int, call: Call, proceed: Callable[..., Any]) -> Any:
+        """:meth:`run` for awaiting callers (the store is read and written off the event loop)."""
+        pending = await asyncio.to_thread(self.begin, record, index, call, background=False)
+        if not pending.whole:
+            began = time.perf_counter()
+            fresh = await proceed(*pending.args, **pending.kwargs) if pending.misses else None
+            pending.add_generation(time.perf_counter() - began if pending.misses else 0.0)
+            if await asyncio.to_thread(self.merge, pending, fresh):
+                return await asyncio.to_thread(self.finish, pending)
+        began = time.perf_counter()
+        result = await proceed()
+        pending.add_generation(time.perf_counter() - began)
+        return await asyncio.to_thread(self.finish_whole, pending, result)
+
+    def begin(self, record: StepCalls, index: int, call: Call, *, background: bool = True) -> _Pending:
+        """Key the call's rows and load the cached ones; say which rows the target must generate."""
+        runtime, plan = self.runtime, record.plan
+        assert plan is not None and isinstance(runtime.codec, RowCodec)
+        pending = _Pending(record, index, call, runtime.codec, background)
+        pending.inputs = runtime.fingerprint(call)  # before the target runs: it may change its inputs
+        pending.keys = self.keys(call) if self.stores.unusable(plan.store) is None else None
+        started = time.perf_counter()
+        if pending.keys is not None:
+            try:
+                pending.ratio = self._serve_cached(plan.store, call, pending)
+            except Exception as exc:  # the index failed as a whole: nothing served
+                logger.warning(
+                    "%s step %d: cannot look rows up (%s: %s); generating them",
+                    runtime.name,
+                    plan.step,
+                    type(exc).__name__,
+                    exc,
+                )
+                pending.served.clear()
+                pending.pieces.clear()
+                pending.sources.clear()
+        pending.seconds = time.perf_counter() - started
+        if not pending.served:
+            if pending.keys is not None:
+                differ = settings_differ(plan.store, runtime.role.match_settings, call.run_config)
+                logger.info(
+                    "%s step %d: match: no row of this call cached (%d rows%s); running the target",
+                    runtime.name,
+                    plan.step,
+                    len(pending.keys),
+                    f"; {differ}" if differ else "",
+                )
+            pending.whole = True
+            return pending
+        pending.misses = [row for row in range(len(pending.keys or ())) if row not in pending.served]
+        if pending.misses:
+            try:
+                pending.args, pending.kwargs, pending.padding = pending.codec.with_rows(call, pending.misses)
+            except Exception as exc:  # a call the codec cannot cut: it runs whole
+                self._cannot(pending, "take the uncached rows of", exc)
+                pending.whole = True
+        return pending
+
+    def _cannot(self, pending: _Pending, what: str, exc: Exception) -> None:
+        logger.warning(
+            "%s step %d: match: cannot %s the call (%s: %s); running the whole call instead",
+            self.runtime.name,
+            pending.step,
+            what,
+            type(exc).__name__,
+            exc,
+        )
+
+    def finish_whole(self, pending: _Pending, result: Any) -> Any:
+        """Nothing was cached: the call ran whole and is saved as with ``cache``."""
+        count = len(pending.keys or ())
+        out = pending.codec.result_rows(result) if count else 0
+        ratio = out // count if count and out and out % count == 0 else None
+        self._save(pending, result, result if ratio else None, range(count), ratio)
+        TALLY.add(self.runtime.name, generated_rows=count)
+        return self.runtime.after_miss(pending.call, result)
+
+    def merge(self, pending: _Pending, fresh: Any) -> bool:
+        """Merge the generated rows (``fresh``, with its padding) and the cached ones in the call's
+        order; False (one warning) when they do not fit together: the whole call runs then."""
+        codec, keys, misses, ratio = pending.codec, pending.keys, pending.misses, pending.ratio
+        assert keys is not None
+        try:
+            generated = None
+            if fresh is not None:
+                asked = len(misses) + pending.padding
+                out = codec.result_rows(fresh)
+                if out % asked:
+                    raise CodecError(f"the target returned {out} rows for {asked} inputs")
+                if ratio is not None and out // asked != ratio:
+                    raise CodecError(f"cached rows hold {ratio} results per input, this call {out // asked}")
+                ratio = out // asked
+                generated = codec.select_rows(fresh, range(len(misses) * ratio)) if pending.padding else fresh
+            assert ratio is not None
+            # where each output row is in the concatenation: the generated rows first, then the pieces
+            starts = [len(misses) * ratio]
+            for piece in pending.pieces:
+                starts.append(starts[-1] + codec.result_rows(piece))
+            fresh_at = {row: position for position, row in enumerate(misses)}
+            order: list[int] = []
+            for row in range(len(keys)):
+                if row in fresh_at:
+                    base = fresh_at[row] * ratio
+                else:
+                    piece_index, position = pending.served[row]
+                    base = starts[piece_index] + position * ratio
+                order.extend(range(base, base + ratio))
+            pieces = ([generated] if generated is not None else []) + pending.pieces
+            pending.merged = codec.merge_rows(pieces, order, pending.call)
+        except Exception as exc:
+            self._cannot(pending, "merge the cached and generated rows of", exc)
+            return False
+        pending.generated, pending.ratio = generated, ratio
+        return True
+
+    def finish(self, pending: _Pending) -> Any:
+        """Save what is new of a merged call, log it and hand it to the role's ``on_match``."""
+        runtime, keys, misses, merged = self.runtime, pending.keys, pending.misses, pending.merged
+        assert keys is not None
+        ratio = pending.ratio or 1
+        served: dict[str, list[int]] = {}
+        for row, (piece, _) in sorted(pending.served.items()):
+            served.setdefault(pending.piece_sources[piece], []).extend(range(row * ratio, row * ratio + ratio))
+        sources = sorted(pending.sources.items(), key=lambda item: (-item[1], item[0]))
+        shown = ", ".join(f"{name} ({count})" for name, count in sources[:SHOWN_SOURCES])
+        more = f" and {len(sources) - SHOWN_SOURCES} more" if len(sources) > SHOWN_SOURCES else ""
+        logger.info(
+            "%s step %d: match: %d of %d rows served from %s%s in %.3f s; %d generated%s",
+            runtime.name,
+            pending.step,
+            len(pending.served),
+            len(keys),
+            shown,
+            more,
+            pending.seconds,
+            len(misses),
+            " (target not called)" if not misses else f" in one call of {len(misses) + pending.padding} rows",
+        )
+        saved = 0.0  # each source's recorded generation time, for the share of its rows served
+        for name, rows in served.items():
+            meta = pending.source_meta.get(name, {})
+            total = meta.get("rows")
+            if type(total) is int and total > 0:
+                saved += hit_amounts(meta)["generation_s_saved"] * min(len(rows), total) / total
+        TALLY.add(runtime.name, served_rows=len(pending.served), generated_rows=len(misses), generation_s_saved=saved)
+        if runtime.role.on_match is not None:  # before saving: what it recomputes is saved as this run's
+            info = MatchInfo(
+                pending.step,
+                len(pending.served),
+                len(misses),
+                dict(pending.sources),
+                pending.seconds,
+                served,
+                dict(pending.source_meta),
+                runtime.settings,
+            )
+            merged = runtime.role.on_match(merged, pending.call, info)
+            TALLY.add(runtime.name, rescored_rows=rescored_rows(merged))
+        self._save(pending, merged, pending.generated, misses, pending.ratio)
+        return merged
+
+    def _serve_cached(self, store: StepStore, call: Call, pending: _Pending) -> int | None:
+        """Fill ``pending`` with the cached rows that verify; returns their rows per input (``None``: none).
+
+        Each key's copies (this layout's, then other batch sizes') are tried the latest first: a row whose
+        copy does not serve (its step does not verify or no longer records the key) falls back to the next."""
+        runtime, keys = self.runtime, pending.keys
+        assert keys is not None
+        places = [store, *self.batch_size_stores(store)]
+        copies: list[list[tuple[int, RowSource]]] = [[] for _ in keys]  # per row, in the order tried
+        for place, place_store in enumerate(places):
+            missing = [row for row in range(len(keys)) if len(copies[row]) < MAX_COPIES]
+            if not missing:
+                break
+            found = self.index(place_store).lookup([keys[row] for row in missing], MAX_COPIES)
+            for row, there in zip(missing, found, strict=True):
+                copies[row].extend((place, source) for source in there[: MAX_COPIES - len(copies[row])])
+        tried = [0] * len(keys)
+        failed: set[tuple[int, int, int]] = set()
+        ratio: int | None = None
+        for _ in range(MAX_COPIES):
+            wanted: dict[tuple[int, int, int, int], list[tuple[int, RowSource]]] = {}
+            for row, located in enumerate(copies):
+                while row not in pending.served and tried[row] < len(located):
+                    place, where = located[tried[row]]
+                    tried[row] += 1
+                    if (place, where.source, where.number) not in failed:
+                        wanted.setdefault((place, where.source, where.number, where.call), []).append((row, where))
+                        break
+            if not wanted:
+                break
+            for (place, source, number, part), rows in sorted(wanted.items()):
+                where_store = places[place]
+                name = f"{'step' if source == STEPS else 'rows'} {number}"
+                if place:
+                    name += f" of {layout_label(where_store.context, str(where_store.project_dir))}"
+                from_store = where_store if source == STEPS else self.rows_store(where_store)
+                try:
+                    piece, piece_ratio, kept, meta = self._load_rows(from_store, number, part, rows, keys, call)
+                except Exception as exc:  # this source does not serve: its rows try their next copy
+                    failed.add((place, source, number))
+                    if self.index(where_store).forget(source, number):
+                        continue  # only the index file said so: it is rebuilt (one line for all of it)
+                    runtime.once(
+                        ("match-source", str(where_store.project_dir), source, number),
+                        logging.WARNING,
+                        "%s: cached %s of %s not served (%s: %s); its rows are looked for elsewhere or generated",
+                        runtime.name,
+                        name,
+                        where_store.project_dir,
+                        type(exc).__name__,
+                        exc,
+                    )
+                    continue
+                if len(kept) < len(rows):  # the index is stale there: read that record again next time
+                    self.index(where_store).forget(source, number)
+                if not kept or (ratio is not None and piece_ratio != ratio):
+                    continue  # none left, or recorded with another number of results per input: not mixed
+                ratio = piece_ratio
+                for position, row in enumerate(kept):
+                    pending.served[row] = (len(pending.pieces), position)
+                pending.pieces.append(piece)
+                if runtime.settings.save:  # its usage record: last served, hits
+                    from_store.note_hit(number)
+                pending.piece_sources.append(name)
+                pending.source_meta[name] = meta
+                pending.sources[name] = pending.sources.get(name, 0) + len(kept)
+        return ratio
+
+    def _load_rows(
+        self, store: StepStore, number: int, part: int, rows: list[tuple[int, RowSource]], keys: list[str], call: Call
+    ) -> tuple[Any, int, list[int], Mapping[str, Any]]:
+        """The output rows of those of ``rows`` whose key the verified source records where the index
+        said, which rows those are (the others are not served from here) and the source's ``meta.json``."""
+        codec = self.runtime.codec
+        assert isinstance(codec, RowCodec)
+        entry = store.verified(number)
+        try:
+            records = match_records(entry.meta)
+            record = records[part] if part < len(records) else None
+            if record is None:
+                raise CorruptCacheError(f"{entry.directory}: records no row keys for call {part + 1}")
+            recorded, ratio = record
+            kept = [(row, at) for row, at in rows if at.row < len(recorded) and recorded[at.row] == keys[row]]
+            if not kept:
+                return None, ratio, [], entry.meta
+            payloads = store.load(entry)
+            if part >= len(payloads):
+                raise CorruptCacheError(f"{entry.directory}: holds {len(payloads)} parts, not call {part + 1}")
+            result = codec.decode(payloads[part], call)
+            if codec.result_rows(result) != len(recorded) * ratio:
+                raise CorruptCacheError(
+                    f"{entry.directory}: holds {codec.result_rows(result)} rows, not {len(recorded) * ratio}"
+                )
+            picked = [where.row * ratio + j for _, where in kept for j in range(ratio)]
+            return codec.select_rows(result, picked), ratio, [row for row, _ in kept], entry.meta
+        finally:
+            entry.release()
+
+    def _save(self, pending: _Pending, result: Any, fresh: Any, fresh_rows: Sequence[int], ratio: int | None) -> None:
+        """The whole call as the step's part when the step is not committed; else its new rows (``fresh``)
+        as the next rows record: a committed step is never rewritten. Logged, never raised."""
+        record, plan, keys, inputs = pending.record, pending.record.plan, pending.keys, pending.inputs
+        assert plan is not None
+        if plan.saves:
+            self.recorder.record(
+                record, pending.index, pending.call, result, inputs, keys=keys, background=pending.background
+            )
+            return
+        settings = self.runtime.settings
+        if fresh is None or not fresh_rows or ratio is None or not settings.save or self.stores.unusable(plan.store):
+            return
+        assert keys is not None
+        name, step, count = self.runtime.name, plan.step, len(fresh_rows)
+        try:
+            snapshot = self.runtime.codec.encode(fresh).private_copy()
+        except Exception as exc:
+            logger.warning(
+                "%s step %d: cannot encode the new rows (%s: %s); not saved", name, step, type(exc).__name__, exc
+            )
+            return
+        extra = self.runtime.extra_meta(pending.call)
+        if pending.generation_s > 0:
+            extra["generation_s"] = round(pending.generation_s, 6)
+        meta = {
+            **extra,
+            "inputs": [inputs[row] for row in fresh_rows] if inputs and len(inputs) == len(keys) else None,
+            "calls": 1,
+            "row_keys": [[keys[row] for row in fresh_rows]],
+            "rows_per_input": [ratio],
+            "generated_at": step,
+        }
+        rows_store = self.rows_store(plan.store)
+
+        def write() -> None:
+            token = f"{int(time.time())}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            number = None
+            try:  # the next number no concurrent run takes too (both records survive)
+                number = rows_store.claim(token)
+                directory = rows_store.save(number, snapshot, meta)
+            except Exception as exc:
+                logger.warning(
+                    "%s step %d: could not save %d new rows to %s (%s: %s)",
+                    name,
+                    step,
+                    count,
+                    rows_store.project_dir,
+                    type(exc).__name__,
+                    exc,
+                )
+                return
+            finally:
+                if number is not None:
+                    rows_store.release(number, token)
+            logger.info("%s step %d: saved %d new rows to %s", name, step, count, directory)
+
+        self.recorder.in_background(plan.store, write)
