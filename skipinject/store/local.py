@@ -93,10 +93,11 @@ class LocalFiles:
 
     # ------------------------------------------------------------ reading
 
-    def names(self, location: Path, *, directories: bool = False) -> list[str]:
-        if directories:
+    def names(self, location: Path, *, directories: bool = False, follow: bool = False) -> list[str]:
+        """``follow``: ``location`` itself may be a link (the cache tool's walk from a root as given)."""
+        if directories or follow:
             with os.scandir(location) as entries:
-                return [entry.name for entry in entries if entry.is_dir(follow_symlinks=False)]
+                return [entry.name for entry in entries if not directories or entry.is_dir(follow_symlinks=False)]
         fd = open_dir(location)
         try:
             return os.listdir(fd)
@@ -112,9 +113,9 @@ class LocalFiles:
             raise
         return _LocalStep(self, directory, fd, role)
 
-    def stat(self, location: Path) -> Stat | None:
+    def stat(self, location: Path, *, follow: bool = False) -> Stat | None:
         try:
-            info = os.lstat(location)
+            info = os.stat(location) if follow else os.lstat(location)
         except OSError:
             return None
         mode = info.st_mode
