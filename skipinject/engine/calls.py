@@ -1,22 +1,11 @@
 """Several calls in one step: the k-th call of a chosen step is part k of that step's one commit.
 
-A trainer may call a target more than once with the same step: DAPO's dynamic sampling draws
-generation batches until enough groups survive its filter, agent loops call per turn, a user role
-runs per micro-batch. The first call of a step decides for the whole step (its :class:`Plan`:
-serve a cached step, or record this one); the step's later calls follow that decision:
-
-* **recording** — every call runs the target, and its result becomes the step's next part
-  (call 0 in the step directory itself, as a one-call step always was; call k in ``{k}/``). A
-  call is never served a result recorded in the same run. The step is committed once, when the
-  run has moved past it: a call of the role at another step, the trainer's ``fit`` returning,
-  the engine stopping or the interpreter exiting. Roles without a clock have no trainer that
-  tells where a step ends (e.g. the fully async Rollouter's per-sample calls, whose actor may be
-  killed without exit hooks): they commit after every call, the step growing by one part a call.
-* **replaying** — call k is served part k and checked against call k's recorded inputs. A call
-  beyond what was recorded runs the target (one line); it is not saved. Fewer calls are fine.
-
-If a part cannot be encoded or written, the whole step is dropped (one line): a step is replayed
-only as the sequence of calls that made it.
+DAPO's dynamic sampling, agent loops and per-micro-batch roles call a target more than once per step.
+The step's first call decides for all of them (its :class:`Plan`). Recording: every call runs and its
+result is the next part (call 0 in the step directory, call k in ``{k}/``), committed once the run has
+moved past the step (another step's call, ``fit`` returning, exit); roles without a clock commit after
+every call. Replaying: call k is served part k, checked against call k's inputs; a call beyond what was
+recorded runs the target, unsaved. A part that cannot be saved drops the whole step (one line).
 """
 
 from __future__ import annotations
@@ -36,11 +25,6 @@ if TYPE_CHECKING:
 REMEMBERED_STEPS = 4096
 
 
-def part_name(index: int) -> str:
-    """Where call ``index`` of a step is stored: the step directory itself for call 0, else ``{index}``."""
-    return "" if index == 0 else str(index)
-
-
 @dataclass
 class StepCalls:
     """One step of one role's cache, as the calls of this run meet it."""
@@ -56,9 +40,9 @@ class StepCalls:
     # -- recording
     writer: StepWriting | None = None
     inputs: dict[int, list[str] | None] = field(default_factory=dict)
-    #: Per call, its row keys and output rows per input row (``action=match``; see engine/matching.py).
+    #: Per call, its row keys and output rows per input row (``action=match``).
     row_keys: dict[int, tuple[list[str], int]] = field(default_factory=dict)
-    #: What the role's ``record_meta`` added for the step's first recorded call (see :class:`~skipinject.roles.Role`).
+    #: What the role's ``record_meta`` added for the step's first recorded call.
     extra_meta: dict[str, Any] = field(default_factory=dict)
     rows: int = 0
     parts: int = 0  # parts handed to the writer
@@ -67,9 +51,8 @@ class StepCalls:
     saving_seconds: float = 0.0  # encoding, copying, writing and committing the parts (not generating them)
     #: The wall time of the target's calls that made the step (``generation_s`` in ``meta.json``: a hit saves it).
     generation_seconds: float = 0.0
-    #: A phase records the step (:meth:`~skipinject.roles.PhaseContext.record`) and commits it with
-    #: ``phase_meta`` (its save line counts ``unit`` and ends with ``note``); uncommitted when the run
-    #: moves past: dropped.
+    #: A phase records the step and commits it with ``phase_meta`` (its save line counts ``unit`` and
+    #: ends with ``note``); uncommitted when the run moves past: dropped.
     by_phase: bool = False
     phase_meta: dict[str, Any] = field(default_factory=dict)
     unit: str = "rows"
@@ -83,10 +66,6 @@ class StepCalls:
     @property
     def recording(self) -> bool:
         return self.plan is not None and self.plan.entry is None and self.plan.upstream_file is None
-
-    @property
-    def recorded_calls(self) -> int:
-        return len(self.payloads) if self.payloads is not None else 0
 
     def commit_meta(self) -> dict[str, Any]:
         """The role-level part of ``meta.json``: how many calls the step holds and each one's inputs."""
@@ -104,10 +83,8 @@ class StepCalls:
 
 
 def recorded_inputs(meta: Mapping[str, Any], calls: int) -> list[Any]:
-    """Each recorded call's input digests (``None`` where unknown), from a committed ``meta.json``.
-
-    Caches of one call (every cache written before calls were recorded per step) keep theirs in ``inputs``.
-    """
+    """Each recorded call's input digests (``None`` where unknown), from a committed ``meta.json``
+    (one-call caches keep theirs in ``inputs``)."""
     per_call = meta.get("call_inputs")
     if isinstance(per_call, list) and len(per_call) == calls:
         return list(per_call)
@@ -117,10 +94,9 @@ def recorded_inputs(meta: Mapping[str, Any], calls: int) -> list[Any]:
 class StepBook:
     """The steps a role's calls are in, in this process.
 
-    ``open`` holds the steps that end when the run moves past them (roles with a clock): while it
-    is not empty the targets' fast path is off, so the first call at another step — chosen or
-    not — reaches the engine and closes them. Roles without a clock keep recent steps in
-    ``remembered`` (bounded), each committed after every call.
+    ``open`` holds the steps that end when the run moves past them (roles with a clock): while it is
+    not empty the targets' fast path is off, so the first call at another step reaches the engine and
+    closes them. Roles without a clock keep recent steps in ``remembered`` (bounded).
     """
 
     def __init__(self, clocked: bool) -> None:
@@ -128,8 +104,7 @@ class StepBook:
         self.lock = threading.Lock()
         self.open: dict[tuple[Hashable, int], StepCalls] = {}
         self.remembered: OrderedDict[tuple[Hashable, int], StepCalls] = OrderedDict()
-        #: Steps this run recorded (bounded; forgotten when the run ends): a call coming back to one is never
-        #: served what it recorded.
+        #: Steps this run recorded (bounded): a call coming back to one (1 -> 2 -> 1) is never served it.
         self.recorded: OrderedDict[tuple[Hashable, int], None] = OrderedDict()
 
     def mark_recorded(self, project: Hashable, step: int) -> None:
@@ -140,7 +115,6 @@ class StepBook:
                 self.recorded.popitem(last=False)
 
     def recorded_here(self, project: Hashable, step: int) -> bool:
-        """This run recorded ``step`` (a step it comes back to, 1 -> 2 -> 1, is generated again)."""
         with self.lock:
             return (project, step) in self.recorded
 
@@ -148,21 +122,20 @@ class StepBook:
         """The step's record (new if none), and the records the run has moved past (clocked roles)."""
         key = (project, step)
         with self.lock:
-            passed: list[StepCalls] = []
             if self.clocked:
                 passed = self._take_other(step)
                 record = self.open.get(key)
                 if record is None:
                     record = self.open[key] = StepCalls(step, project)
+                return record, passed
+            record = self.remembered.get(key)
+            if record is None:
+                record = self.remembered[key] = StepCalls(step, project)
+                while len(self.remembered) > REMEMBERED_STEPS:
+                    self.remembered.popitem(last=False)
             else:
-                record = self.remembered.get(key)
-                if record is None:
-                    record = self.remembered[key] = StepCalls(step, project)
-                    while len(self.remembered) > REMEMBERED_STEPS:
-                        self.remembered.popitem(last=False)
-                else:
-                    self.remembered.move_to_end(key)
-            return record, passed
+                self.remembered.move_to_end(key)
+            return record, []
 
     def find(self, project: Hashable, step: int) -> StepCalls | None:
         """The step's record, if a call of this run has met it."""
@@ -175,12 +148,6 @@ class StepBook:
         with self.lock:
             keys = [k for k, r in self.remembered.items() if k[0] == project and k[1] != other_than and r.by_phase]
             return [self.remembered.pop(key) for key in keys]
-
-    def known(self, project: Hashable, step: int) -> bool:
-        """A call of this run has met ``step`` already (its record is open or remembered)."""
-        key = (project, step)
-        with self.lock:
-            return key in self.open or key in self.remembered
 
     def moved_to(self, step: int) -> list[StepCalls]:
         """The run is at ``step``: the open steps it has moved past (taken out of ``open``)."""
@@ -197,8 +164,6 @@ class StepBook:
             return records
 
     def _take_other(self, step: int) -> list[StepCalls]:
-        if not self.open:
-            return []
         passed = [record for (_, at), record in self.open.items() if at != step]
         for record in passed:
             del self.open[(record.project, record.step)]

@@ -25,7 +25,7 @@ from pathlib import Path
 from skipinject.config import Action, RoleConfig
 from skipinject.errors import CacheMissError, CorruptCacheError, UntrustedCacheError
 from skipinject.report.misses import nearest_cache
-from skipinject.roles import Plan, UpstreamFormat
+from skipinject.roles import Plan, StepCache, UpstreamFormat
 from skipinject.store import StepEntry, StepStore
 
 __all__ = ["Plan", "cannot_load", "nothing_more", "plan_step", "repeat_order", "upstream_file"]
@@ -128,13 +128,17 @@ def plan_step(
 def match_plan(name: str, store: StepStore, step: int) -> Plan:
     """``action=match``: no step is served whole (rows are, see :mod:`skipinject.engine.matching`); the
     call is saved as the step when none is committed there, else only its new rows (a rows record)."""
-    try:
-        committed = store.is_committed(step)
-    except OSError:
-        committed = True  # cannot tell: nothing is written into the step
-    if committed:
+    if committed(store, step):
         return Plan(store, step, reason="match: step already cached (new rows saved as a rows record)", saves=False)
     return Plan(store, step, reason="match")
+
+
+def committed(store: StepCache, step: int) -> bool:
+    """Whether ``step`` is committed in ``store``; True when that cannot be told (nothing is written there)."""
+    try:
+        return store.is_committed(step)
+    except OSError:
+        return True
 
 
 def cannot_load(name: str, settings: RoleConfig, plan: Plan, exc: Exception, instead: str) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from skipinject.engine.context import RoleContext
-from skipinject.engine.record import Recorder
+from skipinject.engine.record import Recorder, rows_per_key
 from skipinject.engine.row_index import STEPS, RowIndex, RowSource, match_records
 from skipinject.engine.stores import RoleStores
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
@@ -248,8 +248,7 @@ class RowMatcher:
     def finish_whole(self, pending: _Pending, result: Any) -> Any:
         """Nothing was cached: the call ran whole and is saved as with ``cache``."""
         count = len(pending.keys or ())
-        out = pending.codec.result_rows(result) if count else 0
-        ratio = out // count if count and out and out % count == 0 else None
+        ratio = rows_per_key(pending.codec, result, pending.keys) if count else None
         self._save(pending, result, result if ratio else None, range(count), ratio)
         TALLY.add(self.runtime.name, generated_rows=count)
         return self.runtime.after_miss(pending.call, result)

@@ -1,24 +1,11 @@
 """Reading the next chosen step ahead (``skip.<role>.read_ahead``), so that its hit waits for (almost) nothing.
 
-A hit's cost is reading, checksumming and decoding the step: a compressed hit into fresh memory is
-bounded by its page faults, an object store adds the download. In a training run the trainer
-mostly waits while a step trains, and the chosen steps are known in advance; so once a step's
-first call has returned, the next step the settings allow that is committed in the store is
-verified and loaded (:meth:`~skipinject.store.StepStore.verified` and ``load``: read, checksummed,
-decompressed, its tensors rebuilt) in a daemon thread, the way a DataLoader prefetches; the hit
-then only decodes the loaded parts (the codec's part, cheap).
-
-When that step's plan comes, the entry is used if the step's ``meta.json`` is still the one
-verified (a step recorded anew names fresh data files; one removed has none): the plan waits for
-the thread if it is still reading. Otherwise, and after a read-ahead that failed in any way
-(damaged, untrusted, removed, unreadable), the plan verifies the step as without read-ahead and
-reports what is wrong there, once: a read-ahead never logs a failure and never serves anything that
-did not pass the same checks.
-
-One step at a time per role. Its entry holds one batch's decoded buffers (from the role's hit
-memory, or fresh memory when every slot is busy), let go when its plan uses it or when it will not
-be used: the run moved past its step, the run ended (without waiting for a read that hangs: the
-thread is a daemon, and lets its entry go when its read ends), or the step changed in the store.
+Once a step's first call has returned, the next step the settings allow that is committed is verified
+and loaded (read, checksummed, decompressed, tensors rebuilt) in a daemon thread, like a DataLoader's
+prefetch; the hit then only decodes. Its plan uses the entry if the step's ``meta.json`` is still the
+one verified; otherwise (and after any failed read-ahead) it verifies the step as without read-ahead
+and reports what is wrong there, once. One step at a time per role; its entry (one batch of hit memory)
+is let go when used, when the run moves past its step or ends (never waiting for a hung read).
 """
 
 from __future__ import annotations
@@ -42,26 +29,15 @@ CANDIDATES = 8
 
 @dataclass
 class _Reading:
-    """One step being read ahead, from the moment its search starts."""
+    """One step being read ahead, from the moment its search starts (``found``: its ``step`` is known)."""
 
     store: StepStore
     after: int
     thread: threading.Thread | None = None
-    #: Set once the step to read is known (``step``; None: there is none).
     found: threading.Event = field(default_factory=threading.Event)
     step: int | None = None
     entry: StepEntry | None = None
     dropped: bool = False
-
-
-def next_cached(store: StepStore, after: int, allows: Callable[[int], bool]) -> int | None:
-    """The first step after ``after`` that ``allows`` takes and that is committed in ``store`` (one listing)."""
-    numbers = store.step_numbers_on_disk()
-    later = (step for step in numbers[bisect.bisect_right(numbers, after) :] if allows(step))
-    for _, step in zip(range(CANDIDATES), later, strict=False):
-        if store.is_committed(step):
-            return step
-    return None
 
 
 class ReadAhead:
@@ -73,9 +49,8 @@ class ReadAhead:
         self._reading: _Reading | None = None
 
     def start(self, store: StepStore, after: int, allows: Callable[[int], bool]) -> None:
-        """Read the next step after ``after`` that ``allows`` takes and ``store`` holds, in the background.
-
-        A step already being read ahead of a later step in the same store is kept (one at a time)."""
+        """Read the next step after ``after`` that ``allows`` takes and ``store`` holds, in the background
+        (a read of a later step of the same store already under way is kept)."""
         with self._lock:
             reading = self._reading
             if reading is not None:
@@ -96,7 +71,9 @@ class ReadAhead:
     def _read(self, reading: _Reading, allows: Callable[[int], bool]) -> None:
         store = reading.store
         try:
-            step = next_cached(store, reading.after, allows)
+            numbers = store.step_numbers_on_disk()
+            later = (step for step in numbers[bisect.bisect_right(numbers, reading.after) :] if allows(step))
+            step = next((s for _, s in zip(range(CANDIDATES), later, strict=False) if store.is_committed(s)), None)
             with self._lock:
                 reading.step = step
             reading.found.set()
@@ -120,10 +97,8 @@ class ReadAhead:
                 reading.entry = entry
 
     def take(self, store: StepStore, step: int) -> tuple[StepEntry, float] | None:
-        """The entry of ``step`` read ahead, if it is still the step in ``store``, and the seconds this
-        waited for it (the read's end, and a read of ``meta.json``); None: verify as without read-ahead.
-
-        A step read ahead that the run has moved past is let go; one of a later step is kept."""
+        """The entry of ``step`` read ahead if it is still the step in ``store``, and the seconds waited
+        for it; None: verify as without read-ahead. A read of an earlier step is let go, a later one kept."""
         started = time.perf_counter()
         reading = self._reading
         if reading is None or reading.store is not store:
@@ -156,18 +131,14 @@ class ReadAhead:
     def moved_to(self, step: int) -> None:
         """The run is at ``step``: a step read ahead below it will not be used."""
         reading = self._reading
-        if reading is None or reading.step is None or reading.step >= step:
-            return
-        with self._lock:
-            if self._reading is reading:
-                self._drop(reading)
+        if reading is not None and reading.step is not None and reading.step < step:
+            self.close(reading)
 
-    def close(self) -> None:
-        """The run ended: let go of the step read ahead. Never waits for its thread (a read may hang on
-        a stalled mount or download): a read still running lets its entry go itself when it ends."""
+    def close(self, only: _Reading | None = None) -> None:
+        """Let go of the step read ahead (``only``: if it is that one), without waiting for its thread."""
         with self._lock:
             reading = self._reading
-            if reading is not None:
+            if reading is not None and (only is None or reading is only):
                 self._drop(reading)
 
     def wait(self) -> None:

@@ -1,10 +1,9 @@
 """Recording: a step's fresh results saved as its parts and committed once (see :mod:`skipinject.engine.calls`).
 
-Encoding and a private copy happen in the call (the caller gets the result afterwards and may
-change it); writing and the commit happen in the background writer when the role has clocks (the
-trainer's ``fit`` returning waits for them; a Ray actor may be killed without running exit hooks),
-else at once. A step whose part cannot be saved is dropped whole (one warning), as is a step a
-phase records (:meth:`Recorder.record_part`) and does not commit before the run moves past it.
+Encoding and a private copy happen in the call (the caller may change the result afterwards); writing
+and the commit happen in the background writer when the role has clocks (``fit`` returning waits for
+them), else at once (a Ray actor may be killed without exit hooks). A step whose part cannot be saved
+is dropped whole (one warning), as is a step a phase records and does not commit before the run moves on.
 """
 
 from __future__ import annotations
@@ -16,14 +15,26 @@ from typing import Any
 
 from skipinject.config import Action
 from skipinject.engine.background import WRITER
-from skipinject.engine.calls import StepBook, StepCalls, part_name
+from skipinject.engine.calls import StepBook, StepCalls
 from skipinject.engine.context import RoleContext
+from skipinject.engine.decision import committed
 from skipinject.engine.replay import Replay
 from skipinject.engine.stores import RoleStores
 from skipinject.report.tally import TALLY
 from skipinject.roles import Call, Plan, RowCodec, StepCache
 
 logger = logging.getLogger("skipinject")
+
+
+def rows_per_key(codec: Any, result: Any, keys: Sequence[str] | None) -> int | None:
+    """Output rows per row key of ``result`` when it is a whole number (``None``: not, or unknown)."""
+    if not keys or not isinstance(codec, RowCodec):
+        return None
+    try:
+        rows = codec.result_rows(result)
+    except Exception:
+        return None
+    return rows // len(keys) if rows and rows % len(keys) == 0 else None
 
 
 class Recorder:
@@ -133,7 +144,7 @@ class Recorder:
                 self.steps.mark_recorded(record.project, record.step)
             writer = record.writer
             record.inputs[index] = list(inputs) if inputs is not None else self.runtime.fingerprint(call)
-            ratio = self._rows_per_key(result, keys)
+            ratio = rows_per_key(self.runtime.codec, result, keys)
             if keys and ratio:
                 record.row_keys[index] = (list(keys), ratio)
             record.parts += 1
@@ -145,7 +156,7 @@ class Recorder:
                 return
             began = time.perf_counter()
             try:
-                writer.add_part(snapshot, part=str(index) if record.by_phase else part_name(index))
+                writer.add_part(snapshot, part=str(index) if record.by_phase or index else "")
                 record.saving_seconds += time.perf_counter() - began
             except Exception as exc:
                 self.drop(record, f"cannot write {what} ({type(exc).__name__}: {exc})", in_job=True)
@@ -154,16 +165,6 @@ class Recorder:
             self.in_background(plan.store, write)
         else:
             write()
-
-    def _rows_per_key(self, result: Any, keys: Sequence[str] | None) -> int | None:
-        codec = self.runtime.codec
-        if not keys or not isinstance(codec, RowCodec):
-            return None
-        try:
-            rows = codec.result_rows(result)
-        except Exception:
-            return None
-        return rows // len(keys) if rows and rows % len(keys) == 0 else None
 
     def commit(self, record: StepCalls) -> None:
         """Queue the commit of a recorded step's parts (after their writes, in order)."""
@@ -242,7 +243,7 @@ class Recorder:
             if record.plan is None:  # no phase planned the step in this run: record it unless cached
                 settings = self.runtime.settings
                 usable = self.stores.unusable(store) is None and settings.save
-                anew = settings.action is Action.refresh or not _committed(store, step)
+                anew = settings.action is Action.refresh or not committed(store, step)
                 record.plan = Plan(store, step, reason="recorded", saves=usable and anew)
             record.by_phase = True
             if (
@@ -269,10 +270,3 @@ class Recorder:
         """See :meth:`skipinject.roles.PhaseContext.served`."""
         record = self.steps.find(self.stores.store_for(call).project_dir, step)
         return None if record is None or record.plan is None else record.plan.serves
-
-
-def _committed(store: StepCache, step: int) -> bool:
-    try:
-        return store.is_committed(step)
-    except OSError:
-        return True  # cannot tell: nothing is written into the step

@@ -25,12 +25,31 @@ from skipinject.engine.stores import RoleStores
 from skipinject.errors import CorruptCacheError, PromptMismatchError
 from skipinject.report.tally import TALLY, hit_amounts, rescored_rows
 from skipinject.roles import Call, HitInfo, Loaded, Plan
-from skipinject.store import Payload
 
 logger = logging.getLogger("skipinject")
 
 #: Returned by :meth:`Replay.serve_call` when the target must run after all.
 REGENERATE = object()
+#: Modules a first hit would import while it is timed (the store's readers, the codecs' libraries).
+WARM_MODULES = ("numpy", "torch", "tensordict", "skipinject.codecs", "skipinject.store.tensorfile")
+
+
+@functools.cache
+def warm_imports() -> None:
+    """Import what decoding imports on first use before a hit is timed: a hit's time is the load's."""
+    for name in WARM_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                importlib.import_module(name)
+        except Exception:  # a library that does not import here: decoding says so, if it needs it
+            continue
+
+
+def regenerated(plan: Plan, failed: bool = True) -> Plan:
+    """``plan`` turned into a recording (``failed``: its cache could not serve)."""
+    if not failed:
+        return plan
+    return replace(plan, entry=None, upstream_file=None, upstream_format=None, reason="regenerated")
 
 
 class Replay:
@@ -90,39 +109,43 @@ class Replay:
     def load(self, plan: Plan, call: Call, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
         """See :meth:`skipinject.roles.PhaseContext.load`: what serves ``plan``, loaded, or ``None``."""
         try:
-            return self._load_plan(plan, call, prepare)
+            if not plan.serves:
+                return None
+            warm_imports()
+            started = time.perf_counter()
+            try:
+                loaded = Loaded(plan, self._payloads(plan, call, decode=True))
+                if prepare is not None:
+                    loaded.value = prepare(loaded)
+            except Exception as exc:  # whatever is wrong with the cache, it is not trained on
+                cannot_load(self.runtime.name, self.runtime.settings, plan, exc, "running the target instead")
+                TALLY.add(self.runtime.name, failed_steps=1, generated_steps=1)
+                return None
+            loaded.seconds = time.perf_counter() - started
+            self._hit(plan)
+            return loaded
         finally:
             self.read_after(plan)
 
-    def _load_plan(self, plan: Plan, call: Call, prepare: Callable[[Loaded], Any] | None) -> Loaded | None:
-        if not plan.serves:
-            return None
-        warm_imports()
-        started = time.perf_counter()
-        try:
-            if plan.upstream_file is not None:
-                assert plan.upstream_format is not None
-                results = [plan.upstream_format.load(plan.upstream_file)]
-            else:
-                assert plan.entry is not None
-                results = [self.runtime.codec.decode(payload, call) for payload in plan.store.load(plan.entry)]
-            loaded = Loaded(plan, results)
-            if prepare is not None:
-                loaded.value = prepare(loaded)
-        except Exception as exc:  # whatever is wrong with the cache, it is not trained on
-            cannot_load(self.runtime.name, self.runtime.settings, plan, exc, "running the target instead")
-            TALLY.add(self.runtime.name, failed_steps=1, generated_steps=1)
-            return None
-        loaded.seconds = time.perf_counter() - started
+    def _payloads(self, plan: Plan, call: Call, *, decode: bool) -> list[Any]:
+        """The planned step's results (verl's own file: one), decoded or as stored."""
+        if plan.upstream_file is not None:
+            assert plan.upstream_format is not None
+            return [plan.upstream_format.load(plan.upstream_file)]
+        assert plan.entry is not None
+        payloads = plan.store.load(plan.entry)
+        return [self.runtime.codec.decode(payload, call) for payload in payloads] if decode else list(payloads)
+
+    def _hit(self, plan: Plan) -> None:
+        """Count the hit, and in the served step's usage record (not with ``save=false``); never raises."""
         TALLY.add(self.runtime.name, **hit_amounts(plan.entry.meta if plan.entry is not None else {}))
-        self.note_hit(plan)
-        return loaded
+        if plan.entry is not None and self.runtime.settings.save:
+            plan.store.note_hit(plan.entry.step)
 
     def read_after(self, plan: Plan) -> None:
         """The planned step's first call is done: read the next chosen cached step ahead (``read_ahead``;
         actions that serve whole steps)."""
-        rt = self.runtime
-        settings = rt.settings
+        settings = self.runtime.settings
         if (
             not settings.read_ahead
             or settings.action in (Action.match, Action.refresh)
@@ -132,7 +155,9 @@ class Replay:
         project, steps = plan.store.project_dir, self.steps
 
         def ahead(step: int) -> bool:  # chosen, and not met by this run yet (concurrent calls may be ahead)
-            return settings.allows(step) and not steps.known(project, step) and not steps.recorded_here(project, step)
+            return (
+                settings.allows(step) and steps.find(project, step) is None and not steps.recorded_here(project, step)
+            )
 
         self.read_ahead.start(plan.store, plan.step, ahead)
 
@@ -149,14 +174,31 @@ class Replay:
         started = time.perf_counter()
         try:
             if record.payloads is None:
-                if plan.upstream_file is not None:
-                    assert plan.upstream_format is not None
-                    record.payloads = [plan.upstream_format.load(plan.upstream_file)]
-                    record.recorded_inputs = [None]
-                else:
-                    record.payloads, record.recorded_inputs = self._load_calls(plan)
-            if index >= record.recorded_calls:
-                return self._extra_call(record, index)
+                record.payloads = self._payloads(plan, call, decode=False)
+                calls = plan.entry.meta.get("calls", 1) if plan.entry is not None else 1
+                if type(calls) is not int or calls != len(record.payloads):
+                    raise CorruptCacheError(
+                        f"{plan.source}: meta.json records {str(calls)[:40]!r} calls but holds "
+                        f"{len(record.payloads)} parts"
+                    )
+                record.recorded_inputs = [None] if plan.entry is None else recorded_inputs(plan.entry.meta, calls)
+            calls = len(record.payloads)
+            if index >= calls:
+                nothing_more(rt.name, rt.settings, plan, index, calls)
+                rt.once(
+                    ("extra", id(record)),
+                    logging.INFO,
+                    "%s step %d: this run calls the target more often than the cached step %d holds (%d call%s, "
+                    "in %s); running the target for call %d and any later ones (not saved)",
+                    rt.name,
+                    plan.step,
+                    plan.served_step,
+                    calls,
+                    "s" if calls != 1 else "",
+                    plan.source,
+                    index + 1,
+                )
+                return REGENERATE
             if plan.upstream_file is not None:
                 result, source = record.payloads[index], str(plan.upstream_file)
             else:
@@ -168,8 +210,11 @@ class Replay:
                 TALLY.add(rt.name, failed_steps=1, generated_steps=1)
             return self._regenerate(record, index)
         elapsed = time.perf_counter() - started
-        mismatched, compared = self._compare_inputs(record.recorded_inputs[index], call)
-        calls = record.recorded_calls
+        stored, current = record.recorded_inputs[index], rt.fingerprint(call)
+        mismatched = compared = 0
+        if isinstance(stored, list) and current is not None:
+            compared = max(len(stored), len(current))
+            mismatched = compared - sum(1 for a, b in zip(stored, current, strict=False) if a == b)
         which = f" call {index + 1} of {calls}" if calls > 1 else ""
         if mismatched:
             policy = rt.settings.on_mismatch
@@ -196,8 +241,7 @@ class Replay:
             elapsed,
         )
         if index == 0:
-            TALLY.add(rt.name, **hit_amounts(plan.entry.meta if plan.entry is not None else {}))
-            self.note_hit(plan)
+            self._hit(plan)
         if rt.role.on_hit is not None:
             recorded = plan.entry.meta if plan.entry is not None else {}
             info = HitInfo(plan.step, plan.served_step, elapsed, mismatched, compared, source, recorded, rt.settings)
@@ -206,43 +250,6 @@ class Replay:
             if rows:
                 TALLY.add(rt.name, rescored_rows=rows)
         return result
-
-    def note_hit(self, plan: Plan) -> None:
-        """Count the hit in the served step's usage record (``cache ls``, ``prune --max-size``; not with
-        ``save=false``, which writes nothing); never raises."""
-        if plan.entry is not None and self.runtime.settings.save:
-            plan.store.note_hit(plan.entry.step)
-
-    def _load_calls(self, plan: Plan) -> tuple[list[Payload], list[Any]]:
-        """Every recorded call of the planned entry (one part each), with their recorded inputs."""
-        assert plan.entry is not None
-        payloads = plan.store.load(plan.entry)
-        meta = plan.entry.meta
-        calls = meta.get("calls", 1)
-        if type(calls) is not int or calls != len(payloads):
-            raise CorruptCacheError(
-                f"{plan.entry.directory}: meta.json records {str(calls)[:40]!r} calls but holds {len(payloads)} parts"
-            )
-        return payloads, recorded_inputs(meta, calls)
-
-    def _extra_call(self, record: StepCalls, index: int) -> Any:
-        rt, plan, calls = self.runtime, record.plan, record.recorded_calls
-        assert plan is not None
-        nothing_more(rt.name, rt.settings, plan, index, calls)
-        rt.once(
-            ("extra", id(record)),
-            logging.INFO,
-            "%s step %d: this run calls the target more often than the cached step %d holds (%d call%s, in %s); "
-            "running the target for call %d and any later ones (not saved)",
-            rt.name,
-            plan.step,
-            plan.served_step,
-            calls,
-            "s" if calls != 1 else "",
-            plan.source,
-            index + 1,
-        )
-        return REGENERATE
 
     def _regenerate(self, record: StepCalls, index: int) -> Any:
         """The cache cannot serve call ``index``: at the step's first call, record the step anew
@@ -253,36 +260,3 @@ class Replay:
                 record.plan = regenerated(plan)
                 record.payloads = None
         return REGENERATE
-
-    def _compare_inputs(self, stored: Any, call: Call) -> tuple[int, int]:
-        if not isinstance(stored, list):
-            return 0, 0
-        current = self.runtime.fingerprint(call)
-        if current is None:
-            return 0, 0
-        compared = max(len(stored), len(current))
-        same = sum(1 for a, b in zip(stored, current, strict=False) if a == b)
-        return compared - same, compared
-
-
-def regenerated(plan: Plan, failed: bool = True) -> Plan:
-    """``plan`` turned into a recording (``failed``: its cache could not serve)."""
-    if not failed:
-        return plan
-    return replace(plan, entry=None, upstream_file=None, upstream_format=None, reason="regenerated")
-
-
-#: Modules a first hit would import while it is timed (the store's readers, the codecs' libraries).
-WARM_MODULES = ("numpy", "torch", "tensordict", "skipinject.codecs", "skipinject.store.tensorfile")
-
-
-@functools.cache
-def warm_imports() -> None:
-    """Import, once and before a hit is timed, what decoding it imports on first use: a hit's time is the
-    load's, never a one-off import's (a first hit is never reported slower than the generation it replaced)."""
-    for name in WARM_MODULES:
-        try:
-            if importlib.util.find_spec(name) is not None:
-                importlib.import_module(name)
-        except Exception:  # a library that does not import here: decoding says so, if it needs it
-            continue
