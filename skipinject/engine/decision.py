@@ -1,17 +1,10 @@
-"""Deciding a call: which verified cache entry serves a step, or why none does; and what a cache
-that cannot serve does to the run.
+"""Deciding a call: which verified cache entry serves a step, or why none does.
 
-``cache`` serves the step's own entry; ``repeat`` the exact step, else the largest cached step
-below, else the smallest above; ``strict`` is ``cache`` that stops the run when there is nothing to
-serve; ``refresh`` serves nothing and saves every chosen step anew; ``match`` serves no step whole
-(its rows are matched by key, :mod:`skipinject.engine.matching`); ``save=false`` saves nothing. A
-miss names the nearest cache of the role elsewhere (:mod:`skipinject.report.misses`). A cache that
-cannot be used (damaged, foreign, unreadable) is never loaded: the decision is logged in one line
-and the step is generated again.
-
-Pure: :func:`plan_step` gets what it needs (the store, the role's settings and upstream formats)
-and returns a :class:`~skipinject.roles.Plan`; the strict/fallback rule for every way a cache can
-fail to serve (nothing there, cannot load, fewer calls than this run makes) is here, once.
+``cache`` serves the step's own entry; ``repeat`` the exact step, else the largest cached step below,
+else the smallest above; ``strict`` is ``cache`` that stops the run when nothing serves; ``refresh``
+serves nothing and saves anew; ``match`` serves rows, not steps (:mod:`skipinject.engine.matching`).
+A cache that cannot be used (damaged, foreign, unreadable) is never loaded: one line, and the step is
+generated again. The strict/fallback rule for every way a cache fails to serve is here, once.
 """
 
 from __future__ import annotations
@@ -43,16 +36,11 @@ def plan_step(
     *,
     ahead: StepEntry | None = None,
 ) -> Plan:
-    """Find the entry of role ``name`` to serve at ``step`` (verified), or explain why there is none.
-    Logs the decision in one line. ``unusable``: why the store cannot be used at all this run (found
-    and reported once, when it was opened): nothing is loaded or saved then.
+    """The verified entry of role ``name`` to serve at ``step``, or why there is none (one line).
 
-    A cache that cannot be used (damaged, foreign, unreadable) is never loaded: the run regenerates
-    the step, or stops with :class:`CacheMissError` for ``action=strict``. verl's own (pickled) cache
-    is served only with ``trust_upstream``; otherwise the plan names it (``untrusted_upstream``), for
-    the caller to report once. ``ahead``: ``step``'s entry, verified already (read ahead, see
-    :mod:`skipinject.engine.read_ahead`) and its ``meta.json`` unchanged since: not verified again.
-    """
+    ``unusable``: why the store cannot be used this run (nothing is loaded or saved). verl's own pickle
+    is served only with ``trust_upstream``, else named in ``untrusted_upstream``. ``ahead``: ``step``'s
+    entry, verified already by the read-ahead."""
     action = settings.action
     if unusable is not None:  # reported once, when the store was opened
         if action is Action.strict:
@@ -126,8 +114,7 @@ def plan_step(
 
 
 def match_plan(name: str, store: StepStore, step: int) -> Plan:
-    """``action=match``: no step is served whole (rows are, see :mod:`skipinject.engine.matching`); the
-    call is saved as the step when none is committed there, else only its new rows (a rows record)."""
+    """``action=match``: the call is saved as the step when none is committed there, else its new rows."""
     if committed(store, step):
         return Plan(store, step, reason="match: step already cached (new rows saved as a rows record)", saves=False)
     return Plan(store, step, reason="match")
@@ -142,9 +129,8 @@ def committed(store: StepCache, step: int) -> bool:
 
 
 def cannot_load(name: str, settings: RoleConfig, plan: Plan, exc: Exception, instead: str) -> None:
-    """A planned cache failed to load or to fit the call: ``action=strict`` stops the run (one
-    :class:`CorruptCacheError` line, a :class:`CacheMissError` passes as it is); otherwise one warning,
-    and the caller runs the target (``instead`` says what happens then)."""
+    """A planned cache failed to load or fit the call: ``action=strict`` stops the run; otherwise one
+    warning, and the caller runs the target (``instead`` says so)."""
     where = plan.entry.directory if plan.entry else plan.upstream_file
     if isinstance(exc, CacheMissError):
         raise exc
@@ -172,8 +158,7 @@ EXAMPLE_CHARS = 600
 
 
 def summary(problems: list[str]) -> str:
-    """One bounded line for the candidates a decision could not use: all of them when few, else the
-    count and the first :data:`EXAMPLES` (``repeat`` over a thousand damaged steps logs one line)."""
+    """One bounded line for the candidates a decision could not use (all when few, else the first few)."""
 
     def cut(text: str) -> str:
         return text if len(text) <= EXAMPLE_CHARS else text[:EXAMPLE_CHARS] + "..."
@@ -185,10 +170,7 @@ def summary(problems: list[str]) -> str:
 
 
 def repeat_order(store: StepStore, step: int) -> list[int]:
-    """``step``, then the steps on disk below it (largest first), then those above (smallest first).
-
-    Names only: the candidates are read one by one in this order until one is usable.
-    """
+    """``step``, then the steps on disk below it (largest first), then those above (smallest first)."""
     available = store.step_numbers_on_disk()
     index = bisect.bisect_left(available, step)
     return [step, *available[:index][::-1], *(s for s in available[index:] if s != step)]

@@ -1,20 +1,11 @@
 """Where each row of a project's cached results was recorded, found by its key (``action=match``).
 
-A committed step (or rows record, see :data:`~skipinject.store.format.ROWS_DIR`) whose ``meta.json``
-holds ``row_keys`` contributes one entry per input row: ``key -> (source, number, call, row)``. The
-index of a project directory is kept in memory and in :data:`~skipinject.store.format.ROW_INDEX_NAME`
-beside its steps (numpy arrays, loaded without pickle; a local file is written to a temporary file
-and renamed, an object store's is put whole).
-
-It is a hint, never trusted: the file is bounded and checked, and is rebuilt when it does not load;
-a refresh compares the committed step names with the indexed ones and reads only the ``meta.json``
-of new ones (and drops the removed ones; a loaded index also re-reads records whose ``meta.json``
-changed since it was written: locally by its mtime, in an object store by its ETag, from one
-listing); every row it names is served only after the store
-verified that step's files and its verified ``meta.json`` records that key at that row. A forged or
-stale index can only cause a miss. Lookup is a binary search over the sorted keys: a 4096-row call
-among 10,000 cached steps reads no step but the ones its rows are in. Every copy of a key is kept
-(the latest first), so a copy that does not serve falls back to an older one.
+Every committed step or rows record whose ``meta.json`` holds ``row_keys`` gives one entry per input
+row: ``key -> (source, number, call, row)``, sorted by key (binary search; every copy kept, the latest
+first). The index is kept in memory and in :data:`~skipinject.store.format.ROW_INDEX_NAME` (numpy
+arrays, no pickle, bounded and checked). It is a hint, never trusted: a refresh reads only new or
+changed ``meta.json`` files, and a row is served only after the store verified its step and that
+step records the key there; a forged or stale index can only cause a miss.
 """
 
 from __future__ import annotations
@@ -42,7 +33,19 @@ logger = logging.getLogger("skipinject")
 ROW_KEY = re.compile(r"[0-9a-f]{16}")
 #: Sources of rows: the role's steps, and the rows records of ``match`` (``{project}/rows/{n}``).
 STEPS, ROWS = 0, 1
-_ARRAYS = ("keys", "source", "number", "call", "row", "seen_source", "seen_number", "seen_mtime")
+#: The index's arrays and their dtypes: the entries (sorted by key), then the records read.
+_DTYPES = {
+    "keys": "uint64",
+    "source": "uint8",
+    "number": "int64",
+    "call": "uint32",
+    "row": "uint32",
+    "seen_source": "uint8",
+    "seen_number": "int64",
+    "seen_mtime": "int64",
+}
+_ARRAYS = tuple(_DTYPES)
+_ENTRIES, _SEEN = _ARRAYS[:5], _ARRAYS[5:]
 
 
 @dataclass(frozen=True)
@@ -94,15 +97,13 @@ class RowIndex:
         self.lock = threading.Lock()
         self.path = steps.project_dir / ROW_INDEX_NAME
         self._np = np
-        self._arrays: dict[str, Any] = {name: np.zeros(0, dtype=_dtype(name)) for name in _ARRAYS}
+        self._arrays: dict[str, Any] = {name: np.zeros(0, dtype=_DTYPES[name]) for name in _ARRAYS}
         self._loaded = False
         #: Records whose ``meta.json`` this process read (what came from the file only is a hint).
         self._read_here: set[tuple[int, int]] = set()
         #: Records looked at without a readable ``meta.json`` (a claim, a save under way), and when.
         self._unreadable: dict[tuple[int, int], float] = {}
         self._distrusted = False
-
-    # ------------------------------------------------------------ lookup
 
     def lookup(self, keys: Sequence[str], copies: int = 1) -> list[list[RowSource]]:
         """Where each key was recorded, after a refresh: at most ``copies`` places per key, the latest
@@ -114,52 +115,32 @@ class RowIndex:
             a = self._arrays
             starts = np.searchsorted(a["keys"], wanted, side="left").tolist()
             ends = np.searchsorted(a["keys"], wanted, side="right").tolist()
-            found: list[list[RowSource]] = []
-            for start, end in zip(starts, ends, strict=True):
-                found.append(
-                    [
-                        RowSource(
-                            int(a["source"][position]),
-                            int(a["number"][position]),
-                            int(a["call"][position]),
-                            int(a["row"][position]),
-                        )
-                        for position in range(start, min(end, start + copies))
-                    ]
-                )
-            return found
+            return [
+                [
+                    RowSource(*(int(a[name][at]) for name in _ENTRIES[1:]))
+                    for at in range(start, min(end, start + copies))
+                ]
+                for start, end in zip(starts, ends, strict=True)
+            ]
 
     def forget(self, source: int, number: int) -> bool:
-        """A source did not serve what the index said: drop it (it is read again at the next refresh).
-
-        True when the entry came from the index file, not from a ``meta.json`` this process read: the
-        file is then not trusted at all (every entry only it vouches for is dropped, and read again from
-        the steps), in one line per index and run, so a forged file costs one line, not one per entry."""
+        """A source did not serve what the index said: drop it (read again at the next refresh). True when
+        only the index file vouched for it: then nothing only the file vouches for is trusted (one line)."""
         with self.lock:
             hint = (source, number) not in self._read_here
-            if hint:
-                self._distrust()
-            else:
-                self._drop({(source, number)})
+            self._drop(self._seen() - self._read_here if hint else {(source, number)})
+            if hint and not self._distrusted:
+                self._distrusted = True
+                logger.warning(
+                    "row index %s names rows its steps do not hold (damaged or forged); rebuilding it from the steps",
+                    self.path,
+                )
             self._save()
             return hint
 
-    def _distrust(self) -> None:
-        a = self._arrays
-        recorded = set(zip(a["seen_source"].tolist(), a["seen_number"].tolist(), strict=True))
-        self._drop(recorded - self._read_here)
-        if not self._distrusted:
-            self._distrusted = True
-            logger.warning(
-                "row index %s names rows its steps do not hold (damaged or forged); rebuilding it from the steps",
-                self.path,
-            )
-
-    @property
-    def rows(self) -> int:
-        return len(self._arrays["keys"])
-
-    # ------------------------------------------------------------ refreshing
+    def _seen(self) -> set[tuple[int, int]]:
+        """The records (source, number) whose rows the index holds."""
+        return set(zip(self._arrays["seen_source"].tolist(), self._arrays["seen_number"].tolist(), strict=True))
 
     def _refresh(self) -> None:
         np = self._np
@@ -168,7 +149,7 @@ class RowIndex:
             self._load()
         a = self._arrays
         on_disk = {(kind, n) for kind, store in enumerate(self.stores) for n in store.step_numbers_on_disk()}
-        seen = set(zip(a["seen_source"].tolist(), a["seen_number"].tolist(), strict=True))
+        seen = self._seen()
         gone, new = seen - on_disk, on_disk - seen
         if not gone and not new:
             return
@@ -184,29 +165,28 @@ class RowIndex:
                 continue
             if failures >= MAX_UNREADABLE_LOOKS:
                 break  # a directory of empty claims costs a bounded look per refresh (the collector removes them)
-            mtime = self._mtime(kind, number)  # before reading: a later change is seen as one
-            rows = self._read(kind, number)
-            if rows is None:
+            mtime = self.stores[kind].meta_versions([number]).get(number, -1)  # before reading: a change is seen
+            try:
+                rows = list(enumerate(match_records(self.stores[kind].read_meta(number))))
+            except (OSError, CorruptCacheError):
                 failures += 1
                 self._unreadable[(kind, number)] = now  # not committed (yet) or not ours: looked at again later
                 continue
             self._unreadable.pop((kind, number), None)
             self._read_here.add((kind, number))
-            added["seen_source"].append(np.array([kind], dtype=np.uint8))
-            added["seen_number"].append(np.array([number], dtype=np.int64))
-            added["seen_mtime"].append(np.array([mtime], dtype=np.int64))
-            for call, (keys, _) in rows:
-                count = len(keys)
-                added["keys"].append(np.array([int(k, 16) for k in keys], dtype=np.uint64))
-                added["source"].append(np.full(count, kind, dtype=np.uint8))
-                added["number"].append(np.full(count, number, dtype=np.int64))
-                added["call"].append(np.full(count, call, dtype=np.uint32))
-                added["row"].append(np.arange(count, dtype=np.uint32))
+            for name, value in zip(_SEEN, (kind, number, mtime), strict=True):
+                added[name].append(np.array([value], dtype=_DTYPES[name]))
+            for call, record in rows:
+                if record is not None:
+                    count = len(record[0])
+                    values = ([int(k, 16) for k in record[0]], [kind] * count, [number] * count, [call] * count)
+                    for name, column in zip(_ENTRIES, (*values, range(count)), strict=True):
+                        added[name].append(np.array(column, dtype=_DTYPES[name]))
         if added["seen_source"]:
             merged = {name: np.concatenate([a[name], *added[name]]) for name in _ARRAYS}
             # sorted by key, and among equal keys the latest step first (searchsorted finds the first)
             order = np.lexsort((-merged["number"], merged["keys"]))
-            for name in ("keys", "source", "number", "call", "row"):
+            for name in _ENTRIES:
                 merged[name] = merged[name][order]
             if len(merged["keys"]) > MAX_INDEXED_ROWS:
                 logger.warning(
@@ -216,31 +196,17 @@ class RowIndex:
             self._arrays = merged
         self._save()
 
-    def _read(self, kind: int, number: int) -> list[tuple[int, tuple[list[str], int]]] | None:
-        try:
-            meta = self.stores[kind].read_meta(number)
-            records = match_records(meta)
-        except (OSError, CorruptCacheError):
-            return None
-        return [(call, record) for call, record in enumerate(records) if record is not None]
-
     def _drop(self, records: set[tuple[int, int]]) -> None:
         """Forget every entry of ``records`` (source, number) and that they were read."""
         np = self._np
         a = self._arrays
         gone = np.array([_record_code(s, n) for s, n in records], dtype=np.int64)
         keep = ~np.isin(_record_code(a["source"].astype(np.int64), a["number"]), gone)
-        for name in ("keys", "source", "number", "call", "row"):
+        for name in _ENTRIES:
             a[name] = a[name][keep]
         keep = ~np.isin(_record_code(a["seen_source"].astype(np.int64), a["seen_number"]), gone)
-        for name in ("seen_source", "seen_number", "seen_mtime"):
+        for name in _SEEN:
             a[name] = a[name][keep]
-
-    def _mtime(self, kind: int, number: int) -> int:
-        """The version of the record's ``meta.json`` (:meth:`StepStore.meta_versions`; -1: unknown)."""
-        return self.stores[kind].meta_versions([number]).get(number, -1)
-
-    # ------------------------------------------------------------ the file
 
     def _load(self) -> None:
         """The saved index if it loads and checks out; else an empty one (rebuilt by the refresh)."""
@@ -260,14 +226,7 @@ class RowIndex:
         if _valid(arrays, np):
             self._arrays = arrays
             # records committed anew since the index was written (same number, other meta.json): read again
-            seen = list(
-                zip(
-                    arrays["seen_source"].tolist(),
-                    arrays["seen_number"].tolist(),
-                    arrays["seen_mtime"].tolist(),
-                    strict=True,
-                )
-            )
+            seen = list(zip(*(arrays[name].tolist() for name in _SEEN), strict=True))
             versions = {
                 (kind, number): version
                 for kind, store in enumerate(self.stores)
@@ -324,29 +283,12 @@ def _record_code(source: Any, number: Any) -> Any:
     return source * (1 << 40) + number
 
 
-def _dtype(name: str) -> Any:
-    import numpy as np
-
-    return {
-        "keys": np.uint64,
-        "source": np.uint8,
-        "number": np.int64,
-        "call": np.uint32,
-        "row": np.uint32,
-        "seen_source": np.uint8,
-        "seen_number": np.int64,
-        "seen_mtime": np.int64,
-    }[name]
-
-
 def _valid(arrays: Mapping[str, Any], np: Any) -> bool:
     """Right dtypes, one dimension, equal lengths, keys sorted, sources known, within the bounds."""
-    if any(arrays[name].dtype != np.dtype(_dtype(name)) or arrays[name].ndim != 1 for name in _ARRAYS):
+    if any(arrays[name].dtype != np.dtype(_DTYPES[name]) or arrays[name].ndim != 1 for name in _ARRAYS):
         return False
     rows = len(arrays["keys"])
-    if rows > MAX_INDEXED_ROWS or any(len(arrays[name]) != rows for name in ("source", "number", "call", "row")):
-        return False
-    if not len(arrays["seen_source"]) == len(arrays["seen_number"]) == len(arrays["seen_mtime"]):
+    if rows > MAX_INDEXED_ROWS or any(len({len(arrays[name]) for name in names}) != 1 for names in (_ENTRIES, _SEEN)):
         return False
     if rows and bool(np.any(arrays["keys"][1:] < arrays["keys"][:-1])):
         return False
