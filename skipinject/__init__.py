@@ -5,7 +5,8 @@ exported here and listed in ``__all__`` (API 1.1 added the plugin kit, :mod:`ski
 codec headers, row digests, verl ranges; and :meth:`PhaseContext.load`; API 1.2 added
 ``action=match``: :class:`RowCodec`, :class:`MatchInfo` and the role's ``row_key``/``match_settings``/
 ``on_match``; API 1.3 added ``Role.record_meta``, the recorded ``meta.json`` in :class:`HitInfo` and
-:class:`MatchInfo`, and a phase's ``PhaseContext.record``/``commit``/``served``/``notes``); a plugin's
+:class:`MatchInfo`, and a phase's ``PhaseContext.record``/``commit``/``served``/``notes``; API 1.4 added
+:func:`count_rescored`, the rows a role re-scored in the run's summary); a plugin's
 tests may also use :mod:`skipinject.testing`. Every other module is internal and may change in any release. A
 plugin may declare the API it was written for as ``SKIPINJECT_API = 1`` (an incompatible one is
 refused in one clear line)::
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
     from skipinject.config import Action, MismatchPolicy, RescorePolicy, RoleConfig
     from skipinject.hookspecs import hookimpl
     from skipinject.payload import Payload
+    from skipinject.report.tally import count_rescored
     from skipinject.store import StepEntry
     from skipinject.verl.codecs import DataProtoCodec, TensorDictCodec
 
@@ -87,6 +89,7 @@ _LAZY = {
     "TensorDictCodec": "skipinject.verl.codecs",
     "TensorSink": "skipinject.codecs",
     "decode_tensor": "skipinject.codecs",
+    "count_rescored": "skipinject.report.tally",
     "enable": "skipinject.launch",
     "encode_tensor": "skipinject.codecs",
     "hookimpl": "skipinject.hookspecs",
@@ -143,6 +146,7 @@ __all__ = [
     "UpstreamFormat",
     "__version__",
     "attended_tokens",
+    "count_rescored",
     "decode_tensor",
     "default_bypass",
     "enable",

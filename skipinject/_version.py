@@ -6,4 +6,5 @@ __version__ = "0.1.0"
 #: 1.2: ``action=match``: :class:`~skipinject.roles.RowCodec`, ``Role.row_key``/``match_settings``/``on_match``.
 #: 1.3: ``Role.record_meta``, ``HitInfo.meta``/``settings``, ``MatchInfo.served``/``source_meta``/``settings``;
 #: a phase records and commits its steps (``PhaseContext.record``, ``commit``, ``served``, ``notes``).
-API_VERSION = (1, 3)
+#: 1.4: ``count_rescored`` (rows a role re-scored, in the run's summary).
+API_VERSION = (1, 4)

@@ -28,7 +28,7 @@ from skipinject.engine.row_index import STEPS, RowIndex, RowSource, match_record
 from skipinject.engine.stores import RoleStores
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
 from skipinject.report.misses import settings_differ
-from skipinject.report.tally import TALLY, hit_amounts, rescored_rows
+from skipinject.report.tally import TALLY, hit_amounts
 from skipinject.roles import Call, MatchInfo, Role, RowCodec
 from skipinject.store.format import ROWS_DIR
 from skipinject.verl.compat import settings_values
@@ -333,7 +333,6 @@ class RowMatcher:
                 runtime.settings,
             )
             merged = runtime.role.on_match(merged, pending.call, info)
-            TALLY.add(runtime.name, rescored_rows=rescored_rows(merged))
         self._save(pending, merged, pending.generated, misses, pending.ratio)
         return merged
 

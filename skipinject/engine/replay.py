@@ -23,7 +23,7 @@ from skipinject.engine.decision import cannot_load, nothing_more, plan_step
 from skipinject.engine.read_ahead import ReadAhead
 from skipinject.engine.stores import RoleStores
 from skipinject.errors import CorruptCacheError, PromptMismatchError
-from skipinject.report.tally import TALLY, hit_amounts, rescored_rows
+from skipinject.report.tally import TALLY, hit_amounts
 from skipinject.roles import Call, HitInfo, Loaded, Plan
 
 logger = logging.getLogger("skipinject")
@@ -246,9 +246,6 @@ class Replay:
             recorded = plan.entry.meta if plan.entry is not None else {}
             info = HitInfo(plan.step, plan.served_step, elapsed, mismatched, compared, source, recorded, rt.settings)
             result = rt.role.on_hit(result, call, info)
-            rows = rescored_rows(result)
-            if rows:
-                TALLY.add(rt.name, rescored_rows=rows)
         return result
 
     def _regenerate(self, record: StepCalls, index: int) -> Any:

@@ -30,7 +30,6 @@ __all__ = [
     "Tally",
     "collect",
     "hit_amounts",
-    "rescored_rows",
 ]
 
 #: Where verl's trainers log a step's metrics (every verl this supports).
@@ -85,6 +84,12 @@ TALLY = Tally()
 
 def total(roles: Mapping[str, Mapping[str, float]], key: str) -> float:
     return sum(counts.get(key, 0) for counts in roles.values())
+
+
+def count_rescored(role: str, rows: int) -> None:
+    """Count ``rows`` a role re-scored with this run's reward in the run's summary (plugin API 1.4)."""
+    if rows > 0:
+        TALLY.add(role, rescored_rows=rows)
 
 
 def report_dir() -> Path | None:
@@ -165,15 +170,6 @@ def hit_amounts(meta: Mapping[str, object]) -> dict[str, float]:
     seconds = float(recorded) if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) else 0.0
     seconds = seconds if 0 <= seconds < 1e9 else 0.0
     return {"served_steps": 1, "bytes_read": size, "generation_s_saved": seconds}
-
-
-def rescored_rows(result: Any) -> int:
-    """The rows a role's ``on_hit``/``on_match`` re-scored, as it reports them in the result's metrics
-    (``meta_info["timing"]["skipinject/rescored_rows"]``, the rollout roles' V0 batches); 0 when none say."""
-    timing = getattr(result, "meta_info", None)
-    timing = timing.get("timing") if isinstance(timing, dict) else None
-    value = timing.get("skipinject/rescored_rows") if isinstance(timing, dict) else None
-    return int(value) if isinstance(value, (int, float)) and 0 <= value < 1e12 else 0
 
 
 class MetricsInterceptor:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from skipinject import CacheError, Call, RescorePolicy, RoleConfig
+from skipinject import CacheError, Call, RescorePolicy, RoleConfig, count_rescored
 
 from skipinject_rollout.reward_identity import describe_difference, recorded_identity, reward_identity
 
@@ -430,6 +430,9 @@ def _say_served(
 
 
 def _say_rescored(role: str, step: int, done: Rescored, why: str) -> None:
+    """The line, and the rows counted in the run's summary (here for every trainer: a fully async sample's
+    ``meta_info`` cannot carry them)."""
+    count_rescored(role, done.rows)
     if done.rows:
         logger.info(
             "%s step %d: %d rows re-scored %s in %.3f s (%s)", role, step, done.rows, done.how, done.seconds, why

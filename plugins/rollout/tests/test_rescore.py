@@ -399,6 +399,7 @@ def test_fully_async_match_rescores_the_served_samples_rows(assets: Any, tmp_pat
     first = run_config(assets, reward_file(tmp_path, "length.py", LENGTH_REWARD))
     second = run_config(assets, reward_file(tmp_path, "words.py", WORD_REWARD))
     dump, calls = tmp_path / "dump", []
+    TALLY.clear()
     RoleRun("async_rollout", dump, (1, 2), action="match").start()
     recording = manager(first, calls, fully_async=True)
     recorded = [asyncio.run(recording.generate_sequences_single(fully_async_sample(i, PROMPTS[i]))) for i in (1, 2)]
@@ -422,6 +423,7 @@ def test_fully_async_match_rescores_the_served_samples_rows(assets: Any, tmp_pat
     lines = [r.getMessage() for r in caplog.records if "re-scored" in r.getMessage()]
     assert len(lines) == 1 and f"async_rollout step 1: {N} rows re-scored by this run's reward-loop workers" in lines[0]
     assert "words.py" in lines[0] and "length.py" in lines[0]
+    assert TALLY.roles["async_rollout"]["rescored_rows"] == N, "the run's summary counts them"
 
 
 def _call(instance: Any, batch: DataProto) -> Any:
@@ -487,6 +489,7 @@ def test_v1_trajectories_are_rescored_by_this_runs_reward_loop_worker(assets: An
 
     fields = index_select_tensor_dict(trajectories(4), [0, 1, 2, 3])  # as rollout_tq's remap selects them
     responses = [r.clone() for r in fields["responses"].unbind(0)]
+    TALLY.clear()
     with caplog.at_level(logging.INFO, logger="skipinject"):
         done = rescore.apply_trajectories(
             fields, workers, reward_identity(second), "rollout_tq", 1, None, record_reward_meta(first)
@@ -507,6 +510,7 @@ def test_v1_trajectories_are_rescored_by_this_runs_reward_loop_worker(assets: An
         again, workers, reward_identity(second), "rollout_tq", 1, None, record_reward_meta(second)
     )
     assert same.rows == 0 and [float(s[-1]) for s in again["rm_scores"].unbind(0)] == [0.5] * 4
+    assert TALLY.roles["rollout_tq"]["rescored_rows"] == 4, "the run's summary counts them"
 
 
 def record_reward_meta(config: Any) -> dict[str, Any]:
