@@ -7,6 +7,8 @@ with another data seed (and, in the V0 pair, another batch size: 2 prompts a ste
 layout directory is another one): at each step it serves the prompts run 1 saw (from run 1's layout)
 and generates exactly the others (the CPU rollout logs every sequence it generates, with a digest of
 its prompt), trains on responses that belong to its own prompts, and saves its steps in its own layout.
+The V0 run's advantage role (``cache`` at step 1) misses there, and its line names run 1's layout and
+the batch size that differs.
 """
 
 from __future__ import annotations
@@ -117,6 +119,11 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
             *SMALLER_BATCH,
             # Another reward than run 1's: the served rows are scored by it (skip.rollout.rescore=auto).
             *other_reward(tmp_path),
+            # The advantage role, ``cache`` at step 1: run 1 cached it under its batch size's layout, so
+            # the miss says where and which setting differs (this run's step 1 is computed and saved).
+            "skip.advantage.enable=True",
+            "skip.advantage.steps=[1]",
+            f"skip.advantage.dump_dir={dump}",
         ],
     )
     second, generated_2 = launch(assets, tmp_path, "run2", overrides)
@@ -168,10 +175,16 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
     assert all(len(records) == SMALL_BATCH * harness.ROLLOUT_N for records in two.values()), "run 2's batch size"
     assert all("GBS4_N" in line for line in matched if "rows served from step" in line), "from run 1's layout"
     assert any("target not called" in line for line in matched), "a step whose prompts were all seen: no call"
+    # The advantage role's miss names run 1's layout and the batch size, both values (issue 34, part 3).
+    own = harness.cache_dir(dump, gbs=SMALL_BATCH)
+    [missed] = [line for line in skip_lines(second, "advantage") if "advantage step 1: miss" in line]
+    assert (
+        f"(no cache at {own}/advantage/1; cached under another layout, {layout}/advantage/1: the batch size "
+        f"(data.gen_batch_size, else data.train_batch_size) is {harness.TRAIN_BATCH} there, {SMALL_BATCH} here)"
+    ) in missed, missed
     # Run 1's layout is left as it was; run 2's steps are saved whole in its own layout.
     assert sorted(p.name for p in layout.iterdir() if p.name.isdigit()) == ["1", "2"]
     assert not (layout / "rows").exists(), "nothing of run 2 written into run 1's layout"
-    own = harness.cache_dir(dump, gbs=SMALL_BATCH)
     assert sorted(p.name for p in own.iterdir() if p.name.isdigit()) == ["1", "2", "3"]
     for step in (1, 2, 3):
         meta = json.loads((own / str(step) / "meta.json").read_text())
