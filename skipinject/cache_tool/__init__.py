@@ -1,14 +1,15 @@
 """``skipinject cache ...``: see, verify, show, compare, import, prune and compact what is cached.
 
-Built on the store's reader (:class:`~skipinject.store.StepStore`) and writer
-(:class:`~skipinject.store.StepWriter`), like the engine. Exit status: 0 fine, 1 something was
-found (damaged steps, differences, failed imports), 2 bad usage or path, 3 an internal error.
-The ``--json`` documents are described in ``docs/cache-tool.md``.
+Built on the store's reader and writer (:class:`~skipinject.store.StepStore`), like the engine. Exit
+status: 0 fine, 1 something was found (damaged steps, differences, failed imports), 2 bad usage or
+path, 3 an internal error. Each sub-parser's ``run`` names the command's function, called with the
+parsed options as keywords. The ``--json`` documents are described in ``docs/cache-tool.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,12 +18,6 @@ from typing import NoReturn
 from skipinject.errors import SkipInjectError, did_you_mean
 
 DESCRIPTION = "See, verify, show, compare, import, prune and remove skipinject's (and verl's own) rollout caches."
-
-
-def default_dump_dir() -> Path:
-    from skipinject.config import DEFAULT_DUMP_DIR
-
-    return Path(DEFAULT_DUMP_DIR).expanduser()
 
 
 def local_path(text: str) -> Path:
@@ -56,7 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     dump_help = "dump directory (default: skip.<role>.dump_dir's default, ~/.verl/rollout_dump)"
 
-    p = sub.add_parser("ls", help="list projects, layouts, roles and steps: size, age, last use, hits, writer, state")
+    def command(name: str, run: str, help: str) -> argparse.ArgumentParser:
+        """A command's sub-parser; ``run``: its function (``module:name``), called with the options."""
+        found = sub.add_parser(name, help=help)
+        found.set_defaults(run=run)
+        return found
+
+    p = command("ls", "ls:cmd_ls", "list projects, layouts, roles and steps: size, age, last use, hits, writer, state")
     p.add_argument("dump_dir", nargs="?", type=location, help=dump_help + "; or a URL such as s3://bucket/dir")
     p.add_argument("-l", "--steps", action="store_true", help="one line per step instead of per step range")
     p.add_argument(
@@ -76,16 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STATE",
         help="only steps in this state: complete, partial, damaged, untrusted or foreign (repeatable)",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output (schema skipinject.cache.ls/1)")
 
-    p = sub.add_parser("verify", help="check sizes, checksums and format of every step; exit 1 if any is damaged")
+    p = command(
+        "verify", "verify:cmd_verify", "check sizes, checksums and format of every step; exit 1 if any is damaged"
+    )
     p.add_argument(
         "paths", nargs="*", type=location, metavar="PATH", help="dump, project, layout or step directories, or URLs"
     )
-    p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser(
-        "show", help="what one step holds: fields, dtypes, shapes, inputs; rows with prompt, response, score"
+    p = command(
+        "show",
+        "show:cmd_show",
+        "what one step holds: fields, dtypes, shapes, inputs; rows with prompt, response, score",
     )
     p.add_argument(
         "step_path", type=local_path, metavar="STEP_PATH", help="a step directory (with --match: any directory above)"
@@ -99,16 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--column", default="prompt", help="the dataset's prompt column for --match (default: prompt)")
     p.add_argument("--rows", type=int, default=3, help="rows to show (default 3)")
     p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer (model directory) to decode token ids")
-    p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("diff", help="compare two steps, or two runs' project directories; exit 1 if they differ")
+    p = command("diff", "diff:cmd_diff", "compare two steps, or two runs' project directories; exit 1 if they differ")
     p.add_argument("a", type=local_path, metavar="A")
     p.add_argument("b", type=local_path, metavar="B")
     p.add_argument("--rows", type=int, default=3, help="differing rollout rows to show per step (default 3)")
     p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer (model directory) to decode token ids")
-    p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("import", help="convert verl's own pickled caches into skipinject's format (needs --trust)")
+    p = command(
+        "import", "importer:cmd_import", "convert verl's own pickled caches into skipinject's format (needs --trust)"
+    )
     p.add_argument("paths", nargs="+", type=local_path, metavar="PATH")
     p.add_argument(
         "--trust", action="store_true", help="load the pickles (they run code when loaded: only caches you trust)"
@@ -118,9 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--experiment", help="trainer.experiment_name, when the directory name is ambiguous")
     p.add_argument("--project", help="trainer.project_name, when the directory name is ambiguous")
-    p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("prune", help="remove steps and leftovers of interrupted saves (never verl's pickles)")
+    p = command("prune", "prune:cmd_prune", "remove steps and leftovers of interrupted saves (never verl's pickles)")
     p.add_argument("dump_dir", nargs="?", type=location, help=dump_help + "; or a URL such as s3://bucket/dir")
     p.add_argument("--keep-last", type=int, metavar="N", help="keep the N highest steps of each role")
     p.add_argument(
@@ -140,25 +142,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partial", action="store_true", help="remove interrupted saves (data without meta.json)")
     p.add_argument("--damaged", action="store_true", help="remove steps whose meta.json or files are damaged")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
-    p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("rm", help="remove named steps (never verl's pickles, never a save still running)")
+    p = command("rm", "prune:cmd_rm", "remove named steps (never verl's pickles, never a save still running)")
     p.add_argument("steps", nargs="+", type=location, metavar="PATH/STEP", help="step directories, or their URLs")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
-    p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("compact", help="store uncompressed steps compressed, in place (each committed anew)")
+    p = command("compact", "compact:cmd_compact", "store uncompressed steps compressed, in place (each committed anew)")
     p.add_argument("dump_dir", nargs="?", type=local_path, help=dump_help)
     p.add_argument("--compression", default="zstd", help="zstd (level 1) or zstd-2 .. zstd-22 (default zstd)")
     p.add_argument("--dry-run", action="store_true", help="only say which steps would be compacted")
-    p.add_argument("--json", action="store_true")
+    for name, found in sub.choices.items():
+        json_help = "machine-readable output (schema skipinject.cache.ls/1)" if name == "ls" else None
+        found.add_argument("--json", action="store_true", dest="as_json", help=json_help)
     return parser
 
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``skipinject cache``; returns the exit status."""
-    from skipinject.cache_tool.common import USAGE, CommandError
-    from skipinject.cache_tool.quote import escaped_logs, shown
+    from skipinject.cache_tool.common import USAGE, CommandError, escaped_logs, shown
     from skipinject.config import environment
     from skipinject.errors import ConfigError
 
@@ -170,9 +171,10 @@ def main(argv: Sequence[str]) -> int:
         print(f"skipinject cache: error: unknown command {argv[0]!r} (commands: {known}){hint}", file=sys.stderr)
         return USAGE
     try:
-        args = parser.parse_args(list(argv))
+        args = vars(parser.parse_args(list(argv)))
     except SystemExit as exc:
         return int(exc.code or 0)
+    command, (module, function) = args.pop("command"), args.pop("run").split(":")
     try:
         show_traceback = environment.debug()
     except ConfigError as exc:
@@ -180,87 +182,20 @@ def main(argv: Sequence[str]) -> int:
         return 2
     try:
         with escaped_logs():
-            return _run(args)
+            run = getattr(importlib.import_module(f"skipinject.cache_tool.{module}"), function)
+            return int(run(**args))
     except (CommandError, SkipInjectError, OSError) as exc:
-        print(f"skipinject cache {args.command}: error: {shown(exc)}", file=sys.stderr)
+        print(f"skipinject cache {command}: error: {shown(exc)}", file=sys.stderr)
         return USAGE
     except KeyboardInterrupt:
-        print(f"skipinject cache {args.command}: interrupted", file=sys.stderr)
+        print(f"skipinject cache {command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
         if show_traceback:
             raise
         print(
-            f"skipinject cache {args.command}: internal error: {type(exc).__name__}: {shown(exc)} "
+            f"skipinject cache {command}: internal error: {type(exc).__name__}: {shown(exc)} "
             "(set SKIPINJECT_DEBUG=1 for a traceback)",
             file=sys.stderr,
         )
         return 3
-
-
-def _run(args: argparse.Namespace) -> int:
-    """Dispatch to the command's module (one per command, each split into select / act / render)."""
-    if args.command == "ls":
-        from skipinject.cache_tool.ls import cmd_ls
-
-        root = args.dump_dir or default_dump_dir()
-        return cmd_ls(
-            root,
-            as_json=args.json,
-            per_step=args.steps,
-            default=args.dump_dir is None,
-            sort=args.sort,
-            roles=args.role,
-            states=args.state,
-        )
-    if args.command == "verify":
-        from skipinject.cache_tool.verify import cmd_verify
-
-        return cmd_verify(args.paths or [default_dump_dir()], as_json=args.json)
-    if args.command == "show" and args.match is not None:
-        from skipinject.cache_tool.match import cmd_show_match
-
-        return cmd_show_match(args.step_path, args.match, column=args.column, as_json=args.json)
-    if args.command == "show":
-        from skipinject.cache_tool.show import cmd_show
-
-        return cmd_show(args.step_path, as_json=args.json, rows=args.rows, tokenizer=args.tokenizer)
-    if args.command == "diff":
-        from skipinject.cache_tool.diff import cmd_diff
-
-        return cmd_diff(args.a, args.b, as_json=args.json, rows=args.rows, tokenizer=args.tokenizer)
-    if args.command == "import":
-        from skipinject.cache_tool.importer import cmd_import
-
-        return cmd_import(
-            args.paths,
-            trust=args.trust,
-            role=args.role,
-            experiment=args.experiment,
-            project=args.project,
-            as_json=args.json,
-        )
-    if args.command == "prune":
-        from skipinject.cache_tool.prune import cmd_prune, parse_age, parse_size
-
-        return cmd_prune(
-            args.dump_dir or default_dump_dir(),
-            keep_last=args.keep_last,
-            max_size=None if args.max_size is None else parse_size(args.max_size),
-            older_than=None if args.older_than is None else parse_age(args.older_than),
-            by=args.by,
-            partial=args.partial,
-            damaged=args.damaged,
-            dry_run=args.dry_run,
-            as_json=args.json,
-        )
-    if args.command == "rm":
-        from skipinject.cache_tool.prune import cmd_rm
-
-        return cmd_rm(args.steps, dry_run=args.dry_run, as_json=args.json)
-    if args.command == "compact":
-        from skipinject.cache_tool.compact import cmd_compact
-
-        root = args.dump_dir or default_dump_dir()
-        return cmd_compact(root, compression=args.compression, dry_run=args.dry_run, as_json=args.json)
-    raise AssertionError(args.command)

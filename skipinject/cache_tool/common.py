@@ -1,33 +1,50 @@
-"""What every command shares: exit statuses, the one-line usage error, and how a path is selected."""
+"""What every command shares: exit statuses, the one-line usage error, path checks, and output.
+
+Every human-readable line goes through :func:`shown` (as ``ls -b`` and git quote paths), since
+names and ``meta.json`` values are hostile input; ``--json`` carries the exact values.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any, TextIO
 
-from skipinject.cache_tool.scan import Item, scan
-from skipinject.store import StepStore
 from skipinject.store.files import unresolved_problem
+from skipinject.store.local import LocalFiles
 
 OK, FOUND, USAGE = 0, 1, 2
+#: Version of every ``--json`` document (``"schema": "skipinject.cache.<command>/<SCHEMA_VERSION>"``).
+SCHEMA_VERSION = 1
 
 
 class CommandError(Exception):
     """A one-line error for the user (bad path, bad option); exit status 2."""
 
 
+def default_dump_dir() -> Path:
+    from skipinject.config import DEFAULT_DUMP_DIR
+
+    return Path(DEFAULT_DUMP_DIR).expanduser()
+
+
 def existing_dir(path: Path) -> Path:
-    if not path.exists():
+    found = LocalFiles().stat(path, follow=True)
+    if found is None:
         raise CommandError(f"{path}: no such directory")
-    if not path.is_dir():
+    if found.kind != "directory":
         raise CommandError(f"{path}: not a directory")
     return path
 
 
 def mutable_root(path: Path, command: str) -> Path:
-    """``path`` as given, for a command that removes or rewrites files under it: refused (one line,
-    exit 2) when another user could redirect it (their link in it, or a parent they can write
-    without the sticky bit), as a run refuses such a ``dump_dir``; the check runs before the path is
-    resolved, which is where a swapped link would lead the removal."""
+    """``path`` for a command that removes or rewrites under it: refused when another user could
+    redirect it, checked before it is resolved (where a swapped link would lead the removal)."""
     problem = unresolved_problem(path)
     if problem is not None:
         raise CommandError(
@@ -42,21 +59,144 @@ def writer_text(writer: dict[str, str]) -> str:
     return ", ".join(parts) or "-"
 
 
-def scan_any(root: Path | str, problems: list[str]) -> list[Item]:
-    """Items of a local directory (which must exist) or of a remote store's URL."""
-    if isinstance(root, str):
-        from skipinject.cache_tool.remote import scan_remote
+# ---------------------------------------------------------------- escaping
 
-        return scan_remote(root, problems)
-    existing_dir(root)
-    return scan(root, problems)
+_NAMED = {"\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\x1b": "\\e"}
 
 
-def item_store(item: Item, root: Path | None = None) -> StepStore:
-    """The store holding ``item``'s step (local, or the object store of its URL), for upkeep that
-    needs no role context (its usage record, its files, its removal): ``root`` anchors local removals."""
-    if isinstance(item.path, Path):
-        return StepStore(item.path.parent, item.role, {}, dump_dir=root)
-    from skipinject.store.remote import FsspecFiles, open_remote
+def _escape(char: str) -> str:
+    code = ord(char)
+    if char in _NAMED:
+        return _NAMED[char]
+    if 0xDC80 <= code <= 0xDCFF:  # an undecodable byte of a file name (surrogateescape)
+        return f"\\x{code - 0xDC00:02x}"
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
-    return StepStore(item.path.parent, item.role, {}, backend=FsspecFiles(open_remote(str(item.path))[0]))
+
+def shown(value: object) -> str:
+    """``value`` as one safe line of text: nothing in it can control a terminal or start a new line."""
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(c if c == " " or (c.isprintable() and c != "\\") else _escape(c) for c in text)
+
+
+class EscapeLogRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = shown(record.getMessage()), None
+        return True
+
+
+@contextlib.contextmanager
+def escaped_logs() -> Iterator[None]:
+    """While the tool runs, the ``skipinject`` logger's lines go through :func:`shown` too."""
+    logger, escaping = logging.getLogger("skipinject"), EscapeLogRecords()
+    logger.addFilter(escaping)
+    try:
+        yield
+    finally:
+        logger.removeFilter(escaping)
+
+
+# ---------------------------------------------------------------- output
+
+
+def schema(command: str) -> str:
+    return f"skipinject.cache.{command}/{SCHEMA_VERSION}"
+
+
+def human_size(size: int | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    if size is None:
+        return "-"
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def human_number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.4g}"
+
+
+def shorten(text: str, width: int = 100) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def say(text: object = "", *, err: bool = False) -> None:
+    """Print one line to stdout (or stderr), escaped whole by :func:`shown`."""
+    print(shown(text), file=sys.stderr if err else sys.stdout)
+
+
+def show_table(headers: str | Sequence[str], rows: Sequence[Sequence[Any]], right: str | Sequence[str] = ()) -> None:
+    """An aligned table, each cell escaped; ``right``: right-aligned columns (a string: ``|``-separated)."""
+    heads = headers.split("|") if isinstance(headers, str) else list(headers)
+    aligned = set(right.split("|") if isinstance(right, str) else right)
+    cells = [heads] + [["-" if c is None else shown(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(heads))]
+    for row in cells:
+        parts = [
+            cell.rjust(widths[i]) if heads[i] in aligned else cell if i == len(row) - 1 else cell.ljust(widths[i])
+            for i, cell in enumerate(row)
+        ]
+        print("  ".join(parts).rstrip())
+
+
+def emit_json(document: Mapping[str, Any], out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    json.dump(document, out, indent=1, sort_keys=False, default=str)
+    out.write("\n")
+
+
+class Progress:
+    """``with Progress(total, "verify") as bar: bar.update(n)``: a bar on stderr, drawn only on a
+    terminal and only after ``delay`` seconds (quick commands print none)."""
+
+    def __init__(self, total: int, label: str, *, unit: str = "B", stream: TextIO | None = None, delay: float = 1.0):
+        self.total, self.label, self.unit, self.delay = max(0, int(total)), label, unit, delay
+        self.stream = stream or sys.stderr
+        self.done, self.started, self._last, self._drawn = 0, time.monotonic(), 0.0, False
+        try:
+            self.enabled = bool(self.stream.isatty())
+        except (AttributeError, ValueError):
+            self.enabled = False
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._drawn:
+            self.stream.write("\r" + " " * 100 + "\r")
+            self.stream.flush()
+            self._drawn = False
+
+    def _fmt(self, value: float) -> str:
+        return human_size(int(value)) if self.unit == "B" else str(int(value))
+
+    def update(self, amount: int = 1, note: str = "") -> None:
+        self.done += amount
+        now = time.monotonic()
+        elapsed = now - self.started
+        if not self.enabled or elapsed < self.delay or (now - self._last < 0.1 and self.done < self.total):
+            return
+        self._last = now
+        fraction = min(1.0, self.done / self.total) if self.total else 1.0
+        filled = int(fraction * 24)
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 and self.total else 0.0
+        line = (
+            f"\r{self.label}: {fraction * 100:3.0f}%|{'█' * filled}{' ' * (24 - filled)}| "
+            f"{self._fmt(self.done)}/{self._fmt(self.total)} [{elapsed:.0f}s<{eta:.0f}s, {self._fmt(rate)}/s] "
+            f"{shown(note)}"
+        )
+        self.stream.write(line[:160].ljust(100))
+        self.stream.flush()
+        self._drawn = True

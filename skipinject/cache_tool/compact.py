@@ -1,14 +1,10 @@
 """``skipinject cache compact``: store steps saved uncompressed again, compressed, in place.
 
-Each step is verified and loaded with the training run's own reader, written anew under a fresh
-write id with the chosen compression (the compact encodings checked bit for bit as in any save),
-and committed with one ``meta.json`` replace: the step is the old one or the new one, whole, at
-every moment, and a failure leaves the old one as it was. The commit happens only over the step it
-read (its ``meta.json`` read again right before): a step recorded anew meanwhile is kept, and said.
-Every step it does not compact is a ``skipped`` line with the reason (damaged, partial, untrusted,
-linked: exit 1; verl's own pickles: exit 0). The old files, named by no ``meta.json``
-any more, are collected by the commit. Role-specific ``meta.json`` keys and the creation time are
-kept (``prune --older-than`` still sees when the step was generated).
+Each step is verified and loaded by the training run's reader, written anew compressed and committed
+with one ``meta.json`` replace, only over the step it read (a step recorded anew meanwhile is kept):
+the step is the old one or the new one, whole, at every moment. Role-specific ``meta.json`` keys and
+the creation time are kept. A step not compacted is a ``skipped`` line with the reason (damaged,
+partial, untrusted, linked: exit 1; verl's own pickles: exit 0).
 """
 
 from __future__ import annotations
@@ -17,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from skipinject.cache_tool.common import CommandError, default_dump_dir, human_size, mutable_root, say
 from skipinject.cache_tool.scan import open_step, scan
 from skipinject.errors import CacheError
 from skipinject.store import Payload, StepStore
@@ -25,7 +22,7 @@ from skipinject.store.compression import Compression, parse_compression
 #: meta.json keys the writer sets itself on every commit (everything else is kept: the role's keys, and
 #: the step under the trainer's name, ``global_steps``).
 _WRITER_KEYS = frozenset(
-    {
+    [
         "format",
         "format_version",
         "role",
@@ -38,7 +35,7 @@ _WRITER_KEYS = frozenset(
         "node",
         "plugin",
         "meta_checksum",
-    }
+    ]
 )
 
 
@@ -69,11 +66,10 @@ def compact_step(step_dir: Path, compression: Compression) -> tuple[int, int] | 
     return meta.stored_size, packed.read_meta(step).stored_size
 
 
-def cmd_compact(root: Path, *, compression: str, dry_run: bool, as_json: bool) -> int:
-    """Compress every complete, uncompressed skipinject step under ``root``; exit 1 if one failed or was
-    skipped as unusable."""
-    from skipinject.cache_tool.common import CommandError, mutable_root
-
+def cmd_compact(dump_dir: Path | None, *, compression: str, dry_run: bool, as_json: bool) -> int:
+    """Compress every complete, uncompressed skipinject step under ``dump_dir``; exit 1 if one failed or
+    was skipped as unusable."""
+    root = dump_dir or default_dump_dir()
     try:
         chosen = parse_compression(compression)
     except ValueError as exc:
@@ -120,8 +116,6 @@ def _ratio(before: int, after: int) -> str:
 
 def render(results: list[dict[str, Any]]) -> None:
     """One line per step (sizes and the ratio where compacted), then the total."""
-    from skipinject.cache_tool.render import human_size, say
-
     for result in results:
         sizes = ""
         if "after" in result:

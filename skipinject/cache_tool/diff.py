@@ -6,16 +6,24 @@ from pathlib import Path
 from typing import Any
 
 import skipinject.cache_tool.fields as fields
-from skipinject.cache_tool.common import FOUND, OK, CommandError, existing_dir
+from skipinject.cache_tool.common import (
+    FOUND,
+    OK,
+    CommandError,
+    Progress,
+    emit_json,
+    existing_dir,
+    human_number,
+    say,
+    schema,
+    show_table,
+)
 from skipinject.cache_tool.plugins import InstalledRoles
-from skipinject.cache_tool.progress import Progress
-from skipinject.cache_tool.render import emit_json, human_number, say, schema, show_table
 from skipinject.cache_tool.rows import means, same_row, shown_row, step_samples
 from skipinject.cache_tool.rows import tokenizer as tokenizer_for
-from skipinject.cache_tool.scan import STEP_RE, scan
+from skipinject.cache_tool.scan import STEP_RE, has_meta, scan
 from skipinject.cache_tool.show import load_step
 from skipinject.errors import CorruptCacheError
-from skipinject.store.format import META_NAME
 
 
 def cmd_diff(a: Path, b: Path, *, as_json: bool, rows: int = 3, tokenizer: str | None = None) -> int:
@@ -26,48 +34,33 @@ def cmd_diff(a: Path, b: Path, *, as_json: bool, rows: int = 3, tokenizer: str |
     roles = InstalledRoles()
     with Progress(len(pairs), "diff", unit="steps") as bar:
         for x, y in pairs:
-            reports.append(diff_steps(x, y, roles, rows=rows, tokenizer=tokenizer))  # act
+            reports.append(diff_steps(x, y, roles, rows=rows, tokenizer=tokenizer))
             bar.update(1, x.name)
     differ = bool(only) or any(r["differs"] for r in reports)
     if as_json:
+        listed = [{"side": side, "step": key} for side, key in only]
         emit_json(
-            {
-                "schema": schema("diff"),
-                "a": str(a),
-                "b": str(b),
-                "differs": differ,
-                "steps": reports,
-                "only": [{"side": side, "step": key} for side, key in only],
-            }
+            {"schema": schema("diff"), "a": str(a), "b": str(b), "differs": differ, "steps": reports, "only": listed}
         )
     else:
         render(reports, only, differ)
     return FOUND if differ else OK
 
 
-# ---------------------------------------------------------------- select
-
-
 def select(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[tuple[str, str]]]:
     """The pairs of steps to compare (two steps, or steps matched by their path below A and B), and
     the steps only one side has."""
-    if STEP_RE.match(a.name) and STEP_RE.match(b.name) and (a / META_NAME).exists() and (b / META_NAME).exists():
+    if all(STEP_RE.match(side.name) and has_meta(side) for side in (a, b)):
         return [(a, b)], []
 
     def keyed(root: Path) -> dict[str, Path]:
-        out = {}
-        for item in scan(root):
-            if item.kind == "skipinject" and item.state == "complete":
-                out[item.path.relative_to(root).as_posix()] = item.path
-        return out
+        complete = (item for item in scan(root) if item.kind == "skipinject" and item.state == "complete")
+        return {item.path.relative_to(root).as_posix(): item.path for item in complete}
 
     ka, kb = keyed(a), keyed(b)
     pairs = [(ka[k], kb[k]) for k in sorted(set(ka) & set(kb))]
     only = [("a", k) for k in sorted(set(ka) - set(kb))] + [("b", k) for k in sorted(set(kb) - set(ka))]
     return pairs, only
-
-
-# ---------------------------------------------------------------- act
 
 
 def diff_steps(
@@ -87,11 +80,9 @@ def diff_steps(
         if meta_a.get(key) != meta_b.get(key):
             report["meta"].append({"key": key, "a": meta_a.get(key), "b": meta_b.get(key)})
     ia, ib = meta_a.get("inputs"), meta_b.get("inputs")
+    report["inputs_differing"] = None
     if isinstance(ia, list) and isinstance(ib, list):
-        changed = sum(1 for x, y in zip(ia, ib, strict=False) if x != y) + abs(len(ia) - len(ib))
-        report["inputs_differing"] = changed
-    else:
-        report["inputs_differing"] = None
+        report["inputs_differing"] = sum(x != y for x, y in zip(ia, ib, strict=False)) + abs(len(ia) - len(ib))
     flat_a, flat_b = fields.flatten(value_a), fields.flatten(value_b)
     diffs = fields.compare_fields(flat_a, flat_b)
     report["fields"] = [d.record() for d in diffs]
@@ -130,9 +121,6 @@ def compare_samples(
         "tokenizer": source,
         "first_differing": first,
     }
-
-
-# ---------------------------------------------------------------- render
 
 
 def render(reports: list[dict[str, Any]], only: list[tuple[str, str]], differ: bool) -> None:
@@ -175,12 +163,11 @@ def _render_step(report: dict[str, Any]) -> None:
         for f in report["fields"]
         if f["status"] != "same"
     ]
+    heads = ("FIELD", "STATUS", "ROWS DIFFERING", "MAX |A-B|", "MEAN |A-B|", "NOTE")
     if rows:
-        heads = ("FIELD", "STATUS", "ROWS DIFFERING", "MAX |A-B|", "MEAN |A-B|", "NOTE")
-        show_table(heads, rows, right=("ROWS DIFFERING", "MAX |A-B|", "MEAN |A-B|"))
+        show_table(heads, rows, right=heads[2:5])
     elif not report["problems"]:
-        same = len(report["fields"])
-        say(f"  all {same} field(s) identical")
+        say(f"  all {len(report['fields'])} field(s) identical")
     say()
 
 

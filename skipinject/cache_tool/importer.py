@@ -1,28 +1,25 @@
 """``import``: verl's own pickled caches, converted into skipinject's format beside them (``--trust`` only).
 
-What verl's caches look like and how to read them comes from the installed plugins' roles (their
-:class:`~skipinject.roles.UpstreamFormat`s, what ``trust_upstream=true`` uses): the scan finds them,
-the declaring role's loader reads them (loading a pickle runs code from the file, so nothing is loaded
-without ``--trust``), a role whose format ``claims`` the loaded value takes it, and the role's own codec
-encodes it. The converted step is written by the store's :class:`~skipinject.store.StepWriter` under the
-role name and trainer context the engine looks for, so the next run hits it; verl's files are left where
-they are. Nothing here names a role, a verl file or a plugin.
+verl's caches are what the installed plugins' roles declare (:class:`~skipinject.roles.UpstreamFormat`):
+the declaring role's loader reads them (a pickle runs code: nothing is loaded without ``--trust``), a role
+whose format ``claims`` the value takes it, its codec encodes it, and the store writes it under the role
+and trainer context the engine looks for; verl's files are left where they are.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import FOUND, OK, USAGE, CommandError, mutable_root
+from skipinject.cache_tool.common import FOUND, OK, USAGE, CommandError, Progress, emit_json, mutable_root, say, schema
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
-from skipinject.cache_tool.progress import Progress
-from skipinject.cache_tool.render import emit_json, say, schema
 from skipinject.cache_tool.scan import Item, load_meta_json, read_json, scan
 from skipinject.errors import CorruptCacheError
 from skipinject.roles import Call
 from skipinject.store import META_NAME, StepStore
+from skipinject.store.local import LocalFiles
 from skipinject.verl.compat import STEP_KEY
 from skipinject.verl.layout import layout_values, path_safe, run_names
 
@@ -64,11 +61,8 @@ def _target(item: Item) -> tuple[Path, int]:
     """(layout directory, step) the engine reads this upstream step from."""
     key = item.upstream.format.step_key if item.upstream is not None else None
     step = item.step or 0
-    if key is not None:
-        try:
-            step = int(read_json(item.path / META_NAME).get(key, step))
-        except Exception:
-            pass
+    with contextlib.suppress(Exception):
+        step = step if key is None else int(read_json(item.path / META_NAME).get(key, step))
     return item.path.parent, step
 
 
@@ -145,16 +139,9 @@ def import_item(
 
 def _already(store: StepStore, step: int) -> bool:
     try:
-        meta = load_meta_json(store.step_dir(step) / META_NAME)
+        return load_meta_json(store.step_dir(step) / META_NAME) is not None and bool(store.verified(step))
     except (CorruptCacheError, FileNotFoundError):
         return False
-    if meta is None:
-        return False
-    try:
-        store.verified(step)
-    except (CorruptCacheError, FileNotFoundError):
-        return False
-    return True
 
 
 def cmd_import(
@@ -169,7 +156,9 @@ def cmd_import(
     items: list[Item] = []
     roles = InstalledRoles()
     for path in paths:
-        if path.is_symlink():  # as show and verify: the path given is read, never a link's target
+        if (LocalFiles().stat(path) or ("",))[
+            0
+        ] == "link":  # as show and verify: the path given is read, never a link's target
             raise CommandError(f"{path}: a symbolic link; give the directory it points to if you trust it")
         mutable_root(path, "import")
         items += [i for i in scan(path, roles=roles) if i.state == "foreign"]

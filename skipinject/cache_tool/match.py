@@ -12,8 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import OK, CommandError, existing_dir
-from skipinject.cache_tool.render import emit_json, say, schema
+from skipinject.cache_tool.common import OK, CommandError, emit_json, existing_dir, say, schema
 from skipinject.cache_tool.scan import scan
 from skipinject.plugin_kit import row_digest, row_text
 

@@ -1,7 +1,7 @@
-"""``prune``: remove skipinject's steps and leftovers of interrupted saves (never verl's pickles).
+"""``prune`` and ``rm``: remove skipinject's steps and leftovers of interrupted saves (never verl's pickles).
 
-Split into select (which steps the options choose), a safety check per step (never a save still
-running, never through a link), the removal (one small function, :func:`remove_step`) and render.
+Select (which steps the options choose), a safety check per step (never a save still running, never
+through a link), the removal through the step's store (:meth:`~skipinject.store.StepStore.remove`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import FOUND, OK, CommandError, item_store, mutable_root, scan_any
-from skipinject.cache_tool.render import emit_json, human_size, say, schema
-from skipinject.cache_tool.scan import Item
+from skipinject.cache_tool.common import (
+    FOUND,
+    OK,
+    CommandError,
+    default_dump_dir,
+    emit_json,
+    human_size,
+    mutable_root,
+    say,
+    schema,
+)
+from skipinject.cache_tool.scan import Item, item_store, scan_any
 from skipinject.cache_tool.verify import damage
 from skipinject.errors import CacheError
+from skipinject.store import garbage
 from skipinject.store.format import META_NAME, is_ours
 from skipinject.store.meta import StepMeta
 from skipinject.store.step_store import StoredFile
@@ -24,6 +34,7 @@ from skipinject.store.usage import is_usage_name
 
 _AGE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(?:i?b)?$")
 #: A data file written this recently may belong to a save still running: never touched.
 MIN_AGE = 600.0
 
@@ -35,9 +46,6 @@ def parse_age(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-_SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(?:i?b)?$")
-
-
 def parse_size(text: str) -> int:
     """``500G`` -> bytes (K, M, G, T, P: powers of 1024; a plain number is bytes)."""
     match = _SIZE.match(text.strip().lower())
@@ -47,18 +55,22 @@ def parse_size(text: str) -> int:
 
 
 def cmd_prune(
-    root: Path | str,
+    dump_dir: Path | str | None,
     *,
     keep_last: int | None,
-    older_than: float | None,
+    older_than: float | str | None,
     partial: bool,
     damaged: bool,
     dry_run: bool,
     as_json: bool,
-    max_size: int | None = None,
+    max_size: int | str | None = None,
     by: str = "created",
     now: float | None = None,
 ) -> int:
+    """``max_size`` and ``older_than`` as given on the command line (``500G``, ``7d``) or in bytes and seconds."""
+    root = dump_dir or default_dump_dir()
+    max_size = parse_size(max_size) if isinstance(max_size, str) else max_size
+    older_than = parse_age(older_than) if isinstance(older_than, str) else older_than
     if keep_last is None and older_than is None and max_size is None and not partial and not damaged:
         raise CommandError(
             "nothing to prune: give --keep-last N, --max-size SIZE, --older-than AGE, --partial or --damaged"
@@ -68,8 +80,7 @@ def cmd_prune(
     if isinstance(root, Path):
         mutable_root(root, "prune")
     now = time.time() if now is None else now
-    problems: list[str] = []
-    items = scan_any(root, problems)
+    items = scan_any(root, [])
     chosen = select(
         items,
         keep_last=keep_last,
@@ -88,18 +99,16 @@ def cmd_prune(
     return OK
 
 
-def cmd_rm(paths: Sequence[Path | str], *, dry_run: bool, as_json: bool, now: float | None = None) -> int:
+def cmd_rm(steps: Sequence[Path | str], *, dry_run: bool, as_json: bool, now: float | None = None) -> int:
     """Remove the named steps through :func:`act` (the same checks and removal as ``prune``)."""
     now = time.time() if now is None else now
     outcome: dict[str, Any] = {"removed": [], "skipped": [], "leftovers": None, "files": 0, "bytes": 0}
-    for path in paths:
+    for path in steps:
         item = _named_step(path)
         root = item.path.parent if isinstance(item.path, Path) else str(item.path.parent)
         done = act(root, [item], [(item, "named")], partial=False, dry_run=dry_run, now=now)
-        for key in ("removed", "skipped"):
+        for key in ("removed", "skipped", "files", "bytes"):
             outcome[key] += done[key]
-        outcome["files"] += done["files"]
-        outcome["bytes"] += done["bytes"]
     if as_json:
         emit_json({"schema": schema("rm"), "dry_run": dry_run, **outcome})
     else:
@@ -109,22 +118,19 @@ def cmd_rm(paths: Sequence[Path | str], *, dry_run: bool, as_json: bool, now: fl
 
 def _named_step(path: Path | str) -> Item:
     """The skipinject step at ``path`` (a local step directory or a step's URL); CommandError otherwise."""
-    problems: list[str] = []
     if isinstance(path, Path):
         mutable_root(path.parent, "rm")
-        found = [item for item in scan_any(path, problems) if item.path == path]
-    else:
-        parent = path.rpartition("/")[0]
-        found = [item for item in scan_any(parent, problems) if str(item.path) == path]
+    found = [
+        item
+        for item in scan_any(path if isinstance(path, Path) else path.rpartition("/")[0], [])
+        if str(item.path) == str(path)
+    ]
     ours = [item for item in found if item.kind == "skipinject"]
     if ours:
         return ours[0]
     if found:
         raise CommandError(f"{path}: verl's own cache ({found[0].kind}); skipinject never removes it")
     raise CommandError(f"{path}: no skipinject step there")
-
-
-# ---------------------------------------------------------------- select
 
 
 def select(
@@ -140,69 +146,53 @@ def select(
 ) -> list[tuple[Item, str]]:
     """The items the options choose, each with the reason."""
     chosen: list[tuple[Item, str]] = []
-    for item in items if damaged else ():
-        if item.kind == "skipinject" and item.state == "complete":
-            problems = damage(item)  # verify's question: every byte checked by the store
-            if problems:
-                item.state, item.problems = "damaged", problems
+    ours = [item for item in items if item.kind == "skipinject"]
+    for item in ours if damaged else ():
+        problems = damage(item) if item.state == "complete" else []  # verify's question: every byte checked
+        if problems:
+            item.state, item.problems = "damaged", problems
     by_role: dict[tuple[str, str, str, Path], list[Item]] = {}
-    for item in items:
-        if item.kind == "skipinject" and item.state == "complete":
-            by_role.setdefault((item.project, item.layout, item.role, item.path.parent), []).append(item)
-    if keep_last is not None or older_than is not None:
-        for members in by_role.values():
-            members.sort(key=lambda i: i.step or 0)
-            keep = set()
-            if keep_last is not None:
-                keep = {id(i) for i in members[len(members) - keep_last :]} if keep_last else set()
-            for item in members:
-                if id(item) in keep:
-                    continue
-                used = item.last_used if by == "served" else item.created_time
-                if older_than is not None and now - used < older_than:
-                    continue
-                why = f"{'unused' if by == 'served' else 'older'} for longer than --older-than"
-                chosen.append((item, why if keep_last is None else "beyond --keep-last"))
+    for item in (item for item in ours if item.state == "complete"):
+        by_role.setdefault((item.project, item.layout, item.role, item.path.parent), []).append(item)
+    for members in by_role.values() if keep_last is not None or older_than is not None else ():
+        members.sort(key=lambda i: i.step or 0)
+        kept = {id(item) for item in members[len(members) - keep_last :]} if keep_last else set()
+        for item in members:
+            used = item.last_used if by == "served" else item.created_time
+            if id(item) in kept or (older_than is not None and now - used < older_than):
+                continue
+            why = f"{'unused' if by == 'served' else 'older'} for longer than --older-than"
+            chosen.append((item, why if keep_last is None else "beyond --keep-last"))
     if max_size is not None:
         taken = {id(item) for item, _ in chosen}
-        kept = [item for members in by_role.values() for item in members if id(item) not in taken]
-        total = sum(item.size for item in kept)
-        for item in sorted(kept, key=lambda i: i.last_used):
+        rest = [item for members in by_role.values() for item in members if id(item) not in taken]
+        total = sum(item.size for item in rest)
+        for item in sorted(rest, key=lambda i: i.last_used):
             if total <= max_size:
                 break
             total -= item.size
             chosen.append((item, "least recently served beyond --max-size"))
-    for item in items:
-        if item.kind != "skipinject":
-            continue
-        if partial and item.state == "partial":
-            chosen.append((item, "interrupted save"))
-        if damaged and item.state == "damaged":
-            chosen.append((item, "damaged"))
+    for item in ours:
+        if (partial and item.state == "partial") or (damaged and item.state == "damaged"):
+            chosen.append((item, "interrupted save" if item.state == "partial" else "damaged"))
     return chosen
 
 
-# ---------------------------------------------------------------- act
-
-
 def act(
-    root: Path | str,
-    items: Sequence[Item],
-    chosen: list[tuple[Item, str]],
-    *,
-    partial: bool,
-    dry_run: bool,
-    now: float,
+    root: Path | str, items: Sequence[Item], chosen: list[tuple[Item, str]], *, partial: bool, dry_run: bool, now: float
 ) -> dict[str, Any]:
     """Remove (or, ``dry_run``, count) what is chosen and safe to remove now; the ``--json`` fields."""
-    root_real = root if isinstance(root, str) else root.resolve()
     removed: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     files_total = bytes_total = 0
-    garbage_found = _leftovers(items, now) if partial and isinstance(root, Path) else None
+    leftovers: list[Any] | None = None
+    if partial and isinstance(root, Path):  # abandoned files of our saves, by the store's rule
+        store_dirs = sorted({item.path.parent for item in items if item.kind == "skipinject"})
+        leftovers = [found for store_dir in store_dirs for found in garbage.find_leftovers(store_dir, now=now)]
+    abandoned_files = {leftover.path for leftover in leftovers or ()}
     for item, reason in chosen:
-        problem = _unsafe(item, root_real, now)
-        abandoned = garbage_found is None or set(item.files) <= garbage_found[1]
+        problem = _unsafe(item, root, now)
+        abandoned = leftovers is None or set(item.files) <= abandoned_files
         if problem is None and item.state == "partial" and not abandoned:
             problem = "a save may still be writing it (its writer is alive, or it changed in the last 10 minutes)"
         if problem:
@@ -216,20 +206,17 @@ def act(
         files_total += count
         bytes_total += size
         removed.append({"path": str(item.path), "role": item.role, "step": item.step, "reason": reason, "size": size})
-    leftovers = None
-    if garbage_found is not None:
-        from skipinject.store import garbage
-
+    counted = None
+    if leftovers is not None:
         gone = {Path(entry["path"]) for entry in removed}
-        rest = [leftover for leftover in garbage_found[0] if not gone & set(leftover.path.parents)]
-        counted = (len(rest), sum(leftover.size for leftover in rest))
-        leftovers = counted if dry_run else garbage.remove_leftovers(rest)
-        files_total += leftovers[0]
-        bytes_total += leftovers[1]
+        rest = [leftover for leftover in leftovers if not gone & set(leftover.path.parents)]
+        counted = (len(rest), sum(leftover.size for leftover in rest)) if dry_run else garbage.remove_leftovers(rest)
+        files_total += counted[0]
+        bytes_total += counted[1]
     return {
         "removed": removed,
         "skipped": skipped,
-        "leftovers": None if leftovers is None else {"files": leftovers[0], "bytes": leftovers[1]},
+        "leftovers": None if counted is None else {"files": counted[0], "bytes": counted[1]},
         "files": files_total,
         "bytes": bytes_total,
     }
@@ -239,27 +226,23 @@ def _named(item: Item) -> set[str]:
     """``part/name`` of the files that make up ``item`` (``/name`` in the step directory itself)."""
     if item.state != "partial" and isinstance(item.meta, StepMeta):
         return item.meta.named() | {f"/{META_NAME}"}
-    return {_relative(item, path) for path in item.files}
-
-
-def _relative(item: Item, path: Path) -> str:
-    return f"/{path.name}" if path.parent == item.path else f"{path.parent.name}/{path.name}"
-
-
-def _ours(item: Item, found: StoredFile) -> bool:
-    """A file of ``item`` that removing it removes: skipinject's only (verl's pickles are never deleted)."""
-    if item.state == "partial":
-        return f"{found.part}/{found.name}" in _named(item)
-    top = not found.part and (found.name == META_NAME or is_usage_name(found.name))
-    return found.kind == "file" and (is_ours(found.name) or top)
+    return {f"/{p.name}" if p.parent == item.path else f"{p.parent.name}/{p.name}" for p in item.files}
 
 
 def _our_files(item: Item) -> list[StoredFile]:
-    """The files of ``item`` to delete, as the store lists them."""
-    return [found for found in item_store(item).files(int(item.path.name)) if _ours(item, found)]
+    """The files of ``item`` that removing it deletes, as the store lists them (never verl's pickles)."""
+    named = _named(item) if item.state == "partial" else set()
+
+    def ours(found: StoredFile) -> bool:
+        if item.state == "partial":
+            return f"{found.part}/{found.name}" in named
+        top = not found.part and (found.name == META_NAME or is_usage_name(found.name))
+        return found.kind == "file" and (is_ours(found.name) or top)
+
+    return [found for found in item_store(item).files(int(item.path.name)) if ours(found)]
 
 
-def _unsafe(item: Item, root_real: Path | str, now: float) -> str | None:
+def _unsafe(item: Item, root: Path | str, now: float) -> str | None:
     """Why ``item`` must not be touched now, or None: it cannot be listed (a link, gone), or a file
     of it that is not part of its commit (or any, for an interrupted save) changed too recently."""
     if item.step is None or item.kind != "skipinject":
@@ -272,38 +255,20 @@ def _unsafe(item: Item, root_real: Path | str, now: float) -> str | None:
     for found in ours:
         if not found.part and is_usage_name(found.name):
             continue  # a hit's record, not a save
-        recent = now - found.mtime < MIN_AGE
-        if recent and (f"{found.part}/{found.name}" not in named or item.state != "complete"):
+        if now - found.mtime < MIN_AGE and (f"{found.part}/{found.name}" not in named or item.state != "complete"):
             return f"a save may still be writing it ({found.name} changed {now - found.mtime:.0f} s ago)"
     return None
 
 
 def remove_step(item: Item, root: Path | str) -> tuple[int, int]:
-    """Remove ``item`` through its store (:meth:`~skipinject.store.StepStore.remove`): ``meta.json``
-    first (the step becomes absent at once), then its data files, usage record and empty directories;
-    locally relative to descriptors opened once from ``root``, so a step swapped for a link after the
-    check removes nothing through it."""
+    """Remove ``item`` through its store: ``meta.json`` first, then its data files, usage record and
+    empty directories; locally from descriptors opened once from ``root``, so a step swapped for a
+    link after the check removes nothing through it."""
     store = item_store(item, root if isinstance(root, Path) else None)
-    only = _named(item) if item.state == "partial" else None
     try:
-        return store.remove(int(item.path.name), only=only)
+        return store.remove(int(item.path.name), only=_named(item) if item.state == "partial" else None)
     except (CacheError, OSError, ValueError):
         return 0, 0
-
-
-def _leftovers(items: Sequence[Item], now: float) -> tuple[list[Any], set[Path]] | None:
-    """Abandoned files of our saves (the store's rule, :mod:`skipinject.store.garbage`), or None without it."""
-    try:
-        from skipinject.store import garbage
-    except ImportError:
-        return None
-    found: list[Any] = []
-    for store_dir in sorted({item.path.parent for item in items if item.kind == "skipinject"}):
-        found += garbage.find_leftovers(store_dir, now=now)
-    return found, {leftover.path for leftover in found}
-
-
-# ---------------------------------------------------------------- render
 
 
 def render(outcome: dict[str, Any], *, dry_run: bool) -> None:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import CommandError
-from skipinject.cache_tool.render import shorten
+from skipinject.cache_tool.common import CommandError, shorten
+from skipinject.store.local import LocalFiles
 from skipinject.verl.samples import Sample, recorded_model, samples
 
 #: Token ids shown of a row without a tokenizer.
@@ -28,7 +28,7 @@ def tokenizer(path: str | None, meta: Mapping[str, Any]) -> tuple[Decode | None,
     """The decoder of ``path`` (``--tokenizer``: failing to load it is a one-line error), else of the
     recorded model's directory when it exists here (failing quietly), and where it came from."""
     chosen = path or recorded_model(meta)
-    if chosen is None or (path is None and not Path(chosen).is_dir()):
+    if chosen is None or (path is None and (LocalFiles().stat(Path(chosen), follow=True) or ("",))[0] != "directory"):
         return None, None
     try:
         from transformers import AutoTokenizer

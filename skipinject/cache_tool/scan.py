@@ -1,38 +1,31 @@
-"""Finding steps under a dump directory and classifying them, without loading any tensor.
+"""Finding steps under a dump directory or a remote store's URL and classifying them, no tensor loaded.
 
-Every byte under a cache directory is treated as hostile: the walk never follows a symlink, never
-opens anything but a regular file (a FIFO would block), reads ``meta.json`` bounded, and turns
-whatever it cannot make sense of into a ``damaged`` item with one line saying why.
-
-verl's own caches are recognised by the installed plugins' declarations
-(:class:`~skipinject.roles.UpstreamFormat`, through :class:`~skipinject.cache_tool.plugins.InstalledRoles`):
-nothing here knows a role's name or verl's file names.
-
-The store reads one role's steps when the role and the trainer context are known (the engine's
-case). Here neither is: :func:`open_step` reads a ``meta.json`` bounded, takes role and context
-from it, and hands the step to the store's own :class:`~skipinject.store.StepStore` (``read_meta``,
-``verified``, ``load``), so there is still one reader.
+Every byte under a cache is hostile: the walk goes through the store's backends (no link followed,
+only regular files opened, ``meta.json`` read bounded) and turns what it cannot make sense of into a
+``damaged`` item with one line saying why. verl's own caches are what the installed plugins declare
+(:class:`~skipinject.roles.UpstreamFormat`). A step's role and context come from its ``meta.json``;
+:func:`open_step` then hands it to the store's own :class:`~skipinject.store.StepStore`, the one reader.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
+from skipinject.cache_tool.common import existing_dir
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepStore
 from skipinject.store.backend import Backend
-from skipinject.store.files import entries as list_entries
-from skipinject.store.files import parse_json, read_small, unresolved_problem
+from skipinject.store.files import parse_json, unresolved_problem
 from skipinject.store.format import (
+    DATA_NAME,
     FORMAT,
     MAX_META_BYTES,
     MAX_META_DEPTH,
@@ -44,68 +37,47 @@ from skipinject.store.format import (
 )
 from skipinject.store.local import LocalFiles
 from skipinject.store.meta import StepMeta
+from skipinject.store.remote import FsspecFiles, RemotePath, open_remote
 from skipinject.store.step_store import StoredFile, list_step
-from skipinject.store.usage import Usage
+from skipinject.store.usage import USAGE_NAME, Usage
 from skipinject.verl.layout import layout_values
 
 #: A step directory's name: the store's rule (decimal, no leading zeros), anchored for ``match``.
 STEP_RE = re.compile(rf"^(?:{STEP_NAME.pattern})$")
 MAX_DEPTH = 8
+PARTIAL = "data files but no meta.json (a save was interrupted, or is running)"
 
 
-def iso_time(when: float) -> str:
-    """A unix time as ``meta.json``'s ``created`` writes it (local time, with its offset)."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(when))
+def read_json(path: Path, backend: Backend | None = None) -> Any:
+    """A small JSON file (a ``meta.json``, ours or verl's) read and parsed with the training run's
+    bounds; CorruptCacheError for anything wrong."""
+    files = backend or LocalFiles()
+    data = files.read_bytes(path, MAX_META_BYTES)
+    return parse_json(data, path, what="meta.json", max_depth=MAX_META_DEPTH)
 
 
-def read_json(path: Path) -> Any:
-    """A small JSON file (a ``meta.json``, ours or verl's) by the store's own bounded reader and parser:
-    the same byte and nesting bounds as the training run; CorruptCacheError for anything wrong."""
-    return parse_json(read_small(path), path, what="meta.json", max_depth=MAX_META_DEPTH)
+def load_meta_json(path: Path) -> dict[str, Any] | None:
+    """A step's ``meta.json`` if it carries skipinject's format marker, else None."""
+    meta = read_json(path)
+    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
 
 
-def _is_dir(entry: os.DirEntry[str]) -> bool:
-    try:
-        return entry.is_dir(follow_symlinks=False)
-    except OSError:
-        return False
-
-
-# ---------------------------------------------------------------- items
-
-
-class ItemRecord(TypedDict):
-    """An :class:`Item`'s stable JSON form (docs/cache-tool.md)."""
-
-    path: str
-    project: str
-    layout: str
-    role: str
-    step: int | None
-    state: str
-    kind: str
-    rows: int | None
-    size: int
-    decoded: int
-    parts: int
-    created: str | None
-    last_served: str | None
-    hits: int
-    writer: dict[str, str]
-    problems: list[str]
+def has_meta(step_dir: Path) -> bool:
+    """Whether a local step directory holds a ``meta.json`` (any, followed if a link)."""
+    return LocalFiles().stat(step_dir / META_NAME, follow=True) is not None
 
 
 @dataclass
 class Item:
     """One cached step of one kind: skipinject's format, or verl's own pickles beside or instead."""
 
-    path: Path  # the step directory
+    path: Path  # the step directory (a RemotePath in a remote store)
     project: str
     layout: str
     role: str
     step: int | None
     state: str  # complete | partial | foreign | damaged | untrusted
-    kind: str = "skipinject"  # skipinject, or the label of verl's format (verl-v0 | verl-v1 | verl-0.8)
+    kind: str = "skipinject"  # or the label of verl's format (verl-v0 | verl-v1 | verl-0.8)
     rows: int | None = None
     size: int = 0
     parts: int = 0
@@ -117,16 +89,15 @@ class Item:
     meta: dict[str, Any] | None = field(default=None, repr=False)
     upstream: Upstream | None = field(default=None, repr=False)  # the declaration of a foreign item
     decoded: int | None = None  # its size once compressed files are decoded (None: as stored)
-    hits: int = 0  # times served, by its usage record (skipinject's steps)
+    hits: int = 0  # times served, by its usage record
     served: float | None = None  # when last served (unix time), None: never (or no record)
 
     @property
     def created_time(self) -> float:
         """When it was written (``meta.json``'s ``created``, else its files' time)."""
-        if self.created:
-            for layout in ("%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S"):
-                with contextlib.suppress(ValueError):
-                    return datetime.strptime(self.created[:24], layout).timestamp()
+        for layout in ("%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S") if self.created else ():
+            with contextlib.suppress(ValueError):
+                return datetime.strptime(str(self.created)[:24], layout).timestamp()
         return self.mtime
 
     @property
@@ -139,8 +110,7 @@ class Item:
             self.hits, self.served = usage.hits, usage.last_served
 
     def describe(self, meta: dict[str, Any]) -> None:
-        """What a step's ``meta.json`` says of it (role, creation, writer, rows, parts), each shown
-        only when it has the right type (a forged one is listed, never trusted)."""
+        """What ``meta.json`` says (role, creation, writer, rows, parts), each only when of the right type."""
         self.meta = meta
         if isinstance(meta.get("role"), str):
             self.role = meta["role"]
@@ -150,97 +120,64 @@ class Item:
         self.rows = meta.get("rows") if type(meta.get("rows")) is int else None
         self.parts = len(meta["parts"]) if isinstance(meta.get("parts"), list) else 0
 
-    def record(self) -> ItemRecord:
+    def record(self) -> dict[str, Any]:
         """The stable JSON form (docs/cache-tool.md)."""
+        served = None if self.served is None else time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.served))
         return {
             "path": str(self.path),
-            "project": self.project,
-            "layout": self.layout,
-            "role": self.role,
-            "step": self.step,
-            "state": self.state,
-            "kind": self.kind,
-            "rows": self.rows,
+            **{name: getattr(self, name) for name in ("project", "layout", "role", "step", "state", "kind", "rows")},
             "size": self.size,
             "decoded": self.size if self.decoded is None else self.decoded,
             "parts": self.parts,
             "created": self.created,
-            "last_served": None if self.served is None else iso_time(self.served),
+            "last_served": served,
             "hits": self.hits,
             "writer": dict(self.writer),
             "problems": list(self.problems),
         }
 
 
-def _where(step_dir: Path) -> tuple[str, str, str | None]:
-    """(project, layout, role directory or None) from the names above a step directory."""
-    for ancestor in step_dir.parents:
-        if layout_values(ancestor.name) is not None:
-            role_dir = step_dir.parent.name if step_dir.parent != ancestor else None
-            return ancestor.parent.name, ancestor.name, role_dir
-    return step_dir.parent.name, "-", None
+def _where(names: Sequence[str], nearest: bool = False) -> tuple[str, str, str | None]:
+    """(project, layout, role directory or None) from the names above a step directory; the role
+    directory is the one below the layout, or (``nearest``) the step's parent."""
+    for index in range(len(names) - 1, -1, -1):
+        if layout_values(names[index]) is not None:
+            role_dir = names[-1 if nearest else index + 1] if index + 1 < len(names) else None
+            return (names[index - 1] if index else "-"), names[index], role_dir
+    return (names[-1] if names else "-"), "-", None
 
 
 def classify(step_dir: Path, upstreams: Sequence[Upstream] = ()) -> list[Item]:
-    """The items of one step directory (none, one, or ours beside verl's). Never raises.
-
-    ``upstreams``: verl's formats the installed plugins declare (:meth:`InstalledRoles.upstreams`)."""
-    project, layout, role_dir = _where(step_dir)
+    """The items of one step directory (none, one, or ours beside verl's). Never raises."""
+    project, layout, role_dir = _where(step_dir.parent.parts, nearest=True)
     try:
         return _classify(step_dir, project, layout, role_dir, upstreams)
     except Exception as exc:  # a weird tree is reported, never a traceback
         step = int(step_dir.name) if STEP_RE.match(step_dir.name) else None
-        return [
-            Item(
-                step_dir,
-                project,
-                layout,
-                role_dir or "-",
-                step,
-                "damaged",
-                problems=[f"{step_dir}: cannot read it ({type(exc).__name__}: {exc})"],
-            )
-        ]
+        problem = f"{step_dir}: cannot read it ({type(exc).__name__}: {exc})"
+        return [Item(step_dir, project, layout, role_dir or "-", step, "damaged", problems=[problem])]
 
 
 def _foreign(
-    step_dir: Path,
-    where: tuple[str, str, str | None],
-    files: Mapping[str, StoredFile],
-    sub_files: Mapping[str, Mapping[str, StoredFile]],
-    upstreams: Sequence[Upstream],
+    step_dir: Path, where: tuple[str, str, str | None], listed: Mapping[Path, StoredFile], upstreams: Sequence[Upstream]
 ) -> Item | None:
     """verl's own cache in ``step_dir`` by the first declaration it matches (never loaded here)."""
-    project, layout, role_dir = where
     for upstream in reversed(upstreams):  # the role taking every value of a file (no ``claims``) names it
         found = upstream.directory.match(step_dir.name)
         if found is None:
             continue
-        paths = []
+        paths: list[Path] = []
         if upstream.per_part:
-            index = 0
-            while upstream.base_name in sub_files.get(str(index), {}):
-                paths.append(step_dir / str(index) / upstream.base_name)
-                index += 1
-        elif upstream.base_name in files:
-            paths.append(step_dir / upstream.base_name)
+            while step_dir / str(len(paths)) / upstream.base_name in listed:
+                paths.append(step_dir / str(len(paths)) / upstream.base_name)
+        elif step_dir / upstream.base_name in listed:
             inputs = upstream.format.inputs_file
-            if inputs is not None and inputs in files:
-                paths.append(step_dir / inputs)
-        if not paths:
-            continue
-        item = Item(
-            step_dir,
-            project,
-            layout,
-            role_dir or upstream.role,
-            int(found.group(1)),
-            "foreign",
-            kind=upstream.format.label,
-        )
-        item.files, item.upstream = paths, upstream
-        item.parts = len(paths) if upstream.per_part else 1
-        return item
+            paths = [step_dir / name for name in (upstream.base_name, inputs) if name and step_dir / name in listed]
+        if paths:
+            item = Item(step_dir, where[0], where[1], where[2] or upstream.role, int(found.group(1)), "foreign")
+            item.kind, item.files, item.upstream = upstream.format.label, paths, upstream
+            item.parts = len(paths) if upstream.per_part else 1
+            return item
     return None
 
 
@@ -249,143 +186,77 @@ def _classify(
 ) -> list[Item]:
     items: list[Item] = []
     listing = list_step(LocalFiles(), step_dir)  # the store's listing: no link followed, part directories too
-    measured = {step_dir / f.part / f.name if f.part else step_dir / f.name: f for f in listing if f.kind == "file"}
-    files = {f.name: f for f in listing if not f.part and f.kind == "file"}
-    sub_files: dict[str, dict[str, StoredFile]] = {}
-    for found in sorted((f for f in listing if f.part and f.kind == "file"), key=lambda f: int(f.part)):
-        sub_files.setdefault(found.part, {})[found.name] = found
-
-    # verl's own pickles (never loaded here; only their presence and size).
-    foreign = _foreign(step_dir, (project, layout, role_dir), files, sub_files, upstreams)
-    if foreign is not None:
-        _measure(foreign, measured)
+    listed = {step_dir / f.part / f.name: f for f in listing if f.kind == "file"}
+    foreign = _foreign(step_dir, (project, layout, role_dir), listed, upstreams)
+    if foreign is not None:  # verl's own pickles: only their presence and size
+        _measure(foreign, listed)
         _upstream_rows(foreign)
         items.append(foreign)
     ours_dir = STEP_RE.match(step_dir.name) is not None
     step = int(step_dir.name) if ours_dir else (foreign.step if foreign is not None else None)
-
-    ours_data = [step_dir / n for n in files if is_ours(n)]
-    for sub_name, sub_entries in sub_files.items():
-        ours_data += [step_dir / sub_name / n for n in sub_entries if is_ours(n)]
-    meta_entry = files.get(META_NAME)
-    if meta_entry is None and any(not f.part and f.name == META_NAME for f in listing):
-        problem = f"{step_dir}/meta.json: not a regular file"
-        items.append(Item(step_dir, project, layout, role_dir or "-", step, "damaged", problems=[problem]))
-        return items
+    ours_data = [path for path in listed if is_ours(path.name)]
+    meta_path = step_dir / META_NAME
+    if meta_path not in listed and any(not f.part and f.name == META_NAME for f in listing):
+        problem = f"{meta_path}: not a regular file"
+        return [*items, Item(step_dir, project, layout, role_dir or "-", step, "damaged", problems=[problem])]
     if not ours_dir or step is None:
         return items  # verl's own directory (genstep_*, with its own meta.json): skipinject never writes it
-    if meta_entry is not None:
-        item = _our_step(step_dir, project, layout, role_dir, step, foreign is not None, measured)
+    if meta_path in listed:
+        item = _our_step(step_dir, project, layout, role_dir, step, foreign is not None)
         if item is not None and item.state == "damaged":
-            item.rows, item.size, item.mtime = None, 0, 0.0  # what a damaged meta.json claims is not shown
-            item.files = [step_dir / META_NAME, *ours_data]
-            _measure(item, measured)
+            item.rows = None  # what a damaged meta.json claims is not shown
+            item.files = [meta_path, *ours_data]
         if item is not None:
-            items.append(item)
-            return items
+            _measure(item, listed)
+            if item.state != "damaged" and isinstance(item.meta, StepMeta) and item.meta.expansion:
+                item.decoded = item.size + item.meta.expansion
+            return [*items, item]
     if ours_data:
         item = Item(step_dir, project, layout, role_dir or "-", step, "partial", files=ours_data)
-        item.problems.append(f"{step_dir}: data files but no meta.json (a save was interrupted, or is running)")
-        _measure(item, measured)
+        item.problems.append(f"{step_dir}: {PARTIAL}")
+        _measure(item, listed)
         items.append(item)
-    elif meta_entry is not None and foreign is None:
-        items.append(
-            Item(
-                step_dir,
-                project,
-                layout,
-                role_dir or "-",
-                step,
-                "damaged",
-                problems=[f"{step_dir}/meta.json: not a skipinject commit record (no format marker)"],
-            )
-        )
+    elif meta_path in listed and foreign is None:
+        problem = f"{meta_path}: not a skipinject commit record (no format marker)"
+        items.append(Item(step_dir, project, layout, role_dir or "-", step, "damaged", problems=[problem]))
     return items
 
 
-def _measure(item: Item, measured: Mapping[Path, StoredFile]) -> None:
+def _measure(item: Item, listed: Mapping[Path, StoredFile]) -> None:
     """Size and newest time of the item's files, as the step's listing found them (regular files only)."""
-    kept = []
-    for path in item.files:
-        found = measured.get(path)
-        if found is None:
-            continue
-        kept.append(path)
-        item.size += found.size
-        item.mtime = max(item.mtime, found.mtime)
-    item.files = kept
+    item.files = [path for path in item.files if path in listed]
+    item.size = sum(listed[path].size for path in item.files)
+    item.mtime = max((listed[path].mtime for path in item.files), default=0.0)
 
 
 def _upstream_rows(item: Item) -> None:
     """Rows without unpickling, where verl writes them in a ``meta.json`` beside each file."""
     key = item.upstream.format.rows_key if item.upstream is not None else None
-    if key is None:
-        return
-    total = 0
-    for path in item.files:
-        try:
-            total += int(read_json(path.parent / META_NAME)[key])
-        except Exception:
-            return
-    item.rows = total
+    with contextlib.suppress(Exception):
+        if key is not None:
+            item.rows = sum(int(read_json(path.parent / META_NAME)[key]) for path in item.files)
 
 
-def load_meta_json(path: Path) -> dict[str, Any] | None:
-    """A step's ``meta.json`` as JSON if it carries skipinject's format marker, else ``None``.
-
-    Read and parsed by the store's reader with the training run's bounds (size, nesting, numbers);
-    raises :class:`CorruptCacheError` when it cannot be read or parsed.
-    """
-    meta = read_json(path)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        return None
-    return meta
-
-
-def step_identity(meta: dict[str, Any] | None, step_dir: object) -> tuple[str, dict[str, Any]]:
-    """The role and trainer context a step's ``meta.json`` claims (a store is opened with them, and
-    then checks the whole file); CorruptCacheError when it is not ours or they are malformed."""
-    if meta is None:
+def open_step(step_dir: Path, backend: Backend | None = None) -> tuple[StepStore, StepMeta]:
+    """The store holding ``step_dir`` (role and context from its own ``meta.json``, local or in the
+    ``backend``) and its meta, checked whole by :meth:`StepStore.read_meta`. Raises CorruptCacheError,
+    or FileNotFoundError when the step holds no skipinject ``meta.json``."""
+    if not STEP_RE.match(step_dir.name):
+        raise CorruptCacheError(f"{step_dir}: not a step directory (its name is not a step number)")
+    raw = read_json(step_dir / META_NAME, backend)
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise CorruptCacheError(f"{step_dir}/meta.json: not a skipinject commit record (no format marker)")
-    role, context = meta.get("role"), meta.get("context", {})
+    role, context = raw.get("role"), raw.get("context", {})
     if not isinstance(role, str) or not isinstance(context, dict):
         raise CorruptCacheError(
             f"{step_dir}/meta.json: malformed (role {role!r:.80}, context {type(context).__name__})"
         )
-    return role, context
-
-
-def open_step(step_dir: Path, backend: Backend | None = None) -> tuple[StepStore, StepMeta]:
-    """The store holding ``step_dir`` (role and context from its own ``meta.json``) and the checked meta,
-    local or in the ``backend`` (an object store).
-
-    ``meta.json`` is read bounded by the backend (a small regular file; one request) and parsed with
-    the training run's bounds; the store's :meth:`StepStore.read_meta` then checks it whole. Raises
-    CorruptCacheError, or FileNotFoundError when the step holds no skipinject ``meta.json``.
-    """
-    if not STEP_RE.match(step_dir.name):
-        raise CorruptCacheError(f"{step_dir}: not a step directory (its name is not a step number)")
-    files = backend if backend is not None else LocalFiles()
-    shown = step_dir / META_NAME
-    raw = parse_json(files.read_bytes(shown, MAX_META_BYTES), shown, what="meta.json", max_depth=MAX_META_DEPTH)
-    role, context = step_identity(raw if isinstance(raw, dict) and raw.get("format") == FORMAT else None, step_dir)
     store = StepStore(step_dir.parent, role, context, backend=backend)
     return store, store.read_meta(int(step_dir.name))
 
 
-def precheck(store: StepStore, step: int, meta: dict[str, Any]) -> list[tuple[Path, int]]:
-    """Every named file is a regular file (no link, FIFO) of its recorded size; before the store opens it."""
-    return store.precheck(step, meta)
-
-
 def _our_step(
-    step_dir: Path,
-    project: str,
-    layout: str,
-    role_dir: str | None,
-    step: int,
-    beside_foreign: bool,
-    measured: Mapping[Path, StoredFile],
+    step_dir: Path, project: str, layout: str, role_dir: str | None, step: int, beside_foreign: bool
 ) -> Item | None:
     item = Item(step_dir, project, layout, role_dir or "-", step, "complete", files=[step_dir / META_NAME])
     try:
@@ -404,8 +275,7 @@ def _our_step(
     try:
         store, meta = open_step(step_dir)
         item.meta = meta
-        sized = precheck(store, step, meta)
-        item.files += [path for path, _ in sized]
+        item.files += [path for path, _ in store.precheck(step, meta)]
         item.note_usage(store.usage(step))
     except UntrustedCacheError as exc:  # intact perhaps, but in a tree another user controls
         item.state = "untrusted"
@@ -413,63 +283,41 @@ def _our_step(
     except (CorruptCacheError, OSError, ValueError, TypeError, AttributeError) as exc:
         item.state = "damaged"
         item.problems.append(str(exc) if isinstance(exc, CorruptCacheError) else f"{step_dir}: {exc}")
-    _measure(item, measured)
-    if item.state != "damaged" and isinstance(item.meta, StepMeta) and item.meta.expansion:
-        item.decoded = item.size + item.meta.expansion
     return item
 
 
-# ---------------------------------------------------------------- walking
-
-
-def _looks_like_step(directory: Path, entries: list[os.DirEntry[str]], upstreams: Sequence[Upstream]) -> bool:
-    formats = [u for u in upstreams if u.directory.match(directory.name)]
-    if not STEP_RE.match(directory.name) and not formats:
-        return False
-    known = {META_NAME} | {u.base_name for u in formats if not u.per_part}
-    known |= {u.format.inputs_file for u in formats if u.format.inputs_file is not None}
-    for entry in entries:
-        if entry.name in known or is_ours(entry.name):
-            return True
-        if PART_NAME.fullmatch(entry.name) and _is_dir(entry):
-            return True
-    return False
-
-
-def _linked_step(entry: os.DirEntry[str]) -> bool:
-    try:
-        return STEP_RE.match(entry.name) is not None and entry.is_symlink()
-    except OSError:
-        return False
-
-
 def step_dirs(root: Path, problems: list[str] | None = None, upstreams: Sequence[Upstream] = ()) -> Iterator[Path]:
-    """Step directories at or under ``root``; never follows a link, never leaves ``root``."""
+    """Step directories at or under ``root``; never follows a link below it, never leaves it."""
+    files = LocalFiles()
     stack = [(root, 0)]
     while stack:
         directory, depth = stack.pop()
         try:
-            entries = list_entries(directory)
+            names = files.names(directory, follow=True)
+            subdirs = set(files.names(directory, directories=True))
         except OSError as exc:
             if problems is not None:
                 problems.append(f"{directory}: cannot list it ({type(exc).__name__}: {exc})")
             continue
-        if _looks_like_step(directory, entries, upstreams):
+        formats = [u for u in upstreams if u.directory.match(directory.name)]
+        known = {META_NAME} | {u.base_name for u in formats if not u.per_part}
+        known |= {u.format.inputs_file for u in formats if u.format.inputs_file is not None}
+        if (STEP_RE.match(directory.name) or formats) and any(
+            name in known or is_ours(name) or (PART_NAME.fullmatch(name) and name in subdirs) for name in names
+        ):
             yield directory
             continue
         if problems is not None:  # a step that is a link is never followed, and said
-            problems += [f"{e.path}: a symbolic link, not followed" for e in entries if _linked_step(e)]
-        if depth >= MAX_DEPTH:
-            continue
-        children = sorted((e for e in entries if _is_dir(e)), key=lambda e: e.name, reverse=True)
-        stack.extend((Path(e.path), depth + 1) for e in children)
+            for name in sorted(n for n in names if STEP_RE.match(n) and n not in subdirs):
+                if (files.stat(directory / name) or ("",))[0] == "link":
+                    problems.append(f"{directory / name}: a symbolic link, not followed")
+        if depth < MAX_DEPTH:
+            stack.extend((directory / name, depth + 1) for name in sorted(subdirs, reverse=True))
 
 
 def scan(root: Path, problems: list[str] | None = None, roles: InstalledRoles | None = None) -> list[Item]:
-    """Every item under ``root``, in a stable order (project, layout, role, step).
-
-    ``roles``: the installed plugins whose declarations name verl's own caches (default: as a run
-    would load them)."""
+    """Every item under ``root``, in a stable order (project, layout, role, step). ``roles``: the
+    plugins whose declarations name verl's own caches (default: as a run would load them)."""
     upstreams = (roles or InstalledRoles()).upstreams()
     items = [item for directory in step_dirs(root, problems, upstreams) for item in classify(directory, upstreams)]
     items.sort(key=lambda i: (i.project, i.layout, i.role, i.step if i.step is not None else -1, i.kind))
@@ -482,20 +330,96 @@ def scan(root: Path, problems: list[str] | None = None, roles: InstalledRoles | 
     return items
 
 
+def scan_any(root: Path | str, problems: list[str]) -> list[Item]:
+    """Items of a local directory (which must exist) or of a remote store's URL."""
+    return scan_remote(root, problems) if isinstance(root, str) else scan(existing_dir(root), problems)
+
+
+def item_store(item: Item, root: Path | None = None) -> StepStore:
+    """The store holding ``item``'s step (local, or the object store of its URL), for upkeep that needs
+    no role context (usage record, files, removal); ``root`` anchors local removals."""
+    if isinstance(item.path, Path):
+        return StepStore(item.path.parent, item.role, {}, dump_dir=root)
+    return StepStore(item.path.parent, item.role, {}, backend=FsspecFiles(open_remote(str(item.path))[0]))
+
+
 def step_ranges(steps: list[int]) -> str:
     """``[1, 2, 3, 5]`` -> ``"1-3,5"``."""
-    out: list[str] = []
-    values = sorted(set(steps))
-    start: int | None = None
-    prev = 0  # read only once start is set
-    for value in values:
-        if start is None:
-            start = prev = value
-        elif value == prev + 1:
-            prev = value
+    runs: list[list[int]] = []
+    for value in sorted(set(steps)):
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
         else:
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-            start = prev = value
-    if start is not None:
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-    return ",".join(out)
+            runs.append([value, value])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+# ---------------------------------------------------------------- remote stores
+
+
+def _step_of(folder: tuple[str, ...], committed: set[tuple[str, ...]]) -> tuple[str, ...] | None:
+    """The step directory (as name parts) a data file in ``folder`` belongs to, or None."""
+    if not folder or folder in committed:
+        return folder or None
+    in_part = len(folder) > 1 and PART_NAME.fullmatch(folder[-1])
+    if in_part and (folder[:-1] in committed or STEP_NAME.fullmatch(folder[-2])):
+        return folder[:-1]
+    return folder if STEP_NAME.fullmatch(folder[-1]) else None
+
+
+def scan_remote(url: str, problems: list[str]) -> list[Item]:
+    """Every step under ``url`` from one recursive listing: committed (``meta.json`` read and
+    checked by the store's reader), damaged or partial. Nothing is written."""
+    fs, root = open_remote(url)
+    try:
+        listing: dict[str, Any] = fs.find(root.path, detail=True)
+    except FileNotFoundError:
+        return []
+    prefix = root.path.rstrip("/") + "/"
+    sizes = {
+        tuple(str(name)[len(prefix) :].split("/")): int(info.get("size") or 0)
+        for name, info in listing.items()
+        if str(name).startswith(prefix)
+    }
+    committed = {rel[:-1] for rel in sizes if rel[-1] == META_NAME and len(rel) > 1 and STEP_NAME.fullmatch(rel[-2])}
+    members: dict[tuple[str, ...], list[tuple[str, ...]]] = {step: [] for step in committed}
+    for rel in sizes:
+        step = _step_of(rel[:-1], committed) if DATA_NAME.fullmatch(rel[-1]) else None
+        if step is not None:
+            members.setdefault(step, []).append(rel)
+    items = []
+    for step_parts in sorted(members, key=lambda s: (s[:-1], int(s[-1]))):
+        project, layout, role_dir = _where(step_parts[:-1])
+        location = _location(root, step_parts)
+        item = Item(location, project, layout, role_dir or "-", int(step_parts[-1]), "partial")
+        item.files = [_location(root, rel) for rel in members[step_parts]]
+        item.size = sum(sizes[rel] for rel in members[step_parts])
+        if step_parts in committed:
+            meta_key = (*step_parts, META_NAME)
+            item.size += sizes[meta_key]
+            _read_commit(item, FsspecFiles(fs), (*step_parts, USAGE_NAME) in sizes)
+        else:
+            item.problems.append(f"{location}: {PARTIAL}")
+        items.append(item)
+    return items
+
+
+def _location(root: RemotePath, parts: tuple[str, ...]) -> Any:
+    for piece in parts:
+        root = root / piece
+    return root
+
+
+def _read_commit(item: Item, backend: FsspecFiles, used: bool) -> None:
+    """Fill ``item`` from its ``meta.json`` (checked by the store's reader) or mark it damaged."""
+    try:
+        store, meta = open_step(item.path, backend)
+        item.note_usage(store.usage(int(item.path.name)) if used else None)
+    except (CorruptCacheError, OSError) as exc:
+        item.state, item.problems = "damaged", [str(exc)]
+        return
+    except Exception as exc:  # whatever a forged meta.json provokes is a damaged step, never a traceback
+        item.state, item.problems = "damaged", [f"{item.path}/meta.json: {type(exc).__name__}: {exc}"]
+        return
+    item.state = "complete"
+    item.describe(meta)

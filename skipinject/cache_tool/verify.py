@@ -5,20 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from skipinject.cache_tool.common import FOUND, OK, scan_any
+from skipinject.cache_tool.common import FOUND, OK, Progress, default_dump_dir, emit_json, human_size, say, schema
 from skipinject.cache_tool.plugins import InstalledRoles
-from skipinject.cache_tool.progress import Progress
-from skipinject.cache_tool.render import emit_json, human_size, say, schema
-from skipinject.cache_tool.scan import Item, ItemRecord, open_step, precheck
+from skipinject.cache_tool.scan import Item, open_step, scan_any
 from skipinject.errors import CorruptCacheError
-from skipinject.store.files import read_head, regular_stat
+from skipinject.store.files import read_head
+from skipinject.store.local import LocalFiles
 
-
-class CheckedRecord(ItemRecord):
-    status: str
-    plugin: str | None
-    notes: list[str]
+_PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")  # pickle protocol >= 2; torch.save's zip archive
 
 
 @dataclass
@@ -29,37 +25,34 @@ class Checked:
     notes: list[str] = field(default_factory=list)
     plugin: str | None = None  # the installed plugin providing the step's role
 
-    def record(self) -> CheckedRecord:
-        return {
-            **self.item.record(),
-            "status": self.status,
-            "problems": self.problems,
-            "plugin": self.plugin,
-            "notes": self.notes,
-        }
+    def record(self) -> dict[str, Any]:
+        extra = {"status": self.status, "problems": self.problems, "plugin": self.plugin, "notes": self.notes}
+        return {**self.item.record(), **extra}
 
 
 def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
     items: list[Item] = []
     unreadable: list[str] = []
-    for path in paths:
-        items += scan_any(path, unreadable)  # select
+    for path in paths or [default_dump_dir()]:
+        items += scan_any(path, unreadable)
     total = sum(i.size for i in items if i.state == "complete")
     results = []
     roles = InstalledRoles()
     with Progress(total, "verify") as bar:
         for item in items:
-            results.append(verify_item(item, roles))  # act
+            results.append(verify_item(item, roles))
             bar.update(item.size if item.state == "complete" else 0, f"{item.role} {item.step}")
     damaged = [r for r in results if r.status == "damaged"]
     if as_json:
+        steps = [r.record() for r in results]
+        ok = not damaged and not unreadable
         emit_json(
             {
                 "schema": schema("verify"),
-                "ok": not damaged and not unreadable,
+                "ok": ok,
                 "checked": len(results),
                 "bytes": total,
-                "steps": [r.record() for r in results],
+                "steps": steps,
                 "problems": unreadable,
             }
         )
@@ -68,35 +61,21 @@ def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
     return FOUND if damaged or unreadable else OK
 
 
-# ---------------------------------------------------------------- act
-
-_PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")  # pickle protocol >= 2; torch.save's zip archive
-
-
 def verify_item(item: Item, roles: InstalledRoles | None = None) -> Checked:
-    """Full check of one item: sizes, checksums, tensor index and JSON tree (skipinject's format);
-    presence, size and file magic only for verl's pickles (loading them would run code).
-
-    ``roles``: the installed plugins; a step of a role none of them provides is verified all the
-    same, with a note naming the plugin that would show it."""
-    checked = _verify_item(item)
-    if roles is not None and checked.status == "ok" and item.meta is not None:
-        checked.plugin = roles.plugin_of(item.role)
-        note = roles.missing(item.role, item.meta)
-        if note is not None:
-            checked.notes.append(f"{item.path}: {note}")
-    return checked
-
-
-def _verify_item(item: Item) -> Checked:
-    if item.state == "damaged":
-        return Checked(item, "damaged", list(item.problems))
-    if item.state in ("partial", "untrusted"):
+    """Sizes, checksums, tensor index and JSON tree of skipinject's steps; presence, size and file
+    magic only of verl's pickles (loading them would run code). A step of a role no installed plugin
+    provides is verified all the same, with a note naming the plugin that would show it."""
+    if item.state in ("damaged", "partial", "untrusted"):
         return Checked(item, item.state, list(item.problems))
     if item.state == "foreign" and isinstance(item.path, Path):
         return _verify_foreign(item)
     problems = damage(item)
-    return Checked(item, "damaged" if problems else "ok", problems)
+    checked = Checked(item, "damaged" if problems else "ok", problems)
+    if roles is not None and checked.status == "ok" and item.meta is not None:
+        checked.plugin = roles.plugin_of(item.role)
+        note = roles.missing(item.role, item.meta)
+        checked.notes += [] if note is None else [f"{item.path}: {note}"]
+    return checked
 
 
 def damage(item: Item) -> list[str]:
@@ -106,12 +85,11 @@ def damage(item: Item) -> list[str]:
     try:
         if isinstance(item.path, Path):
             store, meta = open_step(item.path)
-            precheck(store, int(item.path.name), meta)
+            store.precheck(int(item.path.name), meta)
         else:  # a step in a remote store
-            from skipinject.cache_tool.remote import open_remote_step
-            from skipinject.store.remote import open_remote
+            from skipinject.store.remote import FsspecFiles, open_remote
 
-            store, _ = open_remote_step(open_remote(str(item.path))[0], item.path)
+            store, _ = open_step(item.path, FsspecFiles(open_remote(str(item.path))[0]))
         store.check(int(item.path.name))
     except (CorruptCacheError, OSError) as exc:
         return [str(exc)]
@@ -124,39 +102,28 @@ def _verify_foreign(item: Item) -> Checked:
     problems = []
     for path in item.files:
         try:
-            head = read_head(path, 8)
+            if not read_head(path, 8).startswith(_PICKLE_MAGIC):
+                problems.append(f"{path}: not a pickle or torch.save file (damaged?)")
         except OSError as exc:
             problems.append(f"{path}: cannot read it ({exc})")
-            continue
-        if not head.startswith(_PICKLE_MAGIC):
-            problems.append(f"{path}: not a pickle or torch.save file (damaged?)")
     for name in item.upstream.format.required if item.upstream is not None else ():
-        if regular_stat(item.path / name) is None:
+        if (LocalFiles().stat(item.path / name) or ("",))[0] != "file":
             problems.append(f"{item.path}: verl's {name} is missing; verl itself will not load this step")
     return Checked(item, "damaged" if problems else "foreign", problems)
 
 
-# ---------------------------------------------------------------- render
-
-
 def render(results: Sequence[Checked], unreadable: Sequence[str], total: int) -> None:
-    for result in results:
-        if result.status in ("damaged", "partial", "untrusted"):
-            for problem in result.problems or ["(no detail)"]:
-                say(f"{result.status.upper()}: {problem}")
+    for result in (r for r in results if r.status in ("damaged", "partial", "untrusted")):
+        for problem in result.problems or ["(no detail)"]:
+            say(f"{result.status.upper()}: {problem}")
     for problem in unreadable:
         say(f"UNREADABLE: {problem}")
-    for result in results:
-        for note in result.notes:
-            say(f"NOTE: {note}")
+    for note in (note for result in results for note in result.notes):
+        say(f"NOTE: {note}")
     counts = {s: sum(r.status == s for r in results) for s in ("ok", "damaged", "partial", "foreign", "untrusted")}
-    foreign = (
-        f", {counts['foreign']} foreign (verl's pickles, not loaded: `skipinject cache import --trust` converts)"
-        if counts["foreign"]
-        else ""
-    )
+    foreign = f", {counts['foreign']} foreign (verl's pickles, not loaded: `skipinject cache import --trust` converts)"
+    untrusted = f", {counts['untrusted']} untrusted (in directories other users control)"
     say(
         f"verified {len(results)} step(s), {human_size(total)}: {counts['ok']} ok, {counts['damaged']} damaged, "
-        f"{counts['partial']} partial{foreign}"
-        + (f", {counts['untrusted']} untrusted (in directories other users control)" if counts["untrusted"] else "")
+        f"{counts['partial']} partial{foreign if counts['foreign'] else ''}{untrusted if counts['untrusted'] else ''}"
     )

@@ -147,7 +147,7 @@ def _run_difference(name: str, context: dict[str, Any]) -> str:
 
 
 def _shown(value: object) -> str:
-    from skipinject.cache_tool.quote import shown
+    from skipinject.cache_tool.common import shown
 
     return shown(value)
 

@@ -509,7 +509,7 @@ def test_runner_dispatches_cache_subcommands(dump: Path):
 def test_progress_bar_only_on_a_terminal():
     import io
 
-    from skipinject.cache_tool.progress import Progress
+    from skipinject.cache_tool.common import Progress
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:

@@ -190,8 +190,8 @@ def test_the_cache_tool_lists_and_verifies_steps_in_s3(url: str, s3_env: dict[st
 
 def test_prune_damaged_selects_the_steps_verify_calls_damaged_in_s3(url: str):
     """In an object store too, ``prune``'s choice of damaged steps is ``verify``'s: the bytes checked."""
-    from skipinject.cache_tool.common import scan_any
     from skipinject.cache_tool.prune import select
+    from skipinject.cache_tool.scan import scan_any
     from skipinject.cache_tool.verify import verify_item
 
     write(url, 1, 10, "ok")

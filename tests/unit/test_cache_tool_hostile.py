@@ -68,7 +68,7 @@ def cli(*argv: Any, encoding: str = "utf-8:strict") -> subprocess.CompletedProce
 
 
 def test_shown_escapes_controls_escapes_newlines_and_undecodable_bytes() -> None:
-    from skipinject.cache_tool.quote import shown
+    from skipinject.cache_tool.common import shown
 
     assert shown("plain name 日本 1-2") == "plain name 日本 1-2"
     assert shown("a\nb\tc\rd\x1b[2Je\x07f\x7f\u202eg\\h") == r"a\nb\tc\rd\e[2Je\x07f\x7f\u202eg\\h"
@@ -196,8 +196,8 @@ def test_prune_and_verify_agree_on_a_damaged_step_in_a_memory_store(
     """A data file changed in place in an object store: ``verify`` says DAMAGED, and ``prune``'s
     choice of damaged steps (the same store check) picks that step, only it."""
     fsspec = pytest.importorskip("fsspec")
-    from skipinject.cache_tool.common import scan_any
     from skipinject.cache_tool.prune import select
+    from skipinject.cache_tool.scan import scan_any
 
     local = tmp_path / "dump"
     for step in (1, 2):

@@ -264,16 +264,19 @@ def test_every_hit_through_the_engine_is_counted(toy: Any, dump: str, capsys):
 
 
 def test_the_cache_tool_touches_a_cache_only_through_the_store():
-    """No module of ``skipinject/cache_tool/`` opens, lists, renames or removes a file itself: the store
-    (``StepStore``, its backends, ``skipinject.store.files``) does, with its link and bound rules."""
+    """No module of ``skipinject/cache_tool/`` opens, lists, stats, renames or removes a file itself: the
+    store (``StepStore``, its backends, ``skipinject.store.files``) does, with its link and bound rules."""
     import ast
 
     import skipinject.cache_tool as package
 
     forbidden_os = {"open", "scandir", "listdir", "walk", "unlink", "remove", "rename", "replace", "rmdir",
-                    "mkdir", "makedirs", "fdopen"}  # fmt: skip
+                    "mkdir", "makedirs", "fdopen", "stat", "lstat", "access", "readlink", "chmod", "chown",
+                    "exists", "lexists", "isdir", "isfile", "islink", "realpath", "getsize", "getmtime"}  # fmt: skip
     forbidden_path = {"open", "iterdir", "glob", "rglob", "unlink", "rename", "rmdir", "mkdir",
-                      "read_bytes", "read_text", "write_bytes", "write_text", "touch"}  # fmt: skip
+                      "read_bytes", "read_text", "write_bytes", "write_text", "touch", "exists", "is_dir",
+                      "is_file", "is_symlink", "stat", "lstat", "resolve", "readlink", "samefile", "owner"}  # fmt: skip
+    stores = ("files", "store", "backend", "fs", "LocalFiles", "FsspecFiles", "StepStore")
     found = []
     for path in sorted(Path(package.__file__).parent.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -283,9 +286,10 @@ def test_the_cache_tool_touches_a_cache_only_through_the_store():
             if isinstance(func, ast.Name) and func.id == "open":
                 found.append(f"{path.name}:{node.lineno} open()")
             elif isinstance(func, ast.Attribute):
-                owner = func.value.id if isinstance(func.value, ast.Name) else None
-                if owner in ("os", "shutil") and (owner == "shutil" or func.attr in forbidden_os):
+                value = func.value.func if isinstance(func.value, ast.Call) else func.value  # LocalFiles().stat
+                owner = ast.unparse(value) if isinstance(value, (ast.Name, ast.Attribute)) else None
+                if owner in ("os", "os.path", "shutil") and (owner == "shutil" or func.attr in forbidden_os):
                     found.append(f"{path.name}:{node.lineno} {owner}.{func.attr}")
-                elif owner not in ("os", "files", "store", "backend", "fs") and func.attr in forbidden_path:
+                elif owner not in ("os", "os.path", *stores) and func.attr in forbidden_path:
                     found.append(f"{path.name}:{node.lineno} .{func.attr}()")
     assert found == [], found

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from skipinject.cache_tool.render import human_size
+from skipinject.cache_tool.common import human_size
 from skipinject.config import role_config
 from skipinject.errors import ConfigError, CorruptCacheError
 from skipinject.store import Payload, RemoteStepStore, StepStore, format

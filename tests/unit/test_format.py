@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from skipinject.cache_tool.remote import scan_remote
-from skipinject.cache_tool.scan import scan
+from skipinject.cache_tool.scan import scan, scan_remote
 from skipinject.store import Payload, RemoteStepStore, StepStore, format
 from skipinject.store.garbage import ABANDONED_AFTER, find_leftovers
 from skipinject.store.remote import open_remote

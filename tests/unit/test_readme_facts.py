@@ -149,7 +149,7 @@ def test_every_link_of_the_user_documentation_resolves(doc: Path) -> None:
 def test_the_python_and_json_schema_versions_are_the_packages() -> None:
     import tomllib
 
-    from skipinject.cache_tool.render import SCHEMA_VERSION
+    from skipinject.cache_tool.common import SCHEMA_VERSION
 
     readme = README.read_text()
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
