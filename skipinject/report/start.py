@@ -37,6 +37,7 @@ logger = logging.getLogger("skipinject")
 
 #: Where verl gets the run's composed config before it starts Ray (main_ppo, fully async, recipes).
 RUN_ENTRY = "verl.trainer.main_ppo:run_ppo"
+RAY_SHUTDOWN = "ray:shutdown"
 
 #: Steps a start line counts one by one at most (a cache is a directory listing; a set of chosen steps
 #: larger than this is counted by its ranges).
@@ -318,9 +319,11 @@ def watch(config: Config, roles: Mapping[str, Role], end: RunEnd | None = None) 
 
     if not any(config.role(name).steps for name in config.enabled_roles):
         return
+    unwatch()
     _watch = RunStart(config, roles, end)
-    INJECTOR.uninstrument(RUN_ENTRY)
     INJECTOR.instrument(RUN_ENTRY, _watch, owner="skipinject/start")
+    if end is not None:  # the counts of processes on other nodes, taken from the cluster before it stops
+        INJECTOR.instrument(RAY_SHUTDOWN, end, owner="skipinject/start")
 
 
 def at_ray_init() -> None:
@@ -333,9 +336,9 @@ def unwatch() -> None:
     global _watch
     from skipinject.injector import INJECTOR
 
-    if _watch is not None:
-        INJECTOR.uninstrument(RUN_ENTRY)
-        _watch = None
+    INJECTOR.uninstrument(RUN_ENTRY)
+    INJECTOR.uninstrument(RAY_SHUTDOWN)
+    _watch = None
 
 
 def _steps_text(steps: StepSet) -> str:

@@ -21,60 +21,61 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.config.environment import ENV_RUN_REPORT, ENV_SUMMARY
-from skipinject.report.tally import FIELDS, collect, total
-
-__all__ = ["ENV_SUMMARY", "RunEnd", "begin", "render"]
+from skipinject.report.tally import FIELDS, RUN_PREFIX, cluster_counts, collect, total
 
 logger = logging.getLogger("skipinject")
 
 
 def _size(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+    if count < 1024:
+        return f"{count:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         count /= 1024
-    return f"{count:.1f} GiB"
+        if count < 1024 or unit == "GiB":
+            break
+    return f"{count:.1f} {unit}"
+
+
+def _filled(roles: Mapping[str, Mapping[str, float]], order: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Every field of each role, those of ``order`` first (counted or not), then the others by name."""
+    names = [*order, *sorted(name for name in roles if name not in order)]
+    return {name: {key: roles.get(name, {}).get(key, 0) for key in FIELDS} for name in names}
 
 
 def render(roles: Mapping[str, Mapping[str, float]], order: Sequence[str] = ()) -> list[str]:
-    """The summary's lines: one per role (those of ``order`` first, counted or not), then the total."""
-    names = [*order, *sorted(name for name in roles if name not in order)]
+    """The summary's lines: one per role, then the total."""
     lines = []
-    for name in names:
-        counts = roles.get(name, {})
-
-        def get(key: str, counts: Mapping[str, float] = counts) -> float:
-            return counts.get(key, 0)
-
+    for name, count in _filled(roles, order).items():
         parts = [
-            f"{get('served_steps'):.0f} steps served, {get('generated_steps'):.0f} generated, "
-            f"{get('failed_steps'):.0f} failed"
+            f"{count['served_steps']:.0f} steps served, {count['generated_steps']:.0f} generated, "
+            f"{count['failed_steps']:.0f} failed"
         ]
-        if get("served_rows") or get("generated_rows"):
-            parts.append(f"rows {get('served_rows'):.0f} served, {get('generated_rows'):.0f} generated")
-        if get("rescored_rows"):
-            parts.append(f"{get('rescored_rows'):.0f} rows re-scored")
-        parts.append(f"{_size(get('bytes_read'))} read")
-        parts.append(f"{get('generation_s_saved'):.1f} s of generation saved")
+        if count["served_rows"] or count["generated_rows"]:
+            parts.append(f"rows {count['served_rows']:.0f} served, {count['generated_rows']:.0f} generated")
+        if count["rescored_rows"]:
+            parts.append(f"{count['rescored_rows']:.0f} rows re-scored")
+        parts += [f"{_size(count['bytes_read'])} read", f"{count['generation_s_saved']:.1f} s of generation saved"]
         lines.append(f"summary: {name}: " + "; ".join(parts))
-    lines.append(f"summary: {total(roles, 'generation_s_saved'):.1f} s of generation saved in all")
-    return lines
-
-
-def as_json(roles: Mapping[str, Mapping[str, float]], order: Sequence[str] = ()) -> dict[str, Any]:
-    names = [*order, *sorted(name for name in roles if name not in order)]
-    filled = {name: {key: roles.get(name, {}).get(key, 0) for key in FIELDS} for name in names}
-    return {"roles": filled, "total": {key: total(filled, key) for key in FIELDS}}
+    return [*lines, f"summary: {total(roles, 'generation_s_saved'):.1f} s of generation saved in all"]
 
 
 class RunEnd:
-    """Says the summary once: when the driver's ``run_ppo`` returns, or at exit."""
+    """Says the summary once: when the driver's ``run_ppo`` returns, or at exit. As an interceptor of the
+    driver's ``ray.shutdown`` it first takes the counts of processes on other nodes out of the cluster."""
 
     def __init__(self, directory: Path, roles: Sequence[str]) -> None:
         self.directory = directory
         self.roles = list(roles)
+        self.remote: list[bytes] = []
         self._said = False
         self._lock = threading.Lock()
+
+    def sync(self, call: Any, proceed: Any) -> Any:
+        self.remote += cluster_counts(self.directory.name)
+        return proceed()
+
+    async def run_async(self, call: Any, proceed: Any) -> Any:  # pragma: no cover - ray.shutdown is sync
+        return self.sync(call, proceed)
 
     def say(self) -> None:
         with self._lock:
@@ -82,12 +83,13 @@ class RunEnd:
                 return
             self._said = True
         try:
-            counted = collect(self.directory)
+            counted = collect(self.directory, [*self.remote, *cluster_counts(self.directory.name)])
             for line in render(counted, self.roles):
                 logger.info("%s", line)
             target = os.environ.get(ENV_SUMMARY)
             if target:
-                write_json(Path(target), as_json(counted, self.roles))
+                filled = _filled(counted, self.roles)
+                write_json(Path(target), {"roles": filled, "total": {key: total(filled, key) for key in FIELDS}})
         except Exception as exc:  # a report must never break the program's end
             logger.debug("summary failed: %s: %s", type(exc).__name__, exc)
         finally:
@@ -117,7 +119,7 @@ def begin(roles: Sequence[str]) -> RunEnd | None:
     """In the driver: make the run's report directory (private to the user), hand it to every process
     the run starts, and say the summary at exit if nothing said it before."""
     try:
-        directory = Path(tempfile.mkdtemp(prefix="skipinject-run-"))
+        directory = Path(tempfile.mkdtemp(prefix=RUN_PREFIX))
     except OSError as exc:
         logger.debug("no run summary: %s", exc)
         return None

@@ -1,12 +1,11 @@
 """What the cache did in this process: counts per role, for the run's summary and the trainer's metrics.
 
-The engine adds to :data:`TALLY` at each decision (a step served, generated, failed; rows; bytes read;
-the generation time a hit saved, as the step's ``meta.json`` recorded it). verl runs the trainer and
-the rollout in Ray actors, other processes than the driver that prints the summary: each process with
-counts writes them, whole, to ``{SKIPINJECT_RUN_REPORT}/{pid}.json`` after each change (a directory the
-driver made private to the user and hands to the run's processes in the environment), and the driver
-adds the files up at the end (:func:`collect`). A process on another node writes to a directory there
-that the driver does not read: its counts are in that trainer's metrics only.
+The engine adds to :data:`TALLY` at each decision. verl runs the trainer and the rollout in Ray actors,
+not in the driver that prints the summary: each process writes its counts, whole, to
+``{SKIPINJECT_RUN_REPORT}/{pid}.json`` after each change (a directory private to the user, made by the
+driver and handed on), and the driver adds the files up (:func:`collect`). A Ray worker on another node,
+where that directory is not, puts them in the cluster's key-value store under the directory's name
+instead; the driver reads them there before Ray stops (:func:`cluster_counts`).
 """
 
 from __future__ import annotations
@@ -14,28 +13,16 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from skipinject.config.environment import ENV_RUN_REPORT
 
-__all__ = [
-    "ENV_RUN_REPORT",
-    "FIELDS",
-    "METRICS_TARGET",
-    "TALLY",
-    "MetricsInterceptor",
-    "Tally",
-    "collect",
-    "hit_amounts",
-]
-
 #: Where verl's trainers log a step's metrics (every verl this supports).
 METRICS_TARGET = "verl.utils.tracking:Tracking.log"
-
-
 #: What is counted per role (every value a number; ``*_s`` in seconds).
 FIELDS = (
     "served_steps",
@@ -47,9 +34,12 @@ FIELDS = (
     "bytes_read",
     "generation_s_saved",
 )
-#: Most process files :func:`collect` reads, and the largest one it reads (a file is a few hundred bytes).
+#: Most process records :func:`collect` reads, and the largest one it reads (a record is a few hundred bytes).
 MAX_FILES = 4096
 MAX_FILE_BYTES = 64 << 10
+#: The namespace of Ray's key-value store the counts of processes on other nodes go to.
+KV_NAMESPACE = "skipinject"
+RUN_PREFIX = "skipinject-run-"
 
 
 class Tally:
@@ -65,8 +55,7 @@ class Tally:
             counts = self.roles.setdefault(role, dict.fromkeys(FIELDS, 0))
             for key, amount in amounts.items():
                 counts[key] += amount
-            snapshot = {name: dict(values) for name, values in self.roles.items()}
-        publish(snapshot)
+            publish(json.dumps({"roles": self.roles}))
 
     def metrics(self) -> dict[str, float]:
         """Running totals over the roles, as the trainer logs them (``skipinject/served_steps_total`` ...)."""
@@ -107,45 +96,88 @@ def report_dir() -> Path | None:
     return Path(text)
 
 
-def publish(roles: Mapping[str, Mapping[str, float]]) -> None:
-    """Replace this process's file in the run's report directory (never raises)."""
+def run_name() -> str | None:
+    """The name of the run's report directory (its key in the cluster's store), if the variable gives one."""
+    name = os.path.basename(os.environ.get(ENV_RUN_REPORT, ""))
+    return name if name.startswith(RUN_PREFIX) and name.isprintable() and len(name) < 100 else None
+
+
+def _ray() -> Any:
+    """Ray, if this process is connected to a cluster (never imported here)."""
+    ray = sys.modules.get("ray")
+    return ray if ray is not None and ray.is_initialized() else None
+
+
+def publish(record: str) -> None:
+    """Replace this process's record: its file in the run's report directory, else (on another node) its
+    key in the cluster's store. Never raises."""
     directory = report_dir()
-    if directory is None:
-        return
-    final = directory / f"{os.getpid()}.json"
-    temporary = directory / f".{os.getpid()}.{threading.get_ident()}.tmp"
     try:
+        if directory is None:
+            ray, run = _ray(), run_name()
+            if ray is not None and run is not None:
+                from ray.experimental.internal_kv import _internal_kv_put
+
+                key = f"{run}/{ray.get_runtime_context().get_worker_id()}"
+                _internal_kv_put(key, record, overwrite=True, namespace=KV_NAMESPACE)
+            return
+        temporary = directory / f".{os.getpid()}.{threading.get_ident()}.tmp"
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as handle:
-            json.dump({"roles": roles}, handle)
-        os.replace(temporary, final)
-    except OSError:
+            handle.write(record)
+        os.replace(temporary, directory / f"{os.getpid()}.json")
+    except Exception:  # a count must never break the program
         return
 
 
-def collect(directory: Path) -> dict[str, dict[str, float]]:
-    """The counts of every process that wrote to ``directory``, added up per role. Files that are not what
-    :func:`publish` writes (too large, not JSON, other keys, not numbers) are left out."""
-    merged: dict[str, dict[str, float]] = {}
+def cluster_counts(run: str) -> list[bytes]:
+    """The records processes on other nodes put in the cluster's store for ``run``, taken out of it (none
+    when Ray is not connected here). Never raises."""
+    if _ray() is None:
+        return []
+    try:
+        from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_list
+
+        records = []
+        for key in _internal_kv_list(f"{run}/", namespace=KV_NAMESPACE)[:MAX_FILES]:
+            value = _internal_kv_get(key, namespace=KV_NAMESPACE)
+            _internal_kv_del(key, namespace=KV_NAMESPACE)
+            records.append((value or b"")[:MAX_FILE_BYTES])
+        return records
+    except Exception:
+        return []
+
+
+def _read(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        return os.read(fd, MAX_FILE_BYTES + 1)[:MAX_FILE_BYTES] if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
+
+
+def collect(directory: Path, more: Iterable[bytes] = ()) -> dict[str, dict[str, float]]:
+    """The counts of every process that wrote to ``directory`` (and of the records ``more``), added up per
+    role. Records that are not what :func:`publish` writes (too large, not JSON, other keys, not numbers)
+    are left out."""
+    records = list(more)
     try:
         names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))[:MAX_FILES]
     except OSError:
-        return merged
+        names = []
     for name in names:
         try:
-            fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    continue
-                data = json.loads(os.read(fd, MAX_FILE_BYTES + 1)[:MAX_FILE_BYTES])
-            finally:
-                os.close(fd)
-        except (OSError, ValueError, RecursionError):
+            records.append(_read(directory / name))
+        except OSError:
+            continue
+    merged: dict[str, dict[str, float]] = {}
+    for record in records:
+        try:
+            data = json.loads(record)
+        except (ValueError, RecursionError):
             continue
         roles = data.get("roles") if isinstance(data, dict) else None
-        if not isinstance(roles, dict):
-            continue
-        for role, counts in roles.items():
+        for role, counts in roles.items() if isinstance(roles, dict) else ():
             if not isinstance(role, str) or not role.isidentifier() or not isinstance(counts, dict):
                 continue
             into = merged.setdefault(role, dict.fromkeys(FIELDS, 0))
@@ -177,14 +209,13 @@ class MetricsInterceptor:
 
     def sync(self, call: Any, proceed: Any) -> Any:
         totals = TALLY.metrics()
-        if totals:
-            args, kwargs = list(call.args), dict(call.kwargs)
-            if "data" in kwargs and isinstance(kwargs["data"], Mapping):
-                kwargs["data"] = {**kwargs["data"], **totals}
-                return proceed(*args, **kwargs)
-            if args and isinstance(args[0], Mapping):
-                args[0] = {**args[0], **totals}
-                return proceed(*args, **kwargs)
+        args, kwargs = list(call.args), dict(call.kwargs)
+        if totals and isinstance(kwargs.get("data"), Mapping):
+            kwargs["data"] = {**kwargs["data"], **totals}
+            return proceed(*args, **kwargs)
+        if totals and args and isinstance(args[0], Mapping):
+            args[0] = {**args[0], **totals}
+            return proceed(*args, **kwargs)
         return proceed()
 
     async def run_async(self, call: Any, proceed: Any) -> Any:  # pragma: no cover - Tracking.log is sync

@@ -138,6 +138,9 @@ def test_disable_env_turns_everything_off(toy_site: Path, tmp_path: Path):
 
 @pytest.mark.ray
 def test_hooks_reach_a_real_ray_actor(toy_site: Path, tmp_path: Path):
+    """Run 1 misses in the actor and run 2 hits there. The driver's summary counts what the actor did:
+    in run 2 the actor does not see the driver's report directory, as on another node, and its counts
+    reach the driver through the cluster's key-value store."""
     script = str(FIXTURES / "ray_program.py")
     args = [
         "--plugins",
@@ -156,12 +159,14 @@ def test_hooks_reach_a_real_ray_actor(toy_site: Path, tmp_path: Path):
     assert one["wrapper"] == "SkipinjectWrapper", "the target must be patched inside the actor"
     assert one["calls"].count("generate") == 2
     assert (tmp_path / "skipinject_default" / "toy" / "2" / "meta.json").is_file()
+    assert "summary: toy: 0 steps served, 1 generated, 0 failed" in first.stderr, first.stderr[-3000:]
 
-    second = run(args, env, timeout=300)
+    second = run([*args[:4], "other-node", *args[4:]], env, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     two = result_of(second)
     assert two["calls"].count("generate") == 1, "step 2 must be served from the cache inside the actor"
     assert two["outputs"] == one["outputs"]
+    assert "summary: toy: 1 steps served, 0 generated, 0 failed" in second.stderr, second.stderr[-3000:]
     # (The actor's "hit" log line is forwarded by Ray asynchronously and may miss the driver's shutdown.)
     os.environ.pop("SKIPINJECT_CONFIG", None)
 
