@@ -13,21 +13,23 @@ from typing import Any
 __all__ = ["CLOCK", "Clock"]
 
 
-class Clock:
-    """The latest live instance seen entering a patched method (e.g. a trainer's ``fit``).
+def weak_ref(instance: Any) -> Callable[[], Any]:
+    """A weak reference to ``instance``, or a strong one for objects that take none."""
+    try:
+        return weakref.ref(instance)
+    except TypeError:
+        return lambda: instance
 
-    Calls that carry no step of their own read it from here (``trainer.global_steps``). Only a
-    weak reference is kept, so a finished trainer is not held alive.
-    """
+
+class Clock:
+    """The latest live instance seen entering a patched method (e.g. a trainer's ``fit``), weakly held:
+    calls that carry no step of their own read it from here (``trainer.global_steps``)."""
 
     def __init__(self) -> None:
-        self._ref: weakref.ReferenceType[Any] | Callable[[], Any] = lambda: None
+        self._ref: Callable[[], Any] = lambda: None
 
     def enter(self, instance: Any) -> None:
-        try:
-            self._ref = weakref.ref(instance)
-        except TypeError:
-            self._ref = lambda: instance
+        self._ref = weak_ref(instance)
 
     @property
     def instance(self) -> Any:

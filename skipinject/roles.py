@@ -1,12 +1,9 @@
-"""What a role is: plain data a plugin returns. The engine does the rest.
-
-A role names the target(s) it patches, where each call's training step comes from, how a
-call is handled (its *phase*), and how its result is saved and loaded (its *codec*).
-"""
+"""What a role is: plain data a plugin returns (targets, step source, phase, codec); the engine does the rest."""
 
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -21,6 +18,8 @@ if TYPE_CHECKING:
     from skipinject.config import RoleConfig
     from skipinject.store import Payload, StepEntry, StepStore
 
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
 
 @dataclass(frozen=True)
 class TargetPath:
@@ -34,14 +33,7 @@ class TargetPath:
         if not isinstance(text, str):
             raise TargetError(f"target {text!r} is not a string of the form package.module:Qualified.name")
         module, sep, qualname = text.partition(":")
-        ident = r"[A-Za-z_][A-Za-z0-9_]*"
-        import re
-
-        if (
-            not sep
-            or not re.fullmatch(rf"{ident}(\.{ident})*", module)
-            or not re.fullmatch(rf"{ident}(\.{ident})*", qualname)
-        ):
+        if not sep or not _DOTTED.fullmatch(module) or not _DOTTED.fullmatch(qualname):
             raise TargetError(
                 f"target {text!r} is not of the form package.module:Qualified.name "
                 "(e.g. verl.experimental.agent_loop.agent_loop:AgentLoopManager.generate_sequences)"
@@ -173,10 +165,8 @@ class StepSource:
 
 @runtime_checkable
 class Codec(Protocol):
-    """How a role's result becomes a :class:`~skipinject.store.Payload` (plain tensors + JSON-safe
-    objects) and back. ``decode`` raises :class:`~skipinject.errors.CodecError` when a cache does not
-    fit the call (the target then runs). Roles that save several parts per step also need
-    :class:`MergingCodec`'s ``merge``."""
+    """A role's result to a :class:`~skipinject.store.Payload` and back; ``decode`` raises
+    :class:`~skipinject.errors.CodecError` when a cache does not fit the call (the target then runs)."""
 
     def encode(self, result: Any) -> Payload: ...
 
@@ -192,14 +182,9 @@ class MergingCodec(Codec, Protocol):
 
 @runtime_checkable
 class RowCodec(Codec, Protocol):
-    """A codec whose results are rows that can be served one by one (``action=match``, plugin API 1.2).
+    """A codec whose results are rows served one by one (``action=match``, plugin API 1.2; docs/match.md).
 
-    A call has input rows (prompts) and its result ``r`` output rows per input row (``r = 1`` when
-    the inputs were repeated before the target ran, ``n`` when the target repeats them), input row
-    ``i``'s outputs being rows ``i*r .. i*r+r-1``. The engine keys each input row (:attr:`Role.row_key`),
-    serves the rows cached before, calls the target once with only the others (:meth:`with_rows`) and
-    merges the pieces back (:meth:`merge_rows`); a role whose codec is no ``RowCodec`` refuses
-    ``action=match`` at start."""
+    Input row ``i`` has output rows ``i*r .. i*r+r-1`` (``r`` outputs per input row)."""
 
     def input_rows(self, call: Call) -> int:
         """The number of input rows of ``call``."""
@@ -208,16 +193,13 @@ class RowCodec(Codec, Protocol):
         """The number of output rows of a result."""
 
     def with_rows(self, call: Call, rows: Sequence[int]) -> tuple[tuple[Any, ...], dict[str, Any], int]:
-        """``call``'s arguments with only input rows ``rows`` (in that order), padded as the target
-        needs (e.g. to a multiple of its workers, by repeating rows): ``(args, kwargs, padding rows)``."""
+        """``call``'s arguments with only input rows ``rows``, padded: ``(args, kwargs, padding rows)``."""
 
     def select_rows(self, result: Any, rows: Sequence[int]) -> Any:
         """A result holding output rows ``rows`` of ``result``, in that order."""
 
     def merge_rows(self, pieces: Sequence[Any], order: Sequence[int], call: Call) -> Any:
-        """One result of ``call``: the rows of ``pieces`` (concatenated) taken in ``order``, exactly
-        like the target's own result (the call's own per-row inputs, e.g. ids, in place of the
-        recorded ones; the first piece's metadata)."""
+        """One result of ``call``: the rows of ``pieces`` (concatenated) in ``order``, like the target's own."""
 
 
 class StepWriting(Protocol):
@@ -266,22 +248,17 @@ class Plan:
 
     @property
     def serves(self) -> bool:
-        """Whether there is something to serve (a verified entry or a trusted upstream file)."""
         return self.entry is not None or self.upstream_file is not None
 
     @property
     def source(self) -> Path | None:
-        """Where the served data is: the entry's directory or the upstream file."""
         return self.entry.directory if self.entry is not None else self.upstream_file
 
 
 @dataclass
 class Loaded:
-    """A planned step loaded with the engine's policy (see :meth:`PhaseContext.load`).
-
-    ``results``: one per recorded part (call or mini-batch), decoded by the role's codec; for a
-    trusted upstream file, the one object its :class:`UpstreamFormat` loaded. ``value``: what the
-    phase's ``prepare`` made of them (``None`` without one)."""
+    """A planned step loaded (:meth:`PhaseContext.load`): one decoded result per recorded part (an upstream
+    file: its one object), and ``value``, what the phase's ``prepare`` made of them."""
 
     plan: Plan
     results: list[Any]
@@ -290,7 +267,7 @@ class Loaded:
 
 
 class PhaseContext(Protocol):
-    """What a phase may use of its role in this process (the engine provides it)."""
+    """What a phase may use of its role in this process (the engine provides it; docs/plugins.md)."""
 
     @property
     def name(self) -> str: ...
@@ -308,61 +285,34 @@ class PhaseContext(Protocol):
         """The cache of the run ``call`` belongs to."""
 
     def plan(self, call: Call, step: int) -> Plan:
-        """Find the verified entry to serve for ``step`` (by the role's action), or say why there is none;
-        logs the decision; raises :class:`~skipinject.errors.CacheMissError` for ``action=strict``."""
+        """The verified entry to serve for ``step``, or why there is none (``action=strict``: raises)."""
 
     def load(self, call: Call, step: int, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
-        """Plan ``step`` and load what serves it, with the engine's policy (plugin API 1.1).
-
-        ``None`` when nothing serves it (the miss is logged) or it cannot be loaded (one warning): the
-        phase then runs the target. ``action=strict`` raises instead (:class:`~skipinject.errors.CacheMissError`
-        or :class:`~skipinject.errors.CorruptCacheError`). ``prepare`` turns the decoded results into what
-        the phase serves (:attr:`Loaded.value`) under the same policy: a cache that does not fit the
-        call cannot serve it either."""
+        """Plan ``step`` and load what serves it with the engine's policy; ``None``: the target must run."""
 
     def served(self, call: Call, step: int) -> bool | None:
-        """Whether this run serves ``step`` from the cache (decided by :meth:`load` or :meth:`record`
-        at the step), ``None`` before a call decided it (plugin API 1.3)."""
+        """Whether this run serves ``step`` from the cache; ``None`` before a call decided it."""
 
     def notes(self, call: Call, step: int) -> dict[str, Any]:
-        """What this run's phases noted about ``step``: a dict kept with the step until the run moves
-        past it (e.g. the prompts a submit and its refills drew; plugin API 1.3)."""
+        """A dict kept with ``step`` until the run moves past it, for the phases' own notes."""
 
     def record(self, call: Call, step: int, result: Any) -> int | None:
-        """Save ``result`` as ``step``'s next part ``k`` (in ``{step}/{k}/``); returns ``k``, or ``None``
-        when this run does not record the step (it was served or is cached already, its directory is
-        unusable, a part failed: reported once). Encoded and copied now, written in the background
-        (plugin API 1.3).
-
-        The step is cached only once :meth:`commit` is called: a step the run moves past before
-        that (a call of the role at another step, the end of the run) is dropped with one warning."""
+        """Save ``result`` as ``step``'s next part (written in the background); its number, or ``None``
+        when this run does not record the step. Cached only once :meth:`commit` is called."""
 
     def commit(
         self, call: Call, step: int, meta: Mapping[str, Any] | None = None, *, unit: str = "rows", note: str = ""
     ) -> None:
-        """Commit the parts :meth:`record` saved of ``step``, after their writes, with ``meta`` in its
-        ``meta.json`` (after the fields :attr:`Role.record_meta` gave for the first part); its save
-        line counts the rows as ``unit`` and ends with ``note`` (plugin API 1.3)."""
+        """Commit the parts :meth:`record` saved of ``step``, with ``meta`` in its ``meta.json``."""
 
     def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
-        """Run ``job`` (a write to ``store``) after the store's earlier jobs, off the training thread.
-
-        Jobs of one store run in order; :meth:`plan` waits for the store's pending ones, the end of
-        the run (the role's clock returning) for all; only a few wait at once (the next call blocks).
-        Without a clock the job runs at once. ``job`` must log its own failures and may only use data
-        nothing else changes (e.g. :meth:`~skipinject.store.Payload.private_copy` of an encoded result).
-        """
+        """Run ``job`` (a write to ``store``) off the training thread, after the store's earlier jobs."""
 
 
 class Phase(Protocol):
-    """How one target's calls are handled once the engine decided the step may skip.
+    """How one target's calls are handled once the step may skip (default: one call, one unit).
 
-    The default treats one call as one unit: serve it from the cache or run it and save the result.
-    Roles whose work spans several calls (rollout_tq's submit and sample) bring their own. ``run``
-    serves sync calls, ``run_async`` awaiting ones; ``proceed()`` calls the original target
-    (``run_async``'s returns an awaitable), ``proceed(*args, **kwargs)`` calls it with other
-    arguments (plugin API 1.2).
-    """
+    ``proceed()`` calls the original target, ``proceed(*args, **kwargs)`` with other arguments."""
 
     def run(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any: ...
 
@@ -371,25 +321,17 @@ class Phase(Protocol):
 
 @dataclass(frozen=True)
 class Target:
-    """A function or method to patch, with the phase handling its calls.
+    """A function or method to patch, with the phase handling its calls (see docs/plugins.md).
 
-    ``verl`` is a version specifier (``">=0.9"``): the target is only patched in verls it matches.
-    ``every_step`` hands the phase every call of an enabled role, whatever its step.
-
-    ``attribute`` (dotted, e.g. ``"actor_rollout_wg.generate_sequences"``) is for callables bound
-    per instance, which a patch of their class never sees: ``path`` is then a method that runs
-    unchanged, and each time it returns, the callable at ``instance.<attribute>`` is wrapped on the
-    object holding it. Those calls are the target's calls (convention kept, the phase and bypass as
-    for any target), with :attr:`Call.instance` = the instance whose method returned (the trainer).
+    ``verl``: the verl versions it is patched in. ``every_step``: the phase sees every call of an
+    enabled role. ``attribute``: the callable at ``instance.<attribute>`` is wrapped each time the
+    method ``path`` returns (callables bound per instance, which a patch of their class never sees).
     """
 
     path: str
     phase: Phase | None = None
     verl: str | None = None
-    #: The phase sees every call while the role is enabled, not only calls at ``skip.<role>.steps``
-    #: (e.g. to switch off a prefetch that would go around the role). Validation calls still bypass.
     every_step: bool = False
-    #: The instance attribute (dotted) wrapped each time the method ``path`` returns, or ``None``.
     attribute: str | None = None
 
     def __post_init__(self) -> None:
@@ -413,20 +355,15 @@ class HitInfo:
     mismatched_rows: int = 0
     compared_rows: int = 0
     directory: str = ""
-    #: The served step's ``meta.json`` (empty for verl's own files): what :attr:`Role.record_meta` added
-    #: when it was recorded, so that ``on_hit`` can tell whether this run would compute it alike.
+    #: The served step's ``meta.json`` (empty for verl's own files), with what :attr:`Role.record_meta` added.
     meta: Mapping[str, Any] = field(default_factory=dict)
-    #: The role's settings in this run (``None`` when not known).
     settings: RoleConfig | None = None
 
 
 @dataclass(frozen=True)
 class MatchInfo:
-    """What the engine did for one call with ``action=match``, handed to :attr:`Role.on_match`.
-
-    ``sources``: the cached records rows were served from (``"step 3"``, ``"rows 2"``), with how many;
-    ``served``: per source, the merged result's output rows it served; ``source_meta``: per source, its
-    ``meta.json`` (see :attr:`HitInfo.meta`)."""
+    """What ``action=match`` did for one call, handed to :attr:`Role.on_match`: per cached source
+    (``"step 3"``), the rows it served and its ``meta.json``."""
 
     step: int
     served_rows: int
@@ -442,19 +379,11 @@ class MatchInfo:
 class UpstreamFormat:
     """verl's own cache file for a role: found, reported, and loaded only when trusted.
 
-    ``directory``: the step's directory in the project directory, as a ``str.format`` pattern of
-    ``step`` (verl >= 0.9: ``"{step}"``; verl < 0.9's RolloutSkip: ``"genstep_{step:06d}"``).
-    ``file_name``: the file in it; ``"0/name"`` means one ``name`` per part directory ``0/ 1/ ...``.
-
-    The rest tells ``skipinject cache`` what it needs without loading anything (it never unpickles
-    outside ``import --trust``): ``label`` names the kind in its listings (``verl-v0``); ``inputs_file``
-    is the input batch written beside it (verl < 0.9: ``new_batch.dp``), listed with it and the source
-    of an imported step's input fingerprint; ``required`` are files upstream needs beside it to load
-    the step (``verify`` reports them missing); ``rows_key`` is the key of the JSON ``meta.json`` beside
-    each file that counts its rows; ``step_key`` the key of the JSON ``meta.json`` in the step's directory
-    holding the training step, when the directory is named otherwise. ``claims``: when several roles
-    declare one file, whether a loaded value is this role's (``import`` gives a value to the first
-    role that claims it, else to the role declaring the file without ``claims``, which listings name).
+    ``directory``: the step's directory as a pattern of ``step`` (``"genstep_{step:06d}"``); ``file_name``
+    the file in it (``"0/name"``: one per part directory). The rest is for ``skipinject cache``, which never
+    unpickles it: ``label`` in listings, the ``inputs_file`` beside it, files ``required`` to load it,
+    ``rows_key``/``step_key`` of the ``meta.json`` counting its rows / naming the step, and ``claims``:
+    whether a loaded value is this role's when several roles declare one file.
     """
 
     file_name: str
@@ -474,7 +403,7 @@ class UpstreamFormat:
 
 @dataclass(frozen=True)
 class Role:
-    """One cacheable stage of training, as a plugin declares it."""
+    """One cacheable stage of training, as a plugin declares it (each field: docs/plugins.md)."""
 
     name: str
     targets: Sequence[Target]
@@ -489,28 +418,18 @@ class Role:
     bypass: Callable[[Call], bool] = default_bypass
     #: Per-row digests of the call's inputs; a hit whose digests differ is reported (``on_mismatch``).
     fingerprint: Callable[[Call], Sequence[str] | None] | None = None
-    #: Adjusts a result served from the cache (e.g. replace the old run's timing with hit metrics).
     on_hit: Callable[[Any, Call, HitInfo], Any] | None = None
-    #: Fields added to the ``meta.json`` of a step (or rows record) this call's result is saved in: what
-    #: else decided the result besides its inputs (e.g. the reward that scored a rollout). JSON-safe
-    #: values; the first call's fields of a step are kept. Served back as :attr:`HitInfo.meta`.
+    #: JSON-safe fields for the ``meta.json`` of the step this call is saved in (served as ``HitInfo.meta``).
     record_meta: Callable[[Call], Mapping[str, Any] | None] | None = None
-    #: Adjusts a freshly computed result (e.g. mark the miss in the metrics).
     on_miss: Callable[[Any, Call], Any] | None = None
-    #: Per input row, a digest of everything of the call deciding its result (``action=match``, plugin
-    #: API 1.2): e.g. the prompt's tokens and non-tensor inputs. The engine adds the run settings
-    #: ``match_settings`` names and the row's occurrence among equal rows; ``None``: ``fingerprint``.
+    #: ``action=match``: per input row, a digest of what decides its result (``None``: ``fingerprint``).
     row_key: Callable[[Call], Sequence[str] | None] | None = None
-    #: Run-config keys (dotted) whose values decide a row's result (model, sampling, lengths): rows
-    #: recorded under other values never match.
+    #: ``action=match``: run-config keys (dotted) whose values decide a row's result.
     match_settings: Sequence[str] = ()
-    #: Adjusts a result merged from cached and fresh rows (``action=match``), e.g. metrics.
     on_match: Callable[[Any, Call, MatchInfo], Any] | None = None
-    #: Sub-directory of the project directory holding this role's steps; ``None``: the role's name,
-    #: ``""``: the project directory itself (upstream's layout, used by the rollout roles).
+    #: Sub-directory of the project directory holding the steps; ``None``: the role's name, ``""``: none.
     cache_subdir: str | None = None
-    #: Upstream's cache files for this role, if any (``gen_batch.dp``), and how to read them once trusted;
-    #: one format or several (e.g. verl 0.9's layout and the older ``genstep_*`` one), tried in order.
+    #: verl's own cache files for this role (one format or several, tried in order).
     upstream: UpstreamFormat | Sequence[UpstreamFormat] | None = None
     description: str = ""
 

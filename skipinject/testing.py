@@ -1,29 +1,9 @@
 """A test kit for roles (plugin API 1.1): run a role in this process, call its target, assert hit or miss.
 
-A plugin's tests use it instead of skipinject's own test helpers::
-
-    from skipinject import testing
-
-    with testing.RoleRun("judge", tmp_path, steps="[1]") as run:    # run 1: the target runs, step 1 is saved
-        MyTrainer(global_steps=1).score_with_judge(["4", "13"])
-    run.assert_miss(1)
-    with testing.RoleRun("judge", tmp_path, steps="[1]") as run:    # run 2: served from the cache
-        MyTrainer(global_steps=1).score_with_judge(["4", "13"])
-    run.assert_hit(1)
-
-:class:`RoleRun` resolves ``skip.<role>.*`` as the runner does (the same checks, the installed
-plugins or a ``VERL_SKIP_PLUGINS`` selection), starts the engine on entering and stops it on
-leaving (every open step committed, every patch undone), and keeps the ``skipinject`` log lines of
-the run. :func:`call` calls a target as its caller would (looked up now, so the patch is seen).
-For roles of verl's V0 trainer, :func:`v0_trainer` is a real ``RayPPOTrainer`` that entered the
-patched ``fit`` (the clock of roles whose target carries no step) and :func:`grpo_batch` a GRPO
-training batch as ``fit`` has it; both need verl.
-
-Without verl (a unit test of a role's engine side, a store, a cache): :class:`ToyTrainer` is a trainer
-as a role sees it (the ``global_steps`` clock, a ``config`` naming the cache directory),
-:func:`toy_batch` a rollout batch shaped like a ``DataProto`` that the TensorDict codec saves
-bit-exact, and :func:`same_batch` compares two batches of either kind. :class:`IntCodec` saves a
-target's ``int`` result, for a role under test whose results are plain numbers.
+:class:`RoleRun` resolves ``skip.<role>.*`` as the runner does, starts the engine on entering, stops it on
+leaving and keeps the run's ``skipinject`` log lines; :func:`call` calls a target as its caller would (see
+docs/plugins.md). Without verl: :class:`ToyTrainer`, :func:`toy_batch`, :func:`same_batch`, :class:`IntCodec`.
+With verl's V0 trainer: :func:`v0_trainer`, :func:`v0_run_config`, :func:`grpo_batch`.
 """
 
 from __future__ import annotations
@@ -70,13 +50,10 @@ class _Lines(logging.Handler):
 
 
 class RoleRun:
-    """One run of ``roles`` in this process: a role name, several comma-separated, or
-    :class:`~skipinject.Role` objects (a fresh instance, as a plugin's ``make_role()`` returns).
+    """One run of ``roles`` (a role name, several comma-separated, or :class:`~skipinject.Role` objects).
 
-    ``steps`` (``"[1-4]"`` or step numbers), ``overrides`` (``"skip.<role>.action=repeat"``...) and
-    ``settings`` (``action="repeat"``: for every role) are what a user passes to the runner, checked
-    the same way; ``dump_dir`` is every role's cache root. ``plugins``: a ``VERL_SKIP_PLUGINS``
-    selection (an installed plugin's name or a module path), default the role names.
+    ``steps``, ``overrides`` (``"skip.<role>.action=repeat"``) and ``settings`` (for every role) are checked
+    as the runner checks them; ``plugins``: a ``VERL_SKIP_PLUGINS`` selection, default the role names.
     """
 
     #: The runs started and not stopped (one at most: starting one stops the others).
@@ -125,8 +102,6 @@ class RoleRun:
         self._handler = _Lines(self.lines)
         self._level = logging.NOTSET
 
-    # ------------------------------------------------------------ running
-
     def start(self) -> RoleRun:
         """Start the engine (after stopping any other run of this process); logs are collected from here."""
         RoleRun.stop_all()
@@ -143,8 +118,7 @@ class RoleRun:
         return self
 
     def stop(self) -> None:
-        """End the run: open steps are committed, patches undone, log collection stops (a run already
-        stopped, or stopped by a later one's start, is left as it is)."""
+        """End the run: open steps committed, patches undone, log collection stopped (once)."""
         if self not in RoleRun._running:
             return
         try:
@@ -169,8 +143,6 @@ class RoleRun:
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.stop()
-
-    # ------------------------------------------------------------ what happened
 
     def lines_with(self, needle: str) -> list[str]:
         return [line for line in self.lines if needle in line]
@@ -224,11 +196,8 @@ def call(target: str, *args: Any, **kwargs: Any) -> Any:
     return resolve(target)(*args, **kwargs)
 
 
-# ---------------------------------------------------------------- toys without verl
-
-
 class IntCodec:
-    """The codec of a target that returns an ``int``: one row, the number in the JSON objects."""
+    """The codec of a target that returns an ``int``."""
 
     def encode(self, result: int) -> Payload:
         return Payload(objects={"value": int(result)}, rows=1)
@@ -241,11 +210,9 @@ class IntCodec:
 
 
 class ToyTrainer:
-    """A trainer as a role sees it: ``global_steps`` (the step clock of roles reading the trainer) and
-    ``config`` with verl's sections that name the cache directory (``{experiment}_{project}/GBS...``).
+    """A trainer as a role sees it: the ``global_steps`` clock and a ``config`` naming the cache directory.
 
-    :meth:`fit` advances the clock and calls :meth:`generate` (a test's subclass defines it, or its
-    role patches it) ``calls.get(step, 1)`` times per step, keeping what it returned in ``outputs``.
+    :meth:`fit` calls :meth:`generate` (the test's) ``calls.get(step, 1)`` times per step, into ``outputs``.
     """
 
     def __init__(
@@ -261,21 +228,12 @@ class ToyTrainer:
         calls: dict[int, int] | None = None,
     ) -> None:
         self.global_steps = global_steps
-        self.config: dict[str, Any] = {
-            "trainer": {"experiment_name": experiment, "project_name": project},
-            "data": {
-                "train_batch_size": train_batch_size,
-                "max_prompt_length": prompt_length,
-                "max_response_length": response_length,
-            },
-            "actor_rollout_ref": dict(rollout={"n": n}),  # verl's section (not the role of that name)
-        }
+        self.config = _run_config(experiment, project, train_batch_size, n, prompt_length, response_length)
         self.calls = dict(calls or {})
         self.outputs: list[Any] = []
 
     def fit(self, steps: int | Iterable[int] = ()) -> list[Any]:
-        """Steps ``1..steps`` (or the step numbers given); each calls :meth:`generate` with the call's number.
-        Its return is the run's end (the clock of roles that name ``fit``)."""
+        """Steps ``1..steps`` (or the step numbers given); each calls :meth:`generate` with the call's number."""
         for step in range(1, steps + 1) if isinstance(steps, int) else steps:
             self.global_steps = step
             for _ in range(self.calls.get(step, 1)):
@@ -287,9 +245,7 @@ class ToyTrainer:
 
 
 def toy_batch(rows: int = 4, width: int = 8, *, seed: int = 0, step: int = 1) -> dict[str, Any]:
-    """A rollout result shaped like verl's ``DataProto``, without verl: ``batch`` (a TensorDict of
-    token ids, masks and log-probs), ``non_tensor_batch`` (per-row object arrays: uid, chat prompt,
-    data source, reward model) and ``meta_info``. The TensorDict codec saves it bit-exact."""
+    """A rollout result shaped like verl's ``DataProto`` (``batch``, ``non_tensor_batch``, ``meta_info``)."""
     import numpy as np
     import torch
     from tensordict import TensorDict
@@ -316,8 +272,7 @@ def toy_batch(rows: int = 4, width: int = 8, *, seed: int = 0, step: int = 1) ->
 
 
 def same_batch(a: Any, b: Any) -> bool:
-    """Two batches (:func:`toy_batch`'s or ``DataProto``) hold the same data: tensors bit-exact,
-    per-row objects and ``meta_info`` (but its ``timing``) equal."""
+    """Two batches (:func:`toy_batch`'s or ``DataProto``) hold the same data (``meta_info`` but its ``timing``)."""
     import torch
 
     def parts(batch: Any) -> tuple[Any, Any, Any]:
@@ -335,27 +290,26 @@ def same_batch(a: Any, b: Any) -> bool:
     return {k: v for k, v in meta_a.items() if k != "timing"} == {k: v for k, v in meta_b.items() if k != "timing"}
 
 
-# ---------------------------------------------------------------- verl's V0 trainer (needs verl)
-
-
 def v0_run_config(
     *, train_batch_size: int = 4, n: int = 2, prompt_length: int = 5, response_length: int = 6, **sections: Any
 ) -> Any:
     """A V0 trainer config (OmegaConf) naming the cache directory ``e_p/GBS{gbs}_N{n}_in{p}_out{r}``."""
     from omegaconf import OmegaConf
 
-    config: dict[str, Any] = {
-        "trainer": {"experiment_name": "e", "project_name": "p", "use_v1": False},
-        "data": {
-            "train_batch_size": train_batch_size,
-            "max_prompt_length": prompt_length,
-            "max_response_length": response_length,
-        },
-        "actor_rollout_ref": dict(rollout={"n": n}),  # verl's section (not the role of that name)
-        "algorithm": {"adv_estimator": "grpo", "use_pf_ppo": False},
-    }
+    config = _run_config("e", "p", train_batch_size, n, prompt_length, response_length)
+    config["trainer"]["use_v1"] = False
+    config["algorithm"] = {"adv_estimator": "grpo", "use_pf_ppo": False}
     config.update(sections)
     return OmegaConf.create(config)
+
+
+def _run_config(experiment: str, project: str, gbs: int, n: int, prompt: int, response: int) -> dict[str, Any]:
+    """verl's config sections that name the cache directory ``{experiment}_{project}/GBS{gbs}_N{n}_in..``."""
+    return {
+        "trainer": {"experiment_name": experiment, "project_name": project},
+        "data": {"train_batch_size": gbs, "max_prompt_length": prompt, "max_response_length": response},
+        "actor_rollout_ref": {"rollout": {"n": n}},  # verl's section (not the role of that name)
+    }
 
 
 class _StopFit(Exception):
@@ -369,9 +323,8 @@ class _Executor:
 
 
 def v0_trainer(global_steps: int, config: Any = None) -> Any:
-    """A real ``RayPPOTrainer`` at ``global_steps`` that entered the patched ``fit`` and left it at its
-    first line, as a run's trainer does: the clock of the roles, and the end of the run before it
-    (the steps it left open are committed)."""
+    """A real ``RayPPOTrainer`` at ``global_steps`` that entered the patched ``fit`` (the roles' clock) and
+    left it at its first line (the end of the run before it)."""
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     trainer = RayPPOTrainer.__new__(RayPPOTrainer)
@@ -390,9 +343,8 @@ def v0_trainer(global_steps: int, config: Any = None) -> Any:
 def grpo_batch(
     seed: int = 0, prompts: int = 4, n: int = 2, prompt_len: int = 5, response_len: int = 6, *, scores: Any = None
 ) -> Any:
-    """A V0 GRPO training batch (``DataProto``) as ``fit`` has it after the rollout: tokens, masks,
-    outcome rewards, fresh uids. ``scores`` (per row; ``True``: random ones): the reward loop's
-    ``rm_scores`` and extra infos (``acc``) too, as ``extract_reward`` gets the batch."""
+    """A V0 GRPO training batch (``DataProto``) as ``fit`` has it after the rollout; ``scores`` (per row;
+    ``True``: random ones): with the reward loop's ``rm_scores`` and ``acc`` too."""
     import uuid
 
     import numpy as np
