@@ -1,20 +1,11 @@
 """skipinject: skip and replay verl rollouts on any verl install, without editing verl.
 
-This module is the plugin API (version :data:`API_VERSION`): everything a plugin may rely on is
-exported here and listed in ``__all__`` (API 1.1 added the plugin kit, :mod:`skipinject.plugin_kit`:
-codec headers, row digests, verl ranges; and :meth:`PhaseContext.load`; API 1.2 added
-``action=match``: :class:`RowCodec`, :class:`MatchInfo` and the role's ``row_key``/``match_settings``/
-``on_match``; API 1.3 added ``Role.record_meta``, the recorded ``meta.json`` in :class:`HitInfo` and
-:class:`MatchInfo`, and a phase's ``PhaseContext.record``/``commit``/``served``/``notes``; API 1.4 added
-:func:`count_rescored`, the rows a role re-scored in the run's summary); a plugin's
-tests may also use :mod:`skipinject.testing`. Every other module is internal and may change in any release. A
-plugin may declare the API it was written for as ``SKIPINJECT_API = 1`` (an incompatible one is
-refused in one clear line)::
+This module is the plugin API (version :data:`API_VERSION`, its history in docs/plugins.md): everything a
+plugin may rely on is exported here and listed in ``__all__``, with :mod:`skipinject.plugin_kit` and, for
+its tests, :mod:`skipinject.testing`; every other module is internal. Names that need torch or verl
+(codecs, :class:`Payload`) are imported on first use, so ``import skipinject`` stays cheap::
 
     from skipinject import Role, StepSource, Target, hookimpl
-
-Names that need torch or verl (codecs, :class:`Payload`) are imported on first use, so
-``import skipinject`` stays cheap in every process a run starts.
 """
 
 from __future__ import annotations
@@ -90,7 +81,7 @@ _LAZY = {
     "TensorSink": "skipinject.codecs",
     "decode_tensor": "skipinject.codecs",
     "count_rescored": "skipinject.report.tally",
-    "enable": "skipinject.launch",
+    "enable": "skipinject.bootstrap",
     "encode_tensor": "skipinject.codecs",
     "hookimpl": "skipinject.hookspecs",
     "from_jsonable": "skipinject.codecs",

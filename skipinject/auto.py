@@ -13,9 +13,9 @@ import sys
 
 
 def _enable_from_argv() -> None:
+    from skipinject.bootstrap import enable
     from skipinject.config.overrides import split_overrides
     from skipinject.errors import SkipInjectError
-    from skipinject.launch import enable
 
     try:
         overrides, rest = split_overrides(sys.argv[1:])

@@ -1,49 +1,39 @@
-"""Starting skipinject in a process, and handing it on to the processes it starts.
+"""Installing skipinject in this process and every process it starts: the runner's way, :func:`enable`.
 
-The runner resolves and validates the configuration once, then exports it as JSON in
-``SKIPINJECT_CONFIG`` and puts ``skipinject/_bootstrap`` (a ``sitecustomize``) first on
-``PYTHONPATH``. Every Python child then starts skipinject before any user code. Ray workers on
-this node inherit that environment; for workers on other nodes, ``ray.init`` is patched to add
-the variable and a ``worker_process_setup_hook`` to the job's ``runtime_env``.
-
-Set ``SKIPINJECT_DISABLE=1`` to turn everything off without changing the command line.
+The settings are resolved and checked once (:func:`resolve`), then :func:`install` exports them as JSON in
+``SKIPINJECT_CONFIG`` and puts ``skipinject/_bootstrap`` (a ``sitecustomize``) first on ``PYTHONPATH``, so
+every Python child starts skipinject before any user code; ``ray.init`` is patched to add the variable and a
+``worker_process_setup_hook`` to the job's ``runtime_env`` for workers on other nodes.
+``SKIPINJECT_DISABLE=1`` turns everything off without changing the command line.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import os
 import sys
 import threading
-from collections.abc import MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from skipinject.config import Config
 from skipinject.config import environment as env_vars
-from skipinject.config.environment import ENV_CONFIG, ENV_DISABLE, ENV_LOG_LEVEL, ENV_RUN_REPORT
+from skipinject.config.environment import ENV_CONFIG, ENV_PLUGINS, ENV_RUN_REPORT
 from skipinject.errors import ConfigError
 
 if TYPE_CHECKING:
     from skipinject.engine import Engine
     from skipinject.plugin_manager import PluginSet
 
-__all__ = [
-    "ENV_CONFIG",
-    "ENV_DISABLE",
-    "ENV_LOG_LEVEL",
-    "active",
-    "configure_logging",
-    "disabled",
-    "export",
-    "start",
-    "started",
-    "stop",
-]
-
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "_bootstrap")
 RAY_SETUP_HOOK = "skipinject.bootstrap.ray_worker_setup"
 ENV_CHAINED_HOOK = "SKIPINJECT_CHAINED_SETUP_HOOK"
+#: Patched so that a job's ``runtime_env`` carries the configuration to workers on every node.
+RAY_INIT = "ray:init"
+_HINT = "; see `python -m skipinject --list`"
 
 logger = logging.getLogger("skipinject")
 
@@ -52,8 +42,142 @@ _engine: Engine | None = None
 _started = False
 
 
-#: Patched so that a job's ``runtime_env`` carries the configuration to workers on every node.
-RAY_INIT = "ray:init"
+def resolve(
+    overrides: Iterable[tuple[str, str]],
+    *,
+    plugins: str | None = None,
+    plugins_given_as: str = "--plugins",
+    settings_file: str | None = None,
+    settings: Mapping[str, Mapping[str, Any]] | None = None,
+) -> tuple[PluginSet, Config]:
+    """The chosen plugins (``plugins``, else ``VERL_SKIP_PLUGINS``) and the validated settings: a settings
+    file, then ``settings`` (``{role: {key: value}}``), then ``overrides``, each layer over the one before."""
+    from skipinject.config import apply_overrides, apply_settings, load_file
+    from skipinject.plugin_manager import load_plugins
+
+    if plugins is not None:
+        loaded = load_plugins(plugins, given_as=plugins_given_as)
+    else:
+        loaded = load_plugins(os.environ.get(ENV_PLUGINS) or "")
+    config = Config()
+    for layer in (None if settings_file is None else load_file(settings_file), settings):
+        if layer is not None:
+            config = apply_settings(config, layer, loaded.roles, hint=_HINT)
+    config = apply_overrides(config, overrides, loaded.roles, hint=_HINT)
+    owners = sorted({loaded.plugin_of(name).name for name in config.enabled_roles})
+    config = Config(
+        plugins=",".join(owners),
+        plugin_sources={p.name: p.source for p in loaded.plugins if p.name in owners},
+        roles=config.roles,
+        triggers=_triggers(loaded, config.enabled_roles),
+    )
+    if config.enabled_roles:
+        config.to_json()  # refuses, in one line, what cannot reach the run's other processes
+    return loaded, config
+
+
+def install(config: Config, plugins: PluginSet) -> bool:
+    """Say what cannot work, hand the configuration on to every process this one starts, and start the
+    hooks here. Raises :class:`ConfigError` for a setting that must stop the run; ``True``: active."""
+    from skipinject.report import start as run_start
+
+    configure_logging()
+    off = disabled()
+    problems = run_start.check_settings(config, disabled=off)  # said once the settings are known to start
+    if not config.enabled_roles or off:
+        run_start.say(problems)
+        return False
+    from skipinject.report import summary
+    from skipinject.verl.stack import warn_if_untested
+
+    warn_if_untested()
+    acting = [name for name in config.enabled_roles if config.role(name).steps]
+    end = summary.begin(acting) if acting else None  # before the engine: its exit flush runs before the summary
+    try:
+        export(config)
+        _export_plugin_paths(plugins, config)
+        engine = start(config, plugins)
+    except BaseException:
+        if end is not None:
+            end.cancel()  # the program does not start: there is no run to sum up
+        raise
+    run_start.say(problems)
+    if engine is None:
+        if end is not None:
+            end.cancel()
+        return False
+    engine.check_targets()
+    run_start.watch(config, plugins.roles, end)
+    return True
+
+
+def enable(
+    *overrides: str,
+    settings: Mapping[str, Mapping[str, Any]] | None = None,
+    settings_file: str | os.PathLike[str] | None = None,
+    plugins: str | None = None,
+) -> bool:
+    """Install skipinject in this process and every process it starts, as ``python -m skipinject`` does,
+    for a program that calls verl from Python (before verl is imported and Ray starts)::
+
+        import skipinject
+        skipinject.enable("skip.rollout_tq.enable=True", "skip.rollout_tq.steps=[1-8]")
+        run_ppo(config, task_runner_class=TaskRunnerV1)
+
+    ``settings``: ``{"rollout": {"enable": True}}`` (also under ``"skip"``); ``settings_file``: as
+    ``--skip-config``; ``plugins``: as ``--plugins``. A wrong setting raises :class:`~skipinject.ConfigError`.
+    Returns whether skipinject is active; a second call changes nothing (one warning).
+    """
+    from skipinject.config.overrides import split_overrides
+
+    if started():
+        configure_logging()
+        logger.warning("skipinject.enable: skipinject is already installed in this process; the call changes nothing")
+        return active()
+    env_vars.check()
+    parsed, rest = split_overrides(list(overrides))
+    if rest:
+        raise ConfigError(f"{rest[0]}: expected skip.<role>.<key>=<value>")
+    if settings is not None and set(settings) == {"skip"}:
+        settings = settings["skip"]
+    loaded, config = resolve(
+        parsed,
+        plugins=plugins,
+        plugins_given_as="plugins=",
+        settings_file=None if settings_file is None else str(settings_file),
+        settings=settings,
+    )
+    return install(config, loaded)
+
+
+def _triggers(plugins: PluginSet, enabled: list[str]) -> tuple[str, ...]:
+    """Top-level packages holding the enabled roles' targets and clocks (and verl's SkipManager guard)."""
+    from skipinject.verl.builtin_guard import BUILTIN_SKIP_INIT
+
+    paths = [BUILTIN_SKIP_INIT] if any(plugins.roles[name].builtin for name in enabled) else []
+    for name in enabled:
+        role = plugins.roles[name]
+        paths += [target.path for target in role.targets] + list(role.clocks)
+    return tuple(sorted({path.split(":")[0].split(".")[0] for path in paths}))
+
+
+def _export_plugin_paths(plugins: PluginSet, config: Config) -> None:
+    """Plugins given as ``module[:attr]`` paths must import in children too (Ray workers start
+    elsewhere than the current directory): append their directories to ``PYTHONPATH``."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for plugin in plugins.plugins:
+        if plugin.name not in config.plugin_sources or plugin.distribution is not None:
+            continue
+        location = getattr(sys.modules.get(plugin.source.split(":")[0].split(".")[0]), "__file__", None)
+        if location is None:
+            continue
+        base = Path(location).resolve().parent
+        if Path(location).name == "__init__.py":
+            base = base.parent
+        if str(base) not in paths:
+            paths.append(str(base))
+    if paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(paths)
 
 
 def disabled() -> bool:
@@ -117,8 +241,8 @@ def start(config: Config, plugins: PluginSet | None = None) -> Engine | None:
 
 
 def stop() -> None:
-    """Remove every hook this process installed (tests, or a program that wants out): the roles'
-    targets and the ``ray.init`` patch, so a later :func:`start` hands on its own configuration."""
+    """Remove every hook this process installed (the roles' targets and the ``ray.init`` patch), so a
+    later :func:`start` hands on its own configuration."""
     global _engine, _started
     from skipinject.injector import INJECTOR
 
@@ -133,41 +257,26 @@ def stop() -> None:
         _started = False
 
 
-def start_from_env() -> Engine | None:
-    """Start from ``SKIPINJECT_CONFIG`` (children of the runner). Errors are logged, not raised."""
+def start_from_env(hand_on_only: bool = False) -> Engine | None:
+    """Start from ``SKIPINJECT_CONFIG`` (children of the runner); errors are logged, not raised.
+    ``hand_on_only``: only patch ``ray.init`` (a process that imported ray but no target package yet)."""
     text = os.environ.get(ENV_CONFIG)
     if not text or disabled():
         return None
     configure_logging()
     try:
+        if hand_on_only:
+            _patch_ray_init(Config.from_json(text))
+            return None
         return start(Config.from_json(text))
     except Exception as exc:
         logger.error("not active in process %d: %s: %s", os.getpid(), type(exc).__name__, exc)
         return None
 
 
-def hand_on_from_env() -> None:
-    """Only patch ``ray.init`` (a process that imported ray but no target package yet), so a job it
-    starts hands the configuration on; the rest starts when a target package is imported."""
-    text = os.environ.get(ENV_CONFIG)
-    if not text or disabled():
-        return
-    configure_logging()
-    try:
-        _patch_ray_init(Config.from_json(text))
-    except Exception as exc:
-        logger.error("not active in process %d: %s: %s", os.getpid(), type(exc).__name__, exc)
-
-
 def ray_worker_setup() -> None:
-    """Ray's ``worker_process_setup_hook``: start in workers that did not get our sitecustomize.
-
-    Workers on nodes whose raylet was started without skipinject's environment (every node of a
-    cluster started before the run, every other node of any cluster) get ``SKIPINJECT_CONFIG``
-    from the job's ``runtime_env`` only. Here they start skipinject, hand it on to the Python
-    processes they start (this node's bootstrap directory first on ``PYTHONPATH``), then run
-    the user's own setup hook if the job had one (``SKIPINJECT_CHAINED_SETUP_HOOK``).
-    """
+    """Ray's ``worker_process_setup_hook``, for workers that did not get our sitecustomize (other nodes):
+    start, hand on to this worker's children, then run the job's own hook (``SKIPINJECT_CHAINED_SETUP_HOOK``)."""
     if start_from_env() is not None:
         export_bootstrap_path()
     chained = os.environ.get(ENV_CHAINED_HOOK)
@@ -201,11 +310,7 @@ def _patch_ray_init(config: Config) -> None:
 
 
 def _chain_setup_hooks(user_hook: Any) -> Any:
-    """A callable setup hook that starts skipinject, then runs the user's callable hook.
-
-    Ray pickles it by value (cloudpickle) and runs it in every worker of the job; it needs a
-    ``__name__``, which a closure has.
-    """
+    """A setup hook that starts skipinject, then runs the user's callable hook (Ray pickles it by value)."""
 
     def skipinject_then_user_setup_hook() -> Any:
         ray_worker_setup()
@@ -215,14 +320,9 @@ def _chain_setup_hooks(user_hook: Any) -> Any:
 
 
 class _RayInitInterceptor:
-    """Adds our config to the job's ``runtime_env`` so workers on every node start skipinject.
-
-    Works whatever the program connects to (a new local cluster, ``address=...``, ``"auto"``,
-    ``RAY_ADDRESS``): the job's ``runtime_env`` applies to all its workers on all nodes. The
-    ``runtime_env`` may be a dict or a ``RuntimeEnv`` (its type is kept), or come in a
-    ``job_config``; a setup hook of the user's is chained after ours, never dropped. After
-    ``ray.init`` returns, a cluster of several nodes with a node-local cache gets one warning.
-    """
+    """Adds our config to the job's ``runtime_env`` (a dict or ``RuntimeEnv``, maybe in a ``job_config``)
+    so workers on every node start skipinject, whatever the program connects to; a setup hook of the
+    user's is chained after ours. Then warns once if several nodes share no cache."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -230,8 +330,6 @@ class _RayInitInterceptor:
 
     def amend(self, runtime_env: Any) -> Any:
         """A copy of ``runtime_env`` (dict or ``RuntimeEnv``, maybe ``None``) with our variable and hook."""
-        import copy
-
         amended = copy.copy(runtime_env) if runtime_env else {}
         env_vars = dict(amended.get("env_vars") or {})
         env_vars.setdefault(ENV_CONFIG, self.config_json)
@@ -254,8 +352,6 @@ class _RayInitInterceptor:
         kwargs = call.kwargs
         job_config = kwargs.get("job_config")
         if kwargs.get("runtime_env") is None and getattr(job_config, "runtime_env", None):
-            import copy
-
             job_config = copy.copy(job_config)  # the user's JobConfig is left as it was
             job_config.set_runtime_env(self.amend(job_config.runtime_env))
             kwargs["job_config"] = job_config
@@ -285,8 +381,6 @@ class _RayInitInterceptor:
 
 def _job_setup_hook_injected() -> bool:
     """Whether ``ray job submit`` already gave this job a ``worker_process_setup_hook``."""
-    import json
-
     text = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
     if not text:
         return False

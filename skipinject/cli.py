@@ -144,8 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _console_script_path() -> None:
-    """python puts a script's directory first on ``sys.path``, ``python -m`` the current directory: as
-    the ``skipinject`` console script, make it what ``python -m skipinject`` has."""
+    """As the ``skipinject`` console script, put the current directory first on ``sys.path``, as ``python -m``."""
     if _safe_path() or not sys.path:
         return
     if sys.path[0] == os.path.dirname(os.path.realpath(sys.argv[0])) and Path(sys.argv[0]).name != "__main__.py":
@@ -188,7 +187,7 @@ def _prepare(argv: list[str]) -> Program | None:
     chosen = args.list or args.skip_config or args.plugins is not None or environment.ENV_PLUGINS in os.environ
     if not chosen and not overrides:  # no setting names a role: none can be on, so no plugin is loaded
         return _required(program)
-    from skipinject.launch import install, resolve
+    from skipinject.bootstrap import install, resolve
 
     plugins, config = resolve(overrides, plugins=args.plugins, settings_file=args.skip_config)
     if args.list:
@@ -221,9 +220,8 @@ def _required(program: Program | None) -> Program:
 
 
 def _run(program: Program) -> int:
-    """Run the program as ``python`` would. Its ``SystemExit`` passes through; its exceptions are printed
-    by ``sys.excepthook`` from its own first frame, as python prints them (exit status 1). A module
-    runpy cannot find is one line, as python says it."""
+    """Run the program as ``python`` would: its ``SystemExit`` passes through, its exceptions are printed
+    from its own first frame (status 1), a module runpy cannot find is one line."""
     try:
         _execute(program)
     except Exception as exc:

@@ -42,8 +42,7 @@ class CorruptCacheError(CacheError):
 
 
 class UntrustedCacheError(CorruptCacheError):
-    """A cache lies where another user could have planted or redirected it (a directory others can
-    write, another owner, a link another user controls): intact perhaps, but not ours to trust."""
+    """A cache lies where another user could have planted or redirected it: not ours to trust."""
 
 
 class CacheMissError(CacheError):

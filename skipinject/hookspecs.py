@@ -1,26 +1,9 @@
-"""The plugin contract, in pluggy's terms.
+"""The plugin contract, in pluggy's terms (docs/plugins.md).
 
-A plugin is any object or module with a ``skipinject_roles`` hook implementation returning
-the :class:`~skipinject.roles.Role` objects it contributes. It is found through the
-``skipinject.plugins`` entry-point group, or named in ``VERL_SKIP_PLUGINS``::
-
-    from skipinject import Role, StepSource, Target, hookimpl
-
-    SKIPINJECT_API = 1  # the plugin API this plugin was written for (optional)
-
-    @hookimpl
-    def skipinject_roles():
-        return [
-            Role(
-                name="reward",
-                targets=[Target("my.mod:compute_reward")],
-                step=StepSource.clock("global_steps"),
-                clocks=["my.mod:Trainer.fit"],  # the trainer whose global_steps is the clock
-            )
-        ]
-
-Any ``skipinject_*`` function of a plugin is a hook, marked or not; one this spec does not
-declare is an error (a misspelt hook never goes unnoticed).
+A plugin is any object or module with a ``skipinject_roles`` hook returning the
+:class:`~skipinject.roles.Role` objects it contributes, found through the ``skipinject.plugins``
+entry-point group or named in ``VERL_SKIP_PLUGINS``. Any ``skipinject_*`` function of a plugin is a
+hook, marked or not; one this spec does not declare is an error (a misspelt hook never goes unnoticed).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Which node this process runs on, for the record a saved step keeps of its writer.
 
-Apart from :mod:`skipinject.cluster` (which parses cache roots) so that the store's writer can
-import it without importing the store back. Nothing here imports Ray: Ray is asked only when the
-program has already imported it.
+Apart from :mod:`skipinject.cluster` so that the store's writer can import it without importing the
+store back. Ray is asked only when the program has already imported it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """What a codec hands the store and the store hands back: the neutral ground between them.
 
-A :class:`Payload` is one part of a result: plain tensors, a JSON tree and, from the codec that knows
-the result's field names, which tensors are two others side by side (the store checks that bit for
-bit and stores only the parts). The settings a role's files are written with (:class:`Compression`)
-and the tensor dtypes a payload may hold are here too, so that codecs and the settings reader need
-nothing of the store's internals.
+A :class:`Payload` is one part of a result: plain tensors and a JSON tree. The settings a role's files
+are written with (:class:`Compression`) and the dtypes a payload may hold are here too, so that codecs
+and the settings reader need nothing of the store's internals.
 """
 
 from __future__ import annotations
@@ -20,9 +18,8 @@ if TYPE_CHECKING:
 _INTEGERS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 TENSOR_DTYPES = frozenset(("bool", *_INTEGERS, "float16", "bfloat16", "float32", "float64", "complex64", "complex128"))
 
-#: ``zstd`` without a level. Level 1, not zstd's own 3: after the compact encodings a rollout batch
-#: stores the same bytes at either level (0.053x of pickle, ``bench_compression.py``), and level 1 saves
-#: and decodes faster.
+#: ``zstd`` without a level: after the compact encodings level 3 saves no bytes more than 1, and 1 is
+#: faster (``bench_compression.py``).
 ZSTD_DEFAULT_LEVEL = 1
 ZSTD_MAX_LEVEL = 22
 
@@ -34,17 +31,13 @@ class Payload:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     objects: dict[str, Any] = field(default_factory=dict)
     rows: int | None = None
-    #: ``{name: (left, right)}``: tensor ``name`` may be tensors ``left`` and ``right`` side by side in
-    #: the last dimension (``input_ids``: ``prompts``, ``responses``), as the codec knows it. A hint:
-    #: the store keeps only what it checks to rebuild exactly (:mod:`skipinject.store.compact`).
+    #: ``{name: (left, right)}``: tensor ``name`` may be ``left`` and ``right`` side by side in the last
+    #: dimension (a hint: the store keeps only what it checks to rebuild exactly).
     concats: dict[str, tuple[str, str]] = field(default_factory=dict, compare=False)
 
     def private_copy(self) -> Payload:
-        """A copy with its own tensors and JSON tree: later in-place changes to the result cannot reach it.
-
-        A miss saved in the background is copied first, so what is written is what training saw
-        when the call returned, whatever training (or a transport's buffer reuse) does afterwards.
-        """
+        """A copy with its own tensors and JSON tree, for a background save: later in-place changes
+        to the result (by training, or a transport reusing its buffers) cannot reach it."""
         import json
 
         tensors = {name: tensor.detach().clone() for name, tensor in self.tensors.items()}

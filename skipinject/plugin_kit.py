@@ -1,18 +1,9 @@
-"""Helpers plugins share (plugin API 1.1): codec headers, per-row input digests, verl ranges.
+"""Helpers plugins share (plugin API 1.1), public like :mod:`skipinject`; the built-in roles use them.
 
-Public like :mod:`skipinject` itself: a role written on the plugin API can use these instead of
-copying them. The built-in roles do. Nothing here imports torch or verl at import time.
-
-* :class:`CodecHeader` — the ``codec``/``codec_version`` pair a codec writes into every payload and
-  checks before it decodes one (a cache of another codec or version is a :class:`CodecError`, so
-  the target runs).
-* :func:`row_digest`, :func:`attended_tokens`, :func:`tensor_bytes`, :func:`row_text` — one short
-  digest per input row for :attr:`skipinject.Role.fingerprint` (a hit computed from other inputs is
-  then reported, ``skip.<role>.on_mismatch``).
-* :func:`installed_verl_matches` — whether a version range holds for the installed verl (for clocks
-  and checks, which carry no range of their own).
-
-What is verl's (its tensor names, its versions) lives in :mod:`skipinject.verl`; this module hands it on.
+:class:`CodecHeader` (a codec's name and version, checked before decoding); :func:`row_digest` and its
+pieces (:func:`attended_tokens`, :func:`tensor_bytes`, :func:`row_text`): one digest per input row for
+:attr:`skipinject.Role.fingerprint`; :func:`installed_verl_matches`: whether a version range holds for
+the installed verl. Nothing here imports torch or verl at import time.
 """
 
 from __future__ import annotations

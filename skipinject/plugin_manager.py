@@ -1,18 +1,10 @@
 """Finding, choosing and registering plugins: pluggy, fed the way pytest feeds it.
 
-Plugins come from the ``skipinject.plugins`` entry-point group (one scan with
-``importlib_metadata``). ``VERL_SKIP_PLUGINS`` (or the runner's ``--plugins``) chooses among them::
-
-    VERL_SKIP_PLUGINS=rollout,reward        only these entry points
-    VERL_SKIP_PLUGINS=-reward               every installed plugin but this one (pluggy's set_blocked)
-    VERL_SKIP_PLUGINS=mypkg.skip:plugin     a plugin object that is not installed as a distribution
-    VERL_SKIP_PLUGINS=mypkg.skip_roles      a module holding ``skipinject_roles``
-
-Unset (or empty) means every installed plugin; a name that matches nothing is an error. A plugin
-that fails to import or to register is reported by name and left out, unless it was asked for by
-name, in which case it is an error. Hooks are checked against the hookspecs (``check_pending``),
-so a misspelt ``skipinject_*`` hook is an error, and a plugin declaring a plugin API this
-skipinject does not provide (``SKIPINJECT_API = 2``) is one clear error.
+Plugins come from the ``skipinject.plugins`` entry-point group; ``VERL_SKIP_PLUGINS`` (or ``--plugins``)
+chooses among them: ``rollout,reward`` (only these), ``-reward`` (all but this one, pluggy's
+``set_blocked``), ``mypkg.skip:plugin`` or ``mypkg.skip_roles`` (a plugin that is not installed). A
+plugin that fails to load is left out with a warning, or is an error when asked for by name; a misspelt
+``skipinject_*`` hook and an unsupported ``SKIPINJECT_API`` are errors (docs/plugins.md).
 """
 
 from __future__ import annotations
@@ -20,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -126,11 +119,6 @@ class PluginSet:
                 return plugin
         raise KeyError(role_name)
 
-    def sources_of(self, names: Iterable[str]) -> dict[str, str]:
-        """``name -> module[:attr]`` of the named plugins, for children to import without a scan."""
-        wanted = set(names)
-        return {p.name: p.source for p in self.plugins if p.name in wanted}
-
 
 def installed_entry_points() -> dict[str, Any]:
     """Entry points of the ``skipinject.plugins`` group, by name (the first of two same-named wins)."""
@@ -151,12 +139,7 @@ def installed_entry_points() -> dict[str, Any]:
 
 
 def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS) -> PluginSet:
-    """Discover, choose, import and register plugins; collect their roles.
-
-    ``selection_text`` defaults to ``$VERL_SKIP_PLUGINS``; ``given_as`` is what errors blame.
-    """
-    import os
-
+    """Discover, choose, import and register plugins (default: ``$VERL_SKIP_PLUGINS``); collect their roles."""
     if selection_text is None:
         selection_text = os.environ.get(ENV_PLUGINS)
     selection = parse_selection(selection_text, given_as)
@@ -192,10 +175,7 @@ def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS)
 
 
 def load_sources(sources: Mapping[str, str]) -> PluginSet:
-    """Register plugins the runner already chose (``name -> module[:attr]``); no entry-point scan.
-
-    Used in the processes of a run: the runner resolved the plugins, its children import just those.
-    """
+    """Register plugins the runner already chose (``name -> module[:attr]``), in its children: no scan."""
     manager = SkipPluginManager()
     plugins = [_register(manager, _from_path(source, {}, name=name)) for name, source in sources.items()]
     _collect_roles(manager, plugins)
@@ -260,9 +240,7 @@ def _register(manager: SkipPluginManager, plugin: LoadedPlugin) -> LoadedPlugin:
         raise PluginError(f"{where}: {_one_line(exc)}") from exc
     except ValueError as exc:
         raise PluginError(f"{where}: {_one_line(exc)}") from exc
-    if not manager.hook.skipinject_roles.get_hookimpls() or not any(
-        impl.plugin_name == plugin.name for impl in manager.hook.skipinject_roles.get_hookimpls()
-    ):
+    if not any(impl.plugin_name == plugin.name for impl in manager.hook.skipinject_roles.get_hookimpls()):
         manager.unregister(name=plugin.name)
         raise PluginError(f"{where} has no skipinject_roles hook")
     return plugin

@@ -1,15 +1,10 @@
 """Starts skipinject in every Python process of a run (this directory is put on PYTHONPATH).
 
-The runner exports the resolved configuration in ``SKIPINJECT_CONFIG``; any Python process
-started from it (Ray workers, multiprocessing children, subprocesses) imports this module at
-start-up, like coverage.py's subprocess support. Another ``sitecustomize`` on the path is
-loaded first, so installing skipinject never hides the user's or the distribution's own.
-
-Start-up is lazy, as ddtrace's ``when_imported``: this module uses the standard library only and
-waits for the first import of a package that holds a target (the configuration's ``triggers``,
-e.g. ``verl``); only then is skipinject itself imported and its hooks installed. A process that
-never imports such a package (most helper processes of a run) pays for one JSON parse and one
-import-system hook. ``ray`` is watched too, to hand the configuration on through ``ray.init``.
+Any Python process started from the runner (Ray workers, multiprocessing children, subprocesses) imports
+this module at start-up, like coverage.py's subprocess support; another ``sitecustomize`` on the path is
+loaded first. Start-up is lazy, as ddtrace's ``when_imported``: standard library only, it waits for the
+first import of a package holding a target (``SKIPINJECT_CONFIG``'s ``triggers``, e.g. ``verl``) before
+importing skipinject; ``ray`` is watched too, to hand the configuration on through ``ray.init``.
 """
 
 import importlib.machinery
@@ -75,15 +70,7 @@ class _StartOnImport:
             self.pending.clear()
             if self in sys.meta_path:  # type: ignore[comparison-overlap]
                 sys.meta_path.remove(self)  # type: ignore[arg-type]
-        try:
-            from skipinject import bootstrap
-
-            if name == "ray" and self.pending:
-                bootstrap.hand_on_from_env()
-            else:
-                bootstrap.start_from_env()
-        except Exception as exc:  # never break the user's process
-            print(f"skipinject: not active in process {os.getpid()}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _start_skipinject(hand_on_only=name == "ray" and bool(self.pending))
 
 
 class _FireAfterExec:
@@ -112,11 +99,15 @@ def _start() -> None:
     triggers = _triggers(text)
     if triggers is not None and not any(t in sys.modules for t in triggers):
         sys.meta_path.insert(0, _StartOnImport([*triggers, "ray"]))  # type: ignore[arg-type]
-        return
+    else:
+        _start_skipinject()
+
+
+def _start_skipinject(hand_on_only: bool = False) -> None:
     try:
         from skipinject.bootstrap import start_from_env
 
-        start_from_env()
+        start_from_env(hand_on_only)
     except Exception as exc:  # never break the user's process
         print(f"skipinject: not active in process {os.getpid()}: {type(exc).__name__}: {exc}", file=sys.stderr)
 

@@ -9,8 +9,10 @@ from skipinject.config.environment import ENV_CONFIG, ENV_DISABLE, ENV_LOG_LEVEL
 from skipinject.config.overrides import apply_overrides, apply_settings, load_file, parse_overrides, split_overrides
 from skipinject.config.schema import (
     DEFAULT_DUMP_DIR,
+    MAX_SERIALISED_BYTES,
     ROLE_KEYS,
     Action,
+    Config,
     MismatchPolicy,
     RescorePolicy,
     RoleConfig,
@@ -18,7 +20,6 @@ from skipinject.config.schema import (
     role_config,
 )
 from skipinject.config.steps import MAX_STEP, StepSet
-from skipinject.config.transport import MAX_SERIALISED_BYTES, Config
 
 ACTIONS = tuple(action.value for action in Action)
 

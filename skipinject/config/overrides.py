@@ -1,8 +1,9 @@
 """Reading ``skip.*`` settings: Hydra-style command-line overrides and an optional YAML file.
 
-Overrides are parsed with OmegaConf's dotlist grammar, the one Hydra users type
-(``skip.rollout.steps=[1,2,3]``, ``+skip...``, ``++skip...``); a ``--skip-config FILE`` holds a
-``skip:`` mapping in YAML and is merged under the command line.
+Overrides are parsed with OmegaConf's dotlist grammar (``skip.rollout.steps=[1,2,3]``, ``+skip...``);
+a ``--skip-config FILE`` holds a ``skip:`` mapping merged under the command line. YAML is first read as
+a stream of events (:func:`check_yaml`) and refused at an anchor or alias, or past :data:`MAX_DEPTH`
+levels or :data:`MAX_NODES` values, so aliases never expand exponentially and a refusal costs little.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from skipinject.config.bounded_yaml import check_yaml
-from skipinject.config.schema import role_config
-from skipinject.config.transport import Config
+from skipinject.config.schema import Config, role_config
 from skipinject.errors import ConfigError, did_you_mean
 
 _OVERRIDE = re.compile(r"^\+{0,2}skip\.(?P<rest>.*)$", re.DOTALL)
@@ -88,7 +87,7 @@ def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
     """The ``skip:`` mapping of a YAML settings file (``{role: {key: value}}``).
 
     Read bounded (a regular file of at most :data:`MAX_FILE_BYTES`, a FIFO never blocks) and checked
-    by :func:`~skipinject.config.bounded_yaml.check_yaml` before OmegaConf parses it."""
+    by :func:`check_yaml` before OmegaConf parses it."""
     from omegaconf import OmegaConf
 
     text = _read_settings(Path(path), f"--skip-config {path}")
@@ -170,3 +169,61 @@ def apply_overrides(
     """``base`` with parsed ``skip.<role>.<key>=value`` pairs applied (see :func:`apply_settings`)."""
     layer, texts = parse_overrides(overrides)
     return apply_settings(base, layer, known_roles, hint=hint, texts=texts)
+
+
+#: Nesting and values a settings document may have (``skip: role: key: [steps]``; ranges keep lists short).
+MAX_DEPTH = 16
+MAX_NODES = 10_000
+
+
+def check_yaml(text: str, where: str, failure: str = "cannot parse the value") -> None:
+    """Raise :class:`ConfigError` naming ``where`` unless ``text`` is YAML without anchors or aliases,
+    nested at most :data:`MAX_DEPTH` deep, with at most :data:`MAX_NODES` values (a syntax error is
+    one line too: ``{where}: {failure} (YAML: ...)``). Errors name the key being read (``skip.rollout.steps``)."""
+    import yaml  # type: ignore[import-untyped]
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    keys: list[str | None] = []  # per open collection: the mapping key being read (None: a sequence)
+    expecting_key: list[bool] = []
+    nodes = 0
+
+    def at() -> str:
+        named = [k for k in keys if k is not None]
+        return f"{where}: {'.'.join(named)}" if named else where
+
+    try:
+        for event in yaml.parse(text, Loader=loader):
+            if isinstance(event, yaml.AliasEvent):
+                raise ConfigError(f"{at()}: YAML aliases (*{event.anchor}) are not accepted in settings")
+            if isinstance(event, yaml.CollectionEndEvent):
+                keys.pop()
+                expecting_key.pop()
+                if expecting_key:
+                    expecting_key[-1] = keys[-1] is not None  # a mapping's value ended: a key comes next
+                continue
+            if not isinstance(event, yaml.NodeEvent):
+                continue
+            if event.anchor is not None:
+                raise ConfigError(f"{at()}: YAML anchors (&{event.anchor}) are not accepted in settings")
+            nodes += 1
+            if nodes > MAX_NODES:
+                raise ConfigError(
+                    f"{at()}: more than {MAX_NODES} YAML values; not a settings file "
+                    "(write long step lists as ranges like 1-128)"
+                )
+            in_mapping = bool(expecting_key) and keys[-1] is not None
+            if in_mapping and expecting_key[-1] and isinstance(event, yaml.ScalarEvent):
+                keys[-1] = str(event.value)[:100]
+                expecting_key[-1] = False
+                continue
+            if in_mapping:
+                expecting_key[-1] = True  # this node is the value: a key comes next
+            if isinstance(event, yaml.CollectionStartEvent):
+                if len(keys) >= MAX_DEPTH:
+                    raise ConfigError(f"{at()}: YAML nested more than {MAX_DEPTH} levels deep")
+                is_mapping = isinstance(event, yaml.MappingStartEvent)
+                keys.append("" if is_mapping else None)
+                expecting_key.append(is_mapping)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())[:200]
+        raise ConfigError(f"{where}: {failure} (YAML: {problem})") from None

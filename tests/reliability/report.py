@@ -178,7 +178,7 @@ their own (`prune --damaged` leaves them), and checks the path it is given the s
   the directory that was checked. `cache import PATH` refuses a `PATH` that is a link.
 * **Names**: step and part names are ASCII decimal numbers (the format's patterns), data files our
   own patterns; names read from meta.json must be plain names (no `/`, `..`).
-* **Settings** (`skipinject/config/bounded_yaml.py`): YAML from `--skip-config` and command-line
+* **Settings** (`skipinject/config/overrides.py`): YAML from `--skip-config` and command-line
   values in flow syntax is first read as an event stream (nothing composed or expanded) and refused
   in one line naming the key at the first anchor or alias, past 16 levels of nesting or past 10,000
   values; a settings file is a regular file of at most 1 MiB (a FIFO or directory is named as such).

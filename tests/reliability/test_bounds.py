@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from skipinject.config import Config, StepSet, apply_overrides, apply_settings, load_file, parse_overrides
-from skipinject.config.transport import _COMPRESSED
+from skipinject.config.schema import _COMPRESSED
 from skipinject.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,7 +142,7 @@ def test_a_decompression_bomb_in_the_child_config_is_refused(ledger: Any) -> Non
         def unconsumed_tail(self) -> bytes:
             return self.inner.unconsumed_tail
 
-    import skipinject.config.transport as transport
+    import skipinject.config.schema as transport
 
     transport.zlib.decompressobj = Counting  # type: ignore[assignment]
     try:

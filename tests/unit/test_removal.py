@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from skipinject.config.bounded_yaml import MAX_NODES, check_yaml
+from skipinject.config.overrides import MAX_NODES, check_yaml
 from skipinject.errors import ConfigError
 from skipinject.store.files import LinkedPath, open_below, remove_name, remove_step
 
