@@ -21,6 +21,8 @@ from skipinject import Call, Payload, Role, StepSource, Target
 from skipinject.config import Config, RoleConfig
 from skipinject.engine import Engine
 from skipinject.errors import CacheMissError
+from skipinject.testing import ToyTrainer
+from skipinject.verl.layout import layout_of
 
 MODULE = "si_calls_targets"
 _tokens = itertools.count(1000)
@@ -36,25 +38,20 @@ class JsonCodec:
         return payload.objects["value"]
 
 
-class Trainer:
-    """Calls ``generate`` ``calls[step]`` times per step, each with the next batch of prompts."""
+def prompts_of(batch: int | list[int]) -> list[int]:
+    """The prompts of a call: given, or call ``k`` of :meth:`ToyTrainer.fit` has prompts ``2k, 2k+1``."""
+    return [2 * batch, 2 * batch + 1] if isinstance(batch, int) else list(batch)
+
+
+class Trainer(ToyTrainer):
+    """Calls ``generate`` ``calls[step]`` times per step (:meth:`ToyTrainer.fit`), each with the next prompts."""
 
     def __init__(self, calls: dict[int, int]) -> None:
-        self.calls = calls
-        self.global_steps = 0
-        self.seen: list[Any] = []
+        super().__init__(calls=calls)
 
-    def fit(self, steps: int, first_prompt: int = 0) -> list[Any]:
-        prompt = first_prompt
-        for step in range(1, steps + 1):
-            self.global_steps = step
-            for _ in range(self.calls.get(step, 1)):
-                self.seen.append(self.generate([prompt, prompt + 1]))
-                prompt += 2
-        return self.seen
-
-    def generate(self, prompts: list[int]) -> dict[str, Any]:
-        GENERATED.append(list(prompts))
+    def generate(self, batch: int | list[int]) -> dict[str, Any]:
+        prompts = prompts_of(batch)
+        GENERATED.append(prompts)
         token = next(_tokens)  # every real generation differs: a result served in its place shows
         return {"responses": [f"{p}:{token}" for p in prompts], "step": self.global_steps}
 
@@ -83,7 +80,7 @@ def make_role(*, clock: bool = True, fingerprint: bool = False) -> Role:
         step=StepSource.attribute("global_steps"),
         codec=JsonCodec(),
         clocks=[f"{MODULE}:Trainer.fit"] if clock else [],
-        fingerprint=(lambda call: [str(p) for p in call.batch]) if fingerprint else None,
+        fingerprint=(lambda call: [str(p) for p in prompts_of(call.batch)]) if fingerprint else None,
     )
 
 
@@ -104,7 +101,7 @@ class Run:
 
 
 def step_dir(dump: Path, step: int) -> Path:
-    return dump / "skipinject_default" / "gen" / str(step)
+    return dump / layout_of(ToyTrainer().config)[0] / "gen" / str(step)
 
 
 def meta(dump: Path, step: int) -> dict[str, Any]:
@@ -234,12 +231,12 @@ def test_a_recipe_trainer_overriding_fit_is_the_clock_too(targets: Any, tmp_path
     """verl's DAPO trainer overrides ``fit`` (and sets no step in the batch): its step comes from the clock."""
 
     class Recipe(targets.Trainer):  # type: ignore[misc,name-defined]
-        def fit(self, steps: int, first_prompt: int = 0) -> list[Any]:
+        def fit(self, steps: int) -> list[Any]:
             for step in range(1, steps + 1):
                 self.global_steps = step
                 for call in range(self.calls.get(step, 1)):
-                    self.seen.append(self.generate([first_prompt + 2 * call]))
-            return self.seen
+                    self.outputs.append(self.generate([2 * call]))
+            return self.outputs
 
     role = Role(
         name="gen",
