@@ -308,7 +308,7 @@ def _run_config(experiment: str, project: str, gbs: int, n: int, prompt: int, re
     return {
         "trainer": {"experiment_name": experiment, "project_name": project},
         "data": {"train_batch_size": gbs, "max_prompt_length": prompt, "max_response_length": response},
-        "actor_rollout_ref": {"rollout": {"n": n}},  # verl's section (not the role of that name)
+        "actor_rollout_ref": dict(rollout={"n": n}),  # verl's section (not the role of that name)
     }
 
 
