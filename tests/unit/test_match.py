@@ -29,6 +29,7 @@ from skipinject import DataProtoCodec, Role, StepSource, Target
 from skipinject.config import Config, RoleConfig
 from skipinject.engine import Engine
 from skipinject.errors import ConfigError
+from skipinject.testing import ToyTrainer
 
 pytestmark = pytest.mark.unit
 
@@ -66,28 +67,23 @@ class Workers:
     agent_loop_workers = [object(), object()]
 
 
-class Trainer:
-    """Calls ``generate`` once per step with the prompts of that step (``schedule[step]``)."""
+class Trainer(ToyTrainer):
+    """Generates once per step (:meth:`ToyTrainer.fit`) the prompts of that step (``schedule[step]``)."""
 
     def __init__(self, schedule: dict[int, list[int]], *, before: bool = True) -> None:
+        super().__init__(n=N, prompt_length=PROMPT, response_length=RESPONSE)
+        self.config["actor_rollout_ref"] = {"model": {"path": "/m"}, "rollout": {"n": N, "temperature": 1.0}}
         self.schedule = schedule
         self.before = before
         self.manager = Manager(before)
-        self.config = {
-            "actor_rollout_ref": {"model": {"path": "/m"}, "rollout": {"n": N, "temperature": 1.0}},
-            "data": {"max_prompt_length": PROMPT, "max_response_length": RESPONSE, "train_batch_size": 4},
-            "trainer": {"project_name": "p", "experiment_name": "e"},
-        }
-        self.global_steps = 0
 
-    def fit(self) -> dict[int, DataProto]:
-        out = {}
-        for step, ids in sorted(self.schedule.items()):
-            self.global_steps = step
-            batch = prompts(ids, before=self.before)
-            batch.meta_info["global_steps"] = step
-            out[step] = (batch, self.manager.generate_sequences(batch))
-        return out
+    def fit(self) -> dict[int, DataProto]:  # type: ignore[override]
+        return dict(zip(sorted(self.schedule), super().fit(sorted(self.schedule)), strict=True))
+
+    def generate(self, *args: Any) -> tuple[DataProto, DataProto]:
+        batch = prompts(self.schedule[self.global_steps], before=self.before)
+        batch.meta_info["global_steps"] = self.global_steps
+        return batch, self.manager.generate_sequences(batch)
 
 
 class Manager(Workers):
