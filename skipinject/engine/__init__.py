@@ -1,19 +1,10 @@
 """The one place where a call is served from the cache or run and saved.
 
-For each enabled role the engine patches the role's targets (through the injector) and clocks.
-Its parts, in the order a call meets them:
-
-* :mod:`~skipinject.engine.phases` — the interceptors and the default one-call-one-unit phase;
-* :mod:`~skipinject.engine.runtime` — a role in this process, made of three parts:
-  :mod:`~skipinject.engine.stores` (its stores), :mod:`~skipinject.engine.replay` (serving a cached
-  step) and :mod:`~skipinject.engine.record` (saving a fresh one);
-* :mod:`~skipinject.engine.calls` — the calls of one step: recorded as its parts, replayed in order;
-* :mod:`~skipinject.engine.decision` — which cached step serves a call (``cache``/``repeat``/``strict``);
-* :mod:`~skipinject.engine.matching` — ``match``: rows served by their inputs (:mod:`~skipinject.engine.row_index`);
-* :mod:`~skipinject.verl.layout` — where the run's steps live (upstream's directory names);
-* :mod:`~skipinject.verl.builtin_guard` — verl's own SkipManager turned off for our roles.
-
-Every decision is one line on the ``skipinject`` logger.
+:mod:`~skipinject.engine.phases` (interceptors, the default phase) hands a call to its role's
+:mod:`~skipinject.engine.runtime`: :mod:`~skipinject.engine.stores` (its stores),
+:mod:`~skipinject.engine.replay` (serving, decided by :mod:`~skipinject.engine.decision`),
+:mod:`~skipinject.engine.record` (saving; a step's calls in :mod:`~skipinject.engine.calls`) and
+:mod:`~skipinject.engine.matching` (``action=match``). Every decision is one line on the ``skipinject`` logger.
 """
 
 from __future__ import annotations
@@ -95,10 +86,8 @@ class Engine:
             logger.debug("skipinject active for %s", ", ".join(self.runtimes))
 
     def check_targets(self) -> list[str]:
-        """Warn once per enabled role that cannot act in this install (the runner calls it at start):
-        no target meant for the installed verl, or a target whose module does not exist (e.g. moved in
-        a newer verl). Looks modules up on the file system only: nothing is imported. Returns the lines.
-        """
+        """Warn once per enabled role that cannot act in this install (no target for this verl, or a
+        target's module missing; nothing is imported). Returns the lines."""
         installed = verl_version()
         lines = []
         for name, runtime in self.runtimes.items():
@@ -122,8 +111,7 @@ class Engine:
         return lines
 
     def end_of_run(self) -> None:
-        """The run ended (the trainer's ``fit`` returned, the engine stops, the interpreter exits):
-        every open step is committed and every pending write done before this returns."""
+        """The run ended (``fit`` returned, the engine stops, exit): every open step committed and written."""
         for runtime in list(self.runtimes.values()):
             runtime.close_all()
         WRITER.flush()

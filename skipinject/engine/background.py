@@ -1,12 +1,9 @@
 """Saving off the training step's critical path: a bounded queue and one writer thread per process.
 
-On a miss the training call pays only for encoding the result and a private copy of it (tensors
-cloned, the JSON tree copied), so what is written equals what training saw when the call
-returned, whatever training does to the batch afterwards. Writing, fsync and checksums happen in
-the writer thread. The queue holds at most :data:`MAX_PENDING` saves (a full queue makes the next
-miss wait: memory stays bounded); reads of a project wait for its pending saves first, the
-trainer's ``fit`` waits for all of them when it returns, and so does interpreter exit. A process
-killed meanwhile leaves no half-written step: the store's commit protocol sees to that.
+A miss pays only for encoding the result and a private copy (what is written is what training saw);
+writing, fsync and checksums happen in the writer thread. At most :data:`MAX_PENDING` saves wait (a
+full queue makes the next miss wait); reads of a project, ``fit`` returning and interpreter exit wait
+for the pending saves. A process killed meanwhile leaves no half-written step (the store's commit).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""A role with its settings in this process: the engine's side of :class:`~skipinject.roles.PhaseContext`.
+"""A role in this process: the engine's side of :class:`~skipinject.roles.PhaseContext`.
 
-It finds a call's step and hands the rest to its three parts: :class:`~skipinject.engine.stores.RoleStores`
-(which store), :class:`~skipinject.engine.replay.Replay` (serving a cached step) and
-:class:`~skipinject.engine.record.Recorder` (saving a fresh one).
+It finds a call's step and hands the rest to its parts: :class:`~skipinject.engine.stores.RoleStores`,
+:class:`~skipinject.engine.replay.Replay` and :class:`~skipinject.engine.record.Recorder`.
 """
 
 from __future__ import annotations

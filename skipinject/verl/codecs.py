@@ -45,10 +45,8 @@ def _header(objects: Mapping[str, Any], codec: str) -> None:
 class DataProtoCodec:
     """verl ``DataProto``: ``batch`` TensorDict, ``non_tensor_batch`` numpy arrays, ``meta_info`` dict.
 
-    Also a :class:`~skipinject.roles.RowCodec` (``action=match``, :mod:`skipinject.verl.rows`):
-    ``divisor(call)`` is the number of parts the target splits a batch into (its workers), to which
-    a batch of only some rows is padded; ``None``: any size.
-    """
+    Also a :class:`~skipinject.roles.RowCodec`: ``divisor(call)`` is the number of workers the target
+    splits a batch into, to which a batch of some rows is padded (``None``: any size)."""
 
     name = "DataProto"
 
@@ -117,12 +115,8 @@ class DataProtoCodec:
 
 
 class TensorDictCodec:
-    """A ``tensordict.TensorDict`` (verl's V1 TransferQueue path), or a mapping holding TensorDicts.
-
-    The mapping form matches upstream's V1 dump (``{"tensordict": td, "keys": [...], "tags": [...],
-    "global_steps": 3}``): TensorDict values are encoded as such, every other value as tagged JSON,
-    and decoding gives back a dict of the same shape.
-    """
+    """A ``tensordict.TensorDict`` (verl's V1 TransferQueue path), or a mapping holding TensorDicts (upstream's
+    V1 dump, ``{"tensordict": td, "keys": [...], "global_steps": 3}``), other values as tagged JSON."""
 
     name = "TensorDict"
 

@@ -1,8 +1,6 @@
-"""What skipinject needs to know about verl's runs: its version, the run config, the step, validation.
+"""What skipinject knows about verl's runs: its version, the run config, the step, validation.
 
-Public for plugins (re-exported by :mod:`skipinject`): a plugin reads the trainer config with
-:func:`select` and asks for the installed verl with :func:`verl_version`. Nothing here imports
-verl; the version comes from the installed distribution's metadata.
+Public for plugins (re-exported by :mod:`skipinject`). Nothing here imports verl.
 """
 
 from __future__ import annotations
@@ -81,11 +79,8 @@ def verl_version() -> str | None:
 
 
 def version_matches(specifier: str | None, version: str | None) -> bool:
-    """Whether ``version`` is in ``specifier`` (``">=0.8,<0.9"``); no specifier matches everything.
-
-    A development or local build (``0.9.2.dev0+abc``) is compared by its release, so a checkout of
-    verl's main branch counts as the release it leads to.
-    """
+    """Whether ``version`` is in ``specifier`` (``">=0.8,<0.9"``; none matches everything); development
+    builds (``0.9.2.dev0+abc``) count as the release they lead to."""
     if not specifier:
         return True
     if version is None:
@@ -101,12 +96,8 @@ def version_matches(specifier: str | None, version: str | None) -> bool:
 
 
 def installed_verl_matches(spec: str) -> bool:
-    """Whether the installed verl is in ``spec`` (``">=0.9"``); ``True`` when verl is absent.
-
-    For clock targets and checks, which carry no version range of their own: a clock of a trainer
-    that does not exist in this verl is left out instead of being listed as missing. Development
-    builds count as their release (``0.10.0.dev0`` is in ``>=0.9``).
-    """
+    """Whether the installed verl is in ``spec`` (``">=0.9"``); ``True`` when verl is absent (for clocks
+    and checks, which carry no version range of their own)."""
     installed = verl_version()
     return installed is None or version_matches(spec, installed)
 

@@ -1,10 +1,7 @@
 """Rows of a verl ``DataProto``: taken, padded and merged for ``action=match`` (:class:`~skipinject.roles.RowCodec`).
 
-verl pads every generated batch to the configured lengths (prompts left-padded to
-``prompt_length``, responses right-padded to ``response_length``), and those lengths are part of a
-row's key: rows of one key have one width. Pieces that still differ in their keys, dtypes or
-widths are not merged (:class:`CodecError`: the call is generated whole instead), never padded
-into something verl would not have made.
+Rows of one key have one width (the padded lengths are part of the key): pieces that still differ in
+their columns, dtypes or widths are refused (:class:`CodecError`: the call runs whole), never padded.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""A rollout batch's rows as people read them: prompt, response, score and response length.
+"""A rollout batch's rows as people read them (``skipinject cache``): prompt, response, score and length.
 
-The cache tool asks this module what verl's batches mean (it only flattens and prints): which
-tensor holds the responses, which mask says where they end, which key holds the reward. It works on
-the fields as the tool flattens them (``batch.responses``, ``non_tensor_batch.raw_prompt``, a V1
-sample's ``tensordict.rm_scores``...), for verl's dense ``DataProto`` tensors (padded: the mask says
-which tokens count) and the V1 path's jagged ones (one tensor per row).
+Works on the fields as the cache tool flattens them (``batch.responses``, a V1 sample's
+``tensordict.rm_scores``...), for dense padded tensors (the mask says which tokens count) and jagged ones.
 """
 
 from __future__ import annotations

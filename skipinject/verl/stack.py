@@ -1,9 +1,8 @@
-"""The verl stack skipinject runs in: torch, tensordict, ray and verl, and the versions tested.
+"""The verl stack skipinject runs in (torch, tensordict, ray, verl) against the versions tested.
 
-skipinject does not declare these as dependencies: they are the verl environment's own, and
-installing skipinject must never upgrade or replace them (a resolver fight over a CUDA torch).
-Instead the runner compares what is installed with :data:`TESTED` at start and says in one warning
-when anything is outside it. Versions come from the distributions' metadata: nothing is imported.
+skipinject does not depend on these (installing it must never replace a CUDA torch): the runner
+compares what is installed (distribution metadata, nothing imported) with :data:`TESTED` at start
+and says in one warning when anything is outside it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import gc
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from skipinject.codecs.columns import check_shape, decode_column, encode_column
 from skipinject.codecs.tagged_json import _Encoder, from_jsonable, to_jsonable
@@ -90,8 +90,8 @@ _NO_DATA = object()
 
 
 def _plain_data(item: Any) -> Any:
-    """``item.data`` read from its state, as tensordict's ``__getattr__`` reads it when the item is
-    neither shared nor memory-mapped (~0.2 us instead of ~10); ``_NO_DATA`` when unsure."""
+    """``item.data`` read from its state (~0.2 us instead of ~10) when it is neither shared nor
+    memory-mapped; ``_NO_DATA`` when unsure."""
     fields = item.__dict__.get("_non_tensordict")
     inner = item.__dict__.get("_tensordict")
     inner_state = getattr(inner, "__dict__", None)
@@ -127,14 +127,8 @@ def decode_tensordict(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tenso
 
 
 def _assemble(source: dict[str, Any], batch_size: list[int], device: Any) -> Any:
-    """``TensorDict(source, batch_size=batch_size, device=device)``.
-
-    Without a device, and when every value's leading dims are ``batch_size``, the TensorDict is made
-    with tensordict's own ``_new_unsafe``, which skips the constructor's per-value validation; that
-    validation reads every row of a ``NonTensorStack`` (``_has_names``), which would make the rows
-    :class:`LazyRows` defers. Anything else (a device, a mismatch the constructor reports) goes
-    through the public constructor.
-    """
+    """``TensorDict(source, batch_size=batch_size, device=device)``, through ``_new_unsafe`` when it is
+    the same (no device, leading dims fit): the constructor's validation reads every row :class:`LazyRows` defers."""
     from tensordict import TensorDict
 
     if device is None and _td_shortcut_ok() and all(_leading(value, batch_size) for value in source.values()):
@@ -164,8 +158,7 @@ _td_unsafe_ok: bool | None = None
 
 
 def _td_shortcut_ok() -> bool:
-    """Whether ``_new_unsafe`` gives the public constructor's TensorDict on this tensordict version
-    (same attributes but the constructor's lazily set validator cache; checked once)."""
+    """Whether ``_new_unsafe`` gives the public constructor's TensorDict here (checked once)."""
     global _td_unsafe_ok
     if _td_unsafe_ok is None:
         import torch
@@ -200,26 +193,17 @@ def _build_stack(rows: list[Any], shape: Sequence[int]) -> Any:
 
 
 _PLAIN_ROWS = (str, int, float, bool, type(None), list, dict, tuple)
-#: The state tensordict's constructors give the empty TensorDict inside a ``NonTensorData``, and the
-#: attributes of a ``NonTensorStack``; the fast paths below rebuild exactly these or step aside.
+#: The state the constructors give a ``NonTensorData``'s empty TensorDict and a ``NonTensorStack``.
 _INNER_STATE = {"_device", "_tensordict", "_batch_size", "_td_dim_names"}
 _STACK_STATE = {"_is_locked", "stack_dim", "_batch_size", "tensordicts", "hook_out", "hook_in"}
-#: The constructor's ``NonTensorStack`` state for rows of batch size ``[]``, once checked (see
-#: :func:`_stack_layout`); ``False`` when this tensordict's layout is not the one relied on.
+#: The constructor's ``NonTensorStack`` state (:func:`_stack_layout`); ``False``: not the layout relied on.
 _stack_state: dict[str, Any] | bool | None = None
 
 
 def non_tensor_stack(rows: Sequence[Any]) -> Any:
-    """What ``NonTensorStack(*[NonTensorData(row) for row in rows])`` gives, its rows made on first use.
-
-    The stack is built at once, with the attributes the public constructor gives it (checked once
-    per process against the constructor, see :func:`_stack_layout`); its ``tensordicts`` list is a
-    :class:`LazyRows` that makes its ``NonTensorData`` items (with :func:`non_tensor_items`) the
-    first time anything reads or changes it, and has list's own methods from then on. A hit therefore
-    costs nothing per row for the fields training code never reads, and the fields it reads cost
-    what building them eagerly cost. If the layout check fails, the rows are built at once by the
-    public constructor.
-    """
+    """What ``NonTensorStack(*[NonTensorData(row) for row in rows])`` gives, its rows made on first use
+    (:class:`LazyRows`): a hit costs nothing per row for the fields training never reads. The stack's
+    state is the constructor's (:func:`_stack_layout`), else the constructor builds it."""
     from tensordict import NonTensorStack
 
     state = _stack_layout()
@@ -231,24 +215,18 @@ def non_tensor_stack(rows: Sequence[Any]) -> Any:
 
 def _lazy_stack(state: dict[str, Any], rows: Sequence[Any]) -> Any:
     """A ``NonTensorStack`` with the constructor's ``state``, holding ``rows`` as :class:`LazyRows`."""
+    import torch
     from tensordict import NonTensorStack
 
     stack = NonTensorStack.__new__(NonTensorStack)
     stack.__dict__.update(state)
     stack.__dict__["tensordicts"] = LazyRows(rows)
-    stack.__dict__["_batch_size"] = _size(len(rows))
+    stack.__dict__["_batch_size"] = torch.Size([len(rows)])
     return stack
 
 
-def _size(rows: int) -> Any:
-    import torch
-
-    return torch.Size([rows])
-
-
 def _stack_layout() -> dict[str, Any] | bool:
-    """The state the public constructor gives a ``NonTensorStack`` of two rows (minus its items and
-    batch size), if a stack built from it behaves the same; else ``False`` (checked once)."""
+    """The constructor's ``NonTensorStack`` state if a stack built from it behaves the same, else ``False``."""
     global _stack_state
     if _stack_state is None:
         from tensordict import NonTensorData, NonTensorStack
@@ -263,7 +241,7 @@ def _stack_layout() -> dict[str, Any] | bool:
                 set(state) == _STACK_STATE
                 and type(state["tensordicts"]) is list
                 and all(type(item) is NonTensorData and item.batch_size == () for item in state["tensordicts"])
-                and state["_batch_size"] == _size(len(rows))
+                and state["_batch_size"] == fast.batch_size
                 and fast.batch_size == slow.batch_size
                 and fast.tolist() == slow.tolist()
                 and type(fast.tensordicts) is _Rows
@@ -281,8 +259,7 @@ _FILL_LOCK = threading.Lock()
 
 
 class _Rows(list):  # type: ignore[type-arg]  # holds tensordict's untyped NonTensorData items
-    """The items of a decoded ``NonTensorStack`` once made: a list (list subclasses are pickled and
-    copied as plain lists, so a hit's batch saved with ``torch.save`` holds no skipinject type)."""
+    """The items of a decoded ``NonTensorStack`` once made; pickled and copied as a plain list."""
 
     __slots__ = ("_pending",)
     _pending: Sequence[Any] | None
@@ -311,12 +288,9 @@ class _Rows(list):  # type: ignore[type-arg]  # holds tensordict's untyped NonTe
 class LazyRows(_Rows):
     """A ``NonTensorStack``'s ``tensordicts`` list whose items are made on first use.
 
-    Until then the list's own storage is empty and ``len()`` answers from the rows; every other list
-    operation (Python-level: indexing, iteration, comparisons, ``+``, ``*``, ``in``, ``repr``, the
-    named methods, copy, pickle) first makes every item (:func:`non_tensor_items`, under a lock) and
-    turns the object into a :class:`_Rows`, a list subclass with list's own C methods, so every later
-    access costs what a plain list's does. C code that reads a list's storage directly (``PySequence_Fast``,
-    ``list_extend``...) does so only for exact lists, and goes through ``__iter__`` for this one.
+    ``len()`` answers from the rows; any other list operation first makes every item (under a lock) and
+    turns the object into a :class:`_Rows`, with list's own C methods from then on. C code reading list
+    storage directly does so only for exact lists, and goes through ``__iter__`` for this one.
     """
 
     __slots__ = ()
@@ -358,16 +332,16 @@ del _name
 def non_tensor_items(rows: Sequence[Any]) -> list[Any]:
     """One ``NonTensorData`` per row, ~50x faster than the constructor (~40 us each, mostly validation).
 
-    The first item is built by the public constructor; plain rows (JSON-like values) then get a
-    copy of its state with their own data and their own empty TensorDict (a copy of the template's,
-    with its own key dict), which is exactly what the constructor would have built. The copies are
-    made without going through tensordict's ``__setattr__`` and with the cyclic garbage collector
-    paused (the new objects hold no cycles; collecting while tens of thousands are made would scan
-    them over and over). If the template's state is not the layout this relies on (another
-    tensordict version), or a row is not plain, the public constructor is used.
+    Plain rows get a copy of the first (constructor-built) item's state with their own data and empty
+    TensorDict, exactly what the constructor builds, with the garbage collector paused; another state
+    layout (another tensordict version), or a row that is not plain, goes through the constructor.
     """
     from tensordict import NonTensorData, TensorDict
 
+    try:
+        from tensordict.utils import _StringOnlyDict as _string_only_dict
+    except ImportError:  # pragma: no cover - other tensordict versions
+        _string_only_dict = dict
     if not rows:
         return []
     template = NonTensorData(rows[0])
@@ -382,7 +356,7 @@ def non_tensor_items(rows: Sequence[Any]) -> list[Any]:
         and fields["data"] is rows[0]
         and type(inner) is TensorDict
         and set(inner_state) == _INNER_STATE
-        and type(inner_state["_tensordict"]) in (dict, _string_only_dict())
+        and type(inner_state["_tensordict"]) in (dict, _string_only_dict)
         and not inner_state["_tensordict"]
         and len(inner.batch_size) == 0
     )
@@ -426,11 +400,3 @@ def gc_paused() -> Iterator[None]:
     finally:
         if collecting:
             gc.enable()
-
-
-def _string_only_dict() -> type[dict[str, Any]]:
-    try:
-        from tensordict.utils import _StringOnlyDict
-    except ImportError:  # pragma: no cover - other tensordict versions
-        return dict
-    return cast("type[dict[str, Any]]", _StringOnlyDict)  # a dict subclass; tensordict is untyped here
