@@ -308,6 +308,19 @@ class PhaseContext(Protocol):
     def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
         """Run ``job`` (a write to ``store``) off the training thread, after the store's earlier jobs."""
 
+    def row_keys(self, call: Call, digests: Sequence[str]) -> list[str]:
+        """``action=match``: one row key per digest, as the engine keys a call's input rows (the run's
+        ``match_settings`` and each digest's occurrence among equal ones), for a phase keying rows itself."""
+
+    def match_rows(self, call: Call, keys: list[str]) -> Any:
+        """``action=match``: the rows of ``keys`` cached in the project's layouts that verify, looked
+        up as a call's rows are (:class:`skipinject.engine.matching.Found`: per served key index its
+        piece, decoded by the role's :class:`RowCodec`, and row there; its source's name and ``meta.json``)."""
+
+    def record_rows(self, call: Call, step: int, result: Any, keys: Sequence[str]) -> None:
+        """``action=match`` at a step committed before: keep ``result``'s rows (one per key) as a rows
+        record, written in the background, so a later ``match`` serves them."""
+
 
 class Phase(Protocol):
     """How one target's calls are handled once the step may skip (default: one call, one unit).

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from skipinject.engine.context import RoleContext
 from skipinject.engine.record import Recorder, rows_per_key
@@ -72,6 +72,17 @@ def row_keys(role: Role, call: Call, digests: Sequence[str]) -> list[str]:
         material = base + digest.encode("utf-8", "replace") + b"\x1f" + str(occurrence).encode()
         keys.append(hashlib.blake2b(material, digest_size=8).hexdigest())
     return keys
+
+
+@dataclass(frozen=True)
+class Found:
+    """The cached rows a phase asked for (:meth:`RowMatcher.find`): per served key index, its piece
+    (a result of the role's codec) and row there, the name of its source, each source's ``meta.json``."""
+
+    rows: dict[int, tuple[Any, int]]
+    sources: dict[int, str]
+    source_meta: dict[str, Mapping[str, Any]]
+    seconds: float
 
 
 @dataclass
@@ -167,6 +178,18 @@ class RowMatcher:
                 exc,
             )
             return None
+
+    def find(self, store: StepStore, call: Call, keys: list[str]) -> Found:
+        """The cached rows of ``keys`` that verify, for a phase serving part of a step itself
+        (:meth:`skipinject.roles.PhaseContext.match_rows`): looked up as a call's rows are."""
+        assert isinstance(self.runtime.codec, RowCodec)
+        pending = _Pending(cast(Any, None), 0, call, self.runtime.codec, False, keys=keys)
+        started = time.perf_counter()
+        if self.stores.unusable(store) is None:
+            self._serve_cached(store, call, pending)
+        rows = {row: (pending.pieces[piece], at) for row, (piece, at) in pending.served.items()}
+        sources = {row: pending.piece_sources[piece] for row, (piece, _) in pending.served.items()}
+        return Found(rows, sources, dict(pending.source_meta), time.perf_counter() - started)
 
     def run(self, record: StepCalls, index: int, call: Call, proceed: Callable[..., Any]) -> Any:
         """One call at a chosen step: the cached rows served, the target called once for the others."""
@@ -448,7 +471,30 @@ class RowMatcher:
         if fresh is None or not fresh_rows or ratio is None or not settings.save or self.stores.unusable(plan.store):
             return
         assert keys is not None
-        name, step, count = self.runtime.name, plan.step, len(fresh_rows)
+        fresh_inputs = [inputs[row] for row in fresh_rows] if inputs and len(inputs) == len(keys) else None
+        fresh_keys = [keys[row] for row in fresh_rows]
+        self._save_rows(
+            plan.store, pending.call, plan.step, fresh, fresh_keys, ratio, fresh_inputs, pending.generation_s
+        )
+
+    def save_rows(self, store: StepStore, call: Call, step: int, result: Any, keys: Sequence[str]) -> None:
+        """Keep a phase's newly generated rows (one per key) as the next rows record of ``store``
+        (:meth:`skipinject.roles.PhaseContext.record_rows`)."""
+        if self.runtime.settings.save and not self.stores.unusable(store):
+            self._save_rows(store, call, step, result, list(keys), 1, None, 0.0)
+
+    def _save_rows(
+        self,
+        store: StepStore,
+        call: Call,
+        step: int,
+        fresh: Any,
+        keys: list[str],
+        ratio: int,
+        inputs: list[str] | None,
+        generation_s: float,
+    ) -> None:
+        name, count = self.runtime.name, len(keys)
         try:
             snapshot = self.runtime.codec.encode(fresh).private_copy()
         except Exception as exc:
@@ -456,18 +502,18 @@ class RowMatcher:
                 "%s step %d: cannot encode the new rows (%s: %s); not saved", name, step, type(exc).__name__, exc
             )
             return
-        extra = self.runtime.extra_meta(pending.call)
-        if pending.generation_s > 0:
-            extra["generation_s"] = round(pending.generation_s, 6)
+        extra = self.runtime.extra_meta(call)
+        if generation_s > 0:
+            extra["generation_s"] = round(generation_s, 6)
         meta = {
             **extra,
-            "inputs": [inputs[row] for row in fresh_rows] if inputs and len(inputs) == len(keys) else None,
+            "inputs": inputs,
             "calls": 1,
-            "row_keys": [[keys[row] for row in fresh_rows]],
+            "row_keys": [keys],
             "rows_per_input": [ratio],
             "generated_at": step,
         }
-        rows_store = self.rows_store(plan.store)
+        rows_store = self.rows_store(store)
 
         def write() -> None:
             token = f"{int(time.time())}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -491,4 +537,4 @@ class RowMatcher:
                     rows_store.release(number, token)
             logger.info("%s step %d: saved %d new rows to %s", name, step, count, directory)
 
-        self.recorder.in_background(plan.store, write)
+        self.recorder.in_background(store, write)

@@ -7,13 +7,13 @@ It finds a call's step and hands the rest to its parts: :class:`~skipinject.engi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from skipinject.config import RoleConfig
 from skipinject.engine.calls import StepBook
 from skipinject.engine.context import RoleContext
-from skipinject.engine.matching import RowMatcher
+from skipinject.engine.matching import Found, RowMatcher, row_keys
 from skipinject.engine.record import Recorder
 from skipinject.engine.replay import REGENERATE, Replay, regenerated
 from skipinject.engine.stores import RoleStores
@@ -118,3 +118,12 @@ class RoleRuntime(RoleContext):
 
     def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
         self.recorder.in_background(store, job)
+
+    def row_keys(self, call: Call, digests: Sequence[str]) -> list[str]:
+        return row_keys(self.role, call, digests)
+
+    def match_rows(self, call: Call, keys: list[str]) -> Found:
+        return self.matcher.find(self.stores.store_for(call), call, keys)
+
+    def record_rows(self, call: Call, step: int, result: Any, keys: Sequence[str]) -> None:
+        self.matcher.save_rows(self.stores.store_for(call), call, step, result, keys)

@@ -27,6 +27,7 @@ __all__ = [
     "mark_hit",
     "mark_match",
     "mark_miss",
+    "prompt_digests",
     "prompt_fingerprint",
     "prompt_key",
     "rescore_matched_sample",
@@ -91,11 +92,18 @@ def prompt_key(call: Call) -> Sequence[str] | None:
     non_tensor = getattr(batch, "non_tensor_batch", None) or {}
     meta = getattr(batch, "meta_info", None) or {}
     columns = [(key, non_tensor[key]) for key in GENERATION_INPUTS if key in non_tensor]
-    tokens = attended_tokens(getattr(batch, "batch", None))
+    return prompt_digests(attended_tokens(getattr(batch, "batch", None)), columns, meta.get("do_sample", True))
+
+
+def prompt_digests(
+    tokens: Sequence[Any] | None, columns: Sequence[tuple[str, Any]], do_sample: Any
+) -> list[str] | None:
+    """:func:`prompt_key`'s digests from a batch's parts, whatever holds them (a V0 ``DataProto``, a V1
+    ``TensorDict``): per row its attended tokens, its :data:`GENERATION_INPUTS` columns, whether it samples."""
     if tokens is None and not columns:
         return None
     rows = len(tokens) if tokens is not None else len(columns[0][1])
-    sampling = row_text({"do_sample": meta.get("do_sample", True)})
+    sampling = row_text({"do_sample": do_sample})
     return [
         row_digest(
             sampling,

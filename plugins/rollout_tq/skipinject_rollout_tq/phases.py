@@ -24,14 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skipinject import Call, CorruptCacheError, Loaded, PhaseContext, StepCache, run_config_of, select
+from skipinject import Action, Call, CorruptCacheError, Loaded, PhaseContext, StepCache, run_config_of, select
 from skipinject_rollout import rescore
 from skipinject_rollout.reward_identity import reward_identity
 
 from skipinject_rollout_tq.transfer import (
     TRAIN,
     CachedBatch,
+    batch_digests,
     inject,
+    matched_injection,
     prepare,
     prompt_groups,
     snapshot,
@@ -143,11 +145,12 @@ class SubmitPhase:
         batch = trainer._next_train_batch()
         uids = [str(uid) for uid in batch["uid"]]
         store = role.store_for(call)
-        if not self._serve(role, call, store, step, uids):
-            notes = role.notes(call, step)
-            notes["prompts_submitted"] = len(uids)  # its refills are counted beside it
-            notes["submitted_at"] = time.perf_counter()  # its generation time ends with its last sample
-            trainer._submit_batch_to_rollout(batch)
+        if role.settings.action is Action.match:
+            say_inexact(role, run_config_of(call))
+        elif self._serve(role, call, store, step, uids):
+            return
+        role.notes(call, step)["prompts_submitted"] = len(uids)  # its refills are counted beside it
+        submit_prompts(role, call, step, batch, "submit")
 
     def _serve(self, role: PhaseContext, call: Call, store: StepCache, step: int, uids: list[str]) -> bool:
         """Inject the planned cache into TransferQueue; ``False`` (after the engine logged why) to generate instead."""
@@ -264,6 +267,117 @@ class SubmitPhase:
         return True
 
 
+def submit_prompts(role: PhaseContext, call: Call, step: int, batch: Any, what: str) -> None:
+    """Submit a drawn batch's prompts for generation, noting each prompt's row keys (every recording
+    keeps them); with ``action=match`` the prompts whose ``n`` trajectories are cached are put into
+    TransferQueue instead, and only the others are submitted."""
+    from verl.utils.tensordict_utils import index_select_tensor_dict
+
+    config = run_config_of(call)
+    n = rollout_n(config)
+    uids = [str(uid) for uid in batch["uid"]]
+    notes = role.notes(call, step)
+    keys = _prompt_keys(role, call, batch, n)
+    if keys is not None:
+        notes.setdefault("row_keys", {}).update({uid: keys[i * n : i * n + n] for i, uid in enumerate(uids)})
+    served: set[int] = set()
+    if keys is not None and role.settings.action is Action.match:
+        served = _serve_matched(role, call, step, uids, keys, n, what)
+        notes.setdefault("served_uids", set()).update(uids[i] for i in served)
+    rest = [i for i in range(len(uids)) if i not in served]
+    if not rest:
+        return
+    notes.setdefault("submitted_at", time.perf_counter())  # its generation time ends with its last sample
+    call.instance._submit_batch_to_rollout(batch if not served else index_select_tensor_dict(batch, rest))
+
+
+def _prompt_keys(role: PhaseContext, call: Call, batch: Any, n: int) -> list[str] | None:
+    """Row keys of the batch's prompts, ``n`` per prompt (session ``j`` is the ``j``-th copy, as ``rollout``
+    keys verl's interleaved repeat); ``None`` (one warning) when the prompts cannot be keyed."""
+    try:
+        digests = batch_digests(batch)
+        if digests is None:
+            raise ValueError("the batch holds no prompt tokens or inputs")
+        return role.row_keys(call, [digest for digest in digests for _ in range(n)])
+    except Exception as exc:
+        role.once(
+            ("row_key", type(exc)),
+            logging.WARNING,
+            "%s: cannot key the prompts (%s: %s); their trajectories are neither matched nor found by a later match",
+            role.name,
+            type(exc).__name__,
+            exc,
+        )
+        return None
+
+
+def _serve_matched(
+    role: PhaseContext, call: Call, step: int, uids: list[str], keys: list[str], n: int, what: str
+) -> set[int]:
+    """Put the prompts whose ``n`` trajectories are cached into TransferQueue; returns their indices."""
+    found = role.match_rows(call, keys)
+    served = [i for i in range(len(uids)) if all(i * n + j in found.rows for j in range(n))]
+    pieces: list[Any] = []
+    names: list[str] = []
+    rows: list[tuple[int, int]] = []
+    counts: dict[str, int] = {}
+    for i in served:
+        for j in range(n):
+            piece, position = found.rows[i * n + j]
+            index = next((k for k, p in enumerate(pieces) if p is piece), len(pieces))
+            if index == len(pieces):
+                pieces.append(piece)
+                names.append(found.sources[i * n + j])
+            rows.append((index, position))
+            counts[names[index]] = counts.get(names[index], 0) + 1
+    started = time.perf_counter()
+    if served:
+        config = run_config_of(call)
+        handles = getattr(getattr(call.instance, "reward_loop_manager", None), "reward_loop_worker_handles", None)
+        for piece, name in zip(pieces, names, strict=True):  # served rows scored by this run's reward
+            meta = found.source_meta.get(name, {})
+            rescore.apply_trajectories(
+                piece["tensordict"], handles, reward_identity(config), role.name, step, role.settings, meta
+            )
+        inject(matched_injection(pieces, rows, [uids[i] for i in served], n, step))
+    shown = ", ".join(f"{name} ({count})" for name, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    rest = len(uids) - len(served)
+    logger.info(
+        "%s step %d: match (%s): %d of %d prompts served (%d trajectories%s) in %.3f s; %s",
+        role.name,
+        step,
+        what,
+        len(served),
+        len(uids),
+        len(served) * n,
+        f" from {shown}" if shown else "",
+        found.seconds + time.perf_counter() - started,
+        f"{rest} submitted for generation" if rest else "rollout not submitted",
+    )
+    return set(served)
+
+
+def say_inexact(role: PhaseContext, config: Any) -> None:
+    """One line, the first time ``match`` acts, when the mode keeps a step from training on exactly what
+    an unskipped run with the same draws would: served groups are finished when submitted."""
+    mode = select(config, "trainer.v1.trainer_mode", "sync")
+    k = parameter_sync_step(config)
+    if mode != "sync":
+        why = (
+            f"trainer.v1.trainer_mode={mode}: the replay buffer samples groups as they finish, across steps, and "
+            "served groups are finished when submitted, so they are trained before the generated ones and a "
+            "step may train on other prompts than it would have"
+        )
+    elif k > 1:
+        why = (
+            f"parameter_sync_step={k}: a step's mini-batches take groups as they finish, and served groups are "
+            "finished when submitted, so they fill the first mini-batches"
+        )
+    else:
+        return
+    role.once("match-inexact", logging.WARNING, "%s: action=match is not exact with %s", role.name, why)
+
+
 def _trusted_upstream(loaded: Loaded, expected: int) -> list[dict[str, Any]]:
     """The first ``expected`` mini-batches of verl's own cache of a step (its loader reads every part)."""
     parts = loaded.results[0]
@@ -287,11 +401,22 @@ class RefillPhase:
 
     def run(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         self.before_refill(role, call, step)
-        return proceed()
+        if role.served(call, step) or not _splits(call.instance):
+            return proceed()
+        return self._refill(role, call, step)
 
     async def run_async(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         self.before_refill(role, call, step)
-        return await proceed()
+        if role.served(call, step) or not _splits(call.instance):
+            return await proceed()
+        return await asyncio.to_thread(self._refill, role, call, step)
+
+    @staticmethod
+    def _refill(role: PhaseContext, call: Call, step: int) -> int:
+        """What ``_add_prompts_to_generate`` does, its prompts keyed (and matched, with ``action=match``)."""
+        batch = call.instance._next_train_batch(call.argument("num_prompts"))
+        submit_prompts(role, call, step, batch, "refill")
+        return len(batch)
 
     def before_refill(self, role: PhaseContext, call: Call, step: int) -> None:
         prompts = _count(call.argument("num_prompts"))
@@ -370,15 +495,21 @@ class SamplePhase:
             )
             return
         part = role.record(call, step, sampled)
-        if part is None:
-            return
         notes = role.notes(call, step)
+        if part is None:
+            if role.settings.action is Action.match and role.store_for(call).is_committed(step):
+                _keep_generated(role, call, step, sampled, notes)
+            return
         notes["trajectories"] = notes.get("trajectories", 0) + len(sampled["keys"])
+        notes.setdefault("part_keys", {})[part] = trajectory_keys(notes, sampled["keys"])
         expected = parameter_sync_step(run_config_of(call))
         if part + 1 < expected:
             return
         record = self._record(role, call, step, notes)
         meta = {"parameter_sync_step": expected, "trajectories": notes["trajectories"], **record}
+        keyed = [notes["part_keys"].get(index) for index in range(part + 1)]
+        if any(keys is not None for keys in keyed):  # a later match finds these trajectories
+            meta.update(row_keys=keyed, rows_per_input=[None if keys is None else 1 for keys in keyed])
         submitted = notes.get("submitted_at")
         if isinstance(submitted, float):  # from the submit to the last sample: what a hit of the step saves
             meta["generation_s"] = round(time.perf_counter() - submitted, 6)
@@ -437,6 +568,35 @@ class SamplePhase:
                 exc,
             )
         return record
+
+
+def trajectory_keys(notes: Mapping[str, Any], keys: list[str]) -> list[str] | None:
+    """The row key of each sampled trajectory (``{uid}_{session}_{index}``): its prompt's key for that
+    session, as noted when the prompt was drawn; ``None`` when a prompt was drawn unseen (another step)."""
+    by_uid = notes.get("row_keys", {})
+    out = []
+    for key in keys:
+        uid, _, rest = key.partition("_")
+        prompt = by_uid.get(uid)
+        session = rest.partition("_")[0]
+        if prompt is None or not session.isdigit() or int(session) >= len(prompt):
+            return None
+        out.append(prompt[int(session)])
+    return out
+
+
+def _keep_generated(
+    role: PhaseContext, call: Call, step: int, sampled: Mapping[str, Any], notes: Mapping[str, Any]
+) -> None:
+    """``match`` at a step committed before (never rewritten): its generated trajectories kept as a rows record."""
+    served = notes.get("served_uids", set())
+    rows = [row for row, key in enumerate(sampled["keys"]) if key.partition("_")[0] not in served]
+    if not rows:
+        return
+    fresh = role.codec.select_rows(sampled, rows)  # type: ignore[attr-defined]
+    keys = trajectory_keys(notes, fresh["keys"])
+    if keys is not None:
+        role.record_rows(call, step, fresh, keys)
 
 
 def _drawn(notes: Mapping[str, Any]) -> int | None:

@@ -25,16 +25,16 @@ from skipinject import (
     Role,
     StepSource,
     Target,
-    TensorDictCodec,
     UpstreamFormat,
     hookimpl,
     installed_verl_matches,
     select,
 )
+from skipinject_rollout.common import GENERATION_SETTINGS
 from skipinject_rollout.reward_identity import record_reward
 
 from skipinject_rollout_tq.phases import LastServed, RefillPhase, SamplePhase, SubmitPhase, WarmupOff
-from skipinject_rollout_tq.transfer import UPSTREAM_FILE, load_upstream_file
+from skipinject_rollout_tq.transfer import UPSTREAM_FILE, TrajectoryCodec, batch_digests, load_upstream_file
 
 TRAINER = "verl.trainer.ppo.v1.trainer_base:PPOTrainer"
 SUBMIT = f"{TRAINER}._add_batch_to_generate"
@@ -76,7 +76,11 @@ def make_role() -> Role:
             Target(WARMUP, phase=WarmupOff(), every_step=True, verl=V1_VERL),
         ],
         step=StepSource.clock("global_steps").or_else(StepSource.argument("global_steps")),
-        codec=TensorDictCodec(),
+        codec=TrajectoryCodec(),
+        # action=match: each trajectory keyed as ``rollout`` keys a row (its prompt, its session as the
+        # copy, the generation settings); the submit and refill phases key and cut the prompts.
+        row_key=lambda call: batch_digests(call.batch) if call.batch is not None else None,
+        match_settings=GENERATION_SETTINGS,
         # What scored the trajectories, in each saved step's meta.json (a served step is re-scored when
         # this run's reward differs: skipinject_rollout.rescore).
         record_meta=record_reward,

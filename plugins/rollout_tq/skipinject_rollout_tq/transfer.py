@@ -13,12 +13,13 @@ the bare ``{uid}``. Nothing here imports verl, torch or transfer_queue at module
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skipinject import CorruptCacheError
+from skipinject import CodecError, CorruptCacheError, TensorDictCodec, attended_tokens
+from skipinject_rollout.common import GENERATION_INPUTS, prompt_digests
 
 logger = logging.getLogger("skipinject")
 
@@ -92,14 +93,27 @@ def remap(keys: Sequence[str], tags: Sequence[Mapping[str, Any]], new_uids: Sequ
     groups = group_rows(keys)
     if not groups:
         raise CorruptCacheError("the cached step holds no trajectories")
+    return _renamed(tags, new_uids, n, step, lambda index, session: groups[index % len(groups)], len(groups))
+
+
+def _renamed(
+    tags: Sequence[Mapping[str, Any]],
+    new_uids: Sequence[str],
+    n: int,
+    step: int,
+    group_of: Callable[[int, int], Sequence[int]],
+    groups: int,
+) -> Remap:
+    """Session ``j`` of ``new_uids[i]`` takes row ``group[j % len(group)]`` of ``group_of(i, j)``, keyed
+    ``{uid}_{j}_0``, its tags kept but ``is_prompt``, the step tags set to ``step``."""
     new_keys: list[str] = []
     new_tags: list[dict[str, Any]] = []
     rows: list[int] = []
     row_uids: list[str] = []
     sessions: list[int] = []
     for index, uid in enumerate(new_uids):
-        group = groups[index % len(groups)]
         for session in range(n):
+            group = group_of(index, session)
             row = group[session % len(group)]
             tag = {key: value for key, value in tags[row].items() if key != "is_prompt"}
             tag.update(dict.fromkeys(STEP_TAGS, step))
@@ -108,7 +122,7 @@ def remap(keys: Sequence[str], tags: Sequence[Mapping[str, Any]], new_uids: Sequ
             rows.append(row)
             row_uids.append(str(uid))
             sessions.append(session)
-    return Remap(new_keys, new_tags, rows, row_uids, sessions, len(groups))
+    return Remap(new_keys, new_tags, rows, row_uids, sessions, groups)
 
 
 def select_rows(data: Any, plan: Remap, step: int) -> Any:
@@ -183,6 +197,70 @@ def snapshot(batch_meta: Any, step: int) -> dict[str, Any]:
         "tags": [dict(tag) for tag in batch_meta.tags],
         "global_steps": step,
     }
+
+
+# ---------------------------------------------------------------- action=match: rows of a cached step
+
+
+def batch_digests(batch: Any) -> list[str] | None:
+    """Per prompt of a submitted batch (a V1 ``TensorDict``), the digest ``rollout`` keys its rows by
+    (:func:`skipinject_rollout.common.prompt_key`): attended tokens, generation inputs, sampling."""
+    present = set(batch.keys())
+    tensors = {key: batch[key] for key in ("input_ids", "attention_mask") if key in present}
+    columns = [(key, list(batch[key])) for key in GENERATION_INPUTS if key in present]
+    return prompt_digests(attended_tokens(tensors) if tensors else None, columns, True)
+
+
+class TrajectoryCodec(TensorDictCodec):
+    """The TensorDict codec whose cached step parts are rows, one per trajectory (``action=match``).
+
+    A part is ``{"tensordict", "keys", "tags", ...}``: :meth:`select_rows` takes rows of all three.
+    The phases key, cut and submit the prompts themselves, so calls are never cut or merged here."""
+
+    def input_rows(self, call: Any) -> int:
+        raise CodecError("rollout_tq's submit keys its prompts itself")
+
+    def result_rows(self, result: Any) -> int:
+        return len(result["keys"])
+
+    def with_rows(self, call: Any, rows: Sequence[int]) -> tuple[tuple[Any, ...], dict[str, Any], int]:
+        raise CodecError("rollout_tq's submit cuts its prompts itself")
+
+    def select_rows(self, result: Any, rows: Sequence[int]) -> Any:
+        from verl.utils.tensordict_utils import index_select_tensor_dict
+
+        picked = list(rows)
+        return {
+            **result,
+            "tensordict": index_select_tensor_dict(result["tensordict"], picked),
+            "keys": [result["keys"][row] for row in picked],
+            "tags": [result["tags"][row] for row in picked],
+        }
+
+    def merge_rows(self, pieces: Sequence[Any], order: Sequence[int], call: Any) -> Any:
+        raise CodecError("rollout_tq's submit merges served trajectories into TransferQueue itself")
+
+
+def matched_injection(
+    pieces: Sequence[Mapping[str, Any]], rows: Sequence[tuple[int, int]], uids: Sequence[str], n: int, step: int
+) -> Injection:
+    """Served trajectories ready for this step: prompt ``i`` (``uids[i]``) session ``j`` is row ``rows[i*n+j]``
+    (``(piece, row in piece)``) of ``pieces`` (:meth:`TrajectoryCodec.select_rows` results)."""
+    from verl.utils.tensordict_utils import concat_tensordict
+
+    starts, at = [], 0
+    for piece in pieces:
+        starts.append(at)
+        at += len(piece["keys"])
+    data = pieces[0]["tensordict"] if len(pieces) == 1 else concat_tensordict([p["tensordict"] for p in pieces])
+    tags = [tag for piece in pieces for tag in piece["tags"]]
+
+    def served_row(index: int, session: int) -> list[int]:
+        piece, position = rows[index * n + session]
+        return [starts[piece] + position] * n  # session j takes entry j: this row
+
+    plan = _renamed(tags, uids, n, step, served_row, len(uids))
+    return Injection(plan, select_rows(data, plan, step), [str(uid) for uid in uids], step)
 
 
 # ---------------------------------------------------------------- upstream's tq_batch.pt

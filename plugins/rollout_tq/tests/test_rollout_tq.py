@@ -230,14 +230,14 @@ def run_config(mode: str = "sync", k: int = 1, dapo: bool = False) -> Any:
     )
 
 
-def dataloader(rows: int = 64, chunk: int = BATCH) -> list[dict[str, Any]]:
-    """What verl's StatefulDataLoader yields: dicts of per-row numpy columns."""
+def dataloader(rows: int = 64, chunk: int = BATCH, offset: int = 0) -> list[dict[str, Any]]:
+    """What verl's StatefulDataLoader yields: dicts of per-row numpy columns (from row ``offset`` on)."""
     return [
         {
             "raw_prompt": np.array([f"prompt {i}" for i in range(start, start + chunk)], dtype=object),
             "index": np.arange(start, start + chunk),
         }
-        for start in range(0, rows, chunk)
+        for start in range(offset, offset + rows, chunk)
     ]
 
 
@@ -247,6 +247,7 @@ def make_trainer(
     dapo: bool = False,
     uniform: frozenset[int] = frozenset(),
     short: frozenset[int] = frozenset(),
+    offset: int = 0,
 ) -> Any:
     """verl's real V1 trainer class with only the state its submit path reads.
 
@@ -258,7 +259,7 @@ def make_trainer(
     trainer.config = config
     trainer.trainer_mode = mode
     trainer.parameter_sync_step = k
-    trainer.train_dataloader = dataloader(chunk=config.data.gen_batch_size or BATCH)
+    trainer.train_dataloader = dataloader(chunk=config.data.gen_batch_size or BATCH, offset=offset)
     trainer.train_dataloader_it = None
     trainer.global_steps = 0
     trainer.agent_loop_manager = StandInAgentLoopManager(uniform, short)
@@ -795,3 +796,103 @@ def test_a_failed_background_part_leaves_no_step_and_drops_the_later_part(
     messages = [r.getMessage() for r in caplog.records]
     assert sum("could not save" in m and "cannot write part 1" in m and "No space left" in m for m in messages) == 1
     assert not any(": saved" in m for m in messages), messages
+
+
+# ---------------------------------------------------------------- action=match
+
+
+def trained_rows(got: dict[str, list[Any]]) -> list[tuple[str, int, list[int]]]:
+    """(prompt, session, response) of each trained trajectory, sorted."""
+    return sorted(
+        (str(prompt[0]["content"]) if isinstance(prompt, list) else str(prompt), session, response)
+        for prompt, session, response in zip(got["raw_prompt"], got["session_id"], got["responses"], strict=True)
+    )
+
+
+def own_rows(indices: range, step: int) -> list[tuple[str, int, list[int]]]:
+    """What the stand-in generates for dataset rows ``indices``: each row's response is its own prompt's."""
+    rows = []
+    for index in indices:
+        for session in range(N):
+            fields = trajectory("u", session, step, seed=index)
+            rows.append((f"prompt {index}", session, fields["responses"].tolist()))
+    return sorted(rows)
+
+
+@pytest.mark.ray
+def test_match_serves_cached_prompts_and_submits_only_the_others(tmp_path: Path, clean_tq: None, caplog):
+    dump = tmp_path / "dump"
+    layout = dump / LAYOUT.format(gbs=BATCH)
+    with Session(dump):  # action=cache records steps 1-2 (rows 0-7) with their row keys
+        trainer = make_trainer()
+        first = {step: train_step(trainer, step) for step in (1, 2)}
+    meta = json.loads((layout / "1" / "meta.json").read_text())
+    assert len(meta["row_keys"]) == 1 and len(meta["row_keys"][0]) == BATCH * N and meta["rows_per_input"] == [1]
+
+    # Run 2 draws from row 2 on: step 1 = rows 2-5 (all cached, in steps 1 and 2), step 2 = rows 6-9 (6-7
+    # cached), step 3 = rows 10-13 (none).
+    with Session(dump, steps=(1, 2, 3), action="match"), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer(offset=2)
+        second = {step: train_step(trainer, step) for step in (1, 2, 3)}
+    assert trainer.agent_loop_manager.indices == [[8, 9], [10, 11, 12, 13]], "only the uncached prompts generated"
+    assert trained_rows(second[1]) == own_rows(range(2, 6), 1)
+    assert trained_rows(second[2]) == own_rows(range(6, 10), 2)
+    recorded = [row for step in (1, 2) for row in trained_rows(first[step])]
+    assert all(row in recorded for row in trained_rows(second[1]) + trained_rows(second[2])[:4]), "run 1's rows"
+    [line1] = messages_of(caplog, "rollout_tq step 1: match (submit)")
+    assert "4 of 4 prompts served (8 trajectories from step 1 (4), step 2 (4))" in line1
+    assert line1.endswith("rollout not submitted")
+    [line2] = messages_of(caplog, "rollout_tq step 2: match (submit)")
+    assert "2 of 4 prompts served (4 trajectories from step 2 (4))" in line2 and line2.endswith(
+        "2 submitted for generation"
+    )
+    # Served rows carry this step's uids, sessions and step tags.
+    data = second[2]
+    assert data["uid"] == [key.split("_")[0] for key in data["keys"]]
+    assert data["session_id"] == [int(key.split("_")[1]) for key in data["keys"]]
+    assert set(data["global_steps"]) == {2} and all(tag["global_steps"] == 2 for tag in data["tags"])
+    # Step 2 was committed by run 1 (never rewritten): its new rows are a rows record; step 3 is new.
+    assert sorted(p.name for p in layout.iterdir() if p.name.isdigit()) == ["1", "2", "3"]
+    assert (layout / "rows" / "1" / "meta.json").is_file()
+    assert messages_of(caplog, "rollout_tq step 2: saved 4 new rows to")
+    caplog.clear()
+
+    # Run 3 draws rows 8-15: 8-9 from the rows record, 10-13 from step 3; 14-15 are new.
+    with Session(dump, steps=(1, 2), action="match"), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer(offset=8)
+        third = {step: train_step(trainer, step) for step in (1, 2)}
+    assert trainer.agent_loop_manager.indices == [[14, 15]]
+    assert trained_rows(third[1]) == own_rows(range(8, 12), 1)
+    assert trained_rows(third[2]) == own_rows(range(12, 16), 2)
+    [line] = messages_of(caplog, "rollout_tq step 1: match (submit)")
+    assert "4 of 4 prompts served" in line and "rows 1 (4)" in line and "step 3 (4)" in line
+
+
+def prompt_indices(got: dict[str, list[Any]]) -> set[int]:
+    return {int(row[0].split()[1]) for row in trained_rows(got)}
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("mode", "k"), [pytest.param("sync", 1, id="sync"), pytest.param("separate_async", 2, id="k2")]
+)
+def test_match_with_group_filtering_matches_the_refills_too(tmp_path: Path, clean_tq: None, caplog, mode: str, k: int):
+    dump = tmp_path / "dump"
+    with Session(dump, steps=(1, 2)):
+        trainer = make_trainer(mode, k, dapo=True, uniform=UNIFORM)
+        first = {step: train_step(trainer, step) for step in (1, 2)}
+    recorded = prompt_indices(first[1]) | prompt_indices(first[2])
+
+    with Session(dump, steps=(1, 2), action="match"), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer(mode, k, dapo=True, uniform=UNIFORM)
+        second = {step: train_step(trainer, step) for step in (1, 2)}
+    generated = [index for call in trainer.agent_loop_manager.indices for index in call]
+    assert generated and not set(generated) & recorded, "a prompt trained in run 1 is never generated again"
+    assert {5, 6} <= set(generated), "the evicted prompts were not recorded: generated (and evicted) again"
+    for step in (1, 2):
+        rows = trained_rows(second[step])
+        assert rows == own_rows(sorted(prompt_indices(second[step])), step), "each response is its own prompt's"
+    refills = messages_of(caplog, "rollout_tq step 2: match (refill)")
+    assert refills and any("prompts served" in line and " 0 of" not in line for line in refills), refills
+    inexact = messages_of(caplog, "action=match is not exact", logging.WARNING)
+    assert len(inexact) == (1 if mode != "sync" else 0), inexact
