@@ -5,9 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from skipinject.codecs.columns import decode_array_column, encode_array_column
-from skipinject.codecs.tagged_json import CODEC_VERSION, from_jsonable, to_jsonable
-from skipinject.codecs.tensors import TensorSink
+from skipinject.codecs import (
+    CODEC_VERSION,
+    TensorSink,
+    decode_array_column,
+    encode_array_column,
+    from_jsonable,
+    to_jsonable,
+)
 from skipinject.errors import CodecError
 from skipinject.payload import Payload
 from skipinject.verl.rows import merge, take, with_rows

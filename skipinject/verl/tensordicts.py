@@ -9,9 +9,17 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from skipinject.codecs.columns import check_shape, decode_column, encode_column
-from skipinject.codecs.tagged_json import _Encoder, from_jsonable, to_jsonable
-from skipinject.codecs.tensors import TensorSink, decode_tensor, encode_tensor
+from skipinject.codecs import (
+    TensorSink,
+    _Encoder,
+    check_shape,
+    decode_column,
+    decode_tensor,
+    encode_column,
+    encode_tensor,
+    from_jsonable,
+    to_jsonable,
+)
 from skipinject.errors import CodecError
 
 if TYPE_CHECKING:

@@ -12,8 +12,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from verl.utils import tensordict_utils as tu
 
-from skipinject.codecs.columns import encode_column
-from skipinject.codecs.tagged_json import to_jsonable
+from skipinject.codecs import encode_column, to_jsonable
 from skipinject.store import StepStore
 from skipinject.verl import tensordicts as tds
 from skipinject.verl.codecs import TensorDictCodec
@@ -215,7 +214,7 @@ def test_encode_runs_under_one_gc_pause(monkeypatch: pytest.MonkeyPatch) -> None
 def test_encode_reads_rows_and_plain_values_without_the_slow_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     """Encoding reads each row's data from its state (no tensordict ``__getattr__``) and copies plain
     JSON rows without the tagged encoder; anything else still goes through it, same output."""
-    from skipinject.codecs import tagged_json
+    from skipinject import codecs
 
     stack = NonTensorStack(*[{"row": i, "v": [i, None]} for i in range(64)])
     flat: list[Any] = []
@@ -223,13 +222,13 @@ def test_encode_reads_rows_and_plain_values_without_the_slow_paths(monkeypatch: 
     assert flat == [{"row": i, "v": [i, None]} for i in range(64)]
 
     visited = []
-    enc = tagged_json._Encoder.enc
+    enc = codecs._Encoder.enc
 
     def spy(self: Any, value: Any, path: str) -> Any:
         visited.append(path)
         return enc(self, value, path)
 
-    monkeypatch.setattr(tagged_json._Encoder, "enc", spy)
+    monkeypatch.setattr(codecs._Encoder, "enc", spy)
     column = encode_column(flat, "x")
     assert visited == [] and column["plain"] and column["u"] == flat and column["u"][0] is not flat[0]
     odd = [*ODD_ROWS[:9], {"__si__": "not a tag"}]

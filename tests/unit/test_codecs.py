@@ -15,8 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from skipinject.codecs import TensorSink, from_jsonable, to_jsonable
-from skipinject.codecs.columns import decode_column, encode_column
+from skipinject.codecs import TensorSink, decode_column, encode_column, from_jsonable, to_jsonable
 from skipinject.errors import CodecError
 from skipinject.store import StepStore
 from skipinject.verl.codecs import TensorDictCodec
