@@ -108,8 +108,8 @@ def compare_samples(
     first = [
         {
             "row": i,
-            "a": shown_row(i, a[i], decode).record() if i < len(a) else None,
-            "b": shown_row(i, b[i], decode).record() if i < len(b) else None,
+            "a": shown_row(i, a[i], decode) if i < len(a) else None,
+            "b": shown_row(i, b[i], decode) if i < len(b) else None,
         }
         for i in differing[:rows]
     ]

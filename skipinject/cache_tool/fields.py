@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from skipinject.roles import Codec, MergingCodec
 from skipinject.store import Payload
@@ -32,20 +33,16 @@ class Decoded:
 
 def decode(payloads: Sequence[Payload], meta: Mapping[str, Any], roles: InstalledRoles) -> Decoded:
     """The step decoded by its role's own codec (the installed plugin's), parts merged as the engine
-    merges them; the calls of a step of several calls one by one (``call1``, ``call2``, ...).
-
-    Without the role's plugin, skipinject's own codecs decode a payload whose header names them;
-    anything else is shown as its raw payload (the tensor file's tensors and the JSON tree), with a
-    note saying why.
-    """
+    merges them, the calls of a step of several calls one by one (``call1``, ...). Without the role's
+    plugin, skipinject's own codecs decode a payload whose header names them; anything else is shown
+    as its raw payload, with a note saying why."""
     from skipinject.cache_tool.plugins import tool_call
+    from skipinject.verl.codecs import codec_named
 
-    role = meta.get("role") if isinstance(meta.get("role"), str) else "-"
-    codec = roles.codec(str(role))
-    note = roles.missing(str(role), meta) if codec is None else None
+    role = str(meta.get("role")) if isinstance(meta.get("role"), str) else "-"
+    codec = roles.codec(role)
+    note = roles.missing(role, meta) if codec is None else None
     if codec is None:
-        from skipinject.verl.codecs import codec_named
-
         names = {p.objects.get("codec") for p in payloads}
         codec = codec_named(names.pop()) if len(names) == 1 else None
         note = note if codec is None else None
@@ -53,8 +50,7 @@ def decode(payloads: Sequence[Payload], meta: Mapping[str, Any], roles: Installe
         return Decoded(_raw(payloads), "raw", note)
     calls = meta.get("calls")
     try:
-        call = tool_call(str(role))
-        values = [codec.decode(p, call) for p in payloads]
+        values = [codec.decode(p, tool_call(role)) for p in payloads]
         if len(values) == 1:
             return Decoded(values[0], codec_name(codec))
         if type(calls) is int and calls > 1:
@@ -75,23 +71,22 @@ def _raw(payloads: Sequence[Payload]) -> dict[str, Any]:
     raw: dict[str, Any] = {}
     for index, payload in enumerate(payloads):
         prefix = f"part{index}." if len(payloads) > 1 else ""
-        for key, tensor in payload.tensors.items():
-            raw[f"{prefix}tensors.{key}"] = tensor
-        for key, value in payload.objects.items():
-            raw[f"{prefix}objects.{key}"] = value
+        raw.update({f"{prefix}tensors.{key}": tensor for key, tensor in payload.tensors.items()})
+        raw.update({f"{prefix}objects.{key}": value for key, value in payload.objects.items()})
     return raw
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     """Leaf fields by dotted name: tensors, numpy arrays, lists and plain values."""
-    from skipinject.verl.codecs import verl_fields
+    from skipinject.verl.codecs import is_tensordict, verl_fields
 
     found = verl_fields(value, prefix, flatten)
     if found is not None:
         return found
     out: dict[str, Any] = {}
     nested = isinstance(value, Mapping) and not prefix.startswith("objects.") and all(isinstance(k, str) for k in value)
-    if nested and (not prefix or _has_container(value)):
+    containers = nested and any(type(v).__name__ in ("Tensor", "ndarray") or is_tensordict(v) for v in value.values())
+    if nested and (not prefix or containers):
         for key, item in value.items():
             out.update(flatten(item, f"{prefix}{key}."))
         return out
@@ -102,23 +97,6 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip(".") or "value": value}
 
 
-def _has_container(value: Mapping[str, Any]) -> bool:
-    from skipinject.verl.codecs import is_tensordict
-
-    return any(type(v).__name__ in ("Tensor", "ndarray") or is_tensordict(v) for v in value.values())
-
-
-# ---------------------------------------------------------------- describing
-
-
-class FieldRecord(TypedDict):
-    name: str
-    kind: str
-    dtype: str
-    shape: str
-    rows: int | None
-
-
 @dataclass
 class FieldInfo:
     name: str
@@ -127,8 +105,8 @@ class FieldInfo:
     shape: str
     rows: int | None
 
-    def record(self) -> FieldRecord:
-        return {"name": self.name, "kind": self.kind, "dtype": self.dtype, "shape": self.shape, "rows": self.rows}
+    def record(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 def _is_jagged(value: Any) -> bool:
@@ -146,8 +124,9 @@ def describe(name: str, value: Any) -> FieldInfo:
         shape_list = list(value.shape)
         return FieldInfo(name, "tensor", dtype, str(tuple(shape_list)), shape_list[0] if shape_list else None)
     if kind == "ndarray":
-        rows = value.shape[0] if value.ndim else None
-        return FieldInfo(name, "array", str(value.dtype), str(tuple(value.shape)), rows)
+        return FieldInfo(
+            name, "array", str(value.dtype), str(tuple(value.shape)), value.shape[0] if value.ndim else None
+        )
     if isinstance(value, (list, tuple)):
         types = sorted({type(v).__name__ for v in value})
         return FieldInfo(name, "list", "|".join(types[:3]) or "-", f"({len(value)},)", len(value))
@@ -156,35 +135,16 @@ def describe(name: str, value: Any) -> FieldInfo:
 
 def text_rows(value: Any, limit: int, width: int = 100) -> list[str] | None:
     """The first rows of a text-like field (strings, chat messages, JSON records), else None."""
-    kind = type(value).__name__
-    if kind == "ndarray":
+    if type(value).__name__ == "ndarray":
         if value.dtype.kind not in ("U", "S", "O") or value.ndim != 1:
             return None
-        rows = list(value[:limit])
-    elif isinstance(value, (list, tuple)):
-        rows = list(value[:limit])
-    else:
+    elif not isinstance(value, (list, tuple)):
         return None
+    rows = list(value[:limit])
     if not rows or not all(isinstance(r, (str, bytes, list)) for r in rows) or not any(len(r) for r in rows):
         return None
-    out = []
-    for row in rows:
-        text = row if isinstance(row, str) else json.dumps(row, default=str, ensure_ascii=False)
-        out.append(text if len(text) <= width else text[: width - 1] + "…")
-    return out
-
-
-# ---------------------------------------------------------------- comparing
-
-
-class FieldDiffRecord(TypedDict):
-    name: str
-    status: str
-    rows: int | None
-    rows_differing: int | None
-    max_abs_diff: float | str | None
-    mean_abs_diff: float | str | None
-    note: str
+    texts = [row if isinstance(row, str) else json.dumps(row, default=str, ensure_ascii=False) for row in rows]
+    return [text if len(text) <= width else text[: width - 1] + "…" for text in texts]
 
 
 @dataclass
@@ -193,50 +153,34 @@ class FieldDiff:
     status: str  # same | differs | only-a | only-b | shape | dtype
     rows: int | None = None  # rows compared
     rows_differing: int | None = None
-    max_abs: float | None = None
-    mean_abs: float | None = None
+    max_abs_diff: float | None = None
+    mean_abs_diff: float | None = None
     note: str = ""
 
-    def record(self) -> FieldDiffRecord:
-        return {
-            "name": self.name,
-            "status": self.status,
-            "rows": self.rows,
-            "rows_differing": self.rows_differing,
-            "max_abs_diff": _finite(self.max_abs),
-            "mean_abs_diff": _finite(self.mean_abs),
-            "note": self.note,
-        }
-
-
-def _finite(value: float | None) -> float | str | None:
-    if value is None or math.isfinite(value):
-        return value
-    return str(value)
+    def record(self) -> dict[str, Any]:
+        record = dataclasses.asdict(self)
+        for key in ("max_abs_diff", "mean_abs_diff"):  # JSON has no inf or NaN
+            record[key] = record[key] if record[key] is None or math.isfinite(record[key]) else str(record[key])
+        return record
 
 
 def compare_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[FieldDiff]:
     out = []
     for name in sorted(set(a) | set(b)):
-        if name not in b:
-            out.append(FieldDiff(name, "only-a"))
-        elif name not in a:
-            out.append(FieldDiff(name, "only-b"))
-        else:
-            try:
-                out.append(compare(name, a[name], b[name]))
-            except Exception as exc:  # a comparison must not end the report
-                out.append(FieldDiff(name, "differs", note=f"not comparable ({type(exc).__name__}: {exc})"))
+        if name not in b or name not in a:
+            out.append(FieldDiff(name, "only-a" if name in a else "only-b"))
+            continue
+        try:
+            out.append(compare(name, a[name], b[name]))
+        except Exception as exc:  # a comparison must not end the report
+            out.append(FieldDiff(name, "differs", note=f"not comparable ({type(exc).__name__}: {exc})"))
     return out
 
 
 def _as_rows(value: Any) -> list[Any] | None:
-    kind = type(value).__name__
     if hasattr(value, "is_nested") and _is_jagged(value):
         return list(value.unbind(0))
-    if kind == "ndarray" and value.dtype.kind == "O":
-        return list(value)
-    if isinstance(value, (list, tuple)):
+    if (type(value).__name__ == "ndarray" and value.dtype.kind == "O") or isinstance(value, (list, tuple)):
         return list(value)
     return None
 
@@ -246,13 +190,8 @@ def _same(x: Any, y: Any) -> bool:
     import torch
 
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        return (
-            isinstance(x, torch.Tensor)
-            and isinstance(y, torch.Tensor)
-            and x.shape == y.shape
-            and x.dtype == y.dtype
-            and bool(torch.equal(x, y))
-        )
+        both = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+        return both and x.shape == y.shape and x.dtype == y.dtype and bool(torch.equal(x, y))
     if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
         return bool(np.array_equal(np.asarray(x, dtype=object), np.asarray(y, dtype=object)))
     try:
@@ -261,34 +200,40 @@ def _same(x: Any, y: Any) -> bool:
         return json.dumps(x, default=str, sort_keys=True) == json.dumps(y, default=str, sort_keys=True)
 
 
+def _delta(x: Any, y: Any) -> Any:
+    """|x - y| in float64, NaN against NaN counting as equal."""
+    import torch
+
+    return torch.nan_to_num((x.to(torch.float64) - y.to(torch.float64)).abs(), nan=0.0)
+
+
 def compare(name: str, a: Any, b: Any) -> FieldDiff:
     import numpy as np
     import torch
 
-    dense_a = isinstance(a, (torch.Tensor, np.ndarray)) and not _is_jagged(a) and _not_object(a)
-    dense_b = isinstance(b, (torch.Tensor, np.ndarray)) and not _is_jagged(b) and _not_object(b)
-    if dense_a and dense_b:
+    def dense(value: Any) -> bool:
+        plain = getattr(getattr(value, "dtype", None), "kind", None) != "O"
+        return isinstance(value, (torch.Tensor, np.ndarray)) and not _is_jagged(value) and plain
+
+    if dense(a) and dense(b):
         ta = torch.as_tensor(a) if isinstance(a, np.ndarray) and a.dtype.kind in "biufc" else a
         tb = torch.as_tensor(b) if isinstance(b, np.ndarray) and b.dtype.kind in "biufc" else b
         if isinstance(ta, np.ndarray) or isinstance(tb, np.ndarray):  # strings and other numpy dtypes
-            ra, rb = list(np.asarray(a)), list(np.asarray(b))
-            return _row_diff(name, ra, rb)
+            return _row_diff(name, list(np.asarray(a)), list(np.asarray(b)))
         if tuple(ta.shape) != tuple(tb.shape):
             return FieldDiff(name, "shape", note=f"{tuple(ta.shape)} vs {tuple(tb.shape)}")
         if ta.dtype != tb.dtype:
             return FieldDiff(name, "dtype", note=f"{ta.dtype} vs {tb.dtype}".replace("torch.", ""))
         rows = ta.shape[0] if ta.dim() else 1
         unequal = ta != tb
-        if ta.dtype.is_floating_point or ta.dtype.is_complex:
+        floating = ta.dtype.is_floating_point or ta.dtype.is_complex
+        if floating:
             unequal &= ~(torch.isnan(ta) & torch.isnan(tb))
-        per_row = unequal.reshape(rows, -1).any(dim=1) if ta.dim() else unequal.reshape(1)
-        differing = int(per_row.sum())
+        differing = int((unequal.reshape(rows, -1).any(dim=1) if ta.dim() else unequal.reshape(1)).sum())
         result = FieldDiff(name, "differs" if differing else "same", rows, differing)
-        if (ta.dtype.is_floating_point or ta.dtype.is_complex) and ta.numel():  # not for ids, masks, flags
-            delta = (ta.to(torch.float64) - tb.to(torch.float64)).abs()
-            delta = torch.nan_to_num(delta, nan=0.0)
-            result.max_abs = float(delta.max())
-            result.mean_abs = float(delta.mean())
+        if floating and ta.numel():  # not for ids, masks, flags
+            delta = _delta(ta, tb)
+            result.max_abs_diff, result.mean_abs_diff = float(delta.max()), float(delta.mean())
         return result
     rows_a, rows_b = _as_rows(a), _as_rows(b)
     if rows_a is not None and rows_b is not None:
@@ -296,34 +241,20 @@ def compare(name: str, a: Any, b: Any) -> FieldDiff:
     return FieldDiff(name, "same" if _same(a, b) else "differs")
 
 
-def _not_object(value: Any) -> bool:
-    kind = getattr(getattr(value, "dtype", None), "kind", None)
-    return kind != "O"
-
-
 def _row_diff(name: str, ra: list[Any], rb: list[Any]) -> FieldDiff:
-    if len(ra) != len(rb):
-        return FieldDiff(name, "shape", note=f"{len(ra)} rows vs {len(rb)}")
     import torch
 
-    differing = 0
+    if len(ra) != len(rb):
+        return FieldDiff(name, "shape", note=f"{len(ra)} rows vs {len(rb)}")
     max_abs, total, count, numeric = 0.0, 0.0, 0, True
     for x, y in zip(ra, rb, strict=True):
-        if not _same(x, y):
-            differing += 1
-        if numeric and isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape:
-            if not x.dtype.is_floating_point:  # token ids, masks: a difference of ids means nothing
-                numeric = False
-                continue
-            if not x.numel():
-                continue
-            delta = torch.nan_to_num((x.to(torch.float64) - y.to(torch.float64)).abs(), nan=0.0)
-            max_abs = max(max_abs, float(delta.max()))
-            total += float(delta.sum())
-            count += delta.numel()
-        else:
-            numeric = False
+        tensors = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+        numeric = numeric and tensors and x.dtype.is_floating_point  # a difference of token ids means nothing
+        if numeric and x.numel():
+            delta = _delta(x, y)
+            max_abs, total, count = max(max_abs, float(delta.max())), total + float(delta.sum()), count + delta.numel()
+    differing = sum(not _same(x, y) for x, y in zip(ra, rb, strict=True))
     result = FieldDiff(name, "differs" if differing else "same", len(ra), differing)
     if numeric and count:
-        result.max_abs, result.mean_abs = max_abs, total / count
+        result.max_abs_diff, result.mean_abs_diff = max_abs, total / count
     return result

@@ -69,12 +69,10 @@ def _target(item: Item) -> tuple[Path, int]:
 def _owner(roles: InstalledRoles, upstream: Upstream, value: Any) -> str:
     """The role a loaded value belongs to: the first whose declaration of the same file ``claims`` it,
     else the declaring role that takes the rest."""
+    key = (upstream.format.directory, upstream.format.file_name)
     for other in roles.upstreams():
-        same = (other.format.directory, other.format.file_name) == (
-            upstream.format.directory,
-            upstream.format.file_name,
-        )
-        if same and other.format.claims is not None and other.format.claims(value):
+        claims = other.format.claims
+        if (other.format.directory, other.format.file_name) == key and claims is not None and claims(value):
             return other.role
     return upstream.role
 
@@ -84,8 +82,7 @@ def _fingerprint(roles: InstalledRoles, upstream: Upstream, input_path: Path, ro
     role = roles.role(role_name)
     if role is None or role.fingerprint is None:
         return None
-    batch = upstream.format.load(input_path)  # trusted: --trust
-    # The roles read ``call.batch``: the first argument of the call they intercepted.
+    batch = upstream.format.load(input_path)  # trusted: --trust; the roles read it as ``call.batch``
     call = Call(target="skipinject cache import", function=_fingerprint, instance=None, args=(batch,), kwargs={})
     rows = role.fingerprint(call)
     return None if rows is None else [str(r) for r in rows]
@@ -175,10 +172,8 @@ def cmd_import(
         for item in items:
             try:
                 results.append(import_item(item, role=role, experiment=experiment, project=project, roles=roles))
-            except CommandError as exc:
-                results.append({"source": str(item.path), "kind": item.kind, "status": "failed", "error": str(exc)})
             except Exception as exc:  # a broken pickle must not stop the others
-                error = f"{type(exc).__name__}: {exc}"
+                error = str(exc) if isinstance(exc, CommandError) else f"{type(exc).__name__}: {exc}"
                 results.append({"source": str(item.path), "kind": item.kind, "status": "failed", "error": error})
             bar.update(item.size, f"step {item.step}")
     failed = [r for r in results if r["status"] == "failed"]

@@ -1,16 +1,13 @@
 """``show --match FILE.parquet PATH``: how many of a dataset's prompts have a cached rollout under PATH.
 
 A prompt counts as cached when a complete step (or rows record) under PATH recorded its input
-fingerprint: the digest the rollout roles record per row (``inputs`` / ``call_inputs`` in
-``meta.json``) of its chat messages. It says which prompts ``action=match`` may serve; whether it
-does also depends on the run's generation settings (model, sampling, lengths), which are in the
-run's config, not in the dataset. Only ``meta.json`` files are read (bounded, as everywhere).
+fingerprint (``inputs`` / ``call_inputs`` in ``meta.json``): the prompts ``action=match`` may serve
+to a run with the same generation settings. Only ``meta.json`` files are read.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from skipinject.cache_tool.common import OK, CommandError, emit_json, existing_dir, say, schema
 from skipinject.cache_tool.scan import scan
@@ -27,11 +24,11 @@ MAX_EXPANSION = 64
 
 def cmd_show_match(path: Path, dataset: Path, *, column: str, as_json: bool) -> int:
     existing_dir(path)
-    digests = dataset_fingerprints(dataset, column)  # select
+    digests = dataset_fingerprints(dataset, column)
     cached, steps = cached_fingerprints(path)
-    hits = sum(1 for digest in digests if digest in cached)  # act
+    hits = sum(1 for digest in digests if digest in cached)
     unique = set(digests)
-    unique_hits = sum(1 for digest in unique if digest in cached)
+    unique_hits = len(unique & cached)
     if as_json:
         emit_json(
             {
@@ -57,10 +54,8 @@ def cmd_show_match(path: Path, dataset: Path, *, column: str, as_json: bool) -> 
 
 
 def dataset_fingerprints(dataset: Path, column: str) -> list[str]:
-    """The rollout roles' input fingerprint of each row's prompt (its chat messages), read
-    :data:`BATCH_ROWS` rows at a time from a regular file (a FIFO or device is named as such), at
-    most :data:`MAX_DATASET_ROWS` rows and :data:`MAX_EXPANSION` times the file's size decoded (a small
-    file whose pages expand to more is refused as it is read, a batch at a time)."""
+    """The rollout roles' input fingerprint of each row's prompt, read a batch at a time from a regular
+    file, at most :data:`MAX_DATASET_ROWS` rows and :data:`MAX_EXPANSION` times the file's size decoded."""
     from skipinject.errors import CorruptCacheError
     from skipinject.store.files import open_plain
 
@@ -109,14 +104,9 @@ def cached_fingerprints(path: Path) -> tuple[set[str], int]:
     for item in scan(path):
         if item.kind != "skipinject" or item.state != "complete" or item.meta is None:
             continue
-        recorded = _recorded(item.meta)
-        if recorded:
-            steps += 1
-            found.update(recorded)
+        calls = item.meta.get("call_inputs")
+        lists = calls if isinstance(calls, list) else [item.meta.get("inputs")]
+        recorded = [d for inputs in lists if isinstance(inputs, list) for d in inputs if isinstance(d, str)]
+        steps += bool(recorded)
+        found.update(recorded)
     return found, steps
-
-
-def _recorded(meta: dict[str, Any]) -> list[str]:
-    calls = meta.get("call_inputs")
-    lists = calls if isinstance(calls, list) else [meta.get("inputs")]
-    return [d for inputs in lists if isinstance(inputs, list) for d in inputs if isinstance(d, str)]

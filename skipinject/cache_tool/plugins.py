@@ -1,18 +1,14 @@
 """The installed plugins' roles, as the cache tool sees them: a role's own codec decodes its steps.
 
-Third-party roles are first-class: a step is decoded by the codec of the plugin providing its role
-(the engine's codec for that role, the default ``DataProtoCodec`` when the role declares none), never
-by a convention only the built-in codecs follow. A step of a role no installed plugin provides is still
-listed and verified (sizes, checksums, tensor index and JSON tree are the store's checks, and need
-no codec); ``show`` and ``diff`` then show its raw payload and name the plugin that would decode it.
-
-Plugins are chosen as for a run (``VERL_SKIP_PLUGINS``, else every installed one) and loaded once,
-only by a command that decodes or names them; a plugin that fails to load is left out, never fatal.
+A step is decoded by the codec of the plugin providing its role (the engine's, the default
+``DataProtoCodec`` when the role declares none). A step of a role no installed plugin provides is
+still listed and verified (the store's checks need no codec); ``show`` and ``diff`` then show its raw
+payload and name the plugin that would decode it. Plugins are chosen as for a run
+(``VERL_SKIP_PLUGINS``, else every installed one), loaded once; one that fails to load is left out.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 import string
 from collections.abc import Mapping
@@ -22,8 +18,6 @@ from typing import Any
 from skipinject.errors import SkipInjectError
 from skipinject.roles import Call, Codec, Role, UpstreamFormat
 from skipinject.store.format import STEP_NAME
-
-logger = logging.getLogger("skipinject")
 
 
 @dataclass(frozen=True)
@@ -59,10 +53,10 @@ def directory_pattern(template: str) -> re.Pattern[str]:
 
 
 class InstalledRoles:
-    """The roles of this environment's plugins, by name (loaded on first use)."""
+    """The roles of this environment's plugins, by name (loaded on first use); ``selection``: a
+    ``VERL_SKIP_PLUGINS`` value (``None``: the variable, else every plugin)."""
 
     def __init__(self, selection: str | None = None) -> None:
-        """``selection``: a ``VERL_SKIP_PLUGINS`` value (``None``: the variable, else every plugin)."""
         self._selection = selection
         self._roles: dict[str, tuple[Role, str]] | None = None
         self.problem: str | None = None
@@ -78,15 +72,14 @@ class InstalledRoles:
             except SkipInjectError as exc:  # a bad VERL_SKIP_PLUGINS: decode nothing, say why
                 self.problem = str(exc)
                 return self._roles
-            for plugin in plugins.plugins:
-                for role in plugin.roles:
-                    self._roles[role.name] = (role, plugin.name)
+            self._roles = {role.name: (role, plugin.name) for plugin in plugins.plugins for role in plugin.roles}
         return self._roles
 
     def role(self, name: str) -> Role | None:
-        """The installed role ``name``, or None."""
-        found = self._load().get(name)
-        return None if found is None else found[0]
+        return self._load().get(name, (None, None))[0]
+
+    def plugin_of(self, role: str) -> str | None:
+        return self._load().get(role, (None, None))[1]
 
     def upstreams(self) -> list[Upstream]:
         """Every installed role's upstream formats; for one file, roles that ``claims`` values come
@@ -94,18 +87,11 @@ class InstalledRoles:
         found = [Upstream(role.name, f) for role, _ in self._load().values() for f in role.upstream_formats]
         return sorted(found, key=lambda u: u.format.claims is None)
 
-    def plugin_of(self, role: str) -> str | None:
-        """The name of the installed plugin providing ``role``, or None."""
-        found = self._load().get(role)
-        return None if found is None else found[1]
-
     def codec(self, role: str) -> Codec | None:
         """The codec the engine uses for ``role`` (its own, or the default), None without its plugin."""
-        found = self._load().get(role)
-        if found is None:
-            return None
-        if found[0].codec is not None:
-            return found[0].codec
+        found = self.role(role)
+        if found is None or found.codec is not None:
+            return None if found is None else found.codec
         if self._default_codec is None:
             from skipinject.verl.codecs import DataProtoCodec
 

@@ -8,7 +8,6 @@ exists, else shown as shortened token ids), compared and summed up.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,28 +53,16 @@ def _chat_text(chat: Any) -> str | None:
     return chat if isinstance(chat, str) else None
 
 
-@dataclass
-class Row:
-    index: int
-    prompt: str
-    response: str
-    score: float | None
-    length: int
-
-    def record(self) -> dict[str, Any]:
-        return {"row": self.index, "prompt": self.prompt, "response": self.response, "score": self.score,
-                "length": self.length}  # fmt: skip
-
-
-def shown_row(index: int, sample: Sample, decode: Decode | None) -> Row:
+def shown_row(index: int, sample: Sample, decode: Decode | None) -> dict[str, Any]:
+    """A row's JSON record: prompt and response decoded (else the chat, else token ids), shortened."""
     if decode is not None and sample.prompt_ids is not None:
         prompt = decode(sample.prompt_ids)
     else:
         chat = _chat_text(sample.chat)
         prompt = chat if chat is not None else ids_text(sample.prompt_ids) if sample.prompt_ids is not None else "-"
     response = decode(sample.response_ids) if decode is not None else ids_text(sample.response_ids)
-    return Row(index, shorten(" ".join(prompt.split()), WIDTH), shorten(" ".join(response.split()), WIDTH),
-               sample.score, sample.length)  # fmt: skip
+    prompt, response = (shorten(" ".join(text.split()), WIDTH) for text in (prompt, response))
+    return {"row": index, "prompt": prompt, "response": response, "score": sample.score, "length": sample.length}
 
 
 def step_samples(flat: Mapping[str, Any]) -> list[Sample] | None:

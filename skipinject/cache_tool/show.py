@@ -45,7 +45,7 @@ def cmd_show(
     summary, infos, texts = describe(step_path, meta, step, roles, rows)
     found = step_samples(fields.flatten(step.value))
     decode, source = tokenizer_for(tokenizer, meta) if found else (None, None)
-    listed = [shown_row(i, sample, decode).record() for i, sample in enumerate((found or [])[:rows])]
+    listed = [shown_row(i, sample, decode) for i, sample in enumerate((found or [])[:rows])]
     samples = None if found is None else {"rows": len(found), **means(found), "tokenizer": source, "first": listed}
     if as_json:
         records = [i.record() for i in infos]
