@@ -93,11 +93,9 @@ _HASHED_STEPS = 1 << 16
 def compile_passes(
     source: StepSource, chosen: Any, every_step: bool, open_steps: Sized = ()
 ) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], bool]:
-    """``passes(instance, args, kwargs)``: True when a call surely runs the original — its step is a
-    plain int read with a few look-ups and not in ``chosen``. Anything else (named arguments,
-    extractors, values that are not ints, no step) is False and left to the full path, and so is
-    every call while ``open_steps`` is not empty (a step waits for the run to move past it).
-    """
+    """``passes(instance, args, kwargs)``: True when a call surely runs the original (its step a plain int,
+    read in a few look-ups, not in ``chosen``); anything else, or any call while ``open_steps`` is not
+    empty, is left to the full path."""
     if every_step:
         return _never_passes
     if not source.fallbacks and source.kind == "meta":
@@ -114,35 +112,21 @@ def compile_passes(
             return type(step) is int and step not in chosen
 
         return meta_passes
-    readers: list[Callable[[Any], Any]] = []
-    for part in (source, *source.fallbacks):
-        if part.kind == "attribute":
-            readers.append(functools.partial(_attribute, name=part.name))
-        elif part.kind == "clock":
-            readers.append(functools.partial(_clock_attribute, name=part.name))
-        else:
-            break  # from here on the step needs the whole call
-    if len(readers) != 1 + len(source.fallbacks):
-        return _never_passes
+    parts = (source, *source.fallbacks)
+    if any(part.kind not in ("attribute", "clock") for part in parts):
+        return _never_passes  # the step needs the whole call
+    readers = [(part.kind == "clock", part.name) for part in parts]
 
     def attribute_passes(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         if open_steps:
             return False
-        for read in readers:
-            step = read(instance)
+        for clock, name in readers:
+            step = getattr(CLOCK.instance if clock else instance, name, None)
             if step is not None:
                 return type(step) is int and step not in chosen
         return False
 
     return attribute_passes
-
-
-def _attribute(instance: Any, name: str) -> Any:
-    return getattr(instance, name, None)
-
-
-def _clock_attribute(instance: Any, name: str) -> Any:
-    return getattr(CLOCK.instance, name, None)
 
 
 def _never_passes(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
