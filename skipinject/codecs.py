@@ -170,9 +170,7 @@ class _Encoder:
 
     def enc(self, value: Any, path: str) -> Any:
         kind = type(value)
-        if kind is str or kind is int or kind is bool or value is None:
-            return value
-        if kind is float:
+        if kind is str or kind is int or kind is bool or kind is float or value is None:
             return value
         if kind is list:
             return [self.enc(item, f"{path}[{i}]") for i, item in enumerate(value)]
@@ -280,18 +278,13 @@ def from_jsonable(obj: Any, tensors: Mapping[str, torch.Tensor] | None = None) -
 
 
 def _decode_tagged(tag: Any, obj: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> Any:
-    if tag == "tuple":
-        return tuple(from_jsonable(obj["v"], tensors))
     if tag == "dict":
         return {_hashable(from_jsonable(k, tensors)): from_jsonable(v, tensors) for k, v in obj["v"]}
-    if tag == "bytes":
-        return base64.b64decode(obj["v"])
-    if tag == "bytearray":
-        return bytearray(base64.b64decode(obj["v"]))
-    if tag == "set":
-        return {_hashable(item) for item in from_jsonable(obj["v"], tensors)}
-    if tag == "frozenset":
-        return frozenset(_hashable(item) for item in from_jsonable(obj["v"], tensors))
+    if tag in ("bytes", "bytearray"):
+        return (bytes if tag == "bytes" else bytearray)(base64.b64decode(obj["v"]))
+    if tag in ("tuple", "set", "frozenset"):
+        items = from_jsonable(obj["v"], tensors)
+        return tuple(items) if tag == "tuple" else (set if tag == "set" else frozenset)(map(_hashable, items))
     if tag in ("np", "nd", "ndo", "ndt"):
         return _decode_numpy(tag, obj, tensors)
     if tag == "tensor":

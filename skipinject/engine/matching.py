@@ -32,7 +32,7 @@ from skipinject.report.tally import TALLY, hit_amounts
 from skipinject.roles import Call, MatchInfo, Role, RowCodec
 from skipinject.store.format import ROWS_DIR
 from skipinject.verl.compat import settings_values
-from skipinject.verl.layout import layout_label
+from skipinject.verl.layout import layout_name
 
 if TYPE_CHECKING:
     from skipinject.engine.calls import StepCalls
@@ -393,7 +393,7 @@ class RowMatcher:
                 where_store = places[place]
                 name = f"{'step' if source == STEPS else 'rows'} {number}"
                 if place:
-                    name += f" of {layout_label(where_store.context, str(where_store.project_dir))}"
+                    name += f" of {layout_name(where_store.context)}"  # another batch size's layout
                 from_store = where_store if source == STEPS else self.rows_store(where_store)
                 try:
                     piece, piece_ratio, kept, meta = self._load_rows(from_store, number, part, rows, keys, call)

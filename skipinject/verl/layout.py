@@ -63,14 +63,6 @@ def layout_name(context: Mapping[str, Any]) -> str:
     return f"GBS{context['gbs']}_N{context['n']}_in{context['prompt_length']}_out{context['response_length']}"
 
 
-def layout_label(context: Mapping[str, Any], fallback: str) -> str:
-    """The layout a trainer context names (``GBS8_N2_in32_out16``), or ``fallback`` without one."""
-    try:
-        return layout_name(context)
-    except KeyError:
-        return fallback
-
-
 def layout_values(name: str) -> dict[str, int] | None:
     """The values a layout directory's ``name`` gives (:func:`layout_name`'s inverse), or ``None``."""
     match = LAYOUT_RE.match(name)
