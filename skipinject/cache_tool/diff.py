@@ -19,8 +19,6 @@ from skipinject.cache_tool.common import (
     show_table,
 )
 from skipinject.cache_tool.plugins import InstalledRoles
-from skipinject.cache_tool.rows import means, same_row, shown_row, step_samples
-from skipinject.cache_tool.rows import tokenizer as tokenizer_for
 from skipinject.cache_tool.scan import STEP_RE, has_meta, scan
 from skipinject.cache_tool.show import load_step
 from skipinject.errors import CorruptCacheError
@@ -100,24 +98,24 @@ def compare_samples(
 ) -> dict[str, Any] | None:
     """Rollout rows side by side: how many have identical prompts and responses, each side's mean score
     and response length, and the first ``rows`` differing rows decoded; None unless both hold rows."""
-    a, b = step_samples(flat_a), step_samples(flat_b)
+    a, b = fields.step_samples(flat_a), fields.step_samples(flat_b)
     if a is None or b is None:
         return None
-    differing = [i for i in range(max(len(a), len(b))) if i >= len(a) or i >= len(b) or not same_row(a[i], b[i])]
-    decode, source = tokenizer_for(tokenizer, meta) if differing else (None, None)
+    differing = [i for i in range(max(len(a), len(b))) if i >= len(a) or i >= len(b) or not fields.same_row(a[i], b[i])]
+    decode, source = fields.tokenizer(tokenizer, meta) if differing else (None, None)
     first = [
         {
             "row": i,
-            "a": shown_row(i, a[i], decode) if i < len(a) else None,
-            "b": shown_row(i, b[i], decode) if i < len(b) else None,
+            "a": fields.shown_row(i, a[i], decode) if i < len(a) else None,
+            "b": fields.shown_row(i, b[i], decode) if i < len(b) else None,
         }
         for i in differing[:rows]
     ]
     return {
         "rows": [len(a), len(b)],
         "identical": min(len(a), len(b)) - len([i for i in differing if i < min(len(a), len(b))]),
-        "a": means(a),
-        "b": means(b),
+        "a": fields.means(a),
+        "b": fields.means(b),
         "tokenizer": source,
         "first_differing": first,
     }
