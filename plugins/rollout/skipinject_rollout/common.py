@@ -78,7 +78,11 @@ GENERATION_SETTINGS = (
     "actor_rollout_ref.rollout.response_length",
     "actor_rollout_ref.rollout.prompt_length",
     "actor_rollout_ref.rollout.multi_turn",
-    "actor_rollout_ref.rollout.agent",
+    # the agent loop's settings but its num_workers (how a batch is split among workers, not what each
+    # row generates: a call of some rows is padded to them)
+    "actor_rollout_ref.rollout.agent.default_agent_loop",
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path",
+    "actor_rollout_ref.rollout.agent.custom_async_server",
     "data.max_prompt_length",
     "data.max_response_length",
 )
