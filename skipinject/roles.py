@@ -312,10 +312,12 @@ class PhaseContext(Protocol):
         """``action=match``: one row key per digest, as the engine keys a call's input rows (the run's
         ``match_settings`` and each digest's occurrence among equal ones), for a phase keying rows itself."""
 
-    def match_rows(self, call: Call, keys: list[str]) -> Any:
+    def match_rows(self, call: Call, keys: list[str], group: int = 1) -> Any:
         """``action=match``: the rows of ``keys`` cached in the project's layouts that verify, looked
-        up as a call's rows are (:class:`skipinject.engine.matching.Found`: per served key index its
-        piece, decoded by the role's :class:`RowCodec`, and row there; its source's name and ``meta.json``)."""
+        up as a call's rows are, in whole groups of ``group`` consecutive keys (a prompt's samples)
+        only, and counted for the run's summary (:class:`skipinject.engine.matching.Found`: per served
+        key index its piece, decoded by the role's :class:`RowCodec`, and row there; its source's name
+        and ``meta.json``)."""
 
     def record_rows(self, call: Call, step: int, result: Any, keys: Sequence[str]) -> None:
         """``action=match`` at a step committed before: keep ``result``'s rows (one per key) as a rows

@@ -179,16 +179,23 @@ class RowMatcher:
             )
             return None
 
-    def find(self, store: StepStore, call: Call, keys: list[str]) -> Found:
+    def find(self, store: StepStore, call: Call, keys: list[str], group: int = 1) -> Found:
         """The cached rows of ``keys`` that verify, for a phase serving part of a step itself
-        (:meth:`skipinject.roles.PhaseContext.match_rows`): looked up as a call's rows are."""
+        (:meth:`skipinject.roles.PhaseContext.match_rows`): looked up as a call's rows are, kept only
+        in whole groups of ``group`` consecutive keys (a prompt's ``n`` samples), counted for the summary."""
         assert isinstance(self.runtime.codec, RowCodec)
         pending = _Pending(cast(Any, None), 0, call, self.runtime.codec, False, keys=keys)
         started = time.perf_counter()
         if self.stores.unusable(store) is None:
             self._serve_cached(store, call, pending)
-        rows = {row: (pending.pieces[piece], at) for row, (piece, at) in pending.served.items()}
-        sources = {row: pending.piece_sources[piece] for row, (piece, _) in pending.served.items()}
+        whole = {
+            row
+            for row in pending.served
+            if all(r in pending.served for r in range(row - row % group, row - row % group + group))
+        }
+        rows = {row: (pending.pieces[piece], at) for row, (piece, at) in pending.served.items() if row in whole}
+        sources = {row: pending.piece_sources[piece] for row, (piece, _) in pending.served.items() if row in whole}
+        TALLY.add(self.runtime.name, served_rows=len(rows), generated_rows=len(keys) - len(rows))
         return Found(rows, sources, dict(pending.source_meta), time.perf_counter() - started)
 
     def run(self, record: StepCalls, index: int, call: Call, proceed: Callable[..., Any]) -> Any:

@@ -122,8 +122,8 @@ class RoleRuntime(RoleContext):
     def row_keys(self, call: Call, digests: Sequence[str]) -> list[str]:
         return row_keys(self.role, call, digests)
 
-    def match_rows(self, call: Call, keys: list[str]) -> Found:
-        return self.matcher.find(self.stores.store_for(call), call, keys)
+    def match_rows(self, call: Call, keys: list[str], group: int = 1) -> Found:
+        return self.matcher.find(self.stores.store_for(call), call, keys, group)
 
     def record_rows(self, call: Call, step: int, result: Any, keys: Sequence[str]) -> None:
         self.matcher.save_rows(self.stores.store_for(call), call, step, result, keys)

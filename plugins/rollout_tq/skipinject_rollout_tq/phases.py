@@ -315,8 +315,8 @@ def _serve_matched(
     role: PhaseContext, call: Call, step: int, uids: list[str], keys: list[str], n: int, what: str
 ) -> set[int]:
     """Put the prompts whose ``n`` trajectories are cached into TransferQueue; returns their indices."""
-    found = role.match_rows(call, keys)
-    served = [i for i in range(len(uids)) if all(i * n + j in found.rows for j in range(n))]
+    found = role.match_rows(call, keys, n)  # whole groups only
+    served = [i for i in range(len(uids)) if i * n in found.rows]
     pieces: list[Any] = []
     names: list[str] = []
     rows: list[tuple[int, int]] = []

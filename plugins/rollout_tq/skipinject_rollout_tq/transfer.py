@@ -211,11 +211,24 @@ def batch_digests(batch: Any) -> list[str] | None:
     return prompt_digests(attended_tokens(tensors) if tensors else None, columns, True)
 
 
+#: The codec name of the V0 ``rollout`` role's recordings (:class:`skipinject.DataProtoCodec`).
+V0_CODEC = "DataProto"
+
+
 class TrajectoryCodec(TensorDictCodec):
     """The TensorDict codec whose cached step parts are rows, one per trajectory (``action=match``).
 
     A part is ``{"tensordict", "keys", "tags", ...}``: :meth:`select_rows` takes rows of all three.
     The phases key, cut and submit the prompts themselves, so calls are never cut or merged here."""
+
+    def decode(self, payload: Any, call: Any = None) -> Any:
+        if payload.objects.get("codec") == V0_CODEC:  # a V0 rollout's rows, found by their (equal) keys
+            raise CodecError(
+                "recorded by the V0 trainer (a DataProto batch of padded prompts and responses), which holds "
+                "no TransferQueue trajectory fields (jagged prompts and responses, per-trajectory tags and "
+                "extra fields) to carry over exactly: those prompts are generated"
+            )
+        return super().decode(payload, call)
 
     def input_rows(self, call: Any) -> int:
         raise CodecError("rollout_tq's submit keys its prompts itself")

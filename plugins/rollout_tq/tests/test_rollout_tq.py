@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from skipinject.clock import CLOCK
 from skipinject.config import Config, RoleConfig
 from skipinject.engine import Engine
 from skipinject.engine.background import WRITER
+from skipinject.report.tally import TALLY
 from skipinject.store import StepStore
 from skipinject.store.writer import StepWriter
 from skipinject.verl.codecs import TensorDictCodec
@@ -829,12 +831,16 @@ def test_match_serves_cached_prompts_and_submits_only_the_others(tmp_path: Path,
     meta = json.loads((layout / "1" / "meta.json").read_text())
     assert len(meta["row_keys"]) == 1 and len(meta["row_keys"][0]) == BATCH * N and meta["rows_per_input"] == [1]
 
+    TALLY.clear()
     # Run 2 draws from row 2 on: step 1 = rows 2-5 (all cached, in steps 1 and 2), step 2 = rows 6-9 (6-7
     # cached), step 3 = rows 10-13 (none).
     with Session(dump, steps=(1, 2, 3), action="match"), caplog.at_level(logging.INFO, logger="skipinject"):
         trainer = make_trainer(offset=2)
         second = {step: train_step(trainer, step) for step in (1, 2, 3)}
     assert trainer.agent_loop_manager.indices == [[8, 9], [10, 11, 12, 13]], "only the uncached prompts generated"
+    counted = TALLY.roles["rollout_tq"]  # the run's summary: rows served and generated
+    assert (counted["served_rows"], counted["generated_rows"]) == (12, 12), counted
+    TALLY.clear()
     assert trained_rows(second[1]) == own_rows(range(2, 6), 1)
     assert trained_rows(second[2]) == own_rows(range(6, 10), 2)
     recorded = [row for step in (1, 2) for row in trained_rows(first[step])]
@@ -896,3 +902,75 @@ def test_match_with_group_filtering_matches_the_refills_too(tmp_path: Path, clea
     assert refills and any("prompts served" in line and " 0 of" not in line for line in refills), refills
     inexact = messages_of(caplog, "action=match is not exact", logging.WARNING)
     assert len(inexact) == (1 if mode != "sync" else 0), inexact
+
+
+@pytest.mark.ray
+def test_match_generates_rows_a_v0_recording_holds_and_says_why(tmp_path: Path, clean_tq: None, caplog):
+    """A V0 ``rollout`` recording whose row keys are this submit's (the same prompts and generation
+    settings) holds DataProto rows, not TransferQueue trajectories: they are generated, said once."""
+    from skipinject.verl.codecs import DataProtoCodec
+    from verl.protocol import DataProto
+
+    dump = tmp_path / "dump"
+    layout = dump / LAYOUT.format(gbs=BATCH)
+    with Session(dump, steps=(1,)):
+        train_step(make_trainer(), 1)
+    meta = json.loads((layout / "1" / "meta.json").read_text())
+    store = _store(layout)
+    rows = BATCH * N
+    v0 = DataProto.from_dict(
+        tensors={"responses": torch.zeros(rows, 4, dtype=torch.int64)},
+        non_tensors={"raw_prompt": np.array([f"prompt {i // N}" for i in range(rows)], dtype=object)},
+    )
+    v0_meta = {"role": "rollout", "row_keys": meta["row_keys"], "rows_per_input": [1], "calls": 1}
+    store.remove(1)
+    store.save(5, DataProtoCodec().encode(v0), v0_meta)
+    assert not (layout / "1").exists()
+
+    with Session(dump, steps=(1,), action="match"), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer()
+        got = train_step(trainer, 1)
+    assert trainer.agent_loop_manager.indices == [[0, 1, 2, 3]], "every prompt generated"
+    assert trained_rows(got) == own_rows(range(4), 1)
+    [why] = messages_of(caplog, "cached step 5 of", logging.WARNING)
+    assert "recorded by the V0 trainer" in why and "those prompts are generated" in why
+
+
+def test_a_v1_prompt_is_keyed_as_the_v0_rollout_keys_its_rows():
+    """The same dataset rows, collated by verl and batched as each trainer batches them (V0: a
+    ``DataProto`` repeated ``n`` times, interleaved; V1: the ``TensorDict`` of ``_fetch_one_gen_batch``),
+    get the same row keys: a recording of either trainer is found by the other's ``match``."""
+    from skipinject.engine.matching import row_keys
+    from skipinject.roles import Call
+    from skipinject_rollout.common import prompt_key
+    from skipinject_rollout.rollout import ROLLOUT
+    from skipinject_rollout_tq.plugin import ROLLOUT_TQ
+    from skipinject_rollout_tq.transfer import batch_digests
+    from verl.protocol import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    rows = [
+        {
+            "raw_prompt": [{"role": "user", "content": f"question {i}"}],
+            "dummy_tensor": torch.tensor([0], dtype=torch.uint8),
+            "data_source": "toy",
+            "reward_model": {"ground_truth": str(i)},
+            "extra_info": {"index": i},
+            "index": i,
+            "tools_kwargs": {},
+            "interaction_kwargs": {},
+        }
+        for i in (0, 1, 0)  # a prompt twice in one batch: its copies are told apart
+    ]
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": N, "temperature": 1.0}}})
+    trainer = SimpleNamespace(config=config)
+    v0 = DataProto.from_single_dict(collate_fn(rows)).repeat(repeat_times=N, interleave=True)
+    v0_call = Call("t", print, trainer, (v0,), {})
+    v0_digests = prompt_key(v0_call)
+    assert v0_digests is not None
+    v0_keys = row_keys(ROLLOUT, v0_call, v0_digests)
+    digests = batch_digests(tu.get_tensordict(collate_fn(rows)))
+    assert digests is not None
+    v1_keys = row_keys(ROLLOUT_TQ, Call("t", print, trainer, (), {}), [d for d in digests for _ in range(N)])
+    assert v1_keys == v0_keys and len(set(v0_keys)) == len(v0_keys)
