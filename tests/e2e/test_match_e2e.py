@@ -51,7 +51,7 @@ SMALLER_BATCH = (
 )
 
 
-def _prompt_text(record: dict) -> str:
+def prompt_text(record: dict) -> str:
     """The user's message of a dumped sample (verl decodes the chat-templated prompt)."""
     match = re.search(r"user\s*\n(.*?)\n", record["input"], re.S)
     return (match.group(1) if match else record["input"]).strip()
@@ -129,12 +129,12 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
     second, generated_2 = launch(assets, tmp_path, "run2", overrides)
     one, two = rollout_records(v0_runs.tmp / "run1"), rollout_records(tmp_path / "run2")
     assert sorted(one) == [1, 2] and sorted(two) == [1, 2, 3]
-    seen = {_prompt_text(r) for step in one.values() for r in step}
+    seen = {prompt_text(r) for step in one.values() for r in step}
     outputs_1 = collections.defaultdict(list)
     for step in one.values():
         for r in step:
-            outputs_1[_prompt_text(r)].append(r["output"])
-    drawn = {step: {_prompt_text(r) for r in records} for step, records in two.items()}
+            outputs_1[prompt_text(r)].append(r["output"])
+    drawn = {step: {prompt_text(r) for r in records} for step, records in two.items()}
     assert [(len(p & seen), len(p)) for _, p in sorted(drawn.items())] == [(0, 2), (1, 2), (2, 2)], drawn
 
     # The mixed call: step 2's rows of the seen prompt served, the other prompt's cut out and generated.
@@ -157,9 +157,9 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
     # ground truth of its dataset row (the call's own), and a served prompt got run 1's responses for it.
     for step, records in two.items():
         for r in records:
-            assert int(r["gts"]) == len(_prompt_text(r)), f"step {step}: a row is not its prompt's: {r}"
+            assert int(r["gts"]) == len(prompt_text(r)), f"step {step}: a row is not its prompt's: {r}"
         for text in drawn[step] & seen:
-            outputs = sorted(r["output"] for r in records if _prompt_text(r) == text)
+            outputs = sorted(r["output"] for r in records if prompt_text(r) == text)
             assert outputs == sorted(outputs_1[text]), f"step {step}: {text!r} not served run 1's responses"
     # The served rows are bit-identical to run 1's (all but the reward's score, re-scored), by row key.
     served = _served_rows(layout, harness.cache_dir(dump, gbs=SMALL_BATCH))

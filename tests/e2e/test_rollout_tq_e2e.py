@@ -13,6 +13,7 @@ what run 1 drew, and trains step 3 (generated in both runs) on the same prompts 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -25,12 +26,14 @@ from tests.conftest import FIXTURES
 from tests.e2e.conftest import (
     OTHER_REWARD_FILE,
     SKIPINJECT_MAIN_PPO,
+    copy_dump,
     harness,
     other_reward,
     other_score,
     rollout_records,
     skip_lines,
 )
+from tests.e2e.test_match_e2e import prompt_text
 from tests.integration.test_cache_tool import check_real_dump
 
 pytestmark = pytest.mark.e2e
@@ -101,33 +104,35 @@ def v1_pair(assets: Any, tmp_path_factory: pytest.TempPathFactory) -> V1Pair:
     with another reward function."""
     tmp = tmp_path_factory.mktemp("v1")
     dump = tmp / "dump"
+    first, calls_1 = _run(assets, tmp, "run1", _pair_overrides(assets, tmp, dump, "run1"))
+    # Another reward (its scores: no two answers alike, so group filtering drops no served group).
+    run_2 = _pair_overrides(assets, tmp, dump, "run2", *other_reward(tmp))
+    second, calls_2 = _run(assets, tmp, "run2", run_2, RUN_PPO_FROM_PYTHON)
+    return V1Pair(tmp, dump, first, second, (calls_1, calls_2))
+
+
+def _pair_overrides(assets: Any, tmp: Path, dump: Path, run: str, *extra: str) -> list[str]:
+    """A run of the pair: ``separate_async``, ``parameter_sync_step=2``, group filtering (DAPO_REWARD)."""
     reward = tmp / "dapo_reward.py"
     reward.write_text(DAPO_REWARD)
-
-    def overrides(run: str, *extra: str) -> list[str]:
-        return harness.main_ppo_overrides(
-            assets,
-            use_v1=True,
-            trainer_mode="separate_async",
-            parameter_sync_step=SYNC_STEP,
-            total_steps=3,
-            dump_dir=dump,
-            extra=[
-                "algorithm.filter_groups.enable=True",
-                "algorithm.filter_groups.metric=reward",
-                "data.shuffle=False",
-                f"reward.custom_reward_function.path={reward}",
-                f"skip.{ROLE}.enable=True",
-                f"skip.{ROLE}.steps=[1,2]",
-                f"trainer.rollout_data_dir={tmp / run}",
-                *extra,
-            ],
-        )
-
-    first, calls_1 = _run(assets, tmp, "run1", overrides("run1"))
-    # Another reward (its scores: no two answers alike, so group filtering drops no served group).
-    second, calls_2 = _run(assets, tmp, "run2", overrides("run2", *other_reward(tmp)), RUN_PPO_FROM_PYTHON)
-    return V1Pair(tmp, dump, first, second, (calls_1, calls_2))
+    return harness.main_ppo_overrides(
+        assets,
+        use_v1=True,
+        trainer_mode="separate_async",
+        parameter_sync_step=SYNC_STEP,
+        total_steps=3,
+        dump_dir=dump,
+        extra=[
+            "algorithm.filter_groups.enable=True",
+            "algorithm.filter_groups.metric=reward",
+            "data.shuffle=False",
+            f"reward.custom_reward_function.path={reward}",
+            f"skip.{ROLE}.enable=True",
+            f"skip.{ROLE}.steps=[1,2]",
+            f"trainer.rollout_data_dir={tmp / run}",
+            *extra,
+        ],
+    )
 
 
 def _calls_by_weights(gen_log: Path) -> Counter:
@@ -244,3 +249,49 @@ def test_v1_group_filtering_served_steps_refill_nothing_and_keep_the_dataloader(
         for run in ("run1", "run2")
     }
     assert prompts["run2"][3] == prompts["run1"][3], "step 3 trained on other prompts: the dataloader drifted"
+
+
+#: A submit or refill of which some prompts were served and the others submitted: served, drawn, submitted.
+_MATCH_LINE = re.compile(r"step \d+: match \((?:submit|refill)\): (\d+) of (\d+) prompts served .*; (\d+) submitted")
+
+
+def test_v1_match_serves_seen_prompts_and_generates_only_the_others(v1_pair: V1Pair, assets: Any, tmp_path: Path):
+    """``skip.rollout_tq.action=match`` on the pair's trainer (``separate_async``, two mini-batches a
+    step, group filtering), served from run 1's recording, with the data shuffled by another seed
+    (``data.seed=20`` draws rows 3 and 7, which run 1 trained at steps 1 and 2, then rows it never saw,
+    in its first submit: a mixed call). Every prompt run 1 trained is served, never generated; the
+    generator gets only the others (``n`` sequences each); each trained row is its own prompt's (by its
+    ground truth); a served prompt trains on run 1's responses for it."""
+    dump = copy_dump(v1_pair.dump, tmp_path / "dump")
+    overrides = _pair_overrides(
+        assets, tmp_path, dump, "run3", f"skip.{ROLE}.action=match", f"skip.{ROLE}.steps=[1-3]", "data.shuffle=True"
+    )
+    third, _ = _run(assets, tmp_path, "run3", [*overrides, "data.seed=20"])
+    lines = skip_lines(third, ROLE)
+    mixed = [m.groups() for line in lines if (m := _MATCH_LINE.search(line))]
+    assert any(0 < int(served) < int(drawn) for served, drawn, _ in mixed), lines
+    assert (
+        sum(
+            "action=match is not exact with trainer.v1.trainer_mode=separate_async" in line
+            for line in (third.stdout + third.stderr).splitlines()
+        )
+        == 1
+    )
+
+    recorded_1 = rollout_records(v1_pair.tmp / "run1")
+    seen = {prompt_text(r) for step in (1, 2) for r in recorded_1[step]}
+    outputs_1 = Counter((prompt_text(r), r["output"]) for step in (1, 2) for r in recorded_1[step])
+    trained = rollout_records(tmp_path / "run3")
+    assert sorted(trained) == [1, 2, 3]
+    drawn = {prompt_text(r) for records in trained.values() for r in records}
+    digests = harness.prompt_digests(assets, harness._prompts(harness.N_ROWS, seed=2))  # the training data
+    generated = Counter(digests.get(call["prompt"]) for call in harness.generate_calls(tmp_path / "run3.gen.jsonl"))
+    assert generated and not set(generated) & seen, f"a prompt run 1 trained was generated again: {generated}"
+    assert None not in generated and set(generated.values()) <= {harness.ROLLOUT_N}, generated
+    assert drawn - seen <= set(generated), "a prompt run 1 never trained was not generated"
+    assert drawn & seen, "no prompt was served"
+    for step, records in trained.items():
+        for r in records:
+            assert int(r["gts"]) == len(prompt_text(r)), f"step {step}: a row is not its prompt's: {r}"
+            if prompt_text(r) in seen:
+                assert outputs_1[(prompt_text(r), r["output"])], f"step {step}: not run 1's response: {r}"
