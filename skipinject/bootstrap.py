@@ -87,12 +87,12 @@ def install(config: Config, plugins: PluginSet) -> bool:
     if not config.enabled_roles or off:
         run_start.say(problems)
         return False
-    from skipinject.report import summary
+    from skipinject.report import tally
     from skipinject.verl.stack import warn_if_untested
 
     warn_if_untested()
     acting = [name for name in config.enabled_roles if config.role(name).steps]
-    end = summary.begin(acting) if acting else None  # before the engine: its exit flush runs before the summary
+    end = tally.begin(acting) if acting else None  # before the engine: its exit flush runs before the summary
     try:
         export(config)
         _export_plugin_paths(plugins, config)

@@ -1,17 +1,11 @@
 """The start of a run, in the driver: the settings that cannot work, then one line per role saying what
 it will do and how much of it is cached already (and, when ``run_ppo`` returns, the run's summary).
 
-At once (before the program runs): an enabled role with no steps, steps for a role that is off,
-skipinject switched off by ``SKIPINJECT_DISABLE``, a local ``dump_dir`` that cannot be created or
-written or is not trusted (an error under ``action=strict``, which relies on it). Then, when the
-program hands verl its composed config (``verl.trainer.main_ppo:run_ppo``, which ``main_ppo``, the
-fully async main and recipes call before Ray starts; when ``main_ppo`` runs as ``__main__``, at its
-``ray.init``), each enabled role's line, its layout resolved from that config as the trainer will
-resolve it::
+The settings are checked at once; the role lines wait for the config the program hands verl's
+``run_ppo`` (``main_ppo``, the fully async main and recipes call it before Ray starts; a ``main_ppo``
+run as ``__main__`` is seen at its ``ray.init``), so that the layout is the trainer's::
 
     rollout: cache steps 1-64 in /data/skip/e_p/GBS512_N16_in2048_out28672: 40 cached, 24 to generate
-
-A program that starts Ray outside ``run_ppo`` gets the line at ``ray.init``, without the layout.
 """
 
 from __future__ import annotations
@@ -29,66 +23,51 @@ from skipinject.config.environment import ENV_DISABLE
 from skipinject.errors import ConfigError
 
 if TYPE_CHECKING:
-    from skipinject.report.summary import RunEnd
+    from skipinject.report.tally import RunEnd
     from skipinject.roles import Call, Role
     from skipinject.store import StepStore
 
 logger = logging.getLogger("skipinject")
+Lines = list[tuple[int, str]]
 
 #: Where verl gets the run's composed config before it starts Ray (main_ppo, fully async, recipes).
 RUN_ENTRY = "verl.trainer.main_ppo:run_ppo"
 RAY_SHUTDOWN = "ray:shutdown"
-
-#: Steps a start line counts one by one at most (a cache is a directory listing; a set of chosen steps
-#: larger than this is counted by its ranges).
+#: Chosen steps a start line counts one by one at most (more are counted by their ranges).
 MAX_COUNTED = 100_000
+#: How many frames above ``ray.init`` are searched for the run's config.
+MAX_FRAMES = 12
 
 
-# ---------------------------------------------------------------- at once: the settings
-
-
-def setting_problems(config: Config, *, disabled: bool) -> list[tuple[int, str]]:
+def setting_problems(config: Config, *, disabled: bool) -> Lines:
     """``(level, line)`` for each setting that cannot do what it says, before anything starts."""
-    lines: list[tuple[int, str]] = []
     named = [name for name, settings in config.roles.items() if settings.enable or settings.steps]
     if disabled and named:
-        lines.append(
-            (
-                logging.WARNING,
-                f"skipinject is off ({ENV_DISABLE} is set): skip.{named[0]}"
-                + (f" and {len(named) - 1} more role(s)" if len(named) > 1 else "")
-                + " will not act in this run",
-            )
-        )
-        return lines
+        more = f" and {len(named) - 1} more role(s)" if len(named) > 1 else ""
+        line = f"skipinject is off ({ENV_DISABLE} is set): skip.{named[0]}{more} will not act in this run"
+        return [(logging.WARNING, line)]
+    lines = []
     for name, settings in config.roles.items():
         if settings.enable and not settings.steps:
             lines.append(
-                (
-                    logging.WARNING,
-                    f"skip.{name}.enable=true but skip.{name}.steps is empty: the role acts at no step "
-                    f"(give skip.{name}.steps=[1,2] or a range like 1-64)",
-                )
+                f"skip.{name}.enable=true but skip.{name}.steps is empty: the role acts at no step "
+                f"(give skip.{name}.steps=[1,2] or a range like 1-64)"
             )
         elif settings.steps and not settings.enable:
             lines.append(
-                (
-                    logging.WARNING,
-                    f"skip.{name}.steps={_steps_text(settings.steps)} is given but skip.{name}.enable is false: "
-                    f"the role is off (add skip.{name}.enable=true)",
-                )
+                f"skip.{name}.steps={_steps_text(settings.steps)} is given but skip.{name}.enable is false: "
+                f"the role is off (add skip.{name}.enable=true)"
             )
-    return lines
+    return [(logging.WARNING, line) for line in lines]
 
 
 def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
-    """Why a local ``dump_dir`` cannot hold this role's cache, found before the program starts: it cannot
-    be created or written (read, with ``save=false``), or it is not trusted. ``None`` for a remote store
-    (checked at its first use: a request costs time) and for a usable directory. Never raises."""
-    root = settings.root
+    """Why a local ``dump_dir`` cannot hold this role's cache: it cannot be created or written (read, with
+    ``save=false``), or it is not trusted. ``None`` for a usable directory and for a remote store (checked
+    at its first use: a request costs time). Never raises."""
+    root, saves = settings.root, settings.save
     if root.path is None:
         return None
-    saves = settings.save
     try:
         existing = root.path
         while not os.path.lexists(existing) and existing.parent != existing:
@@ -101,35 +80,26 @@ def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
             pass
         if existing != root.path and not saves:
             return None  # nothing to read yet, and nothing will be written
-        wanted = (os.W_OK | os.X_OK) if saves else (os.R_OK | os.X_OK)
-        if not os.access(existing, wanted):
+        if not os.access(existing, (os.W_OK if saves else os.R_OK) | os.X_OK):
             doing = "created" if existing != root.path else "written" if saves else "read"
-            return (
-                f"skip.{name}.dump_dir={root.text}: cannot be {doing} ({existing}: permission denied): "
-                "nothing can be cached there"
-            )
+            problem = f"cannot be {doing} ({existing}: permission denied): nothing can be cached there"
+            return f"skip.{name}.dump_dir={root.text}: {problem}"
     except Exception as exc:  # the trust rules' one-line reasons
         return f"skip.{name}.dump_dir={root.text}: {exc}"
     return None
 
 
-def check_settings(config: Config, *, disabled: bool) -> list[tuple[int, str]]:
-    """:func:`setting_problems` and each enabled role's :func:`dump_dir_problem`, to be logged once the
-    settings are known to start (an error that stops the run comes alone); a role that relies on its
-    cache (``action=strict``) raises :class:`ConfigError` for the latter instead (the runner exits 2)."""
+def check_settings(config: Config, *, disabled: bool) -> Lines:
+    """:func:`setting_problems` and each acting role's :func:`dump_dir_problem`, to be said once the
+    program is known to start; the latter raises :class:`ConfigError` under ``action=strict`` instead."""
     lines = setting_problems(config, disabled=disabled)
-    if disabled:
-        return lines
-    for name in config.enabled_roles:
+    for name in [] if disabled else config.enabled_roles:
         settings = config.role(name)
-        if not settings.steps:
-            continue
-        problem = dump_dir_problem(name, settings)
-        if problem is None:
-            continue
-        if settings.action is Action.strict:
+        problem = dump_dir_problem(name, settings) if settings.steps else None
+        if problem is not None and settings.action is Action.strict:
             raise ConfigError(f"{problem} (skip.{name}.action=strict relies on the cache)")
-        lines.append((logging.WARNING, problem))
+        if problem is not None:
+            lines.append((logging.WARNING, problem))
     return lines
 
 
@@ -138,12 +108,11 @@ def say(lines: Iterable[tuple[int, str]]) -> None:
         logger.log(level, "%s", line)
 
 
-# ---------------------------------------------------------------- when verl has its config: the role lines
-
-
 def role_line(name: str, settings: RoleConfig, where: str, counts: str) -> str:
     """``rollout: cache steps 1-64 in DIR: 40 cached, 24 to generate``."""
-    return f"{name}: {settings.action} {_steps_phrase(settings.steps)} in {where}: {counts}"
+    steps = settings.steps
+    one = len(steps.spans) == 1 and steps.spans[0][0] == steps.spans[0][1]
+    return f"{name}: {settings.action} {'step' if one else 'steps'} {_steps_text(steps)} in {where}: {counts}"
 
 
 def counts_phrase(settings: RoleConfig, chosen: int | None, cached: int, on_disk: int) -> str:
@@ -162,34 +131,18 @@ def counts_phrase(settings: RoleConfig, chosen: int | None, cached: int, on_disk
         phrase = f"{cached} cached, all generated and saved again"
     else:
         phrase = f"{cached} cached, {left} to generate"
-    if not settings.save:
-        phrase += "; read-only (save=false): nothing is saved"
-    return phrase
+    return phrase + ("" if settings.save else "; read-only (save=false): nothing is saved")
 
 
-def cached_steps(store: StepStore, steps: StepSet, last: int | None) -> tuple[int | None, int, int]:
-    """``(chosen, cached, on_disk)`` for :func:`counts_phrase`: the chosen steps up to ``last`` (the run's
-    last step, when the config says it), how many of them are committed in ``store``, and how many steps
-    are committed there in all. One listing and one ``stat`` per listed step (object stores: one listing)."""
-    chosen_steps = steps if last is None else StepSet((lo, min(hi, last)) for lo, hi in steps.spans if lo <= last)
-    chosen = len(chosen_steps)
-    listed = store.step_numbers_on_disk()
-    committed = set(store.meta_versions(listed)) if listed else set()
-    cached = sum(1 for step in committed if step in chosen_steps)
-    return (chosen if chosen <= MAX_COUNTED else None), cached, len(committed)
-
-
-def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> list[tuple[int, str]]:
+def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> Lines:
     """Each enabled role's start line for a run with verl config ``run_config`` (and, first, why a role
     cannot act in it, as the role's ``check`` says). Never raises: a role that cannot be counted says so."""
     from skipinject.verl.compat import select
 
-    lines: list[tuple[int, str]] = []
+    lines: Lines = []
     last = select(run_config, "trainer.total_training_steps")
-    last = last if type(last) is int and last > 0 else None
     for name in config.enabled_roles:
-        settings = config.role(name)
-        role = roles.get(name)
+        settings, role = config.role(name), roles.get(name)
         if role is None or not settings.steps:
             continue
         try:
@@ -202,27 +155,27 @@ def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> 
             store = open_store(name, role, settings, run_config)
             problem = store.unusable()
             if problem is not None:
-                line = role_line(name, settings, str(store.project_dir), f"unusable ({problem})")
-                lines.append((logging.WARNING, line))
+                lines.append(
+                    (logging.WARNING, role_line(name, settings, str(store.project_dir), f"unusable ({problem})"))
+                )
                 continue
-            counts = counts_phrase(settings, *cached_steps(store, settings.steps, last))
+            counts = counts_phrase(settings, *_cached_steps(store, settings.steps, last))
             lines.append((logging.INFO, role_line(name, settings, str(store.project_dir), counts)))
         except Exception as exc:
-            where = f"{settings.root}/…"
-            lines.append((logging.INFO, role_line(name, settings, where, f"not counted ({type(exc).__name__}: {exc})")))
+            counts = f"not counted ({type(exc).__name__}: {exc})"
+            lines.append((logging.INFO, role_line(name, settings, f"{settings.root}/…", counts)))
     return lines
 
 
-def pending_lines(config: Config) -> list[tuple[int, str]]:
-    """The start lines of a program that started Ray without handing verl's config to ``run_ppo``: where
-    the steps will be, without the layout (known in the trainer only)."""
-    lines = []
-    for name in config.enabled_roles:
-        settings = config.role(name)
-        if settings.steps:
-            where = f"{settings.root}/<experiment>_<project>/GBS…_N…_in…_out…"
-            lines.append((logging.INFO, role_line(name, settings, where, "the layout is the trainer's")))
-    return lines
+def _cached_steps(store: StepStore, steps: StepSet, last: Any) -> tuple[int | None, int, int]:
+    """``(chosen, cached, on_disk)`` for :func:`counts_phrase`, the chosen steps cut at the run's ``last``
+    step when the config says it. One listing and one ``stat`` per listed step (object stores: a listing)."""
+    if type(last) is int and last > 0:
+        steps = StepSet((lo, min(hi, last)) for lo, hi in steps.spans if lo <= last)
+    listed = store.step_numbers_on_disk()
+    committed = set(store.meta_versions(listed)) if listed else set()
+    chosen = len(steps)
+    return (chosen if chosen <= MAX_COUNTED else None), sum(step in steps for step in committed), len(committed)
 
 
 def open_store(name: str, role: Role, settings: RoleConfig, run_config: Any) -> StepStore:
@@ -233,37 +186,22 @@ def open_store(name: str, role: Role, settings: RoleConfig, run_config: Any) -> 
     subdir = role.name if role.cache_subdir is None else role.cache_subdir
     project, context = project_dir(settings.root, run_config, subdir, before_trainer=True)
     trust = settings.trust_dir_permissions
-    return StepStore(
-        project,
-        name,
-        context,
-        trust_permissions=trust,
-        dump_dir=settings.root.path,
-        backend=settings.root.backend(trust_permissions=trust),
-    )
-
-
-# ---------------------------------------------------------------- the driver's watch
+    backend = settings.root.backend(trust_permissions=trust)
+    return StepStore(project, name, context, trust_permissions=trust, dump_dir=settings.root.path, backend=backend)
 
 
 class RunStart:
     """Says the role lines once, when the driver first hands verl its config (or starts Ray without)."""
 
     def __init__(self, config: Config, roles: Mapping[str, Role], end: RunEnd | None = None) -> None:
-        self.config = config
-        self.roles = dict(roles)
-        self.end = end
-        self._said = False
-        self._lock = threading.Lock()
+        self.config, self.roles, self.end = config, dict(roles), end
+        self._once = threading.Lock()  # held from the first say on
 
-    def say(self, lines: Callable[[], Iterable[tuple[int, str]]]) -> None:
-        with self._lock:
-            if self._said:
-                return
-            self._said = True
+    def say(self, lines: Callable[[], Lines]) -> None:
+        if not self._once.acquire(blocking=False):
+            return
         try:
-            for level, line in lines():
-                logger.log(level, "%s", line)
+            say(lines())
         except Exception as exc:  # a report must never break the program
             logger.debug("start lines failed: %s: %s", type(exc).__name__, exc)
 
@@ -280,32 +218,27 @@ class RunStart:
         return self.sync(call, proceed)
 
     def at_ray_init(self) -> None:
-        """Ray starts in the driver: the role lines from the config of the ``run_ppo`` calling it (a
-        program run as ``-m verl.trainer.main_ppo`` defines ``run_ppo`` in ``__main__``, where no import
-        hook sees it), else without the layout."""
-        run_config = _caller_config(sys._getframe(1))
+        """Ray starts in the driver: the role lines from the config of a ``run_ppo`` calling it (one in
+        ``__main__``, which no import hook sees), else where the steps will be, without the layout."""
+        from skipinject.verl.compat import is_run_config
+
+        frame: FrameType | None = sys._getframe(1)
+        run_config = None
+        for _ in range(MAX_FRAMES):
+            candidate = frame.f_locals.get("config") if frame and frame.f_code.co_name == "run_ppo" else None
+            if candidate is not None and is_run_config(candidate):
+                run_config = candidate
+                break
+            frame = frame.f_back if frame else None
         if run_config is not None:
             self.say(lambda: layout_lines(self.config, self.roles, run_config))
         else:
-            self.say(lambda: pending_lines(self.config))
+            self.say(self.pending_lines)
 
-
-#: How many frames above ``ray.init`` are searched for the run's config.
-MAX_FRAMES = 12
-
-
-def _caller_config(frame: FrameType | None) -> Any:
-    """The verl run config held as ``config`` by a function calling ``ray.init`` (verl's ``run_ppo``)."""
-    from skipinject.verl.compat import is_run_config
-
-    for _ in range(MAX_FRAMES):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("config") if frame.f_code.co_name == "run_ppo" else None
-        if candidate is not None and is_run_config(candidate):
-            return candidate
-        frame = frame.f_back
-    return None
+    def pending_lines(self) -> Lines:
+        where, counts = "<experiment>_<project>/GBS…_N…_in…_out…", "the layout is the trainer's"
+        roles = [(name, self.config.role(name)) for name in self.config.enabled_roles]
+        return [(logging.INFO, role_line(n, s, f"{s.root}/{where}", counts)) for n, s in roles if s.steps]
 
 
 _watch: RunStart | None = None
@@ -313,7 +246,7 @@ _watch: RunStart | None = None
 
 def watch(config: Config, roles: Mapping[str, Role], end: RunEnd | None = None) -> None:
     """In the driver: say each enabled role's start line when verl gets its config (see the module doc),
-    and ``end``'s summary when ``run_ppo`` returns."""
+    and ``end``'s summary when ``run_ppo`` returns, after the counts of other nodes at ``ray.shutdown``."""
     global _watch
     from skipinject.injector import INJECTOR
 
@@ -322,7 +255,7 @@ def watch(config: Config, roles: Mapping[str, Role], end: RunEnd | None = None) 
     unwatch()
     _watch = RunStart(config, roles, end)
     INJECTOR.instrument(RUN_ENTRY, _watch, owner="skipinject/start")
-    if end is not None:  # the counts of processes on other nodes, taken from the cluster before it stops
+    if end is not None:
         INJECTOR.instrument(RAY_SHUTDOWN, end, owner="skipinject/start")
 
 
@@ -343,8 +276,3 @@ def unwatch() -> None:
 
 def _steps_text(steps: StepSet) -> str:
     return steps.format()[1:-1]
-
-
-def _steps_phrase(steps: StepSet) -> str:
-    text = _steps_text(steps)
-    return f"step {text}" if len(steps.spans) == 1 and steps.spans[0][0] == steps.spans[0][1] else f"steps {text}"

@@ -1,25 +1,35 @@
-"""What the cache did in this process: counts per role, for the run's summary and the trainer's metrics.
+"""What the cache did: counts per role in each process, and the run's summary of them in the driver.
 
-The engine adds to :data:`TALLY` at each decision. verl runs the trainer and the rollout in Ray actors,
-not in the driver that prints the summary: each process writes its counts, whole, to
-``{SKIPINJECT_RUN_REPORT}/{pid}.json`` after each change (a directory private to the user, made by the
-driver and handed on), and the driver adds the files up (:func:`collect`). A Ray worker on another node,
-where that directory is not, puts them in the cluster's key-value store under the directory's name
-instead; the driver reads them there before Ray stops (:func:`cluster_counts`).
+The engine adds to :data:`TALLY` at each decision; each process writes its counts, whole, to
+``{SKIPINJECT_RUN_REPORT}/{pid}.json`` after each change (a directory private to the user that the
+driver made and hands on); a Ray worker on another node, where that directory is not, puts them in
+the cluster's key-value store under the directory's name. The driver adds them up (:func:`collect`,
+:func:`cluster_counts`, before Ray stops) into one block when verl's ``run_ppo`` returns (or at exit)::
+
+    skipinject INFO: summary: rollout: 2 steps served, 1 generated, 0 failed; 1.4 MiB read; 41.2 s of generation saved
+    skipinject INFO: summary: 41.2 s of generation saved in all
+
+and as JSON to the file ``SKIPINJECT_SUMMARY`` names (for CI and sweeps).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import os
+import shutil
 import stat
 import sys
+import tempfile
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject.config.environment import ENV_RUN_REPORT
+from skipinject.config.environment import ENV_RUN_REPORT, ENV_SUMMARY
+
+logger = logging.getLogger("skipinject")
 
 #: Where verl's trainers log a step's metrics (every verl this supports).
 METRICS_TARGET = "verl.utils.tracking:Tracking.log"
@@ -220,3 +230,102 @@ class MetricsInterceptor:
 
     async def run_async(self, call: Any, proceed: Any) -> Any:  # pragma: no cover - Tracking.log is sync
         return self.sync(call, proceed)
+
+
+def _size(count: float) -> str:
+    if count < 1024:
+        return f"{count:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        count /= 1024
+        if count < 1024 or unit == "GiB":
+            break
+    return f"{count:.1f} {unit}"
+
+
+def _filled(roles: Mapping[str, Mapping[str, float]], order: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Every field of each role, those of ``order`` first (counted or not), then the others by name."""
+    names = [*order, *sorted(name for name in roles if name not in order)]
+    return {name: {key: roles.get(name, {}).get(key, 0) for key in FIELDS} for name in names}
+
+
+def render(roles: Mapping[str, Mapping[str, float]], order: Sequence[str] = ()) -> list[str]:
+    """The summary's lines: one per role, then the total."""
+    lines = []
+    for name, count in _filled(roles, order).items():
+        parts = [
+            f"{count['served_steps']:.0f} steps served, {count['generated_steps']:.0f} generated, "
+            f"{count['failed_steps']:.0f} failed"
+        ]
+        if count["served_rows"] or count["generated_rows"]:
+            parts.append(f"rows {count['served_rows']:.0f} served, {count['generated_rows']:.0f} generated")
+        if count["rescored_rows"]:
+            parts.append(f"{count['rescored_rows']:.0f} rows re-scored")
+        parts += [f"{_size(count['bytes_read'])} read", f"{count['generation_s_saved']:.1f} s of generation saved"]
+        lines.append(f"summary: {name}: " + "; ".join(parts))
+    return [*lines, f"summary: {total(roles, 'generation_s_saved'):.1f} s of generation saved in all"]
+
+
+class RunEnd:
+    """Says the summary once: when the driver's ``run_ppo`` returns, or at exit. As an interceptor of the
+    driver's ``ray.shutdown`` it first takes the counts of processes on other nodes out of the cluster."""
+
+    def __init__(self, directory: Path, roles: Sequence[str]) -> None:
+        self.directory = directory
+        self.roles = list(roles)
+        self.remote: list[bytes] = []
+        self._once = threading.Lock()  # held from the first say (or cancel) on
+
+    def sync(self, call: Any, proceed: Any) -> Any:
+        self.remote += cluster_counts(self.directory.name)
+        return proceed()
+
+    async def run_async(self, call: Any, proceed: Any) -> Any:  # pragma: no cover - ray.shutdown is sync
+        return self.sync(call, proceed)
+
+    def say(self) -> None:
+        if not self._once.acquire(blocking=False):
+            return
+        try:
+            counted = collect(self.directory, [*self.remote, *cluster_counts(self.directory.name)])
+            for line in render(counted, self.roles):
+                logger.info("%s", line)
+            target = os.environ.get(ENV_SUMMARY)
+            if target:
+                filled = _filled(counted, self.roles)
+                write_json(Path(target), {"roles": filled, "total": {key: total(filled, key) for key in FIELDS}})
+        except Exception as exc:  # a report must never break the program's end
+            logger.debug("summary failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def cancel(self) -> None:
+        """No run follows: nothing is said at exit, the directory is removed."""
+        self._once.acquire(blocking=False)
+        atexit.unregister(self.say)
+        if os.environ.get(ENV_RUN_REPORT) == str(self.directory):
+            del os.environ[ENV_RUN_REPORT]
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Write ``data`` to ``path`` whole (a reader sees the old file or the new one); one warning if it cannot."""
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
+            json.dump(data, handle, indent=1, sort_keys=True)
+        os.replace(handle.name, path)
+    except OSError as exc:
+        logger.warning("%s=%s: cannot write the summary there (%s)", ENV_SUMMARY, path, exc.strerror or exc)
+
+
+def begin(roles: Sequence[str]) -> RunEnd | None:
+    """In the driver: make the run's report directory (private to the user), hand it to every process
+    the run starts, and say the summary at exit if nothing said it before."""
+    try:
+        directory = Path(tempfile.mkdtemp(prefix=RUN_PREFIX))
+    except OSError as exc:
+        logger.debug("no run summary: %s", exc)
+        return None
+    os.environ[ENV_RUN_REPORT] = str(directory)
+    end = RunEnd(directory, roles)
+    atexit.register(end.say)
+    return end

@@ -14,7 +14,7 @@ import pytest
 
 from skipinject import Call, Role, StepSource, Target
 from skipinject.config.environment import ENV_RUN_REPORT, ENV_SUMMARY
-from skipinject.report import summary, tally
+from skipinject.report import tally
 from skipinject.testing import IntCodec, RoleRun, ToyTrainer
 
 pytestmark = pytest.mark.unit
@@ -64,7 +64,7 @@ def test_the_summary_block_names_each_role_and_the_time_saved() -> None:
         "async_rollout": {**dict.fromkeys(tally.FIELDS, 0), "served_rows": 6, "generated_rows": 2},
     }
     counts["rollout"].update(generation_s_saved=41.25, rescored_rows=16)
-    assert summary.render(counts, ["rollout", "reward"]) == [
+    assert tally.render(counts, ["rollout", "reward"]) == [
         "summary: rollout: 2 steps served, 1 generated, 0 failed; 16 rows re-scored; 3.0 MiB read; "
         "41.2 s of generation saved",
         "summary: reward: 0 steps served, 0 generated, 0 failed; 0 B read; 0.0 s of generation saved",
@@ -80,7 +80,7 @@ def test_the_driver_says_the_summary_once_writes_the_json_and_removes_its_direct
     target = tmp_path / "summary.json"
     monkeypatch.setenv(ENV_SUMMARY, str(target))
     tally.Tally().add("rollout", served_steps=1, generation_s_saved=2.5)
-    end = summary.RunEnd(report_dir, ["rollout"])
+    end = tally.RunEnd(report_dir, ["rollout"])
     with caplog.at_level(logging.INFO, "skipinject"):
         end.say()
         end.say()
@@ -95,7 +95,7 @@ def test_begin_makes_a_private_directory_and_hands_it_on(monkeypatch: pytest.Mon
     import atexit
 
     monkeypatch.delenv(ENV_RUN_REPORT, raising=False)
-    end = summary.begin(["rollout"])
+    end = tally.begin(["rollout"])
     assert end is not None
     try:
         assert os.environ[ENV_RUN_REPORT] == str(end.directory)
