@@ -154,22 +154,21 @@ def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> 
         try:
             store = open_store(name, role, settings, run_config)
             problem = store.unusable()
-            if problem is not None:
-                lines.append(
-                    (logging.WARNING, role_line(name, settings, str(store.project_dir), f"unusable ({problem})"))
-                )
-                continue
-            counts = counts_phrase(settings, *_cached_steps(store, settings.steps, last))
-            lines.append((logging.INFO, role_line(name, settings, str(store.project_dir), counts)))
+            counts = (
+                f"unusable ({problem})" if problem else counts_phrase(settings, *_cached_steps(store, settings, last))
+            )
+            level = logging.WARNING if problem else logging.INFO
+            lines.append((level, role_line(name, settings, str(store.project_dir), counts)))
         except Exception as exc:
             counts = f"not counted ({type(exc).__name__}: {exc})"
             lines.append((logging.INFO, role_line(name, settings, f"{settings.root}/…", counts)))
     return lines
 
 
-def _cached_steps(store: StepStore, steps: StepSet, last: Any) -> tuple[int | None, int, int]:
+def _cached_steps(store: StepStore, settings: RoleConfig, last: Any) -> tuple[int | None, int, int]:
     """``(chosen, cached, on_disk)`` for :func:`counts_phrase`, the chosen steps cut at the run's ``last``
     step when the config says it. One listing and one ``stat`` per listed step (object stores: a listing)."""
+    steps = settings.steps
     if type(last) is int and last > 0:
         steps = StepSet((lo, min(hi, last)) for lo, hi in steps.spans if lo <= last)
     listed = store.step_numbers_on_disk()

@@ -15,6 +15,7 @@ and as JSON to the file ``SKIPINJECT_SUMMARY`` names (for CI and sweeps).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.config.environment import ENV_RUN_REPORT, ENV_SUMMARY
+from skipinject.store.files import read_head
 
 logger = logging.getLogger("skipinject")
 
@@ -131,11 +133,7 @@ def publish(record: str) -> None:
                 key = f"{run}/{ray.get_runtime_context().get_worker_id()}"
                 _internal_kv_put(key, record, overwrite=True, namespace=KV_NAMESPACE)
             return
-        temporary = directory / f".{os.getpid()}.{threading.get_ident()}.tmp"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(record)
-        os.replace(temporary, directory / f"{os.getpid()}.json")
+        write_whole(directory / f"{os.getpid()}.json", record)
     except Exception:  # a count must never break the program
         return
 
@@ -158,14 +156,6 @@ def cluster_counts(run: str) -> list[bytes]:
         return []
 
 
-def _read(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        return os.read(fd, MAX_FILE_BYTES + 1)[:MAX_FILE_BYTES] if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-    finally:
-        os.close(fd)
-
-
 def collect(directory: Path, more: Iterable[bytes] = ()) -> dict[str, dict[str, float]]:
     """The counts of every process that wrote to ``directory`` (and of the records ``more``), added up per
     role. Records that are not what :func:`publish` writes (too large, not JSON, other keys, not numbers)
@@ -176,10 +166,8 @@ def collect(directory: Path, more: Iterable[bytes] = ()) -> dict[str, dict[str, 
     except OSError:
         names = []
     for name in names:
-        try:
-            records.append(_read(directory / name))
-        except OSError:
-            continue
+        with contextlib.suppress(OSError):  # a link, a FIFO, gone: not a process's file
+            records.append(read_head(directory / name, MAX_FILE_BYTES))
     merged: dict[str, dict[str, float]] = {}
     for record in records:
         try:
@@ -292,7 +280,13 @@ class RunEnd:
             target = os.environ.get(ENV_SUMMARY)
             if target:
                 filled = _filled(counted, self.roles)
-                write_json(Path(target), {"roles": filled, "total": {key: total(filled, key) for key in FIELDS}})
+                data = {"roles": filled, "total": {key: total(filled, key) for key in FIELDS}}
+                try:
+                    write_whole(Path(target), json.dumps(data, indent=1, sort_keys=True))
+                except OSError as exc:
+                    logger.warning(
+                        "%s=%s: cannot write the summary there (%s)", ENV_SUMMARY, target, exc.strerror or exc
+                    )
         except Exception as exc:  # a report must never break the program's end
             logger.debug("summary failed: %s: %s", type(exc).__name__, exc)
         finally:
@@ -307,14 +301,12 @@ class RunEnd:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def write_json(path: Path, data: Mapping[str, Any]) -> None:
-    """Write ``data`` to ``path`` whole (a reader sees the old file or the new one); one warning if it cannot."""
-    try:
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
-            json.dump(data, handle, indent=1, sort_keys=True)
-        os.replace(handle.name, path)
-    except OSError as exc:
-        logger.warning("%s=%s: cannot write the summary there (%s)", ENV_SUMMARY, path, exc.strerror or exc)
+def write_whole(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` whole (a reader sees the old file or the new one), through a new
+    private file beside it."""
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
+        handle.write(text)
+    os.replace(handle.name, path)
 
 
 def begin(roles: Sequence[str]) -> RunEnd | None:
