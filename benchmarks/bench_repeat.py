@@ -24,7 +24,7 @@ from skipinject.config import RoleConfig
 from skipinject.engine.runtime import RoleRuntime
 from skipinject.roles import Call
 from skipinject.store import StepStore
-from skipinject.store.format import _meta_digest
+from skipinject.store.format import meta_digest
 
 
 class JsonCodec:
@@ -44,7 +44,7 @@ def build(project: Path, steps: int) -> StepStore:
         target = project / str(step)
         shutil.copytree(template, target)
         meta.update(step=step, global_steps=step)
-        meta["meta_checksum"] = _meta_digest(meta)
+        meta["meta_checksum"] = meta_digest(meta)
         (target / "meta.json").write_text(json.dumps(meta))
     return store
 

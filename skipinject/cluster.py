@@ -1,12 +1,7 @@
-"""Which node this process is on, and whether a cache directory can be shared between nodes.
+"""Whether a cache directory is shared between the nodes of a Ray cluster, said once when it is not.
 
-On a Ray cluster of several nodes the process that saves a step (verl's ``TaskRunner``) can land
-on any node, and the next run may land on another one. A ``dump_dir`` on a node-local file
-system (the default ``~/.verl/rollout_dump`` usually is) then holds each node's steps only: a
-later run on another node misses them. This module finds that out and says so once.
-
-Nothing here imports Ray: Ray is asked only when the program has already imported it (:mod:`skipinject.node`).
-"""
+The process saving a step can land on any node; a ``dump_dir`` on a node-local file system holds each
+node's steps only. Ray is asked only when the program already imported it (:mod:`skipinject.node`)."""
 
 from __future__ import annotations
 
@@ -27,12 +22,8 @@ _warned = False
 
 
 def is_node_local(path: str | os.PathLike[str] | DumpRoot, mountinfo: str | None = None) -> bool:
-    """True when ``path`` (a cache root, or its text) is known to be on this node only: not a URL,
-    not on a network file system.
-
-    Unknown (no ``/proc/self/mountinfo``, e.g. not Linux) counts as not node-local: skipinject
-    only warns about what it knows.
-    """
+    """True when ``path`` (a cache root or its text) is known to be on this node only; unknown (no mount
+    table) counts as not node-local."""
     root = path if isinstance(path, DumpRoot) else DumpRoot.parse(str(path))
     if root.path is None:
         return False
@@ -63,11 +54,8 @@ def node_local_dump_dirs(roles: Mapping[str, Any]) -> dict[str, str]:
 
 
 def warn_if_cache_not_shared(roles: Mapping[str, Any], nodes: int) -> bool:
-    """Warn once per process when ``nodes`` > 1 and a role's ``dump_dir`` is node-local.
-
-    ``roles`` maps role names to their settings (anything with a ``dump_dir``) or to the
-    directory itself. Returns whether it warned (now).
-    """
+    """Warn once per process when ``nodes`` > 1 and a role's ``dump_dir`` (``roles``: settings or the text)
+    is node-local; whether it warned now."""
     global _warned
     if nodes <= 1:
         return False

@@ -1,10 +1,7 @@
-"""A role's ``dump_dir``, parsed once into a :class:`DumpRoot`: a local directory or a remote store's URL.
+"""A role's ``dump_dir`` parsed once into a :class:`DumpRoot`: a local directory or a remote store's URL.
 
-The config validates it (:meth:`DumpRoot.check`), the engine opens the role's stores from it
-(:meth:`DumpRoot.location`, :meth:`DumpRoot.backend`) and :mod:`skipinject.cluster` asks it whether
-other nodes see it: one reading of the text for all three. Nothing here imports fsspec or the store
-until a root is opened (the config is read in processes that never open a store).
-"""
+The config validates it, the engine opens stores from it and :mod:`skipinject.cluster` asks whether other
+nodes see it. Nothing here imports fsspec or the store until a root is opened."""
 
 from __future__ import annotations
 
@@ -69,9 +66,7 @@ class DumpRoot:
         return self.url if self.url is not None else str(self.path)
 
     def check(self, key: str) -> None:
-        """Refuse (ConfigError naming ``key``) a URL no installed fsspec implementation can open.
-
-        Imports fsspec and the protocol's package: only for a root that is a remote URL."""
+        """Refuse (ConfigError naming ``key``) a URL no installed fsspec implementation can open."""
         if self.url is None:
             return
         scheme = self.scheme
@@ -90,8 +85,7 @@ class DumpRoot:
             raise ConfigError(f"{key}={self.text}: {' '.join(str(exc).split()) or type(exc).__name__}") from exc
 
     def location(self) -> Path:
-        """The root as the store joins it: a local ``Path``, or a
-        :class:`~skipinject.store.remote.RemotePath` standing in for one."""
+        """The root as the store joins it: a ``Path``, or a :class:`~skipinject.store.remote.RemotePath`."""
         if self.path is not None:
             return self.path
         return cast(Path, _opened(cast(str, self.url))[1])
@@ -105,8 +99,7 @@ class DumpRoot:
         if self.url is None:
             from skipinject.store.local import LocalFiles
 
-            # The directory as the user gave it (``~`` expanded, links not resolved): its trust is
-            # checked before a link could redirect it.
+            # As the user gave it (links not resolved): checked before a link could redirect it.
             given = Path(local_path_text(self.text)).expanduser()
             return LocalFiles(trust_permissions=trust_permissions, given_root=given)
         from skipinject.store.remote import FsspecFiles
@@ -115,8 +108,7 @@ class DumpRoot:
 
 
 def _opened(url: str) -> tuple[Any, RemotePath]:
-    """The fsspec filesystem and root location of ``url``; opened on each use, so credentials and
-    endpoints come from the environment as it is then (fsspec keeps its own instance cache)."""
+    """The fsspec filesystem and root of ``url``, opened on each use (credentials from the environment now)."""
     from skipinject.store.remote import open_remote
 
     return open_remote(url)

@@ -20,14 +20,18 @@ if TYPE_CHECKING:
 
     from skipinject.store.hit_memory import Decoded
 
-# ---------------------------------------------------------------- checksums
-
 
 #: Checksum algorithms a cache may name. ``xxh3_64-tree`` (the default with xxhash installed) is the
 #: xxh3_64 of the concatenated 8-byte xxh3_64 digests of the file's 32 MiB chunks: the chunks can
 #: be hashed on several cores, which halves a verified hit of a large batch on two.
 CHECKSUM_ALGOS = ("xxh3_64-tree", "xxh3_64", "crc32")
 _TREE_CHUNK = TREE_CHUNK
+
+
+def workers() -> int:
+    """Threads for work that releases the GIL: the usable cores, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores))
 
 
 def _checksum_algo() -> str:
@@ -54,8 +58,6 @@ def file_checksum(path: Path, algo: str) -> str:
 
 
 class _XXH3(Protocol):
-    """The part of an ``xxhash.xxh3_64`` object used here (xxhash is optional, so not imported to type)."""
-
     def update(self, data: Buffer, /) -> None: ...
 
     def digest(self) -> bytes: ...
@@ -68,16 +70,14 @@ def _digest(data: Buffer, algo: str) -> str:
 
 
 def _digest_parallel(data: bytes | mmap.mmap, algo: str) -> str:
-    """:func:`_digest`, with the chunks of a tree checksum hashed in threads (xxhash releases the GIL)."""
-    workers = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    if algo != "xxh3_64-tree" or len(data) <= _TREE_CHUNK or workers < 2:
+    if algo != "xxh3_64-tree" or len(data) <= _TREE_CHUNK or workers() < 2:
         return _digest(data, algo)
     from concurrent.futures import ThreadPoolExecutor
 
     view = memoryview(data)
     chunks = [view[start : start + _TREE_CHUNK] for start in range(0, len(view), _TREE_CHUNK)]
     try:
-        with ThreadPoolExecutor(min(workers, len(chunks)), thread_name_prefix="skipinject-hash") as pool:
+        with ThreadPoolExecutor(min(workers(), len(chunks)), thread_name_prefix="skipinject-hash") as pool:
             digests = list(pool.map(lambda chunk: _Leaf("xxh3_64", chunk).digest(), chunks))
     finally:
         for chunk in chunks:
@@ -87,10 +87,8 @@ def _digest_parallel(data: bytes | mmap.mmap, algo: str) -> str:
 
 
 def read_private(fd: int, size: int, make: Callable[[int], Decoded], algo: str, shown: Path) -> tuple[Decoded, str]:
-    """The ``size`` bytes of open file ``fd`` copied into a private buffer from ``make`` (never a mapping
-    of the file: what is checksummed is what is served, whatever happens to the file later), and their
-    checksum. A tree checksum hashes each chunk in a thread while the next one is read (both release
-    the GIL). A file that shrank meanwhile is refused (CorruptCacheError)."""
+    """The ``size`` bytes of ``fd`` copied into a private buffer from ``make`` (what is checksummed is what is
+    served) and their checksum, a tree checksum's chunks hashed in threads while the next is read."""
     buffer = make(size)
     tree = algo == "xxh3_64-tree" and size > _TREE_CHUNK
     with memoryview(buffer) as whole, whole.cast("B") as view:
@@ -99,8 +97,7 @@ def read_private(fd: int, size: int, make: Callable[[int], Decoded], algo: str, 
             return buffer, _digest(view, algo)
         from concurrent.futures import ThreadPoolExecutor
 
-        workers = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-        with ThreadPoolExecutor(max(1, workers - 1), thread_name_prefix="skipinject-hash") as pool:
+        with ThreadPoolExecutor(max(1, workers() - 1), thread_name_prefix="skipinject-hash") as pool:
             digests = []
             for start in range(0, size, _TREE_CHUNK):
                 chunk = view[start : start + _TREE_CHUNK]
@@ -128,8 +125,6 @@ def _pread_exact(fd: int, view: memoryview, offset: int, shown: Path) -> None:
 
 
 class _Leaf:
-    """A plain (non-tree) checksum being computed."""
-
     def __init__(self, algo: str, data: Buffer = b"") -> None:
         self.algo = algo
         if algo == "xxh3_64":

@@ -1,23 +1,9 @@
-"""Exact compact encodings of a tensor file's tensors (used with compression on).
+"""Exact compact encodings of a tensor file's tensors (with compression on), checked bit for bit at save.
 
-A rollout batch stores much that follows from the rest: a tensor may be two others side by side
-(which ones the codec names: :attr:`~skipinject.payload.Payload.concats`), masks are one run of ones
-per row, position ids a clamped ramp per row, and token ids fit in 32 bits. At save time each tensor
-is checked, bit for bit, against what its compact form rebuilds; only an exact match is stored
-compactly, anything else as it is:
-
-* ``concat``: the tensor is the two stored tensors the codec names, of its dtype, side by side (last dimension);
-* ``run``: a 2-D tensor whose row ``b`` is 1 on ``[start_b, end_b)`` and 0 elsewhere;
-* ``ramp``: a 2-D integer tensor whose row ``b`` is ``clamp(j - start_b, 0, top_b)``;
-* ``narrow``: an integer tensor stored in the smallest dtype holding its values, restored to its
-  own dtype on load.
-
-Training sees the same dtypes, shapes and values. Rebuilt tensors are new memory, so a reader
-bounds what it builds by what the step's ``meta.json`` declares (its part's budget,
-:func:`~skipinject.store.meta.part_budget`) before allocating, and checks every recipe whole against
-its shape and dtype (ranges inside the row, values the dtype holds, one entry per row): a tiny forged
-index can neither make it build gigabytes nor serve a tensor the writer could not have written.
-"""
+``concat``: two stored tensors side by side (the codec names which: :attr:`~skipinject.payload.Payload.concats`);
+``run``: a 2-D mask, one run of ones per row; ``ramp``: 2-D position ids ``clamp(j - start_b, 0, top_b)``;
+``narrow``: an integer tensor in the smallest dtype holding its values. A reader bounds what it rebuilds by
+its part's budget before allocating and checks every recipe whole against its shape and dtype."""
 
 from __future__ import annotations
 
@@ -64,8 +50,7 @@ def _itemsize(dtype_name: str) -> int:
 
 
 def plan_tensors(tensors: Mapping[str, torch.Tensor], concats: Mapping[str, tuple[str, str]]) -> list[Plan]:
-    """The compact plan of every tensor (input order), each one checked to rebuild exactly;
-    ``concats``: which tensor may be which two others side by side (:attr:`Payload.concats`)."""
+    """The compact plan of every tensor (input order), each checked to rebuild exactly."""
     plans = [Plan(name, tensor) for name, tensor in tensors.items()]
     for plan in plans:
         plan.derive = _run(plan.tensor) or _ramp(plan.tensor)
@@ -100,8 +85,7 @@ _BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 def _bits(tensor: torch.Tensor) -> Any:
-    """The tensor's bytes as a numpy integer array of its shape (comparisons bit for bit: -0.0 is not 0.0,
-    NaN equals itself), or None for complex tensors."""
+    """The tensor's bytes as integers of its shape (bit-for-bit comparison), or None for complex tensors."""
     import torch
 
     if tensor.is_complex():
@@ -193,7 +177,7 @@ def _concat(plan: Plan, left: Plan, right: Plan) -> dict[str, Any] | None:
 
 
 def check_rebuilt(entries: list[Mapping[str, Any]], budget: int) -> None:
-    """Refuse (ValueError) an index whose rebuilt and widened tensors would take more than ``budget`` bytes."""
+    """Refuse (ValueError) an index whose rebuilt and widened tensors would take more than ``budget``."""
     total = 0
     for entry in entries:
         if "derive" in entry or "stored_dtype" in entry:
@@ -206,9 +190,8 @@ def check_rebuilt(entries: list[Mapping[str, Any]], budget: int) -> None:
 
 
 def _check_recipe(kind: str, starts: list[int], seconds: list[int], width: int, dtype: str) -> None:
-    """What the writer could have recorded for rows of ``width`` of ``dtype`` (ValueError otherwise): a
-    run lies inside its row (``0 <= start <= end <= width``); a ramp is of a signed integer dtype, its
-    top a value of that dtype and its start one the writer finds (``-top <= start < width``)."""
+    """What the writer could have recorded (ValueError otherwise): a run inside its row; a ramp of a signed
+    integer dtype, its top a value of that dtype, its start in ``[-top, width)``."""
     if kind == "run":
         if dtype == "bfloat16" or dtype.startswith("complex"):
             raise ValueError(f"a run of {dtype}")
@@ -230,14 +213,8 @@ BLOCK_ELEMENTS = 1 << 19
 
 @dataclass
 class Recipe:
-    """A checked ``derive`` entry, ready to write its tensor block by block (rows of its first
-    dimension) into memory the reader allocated: several threads fill one tensor, and nothing is
-    built twice (a concatenation copies its parts straight from the stored, maybe narrower, bytes).
-
-    * ``concat``: ``out[..., :split] = left``, ``out[..., split:] = right``;
-    * ``run``: ``out[b, j] = start_b <= j < end_b``;
-    * ``ramp``: ``out[b, j] = min(max(j - start_b, 0), top_b)``, computed in int64.
-    """
+    """A checked ``derive`` entry, written block by block (rows of its first dimension) into memory the reader
+    allocated, by several threads; a concatenation copies its parts straight from their stored bytes."""
 
     kind: str
     shape: list[int]
@@ -255,8 +232,7 @@ class Recipe:
         dtype: Any,
         dtypes: Mapping[str, Any] | None = None,
     ) -> Recipe:
-        """The recipe of ``entry`` (ValueError for anything malformed). ``sources``: the tensors the
-        file stores, as stored; ``dtypes``: their dtypes once restored (default: as stored)."""
+        """The recipe of ``entry`` (ValueError for anything malformed); ``dtypes``: the sources' restored dtypes."""
 
         derive, shape = entry["derive"], entry["shape"]
         if type(derive) is not dict:
@@ -299,7 +275,7 @@ class Recipe:
         return math.prod(self.shape) * _itemsize(_name(self.dtype))
 
     def blocks(self) -> list[slice]:
-        """Row ranges of the first dimension that together cover the tensor (one for a 1-D tensor)."""
+        """Row ranges of the first dimension covering the tensor (one for a 1-D tensor)."""
         if len(self.shape) < 2 or not self.shape[0]:
             return [slice(None)]
         per_row = max(1, math.prod(self.shape[1:]))
@@ -307,9 +283,8 @@ class Recipe:
         return [slice(lo, lo + step) for lo in range(0, self.shape[0], step)]
 
     def write(self, out: torch.Tensor, rows: slice, *, zeroed: bool = False) -> None:
-        """Write rows ``rows`` of the tensor into ``out`` (the whole tensor's memory). ``zeroed``: ``out``
-        holds zeros already (fresh anonymous memory): runs and ramps then write only what is not zero,
-        so the pages of a mask's padding are never faulted in (reading them maps the kernel's zero page)."""
+        """Write rows ``rows`` into ``out``; ``zeroed``: ``out`` holds zeros already, so only non-zeros are written
+        (the padding's pages are never faulted in)."""
         import numpy as np
         import torch
 
@@ -351,10 +326,8 @@ class Recipe:
                 view[row, stop:] = top
 
     def _fill(self, view: Any, rows: slice) -> None:
-        """Rows of a run or ramp written whole into numpy ``view`` (memory holding an earlier batch),
-        one vectorised write per row: each row is a window of a template twice the row's width
-        (``step[width + k] = k >= 0``, ``ramp[width + k] = max(k, 0)``), so a row costs one pass over
-        its memory (the GIL released) instead of three writes. The same values as :meth:`write`."""
+        """Rows of a run or ramp written whole into numpy ``view`` (memory holding an earlier batch), each a
+        window of a template twice the row's width: one pass per row."""
         import numpy as np
 
         assert self.first is not None and self.second is not None
@@ -382,9 +355,7 @@ class Recipe:
 
 
 def copy_into(out: torch.Tensor, source: torch.Tensor) -> None:
-    """``out.copy_(source)`` (converting the dtype) through numpy where both have a numpy dtype: one
-    thread per copy, the GIL released. torch's copy would also start its own intra-op threads, which on
-    a busy machine, beside the reader's threads, made a copy ten times slower (measured)."""
+    """``out.copy_(source)`` through numpy where it can (one thread per copy, no torch intra-op threads)."""
     import numpy as np
 
     try:
@@ -396,8 +367,7 @@ def copy_into(out: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def _writable(block: torch.Tensor) -> Any:
-    """``block`` as a numpy array sharing its memory (per-row slice writes cost a tenth of torch's),
-    or the tensor itself for dtypes numpy lacks (bfloat16)."""
+    """``block`` as a numpy array sharing its memory, or the tensor itself for dtypes numpy lacks."""
     try:
         return block.numpy()
     except TypeError:

@@ -1,23 +1,13 @@
 """A data file compressed in independent zstd frames (``skip.<role>.compression``).
 
-A compressed data file is the concatenation of zstd frames, each the compression of
-:data:`~skipinject.store.format.FRAME_BYTES` decoded bytes (the last one fewer); ``meta.json``
-records, beside the stored size and the checksum of the *stored* bytes, the decoded size and each
-frame's stored size. The frames are independent, so a save compresses them on every core and a
-hit decompresses them on every core, each straight into its place in the decoded file.
-
-A compressed file is hostile input like any other: the decoded size and the frame table are
-checked against each other and against the stored size before anything is allocated, every frame
-must announce in its own header exactly the decoded size the table gives it before it is
-decompressed, and it is decompressed into a buffer of exactly that size (a frame that would expand
-further fails instead of growing it): a decompression bomb is refused before its memory is spent.
-
-``zstandard`` is imported only when a compressed file is written or read.
-"""
+Each frame holds :data:`~skipinject.store.format.FRAME_BYTES` decoded bytes; ``meta.json`` records the
+decoded size and each frame's stored size beside the stored bytes' size and checksum, so frames are
+compressed and decompressed on every core, each into its place. Hostile input is refused before its
+memory is spent: the record is checked against the stored size, each frame's header must announce its
+recorded size, and it decompresses into a buffer of exactly that size."""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +18,9 @@ from skipinject.errors import CorruptCacheError
 from skipinject.payload import COMPRESSION_VALUE as COMPRESSION_VALUE
 from skipinject.payload import Compression as Compression
 from skipinject.payload import parse_compression as parse_compression
+from skipinject.store.checksums import workers
 from skipinject.store.format import FRAME_BYTES, MAX_EXPANSION
+from skipinject.store.hit_memory import close
 from skipinject.store.mounts import is_network_path
 
 if TYPE_CHECKING:
@@ -50,12 +42,6 @@ def compression_for(value: str, root: object) -> Compression | None:
     return parse_compression(value, network_fs=network)
 
 
-def workers() -> int:
-    """Threads for work that releases the GIL: the usable cores, at most 8."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores))
-
-
 def _zstd() -> Any:
     try:
         import zstandard
@@ -64,12 +50,8 @@ def _zstd() -> Any:
     return zstandard
 
 
-# ---------------------------------------------------------------- writing
-
-
 def _blocks(pieces: Sequence[Buffer], size: int) -> Iterator[Buffer]:
-    """The bytes of ``pieces`` in blocks of ``size`` (the last shorter): views where a block lies in
-    one piece, a joined copy only where it spans several."""
+    """The bytes of ``pieces`` in blocks of ``size``: views within a piece, a joined copy across pieces."""
     pending: list[memoryview] = []
     filled = 0
     for piece in pieces:
@@ -94,8 +76,6 @@ def _blocks(pieces: Sequence[Buffer], size: int) -> Iterator[Buffer]:
 
 @dataclass
 class Written:
-    """What a compressed file's record in ``meta.json`` needs beside its stored size and checksum."""
-
     decoded_size: int
     frames: list[int]
 
@@ -104,8 +84,7 @@ class Written:
 
 
 def write_compressed(handle: BinaryIO, pieces: Sequence[Buffer], compression: Compression, hasher: _Hasher) -> Written:
-    """Compress the concatenated ``pieces`` frame by frame on every core, write the frames in order,
-    and hash the stored (compressed) bytes as they are written."""
+    """Compress the concatenated ``pieces`` frame by frame on every core, hashing the stored bytes."""
     from concurrent.futures import ThreadPoolExecutor
 
     zstandard = _zstd()
@@ -148,12 +127,8 @@ def compress_bytes(data: bytes, compression: Compression, hasher: _Hasher) -> tu
     return out.getvalue(), written
 
 
-# ---------------------------------------------------------------- reading
-
-
 def check_record(spec: Mapping[str, Any], stored: int, shown: Path) -> tuple[int, list[int]]:
-    """The decoded size and frame table of a compressed file's record, checked against each other and
-    the stored size before anything is allocated (CorruptCacheError otherwise)."""
+    """A compressed file's decoded size and frame table, checked against each other and the stored size."""
     decoded, frames = spec.get("decoded_size"), spec.get("frames")
     if spec.get("encoding") != ENCODING:
         raise CorruptCacheError(f"{shown}: unknown encoding {str(spec.get('encoding'))[:40]!r}")
@@ -171,8 +146,7 @@ def check_record(spec: Mapping[str, Any], stored: int, shown: Path) -> tuple[int
 
 
 def decompress_into(stored: Buffer, spec: Mapping[str, Any], shown: Path, make: Callable[[int], Decoded]) -> Decoded:
-    """The decoded bytes of a compressed file (its stored bytes already checksummed), in a buffer from
-    ``make(decoded_size)``; frames decompressed in threads, each checked before it is decompressed."""
+    """The decoded bytes of a compressed file, already checksummed, in a buffer from ``make``."""
     with memoryview(stored) as view:
         decoder = FrameDecoder(spec, view.nbytes, shown, make)
         try:
@@ -184,16 +158,8 @@ def decompress_into(stored: Buffer, spec: Mapping[str, Any], shown: Path, make: 
 
 
 class FrameDecoder:
-    """Decodes a compressed file frame by frame as its stored bytes come, in order (all at once from
-    a local mapping, or chunk by chunk from a download): each complete frame is decompressed in a
-    thread straight into its place in the decoded buffer while the next bytes arrive. Memory: the
-    decoded buffer, plus the stored bytes of at most ``2 * workers()`` frames in flight and of the
-    frame being assembled.
-
-    Every check of :func:`decompress_into` applies: the record against the stored size before the
-    buffer is allocated, each frame's header before it is decompressed, its output bounded by its
-    place. :meth:`finish` returns the buffer once every frame is decoded; :meth:`abandon` (after any
-    failure, e.g. a checksum mismatch) waits for the threads and frees it."""
+    """Decodes a compressed file frame by frame as its stored bytes come, each complete frame in a thread
+    straight into its place; :meth:`finish` returns the buffer, :meth:`abandon` frees it after a failure."""
 
     def __init__(self, spec: Mapping[str, Any], stored_size: int, shown: Path, make: Callable[[int], Decoded]) -> None:
         self.decoded, self.frames = check_record(spec, stored_size, shown)
@@ -209,7 +175,7 @@ class FrameDecoder:
         self._in_flight: list[Future[None]] = []
 
     def feed(self, data: Buffer) -> None:
-        """The next stored bytes (kept only as long as a frame being assembled or in flight needs them)."""
+        """The next stored bytes (held only while a frame being assembled or decoded needs them)."""
         with memoryview(data) as whole, whole.cast("B") as view:
             start = 0
             while start < len(view):
@@ -274,7 +240,7 @@ class FrameDecoder:
             self._pool, self._in_flight = None, []
 
     def finish(self) -> Decoded:
-        """The decoded buffer, once every frame has come and been decoded (CorruptCacheError otherwise)."""
+        """The decoded buffer, once every frame has come and been decoded."""
         try:
             self._wait()
             if self._next != len(self.frames):
@@ -285,7 +251,7 @@ class FrameDecoder:
         return self.out
 
     def abandon(self) -> None:
-        """Give up: wait for the threads (they write into the buffer) and free the buffer."""
+        """Give up: wait for the threads (they write into the buffer) and free it."""
         try:
             self._wait()
         except BaseException:
@@ -293,14 +259,14 @@ class FrameDecoder:
         for piece in self._pending:
             piece.release()
         self._pending = []
-        _close(self.out)
+        close(self.out)
 
 
 def _decompress_frame(
     decompressor: Any, frame: memoryview, place: memoryview, error: type[Exception], shown: Path, number: int
 ) -> int:
-    """Decompress one frame straight into ``place`` (no intermediate bytes object): bytes decoded, or
-    one more than ``place`` holds when the frame would expand further (then nothing is written past it)."""
+    """Decompress one frame into ``place``: bytes decoded, or one more than ``place`` holds when the frame
+    would expand further."""
     reader = decompressor.stream_reader(frame, read_across_frames=False, closefd=False)
     try:
         got = 0
@@ -315,9 +281,3 @@ def _decompress_frame(
         raise CorruptCacheError(f"{shown}: frame {number} is damaged ({exc})") from exc
     finally:
         del reader  # it holds the frame's buffer until it is freed (close() does not let go of it)
-
-
-def _close(buffer: Decoded) -> None:
-    close = getattr(buffer, "close", None)
-    if close is not None:
-        close()

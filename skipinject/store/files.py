@@ -1,27 +1,11 @@
-"""One reading discipline for every file of a cache, and the directory trust rules.
+"""The one module that opens, reads and removes a cache's files (docs/reliability.md).
 
-* Files: opened relative to their step (or part) directory's descriptor with
-  ``O_NOFOLLOW | O_NONBLOCK``, the directories themselves with ``O_DIRECTORY | O_NOFOLLOW``, so no
-  link is followed out of the step directory; the *opened* descriptor is ``fstat``-ed and must be a
-  regular file (never a FIFO, device, socket or directory); its size is compared with the recorded
-  size before a byte is read or hashed; JSON is parsed only below a size limit and a nesting limit.
-* Directories (like ssh's ``StrictModes``): the dump directory, the project directories below it,
-  the step and its part directories must be owned by this user (or root) and not writable by group
-  or others unless the sticky bit is set; step and part directories must not be symlinks. A
-  directory that fails is neither loaded from nor saved into unless the user opts in
-  (``trust_permissions``). The dump directory is also checked *as given*, before its links are
-  resolved (:func:`unresolved_problem`): a link another user owns, or a parent others can write.
-
-* Removal: a check on a path followed by a second look-up of it is a race (another user of a
-  shared, sticky dump directory can swap a step for a link to someone else's in between). A
-  directory is reached from an *anchor* (the dump or project directory, opened once) one name at a
-  time with ``O_DIRECTORY | O_NOFOLLOW`` and held by its descriptor; files are ``fstat``-ed and
-  unlinked relative to the descriptor they were listed in, directories removed with
-  ``rmdir(name, dir_fd=)``. A link anywhere below the anchor ends the removal there.
-
-Every failure to read is a :class:`~skipinject.errors.CorruptCacheError` (a missing file stays
-``FileNotFoundError``: a miss); nothing else escapes. Nothing outside :mod:`skipinject.store` opens,
-lists or removes a cache's files: this module is the one that does.
+Files are opened relative to their directory's descriptor with ``O_NOFOLLOW | O_NONBLOCK`` and must be
+regular files of the recorded size (checked on the opened descriptor) before a byte is read; JSON is
+parsed under size and nesting limits. Directories must be this user's and not writable by others
+(ssh's ``StrictModes``) unless trusted. Removal walks down from an anchor one name at a time without
+following links and unlinks relative to the descriptor a name was checked in. Every failure to read
+is a :class:`~skipinject.errors.CorruptCacheError`; a missing file stays ``FileNotFoundError``.
 """
 
 from __future__ import annotations
@@ -29,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import mmap
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
@@ -67,12 +50,10 @@ def open_dir(path: Path | str, dir_fd: int | None = None, *, shown: Path | None 
         raise CorruptCacheError(f"{shown}: cannot open the directory ({_why(exc)})") from exc
 
 
-def open_regular(name: str, dir_fd: int, shown: Path, expected_size: object = None) -> tuple[int, os.stat_result]:
-    """Open ``name`` in ``dir_fd`` as a regular file (checked on the opened descriptor).
-
-    ``expected_size``: the size meta.json records (checked here: any JSON value); a file of another size
-    is refused before it is read.
-    """
+def open_regular(
+    name: str, dir_fd: int | None, shown: Path, expected_size: object = None
+) -> tuple[int, os.stat_result]:
+    """Open ``name`` in ``dir_fd`` as a regular file, refused unless of ``expected_size`` (when given)."""
     try:
         before = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -118,8 +99,7 @@ def file_kind(mode: int) -> str:
 
 
 def check_not_sparse(info: os.stat_result, shown: Path) -> None:
-    """Refuse a large file that occupies a tiny fraction of its size (a sparse forgery: hashing it
-    would cost its full size while the disk holds almost nothing). Files skipinject writes are dense."""
+    """Refuse a large file occupying a tiny fraction of its size on disk (hashing it would cost its size)."""
     blocks = getattr(info, "st_blocks", None)
     if blocks is None or info.st_size < SPARSE_MIN_SIZE:
         return
@@ -145,13 +125,6 @@ def read_fd(fd: int, size: int, shown: Path) -> bytes:
     return data
 
 
-def map_fd(fd: int, size: int) -> mmap.mmap | None:
-    """Map an open file copy-on-write (writes through the mapping never reach the file)."""
-    if size == 0:
-        return None
-    return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-
-
 def json_depth_ok(value: Any, limit: int) -> bool:
     """Whether ``value`` nests at most ``limit`` containers deep (iterative: no recursion)."""
     stack = [(value, 1)]
@@ -167,11 +140,7 @@ def json_depth_ok(value: Any, limit: int) -> bool:
 
 
 def parse_json(data: bytes, shown: Path, *, what: str = "JSON file", max_depth: int | None = None) -> Any:
-    """``json.loads`` whose every failure (syntax, nesting, huge numbers, memory) is a CorruptCacheError.
-
-    Nesting is bounded by the interpreter's recursion limit while parsing (the C parser raises
-    RecursionError, reported here), and by ``max_depth`` after it when given.
-    """
+    """``json.loads`` whose every failure (syntax, nesting past ``max_depth``, memory) is a CorruptCacheError."""
     try:
         value = json.loads(data)
     except RecursionError as exc:
@@ -183,9 +152,6 @@ def parse_json(data: bytes, shown: Path, *, what: str = "JSON file", max_depth: 
     if max_depth is not None and not json_depth_ok(value, max_depth):
         raise CorruptCacheError(f"{shown}: unreadable {what} (JSON nested more than {max_depth} levels deep)")
     return value
-
-
-# ---------------------------------------------------------------- directory trust
 
 
 def untrusted_reason(info: os.stat_result) -> str | None:
@@ -209,10 +175,8 @@ def trust_problem(path: Path, info: os.stat_result, role: str) -> str:
 
 
 def unresolved_problem(path: Path) -> str | None:
-    """Why ``path`` *as given* (before any link in it is resolved) could be redirected by another
-    user, or None: a name in it that is a symbolic link another user owns, or a directory holding
-    one of its names that others can write without the sticky bit (they could replace the name).
-    Checked before the path is resolved: a check of the resolved path cannot see either."""
+    """Why ``path`` as given, before its links are resolved, could be redirected by another user
+    (a link another user owns, or a parent others can write without the sticky bit), or None."""
     uid = os.geteuid()
     given = Path(os.path.abspath(path))  # ``..`` removed by text, no link resolved
     current = Path(given.anchor)
@@ -236,37 +200,26 @@ def unresolved_problem(path: Path) -> str | None:
     return None
 
 
-def read_small(path: Path, limit: int = MAX_META_BYTES) -> bytes:
-    """The bytes of a small regular file (a ``meta.json``) by path, for readers that hold no step
-    descriptor (the cache tool's walk): the last component is never followed if it is a link, a FIFO
-    never blocks, the opened descriptor must be a regular file of at most ``limit`` bytes.
-
-    A missing file stays ``FileNotFoundError``; anything else is a :class:`CorruptCacheError`."""
+def read_small(
+    path: Path | str, limit: int = MAX_META_BYTES, dir_fd: int | None = None, shown: Path | None = None
+) -> bytes:
+    """A small regular file's bytes (at most ``limit``), by path or by name in ``dir_fd``, no link followed."""
+    shown = shown or Path(path)
+    fd, info = open_regular(str(path), dir_fd, shown)
     try:
-        fd = os.open(path, _FILE_FLAGS)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        kind = "a symbolic link" if exc.errno == errno.ELOOP else _why(exc)
-        raise CorruptCacheError(f"{path}: cannot read it ({kind})") from exc
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CorruptCacheError(f"{path}: cannot read it (not a regular file but {file_kind(info.st_mode)})")
         if info.st_size > limit:
-            raise CorruptCacheError(f"{path}: {info.st_size} bytes, more than the {limit} any such file may have")
-        return read_fd(fd, info.st_size, path)
+            if Path(path).name == META_NAME:
+                raise CorruptCacheError(f"{shown}: {info.st_size} bytes, far larger than any meta.json; not read")
+            raise CorruptCacheError(f"{shown}: {info.st_size} bytes, more than the {limit} any such file may have")
+        return read_fd(fd, info.st_size, shown)
     except OSError as exc:
-        raise CorruptCacheError(f"{path}: cannot read it ({_why(exc)})") from exc
+        raise CorruptCacheError(f"{shown}: cannot read it ({_why(exc)})") from exc
     finally:
         os.close(fd)
 
 
-# ---------------------------------------------------------------- listing (the cache tool's walk)
-
-
 def entries(directory: Path) -> list[os.DirEntry[str]]:
-    """The entries of a directory (never followed through a link by the callers' ``follow_symlinks=False``)."""
+    """The entries of a directory (callers never follow links)."""
     with os.scandir(directory) as found:
         return list(found)
 
@@ -299,8 +252,6 @@ def try_open_dir(name: str | Path, dir_fd: int | None = None) -> int | None:
         return None
 
 
-# ---------------------------------------------------------------- removal (see the module doc)
-
 #: Called with (descriptor of the directory, name) right before a name is unlinked; tests use it
 #: to make a race deterministic. Production code never sets it.
 BEFORE_UNLINK: Callable[[int, str], None] | None = None
@@ -319,8 +270,8 @@ def relative_parts(anchor: Path, path: Path) -> tuple[str, ...]:
 
 
 def open_below(anchor: Path | int, parts: Sequence[str]) -> int:
-    """A descriptor of ``anchor/parts...``: the anchor opened once (a path, or a descriptor that is
-    duplicated), every name below it with ``O_NOFOLLOW``. Raises :class:`LinkedPath` for a link."""
+    """A descriptor of ``anchor/parts...``, every name below the anchor opened with ``O_NOFOLLOW``
+    (:class:`LinkedPath` for a link)."""
     fd = os.dup(anchor) if isinstance(anchor, int) else os.open(anchor, _DIR_FLAGS & ~os.O_NOFOLLOW)
     try:
         for part in parts:
@@ -350,8 +301,7 @@ def opened_below(anchor: Path | int, parts: Sequence[str]) -> Iterator[int]:
 
 
 def unlink_regular(dir_fd: int, name: str, keep: Callable[[os.stat_result], bool] | None = None) -> int | None:
-    """Unlink ``name`` in ``dir_fd`` if it is a regular file (never a link's target: ``unlinkat``
-    removes the name itself) and ``keep`` does not veto it; its size, or None when kept."""
+    """Unlink ``name`` in ``dir_fd`` if it is a regular file ``keep`` does not veto; its size, or None."""
     try:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
@@ -368,9 +318,7 @@ def unlink_regular(dir_fd: int, name: str, keep: Callable[[os.stat_result], bool
 
 
 def remove_name(anchor: Path, path: Path) -> None:
-    """Remove one file or empty directory ``path`` below ``anchor`` (best effort, never raises):
-    the writer's clean-up. The anchor itself, or a directory above it, is only removed when empty
-    (``rmdir`` never follows a link); a path not below the anchor is anchored at its parent."""
+    """Remove one file or empty directory below ``anchor`` (best effort, never raises)."""
     with contextlib.suppress(OSError, ValueError):
         try:
             parts = relative_parts(anchor, path)
@@ -394,10 +342,8 @@ def remove_step(
     wanted: Callable[[str, str], bool],
     keep: Callable[[os.stat_result], bool] | None = None,
 ) -> tuple[int, int]:
-    """Remove the files of a step directory below ``anchor`` that ``wanted(part, name)`` selects
-    (``part`` is ``""`` for the step directory itself), ``meta.json`` first (the step is absent at
-    once), then empty part directories and the step directory. Everything relative to descriptors
-    opened once from ``anchor``; a link on the way removes nothing. Returns (files, bytes)."""
+    """Remove the files ``wanted(part, name)`` selects from a step below ``anchor``, ``meta.json`` first,
+    then empty directories, all relative to descriptors opened once; returns (files, bytes)."""
     parts = relative_parts(anchor, step_dir)
     if not parts:
         raise ValueError(f"{step_dir}: the anchor itself is no step directory")
@@ -437,9 +383,7 @@ def remove_step(
 
 
 def open_plain(path: Path, what: str = "a regular file") -> BinaryIO:
-    """A file named on the command line (not a cache's: e.g. a dataset) opened for reading, only if it
-    is a regular file (a FIFO or device is a CorruptCacheError naming it as such, never waited on).
-    FileNotFoundError stays."""
+    """A file named on the command line (not a cache's), opened only if it is a regular file."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     handle = os.fdopen(fd, "rb")
     mode = os.fstat(fd).st_mode

@@ -1,10 +1,6 @@
-"""Every name, pattern and bound of the on-disk format, in one place (docs/cache-format.md).
+"""Every name, pattern and bound of the on-disk format, in one place, so no two readers disagree.
 
-The store's reader and writer, the garbage collector, the remote store and the cache tool all take
-their names and limits from here, so they cannot disagree about what a step directory, a part
-directory or a data file is (``007`` is no step for any of them: step and part names are decimal
-numbers without leading zeros). :func:`reference_table` renders the table docs/cache-format.md
-holds; a test keeps the two equal (``python -m skipinject.store.format`` prints it).
+:func:`reference_table` renders the table docs/cache-format.md holds (``python -m skipinject.store.format``).
 """
 
 from __future__ import annotations
@@ -20,19 +16,16 @@ from skipinject.payload import ZSTD_DEFAULT_LEVEL as ZSTD_DEFAULT_LEVEL
 from skipinject.payload import ZSTD_MAX_LEVEL as ZSTD_MAX_LEVEL
 
 FORMAT = "skipinject"
-#: The version written when a step holds a compressed file; steps stored as they are keep version 2,
-#: which every earlier reader reads (``READABLE_VERSIONS``: what this one reads).
+#: Written when a step holds a compressed file; plain steps keep version 2, which older readers read.
 FORMAT_VERSION = 3
 PLAIN_FORMAT_VERSION = 2
 READABLE_VERSIONS = (2, 3)
 #: The commit record of a step (and of nothing else): written last, replaced atomically.
 META_NAME = "meta.json"
 
-#: A step directory: the decimal step number, no sign, no leading zeros, at most 12 digits
-#: (``str.isdigit`` also accepts "²"; ``int("007")`` would make two names one step).
+#: A step directory: the decimal step number, no sign, no leading zeros (``007`` is no step), 12 digits at most.
 STEP_NAME = re.compile(r"0|[1-9][0-9]{0,11}")
-#: A part directory of a step (``0/ 1/ ...`` for k parts; ``1/ 2/ ...`` for calls 2, 3, ...): the
-#: same decimal rule, at most 6 digits. Part ``""`` is the step directory itself.
+#: A part directory of a step (the same rule, 6 digits at most); part ``""`` is the step directory itself.
 PART_NAME = re.compile(r"0|[1-9][0-9]{0,5}")
 #: A writer's id ``{unix_time}-{pid}-{8 hex}``: fresh per save, in every data and temporary file name.
 WRITE_ID = re.compile(r"([0-9]{9,12})-([0-9]{1,10})-([0-9a-f]{8})")
@@ -45,14 +38,11 @@ TMP_NAME = re.compile(r"\.(?:tensors-|objects-|meta\.json)[0-9A-Za-z_.-]*\.tmp-[
 #: What a name read from meta.json (a part directory, a data file) must look like before it is used.
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
-#: ``action=match``: where a step's newly generated rows are kept when the step itself was already
-#: committed (``{project}/rows/{n}/``, each an ordinary committed step record numbered from 1), and
-#: the per-project index of every recorded row key (a hint, rebuilt from the steps; never trusted).
+#: ``action=match``: new rows of an already committed step (``{project}/rows/{n}/``, ordinary step records
+#: numbered from 1), and the project's row-key index (a hint, rebuilt from the steps).
 ROWS_DIR = "rows"
 ROW_INDEX_NAME = "row-index.npz"
-#: An object store's claim of a rows record's number (``rows/{n}/.claim-{token}``, removed once the
-#: record is committed): no exclusive create there, so a writer takes ``n`` only when its claim is
-#: the one listed there. Locally the record's directory is created exclusively instead.
+#: An object store's claim of a rows record's number (``rows/{n}/.claim-{token}``; locally: an exclusive mkdir).
 CLAIM_PREFIX = ".claim-"
 #: Numbers one claim tries before it gives up (each taken by another writer).
 MAX_CLAIMS = 1000
@@ -64,8 +54,7 @@ MAX_ROW_INDEX_BYTES = 40 * MAX_INDEXED_ROWS + (1 << 20)
 MAX_META_BYTES = 16 << 20
 #: meta.json nests 4 levels deep (parts -> files -> spec); some room for role-specific keys.
 MAX_META_DEPTH = 32
-#: Rows of a step or a part (``rows`` in meta.json): more than any batch holds; a larger count is forged
-#: (and its sum over steps would not even print: Python converts at most 4300 digits).
+#: Rows of a step or a part (``rows`` in meta.json): more than any batch holds; a larger count is forged.
 MAX_ROWS = 1 << 48
 #: The largest size meta.json may record for a data file, stored or decoded (1 PiB).
 MAX_FILE_BYTES = 1 << 50
@@ -83,14 +72,8 @@ TREE_CHUNK = 32 << 20
 FRAME_BYTES = 4 << 20
 #: No zstd data expands more than this (a 128 KiB block in 4 bytes): a compressed file claiming more is forged.
 MAX_EXPANSION = 1 << 15
-#: What one part of a step may take decoded (its data files decoded, plus the tensors a compact
-#: tensor file rebuilds), from what its ``meta.json`` declares, checked before a frame or a rebuild
-#: allocates (:func:`skipinject.store.meta.part_budget`): per row, this many bytes per token of the
-#: layout's width (``prompt_length + response_length`` in ``context``; room for any per-token tensor a
-#: rollout carries, e.g. MoE routing; never less than :data:`MIN_ROW_BYTES`, so rows wider than the
-#: layout declares still fit), or :data:`MAX_ROW_BYTES` where no width is declared, plus
-#: :data:`PART_SLACK` for what is not per row (headers, objects shared by the rows). A step takes at
-#: most the process's memory budget in all (:func:`skipinject.store.hit_memory.memory_budget`).
+#: What one part may take decoded and rebuilt (:func:`skipinject.store.meta.part_budget`): per row, bytes
+#: per token of the declared width (at least ``MIN_ROW_BYTES``; ``MAX_ROW_BYTES`` with no width), plus slack.
 MAX_BYTES_PER_TOKEN = 4096
 MIN_ROW_BYTES = 1 << 20
 MAX_ROW_BYTES = 256 << 20
@@ -102,18 +85,6 @@ MAX_WIDTH = 1 << 20
 def step_name(step: int) -> str:
     """The directory name of ``step``."""
     return str(int(step))
-
-
-def is_step_name(name: str) -> bool:
-    return STEP_NAME.fullmatch(name) is not None
-
-
-def is_part_name(name: str) -> bool:
-    return PART_NAME.fullmatch(name) is not None
-
-
-def is_data_name(name: str) -> bool:
-    return DATA_NAME.fullmatch(name) is not None
 
 
 def is_ours(name: str) -> bool:
@@ -133,14 +104,11 @@ def tmp_name(name: str, token: str) -> str:
     return f".{name}.tmp-{token}"
 
 
-def _meta_digest(meta: Mapping[str, Any]) -> str:
+def meta_digest(meta: Mapping[str, Any]) -> str:
     """``meta_checksum``: crc32 of the canonical JSON of every other key."""
     body = {k: v for k, v in meta.items() if k != "meta_checksum"}
     text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return f"{zlib.crc32(text) & 0xFFFFFFFF:08x}"
-
-
-meta_digest = _meta_digest
 
 
 def _code(pattern: str) -> str:

@@ -1,32 +1,11 @@
-"""Leftovers of killed or concurrent saves: found without following links, removed only when abandoned.
+"""Leftovers of killed or concurrent saves: files no committed ``meta.json`` names, removed once abandoned.
 
-A save writes data files under fresh names (``tensors-<write id>.bin``, ``objects-<write id>.json``,
-through ``.<name>.tmp-<...>`` temporaries) and publishes them by replacing ``meta.json``. A save that
-was killed, failed, or lost a race to a concurrent save of the same step leaves files that no
-committed ``meta.json`` names. They are collected by any later save in the same project (after its
-commit, at most once per :data:`SCAN_INTERVAL` per project and process) and by the cache tooling.
-
-The rule ("clearly abandoned"): a file is a leftover when it matches one of our own name patterns, no
-committed ``meta.json`` of its step directory names it, and
-
-* its last modification is at least ``min_age`` (:data:`ABANDONED_AFTER`, 10 minutes) old, and
-* the writer named by its write id ``{unix_time}-{pid}-{uuid8}`` is gone: no process with that pid
-  exists on this host; or the pid is this process and none of its open writers has that id; or the
-  file is older than :data:`PID_REUSE_AFTER` (a day; pids are reused).
-
-An empty step directory untouched for :data:`ABANDONED_AFTER` (a rows record's number claimed by a
-writer that died before writing, or a forger's thousands of them) is removed too.
-
-A writer on *another* host sharing the file system is protected by the age rule only: it must not
-leave a file untouched for 10 minutes before committing it. An object store gives no process ids
-and no descriptors: there a data file no ``meta.json`` names is removed by name once it is
-:data:`BY_NAME_ABANDONED_AFTER` old (:func:`collect_by_name`, on the backend's byte methods).
-A step directory whose ``meta.json`` exists but cannot be read is left alone entirely (its files
-may be evidence, or a newer format). Nothing here follows a symbolic link or leaves ``project_dir``:
-every directory is reached from the project directory's descriptor by :mod:`skipinject.store.files`
-(``O_NOFOLLOW`` at every level, files unlinked relative to the descriptor they were checked in);
-each file is checked again right before it is unlinked.
-"""
+A leftover matches our own name patterns and is at least :data:`ABANDONED_AFTER` old, and its writer
+(the write id ``{unix_time}-{pid}-{uuid8}`` in its name) is gone: no such process on this host, not an
+open writer of this process, or older than :data:`PID_REUSE_AFTER`. Empty step directories that old go
+too; a step whose ``meta.json`` cannot be read is left alone. Locally nothing follows a link (see
+:mod:`skipinject.store.files`) and each file is checked again right before its unlink; in an object
+store data files are removed by name after :data:`BY_NAME_ABANDONED_AFTER` (:func:`collect_by_name`)."""
 
 from __future__ import annotations
 
@@ -96,7 +75,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _writer_gone(name: str, age: float) -> bool:
-    """Whether the writer named in a file name is certainly not writing any more (see module doc)."""
+    """Whether the writer named in a file name is certainly not writing any more."""
     match = WRITE_ID.search(name)
     if match is None or age >= PID_REUSE_AFTER:
         return True
@@ -107,7 +86,7 @@ def _writer_gone(name: str, age: float) -> bool:
 
 
 def _named_by_meta(step_fd: int) -> set[str] | None:
-    """``part/name`` of every file the step's meta.json names; empty if it has none; None if unreadable."""
+    """What the step's meta.json names; empty if it has none; None if unreadable."""
     try:
         return read_named(step_fd, Path(META_NAME), MAX_META_BYTES)
     except Exception:
@@ -198,9 +177,8 @@ _DEAD_CLAIM = "empty step directory (a claim or save that never wrote a file)"
 
 
 def _dead_claim(step_fd: int, now: float, min_age: float) -> bool:
-    """A step directory holding nothing (or only a usage record), untouched for ``min_age``: a rows
-    record's number claimed (``mkdir``) by a writer that never wrote it, a save killed right after
-    creating its directory, or a hit counted while the step was being removed."""
+    """An empty step directory (or holding only a usage record) untouched for ``min_age``: a claim or save
+    that never wrote a file."""
     try:
         return set(os.listdir(step_fd)) <= {USAGE_NAME} and now - os.fstat(step_fd).st_mtime >= min_age
     except OSError:
@@ -208,8 +186,7 @@ def _dead_claim(step_fd: int, now: float, min_age: float) -> bool:
 
 
 def _clean_commit(step_fd: int) -> bool:
-    """A committed step holding only the files of one write (the usual case): nothing to collect, and
-    no need to parse its meta.json. Cheap: directory listings only."""
+    """A committed step holding only one write's files: nothing to collect (listings only, no parse)."""
     try:
         names = os.listdir(step_fd)
         if META_NAME not in names:
@@ -245,8 +222,10 @@ def _part_dir_empty_after(part_fd: int, removed: list[Leftover]) -> bool:
     return names <= {item.path.name for item in removed}
 
 
-def find_leftovers(project_dir: Path, *, now: float | None = None, min_age: float = ABANDONED_AFTER) -> list[Leftover]:
-    """Abandoned files of our own saves under ``project_dir`` (its step directories and their parts)."""
+def find_leftovers(
+    project_dir: Path, *, now: float | None = None, min_age: float = ABANDONED_AFTER, steps: Iterable[str] | None = None
+) -> list[Leftover]:
+    """Abandoned files of our own saves under ``project_dir`` (``steps``: only these step directories)."""
     now = time.time() if now is None else now
     project_fd = try_open_dir(project_dir)
     if project_fd is None:
@@ -254,7 +233,7 @@ def find_leftovers(project_dir: Path, *, now: float | None = None, min_age: floa
     out: list[Leftover] = []
     try:
         try:
-            names = os.listdir(project_fd)
+            names = os.listdir(project_fd) if steps is None else list(steps)
         except OSError:
             return []
         for name in names:
@@ -266,14 +245,8 @@ def find_leftovers(project_dir: Path, *, now: float | None = None, min_age: floa
 
 
 def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONED_AFTER) -> tuple[int, int]:
-    """Unlink leftovers (files first, then empty part directories, then empty step directories); returns
-    (files removed, bytes).
-
-    Each file's directory is reached from its project directory's descriptor without following a
-    link (:func:`~skipinject.store.files.open_below`), and the file is checked again there right
-    before it is unlinked relative to that descriptor (a regular file, still abandoned with the same
-    ``min_age``, still not named by its step's meta.json); anything that changed is kept.
-    """
+    """Unlink leftovers (files, then empty part and step directories), each reached from its project directory
+    without following a link and checked again right before; returns (files removed, bytes)."""
     items = list(leftovers)
     files = bytes_ = 0
     now = time.time()
@@ -328,7 +301,7 @@ def _changed(item: Leftover, info: os.stat_result, *, step_fd: int, sub: str, no
 
 
 def collect(project_dir: Path, *, step: int | None = None, force: bool = False) -> tuple[int, int]:
-    """After a commit: remove leftovers of ``step`` now, and of the whole project at most once per
+    """After a commit: remove leftovers of ``step`` now, of the whole project at most once per
     :data:`SCAN_INTERVAL` per process. Never raises; returns (files removed, bytes)."""
     try:
         key = str(project_dir)
@@ -341,7 +314,7 @@ def collect(project_dir: Path, *, step: int | None = None, force: bool = False) 
         if whole:
             found = find_leftovers(project_dir)
         elif step is not None:
-            found = _step_leftovers(project_dir, str(int(step)))
+            found = find_leftovers(project_dir, steps=[str(int(step))])
         else:
             return 0, 0
         return remove_leftovers(found)
@@ -349,22 +322,9 @@ def collect(project_dir: Path, *, step: int | None = None, force: bool = False) 
         return 0, 0
 
 
-def _step_leftovers(project_dir: Path, step_name: str) -> list[Leftover]:
-    project_fd = try_open_dir(project_dir)
-    if project_fd is None:
-        return []
-    out: list[Leftover] = []
-    try:
-        _scan_step(project_fd, Path(project_dir), step_name, time.time(), ABANDONED_AFTER, out)
-    finally:
-        os.close(project_fd)
-    return out
-
-
 def collect_by_name(backend: Backend, step_dir: Path, named: set[str] | None) -> tuple[int, int]:
-    """Remove data files of a step (and its parts) that no ``meta.json`` names (``named``: their
-    locations, None when it cannot be read: then nothing can be told apart from a live upload), that
-    no writer of this process holds, and that are :data:`BY_NAME_ABANDONED_AFTER` old. Never raises."""
+    """Remove data files of a step no ``meta.json`` names (``named``: None if unreadable, then nothing), no
+    writer of this process holds, and :data:`BY_NAME_ABANDONED_AFTER` old. Never raises."""
     removed = freed = 0
     if named is None:
         return removed, freed

@@ -1,25 +1,14 @@
-"""Memory that compressed hits decode into, kept from one hit to the next (``skip.<role>.reuse_hit_memory``).
+"""Memory compressed hits decode into, kept from one hit to the next (``skip.<role>.reuse_hit_memory``).
 
-A compressed hit builds its tensors anew, and on a VM most of that cost is the page faults of fresh
-memory, not the writes (436 MB: ~190 ms to fill fresh, ~30 ms to fill again). In a training loop
-step k's batch is still alive while step k+1's hit loads, and gone by step k+2's; so a pool of
-two slots lets every hit from the third on decode into memory that is already faulted in.
-
-A slot is the buffers one hit took (anonymous private mappings, kept by the pool). Each buffer is
-lent as a numpy array viewing it, and every tensor built on that array keeps it alive
-(``torch.frombuffer`` holds the object it views), so the pool sees through weak references when
-the last tensor is gone. A slot is lent again only when no array it lent is alive and the hit that
-claimed it (its :class:`Claim`, held by the :class:`~skipinject.store.payload.StepEntry`) is gone:
-tensors training still holds are never overwritten. A reused buffer holds the previous batch's
-bytes, so what is lent from it is marked not ``zeroed`` and must be written in full.
-
-Memory cost: the slots' buffers stay allocated between hits, up to ``slots`` batches' decoded
-size (and never more than ``max_bytes``); ``0`` slots: every hit takes fresh memory, freed with
-its tensors.
-"""
+Fresh memory's page faults are most of a compressed hit on a VM; step k's batch is alive while step
+k+1 loads and gone by k+2, so two slots let every later hit decode into memory already faulted in. A
+slot's buffers are lent as numpy arrays; weak references tell when the last tensor viewing one is
+gone, and a slot is lent again only when none is and its :class:`Claim` is gone too. Reused memory
+is not ``zeroed``: what is lent from it must be written in full."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -44,18 +33,12 @@ MAX_SLOTS = 16
 _HEADROOM = 16
 
 
-def _default_max_bytes() -> int:
-    """A quarter of the memory the process may use."""
-    return memory_budget() // 2
-
-
 _USABLE: list[int] = []
 
 
 def memory_budget() -> int:
-    """The most one step may take decoded and rebuilt: half the memory this process may use (the
-    machine's, or less under a cgroup limit or ``RLIMIT_AS``; 16 GiB where none can be told). A step
-    declaring more is refused before anything is allocated: it could only be forged, or never fit."""
+    """The most one step may take decoded and rebuilt: half the memory this process may use (physical,
+    cgroup or ``RLIMIT_AS``). A step declaring more is refused before anything is allocated."""
     if not _USABLE:
         limits = []
         try:
@@ -111,7 +94,7 @@ class HitMemory:
         if not 0 <= slots <= MAX_SLOTS:
             raise ValueError(f"hit memory slots must be 0 .. {MAX_SLOTS}, got {slots}")
         self.slots = slots
-        self.max_bytes = _default_max_bytes() if max_bytes is None else max_bytes
+        self.max_bytes = memory_budget() // 2 if max_bytes is None else max_bytes
         self._pool: list[_Slot] = []
         self._lock = threading.Lock()
 
@@ -126,7 +109,7 @@ class HitMemory:
             return sum(slot.nbytes for slot in self._pool)
 
     def _slot_for(self, claim: Claim) -> _Slot | None:
-        """A slot no live tensor views and no live hit holds (or a new one), claimed; None: all busy."""
+        """A free slot (or a new one), claimed; None: all busy."""
         with self._lock:
             slot = next((slot for slot in self._pool if not slot.busy()), None)
             if slot is None and len(self._pool) < self.slots:
@@ -137,8 +120,7 @@ class HitMemory:
             return slot
 
     def _lend(self, slot: _Slot, claim: Claim, size: int) -> tuple[Decoded, bool] | None:
-        """A buffer of ``size`` bytes from ``slot`` (claimed by ``claim``) and whether it holds zeros; None
-        when the pool's bound does not allow it."""
+        """A buffer of ``size`` bytes from ``slot`` and whether it holds zeros; None past the pool's bound."""
         import numpy as np
 
         with self._lock:
@@ -152,7 +134,7 @@ class HitMemory:
             else:
                 for small in free:  # outgrown: let it go rather than keep memory no hit uses
                     slot.buffers.remove(small)
-                    _close(small.mapping)
+                    close(small.mapping)
                 capacity = size + size // _HEADROOM
                 capacity += -capacity % mmap.PAGESIZE
                 if sum(other.nbytes for other in self._pool) + capacity > self.max_bytes:
@@ -168,8 +150,7 @@ class HitMemory:
             return array, zeroed
 
     def _refuse(self, slot: _Slot, claim: Claim) -> None:
-        """``claim``'s step was refused: the buffers it added leave the pool (freed with their last
-        array), and the slot is free again."""
+        """``claim``'s step was refused: the buffers it added leave the pool."""
         with self._lock:
             for buffer in claim._grown:
                 if buffer in slot.buffers:
@@ -188,13 +169,12 @@ class HitMemory:
                     kept.append(slot)
                     continue
                 for buffer in slot.buffers:
-                    _close(buffer.mapping)
+                    close(buffer.mapping)
             self._pool = kept
 
 
 class Claim:
-    """One hit's hold on the pool: its buffers come from one slot, which no other hit gets while this
-    claim or any array lent from the slot is alive."""
+    """One hit's hold on the pool: one slot, lent to no other hit while this claim or its arrays live."""
 
     def __init__(self, memory: HitMemory | None) -> None:
         self._memory = memory
@@ -203,8 +183,7 @@ class Claim:
         self._grown: list[_Buffer] = []  # buffers the pool allocated for this hit
 
     def take(self, size: int) -> tuple[Decoded, bool]:
-        """A writable buffer of exactly ``size`` bytes, and whether it holds zeros (fresh memory) or an
-        earlier batch's bytes (then whatever is read from it must be written first)."""
+        """A writable buffer of exactly ``size`` bytes, and whether it holds zeros (else it must be written first)."""
         if self._memory is not None and size:
             if not self._tried:
                 self._tried = True
@@ -231,20 +210,15 @@ FRESH = Claim(None)
 
 
 def anonymous(size: int) -> mmap.mmap | bytearray:
-    """A writable buffer of ``size`` bytes that costs memory only as it is filled: an anonymous
-    *private* mapping (a shared one is shmem, whose page faults cost half as much again).
-
-    No huge pages (``MADV_HUGEPAGE``): on a VM whose freed memory goes back to the host, a fresh
-    2 MiB page costs ~4x its 4 KiB pages (measured: 436 MB filled in ~1.5 s of kernel time against
-    ~0.3 s), and a training run's hits are far enough apart for its freed memory to have gone back."""
+    """A writable buffer that costs memory only as it is filled: an anonymous private mapping (no huge pages:
+    on a VM a fresh 2 MiB page costs ~4x its 4 KiB pages)."""
     if not size:
         return bytearray()
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     return mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
 
 
-def _close(mapping: mmap.mmap) -> None:
-    try:
-        mapping.close()
-    except BufferError:  # an export outlived its array (cannot happen through this module); leave it
-        pass
+def close(buffer: object) -> None:
+    """Unmap a buffer now (a mapping an export still views is left to its last holder)."""
+    with contextlib.suppress(BufferError):
+        getattr(buffer, "close", lambda: None)()

@@ -1,13 +1,8 @@
 """The local backend: a directory tree, with every guarantee of docs/reliability.md.
 
-Reading (:mod:`skipinject.store.files`): a step is opened by its directory's descriptor
-(``O_DIRECTORY|O_NOFOLLOW``), its files relative to it with ``O_NOFOLLOW|O_NONBLOCK``, each opened
-descriptor ``fstat``-ed (a regular file of the recorded size before a byte is read), every file read
-into private memory and checksummed there (what was verified is what is served: a file rewritten or
-truncated in place afterwards changes nothing and faults nothing); directories other users could write are
-refused unless trusted (ssh's StrictModes). Writing: every file through a temporary name, fsynced,
-renamed into place; ``meta.json`` last, then the directory fsynced; never through a linked
-directory; directories created private to the user (0700).
+Reads go through :mod:`skipinject.store.files` (descriptor-relative, no link followed, sizes checked
+before a byte is read, bytes read into private memory and checksummed there). Writes go through a
+temporary name, fsynced and renamed into place, ``meta.json`` last; directories are created 0700.
 """
 
 from __future__ import annotations
@@ -49,18 +44,14 @@ class LocalFiles:
     checks_owners = True
 
     def __init__(self, *, trust_permissions: bool = False, given_root: Path | None = None) -> None:
-        """``trust_permissions``: load from directories other users could write (the user's opt-in).
-        ``given_root``: the dump directory as the user gave it (``~`` expanded, links not resolved),
-        checked for links and parents other users control before its resolved form is trusted."""
+        """``given_root``: the dump directory as the user gave it (links not resolved), checked for links
+        and parents other users control before its resolved form is trusted."""
         self.trust_permissions = trust_permissions
         self.given_root = given_root
 
-    # ------------------------------------------------------------ trust
-
     def check_trust(self, chain: list[Path], role: str) -> None:
-        """Every existing directory of ``chain`` must be a directory (a FIFO, ``/dev/null`` or a file
-        as ``dump_dir`` is a CorruptCacheError naming it) and, unless trusted, one only this user
-        (or root) can write; the dump directory as given must not be redirectable by another user."""
+        """Every existing directory of ``chain`` is a directory this user (or root) alone can write, unless
+        trusted; the dump directory as given must not be redirectable by another user."""
         if not self.trust_permissions and self.given_root is not None:
             problem = unresolved_problem(self.given_root)
             if problem is not None:
@@ -90,8 +81,6 @@ class LocalFiles:
         info = os.fstat(fd)
         if untrusted_reason(info) is not None:
             raise UntrustedCacheError(trust_problem(path, info, role))
-
-    # ------------------------------------------------------------ reading
 
     def names(self, location: Path, *, directories: bool = False, follow: bool = False) -> list[str]:
         """``follow``: ``location`` itself may be a link (the cache tool's walk from a root as given)."""
@@ -140,8 +129,6 @@ class LocalFiles:
                 found[location] = os.stat(location, follow_symlinks=False).st_mtime_ns
         return found
 
-    # ------------------------------------------------------------ writing
-
     def prepare(self, step_dir: Path, folder: Path) -> list[Path]:
         if os.path.lexists(step_dir):
             _refuse_link(step_dir)
@@ -156,13 +143,12 @@ class LocalFiles:
         return location.stat().st_size, done[0]
 
     def replace(self, location: Path, data: bytes, write_id: str) -> None:
-        """Through a temporary name, fsynced, renamed; then the directory fsynced (never through a link)."""
         _refuse_link(location.parent)
         _write_file_atomic(location, lambda h: h.write(data), write_id)
         _fsync_dir(location.parent)
 
     def make_dir(self, location: Path) -> bool:
-        """``mkdir`` relative to the parent's descriptor (no link followed): it fails for every other creator."""
+        """``mkdir`` relative to the parent's descriptor: it fails for every other creator."""
         fd = open_dir(location.parent)
         try:
             os.mkdir(location.name, 0o700, dir_fd=fd)
@@ -173,8 +159,6 @@ class LocalFiles:
         return True
 
     def remove(self, location: Path, anchor: Path | None = None) -> None:
-        """Reached from ``anchor`` (the dump or project directory) without following a link, never by
-        a path looked up again after a check (:func:`~skipinject.store.files.remove_name`)."""
         remove_name(anchor if anchor is not None else location.parent, location)
 
 
@@ -191,16 +175,7 @@ class _LocalStep:
         self._parts: dict[str, int] = {}
 
     def read_meta(self) -> bytes:
-        path = self.directory / META_NAME
-        fd, info = open_regular(META_NAME, self.fd, path)
-        try:
-            if info.st_size > MAX_META_BYTES:
-                raise CorruptCacheError(f"{path}: {info.st_size} bytes, far larger than any meta.json; not read")
-            return read_fd(fd, info.st_size, path)
-        except OSError as exc:
-            raise CorruptCacheError(f"{path}: unreadable meta.json ({type(exc).__name__}: {exc})") from exc
-        finally:
-            os.close(fd)
+        return read_small(META_NAME, MAX_META_BYTES, self.fd, self.directory / META_NAME)
 
     def _part_fd(self, sub: str) -> int:
         if not sub:
@@ -234,7 +209,7 @@ class _LocalStep:
 
     @contextlib.contextmanager
     def stream(self, sub: str, name: str, size: object) -> Iterator[Iterator[bytes]]:
-        """The file read whole when the first piece is asked for (a local read gains nothing from pieces)."""
+        """The file read whole at the first piece (a local read gains nothing from pieces)."""
         fd, info, path = self._open(sub, name, size)
         try:
             yield (read_fd(fd, info.st_size, path) for _ in range(1))
@@ -257,9 +232,6 @@ class _LocalStep:
         os.close(self.fd)
 
 
-# ---------------------------------------------------------------- writing
-
-
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -270,9 +242,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id: str | None = None) -> None:
-    """Write through a temporary name, fsync, then rename: the name holds all or nothing.
-
-    The temporary name carries the writer's id (see :mod:`skipinject.store.garbage`)."""
+    """Write through a temporary name carrying the writer's id, fsync, then rename."""
     tmp = path.with_name(tmp_name(path.name, write_id or uuid.uuid4().hex[:8]))
     handle = open(tmp, "wb", opener=_exclusive)  # noqa: SIM115 - closed below
     try:
@@ -288,12 +258,11 @@ def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id
 
 
 def _exclusive(path: str, flags: int) -> int:
-    """A fresh file, never a name planted there: no link followed, nothing truncated."""
     return os.open(path, flags | os.O_EXCL | os.O_NOFOLLOW, 0o666)
 
 
 def make_private_dirs(path: Path) -> list[Path]:
-    """Create ``path`` and missing parents readable by the owner only; returns those it created."""
+    """Create ``path`` and missing parents private to the owner; returns those it created."""
     missing = []
     probe = path
     while not probe.exists():

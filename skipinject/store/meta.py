@@ -1,10 +1,6 @@
-"""A step's ``meta.json`` as one typed value, checked once (docs/cache-format.md).
-
-:class:`StepMeta` is the parsed commit record (still a mapping: role-specific keys are read as
-such); its :attr:`~StepMeta.parts` are the format's part and file records, every name checked to be
-safe before a path is built from it. The store, garbage collection and the cache tool read parts,
-named files and sizes from here only, never by walking the JSON themselves.
-"""
+"""A step's ``meta.json`` as one typed value, checked once (docs/cache-format.md): :class:`StepMeta`
+(still a mapping for role-specific keys) and its parts and file records, every name checked safe
+before a path is built from it. Nothing else walks the JSON."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.errors import CorruptCacheError
-from skipinject.store.files import parse_json, read_fd
+from skipinject.store.files import parse_json, read_small
 from skipinject.store.format import (
     MAX_BYTES_PER_TOKEN,
     MAX_FILE_BYTES,
@@ -110,8 +106,7 @@ class StepMeta(dict[str, Any]):
         return all(file.encoded for _, file in self.files())
 
     def check_budget(self) -> None:
-        """Refuse (CorruptCacheError) a step whose files decode to more than its parts' budgets
-        (:func:`part_budget`) or than the process's memory budget, before a byte is read or allocated."""
+        """Refuse (CorruptCacheError) a step whose files decode to more than its parts' or the process's budget."""
         from skipinject.store.hit_memory import memory_budget
 
         context = self.get("context")
@@ -133,12 +128,9 @@ class StepMeta(dict[str, Any]):
 
 
 def part_budget(rows: int | None, context: Mapping[str, Any]) -> int:
-    """The most bytes one part of ``rows`` rows may take decoded and rebuilt (its data files decoded plus
-    the tensors its compact tensor file rebuilds): ``rows`` times what a row may take (per token of the
-    width ``context`` declares, :data:`~skipinject.store.format.MAX_BYTES_PER_TOKEN`, at least
-    :data:`~skipinject.store.format.MIN_ROW_BYTES`) plus
-    :data:`~skipinject.store.format.PART_SLACK`, never more than the memory budget (rows not recorded:
-    the memory budget)."""
+    """The most bytes one part of ``rows`` rows may take decoded and rebuilt: per row, the declared width times
+    :data:`~skipinject.store.format.MAX_BYTES_PER_TOKEN` (at least ``MIN_ROW_BYTES``), plus ``PART_SLACK``,
+    at most the memory budget."""
     from skipinject.store.hit_memory import memory_budget
 
     budget = memory_budget()
@@ -157,32 +149,16 @@ def step_meta(meta: Mapping[str, Any], step_dir: Path) -> StepMeta:
     return meta if isinstance(meta, StepMeta) else StepMeta(meta, step_dir / META_NAME)
 
 
-def peek(data: bytes, shown: Path) -> StepMeta:
-    """A ``meta.json``'s bytes parsed with the run's bounds, before its role and context are known
-    (the cache tool, garbage collection): a CorruptCacheError unless it is a JSON object."""
+def read_named(step_fd: int, shown: Path, limit: int) -> set[str]:
+    """What the ``meta.json`` in ``step_fd`` names (empty when there is none); CorruptCacheError otherwise."""
+    try:
+        data = read_small(META_NAME, limit, step_fd, shown)
+    except FileNotFoundError:
+        return set()
     raw = parse_json(data, shown, what="meta.json", max_depth=MAX_META_DEPTH)
     if not isinstance(raw, dict):
         raise CorruptCacheError(f"{shown}: not a skipinject cache (no format marker)")
-    return StepMeta(raw, shown)
-
-
-def read_named(step_fd: int, shown: Path, limit: int) -> set[str]:
-    """What the ``meta.json`` in the directory ``step_fd`` names (garbage collection's question):
-    empty when there is none; CorruptCacheError or OSError when it cannot be read."""
-    from skipinject.store.files import open_regular
-
-    try:
-        fd, info = open_regular(META_NAME, step_fd, shown)
-    except FileNotFoundError:
-        return set()
-    try:
-        if info.st_size > limit:
-            raise CorruptCacheError(f"{shown}: larger than any meta.json")
-        return peek(read_fd(fd, info.st_size, shown), shown).named()
-    finally:
-        import os
-
-        os.close(fd)
+    return StepMeta(raw, shown).named()
 
 
 def _parts_list(meta: Mapping[str, Any], directory: Path) -> list[Any]:
@@ -218,7 +194,7 @@ def _part(directory: Path, part: Any) -> Part:
 
 
 def short(value: Any, limit: int = 200) -> str:
-    """``repr`` of a value from a cache, cut to one short line (a forged meta.json may hold megabytes)."""
+    """``repr`` of a value from a cache, cut to one short line."""
     try:
         text = repr(value)
     except Exception:  # a RecursionError on a value nested past the limit

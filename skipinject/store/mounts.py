@@ -1,61 +1,24 @@
-"""Which file system a path is on, and whether its bytes cross a network (one classifier).
-
-Asked by ``skip.<role>.compression=auto`` (compress where the bytes cross a network) and by
-:mod:`skipinject.cluster` (warn when a multi-node run's cache is on one node only): a file system
-several nodes mount is one whose bytes travel, so both ask :func:`is_network_path`.
-"""
+"""Which file system a path is on, and whether its bytes cross a network: the one mount classifier,
+asked by ``compression=auto`` and by :mod:`skipinject.cluster` (a cache several nodes see)."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 MOUNTINFO = "/proc/self/mountinfo"
 
 #: File systems that several nodes mount (network, cluster, parallel file systems).
-SHARED_FS_TYPES = frozenset(
-    {
-        "nfs",
-        "nfs4",
-        "cifs",
-        "smb3",
-        "smbfs",
-        "ncpfs",
-        "afs",
-        "lustre",
-        "gpfs",
-        "beegfs",
-        "ceph",
-        "cephfs",
-        "glusterfs",
-        "ocfs2",
-        "gfs2",
-        "panfs",
-        "pvfs2",
-        "orangefs",
-        "wekafs",
-        "quobyte",
-        "vastfs",
-        "davfs",
-        "9p",
-        "9p.nfs",
-    }
-)
+_SHARED = "nfs nfs4 cifs smb3 smbfs ncpfs afs lustre gpfs beegfs ceph cephfs glusterfs ocfs2 gfs2 panfs pvfs2 orangefs"
+SHARED_FS_TYPES = frozenset(f"{_SHARED} wekafs quobyte vastfs davfs 9p 9p.nfs".split())
 #: ``fuse.*`` mounts are mostly network clients (sshfs, s3fs, gcsfuse, juicefs, ...); these are not.
 LOCAL_FUSE_TYPES = frozenset({"fuse.lxcfs", "fuse-overlayfs", "fuse.fuse-overlayfs", "fuse.portal", "fuse.gvfsd-fuse"})
 
 
 def _unescape(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as ``\\ooo``."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
 
 
 def parse_mountinfo(text: str) -> list[tuple[str, str]]:

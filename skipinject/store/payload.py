@@ -31,10 +31,8 @@ class StepEntry:
     loaded: list[Payload] = field(default_factory=list, compare=False, repr=False)
 
     def release(self) -> None:
-        """Drop what :meth:`StepStore.verified` read. Mappings are let go, never closed here: a tensor
-        built by ``torch.frombuffer`` views one without holding a buffer export, so ``close`` would
-        succeed under it and the tensor would read unmapped memory. A mapping is unmapped when its
-        last holder (this entry or a loaded tensor) is gone."""
+        """Drop what :meth:`StepStore.verified` read. Mappings are let go, never closed: a tensor viewing one holds
+        no buffer export, so closing it would leave the tensor reading unmapped memory."""
         self.mapped.clear()
         self.blobs.clear()
         self.loaded.clear()

@@ -1,19 +1,9 @@
-"""Steps under an fsspec URL (``s3://``, ``gs://``, ``hdfs://``, ``memory://``...): the :class:`FsspecFiles`
-backend of the one :class:`~skipinject.store.StepStore` (same format, same checks, same commit rule).
+"""Steps under an fsspec URL (``s3://``, ``gs://``, ``memory://``...): the :class:`FsspecFiles` backend.
 
-Object stores have no rename and no directories, so the commit is the object that appears last:
-every data file is uploaded whole under a fresh name (an object appears complete or not at all;
-a multipart upload that is interrupted leaves nothing visible), then ``meta.json`` is put in one
-request. A reader loads only the files ``meta.json`` names, after checking each one's size before
-reading a byte and its checksum after, so a torn or forged upload is reported and regenerated,
-never loaded. Two writers of one step each upload their own files and the last ``meta.json`` wins:
-a reader sees one writer's step whole. Loading streams each file into memory (no local copy), in
-bounded chunks, reading at most the size ``meta.json`` records; nothing read runs code.
-
-Object stores have no POSIX owners, so ``trust_dir_permissions`` does not apply: who may write the
-bucket is the store's own access control. ``file://`` URLs are plain local paths (see
-:class:`skipinject.dump_root.DumpRoot`), with every local guarantee.
-"""
+No rename, no directories: every data file is uploaded whole under a fresh name, then ``meta.json``
+in one request (the commit: the last writer's step is seen whole). Reads check each object's size
+before a byte and stream at most that much into memory. Object stores have no POSIX owners: who may
+write is the store's access control. ``file://`` URLs are local paths."""
 
 from __future__ import annotations
 
@@ -35,13 +25,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-#: Bytes moved per request when reading a data file (a multiple of the tree checksum's 32 MiB
-#: chunk). Large: some servers (moto, and any that do not index objects) pay for a ranged read in
-#: proportion to the whole object; at most this much is held twice while it is copied.
+#: Bytes per request reading a data file: large, as some servers pay for a ranged read per whole object.
 READ_CHUNK = 128 << 20
-#: Bytes requested at a time when a compressed file is read: its frames are decoded as they come,
-#: so a smaller request lets decoding start sooner; the stored bytes held are about this plus the
-#: frames being decoded.
+#: Bytes per request reading a compressed file: smaller, so decoding its frames starts sooner.
 STREAM_CHUNK = 8 << 20
 #: Bytes handed to an upload at a time (see :class:`_Pieces`).
 WRITE_PIECE = 8 << 20
@@ -74,8 +60,7 @@ class RemotePath:
 
 
 def open_remote(url: str) -> tuple[AbstractFileSystem, RemotePath]:
-    """The fsspec filesystem of ``url`` (credentials and endpoints from the environment, e.g.
-    ``AWS_ENDPOINT_URL``, ``AWS_PROFILE`` or fsspec's ``FSSPEC_S3_*``) and the root location."""
+    """The fsspec filesystem of ``url`` (credentials from the environment) and the root location."""
     from fsspec.core import url_to_fs
 
     fs, path = url_to_fs(url)
@@ -84,22 +69,16 @@ def open_remote(url: str) -> tuple[AbstractFileSystem, RemotePath]:
 
 
 def _at(location: Path) -> RemotePath:
-    """A location the store handed this backend: a RemotePath standing in for a Path."""
     return cast(RemotePath, location)
 
 
 class FsspecFiles:
-    """A store's files in an fsspec filesystem (see the module doc)."""
-
     checks_owners = False
 
     def __init__(self, fs: AbstractFileSystem) -> None:
         self.fs = fs
 
-    # ------------------------------------------------------------ listing
-
     def _names(self, location: RemotePath) -> list[str]:
-        """Base names under ``location`` (FileNotFoundError when there is nothing)."""
         with contextlib.suppress(Exception):
             self.fs.invalidate_cache(location.path)
         entries = self.fs.ls(location.path, detail=False)
@@ -140,8 +119,6 @@ class FsspecFiles:
         found = {str(name).rstrip("/"): info for name, info in listed.items()}
         return {keys[name]: _object_version(info) for name, info in found.items() if name in keys}
 
-    # ------------------------------------------------------------ writing
-
     def write(self, location: Path, produce: Callable[[BinaryIO], T], write_id: str | None = None) -> tuple[int, T]:
         handle = self.fs.open(_at(location).path, "wb")
         try:
@@ -167,7 +144,7 @@ class FsspecFiles:
         """No directories, so no exclusive create: see :meth:`~skipinject.store.StepStore.claim`."""
 
     def check_trust(self, chain: list[Path], role: str) -> None:
-        """Nothing to check: an object store's access control says who may write it."""
+        """An object store's access control says who may write it."""
 
 
 class _RemoteStep:
@@ -182,8 +159,7 @@ class _RemoteStep:
     def read_meta(self) -> bytes:
         location = self.directory / META_NAME
         try:
-            # One ranged GET, no size query first: meta.json is replaced in place by later commits, and
-            # a size from one version with the bytes of another would be a spurious damaged step.
+            # One ranged GET, no size query first (meta.json may be replaced between the two).
             data = self.fs.cat_file(location.path, start=0, end=MAX_META_BYTES + 1)
             if len(data) > MAX_META_BYTES:
                 raise CorruptCacheError(
@@ -207,60 +183,53 @@ class _RemoteStep:
             raise CorruptCacheError(f"{location}: not a regular object")
         return size
 
-    def _stream(self, location: RemotePath, size: int, hasher: _Hasher) -> bytearray:
-        """Exactly ``size`` bytes of an object, streamed into memory chunk by chunk (hashed as they come)."""
-        buffer = bytearray(size)
-        view = memoryview(buffer)
-        got = 0
-        with self.fs.open(location.path, "rb", block_size=READ_CHUNK, cache_type="none") as handle:
-            while got < size:
-                piece = handle.read(min(READ_CHUNK, size - got))
-                if not piece:
-                    break
-                view[got : got + len(piece)] = piece
-                hasher.update(piece)
-                got += len(piece)
-        if got != size:
-            raise CorruptCacheError(f"{location}: {got} bytes read, meta.json records {size}")
-        return buffer
-
     def read(
         self, sub: str, name: str, size: object, algo: str, *, into: object = None
     ) -> tuple[bytes | bytearray, str]:
-        """Downloaded whole into memory of this process (``into`` is not needed: the bytes are private)."""
-        location = self._location(sub, name)
-        with self._reading(location, size) as size:
-            hasher = _Hasher(algo)
-            data = self._stream(location, size, hasher)
+        """Downloaded whole into memory of this process, :data:`READ_CHUNK` at a time."""
+        hasher = _Hasher(algo)
+        with self._pieces(sub, name, size, READ_CHUNK) as (pieces, size):
+            data = bytearray(size)
+            got = 0
+            for piece in pieces:
+                data[got : got + len(piece)] = piece
+                hasher.update(piece)
+                got += len(piece)
+            if got != size:
+                raise CorruptCacheError(f"{self._location(sub, name)}: {got} bytes read, meta.json records {size}")
         return (data if into is not None else bytes(data)), hasher.hexdigest()  # tensors are views of it
 
     @contextlib.contextmanager
     def stream(self, sub: str, name: str, size: object) -> Iterator[Iterator[bytes]]:
-        """Requested :data:`STREAM_CHUNK` at a time, never held whole: a compressed file's frames are
-        decoded while the next piece arrives (:meth:`skipinject.store.StepStore.verified`)."""
+        """Requested :data:`STREAM_CHUNK` at a time, never held whole (frames decode meanwhile)."""
+        with self._pieces(sub, name, size, STREAM_CHUNK) as (pieces, _):
+            yield pieces
+
+    @contextlib.contextmanager
+    def _pieces(self, sub: str, name: str, size: object, chunk: int) -> Iterator[tuple[Iterator[bytes], int]]:
         location = self._location(sub, name)
         with (
             self._reading(location, size) as size,
-            self.fs.open(location.path, "rb", block_size=STREAM_CHUNK, cache_type="none") as handle,
+            self.fs.open(location.path, "rb", block_size=chunk, cache_type="none") as handle,
         ):
 
             def pieces() -> Iterator[bytes]:
                 got = 0
                 while got < size:
-                    piece = handle.read(min(STREAM_CHUNK, size - got))
+                    piece = handle.read(min(chunk, size - got))
                     if not piece:
                         return
                     got += len(piece)
                     yield piece
 
-            yield pieces()
+            yield pieces(), size
 
     def _location(self, sub: str, name: str) -> RemotePath:
         return self.directory / sub / name if sub else self.directory / name
 
     @contextlib.contextmanager
     def _reading(self, location: RemotePath, size: object) -> Iterator[int]:
-        """Reading ``location``: its size checked against the record first; failures made CorruptCacheErrors."""
+        """Its size checked against the record first; failures made CorruptCacheErrors."""
         if type(size) is not int or size < 0:
             raise CorruptCacheError(f"{location}: meta.json records no size")
         try:
@@ -275,8 +244,7 @@ class _RemoteStep:
         except Exception as exc:  # network, permission, memory: not a cache we use
             raise CorruptCacheError(f"{location}: cannot read it ({type(exc).__name__}: {_one_line(exc)})") from exc
 
-    def close(self) -> None:
-        """Nothing is held open between requests."""
+    def close(self) -> None: ...
 
 
 def _modified(info: Mapping[str, Any], default: float | None) -> float | None:
@@ -298,16 +266,14 @@ def _modified(info: Mapping[str, Any], default: float | None) -> float | None:
 
 
 def _object_version(info: Mapping[str, Any]) -> int:
-    """A 56-bit digest of what tells one upload of an object from another."""
     tag = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or info.get("created")
     text = f"{tag}|{info.get('size')}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
 
 
 class _Pieces:
-    """A write-only handle passing at most :data:`WRITE_PIECE` bytes per ``write`` to ``handle``:
-    fsspec's buffered files copy what they are given into their buffer before uploading a block,
-    so a 600 MB tensor written at once would be held twice in memory."""
+    """A write-only handle passing at most :data:`WRITE_PIECE` bytes per ``write`` (fsspec copies what it is
+    given, so a large tensor written at once would be held twice)."""
 
     def __init__(self, handle: Any) -> None:
         self._handle = handle
@@ -321,17 +287,14 @@ class _Pieces:
     def tell(self) -> int:
         return int(self._handle.tell())
 
-    def flush(self) -> None:
-        """Uploads happen block by block as written; nothing to hand to the kernel."""
+    def flush(self) -> None: ...
 
     def fileno(self) -> int:
         raise OSError("not a local file")
 
 
 def _discard(handle: Any) -> None:
-    """Abandon an upload in progress so that no partial object appears: fsspec's buffered files
-    abort their multipart upload on ``discard``; the handle is then marked closed without the
-    final flush that would publish what was written."""
+    """Abandon an upload in progress (fsspec aborts a multipart upload on ``discard``) so no partial object appears."""
     discard = getattr(handle, "discard", None)
     if callable(discard):
         with contextlib.suppress(Exception):

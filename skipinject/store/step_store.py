@@ -1,16 +1,14 @@
-"""One role's steps under one project directory: reading, verifying and loading them.
+"""One role's steps under one project directory: the only code that reads, verifies, writes or removes them.
 
-The format's logic lives here once, for every backend (:mod:`skipinject.store.backend`): which
-files a step has, the meta.json checks, sizes before reading and checksums before decoding, the
-commit rule (through :class:`~skipinject.store.writer.StepWriter`). Where the bytes are is the
-backend's business: :class:`~skipinject.store.local.LocalFiles` (regular files only, opened without
-following links out of the step directory, directories trusted like ssh's StrictModes unless
-``trust_permissions``) or :class:`~skipinject.store.remote.FsspecFiles` (an object store). Every
-failure is a :class:`CorruptCacheError` (a missing step stays ``FileNotFoundError``).
-"""
+The format's logic lives here once for every backend (:mod:`skipinject.store.backend`): which files a
+step has, the ``meta.json`` checks, sizes before reading and checksums before decoding, the commit rule
+(:class:`~skipinject.store.writer.StepWriter`). Every failure is a :class:`CorruptCacheError` (a missing
+step stays ``FileNotFoundError``)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,16 +32,16 @@ from skipinject.store.format import (
     READABLE_VERSIONS,
     SAFE_NAME,
     STEP_NAME,
-    _meta_digest,
     is_ours,
+    meta_digest,
     step_name,
 )
 from skipinject.store.garbage import collect, collect_by_name
-from skipinject.store.hit_memory import Claim, HitMemory
+from skipinject.store.hit_memory import Claim, HitMemory, close
 from skipinject.store.meta import Part, StepMeta, part_budget, short, step_meta
 from skipinject.store.payload import StepEntry
 from skipinject.store.tensorfile import read_tensors
-from skipinject.store.usage import Usage, is_usage_name, note_hit, read_usage
+from skipinject.store.usage import MAX_HITS, MAX_USAGE_BYTES, USAGE_NAME, Usage, ignored, is_usage_name, parse_usage
 from skipinject.store.writer import StepWriter
 
 if TYPE_CHECKING:
@@ -53,6 +51,8 @@ if TYPE_CHECKING:
     from skipinject.store.remote import RemotePath
 
 __all__ = ["STEP_NAME", "RemoteStepStore", "StepStore"]
+
+logger = logging.getLogger("skipinject")
 
 
 class StepStore:
@@ -72,15 +72,10 @@ class StepStore:
         memory: HitMemory | None = None,
         step_aliases: Sequence[str] = (),
     ) -> None:
-        """``trust_permissions``: load from directories other users could write (the user's opt-in,
-        ``skip.<role>.trust_dir_permissions``). ``dump_dir``: the cache root; it and every directory
-        from it down to ``project_dir`` are checked too (without it, ``project_dir`` and below).
-        ``plugin``: the plugin providing the role, recorded in ``meta.json`` (``skipinject cache``
-        names it where it is not installed). ``backend``: where the files are (default: local files,
-        see :meth:`~skipinject.dump_root.DumpRoot.backend`). ``compression``: how the files this store
-        writes are compressed (None: stored as they are; steps of either kind are read). ``memory``: the
-        pool compressed hits decode into (None: fresh memory each hit; see :mod:`~skipinject.store.hit_memory`).
-        ``step_aliases``: more ``meta.json`` keys holding the step (the trainer's name for it)."""
+        """``trust_permissions``: load from directories other users could write; ``dump_dir``: the cache root
+        (checked down to ``project_dir``); ``plugin``: recorded in ``meta.json``; ``backend``: default local files;
+        ``compression``: of the files written; ``memory``: the pool compressed hits decode into;
+        ``step_aliases``: more ``meta.json`` keys holding the step."""
         if backend is None:
             from skipinject.store.local import LocalFiles
 
@@ -99,7 +94,6 @@ class StepStore:
 
     @property
     def location(self) -> Path:
-        """The project directory (a RemotePath standing in for a Path in a remote store)."""
         return self.project_dir
 
     def step_dir(self, step: int) -> Path:
@@ -127,15 +121,9 @@ class StepStore:
             raise
 
     def claim(self, token: str, first: int | None = None) -> int:
-        """A new record number (``match``'s rows records) that no concurrent writer of this store also
-        takes, from ``first`` on (default: after the numbers in use, :func:`next_number`); :meth:`release`
-        it once saved (or not).
-
-        Where there are directories, the number whose step directory this call creates (an exclusive
-        ``mkdir``). In an object store (no exclusive create): a claim object ``.claim-<token>`` in the
-        step, then a listing; the number is taken only if this claim is the only one there and no
-        ``meta.json`` is (strongly consistent listings: of two racing writers at most one sees only
-        its own; both may step on)."""
+        """A new record number from ``first`` on (default: after those in use) that no concurrent writer also
+        takes: an exclusive ``mkdir``, or in an object store a ``.claim-<token>`` object that must be the only
+        one listed (and no ``meta.json``). :meth:`release` it once saved."""
         backend = self.backend
         backend.prepare(self.project_dir, self.project_dir)
         self.check_writable([])
@@ -160,38 +148,30 @@ class StepStore:
         raise CacheError(f"{self.project_dir}: steps {first} to {first + MAX_CLAIMS - 1} are all taken")
 
     def release(self, step: int, token: str) -> None:
-        """Remove what :meth:`claim` left that the committed record does not need (an object store's
-        claim object; a claimed directory is the record's). Never raises."""
+        """Remove an object store's claim object (a claimed directory is the record's). Never raises."""
         self.backend.remove(self.step_dir(step) / f"{CLAIM_PREFIX}{token}", self.dump_dir or self.project_dir)
 
-    # ------------------------------------------------------------ files beside the steps
-
     def read_file(self, name: str, limit: int) -> bytes:
-        """A file of the project directory beside the steps (``match``'s row index), at most ``limit``
-        bytes (more is a CorruptCacheError); FileNotFoundError when there is none."""
+        """A file beside the steps (the row index), at most ``limit`` bytes; FileNotFoundError."""
         return self.backend.read_bytes(self.project_dir / name, limit)
 
     def replace_file(self, name: str, data: bytes) -> None:
-        """Replace a file beside the steps whole: a reader sees the old bytes or the new ones."""
+        """Replace a file beside the steps whole."""
         self.backend.write(self.project_dir / name, lambda handle: handle.write(data))
 
     def meta_versions(self, steps: Sequence[int]) -> dict[int, int]:
-        """A number per step that changes whenever its ``meta.json`` is replaced (a local file's
-        mtime, an object's ETag; steps without one are left out). No ``meta.json`` is read."""
+        """A number per step that changes whenever its ``meta.json`` is replaced (no ``meta.json`` read)."""
         wanted = {self.step_dir(step) / META_NAME: step for step in steps}
         if not wanted:
             return {}
         return {wanted[at]: version for at, version in self.backend.versions(self.project_dir, list(wanted)).items()}
 
     def names_above(self, levels: int) -> list[str]:
-        """Directory names ``levels`` directories above the project directory (an experiment's
-        other layouts); FileNotFoundError when there is none."""
+        """Directory names ``levels`` above the project directory (an experiment's other layouts)."""
         location = self.project_dir
         for _ in range(levels):
             location = location.parent
         return self.backend.names(location, directories=True)
-
-    # ------------------------------------------------------------ trust
 
     def _trust_chain(self) -> list[Path]:
         chain = [self.project_dir]
@@ -206,17 +186,13 @@ class StepStore:
         return chain
 
     def check_trust(self) -> None:
-        """Refuse (CorruptCacheError, one line with the fix) a dump/project directory other users could
-        write or that another user owns. A missing directory is ``FileNotFoundError`` (nothing cached)."""
+        """Refuse (CorruptCacheError with the fix) a dump/project directory other users could write."""
         if self.trust_permissions:
             return
         self.backend.check_trust(self._trust_chain(), self.role)
 
     def unusable(self) -> str | None:
-        """Why this store's existing directories can be neither loaded from nor saved into, or None:
-        a dump or project directory that is not a directory (a FIFO, ``/dev/null``, a file), one other
-        users control, a dump directory another user could redirect. Missing directories are fine
-        (they are created private to the user). Never raises."""
+        """Why this store's existing directories can be neither loaded from nor saved into, or None. Never raises."""
         try:
             self.backend.check_trust(self._trust_chain(), self.role)
         except FileNotFoundError:
@@ -226,24 +202,17 @@ class StepStore:
         return None
 
     def check_writable(self, directories: list[Path]) -> None:
-        """Before a file is written: the chain from the dump directory and ``directories`` (the step and
-        part directories just prepared) pass the trust rules; a directory another user pre-created
-        (0777, or theirs) is refused with the fix, a CorruptCacheError."""
+        """Before a file is written: the trust chain and ``directories`` just prepared pass the trust rules."""
         chain = self._trust_chain()
         self.backend.check_trust(chain + [d for d in directories if d not in chain], self.role)
 
     def _open_step(self, step: int) -> StepFiles:
-        """The step directory opened for reading (never through a symlink), trust-checked."""
         self.check_trust()
         return self.backend.open_step(self.step_dir(step), self.role)
 
-    # ------------------------------------------------------------ listing
-
     def step_numbers_on_disk(self) -> list[int]:
-        """Step numbers of the project's step directories, sorted: names only (one directory listing,
-        no ``stat`` or read per step), so ``repeat`` over thousands of cached steps stays cheap.
-        Names that are not plain ASCII numbers and symlinks are skipped; an untrusted or missing
-        project gives ``[]``. Whether a step is usable is for :meth:`verified` to say."""
+        """Step numbers of the step directories, sorted, from one listing (no read per step); ``[]`` for an
+        untrusted or missing project."""
         try:
             self.check_trust()
         except (FileNotFoundError, CacheError):
@@ -267,8 +236,7 @@ class StepStore:
         return True
 
     def interrupted(self, step: int) -> str | None:
-        """One line if the step holds our data files (directly or in a part directory) but no
-        ``meta.json`` (a save there was interrupted), else None. Never raises."""
+        """One line if the step holds our data files but no ``meta.json`` (an interrupted save). Never raises."""
 
         def holds_data(names: list[str]) -> bool:
             return any(DATA_NAME.fullmatch(name) for name in names)
@@ -290,11 +258,8 @@ class StepStore:
         return f"{self.step_dir(step)} holds data files but no meta.json (an earlier save was interrupted)"
 
     def upstream_file(self, step: int, name: str, directory_name: str | None = None) -> Path | None:
-        """verl's own cache file ``name`` of a step (e.g. ``gen_batch.dp``) if it is a regular file in a
-        real, trusted step directory; None otherwise (a link, a pipe, an untrusted directory, a remote
-        store). Never raises.
-
-        ``directory_name``: the step's directory when it is not ``{step}`` (verl < 0.9: ``genstep_000003``)."""
+        """verl's own file ``name`` of a step if it is a regular file in a real, trusted, local step directory
+        (``directory_name``: when not ``{step}``); None otherwise. Never raises."""
         pieces = name.split("/")
         if len(pieces) > 2 or not all(SAFE_NAME.match(p) and ".." not in p for p in pieces):
             return None
@@ -316,10 +281,8 @@ class StepStore:
             return None
         return base / name
 
-    # ------------------------------------------------------------ reading
-
     def read_meta(self, step: int) -> StepMeta:
-        """Read and check a step's ``meta.json`` (format, version, role, context, self-checksum)."""
+        """A step's checked ``meta.json`` (format, version, role, context, self-checksum)."""
         files = self._open_step(step)
         try:
             return self._read_meta(files, step)
@@ -338,7 +301,6 @@ class StepStore:
             raise CorruptCacheError(f"{path}: meta.json is malformed ({type(exc).__name__}: {exc})") from exc
 
     def _check_meta(self, meta: object, path: Path, step: int) -> StepMeta:
-        """``meta`` (parsed JSON) once checked to be this role's and step's ``meta.json``."""
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CorruptCacheError(f"{path}: not a skipinject cache (no format marker)")
         if meta.get("format_version") not in READABLE_VERSIONS:
@@ -346,7 +308,7 @@ class StepStore:
                 f"{path}: written in format version {short(meta.get('format_version'))}, "
                 f"this skipinject reads versions {', '.join(map(str, READABLE_VERSIONS))}"
             )
-        if meta.get("meta_checksum") != _meta_digest(meta):
+        if meta.get("meta_checksum") != meta_digest(meta):
             raise CorruptCacheError(f"{path}: meta.json was edited or damaged (its checksum does not match)")
         if meta.get("role") != self.role:
             raise CorruptCacheError(f"{path}: written by role {short(meta.get('role'))}, not {self.role!r}")
@@ -369,12 +331,8 @@ class StepStore:
         return StepMeta(meta, path)
 
     def verified(self, step: int) -> StepEntry:
-        """The step's entry after checking every file it names; raises CorruptCacheError.
-
-        ``FileNotFoundError``: no step directory or no ``meta.json`` (nothing cached). Local tensor files
-        are checksummed through the copy-on-write mapping that :meth:`load` then uses, other files are
-        read once and kept: the bytes are read once and cannot change between the check and the load.
-        """
+        """The step's entry after checking every file it names (CorruptCacheError; FileNotFoundError: nothing
+        cached). The bytes are read once, into private memory, and kept for :meth:`load`."""
         files = self._open_step(step)
         try:
             meta = self._read_meta(files, step)
@@ -411,7 +369,7 @@ class StepStore:
                             raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
                         data = decompress_into(stored, spec, path, make)
                     finally:
-                        _close(stored)  # the stored bytes' mapping is done with
+                        close(stored)  # the stored bytes' mapping is done with
             if kind == "tensors":
                 if not isinstance(data, bytes) and len(data):
                     entry.mapped[path] = data  # tensors are views of it
@@ -421,9 +379,8 @@ class StepStore:
                 raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
 
     def check(self, step: int) -> None:
-        """Read and check every byte of a step as a hit would (sizes, checksums, tensor index, JSON
-        tree), then let it go: the one question ``cache verify`` and ``cache prune --damaged`` both
-        ask. CorruptCacheError when damaged; FileNotFoundError when nothing is committed."""
+        """Read and check every byte of a step as a hit would, then let it go: the one question ``cache verify``
+        and ``cache prune --damaged`` both ask."""
         entry = self.verified(step)
         try:
             self.load(entry)
@@ -431,11 +388,7 @@ class StepStore:
             entry.release()
 
     def load(self, entry: StepEntry) -> list[Payload]:
-        """Load every part of a verified entry. Tensors are views of a copy-on-write file mapping.
-
-        Raises only CorruptCacheError (any failure of any type while parsing or decoding the files).
-        Parts loaded ahead (``entry.loaded``) are handed out once, as they are.
-        """
+        """Every part of a verified entry (parts read ahead are handed out once). Raises only CorruptCacheError."""
         if entry.loaded:
             loaded = list(entry.loaded)
             entry.loaded.clear()
@@ -474,8 +427,7 @@ class StepStore:
         return payloads
 
     def named_files(self, step: int, meta: Mapping[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
-        """Every data file a step's ``meta.json`` names, with its record (``kind``, ``size``, ``checksum``);
-        every name checked to be safe (CorruptCacheError otherwise). No file is opened."""
+        """Every data file a ``meta.json`` names, with its record (``kind``, ``size``, ``checksum``)."""
         directory = self.step_dir(step)
         return [
             (part.at(directory, file.name), {**file.spec, "kind": file.kind})
@@ -483,8 +435,7 @@ class StepStore:
         ]
 
     def precheck(self, step: int, meta: Mapping[str, Any]) -> list[tuple[Path, int]]:
-        """Every named file is a regular file (no link, FIFO) of its recorded size, and no part
-        directory is a link: checked by name, before the step is opened (the cache tool's listing)."""
+        """Every named file is a regular file of its recorded size, checked by name (the cache tool's listing)."""
         out = []
         for path, spec in self.named_files(step, meta):
             holder = self.backend.stat(path.parent) if path.parent != self.step_dir(step) else None
@@ -500,28 +451,43 @@ class StepStore:
             out.append((path, kind[1]))
         return out
 
-    # ------------------------------------------------------------ upkeep
-
     def note_hit(self, step: int, now: float | None = None) -> None:
-        """Record that ``step`` was served (now, or at unix time ``now``; :mod:`~skipinject.store.usage`).
-        Never raises: a failure costs the statistics, never the hit."""
-        note_hit(self, step, now)
+        """Count a hit of ``step`` in its usage record, only into a committed step in a trusted directory
+        (:mod:`~skipinject.store.usage`). Never raises."""
+        now = time.time() if now is None else now
+        try:
+            step_dir = self.step_dir(step)
+            found, meta = self.backend.stat(step_dir), self.backend.stat(step_dir / META_NAME)
+            linked = self.backend.checks_owners and (found is None or found.kind != "directory")
+            if linked or meta is None or meta.kind != "file":
+                return  # removed meanwhile (or a link): nothing to count in
+            self.check_writable([step_dir])
+            before = self.usage(step, now)
+            record = Usage(min(MAX_HITS, (before.hits if before is not None else 0) + 1), now).encoded()
+            self.backend.write(self.at(step, USAGE_NAME), lambda handle: handle.write(record))
+        except Exception as exc:
+            logger.debug("%s step %d: usage not recorded (%s: %s)", self.role, step, type(exc).__name__, exc)
 
-    def usage(self, step: int) -> Usage | None:
-        """When ``step`` was last served and how often, or None (never, or a record not to be trusted)."""
-        return read_usage(self, step)
+    def usage(self, step: int, now: float | None = None) -> Usage | None:
+        """When ``step`` was last served and how often, or None (none, or a record not to trust). Never raises."""
+        location = self.at(step, USAGE_NAME)
+        try:
+            data = self.backend.read_bytes(location, MAX_USAGE_BYTES)
+            return parse_usage(data, location, time.time() if now is None else now)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            ignored(str(exc) if isinstance(exc, CacheError) else f"{location}: {type(exc).__name__}: {exc}")
+            return None
 
     def files(self, step: int) -> list[StoredFile]:
-        """Every name in the step's directory and part directories (what ``cache prune`` weighs before
-        removing it), never through a link; FileNotFoundError, CorruptCacheError for a link."""
+        """Every name in the step's directory and part directories, never through a link."""
         return list_step(self.backend, self.step_dir(step))
 
     def remove(self, step: int, only: Collection[str] | None = None, anchor: Path | None = None) -> tuple[int, int]:
-        """Remove a step: ``meta.json`` first (the step is absent at once), then its data files, usage
-        record and empty directories, never verl's own files; ``only``: just these ``part/name`` files
-        (an interrupted save's). Locally everything is reached from ``anchor`` (default: the dump or
-        project directory) by descriptors opened once without following a link
-        (:func:`~skipinject.store.files.remove_step`). Returns (files, bytes) removed."""
+        """Remove a step, ``meta.json`` first, then its data files, usage record and empty directories (never
+        verl's files); ``only``: just these ``part/name`` files. Locally by descriptors from ``anchor``. Returns
+        (files, bytes)."""
 
         def wanted(part: str, name: str) -> bool:
             if only is not None:
@@ -544,8 +510,7 @@ class StepStore:
         return len(chosen), sum(found.size for found in chosen)
 
     def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]:
-        """Remove abandoned leftovers of this step's saves now (see :mod:`skipinject.store.garbage`):
-        on a local disk by its descriptor-walking rule, elsewhere by name. Never raises."""
+        """Remove abandoned leftovers of this step's saves (:mod:`skipinject.store.garbage`). Never raises."""
         if isinstance(self.project_dir, Path):
             return collect(self.project_dir, step=step)
         try:
@@ -558,9 +523,8 @@ class StepStore:
 
 
 def next_number(numbers: Sequence[int]) -> int:
-    """The number after the run of numbers in use that starts at 1 (sorted ``numbers``): a number more
-    than :data:`~skipinject.store.format.MAX_CLAIMS` past the one before it is not followed (a forged or
-    stray directory never makes every later record jump to it, nor past what a step name holds)."""
+    """The number after the run of numbers in use from 1; a gap larger than
+    :data:`~skipinject.store.format.MAX_CLAIMS` ends the run (a stray directory never makes records jump)."""
     last = 0
     for number in numbers:
         if number - last > MAX_CLAIMS:
@@ -571,8 +535,7 @@ def next_number(numbers: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class StoredFile:
-    """A name in a step directory (``part``: ``""``) or one of its part directories, as listed:
-    ``kind`` is file, directory, link or other (never followed); ``mtime`` in unix seconds (0: unknown)."""
+    """A listed name in a step directory (``part``: ``""``) or a part directory, never followed."""
 
     part: str
     name: str
@@ -582,9 +545,7 @@ class StoredFile:
 
 
 def list_step(backend: Backend, step_dir: Path) -> list[StoredFile]:
-    """Every name in a step directory (any name: verl's ``genstep_*`` too) and its part directories,
-    by the backend's listing and ``stat`` (never through a link); FileNotFoundError when there is no
-    such directory, CorruptCacheError when it is a link or no directory."""
+    """Every name in a step directory and its part directories (FileNotFoundError; CorruptCacheError for a link)."""
     found = backend.stat(step_dir)
     if found is None:
         raise FileNotFoundError(str(step_dir))
@@ -633,10 +594,8 @@ def _decode_streamed(
     make: Callable[[int], Decoded],
     path: Path,
 ) -> tuple[Decoded, str]:
-    """A compressed data file decoded while it arrives, and the checksum of its stored bytes: each
-    complete frame decompressed in a thread while the next piece comes; the whole stored file is
-    never held. Same size and frame checks as a read; a file whose stored bytes do not match
-    ``spec["checksum"]`` is reported as such, whatever its frames did."""
+    """A compressed file decoded frame by frame while it arrives, and its stored bytes' checksum (a damaged
+    or changed file is reported as such, whatever its frames did)."""
     size = spec.get("size")
     if type(size) is not int or size < 0:
         raise CorruptCacheError(f"{path}: meta.json records no size")
@@ -665,9 +624,3 @@ def _decode_streamed(
             decoder.abandon()
             raise
     return decoded, hasher.hexdigest()
-
-
-def _close(buffer: object) -> None:
-    close = getattr(buffer, "close", None)
-    if close is not None:
-        close()

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from skipinject.errors import CorruptCacheError
-from skipinject.store.checksums import _Hasher
+from skipinject.store.checksums import _Hasher, workers
 from skipinject.store.compact import BLOCK_ELEMENTS, Plan, Recipe, check_rebuilt, copy_into, plan_tensors
-from skipinject.store.compression import Compression, Written, workers, write_compressed
+from skipinject.store.compression import Compression, write_compressed
 from skipinject.store.format import MAX_INDEX_BYTES, TENSOR_ALIGN, TENSOR_DTYPES, TENSORS_MAGIC
 from skipinject.store.hit_memory import FRESH, Claim, memory_budget
 
@@ -27,16 +27,8 @@ if TYPE_CHECKING:
 _ALIGN = TENSOR_ALIGN
 
 
-# ---------------------------------------------------------------- the tensor file
-
-
 def _padding(size: int) -> int:
     return -size % _ALIGN
-
-
-def write_tensors(handle: BinaryIO, tensors: Mapping[str, torch.Tensor], algo: str) -> str:
-    """Write the tensor file to ``handle``; returns its checksum. Contiguous CPU tensors are not copied."""
-    return _write_and_hash(handle, _file_pieces(tensors, compact=False), algo)
 
 
 def tensor_file(
@@ -46,31 +38,19 @@ def tensor_file(
     compression: Compression | None,
     concats: Mapping[str, tuple[str, str]] | None = None,
 ) -> tuple[str, dict[str, Any] | None]:
-    """Write the tensor file, compressed or not; its checksum and what its record adds (None: stored as it is)."""
+    """Write the tensor file, plain or compactly encoded and compressed: its checksum (of the stored bytes)
+    and what its record adds (None: stored as it is). Contiguous CPU tensors are not copied."""
     if compression is None:
-        return write_tensors(handle, tensors, algo), None
-    checksum, written = write_compressed_tensors(handle, tensors, algo, compression, concats)
-    return checksum, written.record()
-
-
-def write_compressed_tensors(
-    handle: BinaryIO,
-    tensors: Mapping[str, torch.Tensor],
-    algo: str,
-    compression: Compression,
-    concats: Mapping[str, tuple[str, str]] | None = None,
-) -> tuple[str, Written]:
-    """Write the tensor file compactly encoded (:mod:`~skipinject.store.compact`) and compressed in
-    frames (:mod:`~skipinject.store.compression`); its checksum (of the stored bytes) and record."""
+        return _write_and_hash(handle, _file_pieces(tensors, compact=False), algo), None
     hasher = _Hasher(algo)
     written = write_compressed(handle, _file_pieces(tensors, compact=True, concats=concats), compression, hasher)
-    return hasher.hexdigest(), written
+    return hasher.hexdigest(), written.record()
 
 
 def _file_pieces(
     tensors: Mapping[str, torch.Tensor], *, compact: bool, concats: Mapping[str, tuple[str, str]] | None = None
 ) -> list[Buffer]:
-    """The tensor file's bytes as pieces in order: magic, index length, index, then each tensor's bytes."""
+    """The tensor file's bytes in order: magic, index length, index, then each tensor's bytes."""
     import torch
 
     checked = {}
@@ -126,13 +106,8 @@ _WRITEBACK_STEP = 64 << 20
 
 
 def _write_and_hash(handle: BinaryIO, chunks: list[Buffer], algo: str) -> str:
-    """Write ``chunks`` in order and return their checksum.
-
-    For a large file the checksum runs in a second thread, chunk by chunk in order, while this one
-    writes (xxhash and file writes release the GIL), and on Linux the bytes written so far are
-    handed to the kernel's writeback every ``_WRITEBACK_STEP`` bytes (``sync_file_range``, which
-    only starts the disk writes: durability still comes from the caller's fsync).
-    """
+    """Write ``chunks`` and return their checksum; a large file is hashed in a second thread meanwhile, its
+    written bytes handed to the kernel's writeback as it goes (durability still comes from the fsync)."""
     hasher = _Hasher(algo)
     total = sum(memoryview(chunk).nbytes for chunk in chunks)
     if total < _OVERLAP_MIN_BYTES:
@@ -189,16 +164,9 @@ def _writeback_starter(handle: BinaryIO) -> Callable[[int, int], None] | None:
 def read_tensors(
     mapped: Decoded | None, path: Path, memory: Claim = FRESH, budget: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Tensors of a mapped tensor file, as views of the mapping. Runs no code from the file. Tensors
-    stored narrowed or derived (compact encodings) are rebuilt into a buffer from ``memory``.
-
-    Work and memory are bounded: the index is at most :data:`MAX_INDEX_BYTES` and inside the file,
-    every tensor's bytes lie inside the file, a tensor without elements may not claim more
-    rows/columns (the product of its non-zero dimensions) than the file has bytes, no dimension of a
-    stored tensor exceeds the file's size, and the file and what it rebuilds together take at most
-    ``budget`` bytes (its part's, :func:`~skipinject.store.meta.part_budget`; default: the memory
-    budget). Any failure is a :class:`CorruptCacheError`.
-    """
+    """Tensors of a tensor file as views of its buffer, compact ones rebuilt into memory from ``memory``; runs
+    no code. The index, every extent and shape, and what is rebuilt (within ``budget``, the part's) are
+    bounded by the file. Any failure is a :class:`CorruptCacheError`."""
     try:
         return _read_tensors(mapped, path, memory, budget)
     except CorruptCacheError:
@@ -275,14 +243,8 @@ def _restore(
     derived: list[dict[str, Any]],
     memory: Claim,
 ) -> None:
-    """Widen narrowed tensors back to their dtype and rebuild derived ones, into one buffer from
-    ``memory`` (memory an earlier hit faulted in, or a fresh private anonymous mapping: filling
-    fresh memory is most of a compressed hit, on a VM its page faults cost several times the
-    writes), block by block in threads (torch's conversions and copies release the GIL). Each byte
-    is written at most once: a concatenation copies its parts straight from their stored
-    (narrower) bytes, and in fresh memory the zeros of masks and position ids are not written at
-    all (fresh anonymous memory reads as zeros, and its pages that stay zero are never faulted in;
-    reused memory holds an earlier batch, so there they are written)."""
+    """Widen narrowed tensors and rebuild derived ones into one buffer from ``memory``, block by block in
+    threads, each byte written at most once (in fresh memory a mask's zeros not at all)."""
     import torch
 
     stored = dict(tensors)
@@ -329,6 +291,6 @@ def _copy_block(out: torch.Tensor, source: torch.Tensor, lo: int) -> None:
 
 
 def _narrows(stored: str, dtype: str) -> bool:
-    """``stored`` is an integer dtype a tensor of ``dtype`` may have been narrowed to (a smaller one)."""
+    """``stored`` is a smaller integer dtype a tensor of ``dtype`` may have been narrowed to."""
     sizes = {"uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8}
     return stored in ("uint8", "int8", "int16", "int32") and dtype in sizes and sizes[stored] < sizes[dtype]

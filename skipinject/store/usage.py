@@ -1,15 +1,8 @@
-"""When a step was last served and how often: a side record for upkeep (``cache ls``, ``prune --max-size``).
+"""When a step was last served and how often: ``{step}/usage.json`` (``cache ls``, ``prune --max-size``).
 
-The record is ``{step}/usage.json`` beside the step's files: a few dozen bytes, replaced whole
-through the store's backend (a temporary name and a rename on a local disk, one upload in an object
-store), never named by ``meta.json``. So a hit never rewrites the committed step, and no checksum
-or commit depends on the record. Two runs serving one step at once may each read ``n`` hits and
-write ``n + 1``: an increment is lost, never the file.
-
-Its bytes are hostile input like any under a cache: a record that is too large, not JSON, or holds
-values out of range (a count below zero or past 2^53, a time in the future) is ignored, the
-statistics of that step start again, and the process says so in at most one line.
-"""
+A few dozen bytes replaced whole through the backend, never named by ``meta.json``: a hit never
+rewrites the committed step, and two runs counting at once may lose an increment, never the file.
+A record that is too large, not JSON or out of range is hostile input: ignored, said in one line."""
 
 from __future__ import annotations
 
@@ -17,15 +10,10 @@ import json
 import logging
 import math
 import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
 
 from skipinject.errors import CacheError
-from skipinject.store.backend import Backend, Stat
 from skipinject.store.files import parse_json
-from skipinject.store.format import META_NAME
 
 logger = logging.getLogger("skipinject")
 
@@ -41,19 +29,6 @@ FUTURE_SLACK = 86400.0
 
 _warned = False
 _lock = threading.Lock()
-
-
-class UsageStore(Protocol):
-    """What the record uses of its :class:`~skipinject.store.StepStore`."""
-
-    backend: Backend
-    role: str
-
-    def step_dir(self, step: int) -> Path: ...
-
-    def at(self, step: int, *names: str) -> Path: ...
-
-    def check_writable(self, directories: list[Path]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -88,7 +63,7 @@ def parse_usage(data: bytes, shown: object, now: float) -> Usage:
     return Usage(hits, float(served))
 
 
-def _ignored(problem: str) -> None:
+def ignored(problem: str) -> None:
     """Say once per process that a record was ignored (its statistics are all that is lost)."""
     global _warned
     with _lock:
@@ -97,39 +72,3 @@ def _ignored(problem: str) -> None:
         logger.warning("%s; its step's usage statistics start again (further such records: not reported)", problem)
     else:
         logger.debug("%s", problem)
-
-
-def read_usage(store: UsageStore, step: int, now: float | None = None) -> Usage | None:
-    """The step's record, or None (none yet, or one not to be trusted). Never raises."""
-    location = store.at(step, USAGE_NAME)
-    try:
-        data = store.backend.read_bytes(location, MAX_USAGE_BYTES)
-        return parse_usage(data, location, time.time() if now is None else now)
-    except FileNotFoundError:
-        return None
-    except Exception as exc:
-        _ignored(str(exc) if isinstance(exc, CacheError) else f"{location}: {type(exc).__name__}: {exc}")
-        return None
-
-
-def note_hit(store: UsageStore, step: int, now: float | None = None) -> None:
-    """Count a hit of ``step`` (one more, now). Only into a committed step in a directory the run
-    trusts; never raises (a failure costs the statistics, never the hit)."""
-    now = time.time() if now is None else now
-    try:
-        backend = store.backend
-        step_dir = store.step_dir(step)
-        linked = backend.checks_owners and _kind(backend.stat(step_dir)) != "directory"  # object stores: no links
-        if linked or _kind(backend.stat(step_dir / META_NAME)) != "file":
-            return  # removed meanwhile (or a link): nothing to count in
-        store.check_writable([step_dir])
-        before = read_usage(store, step, now)
-        hits = min(MAX_HITS, (before.hits if before is not None else 0) + 1)
-        record = Usage(hits, now).encoded()
-        backend.write(store.at(step, USAGE_NAME), lambda handle: handle.write(record))
-    except Exception as exc:
-        logger.debug("%s step %d: usage not recorded (%s: %s)", store.role, step, type(exc).__name__, exc)
-
-
-def _kind(found: Stat | None) -> str:
-    return found.kind if found is not None else "missing"

@@ -24,7 +24,7 @@ from skipinject.store.format import (
     PART_NAME,
     PLAIN_FORMAT_VERSION,
     SAFE_NAME,
-    _meta_digest,
+    meta_digest,
     objects_name,
     tensors_name,
 )
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 
 class WritableStore(Protocol):
-    """What a writer uses of its :class:`~skipinject.store.StepStore` (which creates it in ``begin``)."""
+    """What a writer uses of its :class:`~skipinject.store.StepStore` (a Protocol: no import cycle)."""
 
     backend: Backend
     role: str
@@ -60,10 +60,8 @@ class WritableStore(Protocol):
 
 
 class StepWriter:
-    """Collects the parts of one step and commits them with one ``meta.json`` replace.
-
-    The same for every backend: data files under fresh names (written whole, invisible to readers),
-    then ``meta.json`` last; leftovers of earlier or concurrent saves collected after the commit."""
+    """Collects the parts of one step and commits them with one ``meta.json`` replace: data files under
+    fresh names first, ``meta.json`` last, leftovers of other saves collected after."""
 
     def __init__(self, store: WritableStore, step: int) -> None:
         self.store = store
@@ -79,9 +77,7 @@ class StepWriter:
         return self.store.step_dir(self.step)
 
     def add_part(self, payload: Payload, part: str = "") -> None:
-        """Write one part's files (invisible to readers until :meth:`commit`).
-
-        Parts may follow a commit (a step growing call by call): the next commit publishes them too."""
+        """Write one part's files, invisible until :meth:`commit` (parts may follow a commit)."""
         if part and not SAFE_NAME.match(part):
             raise ValueError(f"bad part name {part!r}")
         ACTIVE_WRITE_IDS.add(self.write_id)  # again, after a commit: not collected while being written
@@ -114,8 +110,7 @@ class StepWriter:
         self.parts[part] = {"dir": part, "rows": payload.rows, "files": files}
 
     def _check_budget(self, payload: Payload, objects_bytes: int) -> None:
-        """Never write a part no reader would load (:func:`~skipinject.store.meta.part_budget`: its rows
-        times what a row may take): refused here, in one line, instead of a cache that is never a hit."""
+        """Never write a part no reader would load (:func:`~skipinject.store.meta.part_budget`)."""
         tensors = [t for t in payload.tensors.values() if hasattr(t, "element_size")]  # others: refused later
         decoded = objects_bytes + sum(t.numel() * t.element_size() for t in tensors)
         budget = part_budget(payload.rows, self.store.context)
@@ -126,11 +121,8 @@ class StepWriter:
             )
 
     def commit(self, meta: Mapping[str, Any], *, over: Mapping[str, Any] | None = None) -> Path:
-        """Publish the step: write ``meta.json`` last, in one step. Returns the step directory.
-
-        ``over``: the committed ``meta.json`` this commit replaces (a step stored anew, ``cache
-        compact``): read again right before the commit, and if the step was recorded anew (or removed)
-        since, nothing is replaced (CacheError): never a lost update of a newer recording."""
+        """Publish the step: ``meta.json`` written last, in one step. ``over``: the ``meta.json`` this replaces,
+        read again first; if the step changed since, nothing is replaced (CacheError)."""
         text = self.meta_record(meta)
         if over is not None:
             try:
@@ -170,11 +162,10 @@ class StepWriter:
             record["created"] = meta["created"]
         if self.store.plugin:
             record["plugin"] = self.store.plugin
-        record["meta_checksum"] = _meta_digest(record)
+        record["meta_checksum"] = meta_digest(record)
         return json.dumps(record, indent=1, sort_keys=True).encode()
 
     def _encoded(self) -> bool:
-        """Some file of the step is compressed (only a reader of version 3 reads the step)."""
         return any("encoding" in spec for part in self.parts.values() for spec in part["files"].values())
 
     def abort(self) -> None:

@@ -23,7 +23,7 @@ from skipinject.config import RoleConfig
 from skipinject.engine import RoleRuntime, TargetInterceptor
 from skipinject.roles import Call, Role, StepSource, Target, UpstreamFormat
 from skipinject.store import META_NAME, Payload, StepStore
-from skipinject.store.format import _meta_digest
+from skipinject.store.format import meta_digest
 
 CONTEXT = {
     "experiment_name": "exp",
@@ -98,7 +98,7 @@ def read_meta_raw(store: StepStore, step: int) -> dict[str, Any]:
 def write_meta_raw(store: StepStore, step: int, meta: Any, *, rechecksum: bool = True) -> None:
     """Replace ``meta.json``; with ``rechecksum`` its self-checksum is made valid again (a forged edit)."""
     if rechecksum and isinstance(meta, dict):
-        meta["meta_checksum"] = _meta_digest(meta)
+        meta["meta_checksum"] = meta_digest(meta)
     meta_path(store, step).write_text(json.dumps(meta))
 
 

@@ -367,7 +367,7 @@ def test_a_remote_hit_decodes_frames_while_the_download_streams(monkeypatch: pyt
     def whole(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a compressed file was read whole before decoding")
 
-    monkeypatch.setattr(remote._RemoteStep, "_stream", whole)
+    monkeypatch.setattr(remote._RemoteStep, "read", whole)
     real_feed, real_decode = compression.FrameDecoder.feed, compression.FrameDecoder._decode_frame
 
     def feed(self: Any, data: Any) -> None:

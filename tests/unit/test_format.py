@@ -49,8 +49,8 @@ def test_cache_tool_doc_states_the_one_meta_bound() -> None:
     ("name", "step"), [("0", True), ("7", True), ("123456789012", True), ("007", False), ("00", False), ("²", False)]
 )
 def test_the_step_rule(name: str, step: bool) -> None:
-    assert format.is_step_name(name) is step
-    assert format.is_part_name(name) is (step and len(name) <= 6)
+    assert (format.STEP_NAME.fullmatch(name) is not None) is step
+    assert (format.PART_NAME.fullmatch(name) is not None) is (step and len(name) <= 6)
 
 
 def _payload(value: float) -> Payload:

@@ -227,9 +227,9 @@ def test_unsafe_file_names_in_meta_json_are_refused(store: RemoteStepStore, name
     store.save(1, payload(1))
     meta = store.read_meta(1)
     meta["parts"][0]["files"]["tensors"]["name"] = name
-    from skipinject.store.format import _meta_digest
+    from skipinject.store.format import meta_digest
 
-    meta["meta_checksum"] = _meta_digest(meta)
+    meta["meta_checksum"] = meta_digest(meta)
     store.backend.fs.pipe_file(store.at(1, "meta.json").path, json.dumps(meta).encode())
     with pytest.raises(CorruptCacheError, match="unsafe file"):
         store.verified(1)

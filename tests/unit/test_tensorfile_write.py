@@ -28,13 +28,13 @@ def tensors() -> dict[str, torch.Tensor]:
 def test_overlapped_write_gives_the_same_file_and_checksum(monkeypatch: pytest.MonkeyPatch, algo: str) -> None:
     pytest.importorskip("xxhash")
     plain = io.BytesIO()
-    expected = tensorfile.write_tensors(plain, tensors(), algo)
+    expected = tensorfile.tensor_file(plain, tensors(), algo, None)[0]
     calls: list[tuple[int, int]] = []
     monkeypatch.setattr(tensorfile, "_OVERLAP_MIN_BYTES", 1)
     monkeypatch.setattr(tensorfile, "_WRITEBACK_STEP", 4096)
     monkeypatch.setattr(tensorfile, "_writeback_starter", lambda handle: lambda off, n: calls.append((off, n)))
     overlapped = io.BytesIO()
-    assert tensorfile.write_tensors(overlapped, tensors(), algo) == expected
+    assert tensorfile.tensor_file(overlapped, tensors(), algo, None)[0] == expected
     assert overlapped.getvalue() == plain.getvalue()
     assert calls and calls[0][0] == 0 and all(a + n == b for (a, n), (b, _) in itertools.pairwise(calls))
 
