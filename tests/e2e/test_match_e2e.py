@@ -39,6 +39,8 @@ from tests.e2e.test_rollout_e2e import trained_scores
 
 pytestmark = pytest.mark.e2e
 
+#: The V0 ``match`` run's agent-loop workers (run 1: 1), to which a call of some rows is padded.
+AGENT_WORKERS = 4
 #: Steps of the V0 ``match`` run (the recording holds steps 1-2: step 3 is no cached step).
 STEPS = 3
 #: The V0 match run's batch: 2 prompts a step (run 1: harness.TRAIN_BATCH = 4), PPO mini-batches to match.
@@ -119,6 +121,9 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
             *SMALLER_BATCH,
             # Another reward than run 1's: the served rows are scored by it (skip.rollout.rescore=auto).
             *other_reward(tmp_path),
+            # Run 1 had one agent-loop worker: the number is no part of a row's key. With 4, the mixed
+            # call's 2 uncached rows are padded to 4 (the first rows repeated), the padding's output dropped.
+            f"actor_rollout_ref.rollout.agent.num_workers={AGENT_WORKERS}",
             # The advantage role, ``cache`` at step 1: run 1 cached it under its batch size's layout, so
             # the miss says where and which setting differs (this run's step 1 is computed and saved).
             "skip.advantage.enable=True",
@@ -141,7 +146,8 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
     lines = skip_lines(second, "rollout")
     calls = {int(m[1]): m.groups()[1:] for line in lines if (m := _MATCH_LINE.search(line))}
     rows = SMALL_BATCH * harness.ROLLOUT_N
-    assert calls == {2: (str(rows // 2), str(rows), str(rows // 2), str(rows // 2))}, lines
+    assert calls == {2: (str(rows // 2), str(rows), str(rows // 2), str(AGENT_WORKERS))}, lines
+    padding = AGENT_WORKERS - rows // 2
     assert any("step 1: match: no row of this call cached" in line for line in lines), lines
     assert any("step 3: match:" in line and "(target not called)" in line for line in lines), lines
 
@@ -150,6 +156,8 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
     digests = harness.prompt_digests(assets, sorted(seen | set().union(*drawn.values())))
     got = collections.Counter((int(call["global_steps"]) + 1, digests.get(call["prompt"])) for call in generated_2)
     wanted = {(step, text): harness.ROLLOUT_N for step, texts in drawn.items() for text in texts - seen}
+    [new_at_2] = drawn[2] - seen
+    wanted[(2, new_at_2)] += padding  # the padding rows repeat the cut call's first rows: the new prompt's
     assert got == wanted, (got, wanted)
     assert not {call["prompt"] for call in generated_2} & {call["prompt"] for call in generated_1}
 
