@@ -32,7 +32,7 @@ from skipinject.report.tally import TALLY, hit_amounts
 from skipinject.roles import Call, MatchInfo, Role, RowCodec
 from skipinject.store.format import ROWS_DIR
 from skipinject.verl.compat import settings_values
-from skipinject.verl.layout import layout_name
+from skipinject.verl.layout import layout_label
 
 if TYPE_CHECKING:
     from skipinject.engine.calls import StepCalls
@@ -152,7 +152,7 @@ class RowMatcher:
 
     def rows_store(self, store: StepStore) -> StepStore:
         """Where the rows generated at already committed steps of ``store`` are kept."""
-        return self._project("rows", store, lambda: self.stores.sibling(store, ROWS_DIR))
+        return self._project("rows", store, lambda: self.stores.open(store.project_dir / ROWS_DIR, store.context))
 
     def index(self, store: StepStore) -> RowIndex:
         rows = self.rows_store(store)
@@ -400,7 +400,7 @@ class RowMatcher:
                 where_store = places[place]
                 name = f"{'step' if source == STEPS else 'rows'} {number}"
                 if place:
-                    name += f" of {layout_name(where_store.context)}"  # another batch size's layout
+                    name += f" of {layout_label(where_store.context, str(where_store.project_dir))}"
                 from_store = where_store if source == STEPS else self.rows_store(where_store)
                 try:
                     piece, piece_ratio, kept, meta = self._load_rows(from_store, number, part, rows, keys, call)

@@ -54,10 +54,6 @@ class RoleStores:
         """Why ``store`` cannot be used at all this run (found once, logged once when it was opened)."""
         return self._unusable.get(store.project_dir)
 
-    def sibling(self, store: StepStore, name: str) -> StepStore:
-        """A store of this role in ``name`` under ``store``'s project directory (same trainer context)."""
-        return self.open(store.project_dir / name, store.context)
-
     def batch_size_stores(self, store: StepStore, limit: int) -> list[StepStore]:
         """This role's usable stores in the project's layouts that differ from ``store``'s in the batch
         size only (at most ``limit``, the nearest batch sizes first): ``action=match`` looks rows up

@@ -63,6 +63,14 @@ def layout_name(context: Mapping[str, Any]) -> str:
     return f"GBS{context['gbs']}_N{context['n']}_in{context['prompt_length']}_out{context['response_length']}"
 
 
+def layout_label(context: Mapping[str, Any], fallback: str) -> str:
+    """The layout a trainer context names (``GBS8_N2_in32_out16``), or ``fallback`` without one."""
+    try:
+        return layout_name(context)
+    except KeyError:
+        return fallback
+
+
 def layout_values(name: str) -> dict[str, int] | None:
     """The values a layout directory's ``name`` gives (:func:`layout_name`'s inverse), or ``None``."""
     match = LAYOUT_RE.match(name)
@@ -105,9 +113,8 @@ def batch_size_layouts(names: Iterable[str], context: Mapping[str, Any]) -> list
 def other_batch_sizes(
     project: Path, context: Mapping[str, Any], subdir: str, names_above: Callable[[int], Iterable[str]]
 ) -> list[tuple[Path, dict[str, Any]]]:
-    """The project directories (and layout values) of the layouts beside ``project``'s that differ in
-    the batch size only, the nearest batch sizes first. ``names_above(levels)`` lists the directory
-    ``levels`` above ``project`` (the experiment's), once. Empty when ``project`` is in no layout."""
+    """The project directories (and layout values) of the layouts beside ``project``'s that differ in the
+    batch size only, the nearest first; ``names_above(levels)`` lists the experiment's directory, once."""
     if not {"gbs", "n", "prompt_length", "response_length"} <= set(context):
         return []
     subdir = path_safe(subdir) if subdir else ""
