@@ -23,13 +23,9 @@ __all__ = ["TensorSink", "decode_tensor", "encode_tensor", "from_jsonable", "to_
 
 
 class TensorSink:
-    """Collects the tensors of one payload under unique names (``"<n>:<label>"``).
-
-    Contiguous CPU tensors are kept as they are (no copy; the store writes only their own bytes,
-    even for views). The same tensor object added twice is stored once and decodes to one tensor
-    again: aliasing survives, and jagged tensors that shared ``offsets`` keep sharing their ragged
-    dimension (so ``responses * response_mask`` still works after a load).
-    """
+    """Collects the tensors of one payload under unique names (``"<n>:<label>"``), contiguous CPU ones
+    uncopied. A tensor added twice is stored once and decodes to one tensor: aliasing survives (jagged
+    tensors sharing ``offsets`` keep sharing their ragged dimension)."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}

@@ -92,12 +92,8 @@ def recorded_inputs(meta: Mapping[str, Any], calls: int) -> list[Any]:
 
 
 class StepBook:
-    """The steps a role's calls are in, in this process.
-
-    ``open`` holds the steps that end when the run moves past them (roles with a clock): while it is
-    not empty the targets' fast path is off, so the first call at another step reaches the engine and
-    closes them. Roles without a clock keep recent steps in ``remembered`` (bounded).
-    """
+    """The steps a role's calls are in, in this process: ``open`` (clocked roles; while not empty the fast
+    path is off, so a call at another step closes them) or ``remembered`` (recent steps, bounded)."""
 
     def __init__(self, clocked: bool) -> None:
         self.clocked = clocked

@@ -47,8 +47,6 @@ class Recorder:
         #: The steps this process's calls are in (see :mod:`skipinject.engine.calls`).
         self.steps = steps
 
-    # ------------------------------------------------------------ the calls of a step
-
     def step(self, call: Call, step: int) -> StepCalls:
         """The record of ``step`` in the run of ``call``; steps the run moved past are closed first."""
         record, passed = self.steps.get(self.stores.store_for(call).project_dir, step)
@@ -102,8 +100,6 @@ class Recorder:
             else:
                 self.commit(record)
 
-    # ------------------------------------------------------------ saving
-
     def record(
         self,
         record: StepCalls,
@@ -115,12 +111,8 @@ class Recorder:
         background: bool = True,
         keys: Sequence[str] | None = None,
     ) -> None:
-        """Save call ``index``'s fresh result as the step's part ``index``; failures are logged, never raised.
-
-        ``inputs``: the call's fingerprint taken before the target ran; ``keys``: its row keys
-        (``action=match``), saved when the result has a whole number of rows per key;
-        ``background=False``: written here (callers already off the training thread).
-        """
+        """Save call ``index``'s fresh result as the step's part ``index`` (failures logged, never raised);
+        ``inputs`` were taken before the target ran; ``background=False``: written here, off the training thread."""
         plan = record.plan
         assert plan is not None
         if record.failed or not plan.saves:
@@ -197,10 +189,8 @@ class Recorder:
         self.in_background(plan.store, commit)
 
     def drop(self, record: StepCalls, why: str, *, in_job: bool = False) -> None:
-        """A part of the step cannot be saved: nothing of the step is cached (one warning).
-
-        ``in_job``: called from a write job (the writer thread): the writer is aborted right here.
-        """
+        """A part of the step cannot be saved: nothing of it is cached (one warning).
+        ``in_job``: called in the writer thread."""
         plan = record.plan
         assert plan is not None
         with record.lock:
@@ -231,8 +221,6 @@ class Recorder:
         else:
             job()
 
-    # ------------------------------------------------------------ the phase API
-
     def record_part(self, call: Call, step: int, result: Any) -> int | None:
         """See :meth:`skipinject.roles.PhaseContext.record`."""
         record = self.step(call, step)
@@ -246,13 +234,7 @@ class Recorder:
                 anew = settings.action is Action.refresh or not committed(store, step)
                 record.plan = Plan(store, step, reason="recorded", saves=usable and anew)
             record.by_phase = True
-            if (
-                not record.recording
-                or not record.plan.saves
-                or record.failed
-                or record.closed
-                or record.committed_parts
-            ):
+            if not (record.recording and record.plan.saves) or record.failed or record.closed or record.committed_parts:
                 return None  # served, cached, unusable, failed, or committed already
             index = record.started
             record.started += 1

@@ -162,11 +162,8 @@ class Replay:
         self.read_ahead.start(plan.store, plan.step, ahead)
 
     def serve_call(self, record: StepCalls, index: int, call: Call) -> Any:
-        """Call ``index`` of a replayed step: its recorded result, or ``REGENERATE`` to run the target.
-
-        A failure to load or a mismatch at the step's first call turns the step into a recording
-        (it is generated and saved anew); at a later call, only that call runs the target.
-        """
+        """Call ``index`` of a replayed step: its recorded result, or ``REGENERATE`` to run the target (at
+        the step's first call, a failure or mismatch turns the step into a recording)."""
         rt = self.runtime
         plan = record.plan
         assert plan is not None

@@ -36,10 +36,8 @@ class RoleRuntime(RoleContext):
         self.matcher = RowMatcher(self, self.stores, self.recorder)
 
     def applicable_step(self, call: Call, *, any_step: bool = False) -> int | None:
-        """The call's step if this role may act on it, else ``None`` (the original runs).
-
-        ``any_step``: also steps outside ``skip.<role>.steps`` (targets declared ``every_step``).
-        """
+        """The call's step if this role may act on it, else ``None`` (the original runs); ``any_step``:
+        also steps outside ``skip.<role>.steps`` (targets declared ``every_step``)."""
         try:
             if self.role.bypass(call):
                 return None
@@ -81,7 +79,7 @@ class RoleRuntime(RoleContext):
         """The run ended (``fit`` returned, the engine stops, the interpreter exits): close every step."""
         self.recorder.close_all()
 
-    # ------------------------------------------------------------ PhaseContext (see skipinject.roles)
+    # PhaseContext (see skipinject.roles)
 
     def store_for(self, call: Call) -> StepStore:
         return self.stores.store_for(call)
