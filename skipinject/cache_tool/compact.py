@@ -9,11 +9,18 @@ partial, untrusted, linked: exit 1; verl's own pickles: exit 0).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import CommandError, default_dump_dir, human_size, mutable_root, say
+from skipinject.cache_tool.common import (
+    CommandError,
+    default_dump_dir,
+    emit_json,
+    human_size,
+    mutable_root,
+    say,
+    schema,
+)
 from skipinject.cache_tool.scan import open_step, scan
 from skipinject.errors import CacheError
 from skipinject.store import Payload, StepStore
@@ -104,7 +111,7 @@ def cmd_compact(dump_dir: Path | None, *, compression: str, dry_run: bool, as_js
             result["state"], result["problem"] = "failed", " ".join(str(exc).split())
         results.append(result)
     if as_json:
-        print(json.dumps({"schema": "skipinject.cache.compact/1", "steps": results}, indent=1))
+        emit_json({"schema": schema("compact"), "steps": results})
     else:
         render(results)
     return 1 if any(r["state"] == "failed" or r.get("unusable") for r in results) else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,11 @@ def compare_samples(
 
 def render(reports: list[dict[str, Any]], only: list[tuple[str, str]], differ: bool) -> None:
     for report in reports:
-        _render_step(report)
+        say(f"A {report['a']}")
+        say(f"B {report['b']}")
+        for line in _step_lines(report):
+            say(f"  {line}")
+        _render_fields(report)
     for side, key in only:
         say(f"only in {side.upper()}: {key}")
     if not reports and not only:
@@ -135,57 +140,42 @@ def _amount(value: object) -> object:
     return human_number(value) if isinstance(value, (int, float)) else value
 
 
-def _render_step(report: dict[str, Any]) -> None:
-    say(f"A {report['a']}")
-    say(f"B {report['b']}")
-    for problem in report["problems"]:
-        say(f"  cannot compare: {problem}")
-    for note in report.get("notes", []):
-        say(f"  note: {note}")
-    for item in report["meta"]:
-        say(f"  meta {item['key']}: {item['a']!r} vs {item['b']!r}")
+def _step_lines(report: dict[str, Any]) -> Iterator[str]:
+    """A compared pair's lines above its field table: problems, notes, meta, inputs and rows."""
+    yield from (f"cannot compare: {problem}" for problem in report["problems"])
+    yield from (f"note: {note}" for note in report.get("notes", []))
+    yield from (f"meta {item['key']}: {item['a']!r} vs {item['b']!r}" for item in report["meta"])
     if report.get("inputs_differing"):
-        say(f"  inputs: {report['inputs_differing']} row(s) were generated from other prompts")
+        yield f"inputs: {report['inputs_differing']} row(s) were generated from other prompts"
     samples = report.get("samples")
-    if samples is not None:
-        _render_samples(samples)
-    rows = [
-        [
-            f["name"],
-            f["status"],
-            "-" if f["rows_differing"] is None else f"{f['rows_differing']}/{f['rows']}",
-            _amount(f["max_abs_diff"]),
-            _amount(f["mean_abs_diff"]),
-            f["note"],
-        ]
-        for f in report["fields"]
-        if f["status"] != "same"
-    ]
+    if samples is None:
+        return
+    rows_a, rows_b = samples["rows"]
+    counted = f"{rows_a}" if rows_a == rows_b else f"{rows_a} (A) and {rows_b} (B)"
+    yield f"rows: {samples['identical']} of {counted} identical (prompt and response)"
+    for side in ("a", "b"):
+        mean = samples[side]
+        length = human_number(mean["mean_length"])
+        yield f"{side.upper()}: mean score {human_number(mean['mean_score'])}, mean response length {length}"
+    for pair in samples["first_differing"]:
+        yield f"row {pair['row']}: prompt {(pair['a'] or pair['b'])['prompt']}"
+        for side, row in (("A", pair["a"]), ("B", pair["b"])):
+            if row is None:
+                yield f"  {side}: (no such row)"
+            else:
+                yield f"  {side}: {row['response']} (score {human_number(row['score'])}, {row['length']} tokens)"
+
+
+def _render_fields(report: dict[str, Any]) -> None:
+    rows = []
+    for f in (f for f in report["fields"] if f["status"] != "same"):
+        counted = "-" if f["rows_differing"] is None else f"{f['rows_differing']}/{f['rows']}"
+        rows.append(
+            [f["name"], f["status"], counted, _amount(f["max_abs_diff"]), _amount(f["mean_abs_diff"]), f["note"]]
+        )
     heads = ("FIELD", "STATUS", "ROWS DIFFERING", "MAX |A-B|", "MEAN |A-B|", "NOTE")
     if rows:
         show_table(heads, rows, right=heads[2:5])
     elif not report["problems"]:
         say(f"  all {len(report['fields'])} field(s) identical")
     say()
-
-
-def _render_samples(samples: dict[str, Any]) -> None:
-    rows_a, rows_b = samples["rows"]
-    counted = f"{rows_a}" if rows_a == rows_b else f"{rows_a} (A) and {rows_b} (B)"
-    say(f"  rows: {samples['identical']} of {counted} identical (prompt and response)")
-    for side in ("a", "b"):
-        mean = samples[side]
-        say(
-            f"  {side.upper()}: mean score {human_number(mean['mean_score'])}, "
-            f"mean response length {human_number(mean['mean_length'])}"
-        )
-    for pair in samples["first_differing"]:
-        shown = pair["a"] or pair["b"]
-        say(f"  row {pair['row']}: prompt {shown['prompt']}")
-        for side in ("a", "b"):
-            row = pair[side]
-            if row is None:
-                say(f"    {side.upper()}: (no such row)")
-            else:
-                score = human_number(row["score"])
-                say(f"    {side.upper()}: {row['response']} (score {score}, {row['length']} tokens)")

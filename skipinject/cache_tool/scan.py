@@ -10,6 +10,8 @@ only regular files opened, ``meta.json`` read bounded) and turns what it cannot 
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -405,9 +407,7 @@ def scan_remote(url: str, problems: list[str]) -> list[Item]:
 
 
 def _location(root: RemotePath, parts: tuple[str, ...]) -> Any:
-    for piece in parts:
-        root = root / piece
-    return root
+    return functools.reduce(operator.truediv, parts, root)
 
 
 def _read_commit(item: Item, backend: FsspecFiles, used: bool) -> None:
