@@ -144,11 +144,10 @@ def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS)
         selection_text = os.environ.get(ENV_PLUGINS)
     selection = parse_selection(selection_text, given_as)
     entry_points = installed_entry_points()
+    manager = SkipPluginManager()
     for name in selection.exclude:
         if name not in entry_points:
             raise PluginError(_unknown(f"-{name}", name, entry_points, given_as))
-    manager = SkipPluginManager()
-    for name in selection.exclude:
         manager.set_blocked(name)
     plugins: list[LoadedPlugin] = []
     failures: dict[str, str] = {}
@@ -273,7 +272,13 @@ def _collect_roles(manager: SkipPluginManager, plugins: list[LoadedPlugin]) -> N
             roles = impl.function()
         except Exception as exc:
             raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() raised {_one_line(exc)}") from exc
-        for role in _as_list(roles, plugin):
+        if isinstance(roles, Role):
+            roles = [roles]
+        elif roles is None:
+            roles = []
+        elif not isinstance(roles, Iterable) or isinstance(roles, (str, bytes, Mapping)):
+            raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() must return a list of Role objects")
+        for role in roles:
             if not isinstance(role, Role):
                 raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() returned {role!r}, not a Role")
             if role.name in owners:
@@ -283,16 +288,6 @@ def _collect_roles(manager: SkipPluginManager, plugins: list[LoadedPlugin]) -> N
                 )
             owners[role.name] = plugin.name
             plugin.roles.append(role)
-
-
-def _as_list(roles: Any, plugin: LoadedPlugin) -> list[Any]:
-    if roles is None:
-        return []
-    if isinstance(roles, Role):
-        return [roles]
-    if isinstance(roles, Iterable) and not isinstance(roles, (str, bytes, Mapping)):
-        return list(roles)
-    raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() must return a list of Role objects")
 
 
 def _one_line(exc: BaseException) -> str:

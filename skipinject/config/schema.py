@@ -29,7 +29,12 @@ MAX_PATH_CHARS = 4096
 MAX_HIT_MEMORY = 16
 
 
-class Action(str, enum.Enum):
+class _Choice(str, enum.Enum):
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Action(_Choice):
     """What a chosen step does (``skip.<role>.action``)."""
 
     cache = "cache"  # own step cached -> load it, else run and save
@@ -38,31 +43,22 @@ class Action(str, enum.Enum):
     match = "match"  # rows served by their inputs from any cached step, only the others generated
     refresh = "refresh"  # generate and save again, replacing what is cached (never served)
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class MismatchPolicy(str, enum.Enum):
+class MismatchPolicy(_Choice):
     """What a hit generated from other inputs than this call's does (``skip.<role>.on_mismatch``)."""
 
     warn = "warn"
     regenerate = "regenerate"
     fail = "fail"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class RescorePolicy(str, enum.Enum):
+class RescorePolicy(_Choice):
     """Whether a served result is scored again by this run's code (``skip.<role>.rescore``): the rollout
     roles' rewards, which verl >= 0.7 computes inside the rollout."""
 
     auto = "auto"  # when what scored it differs from this run's (or is unknown)
     always = "always"
     never = "never"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def _setting(
@@ -73,9 +69,8 @@ def _setting(
     check: Callable[[Any], None] | None = None,
     factory: Any = None,
 ) -> Any:
-    """A field of :class:`RoleConfig`: its default, what the README's table says (``meaning``), the line
-    a value of the wrong type gets (``expected``), and ``check``: what a value of the right type must
-    also be (raises ``ValueError`` saying what is wrong)."""
+    """A field of :class:`RoleConfig`: its default, the README's ``meaning``, the line a value of the wrong
+    type gets (``expected``), and ``check``, raising ``ValueError`` for a value the key does not take."""
     metadata = {"meaning": meaning, "expected": expected, "check": check}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
@@ -125,10 +120,9 @@ ENUM_KEYS: dict[str, type[enum.Enum]] = {"action": Action, "on_mismatch": Mismat
 class RoleConfig:
     """The validated settings of one role in this run.
 
-    Every ``skip.<role>`` key is declared here, once: the OmegaConf schema (:data:`RoleSchema`), the
-    transport to child processes (:mod:`skipinject.config.transport`), the runner's help and the
-    README's configuration table all come from these fields (a test keeps the README equal), and so
-    do each key's check and error message. The first four are upstream's keys, with upstream's defaults.
+    Every ``skip.<role>`` key is declared here, once, with its check and error message: the OmegaConf
+    schema, the transport to child processes, the runner's help and the README's table come from these
+    fields. The first four are upstream's keys, with upstream's defaults.
     """
 
     enable: bool = _setting(False, meaning="master switch", expected=_BOOLEAN, check=_boolean)
