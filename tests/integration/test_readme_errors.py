@@ -18,7 +18,7 @@ MISTAKES: list[tuple[list[str], dict[str, str]]] = [
     (["-c", "pass", "skip.rollout.action=skip"], {}),
     (["-c", "pass", "skip.rolout.enable=True"], {}),
     (["--plugins", "rolout", "-c", "pass", "skip.rollout.enable=True"], {}),
-    (["-c", "pass", "skip.rollout_tq.enable=True", "skip.rollout_tq.action=match"], {}),
+    (["-c", "pass", "skip.reward.enable=True", "skip.reward.action=match"], {}),
     (["-c", "pass", "skip.rollout.enable=True", "skip.rollout.dump_dir=foo://x"], {}),
     (["-c", "pass"], {"SKIPINJECT_DISABLE": "maybe"}),
     (["train.py", "skip.rollout.enable=True"], {}),
