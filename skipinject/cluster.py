@@ -11,9 +11,9 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from skipinject.dump_root import LOCAL_SCHEMES, DumpRoot, is_remote, is_url, local_path_text
-from skipinject.node import _ray, node_identity
-from skipinject.store.mounts import fs_type, is_network_path, is_shared_fs_type, parse_mountinfo
+from skipinject.dump_root import DumpRoot
+from skipinject.node import _ray
+from skipinject.store.mounts import is_network_path
 
 logger = logging.getLogger("skipinject")
 
@@ -90,18 +90,3 @@ def enabled_role_settings(config: Any) -> dict[str, Any]:
     """``{role: settings}`` of a :class:`skipinject.config.Config`'s enabled roles."""
     names: Iterable[str] = config.enabled_roles
     return {name: config.role(name) for name in names}
-
-
-__all__ = [
-    "LOCAL_SCHEMES",
-    "fs_type",
-    "is_node_local",
-    "is_remote",
-    "is_shared_fs_type",
-    "is_url",
-    "local_path_text",
-    "node_identity",
-    "parse_mountinfo",
-    "ray_alive_nodes",
-    "warn_if_cache_not_shared",
-]

@@ -22,7 +22,7 @@ DESCRIPTION = "See, verify, show, compare, import, prune and remove skipinject's
 
 def local_path(text: str) -> Path:
     """A command-line path; ``file://`` URLs are local paths, other URLs are refused in one line."""
-    from skipinject.cluster import is_remote, local_path_text
+    from skipinject.dump_root import is_remote, local_path_text
 
     if is_remote(text):
         raise argparse.ArgumentTypeError(
@@ -33,7 +33,7 @@ def local_path(text: str) -> Path:
 
 def location(text: str) -> Path | str:
     """A local path, or a remote store's URL (``ls``, ``verify``, ``prune`` and ``rm`` take both)."""
-    from skipinject.cluster import is_remote
+    from skipinject.dump_root import is_remote
 
     return text.rstrip("/") if is_remote(text) else local_path(text)
 

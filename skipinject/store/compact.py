@@ -8,7 +8,7 @@ its part's budget before allocating and checks every recipe whole against its sh
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,14 +18,8 @@ if TYPE_CHECKING:
     import torch
 
 #: Integer dtypes a tensor may be narrowed to, smallest first (types every torch build converts).
-_NARROW = ("uint8", "int8", "int16", "int32")
-_INTEGERS = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
-_RANGES = {
-    "uint8": (0, 255),
-    "int8": (-128, 127),
-    "int16": (-(1 << 15), (1 << 15) - 1),
-    "int32": (-(1 << 31), (1 << 31) - 1),
-}
+NARROW = ("uint8", "int8", "int16", "int32")
+INTEGERS = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 
 
 @dataclass
@@ -43,7 +37,7 @@ def _name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _itemsize(dtype_name: str) -> int:
+def itemsize(dtype_name: str) -> int:
     import torch
 
     return int(torch.empty((), dtype=getattr(torch, dtype_name)).element_size())
@@ -67,14 +61,16 @@ def plan_tensors(tensors: Mapping[str, torch.Tensor], concats: Mapping[str, tupl
 
 def _narrowed(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
     dtype = _name(tensor.dtype)
-    if dtype not in _INTEGERS or tensor.numel() == 0 or dtype in ("uint8", "int8"):
+    if dtype not in INTEGERS or tensor.numel() == 0 or dtype in ("uint8", "int8"):
         return tensor, None
+    import numpy as np
+
     values = tensor.numpy()
     low, high = int(values.min()), int(values.max())
     size = tensor.element_size()
-    for target in _NARROW:
-        lo, hi = _RANGES[target]
-        if lo <= low and high <= hi and _itemsize(target) < size:
+    for target in NARROW:
+        limits = np.iinfo(target)
+        if limits.min <= low and high <= limits.max and itemsize(target) < size:
             import torch
 
             return torch.from_numpy(values.astype(target)), target
@@ -99,11 +95,16 @@ def _rows_of(tensor: torch.Tensor) -> bool:
 
 def _run(tensor: torch.Tensor) -> dict[str, Any] | None:
     """``{"run": starts, "end": ends}`` if every row is one run of ones (and zeros elsewhere)."""
-    if not _rows_of(tensor) or tensor.is_complex() or tensor.dtype == _bfloat16():
+    if not _rows_of(tensor) or tensor.is_complex() or _name(tensor.dtype) == "bfloat16":
         return None
-    if _run_spec(tensor[:1]) is None:  # row 0 tells most tensors apart at once
-        return None
-    return _run_spec(tensor)
+    return _row_zero_first(_run_spec, tensor)
+
+
+def _row_zero_first(
+    spec: Callable[[torch.Tensor], dict[str, Any] | None], tensor: torch.Tensor
+) -> dict[str, Any] | None:
+    """``spec`` of row 0 first (it tells most tensors apart at once), then of the whole tensor."""
+    return None if spec(tensor[:1]) is None else spec(tensor)
 
 
 def _run_spec(tensor: torch.Tensor) -> dict[str, Any] | None:
@@ -121,11 +122,9 @@ def _run_spec(tensor: torch.Tensor) -> dict[str, Any] | None:
 
 def _ramp(tensor: torch.Tensor) -> dict[str, Any] | None:
     """``{"ramp": starts, "top": tops}`` if row ``b`` is ``clamp(j - start_b, 0, top_b)`` (position ids)."""
-    if not _rows_of(tensor) or _name(tensor.dtype) not in _INTEGERS or _name(tensor.dtype).startswith("uint"):
+    if not _rows_of(tensor) or _name(tensor.dtype) not in INTEGERS or _name(tensor.dtype).startswith("uint"):
         return None
-    if _ramp_spec(tensor[:1]) is None:
-        return None
-    return _ramp_spec(tensor)
+    return _row_zero_first(_ramp_spec, tensor)
 
 
 def _ramp_spec(tensor: torch.Tensor) -> dict[str, Any] | None:
@@ -150,12 +149,6 @@ def _rebuilt(entry: Mapping[str, Any], dtype: Any) -> torch.Tensor:
     for rows in build.blocks():
         build.write(out, rows, zeroed=True)  # as a hit writes it: into fresh (zero) memory
     return out
-
-
-def _bfloat16() -> Any:
-    import torch
-
-    return torch.bfloat16
 
 
 def _concat(plan: Plan, left: Plan, right: Plan) -> dict[str, Any] | None:
@@ -184,7 +177,7 @@ def check_rebuilt(entries: list[Mapping[str, Any]], budget: int) -> None:
             shape = entry["shape"]
             if entry["dtype"] not in TENSOR_DTYPES or type(shape) is not list or not all(type(d) is int for d in shape):
                 raise ValueError(f"bad dtype or shape for {str(entry['name'])[:80]!r}")
-            total += math.prod(shape) * _itemsize(entry["dtype"])
+            total += math.prod(shape) * itemsize(entry["dtype"])
     if total > budget:
         raise ValueError(f"its index rebuilds {total} bytes, more than the step's rows may take ({budget})")
 
@@ -198,9 +191,9 @@ def _check_recipe(kind: str, starts: list[int], seconds: list[int], width: int, 
         if not all(0 <= start <= end <= width for start, end in zip(starts, seconds, strict=True)):
             raise ValueError(f"a run outside its row of {width}")
         return
-    if dtype not in _INTEGERS or dtype.startswith("uint"):
+    if dtype not in INTEGERS or dtype.startswith("uint"):
         raise ValueError(f"a ramp of {dtype}")
-    highest = (1 << (8 * _itemsize(dtype) - 1)) - 1
+    highest = (1 << (8 * itemsize(dtype) - 1)) - 1
     if not all(0 <= top <= highest for top in seconds):
         raise ValueError(f"a ramp with a negative top or one {dtype} does not hold")
     if not all(-top <= start < width for start, top in zip(starts, seconds, strict=True)):
@@ -272,7 +265,7 @@ class Recipe:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(_name(self.dtype))
+        return math.prod(self.shape) * itemsize(_name(self.dtype))
 
     def blocks(self) -> list[slice]:
         """Row ranges of the first dimension covering the tensor (one for a 1-D tensor)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -74,17 +73,11 @@ def _blocks(pieces: Sequence[Buffer], size: int) -> Iterator[Buffer]:
         yield b"".join(pending)
 
 
-@dataclass
-class Written:
-    decoded_size: int
-    frames: list[int]
-
-    def record(self) -> dict[str, Any]:
-        return {"encoding": ENCODING, "decoded_size": self.decoded_size, "frames": self.frames}
-
-
-def write_compressed(handle: BinaryIO, pieces: Sequence[Buffer], compression: Compression, hasher: _Hasher) -> Written:
-    """Compress the concatenated ``pieces`` frame by frame on every core, hashing the stored bytes."""
+def write_compressed(
+    handle: BinaryIO, pieces: Sequence[Buffer], compression: Compression, hasher: _Hasher
+) -> dict[str, Any]:
+    """Compress the concatenated ``pieces`` frame by frame on every core, hashing the stored bytes; the
+    file's record beside its size and checksum (decoded size, frame table)."""
     from concurrent.futures import ThreadPoolExecutor
 
     zstandard = _zstd()
@@ -115,16 +108,7 @@ def write_compressed(handle: BinaryIO, pieces: Sequence[Buffer], compression: Co
                 emit(in_flight.pop(0))
         for future in in_flight:
             emit(future)
-    return Written(decoded, frames)
-
-
-def compress_bytes(data: bytes, compression: Compression, hasher: _Hasher) -> tuple[bytes, Written]:
-    """``data`` compressed (a small file, e.g. the objects file), its record."""
-    import io
-
-    out = io.BytesIO()
-    written = write_compressed(out, [data], compression, hasher)
-    return out.getvalue(), written
+    return {"encoding": ENCODING, "decoded_size": decoded, "frames": frames}
 
 
 def check_record(spec: Mapping[str, Any], stored: int, shown: Path) -> tuple[int, list[int]]:

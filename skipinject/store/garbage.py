@@ -98,128 +98,79 @@ def _abandoned(name: str, info: os.stat_result, now: float, min_age: float) -> b
     return stat.S_ISREG(info.st_mode) and age >= min_age and _writer_gone(name, age)
 
 
-def _scan_folder(
-    folder_fd: int,
-    folder: Path,
-    sub: str,
-    named: set[str],
-    now: float,
-    min_age: float,
-    out: list[Leftover],
-    anchor: Path | None = None,
-) -> None:
-    try:
-        names = os.listdir(folder_fd)
-    except OSError:
-        return
-    for name in names:
-        if not is_ours(name) or f"{sub}/{name}" in named:
-            continue
-        try:
-            info = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
-        except OSError:
-            continue
-        if not _abandoned(name, info, now, min_age):
-            continue
-        if name.startswith("."):
-            reason = "temporary file of an interrupted save"
-        elif named:
-            reason = "data file not named by the step's meta.json (replaced, or a losing concurrent save)"
-        else:
-            reason = "data file of a save that never committed (no meta.json)"
-        out.append(Leftover(folder / name, info.st_size, reason, anchor))
-
-
 def _scan_step(
     project_fd: int, project_dir: Path, step_name: str, now: float, min_age: float, out: list[Leftover]
 ) -> None:
     step_fd = try_open_dir(step_name, project_fd)
     if step_fd is None:
         return  # a symlink, not a directory, or unreadable: not ours to touch
+    step_dir = project_dir / step_name
+    folders = {"": step_fd}
     try:
-        if _dead_claim(step_fd, now, min_age):
-            out.append(Leftover(project_dir / step_name, 0, _DEAD_CLAIM, project_dir))
+        names = os.listdir(step_fd)
+        if set(names) <= {USAGE_NAME} and now - os.fstat(step_fd).st_mtime >= min_age:
+            out.append(Leftover(step_dir, 0, _DEAD_CLAIM, project_dir))  # a claim or save that never wrote
             return
-        if _clean_commit(step_fd):
-            return
+        for child in names:
+            part_fd = try_open_dir(child, step_fd) if PART_NAME.fullmatch(child) else None
+            if part_fd is not None:
+                folders[child] = part_fd
+        listings = {sub: names if not sub else os.listdir(fd) for sub, fd in folders.items()}
+        if META_NAME in names and _one_write(listings.values()):
+            return  # the usual committed step: nothing to collect, no meta.json parsed
         named = _named_by_meta(step_fd)
         if named is None:
             return
-        step_dir = project_dir / step_name
-        _scan_folder(step_fd, step_dir, "", named, now, min_age, out, project_dir)
-        try:
-            children = os.listdir(step_fd)
-        except OSError:
-            return
-        for child in children:
-            if not PART_NAME.fullmatch(child):
-                continue
-            part_fd = try_open_dir(child, step_fd)
-            if part_fd is None:
-                continue
-            try:
-                found: list[Leftover] = []
-                _scan_folder(part_fd, step_dir / child, child, named, now, min_age, found, project_dir)
-                out.extend(found)
-                if not named and _part_dir_empty_after(part_fd, found):
-                    info = os.fstat(part_fd)
-                    if now - info.st_mtime >= min_age:
-                        out.append(
-                            Leftover(step_dir / child, 0, "part directory of a save that never committed", project_dir)
-                        )
-            finally:
-                os.close(part_fd)
+        for sub, fd in folders.items():
+            found = [
+                item for name in listings[sub] if (item := _leftover(fd, step_dir, sub, name, named, now, min_age))
+            ]
+            out.extend(found)
+            left = set(listings[sub]) - {item.path.name for item in found}
+            if sub and not named and not left and now - os.fstat(fd).st_mtime >= min_age:
+                out.append(Leftover(step_dir / sub, 0, _DEAD_PART, project_dir))
+    except OSError:
+        return
     finally:
-        os.close(step_fd)
+        for fd in folders.values():
+            os.close(fd)
+
+
+def _leftover(
+    folder_fd: int, step_dir: Path, sub: str, name: str, named: set[str], now: float, min_age: float
+) -> Leftover | None:
+    if not is_ours(name) or f"{sub}/{name}" in named:
+        return None
+    try:
+        info = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    if not _abandoned(name, info, now, min_age):
+        return None
+    if name.startswith("."):
+        reason = "temporary file of an interrupted save"
+    elif named:
+        reason = "data file not named by the step's meta.json (replaced, or a losing concurrent save)"
+    else:
+        reason = "data file of a save that never committed (no meta.json)"
+    folder = step_dir / sub if sub else step_dir
+    return Leftover(folder / name, info.st_size, reason, step_dir.parent)
 
 
 _DEAD_CLAIM = "empty step directory (a claim or save that never wrote a file)"
+_DEAD_PART = "part directory of a save that never committed"
 
 
-def _dead_claim(step_fd: int, now: float, min_age: float) -> bool:
-    """An empty step directory (or holding only a usage record) untouched for ``min_age``: a claim or save
-    that never wrote a file."""
-    try:
-        return set(os.listdir(step_fd)) <= {USAGE_NAME} and now - os.fstat(step_fd).st_mtime >= min_age
-    except OSError:
-        return False
-
-
-def _clean_commit(step_fd: int) -> bool:
-    """A committed step holding only one write's files: nothing to collect (listings only, no parse)."""
-    try:
-        names = os.listdir(step_fd)
-        if META_NAME not in names:
+def _one_write(listings: Iterable[list[str]]) -> bool:
+    """Only one write's data files and no temporary file (listings only)."""
+    ids = set()
+    for name in (name for listing in listings for name in listing):
+        if TMP_NAME.fullmatch(name):
             return False
-        ids = set()
-        listings = [names]
-        for child in names:
-            if PART_NAME.fullmatch(child):
-                part_fd = try_open_dir(child, step_fd)
-                if part_fd is None:
-                    continue
-                try:
-                    listings.append(os.listdir(part_fd))
-                finally:
-                    os.close(part_fd)
-        for listing in listings:
-            for name in listing:
-                if TMP_NAME.fullmatch(name):
-                    return False
-                if DATA_NAME.fullmatch(name):
-                    match = WRITE_ID.search(name)
-                    ids.add(match.group(0) if match else name)
-        return len(ids) <= 1
-    except OSError:
-        return False
-
-
-def _part_dir_empty_after(part_fd: int, removed: list[Leftover]) -> bool:
-    try:
-        names = set(os.listdir(part_fd))
-    except OSError:
-        return False
-    return names <= {item.path.name for item in removed}
+        if DATA_NAME.fullmatch(name):
+            match = WRITE_ID.search(name)
+            ids.add(match.group(0) if match else name)
+    return len(ids) <= 1
 
 
 def find_leftovers(
@@ -250,7 +201,7 @@ def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONE
     items = list(leftovers)
     files = bytes_ = 0
     now = time.time()
-    order = {_DEAD_CLAIM: 2, "part directory of a save that never committed": 1}
+    order = {_DEAD_CLAIM: 2, _DEAD_PART: 1}
     for item in sorted(items, key=lambda i: order.get(i.reason, 0) if i.size == 0 else 0):
         anchor = item.anchor if item.anchor is not None else _project_of(item.path)
         try:

@@ -238,24 +238,18 @@ class StepStore:
     def interrupted(self, step: int) -> str | None:
         """One line if the step holds our data files but no ``meta.json`` (an interrupted save). Never raises."""
 
-        def holds_data(names: list[str]) -> bool:
-            return any(DATA_NAME.fullmatch(name) for name in names)
-
-        def part_holds_data(sub: str) -> bool:
+        def names(location: Path) -> list[str]:
             try:
-                return holds_data(self.backend.names(self.step_dir(step) / sub))
+                return self.backend.names(location)
             except Exception:
-                return False
+                return []
 
-        try:
-            names = self.backend.names(self.step_dir(step))
-        except Exception:
+        step_dir = self.step_dir(step)
+        top = names(step_dir)
+        found = top + [name for sub in top if PART_NAME.fullmatch(sub) for name in names(step_dir / sub)]
+        if META_NAME in top or not any(DATA_NAME.fullmatch(name) for name in found):
             return None
-        if META_NAME in names:
-            return None
-        if not holds_data(names) and not any(PART_NAME.fullmatch(sub) and part_holds_data(sub) for sub in names):
-            return None
-        return f"{self.step_dir(step)} holds data files but no meta.json (an earlier save was interrupted)"
+        return f"{step_dir} holds data files but no meta.json (an earlier save was interrupted)"
 
     def upstream_file(self, step: int, name: str, directory_name: str | None = None) -> Path | None:
         """verl's own file ``name`` of a step if it is a regular file in a real, trusted, local step directory

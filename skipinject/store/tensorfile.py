@@ -10,6 +10,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+import skipinject.store.compact as compact
 from skipinject.errors import CorruptCacheError
 from skipinject.store.checksums import _Hasher, workers
 from skipinject.store.compact import BLOCK_ELEMENTS, Plan, Recipe, check_rebuilt, copy_into, plan_tensors
@@ -44,7 +45,7 @@ def tensor_file(
         return _write_and_hash(handle, _file_pieces(tensors, compact=False), algo), None
     hasher = _Hasher(algo)
     written = write_compressed(handle, _file_pieces(tensors, compact=True, concats=concats), compression, hasher)
-    return hasher.hexdigest(), written.record()
+    return hasher.hexdigest(), written
 
 
 def _file_pieces(
@@ -214,7 +215,7 @@ def _read_tensors(mapped: Decoded | None, path: Path, memory: Claim, budget: int
         stored = getattr(torch, stored_name)
         offset, nbytes = entry["offset"], entry["nbytes"]
         count = math.prod(shape)
-        itemsize = torch.empty((), dtype=stored).element_size()
+        itemsize = compact.itemsize(stored_name)
         if type(offset) is not int or offset < 0 or offset % _ALIGN or nbytes != count * itemsize:
             raise ValueError(f"bad extent for {name!r:.80}")
         if data_start + offset + nbytes > size:
@@ -292,5 +293,4 @@ def _copy_block(out: torch.Tensor, source: torch.Tensor, lo: int) -> None:
 
 def _narrows(stored: str, dtype: str) -> bool:
     """``stored`` is a smaller integer dtype a tensor of ``dtype`` may have been narrowed to."""
-    sizes = {"uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8}
-    return stored in ("uint8", "int8", "int16", "int32") and dtype in sizes and sizes[stored] < sizes[dtype]
+    return stored in compact.NARROW and dtype in compact.INTEGERS and compact.itemsize(stored) < compact.itemsize(dtype)

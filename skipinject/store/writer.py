@@ -9,14 +9,14 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from skipinject._version import __version__
 from skipinject.errors import CacheError
 from skipinject.node import node_identity
 from skipinject.payload import Payload
-from skipinject.store.checksums import _digest, _Hasher
-from skipinject.store.compression import compress_bytes
+from skipinject.store.checksums import _Hasher
+from skipinject.store.compression import write_compressed
 from skipinject.store.format import (
     FORMAT,
     FORMAT_VERSION,
@@ -99,14 +99,17 @@ class StepWriter:
         }
         objects_at = folder / objects_name(self.write_id)
         self._written.append(objects_at)
-        if compression is None:
-            record: dict[str, Any] = {"checksum": _digest(blob, algo)}
-        else:
-            hasher = _Hasher(algo)
-            blob, written = compress_bytes(blob, compression, hasher)
-            record = {"checksum": hasher.hexdigest(), **written.record()}
-        size, _ = backend.write(objects_at, lambda handle: handle.write(blob), self.write_id)
-        files["objects"] = {"name": objects_at.name, "size": size, **record}
+        hasher = _Hasher(algo)
+
+        def objects_file(handle: BinaryIO) -> dict[str, Any]:
+            if compression is not None:
+                return write_compressed(handle, [blob], compression, hasher)
+            handle.write(blob)
+            hasher.update(blob)
+            return {}
+
+        size, written = backend.write(objects_at, objects_file, self.write_id)
+        files["objects"] = {"name": objects_at.name, "size": size, "checksum": hasher.hexdigest(), **written}
         self.parts[part] = {"dir": part, "rows": payload.rows, "files": files}
 
     def _check_budget(self, payload: Payload, objects_bytes: int) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from skipinject import bootstrap, cluster
+from skipinject import bootstrap, cluster, dump_root, node
 from skipinject.config import Config, RoleConfig
 from skipinject.store import mounts
 
@@ -30,19 +30,19 @@ def _fresh_warning():
 
 def test_parse_mountinfo_reads_mount_point_and_type_with_escapes():
     text = mountinfo(("/mnt/my share", "nfs4"), ("/data", "lustre"))
-    assert ("/mnt/my share", "nfs4") in cluster.parse_mountinfo(text)
-    assert ("/data", "lustre") in cluster.parse_mountinfo(text)
-    assert ("/", "ext4") in cluster.parse_mountinfo(text)
-    assert cluster.parse_mountinfo("garbage\n\n1 2 3\n") == []
+    assert ("/mnt/my share", "nfs4") in mounts.parse_mountinfo(text)
+    assert ("/data", "lustre") in mounts.parse_mountinfo(text)
+    assert ("/", "ext4") in mounts.parse_mountinfo(text)
+    assert mounts.parse_mountinfo("garbage\n\n1 2 3\n") == []
 
 
 def test_fs_type_is_the_longest_enclosing_mount_even_for_paths_not_created_yet(tmp_path: Path):
     shared = tmp_path / "shared dir"
     shared.mkdir()
     text = mountinfo((str(tmp_path.resolve()), "tmpfs"), (str(shared.resolve()), "nfs4"))
-    assert cluster.fs_type(tmp_path / "x", text) == "tmpfs"
-    assert cluster.fs_type(shared / "not" / "yet" / "there", text) == "nfs4"
-    assert cluster.fs_type("/", text) == "ext4"
+    assert mounts.fs_type(tmp_path / "x", text) == "tmpfs"
+    assert mounts.fs_type(shared / "not" / "yet" / "there", text) == "nfs4"
+    assert mounts.fs_type("/", text) == "ext4"
 
 
 @pytest.mark.parametrize(
@@ -74,18 +74,18 @@ def test_is_node_local_by_file_system_type(tmp_path: Path, kind: str, local: boo
 
 def test_urls_are_not_node_local_and_unknown_is_not_claimed_local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     for url in ("s3://bucket/dump", "hdfs://nn:8020/dump", "gs://b/d"):
-        assert cluster.is_url(url) and not cluster.is_node_local(url, mountinfo())
+        assert dump_root.is_url(url) and not cluster.is_node_local(url, mountinfo())
     # file:// is a path on this node: it is judged by the file system it is on
     assert cluster.is_node_local("file:///srv/x", mountinfo())
     assert not cluster.is_node_local("file:///srv/x", mountinfo(("/srv", "nfs4")))
-    assert not cluster.is_url("/tmp/a://b") and not cluster.is_url("relative/dir")
+    assert not dump_root.is_url("/tmp/a://b") and not dump_root.is_url("relative/dir")
     monkeypatch.setattr(mounts, "MOUNTINFO", str(tmp_path / "no-such-mountinfo"))
-    assert cluster.fs_type(tmp_path) is None
+    assert mounts.fs_type(tmp_path) is None
     assert cluster.is_node_local(tmp_path) is False
 
 
 def test_this_machines_tmp_is_node_local():
-    assert cluster.fs_type("/") is not None
+    assert mounts.fs_type("/") is not None
     assert cluster.is_node_local("/tmp/skipinject-test-dump")
 
 
@@ -114,7 +114,7 @@ def test_no_warning_when_the_cache_is_shared(tmp_path: Path, monkeypatch: pytest
 
 
 def test_node_identity_without_ray_is_the_host_name():
-    identity = cluster.node_identity()
+    identity = node.node_identity()
     assert identity["hostname"] == socket.gethostname()
     assert "ray_node_id" not in identity and cluster.ray_alive_nodes() == 0
 

@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 
 from skipinject import bootstrap
-from skipinject.cluster import is_remote
 from skipinject.config import Config, apply_overrides
-from skipinject.dump_root import DumpRoot
+from skipinject.dump_root import DumpRoot, is_remote
 from skipinject.errors import ConfigError, CorruptCacheError
 from skipinject.store import Payload, RemoteStepStore
 from skipinject.store.remote import RemotePath, open_remote
