@@ -90,10 +90,6 @@ class DumpRoot:
             return self.path
         return cast(Path, _opened(cast(str, self.url))[1])
 
-    def filesystem(self) -> Any:
-        """The fsspec filesystem of a remote root, ``None`` for a local one."""
-        return None if self.url is None else _opened(self.url)[0]
-
     def backend(self, *, trust_permissions: bool = False) -> Backend:
         """Where the root's files are moved: local files, or the remote store's fsspec filesystem."""
         if self.url is None:
