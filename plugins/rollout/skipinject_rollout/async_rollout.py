@@ -18,6 +18,7 @@ from skipinject import Call, Role, StepSource, Target, hookimpl
 from skipinject_rollout.common import (
     GEN_BATCH,
     GENERATION_SETTINGS,
+    RolloutCodec,
     prompt_fingerprint,
     prompt_key,
     rescore_matched_sample,
@@ -56,6 +57,7 @@ ASYNC_ROLLOUT = Role(
     targets=[Target(TARGET, verl=">=0.8")],
     step=StepSource.per_call(feed_index),
     builtin="async_rollout",
+    codec=RolloutCodec(),
     fingerprint=prompt_fingerprint,
     # action=match: a sample is served by its prompt (not its id), from whichever step recorded it,
     # and its served rows are scored by this run's reward where their recording's was another.

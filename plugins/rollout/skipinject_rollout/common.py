@@ -8,6 +8,8 @@ from typing import Any
 
 from skipinject import (
     Call,
+    CodecError,
+    DataProtoCodec,
     HitInfo,
     MatchInfo,
     UpstreamFormat,
@@ -23,6 +25,7 @@ __all__ = [
     "GENERATION_SETTINGS",
     "GENSTEP_BATCH",
     "GEN_BATCH",
+    "RolloutCodec",
     "installed_verl_matches",
     "mark_hit",
     "mark_match",
@@ -116,6 +119,24 @@ def prompt_digests(
         )
         for index in range(rows)
     ]
+
+
+#: The codec name of the V1 ``rollout_tq`` role's recordings (TransferQueue trajectories).
+V1_CODEC = "TensorDict"
+
+
+class RolloutCodec(DataProtoCodec):
+    """The V0 rollouts' ``DataProto`` codec; a V1 ``rollout_tq`` recording (found by ``action=match``, whose
+    row keys are the same for both trainers) is refused with the reason, not the codec names."""
+
+    def decode(self, payload: Any, call: Any = None) -> Any:
+        if payload.objects.get("codec") == V1_CODEC:
+            raise CodecError(
+                "recorded by the V1 TransferQueue trainer (TransferQueue trajectories: jagged prompts and "
+                "responses with per-trajectory tags), which holds no padded, batch-wide DataProto fields "
+                "to carry over exactly: those rows are generated"
+            )
+        return super().decode(payload, call)
 
 
 def workers_of(call: Call) -> int:

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from skipinject import DataProtoCodec, Role, StepSource, Target, hookimpl, select
+from skipinject import Role, StepSource, Target, hookimpl, select
 
 from skipinject_rollout.common import (
     GEN_BATCH,
     GENERATION_SETTINGS,
     GENSTEP_BATCH,
+    RolloutCodec,
     installed_verl_matches,
     mark_hit,
     mark_match,
@@ -86,7 +87,7 @@ ROLLOUT = Role(
         Target(BUILTIN_WRAP, phase=BuiltinSkipOff(cannot_fire), verl=">=0.6,<0.9", every_step=True),
     ],
     step=StepSource.meta("global_steps").or_else(StepSource.clock("global_steps")),
-    codec=DataProtoCodec(divisor=workers_of),
+    codec=RolloutCodec(divisor=workers_of),
     clocks=CLOCKS,
     builtin="rollout",
     check=cannot_fire,

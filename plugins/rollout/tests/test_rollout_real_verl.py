@@ -292,3 +292,45 @@ def test_async_rollout_resolves_each_concurrent_sample_on_its_own(tmp_path: Path
     for index in (2, 3, 5):
         assert torch.equal(second[index - 1].batch["responses"], first[index - 1].batch["responses"])
         assert second[index - 1].non_tensor_batch["raw_prompt"][0][0]["content"] == f"prompt {index}"
+
+
+def test_match_generates_rows_a_v1_recording_holds_and_says_why(tmp_path: Path, caplog):
+    """A V1 ``rollout_tq`` recording whose row keys are this call's (the same prompts and generation
+    settings) holds TransferQueue trajectories, not a ``DataProto``: a V0 ``match`` generates those rows,
+    with one line naming the reason (not the codecs' names)."""
+    import json
+
+    from skipinject.store import StepStore
+    from skipinject.verl.codecs import TensorDictCodec
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    start(tmp_path, steps=(1,))
+    calls: list[int] = []
+    _, gen = trainer_batch(PROMPTS, 1)
+    manager(calls).generate_sequences(gen)
+    bootstrap.stop()
+    layout = tmp_path / "exp_proj" / f"GBS4_N{N}_in{PROMPT_LEN}_out{RESPONSE_LEN}"
+    meta = json.loads((layout / "1" / "meta.json").read_text())
+    rows = len(PROMPTS) * N
+    trajectories = list_of_dict_to_tensordict(
+        [
+            {"prompts": torch.arange(3 + i % 2), "responses": torch.arange(2 + i % 3), "uid": f"u{i // N}"}
+            for i in range(rows)
+        ]
+    )
+    keys = [f"u{i // N}_{i % N}_0" for i in range(rows)]
+    v1 = {"tensordict": trajectories, "keys": keys, "tags": [{"status": "success"}] * rows, "global_steps": 1}
+    store = StepStore(layout, "rollout", meta["context"])
+    store.remove(1)
+    v1_meta = {"role": "rollout_tq", "row_keys": meta["row_keys"], "rows_per_input": [1], "calls": 1}
+    store.save(5, TensorDictCodec().encode(v1), v1_meta)
+
+    start(tmp_path, steps=(1,), action="match")
+    with caplog.at_level(logging.INFO, logger="skipinject"):
+        out = manager(calls).generate_sequences(gen)
+    assert calls == [4, 4, 4, 4], "every row generated again"
+    assert len(out) == rows
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    [why] = [line for line in warned if "cached step 5" in line]
+    assert "not served (CodecError: recorded by the V1 TransferQueue trainer" in why, why
+    assert "those rows are generated" in why and "written by codec" not in why, why
