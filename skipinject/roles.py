@@ -430,6 +430,9 @@ class Role:
     builtin: str | None = None
     #: Called once with the run's verl config; returns a reason why the role cannot fire, or None.
     check: Callable[[Any], str | None] | None = None
+    #: Called once at the run's start with its verl config and the role's settings; returns why the role
+    #: acts but not exactly in this run (one warning among the start lines), or None.
+    caveat: Callable[[Any, RoleConfig], str | None] | None = None
     bypass: Callable[[Call], bool] = default_bypass
     #: Per-row digests of the call's inputs; a hit whose digests differ is reported (``on_mismatch``).
     fingerprint: Callable[[Call], Sequence[str] | None] | None = None

@@ -136,7 +136,8 @@ def counts_phrase(settings: RoleConfig, chosen: int | None, cached: int, on_disk
 
 def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> Lines:
     """Each enabled role's start line for a run with verl config ``run_config`` (and, first, why a role
-    cannot act in it, as the role's ``check`` says). Never raises: a role that cannot be counted says so."""
+    cannot act in it, as the role's ``check`` says, or why it acts but not exactly, as its ``caveat`` says).
+    Never raises: a role that cannot be counted says so."""
     from skipinject.verl.compat import select
 
     lines: Lines = []
@@ -162,7 +163,18 @@ def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> 
         except Exception as exc:
             counts = f"not counted ({type(exc).__name__}: {exc})"
             lines.append((logging.INFO, role_line(name, settings, f"{settings.root}/…", counts)))
+        caveat = None if reason else _caveat(role, run_config, settings)
+        if caveat:
+            lines.append((logging.WARNING, f"{name}: {caveat}"))
     return lines
+
+
+def _caveat(role: Role, run_config: Any, settings: RoleConfig) -> str | None:
+    """The role's :attr:`~skipinject.roles.Role.caveat` for this run (``None`` when it has none or fails)."""
+    try:
+        return role.caveat(run_config, settings) if role.caveat is not None else None
+    except Exception:
+        return None
 
 
 def _cached_steps(store: StepStore, settings: RoleConfig, last: Any) -> tuple[int | None, int, int]:

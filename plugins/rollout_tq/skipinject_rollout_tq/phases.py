@@ -24,7 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skipinject import Action, Call, CorruptCacheError, Loaded, PhaseContext, StepCache, run_config_of, select
+from skipinject import (
+    Action,
+    Call,
+    CorruptCacheError,
+    Loaded,
+    PhaseContext,
+    RoleConfig,
+    StepCache,
+    run_config_of,
+    select,
+)
 from skipinject_rollout import rescore
 from skipinject_rollout.reward_identity import reward_identity
 
@@ -145,9 +155,7 @@ class SubmitPhase:
         batch = trainer._next_train_batch()
         uids = [str(uid) for uid in batch["uid"]]
         store = role.store_for(call)
-        if role.settings.action is Action.match:
-            say_inexact(role, run_config_of(call))
-        elif self._serve(role, call, store, step, uids):
+        if role.settings.action is not Action.match and self._serve(role, call, store, step, uids):
             return
         role.notes(call, step)["prompts_submitted"] = len(uids)  # its refills are counted beside it
         submit_prompts(role, call, step, batch, "submit")
@@ -357,9 +365,12 @@ def _serve_matched(
     return set(served)
 
 
-def say_inexact(role: PhaseContext, config: Any) -> None:
-    """One line, the first time ``match`` acts, when the mode keeps a step from training on exactly what
-    an unskipped run with the same draws would: served groups are finished when submitted."""
+def match_caveat(config: Any, settings: RoleConfig) -> str | None:
+    """Why ``action=match`` cannot be exact in a run of ``config`` (said once, at the run's start: the role's
+    ``caveat``): served groups are finished when submitted, so a mode that samples groups as they finish
+    trains them first. ``None`` for another action or the exact mode (``sync``, one mini-batch a step)."""
+    if settings.action is not Action.match:
+        return None
     mode = select(config, "trainer.v1.trainer_mode", "sync")
     k = parameter_sync_step(config)
     if mode != "sync":
@@ -374,8 +385,8 @@ def say_inexact(role: PhaseContext, config: Any) -> None:
             "finished when submitted, so they fill the first mini-batches"
         )
     else:
-        return
-    role.once("match-inexact", logging.WARNING, "%s: action=match is not exact with %s", role.name, why)
+        return None
+    return f"action=match is not exact with {why}"
 
 
 def _trusted_upstream(loaded: Loaded, expected: int) -> list[dict[str, Any]]:

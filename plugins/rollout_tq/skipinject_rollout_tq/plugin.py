@@ -33,7 +33,14 @@ from skipinject import (
 from skipinject_rollout.common import GENERATION_SETTINGS
 from skipinject_rollout.reward_identity import record_reward
 
-from skipinject_rollout_tq.phases import LastServed, RefillPhase, SamplePhase, SubmitPhase, WarmupOff
+from skipinject_rollout_tq.phases import (
+    LastServed,
+    RefillPhase,
+    SamplePhase,
+    SubmitPhase,
+    WarmupOff,
+    match_caveat,
+)
 from skipinject_rollout_tq.transfer import UPSTREAM_FILE, TrajectoryCodec, batch_digests, load_upstream_file
 
 TRAINER = "verl.trainer.ppo.v1.trainer_base:PPOTrainer"
@@ -88,6 +95,8 @@ def make_role() -> Role:
         clocks=[FIT] if installed_verl_matches(V1_VERL) else [],
         builtin="rollout_tq",
         check=cannot_fire,
+        # action=match in the async modes or with parameter_sync_step > 1: one line at start says why not exact.
+        caveat=match_caveat,
         cache_subdir="",
         upstream=TQ_BATCH,
         description="V1 TransferQueue trainer: submit (inject cached trajectories), refill (count DAPO's draws) "

@@ -900,8 +900,39 @@ def test_match_with_group_filtering_matches_the_refills_too(tmp_path: Path, clea
         assert rows == own_rows(sorted(prompt_indices(second[step])), step), "each response is its own prompt's"
     refills = messages_of(caplog, "rollout_tq step 2: match (refill)")
     assert refills and any("prompts served" in line and " 0 of" not in line for line in refills), refills
-    inexact = messages_of(caplog, "action=match is not exact", logging.WARNING)
-    assert len(inexact) == (1 if mode != "sync" else 0), inexact
+    assert not messages_of(caplog, "action=match is not exact"), "said at the run's start, not in the run"
+
+
+@pytest.mark.parametrize(
+    ("mode", "k", "action", "why"),
+    [
+        pytest.param("separate_async", 2, "match", "trainer.v1.trainer_mode=separate_async: ", id="async"),
+        pytest.param("sync", 2, "match", "parameter_sync_step=2: ", id="sync-k2"),
+        pytest.param("sync", 1, "match", None, id="sync"),
+        pytest.param("separate_async", 2, "cache", None, id="cache"),
+    ],
+)
+def test_match_says_at_the_runs_start_once_why_it_is_not_exact(
+    tmp_path: Path, caplog, mode: str, k: int, action: str, why: str | None
+):
+    """The driver's start lines (verl hands ``run_ppo`` its config) say, once, which mode keeps ``match``
+    from being exact and why; an exact mode or another action says nothing of it."""
+    from skipinject.report import start
+
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1, 2), action=action)
+    watch = start.RunStart(Config(roles={"rollout_tq": settings}), {"rollout_tq": make_role()})
+    config = run_config(mode, k)
+    with caplog.at_level(logging.INFO, logger="skipinject"):
+        for _ in range(2):
+            watch.sync(SimpleNamespace(args=(config,), kwargs={}), lambda: None)
+    lines = messages_of(caplog, "rollout_tq: ")
+    inexact = [line for line in lines if "not exact" in line]
+    if why is None:
+        assert not inexact and len(lines) == 1, lines
+        return
+    assert len(lines) == 2 and lines[0].startswith(f"rollout_tq: {action} steps 1-2 in "), lines
+    assert inexact == [lines[1]] and lines[1].startswith(f"rollout_tq: action=match is not exact with {why}")
+    assert messages_of(caplog, "not exact", logging.WARNING) == inexact
 
 
 @pytest.mark.ray
