@@ -160,6 +160,8 @@ def trajectory(uid: str, session: int, step: int, seed: int, uniform: bool = Fal
         "session_id": session,
         "global_steps": step,
         "raw_prompt": [{"role": "user", "content": f"prompt {seed}"}],
+        "data_source": "toy",  # the prompt's inputs a reward reads, as verl's trajectories carry them
+        "reward_model": {"ground_truth": str(seed)},
         "extra_fields": {"min_global_steps": step - 1, "reward_extra_info": {"acc": seed / 10}},
     }
 
@@ -286,22 +288,22 @@ def make_trainer(
 FIELDS = ["responses", "raw_prompt", "uid", "session_id", "global_steps"]
 
 
-def train_step(trainer: Any, step: int) -> dict[str, list[Any]]:
+def train_step(trainer: Any, step: int, fields: list[str] = FIELDS) -> dict[str, list[Any]]:
     """What PPOTrainer.fit/step do around the rollout: submit, sample k mini-batches, clear the step.
 
-    Returns what the trainer got: keys, tags and :data:`FIELDS` read back before the step is cleared.
+    Returns what the trainer got: keys, tags and ``fields`` read back before the step is cleared.
     """
     trainer.global_steps = step
     trainer._add_batch_to_generate()
-    got: dict[str, list[Any]] = {"keys": [], "tags": [], **{name: [] for name in FIELDS}}
+    got: dict[str, list[Any]] = {"keys": [], "tags": [], **{name: [] for name in fields}}
     for _ in range(trainer.parameter_sync_step):
         batch, _ = trainer.replay_buffer.sample(
             global_steps=step, partition_id="train", batch_size=BATCH // trainer.parameter_sync_step
         )
         got["keys"].extend(batch.keys)
         got["tags"].extend(batch.tags)
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=FIELDS)
-        for name in FIELDS:
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        for name in fields:
             value = data[name]
             got[name].extend([t.tolist() for t in value.unbind(0)] if isinstance(value, torch.Tensor) else list(value))
         tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
@@ -1005,3 +1007,61 @@ def test_a_v1_prompt_is_keyed_as_the_v0_rollout_keys_its_rows():
     assert digests is not None
     v1_keys = row_keys(ROLLOUT_TQ, Call("t", print, trainer, (), {}), [d for d in digests for _ in range(N)])
     assert v1_keys == v0_keys and len(set(v0_keys)) == len(v0_keys)
+
+
+@pytest.mark.ray
+def test_match_rescores_the_served_trajectories_recorded_under_another_reward(tmp_path: Path, clean_tq: None, caplog):
+    """``rescore`` on the match path: served trajectories recorded under another reward are scored by this
+    run's real ``RewardLoopWorker`` before they are put into TransferQueue; generated ones keep theirs."""
+    from plugins.rollout.tests.test_rescore import (
+        LENGTH_REWARD,
+        WORD_REWARD,
+        InProcessHandle,
+        harness,
+        reward_file,
+    )
+    from plugins.rollout.tests.test_rescore import run_config as full_config
+    from transformers import AutoTokenizer
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+    assets = harness.build_assets(tmp_path / "assets")
+
+    def v1_config(reward: str, source: str) -> Any:
+        config = full_config(assets, reward_file(tmp_path, reward, source))
+        OmegaConf.update(config, "trainer", dict(run_config().trainer), merge=True)
+        config.data.train_batch_size, config.data.max_prompt_length, config.data.max_response_length = BATCH, 8, 8
+        return config
+
+    dump = tmp_path / "dump"
+    fields = [*FIELDS, "rm_scores", "extra_fields"]
+    with Session(dump, steps=(1,)):  # run 1, scored by the length reward, records rows 0-3
+        trainer = make_trainer()
+        trainer.config = v1_config("length.py", LENGTH_REWARD)
+        train_step(trainer, 1)
+    TALLY.clear()
+    words = v1_config("words.py", WORD_REWARD)
+    with Session(dump, steps=(1,), action="match"), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer = make_trainer(offset=2)  # rows 2-5: 2-3 served, 4-5 generated
+        trainer.config = words
+        trainer.reward_loop_manager = SimpleNamespace(
+            reward_loop_worker_handles=[InProcessHandle(RewardLoopWorker(words))]
+        )
+        got = train_step(trainer, 1, fields)
+    assert trainer.agent_loop_manager.indices == [[4, 5]]
+    tokenizer = AutoTokenizer.from_pretrained(str(assets.model_dir))
+    for prompt, session, response, scores, extra in zip(
+        got["raw_prompt"], got["session_id"], got["responses"], got["rm_scores"], got["extra_fields"], strict=True
+    ):
+        index = int(str(prompt[0]["content"] if isinstance(prompt, list) else prompt).split()[1])
+        assert response == trajectory("u", session, 1, seed=index)["responses"].tolist(), "the recorded generation"
+        if index < 4:  # served: this run's reward on its last response token
+            count = len(tokenizer.decode(response, skip_special_tokens=True).split())
+            assert scores == [0.0] * (len(response) - 1) + [10.0 * count], (index, session, scores)
+            assert extra["reward_extra_info"] == {"score": 10.0 * count, "words": count}
+        else:  # generated in this run: what its rollout scored
+            expected = trajectory("u", session, 1, seed=index)["rm_scores"].tolist()
+            assert scores == pytest.approx(expected), (index, session, scores)
+    [line] = messages_of(caplog, "rollout_tq step 1: 4 rows re-scored")
+    assert "words.py" in line and "length.py" in line
+    assert TALLY.roles["rollout_tq"]["rescored_rows"] == 4, "the run's summary counts them"
+    TALLY.clear()
