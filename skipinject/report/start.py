@@ -146,10 +146,7 @@ def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> 
         settings, role = config.role(name), roles.get(name)
         if role is None or not settings.steps:
             continue
-        try:
-            reason = role.check(run_config) if role.check is not None else None
-        except Exception:
-            reason = None
+        reason = _ask(role.check, run_config)
         if reason:
             lines.append((logging.WARNING, f"skip.{name} is enabled but cannot act in this run: {reason}"))
         try:
@@ -163,16 +160,16 @@ def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> 
         except Exception as exc:
             counts = f"not counted ({type(exc).__name__}: {exc})"
             lines.append((logging.INFO, role_line(name, settings, f"{settings.root}/…", counts)))
-        caveat = None if reason else _caveat(role, run_config, settings)
+        caveat = None if reason else _ask(role.caveat, run_config, settings)
         if caveat:
             lines.append((logging.WARNING, f"{name}: {caveat}"))
     return lines
 
 
-def _caveat(role: Role, run_config: Any, settings: RoleConfig) -> str | None:
-    """The role's :attr:`~skipinject.roles.Role.caveat` for this run (``None`` when it has none or fails)."""
+def _ask(question: Callable[..., str | None] | None, *args: Any) -> str | None:
+    """A role's ``check`` or ``caveat`` for this run: its reason, ``None`` when it has none or fails."""
     try:
-        return role.caveat(run_config, settings) if role.caveat is not None else None
+        return question(*args) if question is not None else None
     except Exception:
         return None
 

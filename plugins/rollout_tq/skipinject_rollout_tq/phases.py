@@ -327,15 +327,17 @@ def _serve_matched(
     served = [i for i in range(len(uids)) if i * n in found.rows]
     pieces: list[Any] = []
     names: list[str] = []
+    index_of: dict[int, int] = {}  # a loaded piece's place in ``pieces``, by identity
     rows: list[tuple[int, int]] = []
     counts: dict[str, int] = {}
     for i in served:
         for j in range(n):
             piece, position = found.rows[i * n + j]
-            index = next((k for k, p in enumerate(pieces) if p is piece), len(pieces))
-            if index == len(pieces):
+            if id(piece) not in index_of:
+                index_of[id(piece)] = len(pieces)
                 pieces.append(piece)
                 names.append(found.sources[i * n + j])
+            index = index_of[id(piece)]
             rows.append((index, position))
             counts[names[index]] = counts.get(names[index], 0) + 1
     started = time.perf_counter()
