@@ -1,6 +1,6 @@
-"""skipinject's modules import each other without a cycle: read from the source (every import,
-also those under ``TYPE_CHECKING`` and inside functions, and the packages an import runs the
-``__init__`` of), so a cycle fails here before it fails a run."""
+"""skipinject's modules import each other without a cycle: read from the source (every import that runs,
+also those inside functions, and the packages an import runs the ``__init__`` of; not those under
+``if TYPE_CHECKING:``, which only the type checker follows), so a cycle fails here before it fails a run."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def imports_of(name: str, path: Path, package: bool, modules: dict[str, tuple[Pa
     with the packages above each that importing it runs: ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__``,
     but not those of ``name``'s own packages (they ran before ``name`` did)."""
     wanted: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _run_time_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             wanted.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -47,6 +47,20 @@ def imports_of(name: str, path: Path, package: bool, modules: dict[str, tuple[Pa
         if target and target != name:
             found.add(target)
             found.update(parent for parent in packages_above(target) if parent not in own and parent != name)
+    return found
+
+
+def _run_time_nodes(tree: ast.AST) -> list[ast.AST]:
+    """The nodes of ``tree`` but those under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    found = []
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        found.append(node)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            pending.extend(node.orelse)
+        else:
+            pending.extend(ast.iter_child_nodes(node))
     return found
 
 
@@ -97,6 +111,15 @@ def test_importing_a_module_runs_the_packages_above_it(tmp_path: Path):
     assert imports_of("p.a", tmp_path / "a.py", False, names) == {"p.b", "p.b.c"}
     (tmp_path / "c.py").write_text("import p.a\n")  # p and p.b ran before p.b.c did
     assert imports_of("p.b.c", tmp_path / "c.py", False, names) == {"p.a"}
+
+
+def test_imports_only_the_type_checker_follows_are_not_counted(tmp_path: Path):
+    names = {"p": (tmp_path, True), "p.a": (tmp_path, False), "p.b": (tmp_path, False), "p.c": (tmp_path, False)}
+    (tmp_path / "a.py").write_text(
+        "import typing\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p import b\n"
+        "else:\n    from p import c\nif typing.TYPE_CHECKING:\n    import p.b\n"
+    )
+    assert imports_of("p.a", tmp_path / "a.py", False, names) == {"p", "p.c"}
 
 
 def test_cycles_are_found():
