@@ -226,18 +226,10 @@ class RunStart:
         return self.sync(call, proceed)
 
     def at_ray_init(self) -> None:
-        """Ray starts in the driver: the role lines from the config of a ``run_ppo`` calling it (one in
-        ``__main__``, which no import hook sees), else where the steps will be, without the layout."""
-        from skipinject.verl.compat import is_run_config
-
-        frame: FrameType | None = sys._getframe(1)
-        run_config = None
-        for _ in range(MAX_FRAMES):
-            candidate = frame.f_locals.get("config") if frame and frame.f_code.co_name == "run_ppo" else None
-            if candidate is not None and is_run_config(candidate):
-                run_config = candidate
-                break
-            frame = frame.f_back if frame else None
+        """Ray starts in the driver: the role lines from the verl config a caller holds (``run_ppo``'s in
+        ``__main__``, which no import hook sees, or a launcher's own), else where the steps will be,
+        without the layout."""
+        run_config = _caller_run_config(sys._getframe(1))
         if run_config is not None:
             self.say(lambda: layout_lines(self.config, self.roles, run_config))
         else:
@@ -247,6 +239,32 @@ class RunStart:
         where, counts = "<experiment>_<project>/GBS…_N…_in…_out…", "the layout is the trainer's"
         roles = [(name, self.config.role(name)) for name in self.config.enabled_roles]
         return [(logging.INFO, role_line(n, s, f"{s.root}/{where}", counts)) for n, s in roles if s.steps]
+
+
+def _caller_run_config(frame: FrameType | None) -> Any:
+    """The verl run config held by the nearest of ``frame``'s callers: a local named ``config``
+    (``run_ppo``'s, a launcher's ``main(config)``), else a local mapping with a ``trainer`` section."""
+    from skipinject.verl.compat import is_run_config
+
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return None
+        local = frame.f_locals
+        if is_run_config(local.get("config")):
+            return local["config"]
+        for value in local.values():
+            if _is_config_mapping(value):
+                return value
+        frame = frame.f_back
+    return None
+
+
+def _is_config_mapping(value: Any) -> bool:
+    """A mapping (a dict or OmegaConf ``DictConfig``) whose ``trainer`` is one: a user's local, never called."""
+    try:
+        return isinstance(value, Mapping) and isinstance(value.get("trainer"), Mapping)
+    except Exception:  # any local of a user's frame: its lookup never breaks ray.init
+        return False
 
 
 _watch: RunStart | None = None

@@ -3,6 +3,7 @@ saying what it will do and how many of its chosen steps are cached (issue 34, pa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -277,3 +278,30 @@ def test_at_ray_init_the_line_comes_from_the_config_of_the_run_ppo_calling_it(
     with caplog.at_level(logging.INFO, "skipinject"):
         run_ppo(Trainer().config)
     assert lines_of(caplog) == [f"toyrole: cache step 1 in {tmp_path}/e_p/GBS4_N2_in8_out8: 0 cached, 1 to generate"]
+
+
+def test_at_ray_init_the_line_comes_from_a_launchers_own_config(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A launcher of the user's that holds verl's config under any name and starts Ray itself gets the
+    layout line and the role's caveat (said only where verl's config is known); other locals that
+    merely have a ``trainer`` attribute (a module, an object) are not taken for a config."""
+    import types
+
+    settings = RoleConfig(enable=True, dump_dir=str(tmp_path), steps=(1,))
+    role = dataclasses.replace(toy_role(), caveat=lambda run, _: f"not exact with {run['trainer']['mode']}")
+    watch = start.RunStart(config(toyrole=settings), {"toyrole": role})
+    run_config = Trainer().config
+    run_config["trainer"]["mode"] = "separate_async"
+
+    def launch(composed: Any) -> None:
+        module = types.SimpleNamespace(trainer=types.SimpleNamespace())  # like `import verl`: not a config
+        assert module
+        watch.at_ray_init()  # as ray.init's interceptor calls it
+
+    with caplog.at_level(logging.INFO, "skipinject"):
+        launch(run_config)
+    assert lines_of(caplog) == [
+        f"toyrole: cache step 1 in {tmp_path}/e_p/GBS4_N2_in8_out8: 0 cached, 1 to generate",
+        "toyrole: not exact with separate_async",
+    ]
