@@ -17,7 +17,7 @@ from skipinject.cache_tool.common import (
     show_table,
     writer_text,
 )
-from skipinject.cache_tool.scan import Item, scan_any, step_ranges
+from skipinject.cache_tool.scan import Item, scan, step_ranges
 from skipinject.store.local import LocalFiles
 
 _ORDER: dict[str, Callable[[Item], Any]] = {  # ``--sort``
@@ -45,7 +45,7 @@ def cmd_ls(
             say(f"nothing cached in {root} (it does not exist)")
         return OK
     problems: list[str] = []
-    found = scan_any(root, problems)
+    found = scan(root, problems)
     items = [i for i in found if (not role or i.role in role) and (not state or i.state in state)]
     items.sort(key=_ORDER[sort])  # stable: the scan's order within equal keys
     groups = group(items)

@@ -23,7 +23,7 @@ from skipinject.cache_tool.common import (
     say,
     schema,
 )
-from skipinject.cache_tool.scan import Item, item_store, scan_any
+from skipinject.cache_tool.scan import Item, scan
 from skipinject.cache_tool.verify import damage
 from skipinject.errors import CacheError
 from skipinject.store import garbage
@@ -80,7 +80,7 @@ def cmd_prune(
     if isinstance(root, Path):
         mutable_root(root, "prune")
     now = time.time() if now is None else now
-    items = scan_any(root, [])
+    items = scan(root, [])
     chosen = select(
         items,
         keep_last=keep_last,
@@ -122,7 +122,7 @@ def _named_step(path: Path | str) -> Item:
         mutable_root(path.parent, "rm")
     found = [
         item
-        for item in scan_any(path if isinstance(path, Path) else path.rpartition("/")[0], [])
+        for item in scan(path if isinstance(path, Path) else path.rpartition("/")[0], [])
         if str(item.path) == str(path)
     ]
     ours = [item for item in found if item.kind == "skipinject"]
@@ -239,7 +239,7 @@ def _our_files(item: Item) -> list[StoredFile]:
         top = not found.part and (found.name == META_NAME or is_usage_name(found.name))
         return found.kind == "file" and (is_ours(found.name) or top)
 
-    return [found for found in item_store(item).files(int(item.path.name)) if ours(found)]
+    return [found for found in item.store().files(int(item.path.name)) if ours(found)]
 
 
 def _unsafe(item: Item, root: Path | str, now: float) -> str | None:
@@ -264,7 +264,7 @@ def remove_step(item: Item, root: Path | str) -> tuple[int, int]:
     """Remove ``item`` through its store: ``meta.json`` first, then its data files, usage record and
     empty directories; locally from descriptors opened once from ``root``, so a step swapped for a
     link after the check removes nothing through it."""
-    store = item_store(item, root if isinstance(root, Path) else None)
+    store = item.store(root if isinstance(root, Path) else None)
     try:
         return store.remove(int(item.path.name), only=_named(item) if item.state == "partial" else None)
     except (CacheError, OSError, ValueError):

@@ -9,7 +9,7 @@ from typing import Any
 
 from skipinject.cache_tool.common import FOUND, OK, Progress, default_dump_dir, emit_json, human_size, say, schema
 from skipinject.cache_tool.plugins import InstalledRoles
-from skipinject.cache_tool.scan import Item, open_step, scan_any
+from skipinject.cache_tool.scan import Item, open_step, scan
 from skipinject.errors import CorruptCacheError
 from skipinject.store.files import read_head
 from skipinject.store.local import LocalFiles
@@ -34,7 +34,7 @@ def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
     items: list[Item] = []
     unreadable: list[str] = []
     for path in paths or [default_dump_dir()]:
-        items += scan_any(path, unreadable)
+        items += scan(path, unreadable)
     total = sum(i.size for i in items if i.state == "complete")
     results = []
     roles = InstalledRoles()
@@ -83,13 +83,8 @@ def damage(item: Item) -> list[str]:
     byte (:meth:`~skipinject.store.StepStore.check`): the one question ``verify`` and ``prune --damaged``
     ask, so they never disagree. No codec is needed, so every role's steps are checked alike."""
     try:
-        if isinstance(item.path, Path):
-            store, meta = open_step(item.path)
-            store.precheck(int(item.path.name), meta)
-        else:  # a step in a remote store
-            from skipinject.store.remote import FsspecFiles, open_remote
-
-            store, _ = open_step(item.path, FsspecFiles(open_remote(str(item.path))[0]))
+        store, meta = open_step(item.path, item.backend)
+        store.precheck(int(item.path.name), meta)
         store.check(int(item.path.name))
     except (CorruptCacheError, OSError) as exc:
         return [str(exc)]

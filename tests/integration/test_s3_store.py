@@ -191,7 +191,7 @@ def test_the_cache_tool_lists_and_verifies_steps_in_s3(url: str, s3_env: dict[st
 def test_prune_damaged_selects_the_steps_verify_calls_damaged_in_s3(url: str):
     """In an object store too, ``prune``'s choice of damaged steps is ``verify``'s: the bytes checked."""
     from skipinject.cache_tool.prune import select
-    from skipinject.cache_tool.scan import scan_any
+    from skipinject.cache_tool.scan import scan
     from skipinject.cache_tool.verify import verify_item
 
     write(url, 1, 10, "ok")
@@ -200,7 +200,7 @@ def test_prune_damaged_selects_the_steps_verify_calls_damaged_in_s3(url: str):
     (tensor_file,) = [p for p in store.backend.fs.find(store.location.path) if "/2/tensors-" in p]
     data = store.backend.fs.cat_file(tensor_file)
     store.backend.fs.pipe_file(tensor_file, data[:-1] + bytes([data[-1] ^ 0xFF]))
-    items = scan_any(url, [])
+    items = scan(url, [])
     assert [verify_item(item).status for item in items] == ["ok", "damaged"]
     chosen = select(items, keep_last=None, older_than=None, partial=False, damaged=True, now=0.0)
     assert [(item.step, reason) for item, reason in chosen] == [(2, "damaged")]

@@ -197,7 +197,7 @@ def test_prune_and_verify_agree_on_a_damaged_step_in_a_memory_store(
     choice of damaged steps (the same store check) picks that step, only it."""
     fsspec = pytest.importorskip("fsspec")
     from skipinject.cache_tool.prune import select
-    from skipinject.cache_tool.scan import scan_any
+    from skipinject.cache_tool.scan import scan
 
     local = tmp_path / "dump"
     for step in (1, 2):
@@ -211,7 +211,7 @@ def test_prune_and_verify_agree_on_a_damaged_step_in_a_memory_store(
         memory.pipe_file(tensors, data[:-1] + bytes([data[-1] ^ 0xFF]))
         code, out, _ = run(capsys, "verify", f"memory://{path}")
         assert code == 1 and "DAMAGED: " in out and "checksum mismatch" in out and "1 ok, 1 damaged" in out
-        items = scan_any(f"memory://{path}", [])
+        items = scan(f"memory://{path}", [])
         chosen = select(items, keep_last=None, older_than=None, partial=False, damaged=True, now=0.0)
         assert [(item.step, reason) for item, reason in chosen] == [(2, "damaged")]
     finally:
@@ -256,7 +256,7 @@ def test_log_lines_of_a_command_are_escaped_too(
         logging.getLogger("skipinject").warning("leftover %s removed", f"{root}/{EVIL}")
         return []
 
-    monkeypatch.setattr(ls, "scan_any", logging_scan)
+    monkeypatch.setattr(ls, "scan", logging_scan)
     with caplog.at_level(logging.WARNING, logger="skipinject"):
         assert main(["ls", str(tmp_path)]) == 0
     (line,) = [record.getMessage() for record in caplog.records]

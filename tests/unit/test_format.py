@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from skipinject.cache_tool.scan import scan, scan_remote
+from skipinject.cache_tool.scan import scan
 from skipinject.store import Payload, RemoteStepStore, StepStore, format
 from skipinject.store.garbage import ABANDONED_AFTER, find_leftovers
 from skipinject.store.remote import open_remote
@@ -88,4 +88,4 @@ def test_the_remote_readers_agree_that_007_is_no_step() -> None:
     store.save(7, _payload(7.0))
     fs.pipe_file((root / "project" / "007" / format.tensors_name("1-2-deadbeef")).path, b"\0" * 10)
     assert store.step_numbers_on_disk() == [7]
-    assert [(i.path.name, i.step, i.state) for i in scan_remote(url, [])] == [("7", 7, "complete")]
+    assert [(i.path.name, i.step, i.state) for i in scan(url, [])] == [("7", 7, "complete")]
