@@ -1,4 +1,4 @@
-"""The README's generated blocks: the settings table, the versions tested and the ``--version`` output.
+"""The README's generated blocks: the versions tested and the ``--version`` output.
 
 Each block sits between ``<!-- begin generated: NAME -->`` and ``<!-- end generated: NAME -->`` and is
 rendered from the code that decides it, so the README cannot drift from it:
@@ -60,12 +60,6 @@ def tested_table() -> str:
             runs = lock[name]
         lines.append(f"| {name} | `{spec}` | {runs} |")
     return "\n".join(lines) + "\n"
-
-
-def settings_table() -> str:
-    from skipinject.config.schema import readme_table
-
-    return readme_table()
 
 
 def versions_block() -> str:
@@ -130,7 +124,6 @@ def comparable(listing: str) -> str:
 
 
 BLOCKS: dict[str, Callable[[], str]] = {
-    "settings": settings_table,
     "tested": tested_table,
     "versions": versions_block,
     "cache-commands": cache_commands,

@@ -1,9 +1,9 @@
-"""The ``skip.<role>.*`` schema (:class:`RoleConfig`, validated key by key) and a run's :class:`Config`.
+"""The ``skip.<role>.*`` schema (:class:`RoleConfig`, each key with its check) and a run's :class:`Config`.
 
-OmegaConf converts and checks the values (``True``/``yes``/``1``, enum names, unknown keys refused);
-skipinject turns its errors into one line naming the key and reads ``steps`` itself (ranges stay ranges).
-The runner exports :meth:`Config.to_json` in ``SKIPINJECT_CONFIG``; children (through the environment, Ray
-workers through the job's ``runtime_env``) read it back with :meth:`Config.from_json`, strictly.
+OmegaConf converts the values (``True``/``yes``/``1``, enum names, unknown keys refused), each key's check
+runs in :class:`RoleConfig`, and an error is one line naming the key; ``steps`` are read by skipinject
+(ranges stay ranges). :meth:`Config.to_json` travels to children in ``SKIPINJECT_CONFIG`` (through the
+environment, Ray workers through the job's ``runtime_env``); :meth:`Config.from_json` reads it back strictly.
 """
 
 from __future__ import annotations
@@ -61,20 +61,19 @@ class RescorePolicy(_Choice):
     never = "never"
 
 
-def _setting(
-    default: Any = None,
-    *,
-    meaning: str,
-    expected: str,
-    check: Callable[[Any], None] | None = None,
-    factory: Any = None,
-) -> Any:
-    """A field of :class:`RoleConfig`: its default, the README's ``meaning``, the line a value of the wrong
-    type gets (``expected``), and ``check``, raising ``ValueError`` for a value the key does not take."""
-    metadata = {"meaning": meaning, "expected": expected, "check": check}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
+def _setting(default: Any, expected: str, check: Callable[[Any], None] | None = None) -> Any:
+    """A field of :class:`RoleConfig`: its default, the message a value of the wrong type gets, and
+    ``check``, raising ``ValueError`` with the reason for a value of the right type the key does not take."""
+    return field(default=default, metadata={"expected": expected, "check": check})
+
+
+class InvalidSetting(ValueError):
+    """A value :class:`RoleConfig` refuses: ``key=value: reason``."""
+
+    def __init__(self, key: str, value: Any, reason: str) -> None:
+        super().__init__(f"{key}={_show(repr(value))}: {reason}")
+        self.key = key
+        self.reason = reason
 
 
 _BOOLEAN = "expected true or false"
@@ -121,133 +120,28 @@ class RoleConfig:
     """The validated settings of one role in this run.
 
     Every ``skip.<role>`` key is declared here, once, with its check and error message: the OmegaConf
-    schema, the transport to child processes, the runner's help and the README's table come from these
-    fields. The first four are upstream's keys, with upstream's defaults.
+    schema, the transport to child processes and the runner's help come from these fields (the README's
+    table describes them). The first four are upstream's keys, with upstream's defaults.
     """
 
-    enable: bool = _setting(False, meaning="master switch", expected=_BOOLEAN, check=_boolean)
-    dump_dir: str = _setting(
-        DEFAULT_DUMP_DIR,
-        meaning=(
-            "cache root: a local path (`~` expanded; created private to the user, mode 0700), or an fsspec "
-            "URL of a store every node sees (`s3://bucket/dir`, `gs://…`, `hdfs://…`; see [Caches in object "
-            "stores](docs/object-stores.md))"
-        ),
-        expected="expected a directory path",
-        check=_directory_path,
-    )
-    steps: StepSet = _setting(  # noqa: RUF009  (field() with the README's words)
-        factory=StepSet,
-        meaning=(
-            "steps at which the role may skip; elsewhere the target always runs. Lists `[1,2,3]`, ranges "
-            "`1-128`, mixed `[1-4,10]`; steps are 0 to 10⁹, held as ranges"
-        ),
-        expected="expected a list of steps (e.g. [1,2,3] or 1-128)",
-    )
-    action: Action = _setting(  # noqa: RUF009  (field() with the README's words)
-        Action.cache,
-        meaning=(
-            "`cache`: own step cached → load it, else run and save. `repeat`: exact step, else the largest "
-            "cached step below, else the smallest above; none → run and save. `strict`: like `cache`, but a "
-            "missing or unusable cache stops the run (for replay you rely on). `match`: each row (prompt) whose "
-            "result was cached at any step of this layout (or of one differing only in the batch size) is served, "
-            "only the others generated, in one call "
-            "(see [Replay by content](docs/match.md)). `refresh`: generate the chosen steps again and save each "
-            "in place of its earlier commit (replaced whole, never half; nothing served)"
-        ),
-        expected=f"unknown action (choose one of {', '.join(Action)})",
-    )
+    enable: bool = _setting(False, _BOOLEAN, _boolean)
+    dump_dir: str = _setting(DEFAULT_DUMP_DIR, "expected a directory path", _directory_path)
+    steps: StepSet = _setting(StepSet(), "expected a list of steps (e.g. [1,2,3] or 1-128)")  # noqa: RUF009
+    action: Action = _setting(Action.cache, f"unknown action (choose one of {', '.join(Action)})")  # noqa: RUF009
     #: Load verl's own pickled caches (``gen_batch.dp``, ``tq_batch.pt``): they run code when loaded.
-    trust_upstream: bool = _setting(
-        False,
-        meaning=(
-            "load verl's own pickled caches (`gen_batch.dp`, `tq_batch.pt`) found in the cache directory. "
-            "They run code when loaded: only for directories you trust"
-        ),
-        expected=_BOOLEAN,
-        check=_boolean,
-    )
-    on_mismatch: MismatchPolicy = _setting(  # noqa: RUF009  (field() with the README's words)
-        MismatchPolicy.warn,
-        meaning=(
-            "a cached result whose inputs (prompts) differ from this call's: `warn` (one line + metric, "
-            "train on it, like upstream but not silently), `regenerate`, or `fail`"
-        ),
-        expected=f"expected one of {', '.join(MismatchPolicy)}",
-    )
+    trust_upstream: bool = _setting(False, _BOOLEAN, _boolean)
+    on_mismatch: MismatchPolicy = _setting(MismatchPolicy.warn, f"expected one of {', '.join(MismatchPolicy)}")  # noqa: RUF009
     #: Load from cache directories other users can write to or own (ssh's StrictModes, switched off).
-    trust_dir_permissions: bool = _setting(
-        False,
-        meaning=(
-            "load from and save into cache directories that other users can write to or own "
-            "(group/world-writable without the sticky bit, another owner, a `dump_dir` that is another user's "
-            "link or lies in a directory others can write: refused by default with one warning naming the "
-            "directory, like ssh's StrictModes)"
-        ),
-        expected=_BOOLEAN,
-        check=_boolean,
-    )
-
-    compression: str = _setting(
-        "auto",
-        meaning=(
-            "how saved steps are stored: `none`, `zstd` (level 1) or `zstd-2` … `zstd-22`, in independent 4 MiB "
-            "frames, with exact compact encodings of derivable tensors; `auto`: `zstd` for object stores and "
-            "network file systems, `none` on local disks (see [Compression](docs/compression.md)). Steps of either "
-            "kind are read whatever it says"
-        ),
-        expected=_COMPRESSIONS,
-        check=_compression,
-    )
-
-    reuse_hit_memory: int = _setting(
-        2,
-        meaning=(
-            "compressed hits decode into memory kept from earlier hits, whose batches training no longer "
-            "holds: up to this many batches' decoded size stays allocated between hits (0 … 16; `0`: every "
-            "hit takes fresh memory, freed with its tensors). The default covers verl's loop: one batch still "
-            "held while the next loads (see [Compression](docs/compression.md))"
-        ),
-        expected=_BATCHES,
-        check=_batches,
-    )
-
-    read_ahead: bool = _setting(
-        True,
-        meaning=(
-            "once a chosen step's first call has returned, the next chosen step cached in the store is read, "
-            "checked and loaded in a background thread while this one trains, so its hit waits for (almost) "
-            "nothing; used only if its `meta.json` is unchanged by then, else read again as usual. Holds one "
-            "batch's decoded size more while it waits (`action` `cache`, `strict`, `repeat`; see "
-            "[Read-ahead](docs/compression.md#read-ahead))"
-        ),
-        expected=_BOOLEAN,
-        check=_boolean,
-    )
-
-    rescore: RescorePolicy = _setting(  # noqa: RUF009  (field() with the README's words)
-        RescorePolicy.auto,
-        meaning=(
-            "rollout roles: whether served responses are scored by this run's reward. `auto`: when the reward "
-            "recorded with them differs from this run's (or none is recorded); `always`; `never`: serve the "
-            "recorded scores (one line when the reward differs; see [Re-scoring](docs/rescore.md))"
-        ),
-        expected=f"expected one of {', '.join(RescorePolicy)}",
-    )
-
-    save: bool = _setting(
-        True,
-        meaning=(
-            "`false`: read-only: serve what is cached and never write (no step, rows record or row index is saved; "
-            "misses are generated and not kept), for team caches, CI and buckets the run may read but not write"
-        ),
-        expected=_BOOLEAN,
-        check=_boolean,
-    )
+    trust_dir_permissions: bool = _setting(False, _BOOLEAN, _boolean)
+    compression: str = _setting("auto", _COMPRESSIONS, _compression)
+    reuse_hit_memory: int = _setting(2, _BATCHES, _batches)
+    read_ahead: bool = _setting(True, _BOOLEAN, _boolean)
+    rescore: RescorePolicy = _setting(RescorePolicy.auto, f"expected one of {', '.join(RescorePolicy)}")  # noqa: RUF009
+    save: bool = _setting(True, _BOOLEAN, _boolean)
 
     def __post_init__(self) -> None:
-        # Accept plain values from code (``steps=(1, 2)``, ``action="repeat"``), as the schema would;
-        # then every key's own check (ValueError), wherever the settings come from.
+        # Plain values from code (``steps=(1, 2)``, ``action="repeat"``) are taken as the schema would;
+        # then every key's own check, wherever the settings come from.
         if not isinstance(self.steps, StepSet):
             object.__setattr__(self, "steps", StepSet.from_value(list(self.steps), "steps"))
         for f in fields(self):
@@ -258,8 +152,8 @@ class RoleConfig:
                 elif f.metadata["check"] is not None:
                     f.metadata["check"](value)
             except ValueError as exc:
-                reason = f.metadata["expected"] if f.name in ENUM_KEYS else exc
-                raise ValueError(f"{f.name}={_show(repr(value))}: {reason}") from None
+                reason = f.metadata["expected"] if f.name in ENUM_KEYS else str(exc)
+                raise InvalidSetting(f.name, value, reason) from None
 
     @functools.cached_property
     def root(self) -> DumpRoot:
@@ -294,15 +188,6 @@ def choices(key: str) -> tuple[str, ...]:
     return tuple(member.value for member in kind) if isinstance(kind, type) and issubclass(kind, enum.Enum) else ()
 
 
-def readme_table() -> str:
-    """The README's per-role configuration table."""
-    lines = ["| key | default | meaning |", "|---|---|---|"]
-    for f in fields(RoleConfig):
-        default = RoleConfig().steps.format() if f.name == "steps" else f.default
-        lines.append(f"| `{f.name}` | `{default}` | {f.metadata['meaning']} |")
-    return "\n".join(lines) + "\n"
-
-
 def role_config(
     role: str, values: Mapping[str, Any], base: RoleConfig | None = None, *, texts: Mapping[str, str] | None = None
 ) -> RoleConfig:
@@ -317,6 +202,7 @@ def role_config(
 
     node = OmegaConf.structured(RoleSchema)
     changes: dict[str, Any] = {}
+    shown: dict[str, str] = {}
     for raw_key, value in values.items():
         key = str(raw_key)
         dotted = f"skip.{role}.{key}"
@@ -327,24 +213,20 @@ def role_config(
         if key == "steps":  # read by StepSet itself (ranges stay ranges); its errors name the key
             changes[key] = StepSet.from_value(_plain(value), dotted)
             continue
-        shown = _show((texts or {}).get(key, value))
-        setting = _FIELDS[key].metadata
+        shown[key] = _show((texts or {}).get(key, value))
         try:
             node[key] = value  # OmegaConf converts to the key's type: True/yes/1, enum names
-            converted = node[key]
         except (OmegaConfBaseException, ValueError, TypeError) as exc:  # not of the key's type
-            raise ConfigError(f"{dotted}={shown}: {setting['expected']}{did_you_mean(value, choices(key))}") from exc
-        try:
-            if converted is None:
-                raise ValueError(setting["expected"])
-            if setting["check"] is not None:
-                setting["check"](converted)
-        except ValueError as exc:  # of the key's type, but not a value the key takes
-            raise ConfigError(f"{dotted}={shown}: {exc}") from None
-        if key == "dump_dir":  # a URL's protocol: imports fsspec, so only for what a user gave
-            DumpRoot.parse(converted).check(dotted)
-        changes[key] = converted
-    return replace(base or RoleConfig(), **changes)
+            expected = _FIELDS[key].metadata["expected"]
+            raise ConfigError(f"{dotted}={shown[key]}: {expected}{did_you_mean(value, choices(key))}") from exc
+        changes[key] = node[key]
+    try:
+        config = replace(base or RoleConfig(), **changes)
+    except InvalidSetting as exc:  # of the key's type, but not a value the key takes
+        raise ConfigError(f"skip.{role}.{exc.key}={shown[exc.key]}: {exc.reason}") from None
+    if "dump_dir" in changes:  # a URL's protocol: imports fsspec, so only for what a user gave
+        config.root.check(f"skip.{role}.dump_dir")
+    return config
 
 
 def _plain(value: Any) -> Any:

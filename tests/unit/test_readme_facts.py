@@ -1,5 +1,5 @@
 """Every figure and version the README states is generated from the code or checked against it here:
-the generated blocks (settings, versions tested, ``--version``), the plugin API version, the verl range,
+the generated blocks (versions tested, ``--version``), the plugin API version, the verl range,
 the quickstart's figures (the CPU harness's batch), the warnings it quotes, and every link of the
 user documentation (README, docs/, examples/) down to its anchor."""
 
