@@ -33,9 +33,6 @@ class Stat(NamedTuple):
 class StepFiles(Protocol):
     """One step directory opened for reading (closed by :meth:`close`)."""
 
-    #: Whether :meth:`stream` hands a file over as it arrives (a compressed file is decoded meanwhile).
-    streams: bool
-
     def read_meta(self) -> bytes:
         """``meta.json``'s bytes, bounded; FileNotFoundError when there is none, else CorruptCacheError."""
 

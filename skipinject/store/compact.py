@@ -276,10 +276,9 @@ class Recipe:
         return [slice(lo, lo + step) for lo in range(0, self.shape[0], step)]
 
     def write(self, out: torch.Tensor, rows: slice, *, zeroed: bool = False) -> None:
-        """Write rows ``rows`` into ``out``; ``zeroed``: ``out`` holds zeros already, so only non-zeros are written
-        (the padding's pages are never faulted in)."""
+        """Write rows ``rows`` into ``out``, a run or ramp row as one window of a template twice its width;
+        ``zeroed``: ``out`` holds zeros, so only non-zeros are written (the padding's pages never faulted in)."""
         import numpy as np
-        import torch
 
         block = out[rows]
         if self.kind == "concat":
@@ -290,41 +289,7 @@ class Recipe:
             return
         assert self.first is not None and self.second is not None
         width = self.shape[1]
-        view = _writable(block)
-        if not zeroed and isinstance(view, np.ndarray):
-            self._fill(view, rows)
-            return
-        pairs = zip(self.first[rows], self.second[rows], strict=True)
-        if self.kind == "run":  # each row: zeros, ones on [start, end), zeros; every element written once
-            for row, (start, end) in enumerate(pairs):
-                begin = min(max(start, 0), width)
-                stop = min(max(end, begin), width)
-                if not zeroed:
-                    view[row, :begin] = 0
-                    view[row, stop:] = 0
-                view[row, begin:stop] = 1
-            return
-        columns = np.arange(width, dtype=np.int64)
-        numeric = isinstance(view, np.ndarray)
-        for row, (start, top) in enumerate(pairs):  # zeros, then j - start, then top
-            begin = min(max(start, 0), width)
-            stop = min(max(start + top, begin), width)
-            if not zeroed:
-                view[row, :begin] = 0
-            if numeric:
-                np.subtract(columns[begin:stop], start, out=view[row, begin:stop], casting="unsafe")
-            else:
-                view[row, begin:stop] = torch.from_numpy(columns[begin:stop] - start)
-            if top or not zeroed:
-                view[row, stop:] = top
-
-    def _fill(self, view: Any, rows: slice) -> None:
-        """Rows of a run or ramp written whole into numpy ``view`` (memory holding an earlier batch), each a
-        window of a template twice the row's width: one pass per row."""
-        import numpy as np
-
-        assert self.first is not None and self.second is not None
-        width = self.shape[1]
+        view = block.numpy()  # Recipe.of allows runs and ramps only of dtypes numpy has
         pairs = zip(self.first[rows], self.second[rows], strict=True)
         if self.kind == "run":  # ones on [begin, stop): step(j - begin) - step(j - stop)
             step = np.zeros(2 * width, dtype=view.dtype)
@@ -333,18 +298,21 @@ class Recipe:
             for row, (start, end) in enumerate(pairs):
                 begin = min(max(start, 0), width)
                 stop = min(max(end, begin), width)
-                difference(
-                    step[width - begin : 2 * width - begin], step[width - stop : 2 * width - stop], out=view[row]
-                )
+                if zeroed:
+                    view[row, begin:stop] = 1
+                else:
+                    difference(
+                        step[width - begin : 2 * width - begin], step[width - stop : 2 * width - stop], out=view[row]
+                    )
             return
         ramp = np.zeros(2 * width, dtype=np.int64)
         ramp[width:] = np.arange(width, dtype=np.int64)
-        for row, (start, top) in enumerate(pairs):  # min(max(j - start, 0), top)
-            if 0 <= start <= width:
-                np.minimum(ramp[width - start : 2 * width - start], top, out=view[row])
-            else:
-                values = np.arange(width, dtype=np.int64) - start
-                np.copyto(view[row], np.minimum(np.maximum(values, 0), top), casting="unsafe")
+        for row, (start, top) in enumerate(pairs):  # min(max(j - start, 0), top), -top <= start < width
+            lo = min(max(start, 0), width) if zeroed else 0
+            if zeroed and not top:
+                continue
+            values = ramp[width - start : 2 * width - start] if start >= 0 else np.arange(-start, width - start)
+            np.minimum(values[lo:], top, out=view[row, lo:])
 
 
 def copy_into(out: torch.Tensor, source: torch.Tensor) -> None:
@@ -357,11 +325,3 @@ def copy_into(out: torch.Tensor, source: torch.Tensor) -> None:
         out.copy_(source)
         return
     np.copyto(target, values, casting="unsafe")
-
-
-def _writable(block: torch.Tensor) -> Any:
-    """``block`` as a numpy array sharing its memory, or the tensor itself for dtypes numpy lacks."""
-    try:
-        return block.numpy()
-    except TypeError:
-        return block

@@ -129,18 +129,6 @@ def check_record(spec: Mapping[str, Any], stored: int, shown: Path) -> tuple[int
     return decoded, frames
 
 
-def decompress_into(stored: Buffer, spec: Mapping[str, Any], shown: Path, make: Callable[[int], Decoded]) -> Decoded:
-    """The decoded bytes of a compressed file, already checksummed, in a buffer from ``make``."""
-    with memoryview(stored) as view:
-        decoder = FrameDecoder(spec, view.nbytes, shown, make)
-        try:
-            decoder.feed(view)
-        except BaseException:
-            decoder.abandon()
-            raise
-        return decoder.finish()
-
-
 class FrameDecoder:
     """Decodes a compressed file frame by frame as its stored bytes come, each complete frame in a thread
     straight into its place; :meth:`finish` returns the buffer, :meth:`abandon` frees it after a failure."""

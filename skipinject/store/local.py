@@ -165,8 +165,6 @@ class LocalFiles:
 class _LocalStep:
     """One step directory, held by its descriptor; part directories opened relative to it."""
 
-    streams = False
-
     def __init__(self, files: LocalFiles, directory: Path, fd: int, role: str) -> None:
         self.files = files
         self.directory = directory

@@ -150,8 +150,6 @@ class FsspecFiles:
 class _RemoteStep:
     """One remote step: ``meta.json`` in one bounded request, files streamed after a size check."""
 
-    streams = True
-
     def __init__(self, fs: AbstractFileSystem, directory: RemotePath) -> None:
         self.fs = fs
         self.directory = directory

@@ -18,7 +18,7 @@ from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.payload import Payload
 from skipinject.store.backend import Backend, StepFiles
 from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo, _Hasher
-from skipinject.store.compression import Compression, FrameDecoder, decompress_into
+from skipinject.store.compression import Compression, FrameDecoder
 from skipinject.store.files import parse_json
 from skipinject.store.format import (
     CLAIM_PREFIX,
@@ -37,8 +37,8 @@ from skipinject.store.format import (
     step_name,
 )
 from skipinject.store.garbage import collect, collect_by_name
-from skipinject.store.hit_memory import Claim, HitMemory, close
-from skipinject.store.meta import Part, StepMeta, part_budget, short, step_meta
+from skipinject.store.hit_memory import Claim, HitMemory
+from skipinject.store.meta import DataFile, Part, StepMeta, part_budget, short, step_meta
 from skipinject.store.payload import StepEntry
 from skipinject.store.tensorfile import read_tensors
 from skipinject.store.usage import MAX_HITS, MAX_USAGE_BYTES, USAGE_NAME, Usage, ignored, is_usage_name, parse_usage
@@ -348,28 +348,19 @@ class StepStore:
     def _verify_part(self, entry: StepEntry, files: StepFiles, part: Part) -> None:
         algo = entry.meta["checksum_algo"]
         for file in part.files:
-            kind, name, spec = file.kind, file.name, file.spec
-            path = part.at(entry.directory, name)
-            make = entry.memory.buffer if kind == "tensors" else bytearray
-            if file.encoded and files.streams:  # decoded as it downloads, kept only if intact
-                data, checksum = _decode_streamed(files, part.dir, name, spec, algo, make, path)
-            else:  # tensors into private memory (never served from a mapping of the file), stored bytes whole
-                into = make if kind == "tensors" and not file.encoded else None
-                data, checksum = files.read(part.dir, name, spec.get("size"), algo, into=into)
-                if file.encoded:  # compressed: decoded once its stored bytes are checked
-                    stored = data
-                    try:
-                        if checksum != spec.get("checksum"):
-                            raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
-                        data = decompress_into(stored, spec, path, make)
-                    finally:
-                        close(stored)  # the stored bytes' mapping is done with
-            if kind == "tensors":
+            path = part.at(entry.directory, file.name)
+            make = entry.memory.buffer if file.kind == "tensors" else bytearray
+            if file.encoded:  # decoded as its stored bytes arrive, kept only if they check out
+                data, checksum = _decode_streamed(files, part.dir, file, algo, make, path)
+            else:  # tensors into private memory (never served from a mapping of the file)
+                into = make if file.kind == "tensors" else None
+                data, checksum = files.read(part.dir, file.name, file.spec.get("size"), algo, into=into)
+            if file.kind == "tensors":
                 if not isinstance(data, bytes) and len(data):
                     entry.mapped[path] = data  # tensors are views of it
             else:
                 entry.blobs[path] = bytes(data)
-            if checksum != spec.get("checksum"):
+            if checksum != file.spec.get("checksum"):
                 raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
 
     def check(self, step: int) -> None:
@@ -580,20 +571,14 @@ def RemoteStepStore(
 
 
 def _decode_streamed(
-    files: StepFiles,
-    sub: str,
-    name: str,
-    spec: Mapping[str, Any],
-    algo: str,
-    make: Callable[[int], Decoded],
-    path: Path,
+    files: StepFiles, sub: str, file: DataFile, algo: str, make: Callable[[int], Decoded], path: Path
 ) -> tuple[Decoded, str]:
     """A compressed file decoded frame by frame while it arrives, and its stored bytes' checksum (a damaged
     or changed file is reported as such, whatever its frames did)."""
-    size = spec.get("size")
+    spec, size = file.spec, file.spec.get("size")
     if type(size) is not int or size < 0:
         raise CorruptCacheError(f"{path}: meta.json records no size")
-    with files.stream(sub, name, size) as pieces:
+    with files.stream(sub, file.name, size) as pieces:
         decoder = FrameDecoder(spec, size, path, make)
         try:
             hasher = _Hasher(algo)
