@@ -17,8 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from skipinject.store import StepStore
-from skipinject.store.payload import StepEntry
+from skipinject.store import StepEntry, StepStore
 
 logger = logging.getLogger("skipinject")
 

@@ -8,8 +8,7 @@ one change. Names and bounds: :mod:`skipinject.store.format`; the one door: :cla
 
 from skipinject.payload import Payload
 from skipinject.store.format import FORMAT, FORMAT_VERSION, META_NAME
-from skipinject.store.payload import StepEntry
-from skipinject.store.step_store import RemoteStepStore, StepStore
+from skipinject.store.step_store import RemoteStepStore, StepEntry, StepStore
 from skipinject.store.writer import StepWriter, writer_versions
 
 __all__ = [

@@ -8,7 +8,7 @@ its part's budget before allocating and checks every recipe whole against its sh
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +47,7 @@ def plan_tensors(tensors: Mapping[str, torch.Tensor], concats: Mapping[str, tupl
     """The compact plan of every tensor (input order), each checked to rebuild exactly."""
     plans = [Plan(name, tensor) for name, tensor in tensors.items()]
     for plan in plans:
-        plan.derive = _run(plan.tensor) or _ramp(plan.tensor)
+        plan.derive = _derived(plan.tensor)
     named = {plan.name: plan for plan in plans}
     for plan in plans:
         left, right = (named.get(part) for part in concats.get(plan.name, ("", "")))
@@ -89,66 +89,42 @@ def _bits(tensor: torch.Tensor) -> Any:
     return tensor.view(getattr(torch, _BITS[tensor.element_size()])).numpy()
 
 
-def _rows_of(tensor: torch.Tensor) -> bool:
-    return bool(tensor.dim() == 2 and tensor.shape[0] > 0 and 0 < tensor.shape[1] <= MAX_WIDTH)
-
-
-def _run(tensor: torch.Tensor) -> dict[str, Any] | None:
-    """``{"run": starts, "end": ends}`` if every row is one run of ones (and zeros elsewhere)."""
-    if not _rows_of(tensor) or tensor.is_complex() or _name(tensor.dtype) == "bfloat16":
+def _derived(tensor: torch.Tensor) -> dict[str, Any] | None:
+    """A run (``{"run": starts, "end": ends}``: each row one run of ones) or a ramp (``{"ramp": starts, "top": tops}``:
+    row ``b`` is ``clamp(j - start_b, 0, top_b)``, position ids) that rebuilds the tensor bit for bit, or None."""
+    if not (tensor.dim() == 2 and tensor.shape[0] > 0 and 0 < tensor.shape[1] <= MAX_WIDTH) or tensor.is_complex():
         return None
-    return _row_zero_first(_run_spec, tensor)
+    dtype = _name(tensor.dtype)
+    kinds = [] if dtype == "bfloat16" else ["run"]
+    kinds += ["ramp"] if dtype in INTEGERS and not dtype.startswith("uint") else []
+    for kind in kinds:  # row 0 first: it tells most tensors apart at once
+        if _spec(kind, tensor[:1]) is not None and (spec := _spec(kind, tensor)) is not None:
+            return spec
+    return None
 
 
-def _row_zero_first(
-    spec: Callable[[torch.Tensor], dict[str, Any] | None], tensor: torch.Tensor
-) -> dict[str, Any] | None:
-    """``spec`` of row 0 first (it tells most tensors apart at once), then of the whole tensor."""
-    return None if spec(tensor[:1]) is None else spec(tensor)
-
-
-def _run_spec(tensor: torch.Tensor) -> dict[str, Any] | None:
+def _spec(kind: str, tensor: torch.Tensor) -> dict[str, Any] | None:
     import numpy as np
-
-    values = tensor.numpy()
-    ones = values != 0
-    first = ones.argmax(axis=1)
-    starts = np.where(ones[np.arange(len(ones)), first], first, 0)
-    ends = starts + ones.sum(axis=1)
-    spec = {"run": starts.tolist(), "end": ends.tolist()}
-    rebuilt = _rebuilt({"derive": spec, "shape": list(tensor.shape)}, tensor.dtype)
-    return spec if np.array_equal(_bits(rebuilt), _bits(tensor)) else None
-
-
-def _ramp(tensor: torch.Tensor) -> dict[str, Any] | None:
-    """``{"ramp": starts, "top": tops}`` if row ``b`` is ``clamp(j - start_b, 0, top_b)`` (position ids)."""
-    if not _rows_of(tensor) or _name(tensor.dtype) not in INTEGERS or _name(tensor.dtype).startswith("uint"):
-        return None
-    return _row_zero_first(_ramp_spec, tensor)
-
-
-def _ramp_spec(tensor: torch.Tensor) -> dict[str, Any] | None:
-    import numpy as np
-
-    values = tensor.numpy()
-    positive = values > 0
-    first = positive.argmax(axis=1)
-    rows = np.arange(len(values))
-    starts = np.where(positive[rows, first], first - values[rows, first].astype(np.int64), 0)
-    spec = {"ramp": starts.tolist(), "top": values.max(axis=1).astype(np.int64).tolist()}
-    rebuilt = _rebuilt({"derive": spec, "shape": list(tensor.shape)}, tensor.dtype)
-    return spec if np.array_equal(rebuilt.numpy(), values) else None
-
-
-def _rebuilt(entry: Mapping[str, Any], dtype: Any) -> torch.Tensor:
-    """The tensor a run or ramp ``entry`` describes, built whole (the save-time check)."""
     import torch
 
-    out = torch.zeros(entry["shape"], dtype=dtype)
-    build = Recipe.of(entry, {}, dtype)
-    for rows in build.blocks():
-        build.write(out, rows, zeroed=True)  # as a hit writes it: into fresh (zero) memory
-    return out
+    values = tensor.numpy()
+    marked = values != 0 if kind == "run" else values > 0
+    first = marked.argmax(axis=1)
+    rows = np.arange(len(values))
+    if kind == "run":
+        starts = np.where(marked[rows, first], first, 0)
+        spec = {"run": starts.tolist(), "end": (starts + marked.sum(axis=1)).tolist()}
+    else:
+        starts = np.where(marked[rows, first], first - values[rows, first].astype(np.int64), 0)
+        spec = {"ramp": starts.tolist(), "top": values.max(axis=1).astype(np.int64).tolist()}
+    try:
+        recipe = Recipe.of({"derive": spec, "shape": list(tensor.shape)}, {}, tensor.dtype)
+    except ValueError:  # no recipe a reader accepts (a row of negative values)
+        return None
+    rebuilt = torch.zeros(tensor.shape, dtype=tensor.dtype)
+    for block in recipe.blocks():
+        recipe.write(rebuilt, block, zeroed=True)  # as a hit writes it: into fresh (zero) memory
+    return spec if np.array_equal(_bits(rebuilt), _bits(tensor)) else None
 
 
 def _concat(plan: Plan, left: Plan, right: Plan) -> dict[str, Any] | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -37,9 +37,8 @@ from skipinject.store.format import (
     step_name,
 )
 from skipinject.store.garbage import collect, collect_by_name
-from skipinject.store.hit_memory import Claim, HitMemory
+from skipinject.store.hit_memory import FRESH, Claim, HitMemory
 from skipinject.store.meta import DataFile, Part, StepMeta, part_budget, short, step_meta
-from skipinject.store.payload import StepEntry
 from skipinject.store.tensorfile import read_tensors
 from skipinject.store.usage import MAX_HITS, MAX_USAGE_BYTES, USAGE_NAME, Usage, ignored, is_usage_name, parse_usage
 from skipinject.store.writer import StepWriter
@@ -50,9 +49,33 @@ if TYPE_CHECKING:
     from skipinject.store.hit_memory import Decoded
     from skipinject.store.remote import RemotePath
 
-__all__ = ["STEP_NAME", "RemoteStepStore", "StepStore"]
+__all__ = ["STEP_NAME", "RemoteStepStore", "StepEntry", "StepStore"]
 
 logger = logging.getLogger("skipinject")
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """A verified, loadable cache entry (what it loads: :class:`~skipinject.payload.Payload`)."""
+
+    step: int
+    directory: Path
+    meta: Mapping[str, Any]
+    #: Tensor files read (and checksummed) by :meth:`StepStore.verified`, reused by ``load``.
+    mapped: dict[Path, Decoded] = field(default_factory=dict, compare=False, repr=False)
+    #: Bytes of the other files, read (and checksummed) once by :meth:`StepStore.verified`.
+    blobs: dict[Path, bytes] = field(default_factory=dict, compare=False, repr=False)
+    #: Where a compressed step's decoded tensors go (:mod:`~skipinject.store.hit_memory`).
+    memory: Claim = field(default=FRESH, compare=False, repr=False)
+    #: Its parts already loaded (a step read ahead): the next :meth:`StepStore.load` hands them out.
+    loaded: list[Payload] = field(default_factory=list, compare=False, repr=False)
+
+    def release(self) -> None:
+        """Drop what :meth:`StepStore.verified` read. Mappings are let go, never closed: a tensor viewing one holds
+        no buffer export, so closing it would leave the tensor reading unmapped memory."""
+        self.mapped.clear()
+        self.blobs.clear()
+        self.loaded.clear()
 
 
 class StepStore:

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from skipinject._version import __version__
 from skipinject.errors import CacheError
@@ -33,37 +33,14 @@ from skipinject.store.meta import part_budget
 from skipinject.store.tensorfile import tensor_file
 
 if TYPE_CHECKING:
-    from skipinject.store.backend import Backend
-    from skipinject.store.compression import Compression
-
-
-class WritableStore(Protocol):
-    """What a writer uses of its :class:`~skipinject.store.StepStore` (a Protocol: no import cycle)."""
-
-    backend: Backend
-    role: str
-    context: dict[str, Any]
-    checksum_algo: str
-    plugin: str | None
-    compression: Compression | None
-    dump_dir: Path | None
-    project_dir: Path
-    step_aliases: tuple[str, ...]
-
-    def step_dir(self, step: int) -> Path: ...
-
-    def read_meta(self, step: int) -> Mapping[str, Any]: ...
-
-    def check_writable(self, directories: list[Path]) -> None: ...
-
-    def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]: ...
+    from skipinject.store.step_store import StepStore
 
 
 class StepWriter:
     """Collects the parts of one step and commits them with one ``meta.json`` replace: data files under
     fresh names first, ``meta.json`` last, leftovers of other saves collected after."""
 
-    def __init__(self, store: WritableStore, step: int) -> None:
+    def __init__(self, store: StepStore, step: int) -> None:
         self.store = store
         self.step = step
         self.write_id = f"{int(time.time())}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

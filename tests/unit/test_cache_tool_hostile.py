@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from skipinject.cache_tool import main
+from skipinject.payload import Payload
 from skipinject.store import StepStore
 from skipinject.store.format import meta_digest
-from skipinject.store.payload import Payload
 
 LAYOUT = "GBS4_N2_in32_out16"
 EVIL = "evil\x1b]0;owned\x07\x1b[2J\nPROJ  FORGED ROW"

@@ -141,6 +141,16 @@ def test_the_derivable_tensors_are_rebuilt_and_the_rest_stored_narrowed(tmp_path
     assert_same(_load(store, 1).tensors, tensors)
 
 
+def test_a_signed_tensor_whose_rows_are_negative_is_stored_not_derived(tmp_path: Path) -> None:
+    """No ramp describes a row with no positive value (its top would be negative): the tensor is stored as it is."""
+    tensors = {"offsets": -torch.arange(1, 13, dtype=torch.int64).view(3, 4), "mask": torch.zeros(3, 4)}
+    store = _store(tmp_path)
+    store.save(1, Payload(tensors=tensors, objects={}, rows=3))
+    index = {entry["name"]: entry for entry in _index(store, 1)}
+    assert "derive" not in index["offsets"] and index["offsets"]["stored_dtype"] == "int8"
+    assert_same(_load(store, 1).tensors, tensors)
+
+
 def test_a_concatenation_is_stored_as_such_only_where_the_codec_names_it(tmp_path: Path) -> None:
     """The store searches for no concatenation: ``input_ids`` is rebuilt from ``prompts`` and ``responses``
     because verl's codec names them (a TensorDict's, at any depth), and stored whole when nobody does."""

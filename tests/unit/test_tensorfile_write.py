@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from skipinject.payload import Payload
 from skipinject.store import StepStore, tensorfile
 from skipinject.store.checksums import _digest
-from skipinject.store.payload import Payload
 
 
 def tensors() -> dict[str, torch.Tensor]:
