@@ -1,6 +1,6 @@
 """What a loaded step holds: decoded by the role's own codec, flattened into fields, compared; a rollout's
-rows (prompt, response, score, length; what they are is :mod:`skipinject.verl.samples`'s business)
-decoded by ``--tokenizer``, else the recorded model's local tokenizer, else shown as token ids."""
+rows (what they are is :mod:`skipinject.verl.samples`'s business) decoded by ``--tokenizer``, else the
+recorded model's local tokenizer, else shown as token ids."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from skipinject.cache_tool.common import CommandError, shorten
-from skipinject.roles import Codec, MergingCodec
+from skipinject.roles import Call, MergingCodec
 from skipinject.store import Payload
 from skipinject.store.local import LocalFiles
 from skipinject.verl.samples import Sample, recorded_model, samples
@@ -21,11 +21,9 @@ from skipinject.verl.samples import Sample, recorded_model, samples
 if TYPE_CHECKING:
     from skipinject.cache_tool.plugins import InstalledRoles
 
-
-def codec_name(codec: Codec) -> str:
-    """What ``show`` calls a codec: its ``name`` (the built-ins' header), else its class name."""
-    name = getattr(codec, "name", None)
-    return name if isinstance(name, str) and name else type(codec).__name__
+#: Token ids shown of a row without a tokenizer, and characters of a decoded prompt or response.
+SHOWN_IDS, WIDTH = 8, 80
+Decode = Callable[[Sequence[int]], str]
 
 
 @dataclass
@@ -38,38 +36,38 @@ class Decoded:
 
 
 def decode(payloads: Sequence[Payload], meta: Mapping[str, Any], roles: InstalledRoles) -> Decoded:
-    """The step decoded by its role's own codec (the installed plugin's), parts merged as the engine
-    merges them, the calls of a step of several calls one by one (``call1``, ...). Without the role's
-    plugin, skipinject's own codecs decode a payload whose header names them; anything else is shown
-    as its raw payload, with a note saying why."""
-    from skipinject.cache_tool.plugins import tool_call
+    """The step decoded by its role's own codec, parts merged as the engine merges them, the calls of a step
+    of several calls one by one (``call1``, ...). Without the role's plugin, skipinject's own codecs decode a
+    payload whose header names them; anything else is its raw payload, with a note saying why."""
     from skipinject.verl.codecs import codec_named
 
     role = str(meta.get("role")) if isinstance(meta.get("role"), str) else "-"
-    codec = roles.codec(role)
-    note = roles.missing(role, meta) if codec is None else None
+    codec, note = roles.codec(role), None
     if codec is None:
         names = {p.objects.get("codec") for p in payloads}
         codec = codec_named(names.pop()) if len(names) == 1 else None
-        note = note if codec is None else None
+        note = roles.missing(role, meta) if codec is None else None
     if codec is None:
         return Decoded(_raw(payloads), "raw", note)
-    calls = meta.get("calls")
-    try:
-        values = [codec.decode(p, tool_call(role)) for p in payloads]
+    name = getattr(codec, "name", None)  # the built-ins' header, else the class
+    name = name if isinstance(name, str) and name else type(codec).__name__
+    call = Call(target=f"skipinject cache ({role})", function=decode, instance=None, args=(), kwargs={})
+    try:  # outside a run: no instance, no arguments (a codec that needs them fails, and the step is raw)
+        values = [codec.decode(p, call) for p in payloads]
+        calls = meta.get("calls")
         if len(values) == 1:
-            return Decoded(values[0], codec_name(codec))
+            return Decoded(values[0], name)
         if type(calls) is int and calls > 1:
-            return Decoded({f"call{i + 1}": v for i, v in enumerate(values)}, codec_name(codec))
+            return Decoded({f"call{i + 1}": v for i, v in enumerate(values)}, name)
         if isinstance(codec, MergingCodec):
             try:
-                return Decoded(codec.merge(values), codec_name(codec))
+                return Decoded(codec.merge(values), name)
             except Exception:
                 pass
-        return Decoded({f"part{i}": v for i, v in enumerate(values)}, codec_name(codec))
+        return Decoded({f"part{i}": v for i, v in enumerate(values)}, name)
     except Exception as exc:  # a codec that needs the run's call, or a payload it refuses
         why = " ".join(str(exc).split())[:200]
-        note = f"the role's codec {codec_name(codec)} did not decode it here ({type(exc).__name__}: {why}); shown raw"
+        note = f"the role's codec {name} did not decode it here ({type(exc).__name__}: {why}); shown raw"
         return Decoded(_raw(payloads), "raw", note)
 
 
@@ -89,54 +87,39 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     found = verl_fields(value, prefix, flatten)
     if found is not None:
         return found
-    out: dict[str, Any] = {}
     nested = isinstance(value, Mapping) and not prefix.startswith("objects.") and all(isinstance(k, str) for k in value)
     containers = nested and any(type(v).__name__ in ("Tensor", "ndarray") or is_tensordict(v) for v in value.values())
     if nested and (not prefix or containers):
-        for key, item in value.items():
-            out.update(flatten(item, f"{prefix}{key}."))
-        return out
+        return {name: leaf for key, item in value.items() for name, leaf in flatten(item, f"{prefix}{key}.").items()}
     if not prefix and isinstance(value, tuple):  # a codec's result of several values, e.g. (tensor, dict)
-        for index, item in enumerate(value):
-            out.update(flatten(item, f"{index}."))
-        return out
+        return {name: leaf for index, item in enumerate(value) for name, leaf in flatten(item, f"{index}.").items()}
     return {prefix.rstrip(".") or "value": value}
 
 
-@dataclass
-class FieldInfo:
-    name: str
-    kind: str  # tensor | jagged | array | list | value
-    dtype: str
-    shape: str
-    rows: int | None
-
-    def record(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _is_jagged(value: Any) -> bool:
+def _jagged(value: Any) -> bool:
     return bool(getattr(value, "is_nested", False))
 
 
-def describe(name: str, value: Any) -> FieldInfo:
-    kind = type(value).__name__
+def describe(name: str, value: Any) -> dict[str, Any]:
+    """A field's record: kind (tensor, jagged, array, list, value), dtype, shape and rows."""
+    kind, shape = type(value).__name__, tuple(getattr(value, "shape", ()))
     if kind in ("Tensor", "NestedTensor") or hasattr(value, "is_nested"):
         dtype = str(value.dtype).removeprefix("torch.")
-        if _is_jagged(value):
+        if _jagged(value):
             rows = value.size(0)
-            shape = [str(rows), "j", *[str(d) for d in value.shape[2:]]] if value.dim() > 1 else [str(rows)]
-            return FieldInfo(name, "jagged", dtype, "(" + ", ".join(shape) + ")", rows)
-        shape_list = list(value.shape)
-        return FieldInfo(name, "tensor", dtype, str(tuple(shape_list)), shape_list[0] if shape_list else None)
+            dims = [str(rows), "j", *[str(d) for d in value.shape[2:]]] if value.dim() > 1 else [str(rows)]
+            return _info(name, "jagged", dtype, "(" + ", ".join(dims) + ")", rows)
+        return _info(name, "tensor", dtype, str(shape), shape[0] if shape else None)
     if kind == "ndarray":
-        return FieldInfo(
-            name, "array", str(value.dtype), str(tuple(value.shape)), value.shape[0] if value.ndim else None
-        )
+        return _info(name, "array", str(value.dtype), str(shape), shape[0] if shape else None)
     if isinstance(value, (list, tuple)):
         types = sorted({type(v).__name__ for v in value})
-        return FieldInfo(name, "list", "|".join(types[:3]) or "-", f"({len(value)},)", len(value))
-    return FieldInfo(name, "value", type(value).__name__, "-", None)
+        return _info(name, "list", "|".join(types[:3]) or "-", f"({len(value)},)", len(value))
+    return _info(name, "value", kind, "-", None)
+
+
+def _info(name: str, kind: str, dtype: str, shape: str, rows: int | None) -> dict[str, Any]:
+    return {"name": name, "kind": kind, "dtype": dtype, "shape": shape, "rows": rows}
 
 
 def text_rows(value: Any, limit: int, width: int = 100) -> list[str] | None:
@@ -150,7 +133,7 @@ def text_rows(value: Any, limit: int, width: int = 100) -> list[str] | None:
     if not rows or not all(isinstance(r, (str, bytes, list)) for r in rows) or not any(len(r) for r in rows):
         return None
     texts = [row if isinstance(row, str) else json.dumps(row, default=str, ensure_ascii=False) for row in rows]
-    return [text if len(text) <= width else text[: width - 1] + "…" for text in texts]
+    return [shorten(text, width) for text in texts]
 
 
 @dataclass
@@ -183,14 +166,6 @@ def compare_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[FieldDiff
     return out
 
 
-def _as_rows(value: Any) -> list[Any] | None:
-    if hasattr(value, "is_nested") and _is_jagged(value):
-        return list(value.unbind(0))
-    if (type(value).__name__ == "ndarray" and value.dtype.kind == "O") or isinstance(value, (list, tuple)):
-        return list(value)
-    return None
-
-
 def _same(x: Any, y: Any) -> bool:
     import numpy as np
     import torch
@@ -217,15 +192,18 @@ def compare(name: str, a: Any, b: Any) -> FieldDiff:
     import numpy as np
     import torch
 
-    def dense(value: Any) -> bool:
-        plain = getattr(getattr(value, "dtype", None), "kind", None) != "O"
-        return isinstance(value, (torch.Tensor, np.ndarray)) and not _is_jagged(value) and plain
+    def dense(value: Any) -> Any:
+        """A torch tensor of a dense numeric field, a numpy array of another dense one, else None."""
+        if (
+            not isinstance(value, (torch.Tensor, np.ndarray))
+            or _jagged(value)
+            or getattr(value.dtype, "kind", "") == "O"
+        ):
+            return None
+        return torch.as_tensor(value) if isinstance(value, np.ndarray) and value.dtype.kind in "biufc" else value
 
-    if dense(a) and dense(b):
-        ta = torch.as_tensor(a) if isinstance(a, np.ndarray) and a.dtype.kind in "biufc" else a
-        tb = torch.as_tensor(b) if isinstance(b, np.ndarray) and b.dtype.kind in "biufc" else b
-        if isinstance(ta, np.ndarray) or isinstance(tb, np.ndarray):  # strings and other numpy dtypes
-            return _row_diff(name, list(np.asarray(a)), list(np.asarray(b)))
+    ta, tb = dense(a), dense(b)
+    if ta is not None and tb is not None and isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor):
         if tuple(ta.shape) != tuple(tb.shape):
             return FieldDiff(name, "shape", note=f"{tuple(ta.shape)} vs {tuple(tb.shape)}")
         if ta.dtype != tb.dtype:
@@ -241,7 +219,16 @@ def compare(name: str, a: Any, b: Any) -> FieldDiff:
             delta = _delta(ta, tb)
             result.max_abs_diff, result.mean_abs_diff = float(delta.max()), float(delta.mean())
         return result
-    rows_a, rows_b = _as_rows(a), _as_rows(b)
+    if ta is not None and tb is not None:  # strings and other numpy dtypes
+        return _row_diff(name, list(np.asarray(a)), list(np.asarray(b)))
+
+    def rows_of(value: Any) -> list[Any] | None:
+        if _jagged(value):
+            return list(value.unbind(0))
+        objects = type(value).__name__ == "ndarray" and value.dtype.kind == "O"
+        return list(value) if objects or isinstance(value, (list, tuple)) else None
+
+    rows_a, rows_b = rows_of(a), rows_of(b)
     if rows_a is not None and rows_b is not None:
         return _row_diff(name, rows_a, rows_b)
     return FieldDiff(name, "same" if _same(a, b) else "differs")
@@ -268,19 +255,14 @@ def _row_diff(name: str, ra: list[Any], rb: list[Any]) -> FieldDiff:
 
 # ---------------------------------------------------------------- rollout rows
 
-#: Token ids shown of a row without a tokenizer.
-SHOWN_IDS = 8
-#: Characters of a decoded prompt or response shown per row.
-WIDTH = 80
-
-Decode = Callable[[Sequence[int]], str]
-
 
 def tokenizer(path: str | None, meta: Mapping[str, Any]) -> tuple[Decode | None, str | None]:
     """The decoder of ``path`` (``--tokenizer``: failing to load it is a one-line error), else of the
     recorded model's directory when it exists here (failing quietly), and where it came from."""
     chosen = path or recorded_model(meta)
-    if chosen is None or (path is None and (LocalFiles().stat(Path(chosen), follow=True) or ("",))[0] != "directory"):
+    if chosen is None or (
+        path is None and getattr(LocalFiles().stat(Path(chosen), follow=True), "kind", "") != "directory"
+    ):
         return None, None
     try:
         from transformers import AutoTokenizer
@@ -293,7 +275,7 @@ def tokenizer(path: str | None, meta: Mapping[str, Any]) -> tuple[Decode | None,
     return (lambda ids: str(loaded.decode(list(ids), skip_special_tokens=True))), chosen
 
 
-def ids_text(ids: Sequence[int]) -> str:
+def _ids_text(ids: Sequence[int]) -> str:
     shown = " ".join(str(i) for i in ids[:SHOWN_IDS])
     return f"[{shown}{' …' if len(ids) > SHOWN_IDS else ''}] ({len(ids)} ids)"
 
@@ -312,8 +294,8 @@ def shown_row(index: int, sample: Sample, decode: Decode | None) -> dict[str, An
         prompt = decode(sample.prompt_ids)
     else:
         chat = _chat_text(sample.chat)
-        prompt = chat if chat is not None else ids_text(sample.prompt_ids) if sample.prompt_ids is not None else "-"
-    response = decode(sample.response_ids) if decode is not None else ids_text(sample.response_ids)
+        prompt = chat if chat is not None else _ids_text(sample.prompt_ids) if sample.prompt_ids is not None else "-"
+    response = decode(sample.response_ids) if decode is not None else _ids_text(sample.response_ids)
     prompt, response = (shorten(" ".join(text.split()), WIDTH) for text in (prompt, response))
     return {"row": index, "prompt": prompt, "response": response, "score": sample.score, "length": sample.length}
 

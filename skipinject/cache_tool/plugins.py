@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skipinject.errors import SkipInjectError
-from skipinject.roles import Call, Codec, Role, UpstreamFormat
+from skipinject.roles import Codec, Role, UpstreamFormat
 from skipinject.store.format import STEP_NAME
 
 
@@ -109,13 +109,3 @@ class InstalledRoles:
             f"no installed plugin provides role {role!r}{why}: install {named} (or name it in "
             "VERL_SKIP_PLUGINS) to decode its steps; shown as the raw payload"
         )
-
-
-def tool_call(role: str) -> Call:
-    """The call a codec is handed outside a run: no instance, no arguments (a codec that needs them
-    fails, and the step is shown raw)."""
-
-    def show() -> None:
-        """Stands in for the role's target."""
-
-    return Call(target=f"skipinject cache ({role})", function=show, instance=None, args=(), kwargs={})

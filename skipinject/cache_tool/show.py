@@ -45,18 +45,34 @@ def cmd_show(
     existing_dir(step_path)
     roles = InstalledRoles()
     meta, step = load_step(step_path, roles)
-    summary, infos, texts = describe(step_path, meta, step, roles, rows)
-    found = fields.step_samples(fields.flatten(step.value))
+    flat = fields.flatten(step.value)
+    infos = [fields.describe(name, v) for name, v in flat.items()]
+    texts = {name: text for name, v in flat.items() if (text := fields.text_rows(v, rows))}
+    inputs = meta.get("inputs") if isinstance(meta.get("inputs"), list) else None
+    checked = step_meta(meta, step_path)
+    summary: dict[str, Any] = {
+        "path": str(step_path),
+        **{key: meta.get(key) for key in ("role", "step", "rows")},
+        "parts": [p.get("dir") for p in meta.get("parts", [])],
+        "codec": step.codec,
+        **{key: meta.get(key) for key in ("context", "created", "writer")},
+        "inputs": {"rows": len(inputs), "first": inputs[:rows]} if inputs is not None else None,
+        "calls": meta.get("calls") if type(meta.get("calls")) is int else None,
+        "size": checked.stored_size,
+        "decoded_size": checked.stored_size + checked.expansion,
+        "plugin": roles.plugin_of(str(meta.get("role"))),
+        "note": step.note,
+    }
+    found = fields.step_samples(flat)
     decode, source = fields.tokenizer(tokenizer, meta) if found else (None, None)
     listed = [fields.shown_row(i, sample, decode) for i, sample in enumerate((found or [])[:rows])]
     samples = (
         None if found is None else {"rows": len(found), **fields.means(found), "tokenizer": source, "first": listed}
     )
     if as_json:
-        records = [i.record() for i in infos]
-        emit_json({"schema": schema("show"), **summary, "fields": records, "text": texts, "samples": samples})
+        emit_json({"schema": schema("show"), **summary, "fields": infos, "text": texts, "samples": samples})
     else:
-        render(step_path, summary, infos, texts, samples)
+        render(summary, infos, texts, samples)
     return OK
 
 
@@ -75,44 +91,11 @@ def load_step(step_dir: Path, roles: InstalledRoles) -> tuple[dict[str, Any], fi
     return dict(entry.meta), fields.decode(store.load(entry), entry.meta, roles)
 
 
-def describe(
-    step_dir: Path, meta: dict[str, Any], step: fields.Decoded, roles: InstalledRoles, rows: int
-) -> tuple[dict[str, Any], list[fields.FieldInfo], dict[str, list[str]]]:
-    """The step's summary, its fields and the first ``rows`` rows of its text fields."""
-    flat = fields.flatten(step.value)
-    infos = [fields.describe(name, v) for name, v in flat.items()]
-    texts = {name: found for name, v in flat.items() if (found := fields.text_rows(v, rows))}
-    inputs = meta.get("inputs") if isinstance(meta.get("inputs"), list) else None
-    checked = step_meta(meta, step_dir)
-    summary: dict[str, Any] = {
-        "path": str(step_dir),
-        "role": meta.get("role"),
-        "step": meta.get("step"),
-        "rows": meta.get("rows"),
-        "parts": [p.get("dir") for p in meta.get("parts", [])],
-        "codec": step.codec,
-        "context": meta.get("context"),
-        "created": meta.get("created"),
-        "writer": meta.get("writer"),
-        "inputs": {"rows": len(inputs), "first": inputs[:rows]} if inputs is not None else None,
-        "calls": meta.get("calls") if type(meta.get("calls")) is int else None,
-        "size": checked.stored_size,
-        "decoded_size": checked.stored_size + checked.expansion,
-        "plugin": roles.plugin_of(str(meta.get("role"))),
-        "note": step.note,
-    }
-    return summary, infos, texts
-
-
 def render(
-    step_dir: Path,
-    summary: dict[str, Any],
-    infos: list[fields.FieldInfo],
-    texts: dict[str, list[str]],
-    samples: dict[str, Any] | None,
+    summary: dict[str, Any], infos: list[dict[str, Any]], texts: dict[str, list[str]], samples: dict[str, Any] | None
 ) -> None:
     inputs, stored, decoded = summary["inputs"], summary["size"], summary["decoded_size"]
-    say(f"{step_dir}")
+    say(summary["path"])
     say(f"  role {summary['role']}, step {summary['step']}, {summary['rows']} rows in {len(summary['parts'])} part(s)")
     say(f"  size {human_size(stored)} stored" + ("" if decoded == stored else f" ({human_size(decoded)} decoded)"))
     say(f"  codec {summary['codec']}; created {summary['created']} by {writer_text(summary['writer'] or {})}")
@@ -126,7 +109,7 @@ def render(
     else:
         say("  input fingerprint: none recorded (prompt mismatches are not detected for this step)")
     say()
-    show_table("FIELD|KIND|DTYPE|SHAPE", [[i.name, i.kind, i.dtype, i.shape] for i in infos])
+    show_table("FIELD|KIND|DTYPE|SHAPE", [[i["name"], i["kind"], i["dtype"], i["shape"]] for i in infos])
     for name, lines in texts.items() if samples is None else ():  # the rows below show a rollout's text
         say()
         say(f"{name}:")
