@@ -13,7 +13,6 @@ import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
 from skipinject.errors import SkipInjectError, did_you_mean
 
@@ -38,16 +37,9 @@ def location(text: str) -> Path | str:
     return text.rstrip("/") if is_remote(text) else local_path(text)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="skipinject cache", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    parser = argparse.ArgumentParser(prog="skipinject cache", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     dump_help = "dump directory (default: skip.<role>.dump_dir's default, ~/.verl/rollout_dump)"
 

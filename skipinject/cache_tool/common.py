@@ -83,21 +83,20 @@ def shown(value: object) -> str:
     return "".join(c if c == " " or (c.isprintable() and c != "\\") else _escape(c) for c in text)
 
 
-class EscapeLogRecords(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.msg, record.args = shown(record.getMessage()), None
-        return True
+def _escape_record(record: logging.LogRecord) -> bool:
+    record.msg, record.args = shown(record.getMessage()), None
+    return True
 
 
 @contextlib.contextmanager
 def escaped_logs() -> Iterator[None]:
     """While the tool runs, the ``skipinject`` logger's lines go through :func:`shown` too."""
-    logger, escaping = logging.getLogger("skipinject"), EscapeLogRecords()
-    logger.addFilter(escaping)
+    logger = logging.getLogger("skipinject")
+    logger.addFilter(_escape_record)
     try:
         yield
     finally:
-        logger.removeFilter(escaping)
+        logger.removeFilter(_escape_record)
 
 
 # ---------------------------------------------------------------- output
@@ -163,11 +162,9 @@ class Progress:
     def __init__(self, total: int, label: str, *, unit: str = "B", stream: TextIO | None = None, delay: float = 1.0):
         self.total, self.label, self.unit, self.delay = max(0, int(total)), label, unit, delay
         self.stream = stream or sys.stderr
-        self.done, self.started, self._last, self._drawn = 0, time.monotonic(), 0.0, False
-        try:
+        self.done, self.started, self._last, self._drawn, self.enabled = 0, time.monotonic(), 0.0, False, False
+        with contextlib.suppress(AttributeError, ValueError):
             self.enabled = bool(self.stream.isatty())
-        except (AttributeError, ValueError):
-            self.enabled = False
 
     def __enter__(self) -> Progress:
         return self
@@ -176,10 +173,6 @@ class Progress:
         if self._drawn:
             self.stream.write("\r" + " " * 100 + "\r")
             self.stream.flush()
-            self._drawn = False
-
-    def _fmt(self, value: float) -> str:
-        return human_size(int(value)) if self.unit == "B" else str(int(value))
 
     def update(self, amount: int = 1, note: str = "") -> None:
         self.done += amount
@@ -187,16 +180,16 @@ class Progress:
         elapsed = now - self.started
         if not self.enabled or elapsed < self.delay or (now - self._last < 0.1 and self.done < self.total):
             return
-        self._last = now
+        self._last, self._drawn = now, True
         fraction = min(1.0, self.done / self.total) if self.total else 1.0
-        filled = int(fraction * 24)
         rate = self.done / elapsed if elapsed > 0 else 0.0
         eta = (self.total - self.done) / rate if rate > 0 and self.total else 0.0
-        line = (
-            f"\r{self.label}: {fraction * 100:3.0f}%|{'█' * filled}{' ' * (24 - filled)}| "
-            f"{self._fmt(self.done)}/{self._fmt(self.total)} [{elapsed:.0f}s<{eta:.0f}s, {self._fmt(rate)}/s] "
-            f"{shown(note)}"
+        done, total, speed = (
+            human_size(int(v)) if self.unit == "B" else str(int(v)) for v in (self.done, self.total, rate)
         )
-        self.stream.write(line[:160].ljust(100))
+        bar = "█" * int(fraction * 24)
+        line = (
+            f"\r{self.label}: {fraction * 100:3.0f}%|{bar:24}| {done}/{total} [{elapsed:.0f}s<{eta:.0f}s, {speed}/s] "
+        )
+        self.stream.write((line + shown(note))[:160].ljust(100))
         self.stream.flush()
-        self._drawn = True

@@ -26,25 +26,6 @@ from skipinject.errors import CacheError
 from skipinject.store import Payload, StepStore
 from skipinject.store.compression import Compression, parse_compression
 
-#: meta.json keys the writer sets itself on every commit (everything else is kept: the role's keys, and
-#: the step under the trainer's name, ``global_steps``).
-_WRITER_KEYS = frozenset(
-    [
-        "format",
-        "format_version",
-        "role",
-        "step",
-        "context",
-        "checksum_algo",
-        "parts",
-        "rows",
-        "writer",
-        "node",
-        "plugin",
-        "meta_checksum",
-    ]
-)
-
 
 def compact_step(step_dir: Path, compression: Compression) -> tuple[int, int] | None:
     """Store one committed step compressed; (stored bytes before, after), or None if it already was."""
@@ -63,8 +44,8 @@ def compact_step(step_dir: Path, compression: Compression) -> tuple[int, int] | 
             for record, payload in zip(meta.parts, payloads, strict=True):
                 part = Payload(tensors=dict(payload.tensors), objects=payload.objects, rows=payload.rows)
                 writer.add_part(part, record.dir)
-            kept = {key: value for key, value in meta.items() if key not in _WRITER_KEYS}
-            writer.commit(kept, over=meta)  # only over the step it read: a step recorded anew is kept
+            # the writer sets its own keys anew, keeps the role's and ``created``; only over the step it read
+            writer.commit(meta, over=meta)
         except BaseException:
             writer.abort()
             raise

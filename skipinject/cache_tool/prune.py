@@ -81,16 +81,8 @@ def cmd_prune(
         mutable_root(root, "prune")
     now = time.time() if now is None else now
     items = scan(root, [])
-    chosen = select(
-        items,
-        keep_last=keep_last,
-        older_than=older_than,
-        partial=partial,
-        damaged=damaged,
-        now=now,
-        max_size=max_size,
-        by=by,
-    )
+    criteria: dict[str, Any] = {"keep_last": keep_last, "older_than": older_than, "max_size": max_size, "by": by}
+    chosen = select(items, partial=partial, damaged=damaged, now=now, **criteria)
     outcome = act(root, items, chosen, partial=partial, dry_run=dry_run, now=now)
     if as_json:
         emit_json({"schema": schema("prune"), "dump_dir": str(root), "dry_run": dry_run, **outcome})
@@ -105,8 +97,7 @@ def cmd_rm(steps: Sequence[Path | str], *, dry_run: bool, as_json: bool, now: fl
     outcome: dict[str, Any] = {"removed": [], "skipped": [], "leftovers": None, "files": 0, "bytes": 0}
     for path in steps:
         item = _named_step(path)
-        root = item.path.parent if isinstance(item.path, Path) else str(item.path.parent)
-        done = act(root, [item], [(item, "named")], partial=False, dry_run=dry_run, now=now)
+        done = act(item.path.parent, [item], [(item, "named")], partial=False, dry_run=dry_run, now=now)
         for key in ("removed", "skipped", "files", "bytes"):
             outcome[key] += done[key]
     if as_json:
@@ -182,44 +173,40 @@ def act(
     root: Path | str, items: Sequence[Item], chosen: list[tuple[Item, str]], *, partial: bool, dry_run: bool, now: float
 ) -> dict[str, Any]:
     """Remove (or, ``dry_run``, count) what is chosen and safe to remove now; the ``--json`` fields."""
-    removed: list[dict[str, Any]] = []
-    skipped: list[dict[str, Any]] = []
-    files_total = bytes_total = 0
+    outcome: dict[str, Any] = {"removed": [], "skipped": [], "leftovers": None, "files": 0, "bytes": 0}
     leftovers: list[Any] | None = None
     if partial and isinstance(root, Path):  # abandoned files of our saves, by the store's rule
         store_dirs = sorted({item.path.parent for item in items if item.kind == "skipinject"})
         leftovers = [found for store_dir in store_dirs for found in garbage.find_leftovers(store_dir, now=now)]
-    abandoned_files = {leftover.path for leftover in leftovers or ()}
+    abandoned = {leftover.path for leftover in leftovers or ()}
     for item, reason in chosen:
         problem = _unsafe(item, root, now)
-        abandoned = leftovers is None or set(item.files) <= abandoned_files
-        if problem is None and item.state == "partial" and not abandoned:
+        if problem is None and item.state == "partial" and leftovers is not None and not set(item.files) <= abandoned:
             problem = "a save may still be writing it (its writer is alive, or it changed in the last 10 minutes)"
         if problem:
-            skipped.append({"path": str(item.path), "reason": problem})
+            outcome["skipped"].append({"path": str(item.path), "reason": problem})
             continue
         if dry_run:
             ours = _our_files(item)
             count, size = len(ours), sum(found.size for found in ours)
-        else:
-            count, size = remove_step(item, root)
-        files_total += count
-        bytes_total += size
-        removed.append({"path": str(item.path), "role": item.role, "step": item.step, "reason": reason, "size": size})
-    counted = None
+        else:  # locally from descriptors opened once from ``root``: a step swapped for a link removes nothing
+            try:
+                only = _named(item) if item.state == "partial" else None
+                count, size = item.store(root if isinstance(root, Path) else None).remove(int(item.path.name), only)
+            except (CacheError, OSError, ValueError):
+                count, size = 0, 0
+        outcome["files"] += count
+        outcome["bytes"] += size
+        entry = {"path": str(item.path), "role": item.role, "step": item.step, "reason": reason, "size": size}
+        outcome["removed"].append(entry)
     if leftovers is not None:
-        gone = {Path(entry["path"]) for entry in removed}
+        gone = {Path(entry["path"]) for entry in outcome["removed"]}
         rest = [leftover for leftover in leftovers if not gone & set(leftover.path.parents)]
-        counted = (len(rest), sum(leftover.size for leftover in rest)) if dry_run else garbage.remove_leftovers(rest)
-        files_total += counted[0]
-        bytes_total += counted[1]
-    return {
-        "removed": removed,
-        "skipped": skipped,
-        "leftovers": None if counted is None else {"files": counted[0], "bytes": counted[1]},
-        "files": files_total,
-        "bytes": bytes_total,
-    }
+        count, size = (len(rest), sum(left.size for left in rest)) if dry_run else garbage.remove_leftovers(rest)
+        outcome["leftovers"] = {"files": count, "bytes": size}
+        outcome["files"] += count
+        outcome["bytes"] += size
+    return outcome
 
 
 def _named(item: Item) -> set[str]:
@@ -258,17 +245,6 @@ def _unsafe(item: Item, root: Path | str, now: float) -> str | None:
         if now - found.mtime < MIN_AGE and (f"{found.part}/{found.name}" not in named or item.state != "complete"):
             return f"a save may still be writing it ({found.name} changed {now - found.mtime:.0f} s ago)"
     return None
-
-
-def remove_step(item: Item, root: Path | str) -> tuple[int, int]:
-    """Remove ``item`` through its store: ``meta.json`` first, then its data files, usage record and
-    empty directories; locally from descriptors opened once from ``root``, so a step swapped for a
-    link after the check removes nothing through it."""
-    store = item.store(root if isinstance(root, Path) else None)
-    try:
-        return store.remove(int(item.path.name), only=_named(item) if item.state == "partial" else None)
-    except (CacheError, OSError, ValueError):
-        return 0, 0
 
 
 def render(outcome: dict[str, Any], *, dry_run: bool) -> None:
