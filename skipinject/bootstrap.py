@@ -55,10 +55,7 @@ def resolve(
     from skipinject.config import apply_overrides, apply_settings, load_file
     from skipinject.plugin_manager import load_plugins
 
-    if plugins is not None:
-        loaded = load_plugins(plugins, given_as=plugins_given_as)
-    else:
-        loaded = load_plugins(os.environ.get(ENV_PLUGINS) or "")
+    loaded = load_plugins(plugins, ENV_PLUGINS if plugins is None else plugins_given_as)
     config = Config()
     for layer in (None if settings_file is None else load_file(settings_file), settings):
         if layer is not None:
@@ -309,16 +306,6 @@ def _patch_ray_init(config: Config) -> None:
     INJECTOR.instrument(RAY_INIT, _RayInitInterceptor(config), owner="skipinject/processes")
 
 
-def _chain_setup_hooks(user_hook: Any) -> Any:
-    """A setup hook that starts skipinject, then runs the user's callable hook (Ray pickles it by value)."""
-
-    def skipinject_then_user_setup_hook() -> Any:
-        ray_worker_setup()
-        return user_hook()
-
-    return skipinject_then_user_setup_hook
-
-
 class _RayInitInterceptor:
     """Adds our config to the job's ``runtime_env`` (a dict or ``RuntimeEnv``, maybe in a ``job_config``)
     so workers on every node start skipinject, whatever the program connects to; a setup hook of the
@@ -343,8 +330,13 @@ class _RayInitInterceptor:
         elif isinstance(user_hook, str):
             env_vars.setdefault(ENV_CHAINED_HOOK, user_hook)
             amended["worker_process_setup_hook"] = RAY_SETUP_HOOK
-        elif callable(user_hook):
-            amended["worker_process_setup_hook"] = _chain_setup_hooks(user_hook)
+        elif callable(user_hook):  # Ray pickles it by value
+
+            def skipinject_then_user_setup_hook() -> Any:
+                ray_worker_setup()
+                return user_hook()
+
+            amended["worker_process_setup_hook"] = skipinject_then_user_setup_hook
         amended["env_vars"] = env_vars
         return amended
 

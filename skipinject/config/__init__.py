@@ -5,7 +5,6 @@ OmegaConf's dotlist grammar, validated against one structured schema per role be
 program starts, and handed to every process of the run as compact JSON.
 """
 
-from skipinject.config.environment import ENV_CONFIG, ENV_DISABLE, ENV_LOG_LEVEL, ENV_PLUGINS
 from skipinject.config.overrides import apply_overrides, apply_settings, load_file, parse_overrides, split_overrides
 from skipinject.config.schema import (
     DEFAULT_DUMP_DIR,
@@ -21,15 +20,8 @@ from skipinject.config.schema import (
 )
 from skipinject.config.steps import MAX_STEP, StepSet
 
-ACTIONS = tuple(action.value for action in Action)
-
 __all__ = [
-    "ACTIONS",
     "DEFAULT_DUMP_DIR",
-    "ENV_CONFIG",
-    "ENV_DISABLE",
-    "ENV_LOG_LEVEL",
-    "ENV_PLUGINS",
     "MAX_SERIALISED_BYTES",
     "MAX_STEP",
     "ROLE_KEYS",
