@@ -140,9 +140,8 @@ def installed_entry_points() -> dict[str, Any]:
 
 def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS) -> PluginSet:
     """Discover, choose, import and register plugins (default: ``$VERL_SKIP_PLUGINS``); collect their roles."""
-    if selection_text is None:
-        selection_text = os.environ.get(ENV_PLUGINS)
-    selection = parse_selection(selection_text, given_as)
+    text = os.environ.get(ENV_PLUGINS) if selection_text is None else selection_text
+    selection = parse_selection(text, given_as)
     entry_points = installed_entry_points()
     manager = SkipPluginManager()
     for name in selection.exclude:
@@ -151,34 +150,29 @@ def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS)
         manager.set_blocked(name)
     plugins: list[LoadedPlugin] = []
     failures: dict[str, str] = {}
-    if selection.everything:
-        for name in sorted(entry_points):
-            if manager.is_blocked(name):
-                continue
-            try:
-                plugins.append(_register(manager, _from_entry_point(entry_points[name])))
-            except PluginError as exc:
-                failures[name] = str(exc)
-                logger.warning("plugin %r was not loaded: %s", name, exc)
-    else:
-        for item in selection.include:
-            if manager.is_blocked(item):
-                continue
+    for item in selection.include or sorted(entry_points):
+        if manager.is_blocked(item):
+            continue
+        try:
             if item in entry_points:
                 loaded = _from_entry_point(entry_points[item])
             else:
                 loaded = _from_path(item, entry_points, given_as=given_as)
             plugins.append(_register(manager, loaded))
-    _collect_roles(manager, plugins)
-    return PluginSet(manager, plugins, failures)
+        except PluginError as exc:
+            if not selection.everything:  # asked for by name: an error
+                raise
+            failures[item] = str(exc)
+            logger.warning("plugin %r was not loaded: %s", item, exc)
+    return _with_roles(manager, plugins, failures)
 
 
 def load_sources(sources: Mapping[str, str]) -> PluginSet:
     """Register plugins the runner already chose (``name -> module[:attr]``), in its children: no scan."""
     manager = SkipPluginManager()
-    plugins = [_register(manager, _from_path(source, {}, name=name)) for name, source in sources.items()]
-    _collect_roles(manager, plugins)
-    return PluginSet(manager, plugins, {})
+    return _with_roles(
+        manager, [_register(manager, _from_path(source, {}, name=name)) for name, source in sources.items()]
+    )
 
 
 def _unknown(item: str, name: str, entry_points: Mapping[str, Any], given_as: str) -> str:
@@ -262,8 +256,10 @@ def _check_api(plugin: LoadedPlugin, where: str) -> None:
         )
 
 
-def _collect_roles(manager: SkipPluginManager, plugins: list[LoadedPlugin]) -> None:
-    """Call every ``skipinject_roles`` implementation, keeping which plugin gave which role."""
+def _with_roles(
+    manager: SkipPluginManager, plugins: list[LoadedPlugin], failures: dict[str, str] | None = None
+) -> PluginSet:
+    """The plugin set, its roles collected from every ``skipinject_roles`` implementation, plugin by plugin."""
     by_name = {plugin.name: plugin for plugin in plugins}
     owners: dict[str, str] = {}
     for impl in manager.hook.skipinject_roles.get_hookimpls():  # registration order
@@ -288,6 +284,7 @@ def _collect_roles(manager: SkipPluginManager, plugins: list[LoadedPlugin]) -> N
                 )
             owners[role.name] = plugin.name
             plugin.roles.append(role)
+    return PluginSet(manager, plugins, failures or {})
 
 
 def _one_line(exc: BaseException) -> str:
