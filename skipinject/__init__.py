@@ -45,9 +45,7 @@ from skipinject.roles import (
     Plan,
     Role,
     RowCodec,
-    StepCache,
     StepSource,
-    StepWriting,
     Target,
     UpstreamFormat,
 )
@@ -66,9 +64,11 @@ if TYPE_CHECKING:
     from skipinject.payload import Payload
     from skipinject.report.tally import count_rescored
     from skipinject.store import StepEntry
+    from skipinject.store import StepStore as StepCache
+    from skipinject.store import StepWriter as StepWriting
     from skipinject.verl.codecs import DataProtoCodec, TensorDictCodec
 
-#: Public names imported on first use: name -> defining module.
+#: Public names imported on first use: name -> defining module (``module:name`` for another name there).
 _LAZY = {
     "Action": "skipinject.config",
     "DataProtoCodec": "skipinject.verl.codecs",
@@ -76,7 +76,9 @@ _LAZY = {
     "RescorePolicy": "skipinject.config",
     "Payload": "skipinject.payload",
     "RoleConfig": "skipinject.config",
+    "StepCache": "skipinject.store:StepStore",
     "StepEntry": "skipinject.store",
+    "StepWriting": "skipinject.store:StepWriter",
     "TensorDictCodec": "skipinject.verl.codecs",
     "TensorSink": "skipinject.codecs",
     "decode_tensor": "skipinject.codecs",
@@ -90,10 +92,10 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    module, _, attribute = _LAZY.get(name, "").partition(":")
+    if not module:
         raise AttributeError(f"module 'skipinject' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(module), attribute or name)
     globals()[name] = value
     return value
 

@@ -202,31 +202,6 @@ class RowCodec(Codec, Protocol):
         """One result of ``call``: the rows of ``pieces`` (concatenated) in ``order``, like the target's own."""
 
 
-class StepWriting(Protocol):
-    """One step being written: parts first, then one atomic commit (or abort)."""
-
-    def add_part(self, payload: Payload, part: str = "") -> None: ...
-
-    def commit(self, meta: Mapping[str, Any]) -> Path: ...
-
-    def abort(self) -> None: ...
-
-
-class StepCache(Protocol):
-    """One role's cached steps under one project directory, as phases see them."""
-
-    @property
-    def project_dir(self) -> Path: ...
-
-    def step_dir(self, step: int) -> Path: ...
-
-    def begin(self, step: int) -> StepWriting: ...
-
-    def load(self, entry: StepEntry) -> list[Payload]: ...
-
-    def is_committed(self, step: int) -> bool: ...
-
-
 @dataclass
 class Plan:
     """What the engine decided for one call: the entry to serve (or trusted upstream file), and why."""
@@ -281,7 +256,7 @@ class PhaseContext(Protocol):
     def once(self, key: Any, level: int, message: str, *args: Any) -> None:
         """Log ``message`` the first time ``key`` is seen in this process."""
 
-    def store_for(self, call: Call) -> StepCache:
+    def store_for(self, call: Call) -> StepStore:
         """The cache of the run ``call`` belongs to."""
 
     def plan(self, call: Call, step: int) -> Plan:
@@ -305,7 +280,7 @@ class PhaseContext(Protocol):
     ) -> None:
         """Commit the parts :meth:`record` saved of ``step``, with ``meta`` in its ``meta.json``."""
 
-    def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
+    def in_background(self, store: StepStore, job: Callable[[], None]) -> None:
         """Run ``job`` (a write to ``store``) off the training thread, after the store's earlier jobs."""
 
     def row_keys(self, call: Call, digests: Sequence[str]) -> list[str]:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from skipinject.roles import Plan, StepWriting
-    from skipinject.store import Payload
+    from skipinject.roles import Plan
+    from skipinject.store import Payload, StepWriter
 
 #: Steps a role without a clock remembers as recorded in this run (a later call of one of them is
 #: recorded too, never served); the oldest are forgotten first.
@@ -38,7 +38,7 @@ class StepCalls:
     closed: bool = False  # the run moved past the step (commit when the last running call ends)
     left: bool = False  # a call of the step has returned (the next chosen step is then read ahead)
     # -- recording
-    writer: StepWriting | None = None
+    writer: StepWriter | None = None
     inputs: dict[int, list[str] | None] = field(default_factory=dict)
     #: Per call, its row keys and output rows per input row (``action=match``).
     row_keys: dict[int, tuple[list[str], int]] = field(default_factory=dict)

@@ -18,7 +18,7 @@ from pathlib import Path
 from skipinject.config import Action, RoleConfig
 from skipinject.errors import CacheMissError, CorruptCacheError, UntrustedCacheError
 from skipinject.report.misses import nearest_cache
-from skipinject.roles import Plan, StepCache, UpstreamFormat
+from skipinject.roles import Plan, UpstreamFormat
 from skipinject.store import StepEntry, StepStore
 
 __all__ = ["Plan", "cannot_load", "nothing_more", "plan_step", "repeat_order", "upstream_file"]
@@ -120,7 +120,7 @@ def match_plan(name: str, store: StepStore, step: int) -> Plan:
     return Plan(store, step, reason="match")
 
 
-def committed(store: StepCache, step: int) -> bool:
+def committed(store: StepStore, step: int) -> bool:
     """Whether ``step`` is committed in ``store``; True when that cannot be told (nothing is written there)."""
     try:
         return store.is_committed(step)

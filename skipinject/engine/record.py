@@ -21,7 +21,8 @@ from skipinject.engine.decision import committed
 from skipinject.engine.replay import Replay
 from skipinject.engine.stores import RoleStores
 from skipinject.report.tally import TALLY
-from skipinject.roles import Call, Plan, RowCodec, StepCache
+from skipinject.roles import Call, Plan, RowCodec
+from skipinject.store import StepStore
 
 logger = logging.getLogger("skipinject")
 
@@ -214,7 +215,7 @@ class Recorder:
             why,
         )
 
-    def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
+    def in_background(self, store: StepStore, job: Callable[[], None]) -> None:
         """See :meth:`skipinject.roles.PhaseContext.in_background`."""
         if self.runtime.role.clocks:
             WRITER.submit(store.project_dir, job)

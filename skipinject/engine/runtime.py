@@ -17,7 +17,7 @@ from skipinject.engine.matching import Found, RowMatcher, row_keys
 from skipinject.engine.record import Recorder
 from skipinject.engine.replay import REGENERATE, Replay, regenerated
 from skipinject.engine.stores import RoleStores
-from skipinject.roles import Call, Loaded, Plan, Role, StepCache
+from skipinject.roles import Call, Loaded, Plan, Role
 from skipinject.store import StepStore
 
 __all__ = ["REGENERATE", "RoleRuntime"]
@@ -114,7 +114,7 @@ class RoleRuntime(RoleContext):
     ) -> None:
         self.recorder.commit_step(call, step, meta, unit, note)
 
-    def in_background(self, store: StepCache, job: Callable[[], None]) -> None:
+    def in_background(self, store: StepStore, job: Callable[[], None]) -> None:
         self.recorder.in_background(store, job)
 
     def row_keys(self, call: Call, digests: Sequence[str]) -> list[str]:
