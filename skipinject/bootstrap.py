@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -284,20 +284,17 @@ def ray_worker_setup() -> None:
         getattr(import_module(module), attr)()
 
 
-def export_bootstrap_path(env: MutableMapping[str, str] | None = None) -> None:
+def export_bootstrap_path() -> None:
     """Put this installation's bootstrap directory first on ``PYTHONPATH`` (if not there)."""
-    target: Any = os.environ if env is None else env
-    paths = [p for p in target.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if BOOTSTRAP_DIR not in paths:
-        target["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *paths])
+        os.environ["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *paths])
 
 
-def export(config: Config, env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
-    """Put ``config`` and the bootstrap directory into ``env`` (default: this process's)."""
-    target: MutableMapping[str, str] = os.environ if env is None else env
-    target[ENV_CONFIG] = config.to_json()
-    export_bootstrap_path(target)
-    return target
+def export(config: Config) -> None:
+    """Put ``config`` and the bootstrap directory into this process's environment, for its children."""
+    os.environ[ENV_CONFIG] = config.to_json()
+    export_bootstrap_path()
 
 
 def _patch_ray_init(config: Config) -> None:

@@ -93,7 +93,10 @@ def _awaiting_caller(frame: FrameType | None) -> bool:
 
 
 def target_key(path: str, attribute: str | None = None) -> str:
-    """How a target is named by :class:`Injector` and in logs: ``module:qualname`` or ``...->attribute``."""
+    """How a target is named by :class:`Injector` and in logs: ``module:qualname`` or ``...->attribute``
+    (also given as ``path``)."""
+    if attribute is None and "->" in path:
+        path, _, attribute = path.partition("->")
     text = str(TargetPath.parse(path))
     return f"{text}->{attribute}" if attribute else text
 
@@ -228,7 +231,7 @@ class Injector:
     def uninstrument(self, path: str, attribute: str | None = None) -> None:
         """Undo :meth:`instrument`: restore the original object (and every attribute it wrapped)."""
         with self._lock:
-            patch = self._patches.pop(self._key(path, attribute), None)
+            patch = self._patches.pop(target_key(path, attribute), None)
             if patch is None:
                 return
             if patch.applied:
@@ -242,19 +245,13 @@ class Injector:
             self.uninstrument(key)
 
     def is_patched(self, path: str, attribute: str | None = None) -> bool:
-        patch = self._patches.get(self._key(path, attribute))
+        patch = self._patches.get(target_key(path, attribute))
         return bool(patch and patch.applied)
 
     def convention(self, path: str, attribute: str | None = None) -> Convention | None:
         """The convention of the target (attribute targets: of the attribute last wrapped)."""
-        patch = self._patches.get(self._key(path, attribute))
+        patch = self._patches.get(target_key(path, attribute))
         return patch.convention if patch else None
-
-    @staticmethod
-    def _key(path: str, attribute: str | None) -> str:
-        if attribute is None and "->" in path:  # a key as ``_patches`` holds it
-            path, _, attribute = path.partition("->")
-        return target_key(path, attribute)
 
     def _on_import(self, module: ModuleType) -> None:
         with self._lock:
