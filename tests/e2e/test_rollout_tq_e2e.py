@@ -258,15 +258,16 @@ _MATCH_LINE = re.compile(r"step \d+: match \((?:submit|refill)\): (\d+) of (\d+)
 def test_v1_match_serves_seen_prompts_and_generates_only_the_others(v1_pair: V1Pair, assets: Any, tmp_path: Path):
     """``skip.rollout_tq.action=match`` on the pair's trainer (``separate_async``, two mini-batches a
     step, group filtering), served from run 1's recording, with the data shuffled by another seed
-    (``data.seed=20`` draws rows 3 and 7, which run 1 trained at steps 1 and 2, then rows it never saw,
-    in its first submit: a mixed call). Every prompt run 1 trained is served, never generated; the
-    generator gets only the others (``n`` sequences each); each trained row is its own prompt's (by its
-    ground truth); a served prompt trains on run 1's responses for it."""
+    (``data.seed=60`` draws rows 13, 17, 2, 19, then 3, 14, 28, 1, then 25, 7, 21, 22: each submit mixes
+    rows run 1 trained at its steps 1 and 2 with rows it never saw). Every prompt run 1 trained is served,
+    never generated; the generator gets only the others (``n`` sequences each); each trained row is its
+    own prompt's (by its ground truth); a served prompt trains on run 1's responses for it. Step 3, never
+    cached before, is recorded whole: its served trajectories are run 1's, tensor for tensor."""
     dump = copy_dump(v1_pair.dump, tmp_path / "dump")
     overrides = _pair_overrides(
         assets, tmp_path, dump, "run3", f"skip.{ROLE}.action=match", f"skip.{ROLE}.steps=[1-3]", "data.shuffle=True"
     )
-    third, _ = _run(assets, tmp_path, "run3", [*overrides, "data.seed=20"])
+    third, _ = _run(assets, tmp_path, "run3", [*overrides, "data.seed=60"])
     lines = skip_lines(third, ROLE)
     mixed = [m.groups() for line in lines if (m := _MATCH_LINE.search(line))]
     assert any(0 < int(served) < int(drawn) for served, drawn, _ in mixed), lines
@@ -295,3 +296,30 @@ def test_v1_match_serves_seen_prompts_and_generates_only_the_others(v1_pair: V1P
             assert int(r["gts"]) == len(prompt_text(r)), f"step {step}: a row is not its prompt's: {r}"
             if prompt_text(r) in seen:
                 assert outputs_1[(prompt_text(r), r["output"])], f"step {step}: not run 1's response: {r}"
+    # Bit for bit: step 3's record (the whole step: run 1 never cached it) holds the served trajectories
+    # as TransferQueue got them; each is run 1's, every tensor field (tokens, masks, log-probs, scores).
+    import torch
+
+    layout = harness.cache_dir(dump, gbs=1)
+    run_1 = {key: row for step in (1, 2) for key, row in _rows_by_key(layout / str(step)).items()}
+    served = 0
+    for key, row in _rows_by_key(layout / "3").items():
+        if key in run_1:
+            tensors = [name for name in row.keys() if isinstance(row[name], torch.Tensor)]
+            assert {"prompts", "responses", "input_ids", "rollout_log_probs", "rm_scores"} <= set(tensors), tensors
+            for name in tensors:
+                assert torch.equal(row[name], run_1[key][name]), f"step 3: {name} of a served row is not run 1's"
+            served += 1
+    assert served >= harness.ROLLOUT_N, "step 3 served no prompt run 1 trained"
+
+
+def _rows_by_key(step_dir: Path) -> dict[str, Any]:
+    """A cached step's trajectories (TensorDict rows), by their row keys (parts in order)."""
+    from skipinject.cache_tool.plugins import InstalledRoles
+    from skipinject.cache_tool.show import load_step
+
+    meta, step = load_step(step_dir, InstalledRoles())
+    keys = [key for part in meta["row_keys"] for key in part]
+    data = step.value["tensordict"]
+    assert len(keys) == data.batch_size[0], step_dir
+    return {key: data[row] for row, key in enumerate(keys)}
