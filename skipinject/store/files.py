@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import stat
@@ -224,15 +225,6 @@ def entries(directory: Path) -> list[os.DirEntry[str]]:
         return list(found)
 
 
-def regular_stat(path: Path) -> os.stat_result | None:
-    """``lstat`` of ``path`` if it is a regular file (not a link), else ``None``."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return info if stat.S_ISREG(info.st_mode) else None
-
-
 def read_head(path: Path, size: int) -> bytes:
     """The first ``size`` bytes of a regular file (never a link, a FIFO never blocks); OSError otherwise."""
     fd = os.open(path, _FILE_FLAGS)
@@ -242,14 +234,6 @@ def read_head(path: Path, size: int) -> bytes:
         return os.read(fd, size)
     finally:
         os.close(fd)
-
-
-def try_open_dir(name: str | Path, dir_fd: int | None = None) -> int | None:
-    """A directory descriptor (never through a link), or None for anything else."""
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError:
-        return None
 
 
 #: Called with (descriptor of the directory, name) right before a name is unlinked; tests use it
@@ -300,13 +284,13 @@ def opened_below(anchor: Path | int, parts: Sequence[str]) -> Iterator[int]:
         os.close(fd)
 
 
-def unlink_regular(dir_fd: int, name: str, keep: Callable[[os.stat_result], bool] | None = None) -> int | None:
-    """Unlink ``name`` in ``dir_fd`` if it is a regular file ``keep`` does not veto; its size, or None."""
+def unlink_regular(dir_fd: int, name: str, wanted: Callable[[os.stat_result], bool]) -> int | None:
+    """Unlink ``name`` in ``dir_fd`` if it is a regular file ``wanted`` (given its ``lstat``) selects; its size."""
     try:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
         return None
-    if not stat.S_ISREG(info.st_mode) or (keep is not None and keep(info)):
+    if not stat.S_ISREG(info.st_mode) or not wanted(info):
         return None
     if BEFORE_UNLINK is not None:
         BEFORE_UNLINK(dir_fd, name)
@@ -339,46 +323,37 @@ def remove_name(anchor: Path, path: Path) -> None:
 def remove_step(
     anchor: Path,
     step_dir: Path,
-    wanted: Callable[[str, str], bool],
-    keep: Callable[[os.stat_result], bool] | None = None,
+    wanted: Callable[[str, str, os.stat_result], bool],
+    emptied: Callable[[str], bool] = lambda part: True,
 ) -> tuple[int, int]:
-    """Remove the files ``wanted(part, name)`` selects from a step below ``anchor``, ``meta.json`` first,
-    then empty directories, all relative to descriptors opened once; returns (files, bytes)."""
+    """Remove the regular files ``wanted(part, name, lstat)`` selects from a step below ``anchor``, ``meta.json``
+    first, then the directories ``emptied(part)`` selects if empty (part ``""``: the step's), all relative to
+    descriptors opened once; returns (files, bytes)."""
     parts = relative_parts(anchor, step_dir)
     if not parts:
         raise ValueError(f"{step_dir}: the anchor itself is no step directory")
     files = size = 0
     with opened_below(anchor, parts[:-1]) as parent_fd, opened_below(parent_fd, parts[-1:]) as step_fd:
-        names = os.listdir(step_fd)
-        ordered = sorted(names, key=lambda n: n != META_NAME)
-        for name in ordered:
-            if PART_NAME.fullmatch(name):
-                continue
-            if wanted("", name):
-                removed = unlink_regular(step_fd, name, keep)
-                if removed is not None:
-                    files += 1
-                    size += removed
-        for name in names:
+        for name in sorted(os.listdir(step_fd), key=lambda n: n != META_NAME):
             if not PART_NAME.fullmatch(name):
-                continue
-            try:
-                part_fd = open_below(step_fd, [name])
-            except OSError:
-                continue  # a link or a file named like a part: not ours to follow
-            try:
-                for leaf in os.listdir(part_fd):
-                    if wanted(name, leaf):
-                        removed = unlink_regular(part_fd, leaf, keep)
-                        if removed is not None:
-                            files += 1
-                            size += removed
-            finally:
-                os.close(part_fd)
+                found = [unlink_regular(step_fd, name, functools.partial(wanted, "", name))]
+            else:
+                try:
+                    with opened_below(step_fd, [name]) as part_fd:
+                        leaves = os.listdir(part_fd)
+                        found = [
+                            unlink_regular(part_fd, leaf, functools.partial(wanted, name, leaf)) for leaf in leaves
+                        ]
+                except OSError:
+                    continue  # a link or a file named like a part: not ours to follow
+                if emptied(name):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(name, dir_fd=step_fd)  # only ever succeeds when empty
+            removed = [count for count in found if count is not None]
+            files, size = files + len(removed), size + sum(removed)
+        if emptied(""):
             with contextlib.suppress(OSError):
-                os.rmdir(name, dir_fd=step_fd)  # only ever succeeds when empty
-        with contextlib.suppress(OSError):
-            os.rmdir(parts[-1], dir_fd=parent_fd)
+                os.rmdir(parts[-1], dir_fd=parent_fd)
     return files, size
 
 

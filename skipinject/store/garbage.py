@@ -1,29 +1,27 @@
 """Leftovers of killed or concurrent saves: files no committed ``meta.json`` names, removed once abandoned.
 
-A leftover matches our own name patterns and is at least :data:`ABANDONED_AFTER` old, and its writer
-(the write id ``{unix_time}-{pid}-{uuid8}`` in its name) is gone: no such process on this host, not an
-open writer of this process, or older than :data:`PID_REUSE_AFTER`. Empty step directories that old go
-too; a step whose ``meta.json`` cannot be read is left alone. Locally nothing follows a link (see
-:mod:`skipinject.store.files`) and each file is checked again right before its unlink; in an object
-store data files are removed by name after :data:`BY_NAME_ABANDONED_AFTER` (:func:`collect_by_name`)."""
+One rule for every backend: a leftover matches our own name patterns, is ``min_age`` old, and its writer
+(the write id ``{unix_time}-{pid}-{uuid8}`` in its name) is gone: not an open writer of this process, on a
+local disk no such process on this host, or older than :data:`PID_REUSE_AFTER`. An object store cannot be
+asked about processes: there ``min_age`` is :data:`BY_NAME_ABANDONED_AFTER`. Empty part and step directories
+that old go too; a step whose ``meta.json`` cannot be read is left alone. Locally the removal goes through
+:func:`~skipinject.store.files.remove_step` (no link followed), each file checked again right before its unlink."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
-import stat
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from skipinject.store.files import open_below, relative_parts, try_open_dir, unlink_regular
+from skipinject.store.backend import Backend
+from skipinject.store.files import parse_json, relative_parts, remove_step
 from skipinject.store.format import (
     DATA_NAME,
     MAX_META_BYTES,
+    MAX_META_DEPTH,
     META_NAME,
     PART_NAME,
     STEP_NAME,
@@ -31,11 +29,9 @@ from skipinject.store.format import (
     WRITE_ID,
     is_ours,
 )
-from skipinject.store.meta import read_named
+from skipinject.store.local import LocalFiles
+from skipinject.store.meta import StepMeta
 from skipinject.store.usage import USAGE_NAME
-
-if TYPE_CHECKING:
-    from skipinject.store.backend import Backend
 
 ABANDONED_AFTER = 600.0
 #: Where no process can be asked whether it is alive (an object store): a writer slower than this
@@ -50,16 +46,19 @@ ACTIVE_WRITE_IDS: set[str] = set()
 _LAST_SCAN: dict[str, float] = {}
 _LOCK = threading.Lock()
 
+_DEAD_CLAIM = "empty step directory (a claim or save that never wrote a file)"
+_DEAD_PART = "part directory of a save that never committed"
+
 
 @dataclass(frozen=True)
 class Leftover:
-    """A file (or an empty part directory, ``size == 0``) that an abandoned save left behind."""
+    """A file (or an empty part or step directory, ``size == 0``) that an abandoned save left behind."""
 
     path: Path
     size: int
     reason: str
     #: The project directory it was found from: removal walks down from there, never by path.
-    anchor: Path | None = None
+    anchor: Path
 
 
 def _pid_alive(pid: int) -> bool:
@@ -69,96 +68,34 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OSError):
+    except OSError:
         return True
     return True
 
 
-def _writer_gone(name: str, age: float) -> bool:
-    """Whether the writer named in a file name is certainly not writing any more."""
+def _abandoned(name: str, age: float, min_age: float, local: bool) -> bool:
+    """Old enough, and the writer named in it certainly not writing any more."""
+    if age < min_age:
+        return False
     match = WRITE_ID.search(name)
     if match is None or age >= PID_REUSE_AFTER:
         return True
+    if match.group(0) in ACTIVE_WRITE_IDS:
+        return False
     pid = int(match.group(2))
-    if pid == os.getpid():
-        return match.group(0) not in ACTIVE_WRITE_IDS
-    return not _pid_alive(pid)
+    return pid == os.getpid() or not local or not _pid_alive(pid)
 
 
-def _named_by_meta(step_fd: int) -> set[str] | None:
+def _named(backend: Backend, step_dir: Path) -> set[str] | None:
     """What the step's meta.json names; empty if it has none; None if unreadable."""
+    shown = step_dir / META_NAME
     try:
-        return read_named(step_fd, Path(META_NAME), MAX_META_BYTES)
+        raw = parse_json(backend.read_bytes(shown, MAX_META_BYTES), shown, what="meta.json", max_depth=MAX_META_DEPTH)
+        return StepMeta(raw, shown).named() if isinstance(raw, dict) else None
+    except FileNotFoundError:
+        return set()
     except Exception:
         return None
-
-
-def _abandoned(name: str, info: os.stat_result, now: float, min_age: float) -> bool:
-    age = now - info.st_mtime
-    return stat.S_ISREG(info.st_mode) and age >= min_age and _writer_gone(name, age)
-
-
-def _scan_step(
-    project_fd: int, project_dir: Path, step_name: str, now: float, min_age: float, out: list[Leftover]
-) -> None:
-    step_fd = try_open_dir(step_name, project_fd)
-    if step_fd is None:
-        return  # a symlink, not a directory, or unreadable: not ours to touch
-    step_dir = project_dir / step_name
-    folders = {"": step_fd}
-    try:
-        names = os.listdir(step_fd)
-        if set(names) <= {USAGE_NAME} and now - os.fstat(step_fd).st_mtime >= min_age:
-            out.append(Leftover(step_dir, 0, _DEAD_CLAIM, project_dir))  # a claim or save that never wrote
-            return
-        for child in names:
-            part_fd = try_open_dir(child, step_fd) if PART_NAME.fullmatch(child) else None
-            if part_fd is not None:
-                folders[child] = part_fd
-        listings = {sub: names if not sub else os.listdir(fd) for sub, fd in folders.items()}
-        if META_NAME in names and _one_write(listings.values()):
-            return  # the usual committed step: nothing to collect, no meta.json parsed
-        named = _named_by_meta(step_fd)
-        if named is None:
-            return
-        for sub, fd in folders.items():
-            found = [
-                item for name in listings[sub] if (item := _leftover(fd, step_dir, sub, name, named, now, min_age))
-            ]
-            out.extend(found)
-            left = set(listings[sub]) - {item.path.name for item in found}
-            if sub and not named and not left and now - os.fstat(fd).st_mtime >= min_age:
-                out.append(Leftover(step_dir / sub, 0, _DEAD_PART, project_dir))
-    except OSError:
-        return
-    finally:
-        for fd in folders.values():
-            os.close(fd)
-
-
-def _leftover(
-    folder_fd: int, step_dir: Path, sub: str, name: str, named: set[str], now: float, min_age: float
-) -> Leftover | None:
-    if not is_ours(name) or f"{sub}/{name}" in named:
-        return None
-    try:
-        info = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
-    except OSError:
-        return None
-    if not _abandoned(name, info, now, min_age):
-        return None
-    if name.startswith("."):
-        reason = "temporary file of an interrupted save"
-    elif named:
-        reason = "data file not named by the step's meta.json (replaced, or a losing concurrent save)"
-    else:
-        reason = "data file of a save that never committed (no meta.json)"
-    folder = step_dir / sub if sub else step_dir
-    return Leftover(folder / name, info.st_size, reason, step_dir.parent)
-
-
-_DEAD_CLAIM = "empty step directory (a claim or save that never wrote a file)"
-_DEAD_PART = "part directory of a save that never committed"
 
 
 def _one_write(listings: Iterable[list[str]]) -> bool:
@@ -173,128 +110,130 @@ def _one_write(listings: Iterable[list[str]]) -> bool:
     return len(ids) <= 1
 
 
-def find_leftovers(
-    project_dir: Path, *, now: float | None = None, min_age: float = ABANDONED_AFTER, steps: Iterable[str] | None = None
-) -> list[Leftover]:
-    """Abandoned files of our own saves under ``project_dir`` (``steps``: only these step directories)."""
-    now = time.time() if now is None else now
-    project_fd = try_open_dir(project_dir)
-    if project_fd is None:
-        return []
-    out: list[Leftover] = []
+def _old(backend: Backend, location: Path, now: float, min_age: float) -> bool:
+    found = backend.stat(location)
+    return found is not None and found.kind == "directory" and now - (found.modified or now) >= min_age
+
+
+def _step_leftovers(backend: Backend, step_dir: Path, now: float, min_age: float) -> list[Leftover]:
+    anchor, local = step_dir.parent, backend.checks_owners
     try:
+        listings = {"": backend.names(step_dir)}
+    except Exception:
+        return []  # a link, not a directory, or unreadable: not ours to touch
+    if set(listings[""]) <= {USAGE_NAME}:  # a claim or save that never wrote, or a usage record left alone
+        return [Leftover(step_dir, 0, _DEAD_CLAIM, anchor)] if _old(backend, step_dir, now, min_age) else []
+    for sub in filter(PART_NAME.fullmatch, listings[""]):
         try:
-            names = os.listdir(project_fd) if steps is None else list(steps)
-        except OSError:
-            return []
+            listings[sub] = backend.names(step_dir / sub)
+        except Exception:
+            continue  # a link or a file named like a part
+    if META_NAME in listings[""] and _one_write(listings.values()):
+        return []  # the usual committed step: nothing to collect, no meta.json parsed
+    named = _named(backend, step_dir)
+    if named is None:
+        return []
+    out = []
+    for sub, names in listings.items():
+        folder = step_dir / sub if sub else step_dir
+        found = []
         for name in names:
-            if STEP_NAME.fullmatch(name):
-                _scan_step(project_fd, Path(project_dir), name, now, min_age, out)
-    finally:
-        os.close(project_fd)
+            info = backend.stat(folder / name) if is_ours(name) and f"{sub}/{name}" not in named else None
+            if info is None or info.kind != "file" or not info.modified:
+                continue
+            if _abandoned(name, now - info.modified, min_age, local):
+                reason = (
+                    "temporary file of an interrupted save"
+                    if name.startswith(".")
+                    else "data file not named by the step's meta.json (replaced, or a losing concurrent save)"
+                    if named
+                    else "data file of a save that never committed (no meta.json)"
+                )
+                found.append(Leftover(folder / name, info.size, reason, anchor))
+        out += found
+        if sub and not named and len(found) == len(names) and _old(backend, folder, now, min_age):
+            out.append(Leftover(folder, 0, _DEAD_PART, anchor))
     return out
 
 
-def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONED_AFTER) -> tuple[int, int]:
-    """Unlink leftovers (files, then empty part and step directories), each reached from its project directory
-    without following a link and checked again right before; returns (files removed, bytes)."""
-    items = list(leftovers)
-    files = bytes_ = 0
-    now = time.time()
-    order = {_DEAD_CLAIM: 2, _DEAD_PART: 1}
-    for item in sorted(items, key=lambda i: order.get(i.reason, 0) if i.size == 0 else 0):
-        anchor = item.anchor if item.anchor is not None else _project_of(item.path)
-        try:
-            parts = relative_parts(anchor, item.path)
-            parent_fd = open_below(anchor, parts[:-1])
-        except (OSError, ValueError):
-            continue
-        try:
-            if item.reason in order:
-                if item.reason == _DEAD_CLAIM:
-                    step_fd = try_open_dir(item.path.name, parent_fd)
-                    if step_fd is not None:
-                        unlink_regular(step_fd, USAGE_NAME)  # a usage record left without its step
-                        os.close(step_fd)
-                with contextlib.suppress(OSError):
-                    os.rmdir(item.path.name, dir_fd=parent_fd)  # only ever succeeds when empty
-                continue
-            step_fd = parent_fd if len(parts) == 2 else try_open_dir("..", parent_fd)
-            if step_fd is None:
-                continue
-            try:
-                sub = parts[1] if len(parts) == 3 else ""
-                keep = functools.partial(_changed, item, step_fd=step_fd, sub=sub, now=now, min_age=min_age)
-                size = unlink_regular(parent_fd, item.path.name, keep=keep)
-            finally:
-                if step_fd != parent_fd:
-                    os.close(step_fd)
-            if size is not None:
-                files += 1
-                bytes_ += size
-        finally:
-            os.close(parent_fd)
-    return files, bytes_
-
-
-def _project_of(path: Path) -> Path:
-    in_part = PART_NAME.fullmatch(path.parent.name) and STEP_NAME.fullmatch(path.parent.parent.name)
-    return path.parent.parent.parent if in_part else path.parent.parent
-
-
-def _changed(item: Leftover, info: os.stat_result, *, step_fd: int, sub: str, now: float, min_age: float) -> bool:
-    """Whether a leftover, looked at again right before its unlink, must be kept after all."""
-    name = item.path.name
-    if not is_ours(name) or not _abandoned(name, info, now, min_age):
-        return True
-    named = _named_by_meta(step_fd)
-    return named is None or f"{sub}/{name}" in named
-
-
-def collect(project_dir: Path, *, step: int | None = None, force: bool = False) -> tuple[int, int]:
-    """After a commit: remove leftovers of ``step`` now, of the whole project at most once per
-    :data:`SCAN_INTERVAL` per process. Never raises; returns (files removed, bytes)."""
+def find_leftovers(
+    project_dir: Path,
+    *,
+    now: float | None = None,
+    min_age: float = ABANDONED_AFTER,
+    steps: Iterable[str] | None = None,
+    backend: Backend | None = None,
+) -> list[Leftover]:
+    """Abandoned files of our own saves under ``project_dir`` (``steps``: only these step directories)."""
+    backend = LocalFiles() if backend is None else backend
+    now = time.time() if now is None else now
     try:
-        key = str(project_dir)
-        now = time.monotonic()
-        with _LOCK:
-            last = _LAST_SCAN.get(key)
-            whole = force or last is None or now - last >= SCAN_INTERVAL
-            if whole:
-                _LAST_SCAN[key] = now
-        if whole:
-            found = find_leftovers(project_dir)
-        elif step is not None:
-            found = find_leftovers(project_dir, steps=[str(int(step))])
-        else:
-            return 0, 0
-        return remove_leftovers(found)
+        names = backend.names(project_dir) if steps is None else list(steps)
     except Exception:
+        return []
+    found = [_step_leftovers(backend, project_dir / name, now, min_age) for name in names if STEP_NAME.fullmatch(name)]
+    return [leftover for step in found for leftover in step]
+
+
+def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONED_AFTER) -> tuple[int, int]:
+    """Unlink local leftovers (files, then empty part and step directories), each step opened from its project
+    directory without following a link and each file checked again right before; returns (files, bytes)."""
+    now = time.time()
+    steps: dict[tuple[Path, str], set[str]] = {}  # "part/name" of the files, "part/" of the directories
+    for item in leftovers:
+        parts = relative_parts(item.anchor, item.path)  # (step,), (step, name or part) or (step, part, name)
+        chosen = steps.setdefault((item.anchor, parts[0]), set())
+        if item.reason == _DEAD_CLAIM:
+            chosen |= {"/", f"/{USAGE_NAME}"}
+        elif item.reason == _DEAD_PART:
+            chosen.add(f"{parts[1]}/")
+        else:
+            chosen.add(f"{parts[1]}/{parts[2]}" if len(parts) == 3 else f"/{parts[1]}")
+    removed = [_remove_chosen(anchor, anchor / step, chosen, now, min_age) for (anchor, step), chosen in steps.items()]
+    return sum(files for files, _ in removed), sum(size for _, size in removed)
+
+
+def _remove_chosen(anchor: Path, step_dir: Path, chosen: set[str], now: float, min_age: float) -> tuple[int, int]:
+    meta: list[set[str] | None] = []
+
+    def wanted(part: str, name: str, info: os.stat_result) -> bool:
+        key = f"{part}/{name}"
+        if key not in chosen or key == f"/{USAGE_NAME}":
+            return key in chosen  # a dead claim's usage record goes with it
+        if not (is_ours(name) and _abandoned(name, now - info.st_mtime, min_age, True)):
+            return False
+        if not meta:  # read again once the step is open: a save may have committed meanwhile
+            meta.append(_named(LocalFiles(), step_dir))
+        return meta[0] is not None and key not in meta[0]
+
+    try:
+        return remove_step(anchor, step_dir, wanted, lambda part: f"{part}/" in chosen)
+    except (OSError, ValueError):
         return 0, 0
 
 
-def collect_by_name(backend: Backend, step_dir: Path, named: set[str] | None) -> tuple[int, int]:
-    """Remove data files of a step no ``meta.json`` names (``named``: None if unreadable, then nothing), no
-    writer of this process holds, and :data:`BY_NAME_ABANDONED_AFTER` old. Never raises."""
-    removed = freed = 0
-    if named is None:
-        return removed, freed
+def collect(
+    project_dir: Path, *, step: int | None = None, force: bool = False, backend: Backend | None = None
+) -> tuple[int, int]:
+    """After a commit: remove leftovers of ``step`` now; locally of the whole project at most once per
+    :data:`SCAN_INTERVAL` per process. Never raises; returns (files removed, bytes)."""
     try:
-        folders = [step_dir] + [step_dir / n for n in backend.names(step_dir) if PART_NAME.fullmatch(n)]
-        now = time.time()
-        for folder in folders:
-            for name in backend.names(folder):
-                location = folder / name
-                if not DATA_NAME.fullmatch(name) or str(location) in named:
-                    continue
-                if any(write_id in name for write_id in ACTIVE_WRITE_IDS):
-                    continue
-                found = backend.stat(location)
-                if found is None or now - (found.modified or now) < BY_NAME_ABANDONED_AFTER:
-                    continue
-                backend.remove(location)
-                removed += 1
-                freed += found.size
+        backend = LocalFiles() if backend is None else backend
+        local = backend.checks_owners
+        with _LOCK:
+            last = _LAST_SCAN.get(str(project_dir))
+            whole = local and (force or last is None or time.monotonic() - last >= SCAN_INTERVAL)
+            if whole:
+                _LAST_SCAN[str(project_dir)] = time.monotonic()
+        if not whole and step is None:
+            return 0, 0
+        min_age = ABANDONED_AFTER if local else BY_NAME_ABANDONED_AFTER
+        found = find_leftovers(project_dir, min_age=min_age, steps=None if whole else [str(step)], backend=backend)
+        if local:
+            return remove_leftovers(found)
+        files = [item for item in found if item.reason not in (_DEAD_CLAIM, _DEAD_PART)]
+        for item in files:
+            backend.remove(item.path)
+        return len(files), sum(item.size for item in files)
     except Exception:
-        pass
-    return removed, freed
+        return 0, 0

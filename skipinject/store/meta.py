@@ -10,11 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.errors import CorruptCacheError
-from skipinject.store.files import parse_json, read_small
 from skipinject.store.format import (
     MAX_BYTES_PER_TOKEN,
     MAX_FILE_BYTES,
-    MAX_META_DEPTH,
     MAX_ROW_BYTES,
     MAX_ROWS,
     MAX_WIDTH,
@@ -147,18 +145,6 @@ def part_budget(rows: int | None, context: Mapping[str, Any]) -> int:
 def step_meta(meta: Mapping[str, Any], step_dir: Path) -> StepMeta:
     """``meta`` as a :class:`StepMeta` (itself if it is one)."""
     return meta if isinstance(meta, StepMeta) else StepMeta(meta, step_dir / META_NAME)
-
-
-def read_named(step_fd: int, shown: Path, limit: int) -> set[str]:
-    """What the ``meta.json`` in ``step_fd`` names (empty when there is none); CorruptCacheError otherwise."""
-    try:
-        data = read_small(META_NAME, limit, step_fd, shown)
-    except FileNotFoundError:
-        return set()
-    raw = parse_json(data, shown, what="meta.json", max_depth=MAX_META_DEPTH)
-    if not isinstance(raw, dict):
-        raise CorruptCacheError(f"{shown}: not a skipinject cache (no format marker)")
-    return StepMeta(raw, shown).named()
 
 
 def _parts_list(meta: Mapping[str, Any], directory: Path) -> list[Any]:

@@ -19,7 +19,7 @@ from skipinject.payload import Payload
 from skipinject.store.backend import Backend, StepFiles
 from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo, _Hasher
 from skipinject.store.compression import Compression, FrameDecoder
-from skipinject.store.files import parse_json
+from skipinject.store.files import parse_json, remove_step
 from skipinject.store.format import (
     CLAIM_PREFIX,
     DATA_NAME,
@@ -36,7 +36,7 @@ from skipinject.store.format import (
     meta_digest,
     step_name,
 )
-from skipinject.store.garbage import collect, collect_by_name
+from skipinject.store.garbage import collect
 from skipinject.store.hit_memory import FRESH, Claim, HitMemory
 from skipinject.store.meta import DataFile, Part, StepMeta, part_budget, short, step_meta
 from skipinject.store.tensorfile import read_tensors
@@ -497,7 +497,7 @@ class StepStore:
         verl's files); ``only``: just these ``part/name`` files. Locally by descriptors from ``anchor``. Returns
         (files, bytes)."""
 
-        def wanted(part: str, name: str) -> bool:
+        def wanted(part: str, name: str, info: object = None) -> bool:
             if only is not None:
                 return f"{part}/{name}" in only
             return is_ours(name) or (not part and (name == META_NAME or is_usage_name(name)))
@@ -505,8 +505,6 @@ class StepStore:
         root = anchor if anchor is not None else self.dump_dir if self.dump_dir is not None else self.project_dir
         step_dir = self.step_dir(step)
         if self.backend.checks_owners:  # a directory tree: removed relative to directory descriptors
-            from skipinject.store.files import remove_step
-
             return remove_step(root, step_dir, wanted)
         try:
             listed = self.files(step)
@@ -517,17 +515,9 @@ class StepStore:
             self.backend.remove(step_dir / found.part / found.name if found.part else step_dir / found.name)
         return len(chosen), sum(found.size for found in chosen)
 
-    def collect_garbage(self, step: int, meta: Mapping[str, Any] | None = None) -> tuple[int, int]:
+    def collect_garbage(self, step: int) -> tuple[int, int]:
         """Remove abandoned leftovers of this step's saves (:mod:`skipinject.store.garbage`). Never raises."""
-        if isinstance(self.project_dir, Path):
-            return collect(self.project_dir, step=step)
-        try:
-            named: set[str] | None = {
-                str(path) for path, _ in self.named_files(step, meta if meta is not None else self.read_meta(step))
-            }
-        except Exception:
-            named = None
-        return collect_by_name(self.backend, self.step_dir(step), named)
+        return collect(self.project_dir, step=step, backend=self.backend)
 
 
 def next_number(numbers: Sequence[int]) -> int:

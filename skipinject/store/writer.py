@@ -116,7 +116,7 @@ class StepWriter:
         self._created.clear()
         ACTIVE_WRITE_IDS.discard(self.write_id)
         # the step is committed; leftovers of earlier or concurrent saves are collected (never raises)
-        self.store.collect_garbage(self.step, json.loads(text))
+        self.store.collect_garbage(self.step)
         return self.directory
 
     def meta_record(self, meta: Mapping[str, Any]) -> bytes:

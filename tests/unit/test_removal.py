@@ -24,7 +24,7 @@ def test_a_step_that_is_a_link_removes_nothing(tmp_path: Path) -> None:
     (tmp_path / "dump" / "proj").mkdir(parents=True)
     (tmp_path / "dump" / "proj" / "3").symlink_to(victim)
     with pytest.raises(LinkedPath):
-        remove_step(tmp_path / "dump", tmp_path / "dump" / "proj" / "3", lambda part, name: True)
+        remove_step(tmp_path / "dump", tmp_path / "dump" / "proj" / "3", lambda part, name, info: True)
     assert len(list(victim.rglob("*"))) == 4
 
 
@@ -45,7 +45,7 @@ def test_a_real_step_is_removed_meta_first_with_its_empty_parts(tmp_path: Path) 
     step.parent.mkdir(parents=True)
     _victim(tmp_path).rename(step)
     (step / "notes.txt").write_text("not ours")
-    files, _ = remove_step(tmp_path / "dump", step, lambda part, name: name != "notes.txt")
+    files, _ = remove_step(tmp_path / "dump", step, lambda part, name, info: name != "notes.txt")
     assert files == 3 and sorted(p.name for p in step.rglob("*")) == ["notes.txt"]
 
 
