@@ -36,7 +36,14 @@ def context_for(layout_dir: Path, experiment: str | None, project: str | None) -
         raise CommandError(f"{layout_dir}: not a GBS.._N.._in.._out.. layout directory")
     name = layout_dir.parent.name
     if experiment is None or project is None:
-        found = _known_names(layout_dir.parent) or run_names(name)
+        known = (i.meta.get("context") for i in scan(layout_dir.parent) if i.kind == "skipinject" and i.meta)
+        names = [
+            (str(c["experiment_name"]), str(c["project_name"]))
+            for c in known
+            if isinstance(c, dict)
+            if {"experiment_name", "project_name"} <= set(c)
+        ]
+        found = names[0] if names else run_names(name)  # names from a skipinject step already cached here
         if found is None:
             raise CommandError(
                 f"{layout_dir.parent}: cannot tell the experiment name from the project name in {name!r}; "
@@ -46,24 +53,6 @@ def context_for(layout_dir: Path, experiment: str | None, project: str | None) -
     if path_safe(f"{experiment}_{project}") != name:
         raise CommandError(f"--experiment {experiment!r} --project {project!r} do not name the directory {name!r}")
     return {"experiment_name": experiment, "project_name": project, **values}
-
-
-def _known_names(project_dir: Path) -> tuple[str, str] | None:
-    """Experiment and project names from any skipinject step already cached for this project."""
-    for item in scan(project_dir):
-        context = (item.meta or {}).get("context") if item.kind == "skipinject" else None
-        if isinstance(context, dict) and {"experiment_name", "project_name"} <= set(context):
-            return str(context["experiment_name"]), str(context["project_name"])
-    return None
-
-
-def _target(item: Item) -> tuple[Path, int]:
-    """(layout directory, step) the engine reads this upstream step from."""
-    key = item.upstream.format.step_key if item.upstream is not None else None
-    step = item.step or 0
-    with contextlib.suppress(Exception):
-        step = step if key is None else int(read_json(item.path / META_NAME).get(key, step))
-    return item.path.parent, step
 
 
 def _owner(roles: InstalledRoles, upstream: Upstream, value: Any) -> str:
@@ -101,7 +90,9 @@ def import_item(
     upstream = item.upstream
     if upstream is None:
         raise CommandError(f"{item.path}: no installed plugin declares this cache")
-    layout_dir, step = _target(item)
+    layout_dir, step, key = item.path.parent, item.step or 0, upstream.format.step_key
+    with contextlib.suppress(Exception):  # the step the engine reads it as
+        step = step if key is None else int(read_json(item.path / META_NAME).get(key, step))
     context = context_for(layout_dir, experiment, project)
     record: dict[str, Any] = {"source": str(item.path), "kind": item.kind, "step": step}
     value = upstream.format.load(item.files[0])  # trusted: --trust
@@ -110,35 +101,26 @@ def import_item(
     if codec is None:
         raise CommandError(f"no installed plugin provides role {role_name!r} (give --role an installed role)")
     store = StepStore(layout_dir, role_name, context, plugin=roles.plugin_of(role_name), step_aliases=(STEP_KEY,))
-    if _already(store, step):
-        return {**record, "role": role_name, "status": "already", "path": str(store.step_dir(step))}
-    if upstream.per_part:  # the loader, handed part 0, reads every part of the step
-        values = list(value)
-        if len(values) != len(item.files):
-            raise CorruptCacheError(f"{item.path}: {len(values)} parts loaded, {len(item.files)} found")
-        writer = store.begin(step)
-        try:
-            for index, part in enumerate(values):
-                writer.add_part(codec.encode(part), part=str(index))
-            directory = writer.commit({"imported_from": str(item.path)})
-        except BaseException:
-            writer.abort()
-            raise
-    else:
-        inputs_file = upstream.format.inputs_file
-        inputs = None
-        if inputs_file is not None and item.path / inputs_file in item.files:
-            inputs = _fingerprint(roles, upstream, item.path / inputs_file, role_name)
-        directory = store.save(step, codec.encode(value), {"inputs": inputs, "imported_from": str(item.files[0])})
+    with contextlib.suppress(CorruptCacheError, FileNotFoundError):
+        if load_meta_json(store.step_dir(step) / META_NAME) is not None and store.verified(step):
+            return {**record, "role": role_name, "status": "already", "path": str(store.step_dir(step))}
+    parts = list(value) if upstream.per_part else [value]  # the loader, handed part 0, reads every part
+    if len(parts) != len(item.files) and upstream.per_part:
+        raise CorruptCacheError(f"{item.path}: {len(parts)} parts loaded, {len(item.files)} found")
+    meta: dict[str, Any] = {"imported_from": str(item.path if upstream.per_part else item.files[0])}
+    if not upstream.per_part:
+        inputs = item.path / upstream.format.inputs_file if upstream.format.inputs_file else None
+        meta["inputs"] = _fingerprint(roles, upstream, inputs, role_name) if inputs in item.files and inputs else None
+    writer = store.begin(step)
+    try:
+        for index, part in enumerate(parts):
+            writer.add_part(codec.encode(part), part=str(index) if upstream.per_part else "")
+        directory = writer.commit(meta)
+    except BaseException:
+        writer.abort()
+        raise
     store.verified(step)  # what the engine will check before serving it
     return {**record, "role": role_name, "status": "imported", "path": str(directory)}
-
-
-def _already(store: StepStore, step: int) -> bool:
-    try:
-        return load_meta_json(store.step_dir(step) / META_NAME) is not None and bool(store.verified(step))
-    except (CorruptCacheError, FileNotFoundError):
-        return False
 
 
 def cmd_import(
@@ -153,9 +135,7 @@ def cmd_import(
     items: list[Item] = []
     roles = InstalledRoles()
     for path in paths:
-        if (LocalFiles().stat(path) or ("",))[
-            0
-        ] == "link":  # as show and verify: the path given is read, never a link's target
+        if getattr(LocalFiles().stat(path), "kind", None) == "link":  # the path given is read, never a link's target
             raise CommandError(f"{path}: a symbolic link; give the directory it points to if you trust it")
         mutable_root(path, "import")
         items += [i for i in scan(path, roles=roles) if i.state == "foreign"]
