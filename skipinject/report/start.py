@@ -1,15 +1,13 @@
 """The start of a run, in the driver: the settings that cannot work, then one line per role saying what
-it will do and how much of it is cached already (and, when ``run_ppo`` returns, the run's summary).
-
-The settings are checked at once; the role lines wait for the config the program hands verl's
-``run_ppo`` (``main_ppo``, the fully async main and recipes call it before Ray starts; a ``main_ppo``
-run as ``__main__`` is seen at its ``ray.init``), so that the layout is the trainer's::
+it will do and how much of it is cached already. The role lines wait for the config the program hands
+verl's ``run_ppo`` (or, at ``ray.init``, one a caller holds), so that the layout is the trainer's::
 
     rollout: cache steps 1-64 in /data/skip/e_p/GBS512_N16_in2048_out28672: 40 cached, 24 to generate
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -115,11 +113,16 @@ def role_line(name: str, settings: RoleConfig, where: str, counts: str) -> str:
     return f"{name}: {settings.action} {'step' if one else 'steps'} {_steps_text(steps)} in {where}: {counts}"
 
 
-def counts_phrase(settings: RoleConfig, chosen: int | None, cached: int, on_disk: int) -> str:
-    """What the run will do with the chosen steps: ``chosen`` of them are in this run (``None``: too many
-    to count), ``cached`` of those have a committed step, ``on_disk`` steps are committed in all."""
-    action = settings.action
-    todo = None if chosen is None else max(chosen - cached, 0)
+def counts_phrase(settings: RoleConfig, store: StepStore, last: Any) -> str:
+    """What the run will do with the chosen steps, cut at the run's ``last`` step when the config says it,
+    and how many are cached: one listing and one ``stat`` per listed step (object stores: a listing)."""
+    steps, action = settings.steps, settings.action
+    if type(last) is int and last > 0:
+        steps = StepSet((lo, min(hi, last)) for lo, hi in steps.spans if lo <= last)
+    listed = store.step_numbers_on_disk()
+    committed = set(store.meta_versions(listed)) if listed else set()
+    cached, on_disk = sum(step in steps for step in committed), len(committed)
+    todo = max(len(steps) - cached, 0) if len(steps) <= MAX_COUNTED else None  # None: too many to count
     left = "the others" if todo is None else str(todo)
     if action is Action.match:
         phrase = f"{on_disk} step(s) cached in this layout; rows found there are served by prompt, the others generated"
@@ -152,9 +155,7 @@ def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> 
         try:
             store = open_store(name, role, settings, run_config)
             problem = store.unusable()
-            counts = (
-                f"unusable ({problem})" if problem else counts_phrase(settings, *_cached_steps(store, settings, last))
-            )
+            counts = f"unusable ({problem})" if problem else counts_phrase(settings, store, last)
             level = logging.WARNING if problem else logging.INFO
             lines.append((level, role_line(name, settings, str(store.project_dir), counts)))
         except Exception as exc:
@@ -172,18 +173,6 @@ def _ask(question: Callable[..., str | None] | None, *args: Any) -> str | None:
         return question(*args) if question is not None else None
     except Exception:
         return None
-
-
-def _cached_steps(store: StepStore, settings: RoleConfig, last: Any) -> tuple[int | None, int, int]:
-    """``(chosen, cached, on_disk)`` for :func:`counts_phrase`, the chosen steps cut at the run's ``last``
-    step when the config says it. One listing and one ``stat`` per listed step (object stores: a listing)."""
-    steps = settings.steps
-    if type(last) is int and last > 0:
-        steps = StepSet((lo, min(hi, last)) for lo, hi in steps.spans if lo <= last)
-    listed = store.step_numbers_on_disk()
-    committed = set(store.meta_versions(listed)) if listed else set()
-    chosen = len(steps)
-    return (chosen if chosen <= MAX_COUNTED else None), sum(step in steps for step in committed), len(committed)
 
 
 def open_store(name: str, role: Role, settings: RoleConfig, run_config: Any) -> StepStore:
@@ -232,13 +221,10 @@ class RunStart:
         run_config = _caller_run_config(sys._getframe(1))
         if run_config is not None:
             self.say(lambda: layout_lines(self.config, self.roles, run_config))
-        else:
-            self.say(self.pending_lines)
-
-    def pending_lines(self) -> Lines:
+            return
         where, counts = "<experiment>_<project>/GBS…_N…_in…_out…", "the layout is the trainer's"
         roles = [(name, self.config.role(name)) for name in self.config.enabled_roles]
-        return [(logging.INFO, role_line(n, s, f"{s.root}/{where}", counts)) for n, s in roles if s.steps]
+        self.say(lambda: [(logging.INFO, role_line(n, s, f"{s.root}/{where}", counts)) for n, s in roles if s.steps])
 
 
 def _caller_run_config(frame: FrameType | None) -> Any:
@@ -253,18 +239,11 @@ def _caller_run_config(frame: FrameType | None) -> Any:
         if is_run_config(local.get("config")):
             return local["config"]
         for value in local.values():
-            if _is_config_mapping(value):
-                return value
+            with contextlib.suppress(Exception):  # a user's local (a dict, a DictConfig): never breaks ray.init
+                if isinstance(value, Mapping) and isinstance(value.get("trainer"), Mapping):
+                    return value
         frame = frame.f_back
     return None
-
-
-def _is_config_mapping(value: Any) -> bool:
-    """A mapping (a dict or OmegaConf ``DictConfig``) whose ``trainer`` is one: a user's local, never called."""
-    try:
-        return isinstance(value, Mapping) and isinstance(value.get("trainer"), Mapping)
-    except Exception:  # any local of a user's frame: its lookup never breaks ray.init
-        return False
 
 
 _watch: RunStart | None = None

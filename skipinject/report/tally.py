@@ -1,13 +1,10 @@
 """What the cache did: counts per role in each process, and the run's summary of them in the driver.
 
-The engine adds to :data:`TALLY` at each decision; each process writes its counts, whole, to
-``{SKIPINJECT_RUN_REPORT}/{pid}.json`` after each change (a directory private to the user that the
-driver made and hands on); a Ray worker on another node, where that directory is not, puts them in
-the cluster's key-value store under the directory's name. The driver adds them up (:func:`collect`,
-:func:`cluster_counts`, before Ray stops) into one block when verl's ``run_ppo`` returns (or at exit)::
+Each process writes its counts (:data:`TALLY`), whole, to ``{SKIPINJECT_RUN_REPORT}/{pid}.json`` after each
+change (a directory private to the user that the driver made); a Ray worker on another node puts them in the
+cluster's key-value store. The driver adds them up into one block when verl's ``run_ppo`` returns (or at exit)::
 
     skipinject INFO: summary: rollout: 2 steps served, 1 generated, 0 failed; 1.4 MiB read; 41.2 s of generation saved
-    skipinject INFO: summary: 41.2 s of generation saved in all
 
 and as JSON to the file ``SKIPINJECT_SUMMARY`` names (for CI and sweeps).
 """
@@ -108,12 +105,6 @@ def report_dir() -> Path | None:
     return Path(text)
 
 
-def run_name() -> str | None:
-    """The name of the run's report directory (its key in the cluster's store), if the variable gives one."""
-    name = os.path.basename(os.environ.get(ENV_RUN_REPORT, ""))
-    return name if name.startswith(RUN_PREFIX) and name.isprintable() and len(name) < 100 else None
-
-
 def _ray() -> Any:
     """Ray, if this process is connected to a cluster (never imported here)."""
     ray = sys.modules.get("ray")
@@ -126,8 +117,8 @@ def publish(record: str) -> None:
     directory = report_dir()
     try:
         if directory is None:
-            ray, run = _ray(), run_name()
-            if ray is not None and run is not None:
+            ray, run = _ray(), os.path.basename(os.environ.get(ENV_RUN_REPORT, ""))
+            if ray is not None and run.startswith(RUN_PREFIX) and run.isprintable() and len(run) < 100:
                 from ray.experimental.internal_kv import _internal_kv_put
 
                 key = f"{run}/{ray.get_runtime_context().get_worker_id()}"
@@ -210,11 +201,11 @@ class MetricsInterceptor:
         args, kwargs = list(call.args), dict(call.kwargs)
         if totals and isinstance(kwargs.get("data"), Mapping):
             kwargs["data"] = {**kwargs["data"], **totals}
-            return proceed(*args, **kwargs)
-        if totals and args and isinstance(args[0], Mapping):
+        elif totals and args and isinstance(args[0], Mapping):
             args[0] = {**args[0], **totals}
-            return proceed(*args, **kwargs)
-        return proceed()
+        else:
+            return proceed()
+        return proceed(*args, **kwargs)
 
     async def run_async(self, call: Any, proceed: Any) -> Any:  # pragma: no cover - Tracking.log is sync
         return self.sync(call, proceed)
