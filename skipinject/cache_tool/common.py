@@ -102,10 +102,6 @@ def escaped_logs() -> Iterator[None]:
 # ---------------------------------------------------------------- output
 
 
-def schema(command: str) -> str:
-    return f"skipinject.cache.{command}/{SCHEMA_VERSION}"
-
-
 def human_size(size: int | None) -> str:
     """``1536`` -> ``"1.5 KiB"``."""
     if size is None:
@@ -149,10 +145,10 @@ def show_table(headers: str | Sequence[str], rows: Sequence[Sequence[Any]], righ
         print("  ".join(parts).rstrip())
 
 
-def emit_json(document: Mapping[str, Any], out: TextIO | None = None) -> None:
-    out = out or sys.stdout
-    json.dump(document, out, indent=1, sort_keys=False, default=str)
-    out.write("\n")
+def emit_json(command: str, document: Mapping[str, Any]) -> None:
+    """``command``'s ``--json`` document, its schema first (``skipinject.cache.<command>/<SCHEMA_VERSION>``)."""
+    json.dump({"schema": f"skipinject.cache.{command}/{SCHEMA_VERSION}", **document}, sys.stdout, indent=1, default=str)
+    print()
 
 
 class Progress:

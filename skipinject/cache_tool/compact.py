@@ -12,15 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import (
-    CommandError,
-    default_dump_dir,
-    emit_json,
-    human_size,
-    mutable_root,
-    say,
-    schema,
-)
+from skipinject.cache_tool.common import CommandError, default_dump_dir, emit_json, human_size, mutable_root, say
 from skipinject.cache_tool.scan import open_step, scan
 from skipinject.errors import CacheError
 from skipinject.store import Payload, StepStore
@@ -92,7 +84,7 @@ def cmd_compact(dump_dir: Path | None, *, compression: str, dry_run: bool, as_js
             result["state"], result["problem"] = "failed", " ".join(str(exc).split())
         results.append(result)
     if as_json:
-        emit_json({"schema": schema("compact"), "steps": results})
+        emit_json("compact", {"steps": results})
     else:
         render(results)
     return 1 if any(r["state"] == "failed" or r.get("unusable") for r in results) else 0

@@ -16,7 +16,6 @@ from skipinject.cache_tool.common import (
     existing_dir,
     human_number,
     say,
-    schema,
     show_table,
 )
 from skipinject.cache_tool.plugins import InstalledRoles
@@ -38,9 +37,7 @@ def cmd_diff(a: Path, b: Path, *, as_json: bool, rows: int = 3, tokenizer: str |
     differ = bool(only) or any(r["differs"] for r in reports)
     if as_json:
         listed = [{"side": side, "step": key} for side, key in only]
-        emit_json(
-            {"schema": schema("diff"), "a": str(a), "b": str(b), "differs": differ, "steps": reports, "only": listed}
-        )
+        emit_json("diff", {"a": str(a), "b": str(b), "differs": differ, "steps": reports, "only": listed})
     else:
         render(reports, only, differ)
     return FOUND if differ else OK

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import FOUND, OK, USAGE, CommandError, Progress, emit_json, mutable_root, say, schema
+from skipinject.cache_tool.common import FOUND, OK, USAGE, CommandError, Progress, emit_json, mutable_root, say
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.cache_tool.scan import Item, load_meta_json, read_json, scan
 from skipinject.errors import CorruptCacheError
@@ -141,7 +141,7 @@ def cmd_import(
         items += [i for i in scan(path, roles=roles) if i.state == "foreign"]
     if not trust:
         if as_json:
-            emit_json({"schema": schema("import"), "trusted": False, "found": [i.record() for i in items]})
+            emit_json("import", {"trusted": False, "found": [i.record() for i in items]})
         else:
             for item in items:
                 say(f"found {item.kind} {item.path}")
@@ -158,7 +158,7 @@ def cmd_import(
             bar.update(item.size, f"step {item.step}")
     failed = [r for r in results if r["status"] == "failed"]
     if as_json:
-        emit_json({"schema": schema("import"), "trusted": True, "steps": results})
+        emit_json("import", {"trusted": True, "steps": results})
     else:
         for r in results:
             if r["status"] == "failed":

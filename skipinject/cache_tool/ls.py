@@ -7,16 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import (
-    OK,
-    default_dump_dir,
-    emit_json,
-    human_size,
-    say,
-    schema,
-    show_table,
-    writer_text,
-)
+from skipinject.cache_tool.common import OK, default_dump_dir, emit_json, human_size, say, show_table, writer_text
 from skipinject.cache_tool.scan import Item, scan, step_ranges
 from skipinject.store.local import LocalFiles
 
@@ -38,24 +29,17 @@ def cmd_ls(
     state: Sequence[str] = (),
 ) -> int:
     root = dump_dir or default_dump_dir()
-    if dump_dir is None and isinstance(root, Path) and LocalFiles().stat(root, follow=True) is None:
-        if as_json:
-            emit_json({"schema": schema("ls"), "dump_dir": str(root), "steps": [], "groups": [], "problems": []})
-        else:
-            say(f"nothing cached in {root} (it does not exist)")
-        return OK
+    missing = dump_dir is None and LocalFiles().stat(default_dump_dir(), follow=True) is None
     problems: list[str] = []
-    found = scan(root, problems)
+    found = [] if missing else scan(root, problems)
     items = [i for i in found if (not role or i.role in role) and (not state or i.state in state)]
     items.sort(key=_ORDER[sort])  # stable: the scan's order within equal keys
     groups = group(items)
     if as_json:
         records = [item.record() for item in items]
-        emit_json(
-            {"schema": schema("ls"), "dump_dir": str(root), "steps": records, "groups": groups, "problems": problems}
-        )
+        emit_json("ls", {"dump_dir": str(root), "steps": records, "groups": groups, "problems": problems})
     else:
-        render(root, items, groups, problems, per_step=steps)
+        render(f"{root} (it does not exist)" if missing else root, items, groups, problems, per_step=steps)
     return OK
 
 

@@ -21,7 +21,6 @@ from skipinject.cache_tool.common import (
     human_size,
     mutable_root,
     say,
-    schema,
 )
 from skipinject.cache_tool.scan import Item, scan
 from skipinject.cache_tool.verify import damage
@@ -85,7 +84,7 @@ def cmd_prune(
     chosen = select(items, partial=partial, damaged=damaged, now=now, **criteria)
     outcome = act(root, items, chosen, partial=partial, dry_run=dry_run, now=now)
     if as_json:
-        emit_json({"schema": schema("prune"), "dump_dir": str(root), "dry_run": dry_run, **outcome})
+        emit_json("prune", {"dump_dir": str(root), "dry_run": dry_run, **outcome})
     else:
         render(outcome, dry_run=dry_run)
     return OK
@@ -101,7 +100,7 @@ def cmd_rm(steps: Sequence[Path | str], *, dry_run: bool, as_json: bool, now: fl
         for key in ("removed", "skipped", "files", "bytes"):
             outcome[key] += done[key]
     if as_json:
-        emit_json({"schema": schema("rm"), "dry_run": dry_run, **outcome})
+        emit_json("rm", {"dry_run": dry_run, **outcome})
     else:
         render(outcome, dry_run=dry_run)
     return FOUND if outcome["skipped"] else OK

@@ -20,7 +20,6 @@ from skipinject.cache_tool.common import (
     human_number,
     human_size,
     say,
-    schema,
     show_table,
     writer_text,
 )
@@ -70,7 +69,7 @@ def cmd_show(
         None if found is None else {"rows": len(found), **fields.means(found), "tokenizer": source, "first": listed}
     )
     if as_json:
-        emit_json({"schema": schema("show"), **summary, "fields": infos, "text": texts, "samples": samples})
+        emit_json("show", {**summary, "fields": infos, "text": texts, "samples": samples})
     else:
         render(summary, infos, texts, samples)
     return OK
@@ -146,18 +145,9 @@ def cmd_show_match(path: Path, dataset: Path, *, column: str, as_json: bool) -> 
     unique = set(digests)
     unique_hits = len(unique & cached)
     if as_json:
+        counts = {"rows": len(digests), "cached_rows": hits, "prompts": len(unique), "cached_prompts": unique_hits}
         emit_json(
-            {
-                "schema": schema("show-match"),
-                "dataset": str(dataset),
-                "path": str(path),
-                "column": column,
-                "rows": len(digests),
-                "cached_rows": hits,
-                "prompts": len(unique),
-                "cached_prompts": unique_hits,
-                "steps_read": steps,
-            }
+            "show-match", {"dataset": str(dataset), "path": str(path), "column": column, **counts, "steps_read": steps}
         )
     else:
         share = f" ({100 * hits / len(digests):.1f}%)" if digests else ""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import FOUND, OK, Progress, default_dump_dir, emit_json, human_size, say, schema
+from skipinject.cache_tool.common import FOUND, OK, Progress, default_dump_dir, emit_json, human_size, say
 from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.scan import Item, open_step, scan
 from skipinject.errors import CorruptCacheError
@@ -44,31 +44,31 @@ def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
             bar.update(item.size if item.state == "complete" else 0, f"{item.role} {item.step}")
     damaged = [r for r in results if r.status == "damaged"]
     if as_json:
-        steps = [r.record() for r in results]
-        ok = not damaged and not unreadable
-        emit_json(
-            {
-                "schema": schema("verify"),
-                "ok": ok,
-                "checked": len(results),
-                "bytes": total,
-                "steps": steps,
-                "problems": unreadable,
-            }
-        )
+        counts = {"ok": not damaged and not unreadable, "checked": len(results), "bytes": total}
+        emit_json("verify", {**counts, "steps": [r.record() for r in results], "problems": unreadable})
     else:
         render(results, unreadable, total)
     return FOUND if damaged or unreadable else OK
 
 
 def verify_item(item: Item, roles: InstalledRoles | None = None) -> Checked:
-    """Sizes, checksums, tensor index and JSON tree of skipinject's steps; presence, size and file
-    magic only of verl's pickles (loading them would run code). A step of a role no installed plugin
-    provides is verified all the same, with a note naming the plugin that would show it."""
+    """Sizes, checksums, tensor index and JSON tree of skipinject's steps (a step of a role no installed
+    plugin provides with a note naming the plugin that would show it); presence, size and file magic only
+    of verl's pickles (loading them would run code)."""
     if item.state in ("damaged", "partial", "untrusted"):
         return Checked(item, item.state, list(item.problems))
-    if item.state == "foreign" and isinstance(item.path, Path):
-        return _verify_foreign(item)
+    if item.state == "foreign":
+        problems = []
+        for path in item.files:
+            try:
+                if not read_head(path, 8).startswith(_PICKLE_MAGIC):
+                    problems.append(f"{path}: not a pickle or torch.save file (damaged?)")
+            except OSError as exc:
+                problems.append(f"{path}: cannot read it ({exc})")
+        for name in item.upstream.format.required if item.upstream is not None else ():
+            if getattr(LocalFiles().stat(item.path / name), "kind", None) != "file":
+                problems.append(f"{item.path}: verl's {name} is missing; verl itself will not load this step")
+        return Checked(item, "damaged" if problems else "foreign", problems)
     problems = damage(item)
     checked = Checked(item, "damaged" if problems else "ok", problems)
     if roles is not None and checked.status == "ok" and item.meta is not None:
@@ -91,20 +91,6 @@ def damage(item: Item) -> list[str]:
     except Exception as exc:
         return [f"{item.path}: {type(exc).__name__}: {exc}"]
     return []
-
-
-def _verify_foreign(item: Item) -> Checked:
-    problems = []
-    for path in item.files:
-        try:
-            if not read_head(path, 8).startswith(_PICKLE_MAGIC):
-                problems.append(f"{path}: not a pickle or torch.save file (damaged?)")
-        except OSError as exc:
-            problems.append(f"{path}: cannot read it ({exc})")
-    for name in item.upstream.format.required if item.upstream is not None else ():
-        if (LocalFiles().stat(item.path / name) or ("",))[0] != "file":
-            problems.append(f"{item.path}: verl's {name} is missing; verl itself will not load this step")
-    return Checked(item, "damaged" if problems else "foreign", problems)
 
 
 def render(results: Sequence[Checked], unreadable: Sequence[str], total: int) -> None:
