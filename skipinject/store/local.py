@@ -107,17 +107,8 @@ class LocalFiles:
             info = os.stat(location) if follow else os.lstat(location)
         except OSError:
             return None
-        mode = info.st_mode
-        kind = (
-            "file"
-            if stat.S_ISREG(mode)
-            else "directory"
-            if stat.S_ISDIR(mode)
-            else "link"
-            if stat.S_ISLNK(mode)
-            else "other"
-        )
-        return Stat(kind, info.st_size, info.st_mtime)
+        kinds = {stat.S_IFREG: "file", stat.S_IFDIR: "directory", stat.S_IFLNK: "link"}
+        return Stat(kinds.get(stat.S_IFMT(info.st_mode), "other"), info.st_size, info.st_mtime)
 
     def read_bytes(self, location: Path, limit: int) -> bytes:
         return read_small(location, limit)

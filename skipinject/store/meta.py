@@ -46,11 +46,6 @@ class DataFile:
         decoded = self.spec.get("decoded_size")
         return (decoded if type(decoded) is int else 0) if self.encoded else self.size
 
-    @property
-    def gained(self) -> int:
-        """Bytes it gains when decoded (0 unless compressed)."""
-        return self.decoded - self.size if self.encoded else 0
-
 
 @dataclass(frozen=True)
 class Part:
@@ -97,7 +92,7 @@ class StepMeta(dict[str, Any]):
     @property
     def expansion(self) -> int:
         """Bytes its compressed files gain when decoded (0: none compressed)."""
-        return sum(file.gained for _, file in self.files())
+        return sum(file.decoded - file.size for _, file in self.files())
 
     @property
     def compressed(self) -> bool:

@@ -65,15 +65,10 @@ def fs_type(path: str | os.PathLike[str], mountinfo: str | None = None) -> str |
     return None if best is None else best[1]
 
 
-def is_shared_fs_type(kind: str) -> bool:
-    kind = kind.lower()
-    if kind in SHARED_FS_TYPES:
-        return True
-    return kind.startswith(("fuse.", "fuseblk.")) and kind not in LOCAL_FUSE_TYPES
-
-
 def is_network_path(path: str | os.PathLike[str], mountinfo: str | None = None) -> bool | None:
     """Whether ``path`` lies on a file system whose bytes cross a network (several nodes mount it);
     None when that cannot be told (no mount table)."""
-    kind = fs_type(path, mountinfo)
-    return None if kind is None else is_shared_fs_type(kind)
+    kind = (fs_type(path, mountinfo) or "").lower()
+    if not kind:
+        return None
+    return kind in SHARED_FS_TYPES or (kind.startswith(("fuse.", "fuseblk.")) and kind not in LOCAL_FUSE_TYPES)

@@ -100,10 +100,7 @@ class FsspecFiles:
         return Stat(kind, size if type(size) is int else 0, _modified(info, None))
 
     def read_bytes(self, location: Path, limit: int) -> bytes:
-        data = bytes(self.fs.cat_file(_at(location).path, start=0, end=limit + 1))
-        if len(data) > limit:
-            raise CorruptCacheError(f"{location}: larger than {limit} bytes")
-        return data
+        return _read_small(self.fs, _at(location), limit)
 
     def versions(self, root: Path, locations: list[Path]) -> dict[Path, int]:
         """An object's ETag (or modification time) and size, digested; many from one recursive listing."""
@@ -155,21 +152,7 @@ class _RemoteStep:
         self.directory = directory
 
     def read_meta(self) -> bytes:
-        location = self.directory / META_NAME
-        try:
-            # One ranged GET, no size query first (meta.json may be replaced between the two).
-            data = self.fs.cat_file(location.path, start=0, end=MAX_META_BYTES + 1)
-            if len(data) > MAX_META_BYTES:
-                raise CorruptCacheError(
-                    f"{location}: larger than {MAX_META_BYTES} bytes, far larger than any meta.json"
-                )
-        except (FileNotFoundError, CacheError):
-            raise
-        except Exception as exc:
-            raise CorruptCacheError(
-                f"{location}: unreadable meta.json ({type(exc).__name__}: {_one_line(exc)})"
-            ) from exc
-        return bytes(data)
+        return _read_small(self.fs, self.directory / META_NAME, MAX_META_BYTES)
 
     def _size(self, location: RemotePath) -> int:
         """The object's size; FileNotFoundError when absent, CorruptCacheError when it is no file."""
@@ -243,6 +226,21 @@ class _RemoteStep:
             raise CorruptCacheError(f"{location}: cannot read it ({type(exc).__name__}: {_one_line(exc)})") from exc
 
     def close(self) -> None: ...
+
+
+def _read_small(fs: AbstractFileSystem, location: RemotePath, limit: int) -> bytes:
+    """A whole small object in one ranged GET, no size query first (it may be replaced between the two)."""
+    what = "meta.json" if location.name == META_NAME else "file"
+    try:
+        data = bytes(fs.cat_file(location.path, start=0, end=limit + 1))
+    except (FileNotFoundError, CacheError):
+        raise
+    except Exception as exc:
+        raise CorruptCacheError(f"{location}: unreadable {what} ({type(exc).__name__}: {_one_line(exc)})") from exc
+    if len(data) > limit:
+        far = ", far larger than any meta.json" if what == "meta.json" else ""
+        raise CorruptCacheError(f"{location}: larger than {limit} bytes{far}")
+    return data
 
 
 def _modified(info: Mapping[str, Any], default: float | None) -> float | None:

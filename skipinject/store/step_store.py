@@ -122,14 +122,6 @@ class StepStore:
     def step_dir(self, step: int) -> Path:
         return self.project_dir / step_name(step)
 
-    def at(self, step: int, *names: str) -> Path:
-        """A location in step ``step``: ``at(3, "0", "meta.json")``."""
-        location = self.step_dir(step)
-        for name in names:
-            if name:
-                location = location / name
-        return location
-
     def begin(self, step: int) -> StepWriter:
         return StepWriter(self, step)
 
@@ -434,29 +426,22 @@ class StepStore:
             payloads.append(Payload(tensors=tensors, objects=objects, rows=part.rows))
         return payloads
 
-    def named_files(self, step: int, meta: Mapping[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
-        """Every data file a ``meta.json`` names, with its record (``kind``, ``size``, ``checksum``)."""
-        directory = self.step_dir(step)
-        return [
-            (part.at(directory, file.name), {**file.spec, "kind": file.kind})
-            for part, file in step_meta(meta, directory).files()
-        ]
-
     def precheck(self, step: int, meta: Mapping[str, Any]) -> list[tuple[Path, int]]:
         """Every named file is a regular file of its recorded size, checked by name (the cache tool's listing)."""
         out = []
-        for path, spec in self.named_files(step, meta):
-            holder = self.backend.stat(path.parent) if path.parent != self.step_dir(step) else None
-            if holder is not None and holder[0] == "link":
+        for part, file in step_meta(meta, self.step_dir(step)).files():
+            path = part.at(self.step_dir(step), file.name)
+            holder = self.backend.stat(path.parent) if part.dir else None
+            if holder is not None and holder.kind == "link":
                 raise CorruptCacheError(f"{path.parent}: part directory is a symbolic link")
-            kind = self.backend.stat(path)
-            if kind is None:
+            found = self.backend.stat(path)
+            if found is None:
                 raise CorruptCacheError(f"{path}: missing (named by meta.json)")
-            if kind[0] != "file":
+            if found.kind != "file":
                 raise CorruptCacheError(f"{path}: not a regular file (link, FIFO or device)")
-            if kind[1] != spec.get("size"):
-                raise CorruptCacheError(f"{path}: {kind[1]} bytes, meta.json says {spec.get('size')} (truncated?)")
-            out.append((path, kind[1]))
+            if found.size != (size := file.spec.get("size")):
+                raise CorruptCacheError(f"{path}: {found.size} bytes, meta.json says {size} (truncated?)")
+            out.append((path, found.size))
         return out
 
     def note_hit(self, step: int, now: float | None = None) -> None:
@@ -472,13 +457,13 @@ class StepStore:
             self.check_writable([step_dir])
             before = self.usage(step, now)
             record = Usage(min(MAX_HITS, (before.hits if before is not None else 0) + 1), now).encoded()
-            self.backend.write(self.at(step, USAGE_NAME), lambda handle: handle.write(record))
+            self.backend.write(self.step_dir(step) / USAGE_NAME, lambda handle: handle.write(record))
         except Exception as exc:
             logger.debug("%s step %d: usage not recorded (%s: %s)", self.role, step, type(exc).__name__, exc)
 
     def usage(self, step: int, now: float | None = None) -> Usage | None:
         """When ``step`` was last served and how often, or None (none, or a record not to trust). Never raises."""
-        location = self.at(step, USAGE_NAME)
+        location = self.step_dir(step) / USAGE_NAME
         try:
             data = self.backend.read_bytes(location, MAX_USAGE_BYTES)
             return parse_usage(data, location, time.time() if now is None else now)

@@ -52,7 +52,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, Any, str]:
 
 
 def step_files(store: StepStore, step: int) -> dict[str, bytes]:
-    return {f"{f.part}/{f.name}": store.backend.read_bytes(store.at(step, f.part, f.name), 1 << 20)
+    return {f"{f.part}/{f.name}": store.backend.read_bytes(store.step_dir(step) / f.part / f.name, 1 << 20)
             for f in store.files(step) if f.kind == "file"}  # fmt: skip
 
 
@@ -92,7 +92,7 @@ def test_a_garbled_or_hostile_record_costs_only_the_statistics_with_one_line(
     store = store_at(dump)
     for step, data in enumerate(HOSTILE.values()):
         store.save(step, payload(step))
-        store.backend.write(store.at(step, "usage.json"), lambda handle, data=data: handle.write(data))
+        store.backend.write(store.step_dir(step) / "usage.json", lambda handle, data=data: handle.write(data))
     with caplog.at_level(logging.WARNING, logger="skipinject"):
         for step in range(len(HOSTILE)):
             assert store.usage(step) is None, list(HOSTILE)[step]

@@ -397,7 +397,7 @@ def test_a_remote_hit_decodes_frames_while_the_download_streams(monkeypatch: pyt
     decodes = [i for i, (kind, number) in enumerate(events) if kind == "decode" and number == 0]
     assert max(size for kind, size in events if kind == "read") <= 1 << 20
     assert len(reads) > 8 and decodes[0] < reads[-4]  # frame 0 decoded long before the last pieces came
-    frames = sum(len(spec["frames"]) for _, spec in store.named_files(1, store.read_meta(1)))
+    frames = sum(len(file.spec["frames"]) for _, file in store.read_meta(1).files())
     assert sum(1 for kind, _ in events if kind == "decode") == frames >= 4
 
 
@@ -873,7 +873,7 @@ def test_cache_show_prints_stored_and_decoded_sizes(tmp_path: Path, capsys: pyte
 
 
 def stored_of(store: StepStore, step: int) -> int:
-    return sum(int(spec["size"]) for _, spec in store.named_files(step, store.read_meta(step)))
+    return store.read_meta(step).stored_size
 
 
 def test_a_hit_writes_no_zeros_into_the_fresh_memory_of_masks_and_position_ids() -> None:

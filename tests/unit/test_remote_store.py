@@ -49,7 +49,7 @@ def loaded_value(store: RemoteStepStore, step: int) -> int:
 
 
 def objects(store: RemoteStepStore, step: int) -> dict[str, int]:
-    return {entry["name"].rsplit("/", 1)[1]: entry["size"] for entry in store.backend.fs.ls(store.at(step).path)}
+    return {entry["name"].rsplit("/", 1)[1]: entry["size"] for entry in store.backend.fs.ls(store.step_dir(step).path)}
 
 
 # ---------------------------------------------------------------- locations and config
@@ -128,7 +128,7 @@ def test_an_upload_that_fails_leaves_nothing_visible_and_the_step_absent(store: 
     monkeypatch.setattr(writer, "tensor_file", broken)
     with pytest.raises(ConnectionError):
         store.save(2, payload(2))
-    assert not store.backend.fs.exists(store.at(2).path) or objects(store, 2) == {}
+    assert not store.backend.fs.exists(store.step_dir(2).path) or objects(store, 2) == {}
     with pytest.raises(FileNotFoundError):
         store.verified(2)
 
@@ -158,14 +158,14 @@ def test_two_writers_of_one_step_leave_one_whole_step(store: RemoteStepStore, mo
     assert first.write_id in names and second.write_id not in names
     # the loser's files are kept while they could belong to a writer still uploading, then collected
     assert any(second.write_id in name for name in objects(store, 4)) or any(
-        second.write_id in entry for entry in store.backend.fs.find(store.at(4).path)
+        second.write_id in entry for entry in store.backend.fs.find(store.step_dir(4).path)
     )
     import skipinject.store.garbage as garbage
 
     monkeypatch.setattr(garbage, "BY_NAME_ABANDONED_AFTER", -1.0)
     removed, freed = store.collect_garbage(4)
     assert removed == 4 and freed > 0
-    assert not any(second.write_id in entry for entry in store.backend.fs.find(store.at(4).path))
+    assert not any(second.write_id in entry for entry in store.backend.fs.find(store.step_dir(4).path))
     assert {p.objects["value"] for p in store.load(store.verified(4))} == {1}
 
 
@@ -173,7 +173,7 @@ def test_two_writers_of_one_step_leave_one_whole_step(store: RemoteStepStore, mo
 
 
 def _rewrite(store: RemoteStepStore, step: int, kind: str, change: Any) -> None:
-    for entry in store.backend.fs.find(store.at(step).path):
+    for entry in store.backend.fs.find(store.step_dir(step).path):
         if entry.rsplit("/", 1)[1].startswith(kind):
             store.backend.fs.pipe_file(entry, change(store.backend.fs.cat_file(entry)))
 
@@ -198,7 +198,7 @@ def test_damaged_objects_are_reported_never_loaded(store: RemoteStepStore, kind:
 
 def test_a_huge_meta_json_is_refused_after_a_bounded_read(store: RemoteStepStore, monkeypatch):
     store.save(1, payload(1))
-    store.backend.fs.pipe_file(store.at(1, "meta.json").path, b" " * (64 << 20) + b"{}")
+    store.backend.fs.pipe_file((store.step_dir(1) / "meta.json").path, b" " * (64 << 20) + b"{}")
     fetched: list[int] = []
     fs = store.backend.fs
     real_cat = fs.cat_file
@@ -210,7 +210,7 @@ def test_a_huge_meta_json_is_refused_after_a_bounded_read(store: RemoteStepStore
 
 def test_a_data_object_larger_than_recorded_is_refused_before_a_byte_is_read(store: RemoteStepStore, monkeypatch):
     store.save(1, payload(1))
-    (tensor_file,) = [p for p in store.backend.fs.find(store.at(1).path) if "/tensors-" in p]
+    (tensor_file,) = [p for p in store.backend.fs.find(store.step_dir(1).path) if "/tensors-" in p]
     store.backend.fs.pipe_file(tensor_file, b"x" * (64 << 20))
     opened: list[str] = []
     fs = store.backend.fs
@@ -229,14 +229,14 @@ def test_unsafe_file_names_in_meta_json_are_refused(store: RemoteStepStore, name
     from skipinject.store.format import meta_digest
 
     meta["meta_checksum"] = meta_digest(meta)
-    store.backend.fs.pipe_file(store.at(1, "meta.json").path, json.dumps(meta).encode())
+    store.backend.fs.pipe_file((store.step_dir(1) / "meta.json").path, json.dumps(meta).encode())
     with pytest.raises(CorruptCacheError, match="unsafe file"):
         store.verified(1)
 
 
 def test_a_missing_data_file_is_reported(store: RemoteStepStore):
     store.save(1, payload(1))
-    for entry in store.backend.fs.find(store.at(1).path):
+    for entry in store.backend.fs.find(store.step_dir(1).path):
         if "/objects-" in entry:
             store.backend.fs.rm_file(entry)
     with pytest.raises(CorruptCacheError, match="missing"):
