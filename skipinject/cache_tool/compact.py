@@ -19,11 +19,12 @@ from skipinject.store import Payload, StepStore
 from skipinject.store.compression import Compression, parse_compression
 
 
-def compact_step(step_dir: Path, compression: Compression) -> tuple[int, int] | None:
-    """Store one committed step compressed; (stored bytes before, after), or None if it already was."""
+def compact_step(step_dir: Path, compression: Compression, dry_run: bool) -> dict[str, Any]:
+    """Store one committed step compressed: its result's state and stored bytes (before, and after)."""
     store, meta = open_step(step_dir)
-    if meta.compressed:
-        return None
+    if meta.compressed or dry_run:
+        state = "already compressed" if meta.compressed else "would compact"
+        return {"state": state, "before": meta.stored_size} if dry_run else {"state": state}
     step = int(step_dir.name)
     entry = store.verified(step)
     try:
@@ -43,7 +44,7 @@ def compact_step(step_dir: Path, compression: Compression) -> tuple[int, int] | 
             raise
     finally:
         entry.release()
-    return meta.stored_size, packed.read_meta(step).stored_size
+    return {"state": "compacted", "before": meta.stored_size, "after": packed.read_meta(step).stored_size}
 
 
 def cmd_compact(dump_dir: Path | None, *, compression: str, dry_run: bool, as_json: bool) -> int:
@@ -71,15 +72,7 @@ def cmd_compact(dump_dir: Path | None, *, compression: str, dry_run: bool, as_js
             results.append(result)
             continue
         try:
-            if dry_run:
-                _, meta = open_step(item.path)
-                result["state"] = "already compressed" if meta.compressed else "would compact"
-                result["before"] = meta.stored_size
-            else:
-                done = compact_step(item.path, chosen)
-                result["state"] = "already compressed" if done is None else "compacted"
-                if done is not None:
-                    result["before"], result["after"] = done
+            result.update(compact_step(item.path, chosen, dry_run))
         except (CacheError, OSError, ValueError, TypeError) as exc:
             result["state"], result["problem"] = "failed", " ".join(str(exc).split())
         results.append(result)

@@ -33,6 +33,12 @@ RUN_ENTRY = "verl.trainer.main_ppo:run_ppo"
 RAY_SHUTDOWN = "ray:shutdown"
 #: Chosen steps a start line counts one by one at most (more are counted by their ranges).
 MAX_COUNTED = 100_000
+#: A role's settings that cannot act ({0}: the role, {1}: its steps), said before anything starts.
+NO_STEPS = (
+    "skip.{0}.enable=true but skip.{0}.steps is empty: the role acts at no step "
+    "(give skip.{0}.steps=[1,2] or a range like 1-64)"
+)
+NOT_ENABLED = "skip.{0}.steps={1} is given but skip.{0}.enable is false: the role is off (add skip.{0}.enable=true)"
 #: How many frames above ``ray.init`` are searched for the run's config.
 MAX_FRAMES = 12
 
@@ -44,19 +50,11 @@ def setting_problems(config: Config, *, disabled: bool) -> Lines:
         more = f" and {len(named) - 1} more role(s)" if len(named) > 1 else ""
         line = f"skipinject is off ({ENV_DISABLE} is set): skip.{named[0]}{more} will not act in this run"
         return [(logging.WARNING, line)]
-    lines = []
-    for name, settings in config.roles.items():
-        if settings.enable and not settings.steps:
-            lines.append(
-                f"skip.{name}.enable=true but skip.{name}.steps is empty: the role acts at no step "
-                f"(give skip.{name}.steps=[1,2] or a range like 1-64)"
-            )
-        elif settings.steps and not settings.enable:
-            lines.append(
-                f"skip.{name}.steps={_steps_text(settings.steps)} is given but skip.{name}.enable is false: "
-                f"the role is off (add skip.{name}.enable=true)"
-            )
-    return [(logging.WARNING, line) for line in lines]
+    return [
+        (logging.WARNING, (NO_STEPS if settings.enable else NOT_ENABLED).format(name, _steps_text(settings.steps)))
+        for name, settings in config.roles.items()
+        if bool(settings.enable) != bool(settings.steps)
+    ]
 
 
 def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
@@ -72,10 +70,8 @@ def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
             existing = existing.parent
         if not existing.is_dir():
             return f"skip.{name}.dump_dir={root.text}: {existing} is not a directory: nothing can be cached there"
-        try:
+        with contextlib.suppress(FileNotFoundError):
             root.backend(trust_permissions=settings.trust_dir_permissions).check_trust([root.path], name)
-        except FileNotFoundError:
-            pass
         if existing != root.path and not saves:
             return None  # nothing to read yet, and nothing will be written
         if not os.access(existing, (os.W_OK if saves else os.R_OK) | os.X_OK):
