@@ -125,16 +125,24 @@ def render(reports: list[dict[str, Any]], only: list[tuple[str, str]], differ: b
         say(f"B {report['b']}")
         for line in _step_lines(report):
             say(f"  {line}")
-        _render_fields(report)
+        rows = []
+        for f in (f for f in report["fields"] if f["status"] != "same"):
+            counted = "-" if f["rows_differing"] is None else f"{f['rows_differing']}/{f['rows']}"
+            amounts = [
+                human_number(v) if isinstance(v, (int, float)) else v for v in (f["max_abs_diff"], f["mean_abs_diff"])
+            ]
+            rows.append([f["name"], f["status"], counted, *amounts, f["note"]])
+        heads = ("FIELD", "STATUS", "ROWS DIFFERING", "MAX |A-B|", "MEAN |A-B|", "NOTE")
+        if rows:
+            show_table(heads, rows, right=heads[2:5])
+        elif not report["problems"]:
+            say(f"  all {len(report['fields'])} field(s) identical")
+        say()
     for side, key in only:
         say(f"only in {side.upper()}: {key}")
     if not reports and not only:
         say("no cached steps to compare")
     say("differences found" if differ else "no differences")
-
-
-def _amount(value: object) -> object:
-    return human_number(value) if isinstance(value, (int, float)) else value
 
 
 def _step_lines(report: dict[str, Any]) -> Iterator[str]:
@@ -161,18 +169,3 @@ def _step_lines(report: dict[str, Any]) -> Iterator[str]:
                 yield f"  {side}: (no such row)"
             else:
                 yield f"  {side}: {row['response']} (score {human_number(row['score'])}, {row['length']} tokens)"
-
-
-def _render_fields(report: dict[str, Any]) -> None:
-    rows = []
-    for f in (f for f in report["fields"] if f["status"] != "same"):
-        counted = "-" if f["rows_differing"] is None else f"{f['rows_differing']}/{f['rows']}"
-        rows.append(
-            [f["name"], f["status"], counted, _amount(f["max_abs_diff"]), _amount(f["mean_abs_diff"]), f["note"]]
-        )
-    heads = ("FIELD", "STATUS", "ROWS DIFFERING", "MAX |A-B|", "MEAN |A-B|", "NOTE")
-    if rows:
-        show_table(heads, rows, right=heads[2:5])
-    elif not report["problems"]:
-        say(f"  all {len(report['fields'])} field(s) identical")
-    say()

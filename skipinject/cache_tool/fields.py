@@ -4,6 +4,7 @@ recorded model's local tokenizer, else shown as token ids."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -60,10 +61,8 @@ def decode(payloads: Sequence[Payload], meta: Mapping[str, Any], roles: Installe
         if type(calls) is int and calls > 1:
             return Decoded({f"call{i + 1}": v for i, v in enumerate(values)}, name)
         if isinstance(codec, MergingCodec):
-            try:
+            with contextlib.suppress(Exception):  # parts it cannot merge are shown one by one
                 return Decoded(codec.merge(values), name)
-            except Exception:
-                pass
         return Decoded({f"part{i}": v for i, v in enumerate(values)}, name)
     except Exception as exc:  # a codec that needs the run's call, or a payload it refuses
         why = " ".join(str(exc).split())[:200]

@@ -110,11 +110,8 @@ def _named_step(path: Path | str) -> Item:
     """The skipinject step at ``path`` (a local step directory or a step's URL); CommandError otherwise."""
     if isinstance(path, Path):
         mutable_root(path.parent, "rm")
-    found = [
-        item
-        for item in scan(path if isinstance(path, Path) else path.rpartition("/")[0], [])
-        if str(item.path) == str(path)
-    ]
+    where = path if isinstance(path, Path) else path.rpartition("/")[0]  # a remote step: listed from its parent
+    found = [item for item in scan(where, []) if str(item.path) == str(path)]
     ours = [item for item in found if item.kind == "skipinject"]
     if ours:
         return ours[0]
