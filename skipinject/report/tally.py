@@ -211,16 +211,6 @@ class MetricsInterceptor:
         return self.sync(call, proceed)
 
 
-def _size(count: float) -> str:
-    if count < 1024:
-        return f"{count:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        count /= 1024
-        if count < 1024 or unit == "GiB":
-            break
-    return f"{count:.1f} {unit}"
-
-
 def _filled(roles: Mapping[str, Mapping[str, float]], order: Sequence[str]) -> dict[str, dict[str, float]]:
     """Every field of each role, those of ``order`` first (counted or not), then the others by name."""
     names = [*order, *sorted(name for name in roles if name not in order)]
@@ -229,6 +219,8 @@ def _filled(roles: Mapping[str, Mapping[str, float]], order: Sequence[str]) -> d
 
 def render(roles: Mapping[str, Mapping[str, float]], order: Sequence[str] = ()) -> list[str]:
     """The summary's lines: one per role, then the total."""
+    from skipinject.cache_tool.common import human_size
+
     lines = []
     for name, count in _filled(roles, order).items():
         parts = [
@@ -239,7 +231,10 @@ def render(roles: Mapping[str, Mapping[str, float]], order: Sequence[str] = ()) 
             parts.append(f"rows {count['served_rows']:.0f} served, {count['generated_rows']:.0f} generated")
         if count["rescored_rows"]:
             parts.append(f"{count['rescored_rows']:.0f} rows re-scored")
-        parts += [f"{_size(count['bytes_read'])} read", f"{count['generation_s_saved']:.1f} s of generation saved"]
+        parts += [
+            f"{human_size(int(count['bytes_read']))} read",
+            f"{count['generation_s_saved']:.1f} s of generation saved",
+        ]
         lines.append(f"summary: {name}: " + "; ".join(parts))
     return [*lines, f"summary: {total(roles, 'generation_s_saved'):.1f} s of generation saved in all"]
 
