@@ -154,70 +154,46 @@ class _RemoteStep:
     def read_meta(self) -> bytes:
         return _read_small(self.fs, self.directory / META_NAME, MAX_META_BYTES)
 
-    def _size(self, location: RemotePath) -> int:
-        """The object's size; FileNotFoundError when absent, CorruptCacheError when it is no file."""
-        with contextlib.suppress(Exception):
-            self.fs.invalidate_cache(location.parent.path)
-        info = self.fs.info(location.path)
-        size = info.get("size")
-        if info.get("type") != "file" or type(size) is not int or size < 0:
-            raise CorruptCacheError(f"{location}: not a regular object")
-        return size
-
     def read(
         self, sub: str, name: str, size: object, algo: str, *, into: object = None
     ) -> tuple[bytes | bytearray, str]:
         """Downloaded whole into memory of this process, :data:`READ_CHUNK` at a time."""
         hasher = _Hasher(algo)
-        with self._pieces(sub, name, size, READ_CHUNK) as (pieces, size):
-            data = bytearray(size)
+        with self.stream(sub, name, size, READ_CHUNK) as pieces:
+            data = bytearray(cast(int, size))
             got = 0
             for piece in pieces:
                 data[got : got + len(piece)] = piece
                 hasher.update(piece)
                 got += len(piece)
             if got != size:
-                raise CorruptCacheError(f"{self._location(sub, name)}: {got} bytes read, meta.json records {size}")
+                raise CorruptCacheError(f"{self.directory / sub / name}: {got} bytes read, meta.json records {size}")
         return (data if into is not None else bytes(data)), hasher.hexdigest()  # tensors are views of it
 
     @contextlib.contextmanager
-    def stream(self, sub: str, name: str, size: object) -> Iterator[Iterator[bytes]]:
-        """Requested :data:`STREAM_CHUNK` at a time, never held whole (frames decode meanwhile)."""
-        with self._pieces(sub, name, size, STREAM_CHUNK) as (pieces, _):
-            yield pieces
-
-    @contextlib.contextmanager
-    def _pieces(self, sub: str, name: str, size: object, chunk: int) -> Iterator[tuple[Iterator[bytes], int]]:
-        location = self._location(sub, name)
-        with (
-            self._reading(location, size) as size,
-            self.fs.open(location.path, "rb", block_size=chunk, cache_type="none") as handle,
-        ):
-
-            def pieces() -> Iterator[bytes]:
-                got = 0
-                while got < size:
-                    piece = handle.read(min(chunk, size - got))
-                    if not piece:
-                        return
-                    got += len(piece)
-                    yield piece
-
-            yield pieces(), size
-
-    def _location(self, sub: str, name: str) -> RemotePath:
-        return self.directory / sub / name if sub else self.directory / name
-
-    @contextlib.contextmanager
-    def _reading(self, location: RemotePath, size: object) -> Iterator[int]:
-        """Its size checked against the record first; failures made CorruptCacheErrors."""
+    def stream(self, sub: str, name: str, size: object, chunk: int | None = None) -> Iterator[Iterator[bytes]]:
+        """Requested ``chunk`` (:data:`STREAM_CHUNK`) bytes at a time, never held whole (frames decode meanwhile),
+        once the object is found of the recorded size; every failure a CorruptCacheError."""
+        location, chunk = self.directory / sub / name, chunk or STREAM_CHUNK
         if type(size) is not int or size < 0:
             raise CorruptCacheError(f"{location}: meta.json records no size")
         try:
-            found = self._size(location)
-            if found != size:
-                raise CorruptCacheError(f"{location}: {found} bytes, meta.json records {size}")
-            yield size
+            with contextlib.suppress(Exception):
+                self.fs.invalidate_cache(location.parent.path)
+            info = self.fs.info(location.path)
+            if info.get("type") != "file" or type(info.get("size")) is not int or info["size"] < 0:
+                raise CorruptCacheError(f"{location}: not a regular object")
+            if info["size"] != size:
+                raise CorruptCacheError(f"{location}: {info['size']} bytes, meta.json records {size}")
+            with self.fs.open(location.path, "rb", block_size=chunk, cache_type="none") as handle:
+
+                def pieces() -> Iterator[bytes]:
+                    got = 0
+                    while got < size and (piece := handle.read(min(chunk, size - got))):
+                        got += len(piece)
+                        yield piece
+
+                yield pieces()
         except FileNotFoundError as exc:
             raise CorruptCacheError(f"{location}: missing (named by meta.json)") from exc
         except CacheError:
