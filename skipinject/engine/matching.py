@@ -1,16 +1,16 @@
 """``action=match``: each row of a call served by its inputs from any cached step, only the others generated.
 
-A row's key (:func:`row_keys`) digests the role's per-row inputs (``Role.row_key``), the run settings
-it names (``Role.match_settings``) and its occurrence among equal rows (GRPO's ``n`` copies map to
-``n`` cached samples). Keys are looked up in the project's :class:`~skipinject.engine.row_index.RowIndex`
-(this layout's, then the nearest other batch sizes'); a source is served only when it verifies and
-records the key where the index said. The target runs once for the other rows, the codec merges the
-pieces; a committed step is never rewritten: new rows are saved as a rows record (``{project}/rows/{n}``).
+A row's key (:func:`row_keys`) digests the role's ``row_key`` of the row, the run settings it names
+(``match_settings``) and its occurrence among equal rows (GRPO's ``n`` copies map to ``n`` samples).
+Keys are looked up in the project's :class:`~skipinject.engine.row_index.RowIndex` (this layout's, then
+the nearest other batch sizes'); a source serves only when it verifies and records the key where the
+index said. The target runs once for the other rows and the codec merges the pieces; a committed step
+is never rewritten: new rows are saved as a rows record (``{project}/rows/{n}``).
 """
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import hashlib
 import json
 import logging
@@ -18,14 +18,13 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from skipinject.engine.context import RoleContext
 from skipinject.engine.record import Recorder, rows_per_key
 from skipinject.engine.row_index import STEPS, RowIndex, RowSource, match_records
-from skipinject.engine.stores import RoleStores
+from skipinject.engine.stores import RoleContext
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
 from skipinject.report.misses import settings_differ
 from skipinject.report.tally import TALLY, hit_amounts
@@ -37,7 +36,6 @@ from skipinject.verl.layout import layout_label
 if TYPE_CHECKING:
     from skipinject.engine.calls import StepCalls
     from skipinject.store import StepStore
-
 
 logger = logging.getLogger("skipinject")
 _T = TypeVar("_T")
@@ -86,23 +84,32 @@ class Found:
 
 
 @dataclass
+class _Lookup:
+    """The cached rows of some keys that verify: per served key index, its piece and row in the piece."""
+
+    served: dict[int, tuple[int, int]] = field(default_factory=dict)
+    pieces: list[Any] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)  # per piece, the name of its source
+    source_meta: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # per source, its meta.json
+    ratio: int | None = None  # output rows per input row
+    seconds: float = 0.0
+
+    def counts(self) -> dict[str, int]:
+        """Rows served per source."""
+        return dict(collections.Counter(self.names[piece] for piece, _ in self.served.values()))
+
+
+@dataclass
 class _Pending:
     """One call being matched: what was served, what the target must generate."""
 
     record: StepCalls
     index: int
     call: Call
-    codec: RowCodec
     background: bool
     inputs: list[str] | None = None
     keys: list[str] | None = None
-    served: dict[int, tuple[int, int]] = field(default_factory=dict)  # input row -> (piece, row in piece)
-    pieces: list[Any] = field(default_factory=list)
-    sources: dict[str, int] = field(default_factory=dict)
-    piece_sources: list[str] = field(default_factory=list)  # per piece, the name of its source
-    source_meta: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # per source, its meta.json
-    ratio: int | None = None
-    seconds: float = 0.0
+    found: _Lookup = field(default_factory=_Lookup)
     whole: bool = False
     misses: list[int] = field(default_factory=list)
     args: tuple[Any, ...] = ()
@@ -117,24 +124,12 @@ class _Pending:
         assert self.record.plan is not None
         return self.record.plan.step
 
-    def timed(self, generate: Callable[[], Any]) -> Any:
-        began = time.perf_counter()
-        try:
-            return generate()
-        finally:
-            self.add_generation(time.perf_counter() - began)
-
-    def add_generation(self, seconds: float) -> None:
-        self.generation_s += seconds
-        self.record.generation_seconds += seconds
-
 
 class RowMatcher:
     """``action=match`` for one role in this process: the row indexes and rows stores of its projects."""
 
-    def __init__(self, runtime: RoleContext, stores: RoleStores, recorder: Recorder) -> None:
+    def __init__(self, runtime: RoleContext, recorder: Recorder) -> None:
         self.runtime = runtime
-        self.stores = stores
         self.recorder = recorder
         self._memo: dict[tuple[str, Any], Any] = {}
         self._lock = threading.Lock()  # awaiting callers look rows up from several threads
@@ -152,15 +147,11 @@ class RowMatcher:
 
     def rows_store(self, store: StepStore) -> StepStore:
         """Where the rows generated at already committed steps of ``store`` are kept."""
-        return self._project("rows", store, lambda: self.stores.open(store.project_dir / ROWS_DIR, store.context))
+        return self._project("rows", store, lambda: self.runtime.open(store.project_dir / ROWS_DIR, store.context))
 
     def index(self, store: StepStore) -> RowIndex:
         rows = self.rows_store(store)
         return self._project("index", store, lambda: RowIndex(store, rows, saves=self.runtime.settings.save))
-
-    def batch_size_stores(self, store: StepStore) -> list[StepStore]:
-        """The stores of the project's other batch-size layouts (found once per run and layout)."""
-        return self._project("layouts", store, lambda: self.stores.batch_size_stores(store, MAX_LAYOUTS))
 
     def keys(self, call: Call) -> list[str] | None:
         """The call's row keys, or ``None`` when the role cannot key it (one warning, the call runs whole)."""
@@ -172,10 +163,7 @@ class RowMatcher:
             self.runtime.once(
                 ("row_key", type(exc)),
                 logging.WARNING,
-                "%s: cannot key the rows of a call (%s: %s); it runs whole",
-                role.name,
-                type(exc).__name__,
-                exc,
+                f"{role.name}: cannot key the rows of a call ({type(exc).__name__}: {exc}); it runs whole",
             )
             return None
 
@@ -183,83 +171,66 @@ class RowMatcher:
         """The cached rows of ``keys`` that verify, for a phase serving part of a step itself
         (:meth:`skipinject.roles.PhaseContext.match_rows`): looked up as a call's rows are, kept only
         in whole groups of ``group`` consecutive keys (a prompt's ``n`` samples), counted for the summary."""
-        assert isinstance(self.runtime.codec, RowCodec)
-        pending = _Pending(cast(Any, None), 0, call, self.runtime.codec, False, keys=keys)
-        started = time.perf_counter()
-        if self.stores.unusable(store) is None:
-            self._serve_cached(store, call, pending)
-        whole = {
-            row
-            for row in pending.served
-            if all(r in pending.served for r in range(row - row % group, row - row % group + group))
+        found = self.lookup(store, call, keys) if self.runtime.unusable(store) is None else _Lookup()
+        served = found.served
+        rows = {
+            row: (found.pieces[piece], at)
+            for row, (piece, at) in served.items()
+            if all(r in served for r in range(row - row % group, row - row % group + group))
         }
-        rows = {row: (pending.pieces[piece], at) for row, (piece, at) in pending.served.items() if row in whole}
-        sources = {row: pending.piece_sources[piece] for row, (piece, _) in pending.served.items() if row in whole}
+        sources = {row: found.names[served[row][0]] for row in rows}
         TALLY.add(self.runtime.name, served_rows=len(rows), generated_rows=len(keys) - len(rows))
-        return Found(rows, sources, dict(pending.source_meta), time.perf_counter() - started)
+        return Found(rows, sources, dict(found.source_meta), found.seconds)
 
-    def run(self, record: StepCalls, index: int, call: Call, proceed: Callable[..., Any]) -> Any:
-        """One call at a chosen step: the cached rows served, the target called once for the others."""
-        pending = self.begin(record, index, call)
+    def calls(self, record: StepCalls, index: int, call: Call, background: bool) -> Generator[Any, Any, Any]:
+        """One call at a chosen step (run by :func:`skipinject.engine.phases.drive`): the cached rows
+        served, the target called once for the others."""
+        pending: _Pending = yield lambda: self.begin(record, index, call, background)
         if not pending.whole:
-            fresh = pending.timed(lambda: proceed(*pending.args, **pending.kwargs)) if pending.misses else None
-            if self.merge(pending, fresh):
-                return self.finish(pending)
-        return self.finish_whole(pending, pending.timed(proceed))
+            fresh = (yield from self._generate(pending, pending.args, pending.kwargs)) if pending.misses else None
+            if (yield lambda: self.merge(pending, fresh)):
+                return (yield lambda: self.finish(pending))
+        result = yield from self._generate(pending, (), {})
+        return (yield lambda: self.finish_whole(pending, result))
 
-    async def run_async(self, record: StepCalls, index: int, call: Call, proceed: Callable[..., Any]) -> Any:
-        """:meth:`run` for awaiting callers (the store is read and written off the event loop)."""
-        pending = await asyncio.to_thread(self.begin, record, index, call, background=False)
-        if not pending.whole:
-            began = time.perf_counter()
-            fresh = await proceed(*pending.args, **pending.kwargs) if pending.misses else None
-            pending.add_generation(time.perf_counter() - began if pending.misses else 0.0)
-            if await asyncio.to_thread(self.merge, pending, fresh):
-                return await asyncio.to_thread(self.finish, pending)
+    @staticmethod
+    def _generate(pending: _Pending, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Generator[Any, Any, Any]:
         began = time.perf_counter()
-        result = await proceed()
-        pending.add_generation(time.perf_counter() - began)
-        return await asyncio.to_thread(self.finish_whole, pending, result)
+        try:
+            return (yield args, kwargs)
+        finally:
+            seconds = time.perf_counter() - began
+            pending.generation_s += seconds
+            pending.record.generation_seconds += seconds
 
-    def begin(self, record: StepCalls, index: int, call: Call, *, background: bool = True) -> _Pending:
+    def begin(self, record: StepCalls, index: int, call: Call, background: bool) -> _Pending:
         """Key the call's rows and load the cached ones; say which rows the target must generate."""
         runtime, plan = self.runtime, record.plan
         assert plan is not None and isinstance(runtime.codec, RowCodec)
-        pending = _Pending(record, index, call, runtime.codec, background)
+        pending = _Pending(record, index, call, background)
         pending.inputs = runtime.fingerprint(call)  # before the target runs: it may change its inputs
-        pending.keys = self.keys(call) if self.stores.unusable(plan.store) is None else None
-        started = time.perf_counter()
+        pending.keys = self.keys(call) if runtime.unusable(plan.store) is None else None
         if pending.keys is not None:
             try:
-                pending.ratio = self._serve_cached(plan.store, call, pending)
+                pending.found = self.lookup(plan.store, call, pending.keys)
             except Exception as exc:  # the index failed as a whole: nothing served
                 logger.warning(
-                    "%s step %d: cannot look rows up (%s: %s); generating them",
-                    runtime.name,
-                    plan.step,
-                    type(exc).__name__,
-                    exc,
+                    f"{runtime.name} step {plan.step}: cannot look rows up ({type(exc).__name__}: {exc}); "
+                    "generating them"
                 )
-                pending.served.clear()
-                pending.pieces.clear()
-                pending.sources.clear()
-        pending.seconds = time.perf_counter() - started
-        if not pending.served:
+        if not pending.found.served:
             if pending.keys is not None:
                 differ = settings_differ(plan.store, runtime.role.match_settings, call.run_config)
                 logger.info(
-                    "%s step %d: match: no row of this call cached (%d rows%s); running the target",
-                    runtime.name,
-                    plan.step,
-                    len(pending.keys),
-                    f"; {differ}" if differ else "",
+                    f"{runtime.name} step {plan.step}: match: no row of this call cached ({len(pending.keys)} rows"
+                    f"{f'; {differ}' if differ else ''}); running the target"
                 )
             pending.whole = True
             return pending
-        pending.misses = [row for row in range(len(pending.keys or ())) if row not in pending.served]
+        pending.misses = [row for row in range(len(pending.keys or ())) if row not in pending.found.served]
         if pending.misses:
             try:
-                pending.args, pending.kwargs, pending.padding = pending.codec.with_rows(call, pending.misses)
+                pending.args, pending.kwargs, pending.padding = runtime.codec.with_rows(call, pending.misses)
             except Exception as exc:  # a call the codec cannot cut: it runs whole
                 self._cannot(pending, "take the uncached rows of", exc)
                 pending.whole = True
@@ -267,18 +238,14 @@ class RowMatcher:
 
     def _cannot(self, pending: _Pending, what: str, exc: Exception) -> None:
         logger.warning(
-            "%s step %d: match: cannot %s the call (%s: %s); running the whole call instead",
-            self.runtime.name,
-            pending.step,
-            what,
-            type(exc).__name__,
-            exc,
+            f"{self.runtime.name} step {pending.step}: match: cannot {what} the call ({type(exc).__name__}: {exc}); "
+            "running the whole call instead"
         )
 
     def finish_whole(self, pending: _Pending, result: Any) -> Any:
         """Nothing was cached: the call ran whole and is saved as with ``cache``."""
         count = len(pending.keys or ())
-        ratio = rows_per_key(pending.codec, result, pending.keys) if count else None
+        ratio = rows_per_key(self.runtime.codec, result, pending.keys) if count else None
         self._save(pending, result, result if ratio else None, range(count), ratio)
         TALLY.add(self.runtime.name, generated_rows=count)
         return self.runtime.after_miss(pending.call, result)
@@ -286,8 +253,9 @@ class RowMatcher:
     def merge(self, pending: _Pending, fresh: Any) -> bool:
         """Merge the generated rows (``fresh``, with its padding) and the cached ones in the call's
         order; False (one warning) when they do not fit together: the whole call runs then."""
-        codec, keys, misses, ratio = pending.codec, pending.keys, pending.misses, pending.ratio
-        assert keys is not None
+        codec, keys, misses, found = self.runtime.codec, pending.keys, pending.misses, pending.found
+        assert keys is not None and isinstance(codec, RowCodec)
+        ratio = found.ratio
         try:
             generated = None
             if fresh is not None:
@@ -302,7 +270,7 @@ class RowMatcher:
             assert ratio is not None
             # where each output row is in the concatenation: the generated rows first, then the pieces
             starts = [len(misses) * ratio]
-            for piece in pending.pieces:
+            for piece in found.pieces:
                 starts.append(starts[-1] + codec.result_rows(piece))
             fresh_at = {row: position for position, row in enumerate(misses)}
             order: list[int] = []
@@ -310,85 +278,76 @@ class RowMatcher:
                 if row in fresh_at:
                     base = fresh_at[row] * ratio
                 else:
-                    piece_index, position = pending.served[row]
+                    piece_index, position = found.served[row]
                     base = starts[piece_index] + position * ratio
                 order.extend(range(base, base + ratio))
-            pieces = ([generated] if generated is not None else []) + pending.pieces
+            pieces = ([generated] if generated is not None else []) + found.pieces
             pending.merged = codec.merge_rows(pieces, order, pending.call)
         except Exception as exc:
             self._cannot(pending, "merge the cached and generated rows of", exc)
             return False
-        pending.generated, pending.ratio = generated, ratio
+        pending.generated, found.ratio = generated, ratio
         return True
 
     def finish(self, pending: _Pending) -> Any:
         """Save what is new of a merged call, log it and hand it to the role's ``on_match``."""
-        runtime, keys, misses, merged = self.runtime, pending.keys, pending.misses, pending.merged
+        runtime, keys, misses, merged, found = self.runtime, pending.keys, pending.misses, pending.merged, pending.found
         assert keys is not None
-        ratio = pending.ratio or 1
+        ratio = found.ratio or 1
         served: dict[str, list[int]] = {}
-        for row, (piece, _) in sorted(pending.served.items()):
-            served.setdefault(pending.piece_sources[piece], []).extend(range(row * ratio, row * ratio + ratio))
-        sources = sorted(pending.sources.items(), key=lambda item: (-item[1], item[0]))
+        for row, (piece, _) in sorted(found.served.items()):
+            served.setdefault(found.names[piece], []).extend(range(row * ratio, row * ratio + ratio))
+        counts = found.counts()
+        sources = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
         shown = ", ".join(f"{name} ({count})" for name, count in sources[:SHOWN_SOURCES])
         more = f" and {len(sources) - SHOWN_SOURCES} more" if len(sources) > SHOWN_SOURCES else ""
+        called = " (target not called)" if not misses else f" in one call of {len(misses) + pending.padding} rows"
         logger.info(
-            "%s step %d: match: %d of %d rows served from %s%s in %.3f s; %d generated%s",
-            runtime.name,
-            pending.step,
-            len(pending.served),
-            len(keys),
-            shown,
-            more,
-            pending.seconds,
-            len(misses),
-            " (target not called)" if not misses else f" in one call of {len(misses) + pending.padding} rows",
+            f"{runtime.name} step {pending.step}: match: {len(found.served)} of {len(keys)} rows served from "
+            f"{shown}{more} in {found.seconds:.3f} s; {len(misses)} generated{called}"
         )
         saved = 0.0  # each source's recorded generation time, for the share of its rows served
         for name, rows in served.items():
-            meta = pending.source_meta.get(name, {})
+            meta = found.source_meta.get(name, {})
             total = meta.get("rows")
             if type(total) is int and total > 0:
                 saved += hit_amounts(meta)["generation_s_saved"] * min(len(rows), total) / total
-        TALLY.add(runtime.name, served_rows=len(pending.served), generated_rows=len(misses), generation_s_saved=saved)
+        TALLY.add(runtime.name, served_rows=len(found.served), generated_rows=len(misses), generation_s_saved=saved)
         if runtime.role.on_match is not None:  # before saving: what it recomputes is saved as this run's
             info = MatchInfo(
                 pending.step,
-                len(pending.served),
+                len(found.served),
                 len(misses),
-                dict(pending.sources),
-                pending.seconds,
+                counts,
+                found.seconds,
                 served,
-                dict(pending.source_meta),
+                dict(found.source_meta),
                 runtime.settings,
             )
             merged = runtime.role.on_match(merged, pending.call, info)
-        self._save(pending, merged, pending.generated, misses, pending.ratio)
+        self._save(pending, merged, pending.generated, misses, found.ratio)
         return merged
 
-    def _serve_cached(self, store: StepStore, call: Call, pending: _Pending) -> int | None:
-        """Fill ``pending`` with the cached rows that verify; returns their rows per input (``None``: none).
-
-        Each key's copies (this layout's, then other batch sizes') are tried the latest first: a row whose
-        copy does not serve (its step does not verify or no longer records the key) falls back to the next."""
-        runtime, keys = self.runtime, pending.keys
-        assert keys is not None
-        places = [store, *self.batch_size_stores(store)]
+    def lookup(self, store: StepStore, call: Call, keys: list[str]) -> _Lookup:
+        """The cached rows of ``keys`` that verify. Each key's copies (this layout's, then other batch
+        sizes') are tried the latest first: a copy that does not serve (its step does not verify or no
+        longer records the key) falls back to the next."""
+        runtime, found, started = self.runtime, _Lookup(), time.perf_counter()
+        places = [store, *self._project("layouts", store, lambda: runtime.batch_size_stores(store, MAX_LAYOUTS))]
         copies: list[list[tuple[int, RowSource]]] = [[] for _ in keys]  # per row, in the order tried
         for place, place_store in enumerate(places):
             missing = [row for row in range(len(keys)) if len(copies[row]) < MAX_COPIES]
             if not missing:
                 break
-            found = self.index(place_store).lookup([keys[row] for row in missing], MAX_COPIES)
-            for row, there in zip(missing, found, strict=True):
-                copies[row].extend((place, source) for source in there[: MAX_COPIES - len(copies[row])])
+            there = self.index(place_store).lookup([keys[row] for row in missing], MAX_COPIES)
+            for row, sources in zip(missing, there, strict=True):
+                copies[row].extend((place, source) for source in sources[: MAX_COPIES - len(copies[row])])
         tried = [0] * len(keys)
         failed: set[tuple[int, int, int]] = set()
-        ratio: int | None = None
         for _ in range(MAX_COPIES):
             wanted: dict[tuple[int, int, int, int], list[tuple[int, RowSource]]] = {}
             for row, located in enumerate(copies):
-                while row not in pending.served and tried[row] < len(located):
+                while row not in found.served and tried[row] < len(located):
                     place, where = located[tried[row]]
                     tried[row] += 1
                     if (place, where.source, where.number) not in failed:
@@ -411,28 +370,24 @@ class RowMatcher:
                     runtime.once(
                         ("match-source", str(where_store.project_dir), source, number),
                         logging.WARNING,
-                        "%s: cached %s of %s not served (%s: %s); its rows are looked for elsewhere or generated",
-                        runtime.name,
-                        name,
-                        where_store.project_dir,
-                        type(exc).__name__,
-                        exc,
+                        f"{runtime.name}: cached {name} of {where_store.project_dir} not served "
+                        f"({type(exc).__name__}: {exc}); its rows are looked for elsewhere or generated",
                     )
                     continue
                 if len(kept) < len(rows):  # the index is stale there: read that record again next time
                     self.index(where_store).forget(source, number)
-                if not kept or (ratio is not None and piece_ratio != ratio):
+                if not kept or (found.ratio is not None and piece_ratio != found.ratio):
                     continue  # none left, or recorded with another number of results per input: not mixed
-                ratio = piece_ratio
+                found.ratio = piece_ratio
                 for position, row in enumerate(kept):
-                    pending.served[row] = (len(pending.pieces), position)
-                pending.pieces.append(piece)
+                    found.served[row] = (len(found.pieces), position)
+                found.pieces.append(piece)
                 if runtime.settings.save:  # its usage record: last served, hits
                     from_store.note_hit(number)
-                pending.piece_sources.append(name)
-                pending.source_meta[name] = meta
-                pending.sources[name] = pending.sources.get(name, 0) + len(kept)
-        return ratio
+                found.names.append(name)
+                found.source_meta[name] = meta
+        found.seconds = time.perf_counter() - started
+        return found
 
     def _load_rows(
         self, store: StepStore, number: int, part: int, rows: list[tuple[int, RowSource]], keys: list[str], call: Call
@@ -474,40 +429,33 @@ class RowMatcher:
                 record, pending.index, pending.call, result, inputs, keys=keys, background=pending.background
             )
             return
-        settings = self.runtime.settings
-        if fresh is None or not fresh_rows or ratio is None or not settings.save or self.stores.unusable(plan.store):
+        if fresh is None or not fresh_rows or ratio is None:
             return
         assert keys is not None
         fresh_inputs = [inputs[row] for row in fresh_rows] if inputs and len(inputs) == len(keys) else None
-        fresh_keys = [keys[row] for row in fresh_rows]
-        self._save_rows(
-            plan.store, pending.call, plan.step, fresh, fresh_keys, ratio, fresh_inputs, pending.generation_s
-        )
+        call, fresh_keys = pending.call, [keys[row] for row in fresh_rows]
+        self.save_rows(plan.store, call, plan.step, fresh, fresh_keys, ratio, fresh_inputs, pending.generation_s)
 
-    def save_rows(self, store: StepStore, call: Call, step: int, result: Any, keys: Sequence[str]) -> None:
-        """Keep a phase's newly generated rows (one per key) as the next rows record of ``store``
-        (:meth:`skipinject.roles.PhaseContext.record_rows`)."""
-        if self.runtime.settings.save and not self.stores.unusable(store):
-            self._save_rows(store, call, step, result, list(keys), 1, None, 0.0)
-
-    def _save_rows(
+    def save_rows(
         self,
         store: StepStore,
         call: Call,
         step: int,
         fresh: Any,
-        keys: list[str],
-        ratio: int,
-        inputs: list[str] | None,
-        generation_s: float,
+        keys: Sequence[str],
+        ratio: int = 1,
+        inputs: list[str] | None = None,
+        generation_s: float = 0.0,
     ) -> None:
+        """Keep newly generated rows (``ratio`` per key) as the next rows record of ``store`` (also a
+        phase's, :meth:`skipinject.roles.PhaseContext.record_rows`). Logged, never raised."""
         name, count = self.runtime.name, len(keys)
+        if not self.runtime.settings.save or self.runtime.unusable(store):
+            return
         try:
             snapshot = self.runtime.codec.encode(fresh).private_copy()
         except Exception as exc:
-            logger.warning(
-                "%s step %d: cannot encode the new rows (%s: %s); not saved", name, step, type(exc).__name__, exc
-            )
+            logger.warning(f"{name} step {step}: cannot encode the new rows ({type(exc).__name__}: {exc}); not saved")
             return
         extra = self.runtime.extra_meta(call)
         if generation_s > 0:
@@ -516,7 +464,7 @@ class RowMatcher:
             **extra,
             "inputs": inputs,
             "calls": 1,
-            "row_keys": [keys],
+            "row_keys": [list(keys)],
             "rows_per_input": [ratio],
             "generated_at": step,
         }
@@ -530,13 +478,8 @@ class RowMatcher:
                 directory = rows_store.save(number, snapshot, meta)
             except Exception as exc:
                 logger.warning(
-                    "%s step %d: could not save %d new rows to %s (%s: %s)",
-                    name,
-                    step,
-                    count,
-                    rows_store.project_dir,
-                    type(exc).__name__,
-                    exc,
+                    f"{name} step {step}: could not save {count} new rows to {rows_store.project_dir} "
+                    f"({type(exc).__name__}: {exc})"
                 )
                 return
             finally:

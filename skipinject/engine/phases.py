@@ -8,9 +8,8 @@ default phase, :class:`WholeCall`, serves or records each call of a step as one 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from collections.abc import Callable, Mapping, Sized
+from collections.abc import Callable, Generator, Mapping, Sized
 from typing import Any, Protocol
 
 from skipinject.clock import CLOCK
@@ -31,56 +30,71 @@ class RunEvents(Protocol):
     def observe_config(self, config: Any) -> None: ...
 
 
+def drive(calls: Generator[Any, Any, Any], proceed: Callable[..., Any]) -> Any:
+    """Run a call's handling written once as a generator: it yields a function doing blocking work
+    (run here) or ``(args, kwargs)`` for the target, and gets the answer (or the exception) back."""
+    sent, error = None, None
+    while True:
+        try:
+            asked = calls.throw(error) if error is not None else calls.send(sent)
+        except StopIteration as done:
+            return done.value
+        try:
+            sent, error = proceed(*asked[0], **asked[1]) if type(asked) is tuple else asked(), None
+        except BaseException as exc:
+            sent, error = None, exc
+
+
+async def drive_async(calls: Generator[Any, Any, Any], proceed: Callable[..., Any]) -> Any:
+    """:func:`drive` for awaiting callers: the blocking work runs off the event loop."""
+    sent, error = None, None
+    while True:
+        try:
+            asked = calls.throw(error) if error is not None else calls.send(sent)
+        except StopIteration as done:
+            return done.value
+        try:
+            if type(asked) is tuple:
+                sent, error = await proceed(*asked[0], **asked[1]), None
+            else:
+                sent, error = await asyncio.to_thread(asked), None
+        except BaseException as exc:
+            sent, error = None, exc
+
+
 class WholeCall:
     """Each call of a step is one unit: call k of a cached step is served its part k; a recorded
     step's calls run the target and are saved as its parts (see :mod:`skipinject.engine.calls`)."""
 
     def run(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[..., Any]) -> Any:
-        record, index = role.recorder.enter(call, step)
+        return drive(self.calls(role, call, step, background=True), proceed)
+
+    async def run_async(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[..., Any]) -> Any:
+        # Awaiting callers (the fully async Rollouter) run many samples at once and may be stopped
+        # without an exit hook: their samples are written before they are returned.
+        return await drive_async(self.calls(role, call, step, background=False), proceed)
+
+    @staticmethod
+    def calls(role: RoleRuntime, call: Call, step: int, background: bool) -> Generator[Any, Any, Any]:
+        record, index = yield lambda: role.recorder.enter(call, step)
         try:
             if role.settings.action is Action.match:
-                return role.matcher.run(record, index, call, proceed)
+                return (yield from role.matcher.calls(record, index, call, background))
             if not record.recording:
-                result = role.replay.serve_call(record, index, call)
+                result = yield lambda: role.replay.serve_call(record, index, call)
                 if result is not REGENERATE:
                     return result
                 if not record.recording:  # a later call of a replayed step: run it, save nothing
-                    return role.after_miss(call, proceed())
+                    return role.after_miss(call, (yield (), {}))
             inputs = role.fingerprint(call)  # before the target runs: it may change its inputs
             keys = role.matcher.keys(call)
             began = time.perf_counter()
-            result = proceed()
+            result = yield (), {}
             record.generation_seconds += time.perf_counter() - began  # what a hit of the step saves
-            role.recorder.record(record, index, call, result, inputs, keys=keys)
+            yield lambda: role.recorder.record(record, index, call, result, inputs, background=background, keys=keys)
             return role.after_miss(call, result)
         finally:
-            role.recorder.leave(record)
-
-    async def run_async(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[..., Any]) -> Any:
-        record, index = await asyncio.to_thread(role.recorder.enter, call, step)
-        try:
-            if role.settings.action is Action.match:
-                return await role.matcher.run_async(record, index, call, proceed)
-            if not record.recording:
-                result = await asyncio.to_thread(role.replay.serve_call, record, index, call)
-                if result is not REGENERATE:
-                    return result
-                if not record.recording:
-                    return role.after_miss(call, await proceed())
-            inputs = role.fingerprint(call)
-            keys = role.matcher.keys(call)
-            began = time.perf_counter()
-            result = await proceed()
-            record.generation_seconds += time.perf_counter() - began
-            # Awaiting callers (the fully async Rollouter) run many samples at once and may be stopped
-            # without an exit hook: their samples are written before they are returned.
-            save = functools.partial(
-                role.recorder.record, record, index, call, result, inputs, background=False, keys=keys
-            )
-            await asyncio.to_thread(save)
-            return role.after_miss(call, result)
-        finally:
-            await asyncio.to_thread(role.recorder.leave, record)
+            yield lambda: role.recorder.leave(record)
 
 
 WHOLE_CALL = WholeCall()

@@ -16,10 +16,9 @@ from typing import Any
 from skipinject.config import Action
 from skipinject.engine.background import WRITER
 from skipinject.engine.calls import StepBook, StepCalls
-from skipinject.engine.context import RoleContext
 from skipinject.engine.decision import committed
 from skipinject.engine.replay import Replay
-from skipinject.engine.stores import RoleStores
+from skipinject.engine.stores import RoleContext
 from skipinject.report.tally import TALLY
 from skipinject.roles import Call, Plan, RowCodec
 from skipinject.store import StepStore
@@ -41,16 +40,15 @@ def rows_per_key(codec: Any, result: Any, keys: Sequence[str] | None) -> int | N
 class Recorder:
     """The steps of one role this process meets, and the saving of those it records."""
 
-    def __init__(self, runtime: RoleContext, stores: RoleStores, replay: Replay, steps: StepBook) -> None:
+    def __init__(self, runtime: RoleContext, replay: Replay, steps: StepBook) -> None:
         self.runtime = runtime
-        self.stores = stores
         self.replay = replay
         #: The steps this process's calls are in (see :mod:`skipinject.engine.calls`).
         self.steps = steps
 
     def step(self, call: Call, step: int) -> StepCalls:
         """The record of ``step`` in the run of ``call``; steps the run moved past are closed first."""
-        record, passed = self.steps.get(self.stores.store_for(call).project_dir, step)
+        record, passed = self.steps.get(self.runtime.store_for(call).project_dir, step)
         self.close(passed, step)
         return record
 
@@ -225,13 +223,13 @@ class Recorder:
     def record_part(self, call: Call, step: int, result: Any) -> int | None:
         """See :meth:`skipinject.roles.PhaseContext.record`."""
         record = self.step(call, step)
-        store = self.stores.store_for(call)
+        store = self.runtime.store_for(call)
         if not self.steps.clocked:  # another step of this store recorded by a phase ends here
             self.close(self.steps.by_phase(store.project_dir, other_than=step), step)
         with record.lock:
             if record.plan is None:  # no phase planned the step in this run: record it unless cached
                 settings = self.runtime.settings
-                usable = self.stores.unusable(store) is None and settings.save
+                usable = self.runtime.unusable(store) is None and settings.save
                 anew = settings.action is Action.refresh or not committed(store, step)
                 record.plan = Plan(store, step, reason="recorded", saves=usable and anew)
             record.by_phase = True
@@ -251,5 +249,5 @@ class Recorder:
 
     def served(self, call: Call, step: int) -> bool | None:
         """See :meth:`skipinject.roles.PhaseContext.served`."""
-        record = self.steps.find(self.stores.store_for(call).project_dir, step)
+        record = self.steps.find(self.runtime.store_for(call).project_dir, step)
         return None if record is None or record.plan is None else record.plan.serves

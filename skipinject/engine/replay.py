@@ -18,10 +18,9 @@ from typing import Any
 from skipinject.config import Action, MismatchPolicy
 from skipinject.engine.background import WRITER
 from skipinject.engine.calls import StepBook, StepCalls, recorded_inputs
-from skipinject.engine.context import RoleContext
 from skipinject.engine.decision import cannot_load, nothing_more, plan_step
 from skipinject.engine.read_ahead import ReadAhead
-from skipinject.engine.stores import RoleStores
+from skipinject.engine.stores import RoleContext
 from skipinject.errors import CorruptCacheError, PromptMismatchError
 from skipinject.report.tally import TALLY, hit_amounts
 from skipinject.roles import Call, HitInfo, Loaded, Plan
@@ -55,9 +54,8 @@ def regenerated(plan: Plan, failed: bool = True) -> Plan:
 class Replay:
     """One role's serving from its cache in this process."""
 
-    def __init__(self, runtime: RoleContext, stores: RoleStores, steps: StepBook) -> None:
+    def __init__(self, runtime: RoleContext, steps: StepBook) -> None:
         self.runtime = runtime
-        self.stores = stores
         self.steps = steps
         #: The next chosen step, verified and loaded in the background while this one trains (``read_ahead``).
         self.read_ahead = ReadAhead(runtime.role.name)
@@ -65,7 +63,7 @@ class Replay:
     def plan(self, call: Call, step: int) -> Plan:
         """See :func:`skipinject.engine.decision.plan_step` (after this project's pending saves)."""
         rt = self.runtime
-        store = self.stores.store_for(call)
+        store = self.runtime.store_for(call)
         WRITER.flush(store.project_dir)
         if self.steps.recorded_here(store.project_dir, step):  # 1 -> 2 -> 1: never served its own recording
             rt.once(
@@ -78,7 +76,7 @@ class Replay:
             return Plan(store, step, reason="recorded by this run", saves=False)
         ahead = self.read_ahead.take(store, step) if rt.settings.read_ahead else None
         entry, waited = ahead if ahead is not None else (None, 0.0)
-        unusable = self.stores.unusable(store)
+        unusable = self.runtime.unusable(store)
         try:
             plan = plan_step(rt.name, store, rt.settings, rt.role.upstream_formats, step, unusable, ahead=entry)
         except BaseException:
@@ -149,7 +147,7 @@ class Replay:
         if (
             not settings.read_ahead
             or settings.action in (Action.match, Action.refresh)
-            or self.stores.unusable(plan.store) is not None
+            or self.runtime.unusable(plan.store) is not None
         ):
             return
         project, steps = plan.store.project_dir, self.steps

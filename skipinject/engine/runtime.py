@@ -1,8 +1,5 @@
-"""A role in this process: the engine's side of :class:`~skipinject.roles.PhaseContext`.
-
-It finds a call's step and hands the rest to its parts: :class:`~skipinject.engine.stores.RoleStores`,
-:class:`~skipinject.engine.replay.Replay` and :class:`~skipinject.engine.record.Recorder`.
-"""
+"""A role in this process, the engine's side of :class:`~skipinject.roles.PhaseContext`: it finds a
+call's step and hands the rest to its stores (:mod:`~skipinject.engine.stores`), replay and recorder."""
 
 from __future__ import annotations
 
@@ -12,11 +9,10 @@ from typing import Any
 
 from skipinject.config import RoleConfig
 from skipinject.engine.calls import StepBook
-from skipinject.engine.context import RoleContext
 from skipinject.engine.matching import Found, RowMatcher, row_keys
 from skipinject.engine.record import Recorder
 from skipinject.engine.replay import REGENERATE, Replay, regenerated
-from skipinject.engine.stores import RoleStores
+from skipinject.engine.stores import RoleContext
 from skipinject.roles import Call, Loaded, Plan, Role
 from skipinject.store import StepStore
 
@@ -29,11 +25,10 @@ class RoleRuntime(RoleContext):
     def __init__(self, role: Role, settings: RoleConfig, owner: str) -> None:
         super().__init__(role, settings, owner)
         steps = StepBook(clocked=bool(role.clocks))
-        self.stores = RoleStores(self)
-        self.replay = Replay(self, self.stores, steps)
-        self.recorder = Recorder(self, self.stores, self.replay, steps)
+        self.replay = Replay(self, steps)
+        self.recorder = Recorder(self, self.replay, steps)
         #: ``action=match`` (and the row keys every recording of a keyed role saves).
-        self.matcher = RowMatcher(self, self.stores, self.recorder)
+        self.matcher = RowMatcher(self, self.recorder)
 
     def applicable_step(self, call: Call, *, any_step: bool = False) -> int | None:
         """The call's step if this role may act on it, else ``None`` (the original runs); ``any_step``:
@@ -81,9 +76,6 @@ class RoleRuntime(RoleContext):
 
     # PhaseContext (see skipinject.roles)
 
-    def store_for(self, call: Call) -> StepStore:
-        return self.stores.store_for(call)
-
     def plan(self, call: Call, step: int) -> Plan:
         return self.replay.plan(call, step)
 
@@ -121,7 +113,7 @@ class RoleRuntime(RoleContext):
         return row_keys(self.role, call, digests)
 
     def match_rows(self, call: Call, keys: list[str], group: int = 1) -> Found:
-        return self.matcher.find(self.stores.store_for(call), call, keys, group)
+        return self.matcher.find(self.store_for(call), call, keys, group)
 
     def record_rows(self, call: Call, step: int, result: Any, keys: Sequence[str]) -> None:
-        self.matcher.save_rows(self.stores.store_for(call), call, step, result, keys)
+        self.matcher.save_rows(self.store_for(call), call, step, result, keys)

@@ -22,7 +22,7 @@ def test_the_engine_opens_one_store_class_whose_backend_comes_from_dump_dir(toy:
     trainer = toy.Trainer()
     trainer.global_steps = 1
     trainer.generate([1])
-    (store,) = engine.runtimes["toy"].stores.opened()
+    (store,) = engine.runtimes["toy"].opened()
     bootstrap.stop()
     assert type(store) is StepStore
     assert type(store.backend) is (LocalFiles if where == "local" else FsspecFiles)

@@ -170,9 +170,9 @@ def test_a_role_runtime_gives_its_stores_one_pool_sized_by_the_setting(tmp_path:
     settings = role_config("toy", {"enable": True, "dump_dir": str(tmp_path), "reuse_hit_memory": 3})
     role = Role(name="toy", targets=[Target("json:dumps")], step=StepSource.argument("step"))
     runtime = RoleRuntime(role, settings, "tests")
-    stores = [runtime.stores.open(tmp_path / name, {}) for name in ("a", "b")]
-    assert all(store.memory is runtime.stores.hit_memory for store in stores)
-    assert runtime.stores.hit_memory.slots == 3
+    stores = [runtime.open(tmp_path / name, {}) for name in ("a", "b")]
+    assert all(store.memory is runtime.hit_memory for store in stores)
+    assert runtime.hit_memory.slots == 3
 
 
 def test_hits_from_many_threads_never_share_memory(tmp_path: Path) -> None:

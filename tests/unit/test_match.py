@@ -822,9 +822,9 @@ def test_a_lookup_looks_at_most_at_the_nearest_batch_sizes_usable_layouts(tmp_pa
     (experiment / "GBS16_N3_in6_out4" / "gen").mkdir(parents=True)  # another n: never looked at
     (experiment / "GBS17_N2_in6_out4").chmod(0o777)  # another user could write it: not trusted
     context = {"experiment_name": "e", "project_name": "p", "gbs": 16, "n": 2, "prompt_length": 6, "response_length": 4}
-    store = runtime.stores.open(experiment / "GBS16_N2_in6_out4" / "gen", context)
+    store = runtime.open(experiment / "GBS16_N2_in6_out4" / "gen", context)
     caplog.set_level(logging.INFO, "skipinject")
-    found = runtime.stores.batch_size_stores(store, MAX_LAYOUTS)
+    found = runtime.batch_size_stores(store, MAX_LAYOUTS)
     assert MAX_LAYOUTS == 8
     assert sorted(s.context["gbs"] for s in found) == [12, 13, 14, 15, 18, 19, 20], "the 8 nearest, one untrusted"
     assert all(s.project_dir == experiment / f"GBS{s.context['gbs']}_N2_in6_out4" / "gen" for s in found)

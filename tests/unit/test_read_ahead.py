@@ -246,8 +246,8 @@ def test_only_steps_the_settings_allow_and_the_store_holds_are_read_ahead(
 def _nothing_held(runtime: RoleRuntime) -> int:
     """Bytes of the role's hit memory still held once every batch is gone (a leaked entry holds its slot)."""
     gc.collect()
-    runtime.stores.hit_memory.clear()
-    return runtime.stores.hit_memory.nbytes
+    runtime.hit_memory.clear()
+    return runtime.hit_memory.nbytes
 
 
 def test_a_step_read_ahead_is_let_go_when_the_run_ends(
