@@ -184,9 +184,7 @@ class _Encoder:
         module = kind.__module__
         if module == "numpy":
             return self.enc_numpy(value, path)
-        if module == "torch" and kind.__name__ == "Tensor":
-            return self.enc_tensor(value, path)
-        if module.startswith("torch.nested"):
+        if (module == "torch" and kind.__name__ == "Tensor") or module.startswith("torch.nested"):
             return self.enc_tensor(value, path)
         raise self.fail(path, value)
 
@@ -217,7 +215,11 @@ class _Encoder:
         if kind not in _NUMPY_TENSOR_KINDS or array.dtype.itemsize > 16:
             raise self.fail(path, array, f" (numpy dtype {array.dtype})")
         if self.sink is not None and (array.size > INLINE_MAX_ELEMENTS or kind == "c"):
-            return self.tag("ndt", dtype=array.dtype.str, ref=_array_to_sink(array, path, self.sink))
+            import numpy as np
+            import torch
+
+            native = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
+            return self.tag("ndt", dtype=array.dtype.str, ref=self.sink.add(torch.from_numpy(native), path))
         flat = array.reshape(-1).tolist()
         if kind == "c":
             flat = [[z.real, z.imag] for z in flat]
@@ -234,23 +236,10 @@ class _Encoder:
         return self.tag("tensorref", spec=encode_tensor(tensor, path, self.sink))
 
 
-def _array_to_sink(array: Any, path: str, sink: TensorSink) -> str:
-    import numpy as np
-    import torch
-
-    native = array.dtype.newbyteorder("=")
-    if array.dtype != native:
-        array = array.astype(native)
-    return sink.add(torch.from_numpy(np.ascontiguousarray(array)), path)
-
-
 def to_jsonable(value: Any, field: str = "value", *, sink: TensorSink | None = None) -> Any:
-    """Encode ``value`` as a tagged JSON tree; ``field`` names it in errors.
-
-    Supported: None, bool, int, float (nan/inf too), str, bytes, list, tuple, dict (any keys that are
-    themselves supported), set, numpy scalars and arrays (object arrays too), and torch tensors. With
-    a ``sink``, large arrays and tensors go to the tensor file; without one they are inlined.
-    """
+    """Encode ``value`` as a tagged JSON tree (``field`` names it in errors): JSON's types, bytes, tuples,
+    sets, dicts of any such keys, numpy scalars and arrays (object arrays too) and torch tensors; with a
+    ``sink``, large arrays and tensors go to the tensor file, else they are inlined."""
     return _Encoder(sink).enc(value, field)
 
 
@@ -447,13 +436,6 @@ def check_shape(shape: Any, rows: int) -> list[int]:
     return shape
 
 
-def _object_array(rows: list[Any], shape: Sequence[int]) -> Any:
-    import numpy as np
-
-    # np.array() would turn lists of chat messages into a 2-D array; fromiter keeps one object per row.
-    return np.fromiter(rows, dtype=object, count=len(rows)).reshape(tuple(shape))
-
-
 def encode_array_column(array: Any, field: str, sink: TensorSink) -> dict[str, Any]:
     """A ``non_tensor_batch`` array: object arrays as a column, numeric arrays as one tensor."""
     import numpy as np
@@ -469,8 +451,12 @@ def encode_array_column(array: Any, field: str, sink: TensorSink) -> dict[str, A
 def decode_array_column(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Any:
     kind = spec.get("k")
     if kind == "objects":
+        import numpy as np
+
         rows = decode_column(spec["column"], tensors)
-        return _object_array(rows, check_shape(spec["shape"], len(rows)))
+        shape = tuple(check_shape(spec["shape"], len(rows)))
+        # np.array() would turn lists of chat messages into a 2-D array; fromiter keeps one object per row.
+        return np.fromiter(rows, dtype=object, count=len(rows)).reshape(shape)
     if kind == "array":
         return from_jsonable(spec["v"], tensors)
     raise CodecError(f"cache holds a non-tensor column of unknown kind {kind!r}")

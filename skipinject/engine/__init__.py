@@ -3,8 +3,8 @@
 :mod:`~skipinject.engine.phases` (interceptors, the default phase) hands a call to its role's
 :mod:`~skipinject.engine.runtime`: :mod:`~skipinject.engine.stores` (its stores),
 :mod:`~skipinject.engine.replay` (serving, decided by :mod:`~skipinject.engine.decision`),
-:mod:`~skipinject.engine.record` (saving; a step's calls in :mod:`~skipinject.engine.calls`) and
-:mod:`~skipinject.engine.matching` (``action=match``). Every decision is one line on the ``skipinject`` logger.
+:mod:`~skipinject.engine.record` (saving a step's calls) and :mod:`~skipinject.engine.matching`
+(``action=match``). Every decision is one line on the ``skipinject`` logger.
 """
 
 from __future__ import annotations
@@ -62,11 +62,7 @@ class Engine:
                     installed = verl_version()
                 if not version_matches(target.verl, installed):
                     logger.debug(
-                        "%s: target %s is for verl %s, installed %s; skipped",
-                        name,
-                        target.path,
-                        target.verl,
-                        installed,
+                        f"{name}: target {target.path} is for verl {target.verl}, installed {installed}; skipped"
                     )
                     continue
                 self._instrument(
@@ -144,10 +140,5 @@ class Engine:
             with contextlib.suppress(Exception):
                 reason = runtime.role.check(config)
                 if reason:
-                    runtime.once(
-                        ("check", reason),
-                        logging.WARNING,
-                        "skip.%s is enabled but cannot act in this run: %s",
-                        runtime.name,
-                        reason,
-                    )
+                    message = f"skip.{runtime.name} is enabled but cannot act in this run: {reason}"
+                    runtime.once(("check", reason), logging.WARNING, message)

@@ -1,10 +1,9 @@
-"""Deciding a call: which verified cache entry serves a step, or why none does.
+"""Deciding a call: which verified cache entry serves a step, or why none does (one line).
 
 ``cache`` serves the step's own entry; ``repeat`` the exact step, else the largest cached step below,
 else the smallest above; ``strict`` is ``cache`` that stops the run when nothing serves; ``refresh``
-serves nothing and saves anew; ``match`` serves rows, not steps (:mod:`skipinject.engine.matching`).
-A cache that cannot be used (damaged, foreign, unreadable) is never loaded: one line, and the step is
-generated again. The strict/fallback rule for every way a cache fails to serve is here, once.
+serves nothing and saves anew; ``match`` serves rows (:mod:`skipinject.engine.matching`). A cache that
+cannot be used is never loaded. The strict/fallback rule for every way a cache fails is here, once.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from skipinject.config import Action, RoleConfig
@@ -20,8 +18,6 @@ from skipinject.errors import CacheMissError, CorruptCacheError, UntrustedCacheE
 from skipinject.report.misses import nearest_cache
 from skipinject.roles import Plan, UpstreamFormat
 from skipinject.store import StepEntry, StepStore
-
-__all__ = ["Plan", "cannot_load", "nothing_more", "plan_step", "repeat_order", "upstream_file"]
 
 logger = logging.getLogger("skipinject")
 
@@ -36,11 +32,9 @@ def plan_step(
     *,
     ahead: StepEntry | None = None,
 ) -> Plan:
-    """The verified entry of role ``name`` to serve at ``step``, or why there is none (one line).
-
-    ``unusable``: why the store cannot be used this run (nothing is loaded or saved). verl's own pickle
-    is served only with ``trust_upstream``, else named in ``untrusted_upstream``. ``ahead``: ``step``'s
-    entry, verified already by the read-ahead."""
+    """The verified entry of role ``name`` to serve at ``step``, or why there is none. ``unusable``: why
+    the store cannot be used this run; ``ahead``: ``step``'s entry, verified by the read-ahead. verl's
+    own pickle is served only with ``trust_upstream``, else named in ``untrusted_upstream``."""
     action = settings.action
     if unusable is not None:  # reported once, when the store was opened
         if action is Action.strict:
@@ -50,9 +44,11 @@ def plan_step(
     if action is Action.refresh:
         logger.info("%s step %d: refresh: running the target and %s in place of any cached one", name, step, saving)
         return Plan(store, step, reason="refresh", saves=settings.save)
-    if action is Action.match:
-        plan = match_plan(name, store, step)
-        return plan if settings.save else replace(plan, saves=False)
+    if action is Action.match:  # the call is saved as the step when none is committed there, else its new rows
+        if committed(store, step):
+            reason = "match: step already cached (new rows saved as a rows record)"
+            return Plan(store, step, reason=reason, saves=False)
+        return Plan(store, step, reason="match", saves=settings.save)
     problems: list[str] = []
     untrusted_own = False  # the step's own directory is another user's: nothing is saved there either
     found: tuple[Path, UpstreamFormat] | None = None
@@ -107,17 +103,8 @@ def plan_step(
         saves = settings.save and not untrusted_own
         return Plan(store, step, reason="cache unusable", untrusted_upstream=untrusted, saves=saves)
     reason = f"no cached step in {store.project_dir}" if action is Action.repeat else f"no cache at {where}"
-    logger.info(
-        "%s step %d: miss (%s); running the target and %s", name, step, reason + (f"; {near}" if near else ""), saving
-    )
+    logger.info(f"{name} step {step}: miss ({reason}{f'; {near}' if near else ''}); running the target and {saving}")
     return Plan(store, step, reason=reason, untrusted_upstream=untrusted, saves=settings.save)
-
-
-def match_plan(name: str, store: StepStore, step: int) -> Plan:
-    """``action=match``: the call is saved as the step when none is committed there, else its new rows."""
-    if committed(store, step):
-        return Plan(store, step, reason="match: step already cached (new rows saved as a rows record)", saves=False)
-    return Plan(store, step, reason="match")
 
 
 def committed(store: StepStore, step: int) -> bool:
@@ -129,8 +116,8 @@ def committed(store: StepStore, step: int) -> bool:
 
 
 def cannot_load(name: str, settings: RoleConfig, plan: Plan, exc: Exception, instead: str) -> None:
-    """A planned cache failed to load or fit the call: ``action=strict`` stops the run; otherwise one
-    warning, and the caller runs the target (``instead`` says so)."""
+    """A planned cache failed to load or fit the call: ``action=strict`` stops the run; else one warning
+    and the caller runs the target (``instead`` says so)."""
     where = plan.entry.directory if plan.entry else plan.upstream_file
     if isinstance(exc, CacheMissError):
         raise exc
@@ -138,12 +125,11 @@ def cannot_load(name: str, settings: RoleConfig, plan: Plan, exc: Exception, ins
         if isinstance(exc, CorruptCacheError):
             raise exc
         raise CorruptCacheError(f"{name} step {plan.step}: cannot load {where} ({type(exc).__name__}: {exc})") from exc
-    logger.warning("%s step %d: cannot load %s (%s: %s); %s", name, plan.step, where, type(exc).__name__, exc, instead)
+    logger.warning(f"{name} step {plan.step}: cannot load {where} ({type(exc).__name__}: {exc}); {instead}")
 
 
 def nothing_more(name: str, settings: RoleConfig, plan: Plan, index: int, calls: int) -> None:
-    """Call ``index`` of a served step finds no recorded call (the cache holds ``calls``):
-    ``action=strict`` stops the run; otherwise the caller runs the target for it."""
+    """Call ``index`` of a served step finds no recorded call: ``action=strict`` stops the run."""
     if settings.action is Action.strict:
         where = plan.entry.directory if plan.entry is not None else plan.upstream_file
         raise CacheMissError(
@@ -159,13 +145,9 @@ EXAMPLE_CHARS = 600
 
 def summary(problems: list[str]) -> str:
     """One bounded line for the candidates a decision could not use (all when few, else the first few)."""
-
-    def cut(text: str) -> str:
-        return text if len(text) <= EXAMPLE_CHARS else text[:EXAMPLE_CHARS] + "..."
-
+    shown = "; ".join(p if len(p) <= EXAMPLE_CHARS else p[:EXAMPLE_CHARS] + "..." for p in problems[:EXAMPLES])
     if len(problems) <= EXAMPLES:
-        return "; ".join(cut(p) for p in problems)
-    shown = "; ".join(cut(p) for p in problems[:EXAMPLES])
+        return shown
     return f"{len(problems)} cached steps unusable, e.g. {shown}; and {len(problems) - EXAMPLES} more"
 
 

@@ -110,13 +110,10 @@ class _Pending:
     inputs: list[str] | None = None
     keys: list[str] | None = None
     found: _Lookup = field(default_factory=_Lookup)
-    whole: bool = False
     misses: list[int] = field(default_factory=list)
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    cut: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # the arguments for the misses (None: run whole)
     padding: int = 0
     generated: Any = None  # the generated rows without the padding
-    merged: Any = None
     generation_s: float = 0.0  # the target's time for this call (recorded with what it generated)
 
     @property
@@ -186,18 +183,19 @@ class RowMatcher:
         """One call at a chosen step (run by :func:`skipinject.engine.phases.drive`): the cached rows
         served, the target called once for the others."""
         pending: _Pending = yield lambda: self.begin(record, index, call, background)
-        if not pending.whole:
-            fresh = (yield from self._generate(pending, pending.args, pending.kwargs)) if pending.misses else None
-            if (yield lambda: self.merge(pending, fresh)):
-                return (yield lambda: self.finish(pending))
-        result = yield from self._generate(pending, (), {})
+        if pending.cut is not None:
+            fresh = (yield from self._generate(pending, pending.cut)) if pending.misses else None
+            merged = yield lambda: self.merge(pending, fresh)
+            if merged is not None:
+                return (yield lambda: self.finish(pending, merged))
+        result = yield from self._generate(pending, ((), {}))
         return (yield lambda: self.finish_whole(pending, result))
 
     @staticmethod
-    def _generate(pending: _Pending, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Generator[Any, Any, Any]:
+    def _generate(pending: _Pending, arguments: tuple[tuple[Any, ...], dict[str, Any]]) -> Generator[Any, Any, Any]:
         began = time.perf_counter()
         try:
-            return (yield args, kwargs)
+            return (yield arguments)
         finally:
             seconds = time.perf_counter() - began
             pending.generation_s += seconds
@@ -225,15 +223,16 @@ class RowMatcher:
                     f"{runtime.name} step {plan.step}: match: no row of this call cached ({len(pending.keys)} rows"
                     f"{f'; {differ}' if differ else ''}); running the target"
                 )
-            pending.whole = True
             return pending
         pending.misses = [row for row in range(len(pending.keys or ())) if row not in pending.found.served]
+        pending.cut = ((), {})
         if pending.misses:
             try:
-                pending.args, pending.kwargs, pending.padding = runtime.codec.with_rows(call, pending.misses)
+                args, kwargs, pending.padding = runtime.codec.with_rows(call, pending.misses)
+                pending.cut = (args, kwargs)
             except Exception as exc:  # a call the codec cannot cut: it runs whole
                 self._cannot(pending, "take the uncached rows of", exc)
-                pending.whole = True
+                pending.cut = None
         return pending
 
     def _cannot(self, pending: _Pending, what: str, exc: Exception) -> None:
@@ -250,9 +249,9 @@ class RowMatcher:
         TALLY.add(self.runtime.name, generated_rows=count)
         return self.runtime.after_miss(pending.call, result)
 
-    def merge(self, pending: _Pending, fresh: Any) -> bool:
-        """Merge the generated rows (``fresh``, with its padding) and the cached ones in the call's
-        order; False (one warning) when they do not fit together: the whole call runs then."""
+    def merge(self, pending: _Pending, fresh: Any) -> Any:
+        """The generated rows (``fresh``, with its padding) and the cached ones merged in the call's
+        order; ``None`` (one warning) when they do not fit together: the whole call runs then."""
         codec, keys, misses, found = self.runtime.codec, pending.keys, pending.misses, pending.found
         assert keys is not None and isinstance(codec, RowCodec)
         ratio = found.ratio
@@ -282,16 +281,16 @@ class RowMatcher:
                     base = starts[piece_index] + position * ratio
                 order.extend(range(base, base + ratio))
             pieces = ([generated] if generated is not None else []) + found.pieces
-            pending.merged = codec.merge_rows(pieces, order, pending.call)
+            merged = codec.merge_rows(pieces, order, pending.call)
         except Exception as exc:
             self._cannot(pending, "merge the cached and generated rows of", exc)
-            return False
+            return None
         pending.generated, found.ratio = generated, ratio
-        return True
+        return merged
 
-    def finish(self, pending: _Pending) -> Any:
+    def finish(self, pending: _Pending, merged: Any) -> Any:
         """Save what is new of a merged call, log it and hand it to the role's ``on_match``."""
-        runtime, keys, misses, merged, found = self.runtime, pending.keys, pending.misses, pending.merged, pending.found
+        runtime, keys, misses, found = self.runtime, pending.keys, pending.misses, pending.found
         assert keys is not None
         ratio = found.ratio or 1
         served: dict[str, list[int]] = {}

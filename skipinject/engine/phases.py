@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Generator, Mapping, Sized
-from typing import Any, Protocol
+from collections.abc import Callable, Generator, Sized
+from typing import TYPE_CHECKING, Any
 
 from skipinject.clock import CLOCK
 from skipinject.config import Action
@@ -18,16 +18,8 @@ from skipinject.engine.replay import REGENERATE
 from skipinject.engine.runtime import RoleRuntime
 from skipinject.roles import Call, Phase, StepSource, Target
 
-
-class RunEvents(Protocol):
-    """What the clock and the built-in guard tell the engine (:class:`skipinject.engine.Engine`)."""
-
-    @property
-    def runtimes(self) -> Mapping[str, RoleRuntime]: ...
-
-    def end_of_run(self) -> None: ...
-
-    def observe_config(self, config: Any) -> None: ...
+if TYPE_CHECKING:
+    from skipinject.engine import Engine
 
 
 def drive(calls: Generator[Any, Any, Any], proceed: Callable[..., Any]) -> Any:
@@ -175,7 +167,7 @@ class TargetInterceptor:
 class ClockInterceptor:
     """Records the trainer entering ``fit`` (the clock) and checks each role against its config once."""
 
-    def __init__(self, engine: RunEvents) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:

@@ -1,9 +1,9 @@
 """Recording: a step's fresh results saved as its parts and committed once (see :mod:`skipinject.engine.calls`).
 
 Encoding and a private copy happen in the call (the caller may change the result afterwards); writing
-and the commit happen in the background writer when the role has clocks (``fit`` returning waits for
-them), else at once (a Ray actor may be killed without exit hooks). A step whose part cannot be saved
-is dropped whole (one warning), as is a step a phase records and does not commit before the run moves on.
+and the commit in the background writer when the role has clocks (``fit`` returning waits for them),
+else at once (a Ray actor may be killed without exit hooks). A step whose part cannot be saved is
+dropped whole (one warning), as is a step a phase records and does not commit before the run moves on.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class Recorder:
         keys: Sequence[str] | None = None,
     ) -> None:
         """Save call ``index``'s fresh result as the step's part ``index`` (failures logged, never raised);
-        ``inputs`` were taken before the target ran; ``background=False``: written here, off the training thread."""
+        ``inputs`` were taken before the target ran; ``background=False``: written here."""
         plan = record.plan
         assert plan is not None
         if record.failed or not plan.saves:
@@ -188,8 +188,7 @@ class Recorder:
         self.in_background(plan.store, commit)
 
     def drop(self, record: StepCalls, why: str, *, in_job: bool = False) -> None:
-        """A part of the step cannot be saved: nothing of it is cached (one warning).
-        ``in_job``: called in the writer thread."""
+        """A part of the step cannot be saved: nothing of it is cached (one warning); ``in_job``: in the writer."""
         plan = record.plan
         assert plan is not None
         with record.lock:
@@ -206,22 +205,19 @@ class Recorder:
         self.runtime.once(
             ("save", str(plan.store.project_dir), plan.step),
             logging.WARNING,
-            "%s step %d: could not save the cache to %s (%s); training goes on without it",
-            self.runtime.name,
-            plan.step,
-            plan.store.step_dir(plan.step),
-            why,
+            f"{self.runtime.name} step {plan.step}: could not save the cache to {plan.store.step_dir(plan.step)} "
+            f"({why}); training goes on without it",
         )
 
     def in_background(self, store: StepStore, job: Callable[[], None]) -> None:
-        """See :meth:`skipinject.roles.PhaseContext.in_background`."""
+        """:meth:`skipinject.roles.PhaseContext.in_background`."""
         if self.runtime.role.clocks:
             WRITER.submit(store.project_dir, job)
         else:
             job()
 
     def record_part(self, call: Call, step: int, result: Any) -> int | None:
-        """See :meth:`skipinject.roles.PhaseContext.record`."""
+        """:meth:`skipinject.roles.PhaseContext.record`."""
         record = self.step(call, step)
         store = self.runtime.store_for(call)
         if not self.steps.clocked:  # another step of this store recorded by a phase ends here
@@ -241,13 +237,13 @@ class Recorder:
         return None if record.failed else index
 
     def commit_step(self, call: Call, step: int, meta: Mapping[str, Any] | None, unit: str, note: str) -> None:
-        """See :meth:`skipinject.roles.PhaseContext.commit`."""
+        """:meth:`skipinject.roles.PhaseContext.commit`."""
         record = self.step(call, step)
         with record.lock:
             record.phase_meta, record.unit, record.note = dict(meta or {}), unit, note
         self.commit(record)
 
     def served(self, call: Call, step: int) -> bool | None:
-        """See :meth:`skipinject.roles.PhaseContext.served`."""
+        """:meth:`skipinject.roles.PhaseContext.served`."""
         record = self.steps.find(self.runtime.store_for(call).project_dir, step)
         return None if record is None or record.plan is None else record.plan.serves

@@ -1,8 +1,6 @@
 """Replay: a chosen step planned, its cached calls loaded, checked against the call's inputs and served.
-
 Failures of the cache never reach the training call, except with ``action=strict`` or
-``on_mismatch=fail``: the target runs instead (see :mod:`skipinject.engine.decision`).
-"""
+``on_mismatch=fail``: the target runs instead (see :mod:`skipinject.engine.decision`)."""
 
 from __future__ import annotations
 
@@ -66,13 +64,8 @@ class Replay:
         store = self.runtime.store_for(call)
         WRITER.flush(store.project_dir)
         if self.steps.recorded_here(store.project_dir, step):  # 1 -> 2 -> 1: never served its own recording
-            rt.once(
-                ("revisit", str(store.project_dir), step),
-                logging.INFO,
-                "%s step %d: recorded by this run already; generating it again (not saved)",
-                rt.name,
-                step,
-            )
+            message = f"{rt.name} step {step}: recorded by this run already; generating it again (not saved)"
+            rt.once(("revisit", str(store.project_dir), step), logging.INFO, message)
             return Plan(store, step, reason="recorded by this run", saves=False)
         ahead = self.read_ahead.take(store, step) if rt.settings.read_ahead else None
         entry, waited = ahead if ahead is not None else (None, 0.0)
@@ -94,13 +87,9 @@ class Replay:
             rt.once(
                 ("untrusted", str(plan.untrusted_upstream)),
                 logging.WARNING,
-                "%s step %d: found verl's own cache %s but did not load it: it is a pickle, which runs code "
-                "when loaded. Set skip.%s.trust_upstream=true if you trust it; generating again and caching "
-                "in skipinject's format beside it",
-                rt.name,
-                step,
-                plan.untrusted_upstream,
-                rt.name,
+                f"{rt.name} step {step}: found verl's own cache {plan.untrusted_upstream} but did not load it: it is "
+                f"a pickle, which runs code when loaded. Set skip.{rt.name}.trust_upstream=true if you trust it; "
+                "generating again and caching in skipinject's format beside it",
             )
         return plan
 
@@ -183,15 +172,9 @@ class Replay:
                 rt.once(
                     ("extra", id(record)),
                     logging.INFO,
-                    "%s step %d: this run calls the target more often than the cached step %d holds (%d call%s, "
-                    "in %s); running the target for call %d and any later ones (not saved)",
-                    rt.name,
-                    plan.step,
-                    plan.served_step,
-                    calls,
-                    "s" if calls != 1 else "",
-                    plan.source,
-                    index + 1,
+                    f"{rt.name} step {plan.step}: this run calls the target more often than the cached step "
+                    f"{plan.served_step} holds ({calls} call{'s' if calls != 1 else ''}, in {plan.source}); running "
+                    f"the target for call {index + 1} and any later ones (not saved)",
                 )
                 return REGENERATE
             if plan.upstream_file is not None:
@@ -226,14 +209,8 @@ class Replay:
                 return self._regenerate(record, index)
             logger.warning("%s", message + "training on them anyway (on_mismatch=warn)")
         logger.info(
-            "%s step %d: hit%s, served step %d (%s) from %s in %.3f s; target not called",
-            rt.name,
-            plan.step,
-            f" ({which.strip()})" if which else "",
-            plan.served_step,
-            plan.reason,
-            source,
-            elapsed,
+            f"{rt.name} step {plan.step}: hit{f' ({which.strip()})' if which else ''}, served step {plan.served_step} "
+            f"({plan.reason}) from {source} in {elapsed:.3f} s; target not called"
         )
         if index == 0:
             self._hit(plan)

@@ -1,11 +1,10 @@
 """Where each row of a project's cached results was recorded, found by its key (``action=match``).
 
 Every committed step or rows record whose ``meta.json`` holds ``row_keys`` gives one entry per input
-row: ``key -> (source, number, call, row)``, sorted by key (binary search; every copy kept, the latest
-first). The index is kept in memory and in :data:`~skipinject.store.format.ROW_INDEX_NAME` (numpy
-arrays, no pickle, bounded and checked). It is a hint, never trusted: a refresh reads only new or
-changed ``meta.json`` files, and a row is served only after the store verified its step and that
-step records the key there; a forged or stale index can only cause a miss.
+row, ``key -> (source, number, call, row)``, sorted by key (every copy kept, the latest first), in
+memory and in :data:`~skipinject.store.format.ROW_INDEX_NAME` (numpy arrays, no pickle, bounded and
+checked). A hint, never trusted: a refresh reads only new or changed ``meta.json`` files, and a row is
+served only once its step verified and records the key there: a forged or stale index causes a miss.
 """
 
 from __future__ import annotations
@@ -59,9 +58,8 @@ class RowSource:
 
 
 def match_records(meta: Mapping[str, Any]) -> list[tuple[list[str], int] | None]:
-    """Per recorded call, its row keys and output rows per input row (``None`` where not recorded).
-
-    Raises :class:`CorruptCacheError` when ``row_keys`` is there but malformed."""
+    """Per recorded call, its row keys and output rows per input row (``None`` where not recorded);
+    :class:`CorruptCacheError` when ``row_keys`` is there but malformed."""
     keys = meta.get("row_keys")
     per_input = meta.get("rows_per_input")
     if keys is None:
@@ -89,7 +87,7 @@ class RowIndex:
     """The row keys of one project directory's steps and rows records (see the module)."""
 
     def __init__(self, steps: StepStore, rows: StepStore, *, saves: bool = True) -> None:
-        """``saves``: keep the index in its file too (``False``: a read-only run, ``save=false``)."""
+        """``saves``: keep the index in its file too (not with ``save=false``)."""
         import numpy as np
 
         self.saves = saves
@@ -106,8 +104,7 @@ class RowIndex:
         self._distrusted = False
 
     def lookup(self, keys: Sequence[str], copies: int = 1) -> list[list[RowSource]]:
-        """Where each key was recorded, after a refresh: at most ``copies`` places per key, the latest
-        step first (an older copy is the fallback when a later one does not serve)."""
+        """Where each key was recorded, after a refresh: at most ``copies`` places per key, the latest first."""
         np = self._np
         with self.lock:
             self._refresh()
@@ -132,8 +129,7 @@ class RowIndex:
             if hint and not self._distrusted:
                 self._distrusted = True
                 logger.warning(
-                    "row index %s names rows its steps do not hold (damaged or forged); rebuilding it from the steps",
-                    self.path,
+                    f"row index {self.path} names rows its steps do not hold (damaged or forged); {_REBUILD}"
                 )
             self._save()
             return hint
@@ -190,7 +186,7 @@ class RowIndex:
                 merged[name] = merged[name][order]
             if len(merged["keys"]) > MAX_INDEXED_ROWS:
                 logger.warning(
-                    "row index of %s holds more than %d rows; not indexing more", self.path.parent, MAX_INDEXED_ROWS
+                    f"row index of {self.path.parent} holds more than {MAX_INDEXED_ROWS} rows; not indexing more"
                 )
                 return
             self._arrays = merged
@@ -219,9 +215,7 @@ class RowIndex:
         except FileNotFoundError:
             return
         except Exception as exc:  # anything wrong with the file: rebuilt from the steps
-            logger.info(
-                "row index %s not used (%s: %s); rebuilding it from the steps", self.path, type(exc).__name__, exc
-            )
+            logger.info(f"row index {self.path} not used ({type(exc).__name__}: {exc}); {_REBUILD}")
             return
         if _valid(arrays, np):
             self._arrays = arrays
@@ -236,7 +230,7 @@ class RowIndex:
             if changed:
                 self._drop(changed)
         else:
-            logger.info("row index %s not used (malformed); rebuilding it from the steps", self.path)
+            logger.info(f"row index {self.path} not used (malformed); {_REBUILD}")
 
     def _save(self) -> None:
         if not self.saves:
@@ -246,7 +240,7 @@ class RowIndex:
         try:
             self.stores[STEPS].replace_file(ROW_INDEX_NAME, buffer.getvalue())
         except Exception as exc:
-            logger.debug("row index %s not saved (%s: %s)", self.path, type(exc).__name__, exc)
+            logger.debug(f"row index {self.path} not saved ({type(exc).__name__}: {exc})")
 
 
 def _check_members(data: bytes) -> None:
@@ -270,10 +264,10 @@ def _check_members(data: bytes) -> None:
         raise CorruptCacheError("a member is compressed or larger than the file")
 
 
+_REBUILD = "rebuilding it from the steps"
 #: A zip archive's end record (no comment: numpy writes none).
 _END_RECORD = struct.Struct("<4s4H2LH")
-#: Records without a readable ``meta.json`` one refresh looks at, at most, and how long one is not looked
-#: at again.
+#: Records without a readable ``meta.json`` one refresh looks at, at most, and seconds before another look.
 MAX_UNREADABLE_LOOKS = 256
 RECHECK_SECONDS = 60.0
 

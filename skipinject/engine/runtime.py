@@ -37,32 +37,18 @@ class RoleRuntime(RoleContext):
             if self.role.bypass(call):
                 return None
         except Exception as exc:
-            self.once(
-                ("bypass", type(exc)), logging.WARNING, "%s: validation check failed (%s); not skipping", self.name, exc
-            )
+            message = f"{self.name}: validation check failed ({exc}); not skipping"
+            self.once(("bypass", type(exc)), logging.WARNING, message)
             return None
         try:
             step = self.role.step.resolve(call)
         except Exception as exc:  # a plugin's step extractor must not break the user's call
-            self.once(
-                ("step", type(exc)),
-                logging.WARNING,
-                "%s: finding the step of %s failed (%s: %s); not skipping",
-                self.name,
-                call.target,
-                type(exc).__name__,
-                exc,
-            )
+            message = f"{self.name}: finding the step of {call.target} failed ({type(exc).__name__}: {exc})"
+            self.once(("step", type(exc)), logging.WARNING, message + "; not skipping")
             return None
         if step is None:
-            self.once(
-                "nostep",
-                logging.WARNING,
-                "%s: no training step found for %s (looked at %s); not skipping",
-                self.name,
-                call.target,
-                self.role.step.describe(),
-            )
+            message = f"{self.name}: no training step found for {call.target} (looked at {self.role.step.describe()})"
+            self.once("nostep", logging.WARNING, message + "; not skipping")
             return None
         self.recorder.moved_to(step)
         self.replay.read_ahead.moved_to(step)

@@ -69,13 +69,8 @@ class RoleContext:
         try:
             rows = self.role.fingerprint(call)
         except Exception as exc:
-            self.once(
-                ("fingerprint", type(exc)),
-                logging.WARNING,
-                "%s: cannot fingerprint the inputs (%s); mismatches will not be detected",
-                self.name,
-                exc,
-            )
+            message = f"{self.name}: cannot fingerprint the inputs ({exc}); mismatches will not be detected"
+            self.once(("fingerprint", type(exc)), logging.WARNING, message)
             return None
         return None if rows is None else [str(r) for r in rows]
 
@@ -95,14 +90,8 @@ class RoleContext:
         try:
             return {**recorded, **dict(self.role.record_meta(call) or {})}
         except Exception as exc:
-            self.once(
-                ("record_meta", type(exc)),
-                logging.WARNING,
-                "%s: cannot describe the result for meta.json (%s: %s); saved without it",
-                self.name,
-                type(exc).__name__,
-                exc,
-            )
+            message = f"{self.name}: cannot describe the result for meta.json ({type(exc).__name__}: {exc})"
+            self.once(("record_meta", type(exc)), logging.WARNING, message + "; saved without it")
             return {}
 
     def after_miss(self, call: Call, result: Any) -> Any:
@@ -120,11 +109,8 @@ class RoleContext:
                     logger.info("%s: no verl trainer config seen; caching under %s", self.name, project)
                 problem = self._unusable[project] = store.unusable()
                 if problem is not None:
-                    logger.warning(
-                        "%s: cache directory unusable (%s); this run neither loads nor saves caches there",
-                        self.name,
-                        problem,
-                    )
+                    unusable = f"cache directory unusable ({problem}); this run neither loads nor saves caches there"
+                    logger.warning(f"{self.name}: {unusable}")
             return store
 
     def unusable(self, store: StepStore) -> str | None:
@@ -143,15 +129,8 @@ class RoleContext:
             return []
         if len(found) > limit:
             experiment = store.project_dir.parent.parent if subdir else store.project_dir.parent
-            self.once(
-                ("layouts", str(experiment)),
-                logging.INFO,
-                "%s: %s holds %d other batch-size layouts; match looks rows up in the %d nearest",
-                self.name,
-                experiment,
-                len(found),
-                limit,
-            )
+            message = f"{self.name}: {experiment} holds {len(found)} other batch-size layouts; match looks rows up"
+            self.once(("layouts", str(experiment)), logging.INFO, f"{message} in the {limit} nearest")
         stores = [self.open(directory, context) for directory, context in found[:limit]]
         return [sibling for sibling in stores if sibling.unusable() is None]
 

@@ -134,7 +134,7 @@ class TensorDictCodec:
             objects: dict[str, Any] = {"codec": self.name, "codec_version": CODEC_VERSION}
             if isinstance(result, TensorDict):
                 objects["td"] = encode_tensordict(result, "result", sink)
-                rows = _rows(result)
+                rows = objects["td"]["batch_size"][0] if objects["td"]["batch_size"] else None
             elif isinstance(result, Mapping):
                 entries: dict[str, Any] = {}
                 rows = None
@@ -143,17 +143,17 @@ class TensorDictCodec:
                         raise CodecError(f"cannot cache result key {key!r}: keys must be strings")
                     if isinstance(value, TensorDict):
                         entries[key] = {"td": encode_tensordict(value, f"result[{key!r}]", sink)}
-                        rows = _rows(value) if rows is None else rows
+                        if rows is None and len(value.batch_size):
+                            rows = int(value.batch_size[0])
                     else:
                         entries[key] = {"v": to_jsonable(value, f"result[{key!r}]", sink=sink)}
                 objects["mapping"] = entries
             else:
                 raise CodecError(f"cannot cache a {type(result).__qualname__} with the TensorDict codec")
             concats: dict[str, tuple[str, str]] = {}
-            for spec in (
-                [objects["td"]] if "td" in objects else [e["td"] for e in objects["mapping"].values() if "td" in e]
-            ):
-                concats_of(spec, concats)
+            for entry in [objects] if "td" in objects else objects["mapping"].values():
+                if "td" in entry:
+                    concats_of(entry["td"], concats)
             return Payload(tensors=sink.tensors, objects=objects, rows=rows, concats=concats)
 
     def decode(self, payload: Payload, call: Any = None) -> Any:
@@ -188,10 +188,6 @@ class TensorDictCodec:
             elif isinstance(first, list):
                 merged[key] = [item for value in values for item in value]
         return merged
-
-
-def _rows(td: Any) -> int | None:
-    return int(td.batch_size[0]) if len(td.batch_size) else None
 
 
 def codec_named(header: object) -> DataProtoCodec | TensorDictCodec | None:

@@ -104,18 +104,13 @@ def installed_verl_matches(spec: str) -> bool:
 
 def settings_values(config: Any, paths: Sequence[str]) -> dict[str, Any]:
     """The run config's values at ``paths`` (dotted), as plain data: OmegaConf subtrees resolved."""
-    return {path: _plain(select(config, path)) for path in paths}
+    from omegaconf import DictConfig, ListConfig, OmegaConf
 
-
-def _plain(value: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(value, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf comes with verl
-        pass
-    return value
+    values = {path: select(config, path) for path in paths}
+    return {
+        path: OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+        for path, value in values.items()
+    }
 
 
 def module_exists(dotted: str) -> bool:

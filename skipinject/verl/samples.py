@@ -43,10 +43,6 @@ def _rows(value: Any) -> list[Any] | None:
     return list(value.unbind(0))
 
 
-def _field(fields: Mapping[str, Any], prefix: str, name: str) -> Any:
-    return fields.get(f"{prefix}{name}")
-
-
 def samples(fields: Mapping[str, Any]) -> list[Sample] | None:
     """The rows of a rollout batch from its flattened fields; None when it holds no responses."""
     key = next((k for k in fields if k == RESPONSES or k.endswith(f".{RESPONSES}")), None)
@@ -59,12 +55,12 @@ def samples(fields: Mapping[str, Any]) -> list[Sample] | None:
     prefix = key[: -len(RESPONSES)]
     jagged = bool(getattr(value, "is_nested", False))
     width = 0 if jagged else int(value.shape[-1])
-    masks = _rows(_field(fields, prefix, RESPONSE_MASK))
-    attention = _rows(_field(fields, prefix, ATTENTION_MASK))
+    masks = _rows(fields.get(prefix + RESPONSE_MASK))
+    attention = _rows(fields.get(prefix + ATTENTION_MASK))
     if masks is None and attention is not None and not jagged:
         masks = [row[-width:] for row in attention]
-    prompts = _rows(_field(fields, prefix, PROMPTS))
-    scores = next((_rows(_field(fields, prefix, k)) for k in SCORE_KEYS if _field(fields, prefix, k) is not None), None)
+    prompts = _rows(fields.get(prefix + PROMPTS))
+    scores = next((_rows(fields[prefix + k]) for k in SCORE_KEYS if fields.get(prefix + k) is not None), None)
     chats = next((v for k, v in fields.items() if k == CHAT_PROMPT or k.endswith(f".{CHAT_PROMPT}")), None)
     out = []
     for index, response in enumerate(responses):

@@ -1,8 +1,7 @@
 """The verl stack skipinject runs in (torch, tensordict, ray, verl) against the versions tested.
 
-skipinject does not depend on these (installing it must never replace a CUDA torch): the runner
-compares what is installed (distribution metadata, nothing imported) with :data:`TESTED` at start
-and says in one warning when anything is outside it.
+skipinject does not depend on these (installing it must never replace a CUDA torch): at start the
+runner compares what is installed (metadata only) with :data:`TESTED`, one warning when outside it.
 """
 
 from __future__ import annotations

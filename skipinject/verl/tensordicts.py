@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import threading
@@ -162,33 +163,27 @@ def _leading(value: Any, batch_size: list[int]) -> bool:
     return shape[: len(batch_size)] == batch_size
 
 
-_td_unsafe_ok: bool | None = None
-
-
+@functools.cache
 def _td_shortcut_ok() -> bool:
     """Whether ``_new_unsafe`` gives the public constructor's TensorDict here (checked once)."""
-    global _td_unsafe_ok
-    if _td_unsafe_ok is None:
-        import torch
-        from tensordict import NonTensorStack, TensorDict
+    import torch
+    from tensordict import NonTensorStack, TensorDict
 
-        _td_unsafe_ok = False
-        try:
-            source = {"x": torch.ones(2, 3), "s": NonTensorStack("a", "b")}
-            slow = TensorDict(dict(source), batch_size=[2])
-            fast = TensorDict._new_unsafe(dict(source), batch_size=torch.Size([2]), device=None)
-        except Exception:  # any failure: use the public constructor
-            return False
-        slow_state = {k: v for k, v in slow.__dict__.items() if k != "_validate_value_cached"}
-        fast_state = dict(fast.__dict__)
-        _td_unsafe_ok = (
-            type(fast) is TensorDict
-            and slow_state.keys() == fast_state.keys()
-            and type(slow_state.pop("_tensordict")) is type(fast_state["_tensordict"])
-            and dict(fast_state.pop("_tensordict")) == source
-            and fast_state == slow_state
-        )
-    return _td_unsafe_ok
+    try:
+        source = {"x": torch.ones(2, 3), "s": NonTensorStack("a", "b")}
+        slow = TensorDict(dict(source), batch_size=[2])
+        fast = TensorDict._new_unsafe(dict(source), batch_size=torch.Size([2]), device=None)
+    except Exception:  # any failure: use the public constructor
+        return False
+    slow_state = {k: v for k, v in slow.__dict__.items() if k != "_validate_value_cached"}
+    fast_state = dict(fast.__dict__)
+    return (
+        type(fast) is TensorDict
+        and slow_state.keys() == fast_state.keys()
+        and type(slow_state.pop("_tensordict")) is type(fast_state["_tensordict"])
+        and dict(fast_state.pop("_tensordict")) == source
+        and fast_state == slow_state
+    )
 
 
 def _build_stack(rows: list[Any], shape: Sequence[int]) -> Any:
@@ -204,14 +199,11 @@ _PLAIN_ROWS = (str, int, float, bool, type(None), list, dict, tuple)
 #: The state the constructors give a ``NonTensorData``'s empty TensorDict and a ``NonTensorStack``.
 _INNER_STATE = {"_device", "_tensordict", "_batch_size", "_td_dim_names"}
 _STACK_STATE = {"_is_locked", "stack_dim", "_batch_size", "tensordicts", "hook_out", "hook_in"}
-#: The constructor's ``NonTensorStack`` state (:func:`_stack_layout`); ``False``: not the layout relied on.
-_stack_state: dict[str, Any] | bool | None = None
 
 
 def non_tensor_stack(rows: Sequence[Any]) -> Any:
     """What ``NonTensorStack(*[NonTensorData(row) for row in rows])`` gives, its rows made on first use
-    (:class:`LazyRows`): a hit costs nothing per row for the fields training never reads. The stack's
-    state is the constructor's (:func:`_stack_layout`), else the constructor builds it."""
+    (:class:`LazyRows`: a hit costs nothing per row for the fields training never reads)."""
     from tensordict import NonTensorStack
 
     state = _stack_layout()
@@ -233,34 +225,30 @@ def _lazy_stack(state: dict[str, Any], rows: Sequence[Any]) -> Any:
     return stack
 
 
+@functools.cache
 def _stack_layout() -> dict[str, Any] | bool:
     """The constructor's ``NonTensorStack`` state if a stack built from it behaves the same, else ``False``."""
-    global _stack_state
-    if _stack_state is None:
-        from tensordict import NonTensorData, NonTensorStack
+    from tensordict import NonTensorData, NonTensorStack
 
-        _stack_state = False
-        rows = ["a", {"b": 1}]
-        try:
-            slow = NonTensorStack(*[NonTensorData(row) for row in rows])
-            state = dict(slow.__dict__)
-            fast = _lazy_stack(state, rows)
-            usable = (
-                set(state) == _STACK_STATE
-                and type(state["tensordicts"]) is list
-                and all(type(item) is NonTensorData and item.batch_size == () for item in state["tensordicts"])
-                and state["_batch_size"] == fast.batch_size
-                and fast.batch_size == slow.batch_size
-                and fast.tolist() == slow.tolist()
-                and type(fast.tensordicts) is _Rows
-                and list(fast.__dict__) == list(state)
-                and all(fast.__dict__[key] == state[key] for key in state if key not in ("tensordicts", "_batch_size"))
-            )
-        except Exception:  # any failure: use the public constructor
-            return False
-        if usable:
-            _stack_state = {**state, "tensordicts": None}  # the constructor's key order
-    return _stack_state
+    rows = ["a", {"b": 1}]
+    try:
+        slow = NonTensorStack(*[NonTensorData(row) for row in rows])
+        state = dict(slow.__dict__)
+        fast = _lazy_stack(state, rows)
+        usable = (
+            set(state) == _STACK_STATE
+            and type(state["tensordicts"]) is list
+            and all(type(item) is NonTensorData and item.batch_size == () for item in state["tensordicts"])
+            and state["_batch_size"] == fast.batch_size
+            and fast.batch_size == slow.batch_size
+            and fast.tolist() == slow.tolist()
+            and type(fast.tensordicts) is _Rows
+            and list(fast.__dict__) == list(state)
+            and all(fast.__dict__[key] == state[key] for key in state if key not in ("tensordicts", "_batch_size"))
+        )
+    except Exception:  # any failure: use the public constructor
+        return False
+    return {**state, "tensordicts": None} if usable else False  # the constructor's key order
 
 
 _FILL_LOCK = threading.Lock()
@@ -338,12 +326,9 @@ del _name
 
 
 def non_tensor_items(rows: Sequence[Any]) -> list[Any]:
-    """One ``NonTensorData`` per row, ~50x faster than the constructor (~40 us each, mostly validation).
-
-    Plain rows get a copy of the first (constructor-built) item's state with their own data and empty
-    TensorDict, exactly what the constructor builds, with the garbage collector paused; another state
-    layout (another tensordict version), or a row that is not plain, goes through the constructor.
-    """
+    """One ``NonTensorData`` per row, ~50x faster than the constructor (~40 us each, mostly validation):
+    plain rows get a copy of the first (constructor-built) item's state with their own data, the garbage
+    collector paused; another state layout (tensordict version), or a row not plain, the constructor."""
     from tensordict import NonTensorData, TensorDict
 
     try:
