@@ -98,10 +98,6 @@ class HitMemory:
         self._pool: list[_Slot] = []
         self._lock = threading.Lock()
 
-    def claim(self) -> Claim:
-        """What one hit takes its buffers from (a slot is picked at its first buffer)."""
-        return Claim(self)
-
     @property
     def nbytes(self) -> int:
         """Bytes the pool keeps allocated."""

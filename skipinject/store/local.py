@@ -233,7 +233,7 @@ def _fsync_dir(path: Path) -> None:
 def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id: str | None = None) -> None:
     """Write through a temporary name carrying the writer's id, fsync, then rename."""
     tmp = path.with_name(tmp_name(path.name, write_id or uuid.uuid4().hex[:8]))
-    handle = open(tmp, "wb", opener=_exclusive)  # noqa: SIM115 - closed below
+    handle = open(tmp, "wb", opener=lambda at, flags: os.open(at, flags | os.O_EXCL | os.O_NOFOLLOW, 0o666))  # noqa: SIM115
     try:
         with handle:
             write(handle)
@@ -244,10 +244,6 @@ def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-
-
-def _exclusive(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_EXCL | os.O_NOFOLLOW, 0o666)
 
 
 def make_private_dirs(path: Path) -> list[Path]:
