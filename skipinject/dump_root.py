@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from skipinject.errors import ConfigError
 
 if TYPE_CHECKING:
     from skipinject.store.backend import Backend
-    from skipinject.store.remote import RemotePath
 
 __all__ = ["LOCAL_SCHEMES", "DumpRoot", "is_remote", "is_url", "local_path_text"]
 
@@ -88,7 +87,9 @@ class DumpRoot:
         """The root as the store joins it: a ``Path``, or a :class:`~skipinject.store.remote.RemotePath`."""
         if self.path is not None:
             return self.path
-        return cast(Path, _opened(cast(str, self.url))[1])
+        from skipinject.store.remote import open_remote
+
+        return cast(Path, open_remote(cast(str, self.url))[1])
 
     def backend(self, *, trust_permissions: bool = False) -> Backend:
         """Where the root's files are moved: local files, or the remote store's fsspec filesystem."""
@@ -98,13 +99,6 @@ class DumpRoot:
             # As the user gave it (links not resolved): checked before a link could redirect it.
             given = Path(local_path_text(self.text)).expanduser()
             return LocalFiles(trust_permissions=trust_permissions, given_root=given)
-        from skipinject.store.remote import FsspecFiles
+        from skipinject.store.remote import FsspecFiles, open_remote
 
-        return FsspecFiles(_opened(self.url)[0])
-
-
-def _opened(url: str) -> tuple[Any, RemotePath]:
-    """The fsspec filesystem and root of ``url``, opened on each use (credentials from the environment now)."""
-    from skipinject.store.remote import open_remote
-
-    return open_remote(url)
+        return FsspecFiles(open_remote(self.url)[0])

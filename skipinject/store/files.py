@@ -18,7 +18,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from skipinject.errors import CorruptCacheError
 from skipinject.store.format import MAX_META_BYTES, META_NAME, PART_NAME, SPARSE_FACTOR, SPARSE_MIN_SIZE
@@ -78,7 +78,12 @@ def open_regular(
                 raise CorruptCacheError(f"{shown}: meta.json records no valid size ({expected_size!r})")
             if info.st_size != expected_size:
                 raise CorruptCacheError(f"{shown}: {info.st_size} bytes, meta.json says {expected_size} (truncated?)")
-        check_not_sparse(info, shown)
+        blocks = getattr(info, "st_blocks", None)  # a sparse file: hashing it would cost its size, not its disk
+        if blocks is not None and info.st_size >= SPARSE_MIN_SIZE and blocks * 512 * SPARSE_FACTOR < info.st_size:
+            raise CorruptCacheError(
+                f"{shown}: {info.st_size} bytes, but only {blocks * 512} on disk "
+                "(a sparse file, not written by skipinject)"
+            )
     except BaseException:
         os.close(fd)
         raise
@@ -99,17 +104,6 @@ def file_kind(mode: int) -> str:
     return f"file type {stat.S_IFMT(mode):o}"
 
 
-def check_not_sparse(info: os.stat_result, shown: Path) -> None:
-    """Refuse a large file occupying a tiny fraction of its size on disk (hashing it would cost its size)."""
-    blocks = getattr(info, "st_blocks", None)
-    if blocks is None or info.st_size < SPARSE_MIN_SIZE:
-        return
-    if blocks * 512 * SPARSE_FACTOR < info.st_size:
-        raise CorruptCacheError(
-            f"{shown}: {info.st_size} bytes, but only {blocks * 512} on disk (a sparse file, not written by skipinject)"
-        )
-
-
 def read_fd(fd: int, size: int, shown: Path) -> bytes:
     """Exactly ``size`` bytes (the fstat-ed size); a file that grew or shrank meanwhile is refused."""
     chunks = []
@@ -126,20 +120,6 @@ def read_fd(fd: int, size: int, shown: Path) -> bytes:
     return data
 
 
-def json_depth_ok(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests at most ``limit`` containers deep (iterative: no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return False
-        if type(item) is dict:
-            stack.extend((v, depth + 1) for v in item.values() if type(v) in (dict, list))
-        elif type(item) is list:
-            stack.extend((v, depth + 1) for v in item if type(v) in (dict, list))
-    return True
-
-
 def parse_json(data: bytes, shown: Path, *, what: str = "JSON file", max_depth: int | None = None) -> Any:
     """``json.loads`` whose every failure (syntax, nesting past ``max_depth``, memory) is a CorruptCacheError."""
     try:
@@ -150,8 +130,13 @@ def parse_json(data: bytes, shown: Path, *, what: str = "JSON file", max_depth: 
         raise CorruptCacheError(f"{shown}: unreadable {what} (too large to parse)") from exc
     except Exception as exc:
         raise CorruptCacheError(f"{shown}: unreadable {what} ({type(exc).__name__}: {exc})") from exc
-    if max_depth is not None and not json_depth_ok(value, max_depth):
-        raise CorruptCacheError(f"{shown}: unreadable {what} (JSON nested more than {max_depth} levels deep)")
+    stack = [(value, 1)] if max_depth is not None else []  # nesting, counted without recursion
+    while stack:
+        item, depth = stack.pop()
+        if depth > cast(int, max_depth):
+            raise CorruptCacheError(f"{shown}: unreadable {what} (JSON nested more than {max_depth} levels deep)")
+        children = item.values() if type(item) is dict else item if type(item) is list else ()
+        stack.extend((child, depth + 1) for child in children if type(child) in (dict, list))
     return value
 
 

@@ -269,7 +269,8 @@ def _restore(
     for number, (name, dtype) in enumerate(widened):
         source = stored[name].reshape(-1)
         out = slot(number, dtype, list(source.shape))
-        jobs.extend(partial(_copy_block, out, source, lo) for lo in range(0, source.numel(), BLOCK_ELEMENTS))
+        blocks = [slice(lo, lo + BLOCK_ELEMENTS) for lo in range(0, source.numel(), BLOCK_ELEMENTS)]
+        jobs.extend(partial(copy_into, out[block], source[block]) for block in blocks)
         tensors[name] = out.view(stored[name].shape)
     for number, (entry, recipe) in enumerate(zip(derived, recipes, strict=True), start=len(widened)):
         out = tensors[entry["name"]] = slot(number, recipe.dtype, recipe.shape)
@@ -284,11 +285,6 @@ def _restore(
     with ThreadPoolExecutor(workers(), thread_name_prefix="skipinject") as pool:
         for done in [pool.submit(job) for job in jobs]:
             done.result()
-
-
-def _copy_block(out: torch.Tensor, source: torch.Tensor, lo: int) -> None:
-    """Elements ``[lo, lo + BLOCK_ELEMENTS)`` of flat ``source`` converted into flat ``out``."""
-    copy_into(out[lo : lo + BLOCK_ELEMENTS], source[lo : lo + BLOCK_ELEMENTS])
 
 
 def _narrows(stored: str, dtype: str) -> bool:
