@@ -395,7 +395,7 @@ class RowMatcher:
         said, which rows those are (the others are not served from here) and the source's ``meta.json``."""
         codec = self.runtime.codec
         assert isinstance(codec, RowCodec)
-        entry = store.verified(number)
+        entry = store.verified(number, siblings=True)
         try:
             records = match_records(entry.meta)
             record = records[part] if part < len(records) else None

@@ -163,7 +163,7 @@ class RowIndex:
                 break  # a directory of empty claims costs a bounded look per refresh (the collector removes them)
             mtime = self.stores[kind].meta_versions([number]).get(number, -1)  # before reading: a change is seen
             try:
-                rows = list(enumerate(match_records(self.stores[kind].read_meta(number))))
+                rows = list(enumerate(match_records(self.stores[kind].read_meta(number, siblings=True))))
             except (OSError, CorruptCacheError):
                 failures += 1
                 self._unreadable[(kind, number)] = now  # not committed (yet) or not ours: looked at again later

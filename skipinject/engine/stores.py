@@ -148,6 +148,7 @@ class RoleContext:
             compression=compression_for(self.settings.compression, root.location()),
             memory=self.hit_memory,
             step_aliases=(STEP_KEY,),
+            siblings=self.role.match_reads,
         )
 
     def opened(self) -> list[StepStore]:

@@ -94,11 +94,13 @@ class StepStore:
         compression: Compression | None = None,
         memory: HitMemory | None = None,
         step_aliases: Sequence[str] = (),
+        siblings: Sequence[str] = (),
     ) -> None:
         """``trust_permissions``: load from directories other users could write; ``dump_dir``: the cache root
         (checked down to ``project_dir``); ``plugin``: recorded in ``meta.json``; ``backend``: default local files;
         ``compression``: of the files written; ``memory``: the pool compressed hits decode into;
-        ``step_aliases``: more ``meta.json`` keys holding the step."""
+        ``step_aliases``: more ``meta.json`` keys holding the step; ``siblings``: other roles whose steps are
+        read when asked (``action=match``) and never overwritten."""
         if backend is None:
             from skipinject.store.local import LocalFiles
 
@@ -114,6 +116,7 @@ class StepStore:
         self.compression = compression
         self.memory = memory
         self.step_aliases = tuple(step_aliases)
+        self.siblings = frozenset(siblings)
 
     @property
     def location(self) -> Path:
@@ -243,9 +246,9 @@ class StepStore:
         return sorted({int(name) for name in names if STEP_NAME.fullmatch(name)})
 
     def is_committed(self, step: int) -> bool:
-        """The step has a valid ``meta.json`` of this role (its data files are not verified)."""
+        """The step has a valid ``meta.json`` of this role or a sibling (its data files are not verified)."""
         try:
-            self.read_meta(step)
+            self.read_meta(step, siblings=True)
         except (OSError, CorruptCacheError):
             return False
         return True
@@ -290,26 +293,27 @@ class StepStore:
             return None
         return base / name
 
-    def read_meta(self, step: int) -> StepMeta:
-        """A step's checked ``meta.json`` (format, version, role, context, self-checksum)."""
+    def read_meta(self, step: int, *, siblings: bool = False) -> StepMeta:
+        """A step's checked ``meta.json`` (format, version, role, context, self-checksum); ``siblings``: one of
+        a sibling role's too."""
         files = self._open_step(step)
         try:
-            return self._read_meta(files, step)
+            return self._read_meta(files, step, siblings)
         finally:
             files.close()
 
-    def _read_meta(self, files: StepFiles, step: int) -> StepMeta:
+    def _read_meta(self, files: StepFiles, step: int, siblings: bool = False) -> StepMeta:
         path = self.step_dir(step) / META_NAME
         data = files.read_meta()
         meta = parse_json(data, path, what="meta.json", max_depth=MAX_META_DEPTH)
         try:
-            return self._check_meta(meta, path, step)
+            return self._check_meta(meta, path, step, siblings)
         except CacheError:
             raise
         except Exception as exc:
             raise CorruptCacheError(f"{path}: meta.json is malformed ({type(exc).__name__}: {exc})") from exc
 
-    def _check_meta(self, meta: object, path: Path, step: int) -> StepMeta:
+    def _check_meta(self, meta: object, path: Path, step: int, siblings: bool = False) -> StepMeta:
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CorruptCacheError(f"{path}: not a skipinject cache (no format marker)")
         if meta.get("format_version") not in READABLE_VERSIONS:
@@ -319,7 +323,7 @@ class StepStore:
             )
         if meta.get("meta_checksum") != meta_digest(meta):
             raise CorruptCacheError(f"{path}: meta.json was edited or damaged (its checksum does not match)")
-        if meta.get("role") != self.role:
+        if meta.get("role") != self.role and not (siblings and meta.get("role") in self.siblings):
             raise CorruptCacheError(f"{path}: written by role {short(meta.get('role'))}, not {self.role!r}")
         if meta.get("step") != step:
             raise CorruptCacheError(f"{path}: records step {short(meta.get('step'))}, but lies in step {step}")
@@ -339,12 +343,13 @@ class StepStore:
             )
         return StepMeta(meta, path)
 
-    def verified(self, step: int) -> StepEntry:
+    def verified(self, step: int, *, siblings: bool = False) -> StepEntry:
         """The step's entry after checking every file it names (CorruptCacheError; FileNotFoundError: nothing
-        cached). The bytes are read once, into private memory, and kept for :meth:`load`."""
+        cached; ``siblings``: a sibling role's step too). The bytes are read once, into private memory, and
+        kept for :meth:`load`."""
         files = self._open_step(step)
         try:
-            meta = self._read_meta(files, step)
+            meta = self._read_meta(files, step, siblings)
             meta.check_budget()
             entry = StepEntry(step, self.step_dir(step), meta, memory=Claim(self.memory))
             try:
@@ -394,7 +399,7 @@ class StepStore:
             entry.loaded.clear()
             return loaded
         if not entry.mapped and not entry.blobs:
-            entry = self.verified(entry.step)  # not read by verified(): read it now, under the same rules
+            entry = self.verified(entry.step, siblings=entry.meta.get("role") != self.role)  # under the same rules
         try:
             return self._load(entry)
         except BaseException:

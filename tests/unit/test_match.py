@@ -379,7 +379,7 @@ def test_dead_claims_cost_a_bounded_look_per_refresh(targets: Any, tmp_path: Pat
     looked: list[int] = []
     read_meta = StepStore.read_meta
     monkeypatch.setattr(
-        StepStore, "read_meta", lambda self, n: (self is rows and looked.append(n)) or read_meta(self, n)
+        StepStore, "read_meta", lambda self, n, **kw: (self is rows and looked.append(n)) or read_meta(self, n, **kw)
     )
     index = RowIndex(steps, rows)
     assert index.lookup(["0" * 16]) == [[]]

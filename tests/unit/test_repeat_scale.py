@@ -41,7 +41,7 @@ def test_meta_reads_do_not_grow_with_the_cached_steps(
     runtime = RoleRuntime(role, settings, "bench")
     reads: list[int] = []
     real = StepStore.read_meta
-    monkeypatch.setattr(StepStore, "read_meta", lambda self, step: reads.append(step) or real(self, step))
+    monkeypatch.setattr(StepStore, "read_meta", lambda self, step, **kw: reads.append(step) or real(self, step, **kw))
     plan = runtime.plan(Call("json:dumps", repr, None, (), {}), steps + 5)
     assert plan.served_step == steps - 1 and plan.entry is not None
     assert reads == [steps - 1], "only the nearest cached step is read"

@@ -12,6 +12,7 @@ from skipinject import (
     DataProtoCodec,
     HitInfo,
     MatchInfo,
+    TensorDictCodec,
     UpstreamFormat,
     attended_tokens,
     installed_verl_matches,
@@ -126,15 +127,19 @@ V1_CODEC = "TensorDict"
 
 
 class RolloutCodec(DataProtoCodec):
-    """The V0 rollouts' ``DataProto`` codec; a V1 ``rollout_tq`` recording (found by ``action=match``, whose
-    row keys are the same for both trainers) is refused with the reason, not the codec names."""
+    """The V0 rollouts' ``DataProto`` codec. A V1 ``rollout_tq`` recording (found by ``action=match``, whose
+    row keys are the same for both trainers) is served as the V0 agent loop pads its rows, to this call's
+    widths (:mod:`skipinject_rollout.trainer_formats`), or refused naming the field that cannot be carried."""
 
     def decode(self, payload: Any, call: Any = None) -> Any:
         if payload.objects.get("codec") == V1_CODEC:
-            raise CodecError(
-                "recorded by the V1 TransferQueue trainer (TransferQueue trajectories: jagged prompts and "
-                "responses with per-trajectory tags), which holds no padded, batch-wide DataProto fields "
-                "to carry over exactly: those rows are generated"
+            from skipinject_rollout import trainer_formats
+
+            if call is None:
+                raise CodecError("a V1 TransferQueue recording is served to a V0 call only, padded to its widths")
+            scores = getattr(call.instance, "reward_loop_worker_handles", None) is not None
+            return trainer_formats.v0_rows_from_trajectories(
+                TensorDictCodec().decode(payload), call.run_config, scores_in_loop=scores
             )
         return super().decode(payload, call)
 

@@ -97,6 +97,7 @@ ROLLOUT = Role(
     record_meta=record_run,
     row_key=prompt_key,
     match_settings=GENERATION_SETTINGS,
+    match_reads=("rollout_tq",),  # the V1 trainer's trajectories, padded as this trainer pads its rows
     on_match=mark_match,
     cache_subdir="",
     upstream=(GEN_BATCH, GENSTEP_BATCH),

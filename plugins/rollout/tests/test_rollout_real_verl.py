@@ -294,10 +294,11 @@ def test_async_rollout_resolves_each_concurrent_sample_on_its_own(tmp_path: Path
         assert second[index - 1].non_tensor_batch["raw_prompt"][0][0]["content"] == f"prompt {index}"
 
 
-def test_match_generates_rows_a_v1_recording_holds_and_says_why(tmp_path: Path, caplog):
+def test_match_generates_rows_a_v1_recording_cannot_carry_and_says_why(tmp_path: Path, caplog):
     """A V1 ``rollout_tq`` recording whose row keys are this call's (the same prompts and generation
-    settings) holds TransferQueue trajectories, not a ``DataProto``: a V0 ``match`` generates those rows,
-    with one line naming the reason (not the codecs' names)."""
+    settings), met by a V0 run whose agent loop scores no row: a V0 row would carry the call's inputs, not
+    the trajectory's reward, so a V0 ``match`` generates those rows, with one line naming the field (not
+    the codecs' names)."""
     import json
 
     from skipinject.store import StepStore
@@ -332,5 +333,5 @@ def test_match_generates_rows_a_v1_recording_holds_and_says_why(tmp_path: Path, 
     assert len(out) == rows
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     [why] = [line for line in warned if "cached step 5" in line]
-    assert "not served (CodecError: recorded by the V1 TransferQueue trainer" in why, why
-    assert "those rows are generated" in why and "written by codec" not in why, why
+    assert "not served (CodecError: field 'rm_scores' cannot be carried exactly" in why, why
+    assert "this run's agent loop scores no row" in why and "written by codec" not in why, why

@@ -37,6 +37,7 @@ from skipinject import (
 )
 from skipinject_rollout import rescore
 from skipinject_rollout.reward_identity import reward_identity
+from skipinject_rollout.trainer_formats import prompt_fields
 
 from skipinject_rollout_tq.transfer import (
     TRAIN,
@@ -47,6 +48,7 @@ from skipinject_rollout_tq.transfer import (
     prepare,
     prompt_groups,
     snapshot,
+    with_prompts,
 )
 
 logger = logging.getLogger("skipinject")
@@ -290,7 +292,7 @@ def submit_prompts(role: PhaseContext, call: Call, step: int, batch: Any, what: 
         notes.setdefault("row_keys", {}).update({uid: keys[i * n : i * n + n] for i, uid in enumerate(uids)})
     served: set[int] = set()
     if keys is not None and role.settings.action is Action.match:
-        served = _serve_matched(role, call, step, uids, keys, n, what)
+        served = _serve_matched(role, call, step, batch, keys, n, what)
         notes.setdefault("served_uids", set()).update(uids[i] for i in served)
     rest = [i for i in range(len(uids)) if i not in served]
     if not rest:
@@ -320,9 +322,11 @@ def _prompt_keys(role: PhaseContext, call: Call, batch: Any, n: int) -> list[str
 
 
 def _serve_matched(
-    role: PhaseContext, call: Call, step: int, uids: list[str], keys: list[str], n: int, what: str
+    role: PhaseContext, call: Call, step: int, batch: Any, keys: list[str], n: int, what: str
 ) -> set[int]:
-    """Put the prompts whose ``n`` trajectories are cached into TransferQueue; returns their indices."""
+    """Put the prompts whose ``n`` trajectories are cached into TransferQueue; returns their indices (none, after
+    one warning, when the served trajectories cannot be put together: all are submitted then)."""
+    uids = [str(uid) for uid in batch["uid"]]
     found = role.match_rows(call, keys, n)  # whole groups only
     served = [i for i in range(len(uids)) if i * n in found.rows]
     pieces: list[Any] = []
@@ -344,12 +348,20 @@ def _serve_matched(
     if served:
         config = run_config_of(call)
         handles = getattr(getattr(call.instance, "reward_loop_manager", None), "reward_loop_worker_handles", None)
+        try:  # trajectories read from a V0 recording take their prompts' fields
+            pieces, rows = with_prompts(pieces, rows, n, lambda index: prompt_fields(batch, served[index]))
+        except Exception as exc:
+            return _cannot_serve(role, step, what, len(served), exc)
         for piece, name in zip(pieces, names, strict=True):  # served rows scored by this run's reward
             meta = found.source_meta.get(name, {})
             rescore.apply_trajectories(
                 piece["tensordict"], handles, reward_identity(config), role.name, step, role.settings, meta
             )
-        inject(matched_injection(pieces, rows, [uids[i] for i in served], n, step))
+        try:
+            injection = matched_injection(pieces, rows, [uids[i] for i in served], n, step)
+        except Exception as exc:
+            return _cannot_serve(role, step, what, len(served), exc)
+        inject(injection)
     shown = ", ".join(f"{name} ({count})" for name, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
     rest = len(uids) - len(served)
     logger.info(
@@ -365,6 +377,21 @@ def _serve_matched(
         f"{rest} submitted for generation" if rest else "rollout not submitted",
     )
     return set(served)
+
+
+def _cannot_serve(role: PhaseContext, step: int, what: str, prompts: int, exc: Exception) -> set[int]:
+    """One warning: the served prompts' trajectories cannot be put together; all are submitted instead."""
+    logger.warning(
+        "%s step %d: match (%s): cannot put the %d served prompts' trajectories together (%s: %s); submitting them "
+        "for generation",
+        role.name,
+        step,
+        what,
+        prompts,
+        type(exc).__name__,
+        exc,
+    )
+    return set()
 
 
 def match_caveat(config: Any, settings: RoleConfig) -> str | None:

@@ -88,6 +88,7 @@ def make_role() -> Role:
         # copy, the generation settings); the submit and refill phases key and cut the prompts.
         row_key=lambda call: batch_digests(call.batch) if call.batch is not None else None,
         match_settings=GENERATION_SETTINGS,
+        match_reads=("rollout",),  # the V0 trainer's rows, unpadded as this trainer writes its trajectories
         # What scored the trajectories, in each saved step's meta.json (a served step is re-scored when
         # this run's reward differs: skipinject_rollout.rescore).
         record_meta=record_reward,

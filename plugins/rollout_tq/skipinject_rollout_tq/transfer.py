@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skipinject import CodecError, CorruptCacheError, TensorDictCodec, attended_tokens
+from skipinject import CodecError, CorruptCacheError, DataProtoCodec, TensorDictCodec, attended_tokens
+from skipinject_rollout import trainer_formats
 from skipinject_rollout.common import GENERATION_INPUTS, prompt_digests
 
 logger = logging.getLogger("skipinject")
@@ -219,14 +220,16 @@ class TrajectoryCodec(TensorDictCodec):
     """The TensorDict codec whose cached step parts are rows, one per trajectory (``action=match``).
 
     A part is ``{"tensordict", "keys", "tags", ...}``: :meth:`select_rows` takes rows of all three.
-    The phases key, cut and submit the prompts themselves, so calls are never cut or merged here."""
+    The phases key, cut and submit the prompts themselves, so calls are never cut or merged here. A V0
+    ``rollout`` recording (found by its equal row keys) is read as the V1 agent loop writes trajectories
+    (:mod:`skipinject_rollout.trainer_formats`), or refused naming the field that cannot be carried."""
 
     def decode(self, payload: Any, call: Any = None) -> Any:
         if payload.objects.get("codec") == V0_CODEC:  # a V0 rollout's rows, found by their (equal) keys
-            raise CodecError(
-                "recorded by the V0 trainer (a DataProto batch of padded prompts and responses), which holds "
-                "no TransferQueue trajectory fields (jagged prompts and responses, per-trajectory tags and "
-                "extra fields) to carry over exactly: those prompts are generated"
+            if call is None:
+                raise CodecError("a V0 DataProto recording is served to a V1 submit only, with its prompts' fields")
+            return trainer_formats.trajectories_from_v0(
+                DataProtoCodec().decode(payload), trainer_formats.needs_log_probs(call.run_config)
             )
         return super().decode(payload, call)
 
@@ -242,6 +245,8 @@ class TrajectoryCodec(TensorDictCodec):
     def select_rows(self, result: Any, rows: Sequence[int]) -> Any:
         from verl.utils.tensordict_utils import index_select_tensor_dict
 
+        if result.get(trainer_formats.FROM_V0):
+            return trainer_formats.select_v0_rows(result, rows)
         picked = list(rows)
         return {
             **result,
@@ -255,10 +260,15 @@ class TrajectoryCodec(TensorDictCodec):
 
 
 def matched_injection(
-    pieces: Sequence[Mapping[str, Any]], rows: Sequence[tuple[int, int]], uids: Sequence[str], n: int, step: int
+    pieces: Sequence[Mapping[str, Any]],
+    rows: Sequence[tuple[int, int]],
+    uids: Sequence[str],
+    n: int,
+    step: int,
 ) -> Injection:
     """Served trajectories ready for this step: prompt ``i`` (``uids[i]``) session ``j`` is row ``rows[i*n+j]``
-    (``(piece, row in piece)``) of ``pieces`` (:meth:`TrajectoryCodec.select_rows` results)."""
+    (``(piece, row in piece)``) of ``pieces`` (:meth:`TrajectoryCodec.select_rows` results, after
+    :func:`with_prompts`)."""
     from verl.utils.tensordict_utils import concat_tensordict
 
     starts, at = [], 0
@@ -274,6 +284,29 @@ def matched_injection(
 
     plan = _renamed(tags, uids, n, step, served_row, len(uids))
     return Injection(plan, select_rows(data, plan, step), [str(uid) for uid in uids], step)
+
+
+def with_prompts(
+    pieces: Sequence[Mapping[str, Any]],
+    rows: Sequence[tuple[int, int]],
+    n: int,
+    prompts: Callable[[int], dict[str, Any]],
+) -> tuple[list[Mapping[str, Any]], list[tuple[int, int]]]:
+    """The pieces read from V0 recordings cut to their served rows, each with its prompt's fields (``prompts(i)``:
+    prompt ``i``'s) and session, as the V1 agent loop writes them
+    (:func:`skipinject_rollout.trainer_formats.with_prompt_fields`); ``rows`` renumbered to match."""
+    out, rows = list(pieces), list(rows)
+    for number, piece in enumerate(pieces):
+        if not piece.get(trainer_formats.FROM_V0):
+            continue
+        used = [index for index, (p, _) in enumerate(rows) if p == number]
+        picked = trainer_formats.select_v0_rows(piece, [rows[index][1] for index in used])
+        out[number] = trainer_formats.with_prompt_fields(
+            picked, [prompts(index // n) for index in used], [index % n for index in used]
+        )
+        for position, index in enumerate(used):
+            rows[index] = (number, position)
+    return out, rows
 
 
 # ---------------------------------------------------------------- upstream's tq_batch.pt

@@ -938,9 +938,9 @@ def test_match_says_at_the_runs_start_once_why_it_is_not_exact(
 
 
 @pytest.mark.ray
-def test_match_generates_rows_a_v0_recording_holds_and_says_why(tmp_path: Path, clean_tq: None, caplog):
+def test_match_generates_rows_a_v0_recording_cannot_carry_and_says_why(tmp_path: Path, clean_tq: None, caplog):
     """A V0 ``rollout`` recording whose row keys are this submit's (the same prompts and generation
-    settings) holds DataProto rows, not TransferQueue trajectories: they are generated, said once."""
+    settings) but whose rows lack a field a V1 trajectory is made of: they are generated, one line names it."""
     from skipinject.verl.codecs import DataProtoCodec
     from verl.protocol import DataProto
 
@@ -966,7 +966,8 @@ def test_match_generates_rows_a_v0_recording_holds_and_says_why(tmp_path: Path, 
     assert trainer.agent_loop_manager.indices == [[0, 1, 2, 3]], "every prompt generated"
     assert trained_rows(got) == own_rows(range(4), 1)
     [why] = messages_of(caplog, "cached step 5 of", logging.WARNING)
-    assert "recorded by the V0 trainer" in why and "those prompts are generated" in why
+    assert "field 'prompts' cannot be carried exactly between the trainers' formats" in why
+    assert "the V0 recording does not hold it" in why
 
 
 def test_a_v1_prompt_is_keyed_as_the_v0_rollout_keys_its_rows():
