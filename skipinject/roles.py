@@ -420,7 +420,7 @@ class Role:
     #: ``action=match``: run-config keys (dotted) whose values decide a row's result.
     match_settings: Sequence[str] = ()
     #: ``action=match``: other roles whose recorded rows (keyed alike) this role's codec decodes and serves;
-    #: a step one of them committed is never overwritten by this role.
+    #: a step one of them committed is not overwritten by this role's ``match`` (its new rows are a rows record).
     match_reads: Sequence[str] = ()
     on_match: Callable[[Any, Call, MatchInfo], Any] | None = None
     #: Sub-directory of the project directory holding the steps; ``None``: the role's name, ``""``: none.

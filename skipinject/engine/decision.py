@@ -45,7 +45,7 @@ def plan_step(
         logger.info("%s step %d: refresh: running the target and %s in place of any cached one", name, step, saving)
         return Plan(store, step, reason="refresh", saves=settings.save)
     if action is Action.match:  # the call is saved as the step when none is committed there, else its new rows
-        if committed(store, step):
+        if committed(store, step, siblings=True):
             reason = "match: step already cached (new rows saved as a rows record)"
             return Plan(store, step, reason=reason, saves=False)
         return Plan(store, step, reason="match", saves=settings.save)
@@ -107,10 +107,11 @@ def plan_step(
     return Plan(store, step, reason=reason, untrusted_upstream=untrusted, saves=settings.save)
 
 
-def committed(store: StepStore, step: int) -> bool:
-    """Whether ``step`` is committed in ``store``; True when that cannot be told (nothing is written there)."""
+def committed(store: StepStore, step: int, *, siblings: bool = False) -> bool:
+    """Whether ``step`` is committed in ``store`` (``siblings``: by a sibling role too, as ``match`` asks); True
+    when that cannot be told (nothing is written there)."""
     try:
-        return store.is_committed(step)
+        return store.is_committed(step, siblings=siblings)
     except OSError:
         return True
 

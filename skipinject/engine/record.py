@@ -226,7 +226,9 @@ class Recorder:
             if record.plan is None:  # no phase planned the step in this run: record it unless cached
                 settings = self.runtime.settings
                 usable = self.runtime.unusable(store) is None and settings.save
-                anew = settings.action is Action.refresh or not committed(store, step)
+                anew = settings.action is Action.refresh or not committed(
+                    store, step, siblings=settings.action is Action.match
+                )
                 record.plan = Plan(store, step, reason="recorded", saves=usable and anew)
             record.by_phase = True
             if not (record.recording and record.plan.saves) or record.failed or record.closed or record.committed_parts:

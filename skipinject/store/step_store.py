@@ -245,10 +245,11 @@ class StepStore:
             return []  # a remote store that cannot be listed holds nothing this run can use
         return sorted({int(name) for name in names if STEP_NAME.fullmatch(name)})
 
-    def is_committed(self, step: int) -> bool:
-        """The step has a valid ``meta.json`` of this role or a sibling (its data files are not verified)."""
+    def is_committed(self, step: int, *, siblings: bool = False) -> bool:
+        """The step has a valid ``meta.json`` of this role (``siblings``: or of a sibling; its data files are not
+        verified)."""
         try:
-            self.read_meta(step, siblings=True)
+            self.read_meta(step, siblings=siblings)
         except (OSError, CorruptCacheError):
             return False
         return True

@@ -537,7 +537,7 @@ class SamplePhase:
         part = role.record(call, step, sampled)
         notes = role.notes(call, step)
         if part is None:
-            if role.settings.action is Action.match and role.store_for(call).is_committed(step):
+            if role.settings.action is Action.match and role.store_for(call).is_committed(step, siblings=True):
                 _keep_generated(role, call, step, sampled, notes)
             return
         notes["trajectories"] = notes.get("trajectories", 0) + len(sampled["keys"])
