@@ -1,12 +1,10 @@
 """The one module that opens, reads and removes a cache's files (docs/reliability.md).
 
-Files are opened relative to their directory's descriptor with ``O_NOFOLLOW | O_NONBLOCK`` and must be
-regular files of the recorded size (checked on the opened descriptor) before a byte is read; JSON is
-parsed under size and nesting limits. Directories must be this user's and not writable by others
-(ssh's ``StrictModes``) unless trusted. Removal walks down from an anchor one name at a time without
-following links and unlinks relative to the descriptor a name was checked in. Every failure to read
-is a :class:`~skipinject.errors.CorruptCacheError`; a missing file stays ``FileNotFoundError``.
-"""
+Files are opened relative to their directory's descriptor, no link followed, and must be regular files of
+the recorded size before a byte is read; JSON is parsed under size and nesting limits; directories must be
+this user's alone (ssh's ``StrictModes``) unless trusted; removal walks down from an anchor one name at a
+time. Every failure to read is a :class:`~skipinject.errors.CorruptCacheError`; a missing file stays
+``FileNotFoundError``."""
 
 from __future__ import annotations
 

@@ -41,25 +41,18 @@ def memory_budget() -> int:
     cgroup or ``RLIMIT_AS``). A step declaring more is refused before anything is allocated."""
     if not _USABLE:
         limits = []
-        try:
+        with contextlib.suppress(AttributeError, OSError, ValueError):
             limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (AttributeError, OSError, ValueError):
-            pass
-        try:
+        with contextlib.suppress(ImportError, OSError, ValueError):
             import resource
 
             soft = resource.getrlimit(resource.RLIMIT_AS)[0]
             if soft != resource.RLIM_INFINITY:
                 limits.append(soft)
-        except (ImportError, OSError, ValueError):
-            pass
-        try:
-            with open("/sys/fs/cgroup/memory.max", "rb") as handle:
-                text = handle.read(64).strip()
+        with contextlib.suppress(OSError), open("/sys/fs/cgroup/memory.max", "rb") as handle:
+            text = handle.read(64).strip()
             if text.isdigit():
                 limits.append(int(text))
-        except OSError:
-            pass
         _USABLE.append(min(limits) if limits else 32 << 30)
     return _USABLE[0] // 2
 
