@@ -120,7 +120,7 @@ def s3_url(workdir: Path) -> Iterator[str]:
 
 
 def stored_bytes(store: StepStore, step: int) -> int:
-    return sum(int(spec["size"]) for _, spec in store.named_files(step, store.read_meta(step)))
+    return store.read_meta(step).stored_size
 
 
 def measure_store(
@@ -272,9 +272,9 @@ def floor(figures: dict[str, Any], store: StepStore, repeat: int) -> None:
     """Reading and checksumming the stored bytes of the last saved step, nothing else (mapped, as the hit does)."""
     step = max(store.step_numbers_on_disk())
     meta = store.read_meta(step)
-    named = store.named_files(step, meta)
+    named = [part.at(store.step_dir(step), file.name) for part, file in meta.files()]
     algo = meta["checksum_algo"]
-    measure(figures, "floor", lambda: [file_checksum(path, algo) for path, _ in named], repeat)
+    measure(figures, "floor", lambda: [file_checksum(path, algo) for path in named], repeat)
 
 
 def fresh_floor(figures: dict[str, Any], nbytes: int, repeat: int) -> None:

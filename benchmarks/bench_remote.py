@@ -82,7 +82,7 @@ def run(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, work
     measure(figures, "upstream_save", lambda: batch.save_to_disk(upstream_path), repeat)
     measure(figures, "local_save", lambda: local.save(1, codec.encode(batch), {}), repeat)
     measure(figures, "remote_save", lambda: remote.save(1, codec.encode(batch), {}), repeat)
-    figures["file_mb"] = sum(spec["size"] for _, spec in remote.named_files(1, remote.read_meta(1))) / 1e6
+    figures["file_mb"] = remote.read_meta(1).stored_size / 1e6
     for key, load in (("upstream_load", upstream_load), ("local_load", lambda: hit(local))):
         measure(figures, key, load, repeat)
     raw_transfer(figures, fs, remote, root, repeat)
@@ -96,8 +96,7 @@ def run(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, work
 
 def raw_transfer(figures: dict[str, Any], fs: Any, store: RemoteStepStore, root: Any, repeat: int) -> None:
     """The server's own speed, for scale: one PUT and one GET of the tensor file's bytes."""
-    named = store.named_files(1, store.read_meta(1))
-    [tensor_at] = [at for at, spec in named if spec["kind"] == "tensors"]
+    [tensor_at] = [part.at(store.step_dir(1), f.name) for part, f in store.read_meta(1).files() if f.kind == "tensors"]
     blob = fs.cat_file(tensor_at.path)  # type: ignore[attr-defined]
     target = f"{root.path}/raw.bin"
     measure(figures, "raw_put", lambda: fs.pipe_file(target, blob), repeat)
