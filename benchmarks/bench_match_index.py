@@ -57,9 +57,9 @@ def write_meta(store: StepStore, step: int, keys: list[str]) -> None:
 class CountingStore(StepStore):
     reads = 0
 
-    def read_meta(self, step: int) -> dict[str, Any]:
+    def read_meta(self, step: int, *, siblings: bool = False) -> dict[str, Any]:
         CountingStore.reads += 1
-        return super().read_meta(step)
+        return super().read_meta(step, siblings=siblings)
 
 
 def index_of(project: Path) -> RowIndex:
