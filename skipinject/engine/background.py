@@ -34,7 +34,10 @@ class BackgroundWriter:
 
     def submit(self, key: Hashable, job: Callable[[], Any]) -> None:
         """Queue ``job`` (blocks while the queue is full)."""
-        self._ensure_thread()
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="skipinject-writer", daemon=True)
+                self._thread.start()
         with self._changed:
             self._pending[key] += 1
         self._jobs.put((key, job))
@@ -51,12 +54,6 @@ class BackgroundWriter:
     def pending(self) -> int:
         with self._changed:
             return sum(self._pending.values())
-
-    def _ensure_thread(self) -> None:
-        with self._start_lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="skipinject-writer", daemon=True)
-                self._thread.start()
 
     def _run(self) -> None:
         while True:
