@@ -2,7 +2,7 @@
 
 :mod:`~skipinject.engine.phases` (interceptors, the default phase) hands a call to its role's
 :mod:`~skipinject.engine.runtime`: :mod:`~skipinject.engine.stores` (its stores),
-:mod:`~skipinject.engine.replay` (serving, decided by :mod:`~skipinject.engine.decision`),
+:mod:`~skipinject.engine.replay` (deciding and serving),
 :mod:`~skipinject.engine.record` (saving a step's calls) and :mod:`~skipinject.engine.matching`
 (``action=match``). Every decision is one line on the ``skipinject`` logger.
 """

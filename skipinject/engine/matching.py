@@ -34,7 +34,7 @@ from skipinject.verl.compat import settings_values
 from skipinject.verl.layout import layout_label
 
 if TYPE_CHECKING:
-    from skipinject.engine.calls import StepCalls
+    from skipinject.engine.record import StepCalls
     from skipinject.store import StepStore
 
 logger = logging.getLogger("skipinject")

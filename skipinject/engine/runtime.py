@@ -8,9 +8,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from skipinject.config import RoleConfig
-from skipinject.engine.calls import StepBook
 from skipinject.engine.matching import Found, RowMatcher, row_keys
-from skipinject.engine.record import Recorder
+from skipinject.engine.record import Recorder, StepBook
 from skipinject.engine.replay import REGENERATE, Replay, regenerated
 from skipinject.engine.stores import RoleContext
 from skipinject.roles import Call, Loaded, Plan, Role

@@ -12,7 +12,7 @@ import pytest
 
 from skipinject import Call, CodecError, Loaded, Payload, Role, StepSource, Target
 from skipinject.config import RoleConfig
-from skipinject.engine.decision import plan_step
+from skipinject.engine.replay import plan_step
 from skipinject.engine.runtime import RoleRuntime
 from skipinject.errors import CacheMissError, CorruptCacheError
 from skipinject.store import StepStore
