@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from skipinject.engine.record import Recorder, rows_per_key
 from skipinject.engine.row_index import STEPS, RowIndex, RowSource, match_records
-from skipinject.engine.stores import RoleContext
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
 from skipinject.report.misses import settings_differ
 from skipinject.report.tally import TALLY, hit_amounts
@@ -35,6 +34,7 @@ from skipinject.verl.layout import layout_label
 
 if TYPE_CHECKING:
     from skipinject.engine.record import StepCalls
+    from skipinject.engine.runtime import RoleRuntime
     from skipinject.store import StepStore
 
 logger = logging.getLogger("skipinject")
@@ -125,7 +125,7 @@ class _Pending:
 class RowMatcher:
     """``action=match`` for one role in this process: the row indexes and rows stores of its projects."""
 
-    def __init__(self, runtime: RoleContext, recorder: Recorder) -> None:
+    def __init__(self, runtime: RoleRuntime, recorder: Recorder) -> None:
         self.runtime = runtime
         self.recorder = recorder
         self._memo: dict[tuple[str, Any], Any] = {}

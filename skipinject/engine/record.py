@@ -19,17 +19,19 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skipinject.config import Action
 from skipinject.engine.background import WRITER
 from skipinject.engine.replay import Replay, committed
-from skipinject.engine.stores import RoleContext
 from skipinject.report.tally import TALLY
 from skipinject.roles import Call, Plan, RowCodec
 from skipinject.store import Payload, StepStore, StepWriter
+
+if TYPE_CHECKING:
+    from skipinject.engine.runtime import RoleRuntime
 
 logger = logging.getLogger("skipinject")
 
@@ -184,7 +186,7 @@ def rows_per_key(codec: Any, result: Any, keys: Sequence[str] | None) -> int | N
 class Recorder:
     """The steps of one role this process meets, and the saving of those it records."""
 
-    def __init__(self, runtime: RoleContext, replay: Replay, steps: StepBook) -> None:
+    def __init__(self, runtime: RoleRuntime, replay: Replay, steps: StepBook) -> None:
         self.runtime = runtime
         self.replay = replay
         #: The steps this process's calls are in (see :mod:`skipinject.engine.record`).
@@ -381,15 +383,3 @@ class Recorder:
             record.started += 1
         self.record(record, index, call, result)
         return None if record.failed else index
-
-    def commit_step(self, call: Call, step: int, meta: Mapping[str, Any] | None, unit: str, note: str) -> None:
-        """:meth:`skipinject.roles.PhaseContext.commit`."""
-        record = self.step(call, step)
-        with record.lock:
-            record.phase_meta, record.unit, record.note = dict(meta or {}), unit, note
-        self.commit(record)
-
-    def served(self, call: Call, step: int) -> bool | None:
-        """:meth:`skipinject.roles.PhaseContext.served`."""
-        record = self.steps.find(self.runtime.store_for(call).project_dir, step)
-        return None if record is None or record.plan is None else record.plan.serves

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 from skipinject.config import Action, MismatchPolicy, RoleConfig
 from skipinject.engine.background import WRITER
 from skipinject.engine.read_ahead import ReadAhead
-from skipinject.engine.stores import RoleContext
 from skipinject.errors import CacheMissError, CorruptCacheError, PromptMismatchError, UntrustedCacheError
 from skipinject.report.misses import nearest_cache
 from skipinject.report.tally import TALLY, hit_amounts
@@ -33,6 +32,7 @@ from skipinject.store import StepEntry, StepStore
 
 if TYPE_CHECKING:
     from skipinject.engine.record import StepBook, StepCalls
+    from skipinject.engine.runtime import RoleRuntime
 
 logger = logging.getLogger("skipinject")
 
@@ -192,7 +192,7 @@ def regenerated(plan: Plan, failed: bool = True) -> Plan:
 class Replay:
     """One role's serving from its cache in this process."""
 
-    def __init__(self, runtime: RoleContext, steps: StepBook) -> None:
+    def __init__(self, runtime: RoleRuntime, steps: StepBook) -> None:
         self.runtime = runtime
         self.steps = steps
         #: The next chosen step, verified and loaded in the background while this one trains (``read_ahead``).

@@ -1,33 +1,170 @@
-"""A role in this process, the engine's side of :class:`~skipinject.roles.PhaseContext`: it finds a
-call's step and hands the rest to its stores (:mod:`~skipinject.engine.stores`), replay and recorder."""
+"""A role in this process, the engine's side of :class:`~skipinject.roles.PhaseContext`: its settings,
+codec, fingerprints, one-time lines and stores (one per project directory, checked once); it finds a
+call's step and hands the rest to its replay, recorder and matcher."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from skipinject.config import RoleConfig
 from skipinject.engine.matching import Found, RowMatcher, row_keys
 from skipinject.engine.record import Recorder, StepBook
-from skipinject.engine.replay import REGENERATE, Replay, regenerated
-from skipinject.engine.stores import RoleContext
-from skipinject.roles import Call, Loaded, Plan, Role
+from skipinject.engine.replay import Replay, regenerated
+from skipinject.roles import Call, Codec, Loaded, Plan, Role
 from skipinject.store import StepStore
+from skipinject.store.compression import compression_for
+from skipinject.store.hit_memory import HitMemory
+from skipinject.verl.compat import STEP_KEY
+from skipinject.verl.layout import other_batch_sizes, project_dir
 
-__all__ = ["REGENERATE", "RoleRuntime"]
+logger = logging.getLogger("skipinject")
 
 
-class RoleRuntime(RoleContext):
-    """A role with its settings in this process: its stores, replay and recording."""
+class RoleRuntime:
+    """A role with its settings and the plugin that provides it, in this process; its stores are the
+    run's (named by its verl config), their siblings and other batch-size layouts."""
 
     def __init__(self, role: Role, settings: RoleConfig, owner: str) -> None:
-        super().__init__(role, settings, owner)
+        self.role = role
+        self.settings = settings
+        self.owner = owner
+        self._lock = threading.Lock()
+        self._warned: set[Any] = set()
+        self._default_codec: Codec | None = None
+        #: The memory this role's compressed hits decode into, kept between hits (``reuse_hit_memory``).
+        self.hit_memory = HitMemory(settings.reuse_hit_memory)
+        self._stores: dict[Path, StepStore] = {}  # a RemotePath stands in for a Path
+        self._unusable: dict[Path, str | None] = {}
+        self._stores_lock = threading.Lock()
         steps = StepBook(clocked=bool(role.clocks))
         self.replay = Replay(self, steps)
         self.recorder = Recorder(self, self.replay, steps)
         #: ``action=match`` (and the row keys every recording of a keyed role saves).
         self.matcher = RowMatcher(self, self.recorder)
+
+    @property
+    def name(self) -> str:
+        return self.role.name
+
+    @property
+    def subdir(self) -> str:
+        return self.role.name if self.role.cache_subdir is None else self.role.cache_subdir
+
+    @property
+    def codec(self) -> Codec:
+        if self.role.codec is not None:
+            return self.role.codec
+        if self._default_codec is None:
+            from skipinject.verl.codecs import DataProtoCodec
+
+            self._default_codec = DataProtoCodec()
+        return self._default_codec
+
+    def once(self, key: Any, level: int, message: str, *args: Any) -> None:
+        """Log ``message`` the first time ``key`` is seen."""
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        logger.log(level, message, *args)
+
+    def fingerprint(self, call: Call) -> list[str] | None:
+        """The role's per-row digests of the call's inputs, or ``None`` (one warning when it fails)."""
+        if self.role.fingerprint is None:
+            return None
+        try:
+            rows = self.role.fingerprint(call)
+        except Exception as exc:
+            message = f"{self.name}: cannot fingerprint the inputs ({exc}); mismatches will not be detected"
+            self.once(("fingerprint", type(exc)), logging.WARNING, message)
+            return None
+        return None if rows is None else [str(r) for r in rows]
+
+    def extra_meta(self, call: Call) -> dict[str, Any]:
+        """The role's ``record_meta`` fields for a result of ``call`` (none when it fails: one warning), and
+        the values of its ``match_settings`` (a later miss names those that differ)."""
+        recorded: dict[str, Any] = {}
+        if self.role.match_settings:
+            from skipinject.report.misses import SETTINGS_KEY, recorded_settings
+
+            try:
+                recorded[SETTINGS_KEY] = recorded_settings(self.role.match_settings, call.run_config)
+            except Exception:  # only the explanation of a later miss depends on it
+                pass
+        if self.role.record_meta is None:
+            return recorded
+        try:
+            return {**recorded, **dict(self.role.record_meta(call) or {})}
+        except Exception as exc:
+            message = f"{self.name}: cannot describe the result for meta.json ({type(exc).__name__}: {exc})"
+            self.once(("record_meta", type(exc)), logging.WARNING, message + "; saved without it")
+            return {}
+
+    def after_miss(self, call: Call, result: Any) -> Any:
+        return result if self.role.on_miss is None else self.role.on_miss(result, call)
+
+    def store_for(self, call: Call) -> StepStore:
+        """The store of this run (directory named by the run's verl config, like upstream)."""
+        config = call.run_config
+        project, context = project_dir(self.settings.root, config, self.subdir)
+        with self._stores_lock:
+            store = self._stores.get(project)
+            if store is None:
+                store = self._stores[project] = self.open(project, context)
+                if config is None:
+                    logger.info("%s: no verl trainer config seen; caching under %s", self.name, project)
+                problem = self._unusable[project] = store.unusable()
+                if problem is not None:
+                    unusable = f"cache directory unusable ({problem}); this run neither loads nor saves caches there"
+                    logger.warning(f"{self.name}: {unusable}")
+            return store
+
+    def unusable(self, store: StepStore) -> str | None:
+        """Why ``store`` cannot be used at all this run (found once, logged once when it was opened)."""
+        return self._unusable.get(store.project_dir)
+
+    def batch_size_stores(self, store: StepStore, limit: int) -> list[StepStore]:
+        """This role's usable stores in the layouts that differ from ``store``'s in the batch size only
+        (at most ``limit``, the nearest first): ``action=match`` looks rows up there too. Never raises."""
+        if self.unusable(store) is not None:
+            return []
+        subdir = self.subdir
+        try:
+            found = other_batch_sizes(store.project_dir, store.context, subdir, store.names_above)
+        except Exception:
+            return []
+        if len(found) > limit:
+            experiment = store.project_dir.parent.parent if subdir else store.project_dir.parent
+            message = f"{self.name}: {experiment} holds {len(found)} other batch-size layouts; match looks rows up"
+            self.once(("layouts", str(experiment)), logging.INFO, f"{message} in the {limit} nearest")
+        stores = [self.open(directory, context) for directory, context in found[:limit]]
+        return [sibling for sibling in stores if sibling.unusable() is None]
+
+    def open(self, project: Path, context: dict[str, Any]) -> StepStore:
+        """One store class for every ``dump_dir``; the backend (local files or fsspec) comes from its root."""
+        root, trust = self.settings.root, self.settings.trust_dir_permissions
+        return StepStore(
+            project,
+            self.name,
+            context,
+            trust_permissions=trust,
+            dump_dir=root.path,
+            plugin=self.owner,
+            backend=root.backend(trust_permissions=trust),
+            compression=compression_for(self.settings.compression, root.location()),
+            memory=self.hit_memory,
+            step_aliases=(STEP_KEY,),
+            siblings=self.role.match_reads,
+        )
+
+    def opened(self) -> list[StepStore]:
+        """The stores this role opened for its runs."""
+        with self._stores_lock:
+            return list(self._stores.values())
 
     def applicable_step(self, call: Call, *, any_step: bool = False) -> int | None:
         """The call's step if this role may act on it, else ``None`` (the original runs); ``any_step``:
@@ -78,7 +215,8 @@ class RoleRuntime(RoleContext):
         return loaded
 
     def served(self, call: Call, step: int) -> bool | None:
-        return self.recorder.served(call, step)
+        record = self.recorder.steps.find(self.store_for(call).project_dir, step)
+        return None if record is None or record.plan is None else record.plan.serves
 
     def notes(self, call: Call, step: int) -> dict[str, Any]:
         return self.recorder.step(call, step).notes
@@ -89,7 +227,10 @@ class RoleRuntime(RoleContext):
     def commit(
         self, call: Call, step: int, meta: Mapping[str, Any] | None = None, *, unit: str = "rows", note: str = ""
     ) -> None:
-        self.recorder.commit_step(call, step, meta, unit, note)
+        record = self.recorder.step(call, step)
+        with record.lock:
+            record.phase_meta, record.unit, record.note = dict(meta or {}), unit, note
+        self.recorder.commit(record)
 
     def in_background(self, store: StepStore, job: Callable[[], None]) -> None:
         self.recorder.in_background(store, job)
