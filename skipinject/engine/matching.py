@@ -1,7 +1,5 @@
-"""``action=match``: each row of a call served by its inputs from any cached step, only the others generated.
+"""``action=match``: each row of a call served by its key from any cached step, only the others generated.
 
-A row's key (:func:`row_keys`) digests the role's ``row_key`` of the row, the run settings it names
-(``match_settings``) and its occurrence among equal rows (GRPO's ``n`` copies map to ``n`` samples).
 Keys are looked up in the project's :class:`~skipinject.engine.row_index.RowIndex` (this layout's, then
 the nearest other batch sizes'); a source serves only when it verifies and records the key where the
 index said. The target runs once for the other rows and the codec merges the pieces; a committed step
@@ -22,7 +20,7 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from skipinject.engine.record import Recorder, rows_per_key
+from skipinject.engine.record import Recorder, StepCalls, rows_per_key
 from skipinject.engine.row_index import STEPS, RowIndex, RowSource, match_records
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
 from skipinject.report.misses import settings_differ
@@ -33,7 +31,6 @@ from skipinject.verl.compat import settings_values
 from skipinject.verl.layout import layout_label
 
 if TYPE_CHECKING:
-    from skipinject.engine.record import StepCalls
     from skipinject.engine.runtime import RoleRuntime
     from skipinject.store import StepStore
 
@@ -59,7 +56,8 @@ def check_matchable(role: Role, codec: Any) -> None:
 
 
 def row_keys(role: Role, call: Call, digests: Sequence[str]) -> list[str]:
-    """One key per input row: the row's digest, the run settings, and its occurrence among equal rows."""
+    """One key per input row: its digest, the ``match_settings`` values, and its occurrence among equal rows
+    (GRPO's ``n`` copies map to ``n`` samples)."""
     settings = json.dumps(settings_values(call.run_config, role.match_settings), sort_keys=True, default=repr)
     base = hashlib.blake2b(settings.encode(), digest_size=16).digest()
     seen: dict[str, int] = {}
@@ -74,8 +72,8 @@ def row_keys(role: Role, call: Call, digests: Sequence[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class Found:
-    """The cached rows a phase asked for (:meth:`RowMatcher.find`): per served key index, its piece
-    (a result of the role's codec) and row there, the name of its source, each source's ``meta.json``."""
+    """The cached rows a phase asked for: per served key index, its piece and row there, and its source's
+    name; each source's ``meta.json``."""
 
     rows: dict[int, tuple[Any, int]]
     sources: dict[int, str]
@@ -85,7 +83,7 @@ class Found:
 
 @dataclass
 class _Lookup:
-    """The cached rows of some keys that verify: per served key index, its piece and row in the piece."""
+    """The cached rows of some keys: per served key index, its piece and row in the piece."""
 
     served: dict[int, tuple[int, int]] = field(default_factory=dict)
     pieces: list[Any] = field(default_factory=list)
@@ -94,8 +92,7 @@ class _Lookup:
     ratio: int | None = None  # output rows per input row
     seconds: float = 0.0
 
-    def counts(self) -> dict[str, int]:
-        """Rows served per source."""
+    def counts(self) -> dict[str, int]:  # rows served per source
         return dict(collections.Counter(self.names[piece] for piece, _ in self.served.values()))
 
 
@@ -123,7 +120,7 @@ class _Pending:
 
 
 class RowMatcher:
-    """``action=match`` for one role in this process: the row indexes and rows stores of its projects."""
+    """``action=match`` for one role in this process, with the row indexes and rows stores of its projects."""
 
     def __init__(self, runtime: RoleRuntime, recorder: Recorder) -> None:
         self.runtime = runtime
@@ -132,7 +129,7 @@ class RowMatcher:
         self._lock = threading.Lock()  # awaiting callers look rows up from several threads
 
     def _project(self, kind: str, store: StepStore, make: Callable[[], _T]) -> _T:
-        """What ``make`` gives for ``store``'s project directory, made once per run."""
+        """``make()``, once per run for ``store``'s project directory."""
         key = (kind, store.project_dir)
         with self._lock:
             found: _T | None = self._memo.get(key)
@@ -165,9 +162,7 @@ class RowMatcher:
             return None
 
     def find(self, store: StepStore, call: Call, keys: list[str], group: int = 1) -> Found:
-        """The cached rows of ``keys`` that verify, for a phase serving part of a step itself
-        (:meth:`skipinject.roles.PhaseContext.match_rows`): looked up as a call's rows are, kept only
-        in whole groups of ``group`` consecutive keys (a prompt's ``n`` samples), counted for the summary."""
+        """:meth:`skipinject.roles.PhaseContext.match_rows`: rows kept only in whole groups of ``group``."""
         found = self.lookup(store, call, keys) if self.runtime.unusable(store) is None else _Lookup()
         served = found.served
         rows = {
@@ -180,8 +175,7 @@ class RowMatcher:
         return Found(rows, sources, dict(found.source_meta), found.seconds)
 
     def calls(self, record: StepCalls, index: int, call: Call, background: bool) -> Generator[Any, Any, Any]:
-        """One call at a chosen step (run by :func:`skipinject.engine.phases.drive`): the cached rows
-        served, the target called once for the others."""
+        """One call at a chosen step (run by :func:`skipinject.engine.phases.drive`)."""
         pending: _Pending = yield lambda: self.begin(record, index, call, background)
         if pending.cut is not None:
             fresh = (yield from self._generate(pending, pending.cut)) if pending.misses else None
@@ -250,8 +244,8 @@ class RowMatcher:
         return self.runtime.after_miss(pending.call, result)
 
     def merge(self, pending: _Pending, fresh: Any) -> Any:
-        """The generated rows (``fresh``, with its padding) and the cached ones merged in the call's
-        order; ``None`` (one warning) when they do not fit together: the whole call runs then."""
+        """The generated rows (``fresh``, with its padding) and the cached ones in the call's order;
+        ``None`` (one warning) when they do not fit together: the whole call runs then."""
         codec, keys, misses, found = self.runtime.codec, pending.keys, pending.misses, pending.found
         assert keys is not None and isinstance(codec, RowCodec)
         ratio = found.ratio
@@ -329,8 +323,7 @@ class RowMatcher:
 
     def lookup(self, store: StepStore, call: Call, keys: list[str]) -> _Lookup:
         """The cached rows of ``keys`` that verify. Each key's copies (this layout's, then other batch
-        sizes') are tried the latest first: a copy that does not serve (its step does not verify or no
-        longer records the key) falls back to the next."""
+        sizes') are tried the latest first: one that does not serve falls back to the next."""
         runtime, found, started = self.runtime, _Lookup(), time.perf_counter()
         places = [store, *self._project("layouts", store, lambda: runtime.batch_size_stores(store, MAX_LAYOUTS))]
         copies: list[list[tuple[int, RowSource]]] = [[] for _ in keys]  # per row, in the order tried
@@ -392,7 +385,7 @@ class RowMatcher:
         self, store: StepStore, number: int, part: int, rows: list[tuple[int, RowSource]], keys: list[str], call: Call
     ) -> tuple[Any, int, list[int], Mapping[str, Any]]:
         """The output rows of those of ``rows`` whose key the verified source records where the index
-        said, which rows those are (the others are not served from here) and the source's ``meta.json``."""
+        said, which rows those are, and the source's ``meta.json``."""
         codec = self.runtime.codec
         assert isinstance(codec, RowCodec)
         entry = store.verified(number, siblings=True)
@@ -419,8 +412,8 @@ class RowMatcher:
             entry.release()
 
     def _save(self, pending: _Pending, result: Any, fresh: Any, fresh_rows: Sequence[int], ratio: int | None) -> None:
-        """The whole call as the step's part when the step is not committed; else its new rows (``fresh``)
-        as the next rows record: a committed step is never rewritten. Logged, never raised."""
+        """The whole call as the step's part when the step is not committed, else its new rows as a rows
+        record. Logged, never raised."""
         record, plan, keys, inputs = pending.record, pending.record.plan, pending.keys, pending.inputs
         assert plan is not None
         if plan.saves:
@@ -446,8 +439,8 @@ class RowMatcher:
         inputs: list[str] | None = None,
         generation_s: float = 0.0,
     ) -> None:
-        """Keep newly generated rows (``ratio`` per key) as the next rows record of ``store`` (also a
-        phase's, :meth:`skipinject.roles.PhaseContext.record_rows`). Logged, never raised."""
+        """New rows (``ratio`` per key) as the next rows record of ``store`` (also
+        :meth:`skipinject.roles.PhaseContext.record_rows`). Logged, never raised."""
         name, count = self.runtime.name, len(keys)
         if not self.runtime.settings.save or self.runtime.unusable(store):
             return

@@ -1,11 +1,6 @@
-"""Recording, and the steps a role's calls are in: a step's fresh results saved as its parts, committed once.
-
-DAPO's dynamic sampling, agent loops and per-micro-batch roles call a target more than once per step.
-The step's first call decides for all of them (its :class:`Plan`). Recording: every call runs and its
-result is the next part (call 0 in the step directory, call k in ``{k}/``), committed once the run has
-moved past the step (another step's call, ``fit`` returning, exit); roles without a clock commit after
-every call. Replaying: call k is served part k, checked against call k's inputs; a call beyond what was
-recorded runs the target, unsaved.
+"""The steps a role's calls are in (a step's first call decides for all of them), and recording: call k of
+a recorded step saved as its part k, committed once the run has moved past the step (another step's
+call, ``fit`` returning, exit; roles without a clock: after every call).
 
 Encoding and a private copy happen in the call (the caller may change the result afterwards); writing
 and the commit in the background writer when the role has clocks (``fit`` returning waits for them),
@@ -55,25 +50,21 @@ class StepCalls:
     # -- recording
     writer: StepWriter | None = None
     inputs: dict[int, list[str] | None] = field(default_factory=dict)
-    #: Per call, its row keys and output rows per input row (``action=match``).
-    row_keys: dict[int, tuple[list[str], int]] = field(default_factory=dict)
-    #: What the role's ``record_meta`` added for the step's first recorded call.
-    extra_meta: dict[str, Any] = field(default_factory=dict)
+    row_keys: dict[int, tuple[list[str], int]] = field(default_factory=dict)  # per call: keys, rows per key
+    extra_meta: dict[str, Any] = field(default_factory=dict)  # ``record_meta`` of the first call
     rows: int = 0
     parts: int = 0  # parts handed to the writer
     failed: bool = False
     committed_parts: int = 0
     saving_seconds: float = 0.0  # encoding, copying, writing and committing the parts (not generating them)
-    #: The wall time of the target's calls that made the step (``generation_s`` in ``meta.json``: a hit saves it).
-    generation_seconds: float = 0.0
-    #: A phase records the step and commits it with ``phase_meta`` (its save line counts ``unit`` and
-    #: ends with ``note``); uncommitted when the run moves past: dropped.
+    generation_seconds: float = 0.0  # the target's time for the step: what a hit saves
+    #: A phase records the step and commits it with ``phase_meta`` (its save line counts ``unit``, ends
+    #: with ``note``).
     by_phase: bool = False
     phase_meta: dict[str, Any] = field(default_factory=dict)
     unit: str = "rows"
     note: str = ""
-    #: What this run's phases noted about the step (:meth:`~skipinject.roles.PhaseContext.notes`).
-    notes: dict[str, Any] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)  # PhaseContext.notes
     # -- replaying
     payloads: Sequence[Payload] | None = None
     recorded_inputs: list[Any] = field(default_factory=list)
@@ -83,7 +74,7 @@ class StepCalls:
         return self.plan is not None and self.plan.entry is None and self.plan.upstream_file is None
 
     def commit_meta(self) -> dict[str, Any]:
-        """The role-level part of ``meta.json``: how many calls the step holds and each one's inputs."""
+        """The role's part of ``meta.json``: how many calls the step holds and each one's inputs."""
         calls = self.parts
         meta: dict[str, Any] = {**self.extra_meta, "inputs": self.inputs.get(0), "calls": calls}
         if self.generation_seconds > 0:
@@ -140,7 +131,6 @@ class StepBook:
             return record, []
 
     def find(self, project: Hashable, step: int) -> StepCalls | None:
-        """The step's record, if a call of this run has met it."""
         key = (project, step)
         with self.lock:
             return self.open.get(key) or self.remembered.get(key)
@@ -157,7 +147,7 @@ class StepBook:
             return self._take_other(step)
 
     def take_all(self) -> list[StepCalls]:
-        """The run ended: every open step (taken out), and the remembered ones forgotten (each committed)."""
+        """The run ended: every open step (taken out); the remembered ones (committed) forgotten."""
         with self.lock:
             records = list(self.open.values())
             self.open.clear()
@@ -173,7 +163,7 @@ class StepBook:
 
 
 def rows_per_key(codec: Any, result: Any, keys: Sequence[str] | None) -> int | None:
-    """Output rows per row key of ``result`` when it is a whole number (``None``: not, or unknown)."""
+    """Output rows per row key of ``result``, if a whole number."""
     if not keys or not isinstance(codec, RowCodec):
         return None
     try:
@@ -189,7 +179,6 @@ class Recorder:
     def __init__(self, runtime: RoleRuntime, replay: Replay, steps: StepBook) -> None:
         self.runtime = runtime
         self.replay = replay
-        #: The steps this process's calls are in (see :mod:`skipinject.engine.record`).
         self.steps = steps
 
     def step(self, call: Call, step: int) -> StepCalls:
@@ -199,8 +188,8 @@ class Recorder:
         return record
 
     def enter(self, call: Call, step: int) -> tuple[StepCalls, int]:
-        """Begin a call at ``step``: its step's record (planned at the step's first call) and its index.
-        Every ``enter`` that returns is followed by one :meth:`leave`."""
+        """Begin a call at ``step``: its step's record (planned at its first call) and its index; one
+        :meth:`leave` follows."""
         record = self.step(call, step)
         with record.lock:
             if record.plan is None:
@@ -222,12 +211,11 @@ class Recorder:
             self.commit(record)
 
     def moved_to(self, step: int) -> None:
-        """The run is at ``step`` (a call of this role was seen there): close the steps it moved past."""
+        """A call of this role is at ``step``: close the steps the run moved past."""
         if self.steps.open:
             self.close(self.steps.moved_to(step), step)
 
     def close_all(self) -> None:
-        """The run ended: close every step."""
         self.replay.read_ahead.close()
         self.close(self.steps.take_all(), None)
 
@@ -256,8 +244,8 @@ class Recorder:
         background: bool = True,
         keys: Sequence[str] | None = None,
     ) -> None:
-        """Save call ``index``'s fresh result as the step's part ``index`` (failures logged, never raised);
-        ``inputs`` were taken before the target ran; ``background=False``: written here."""
+        """Save call ``index``'s result as the step's part ``index`` (logged, never raised); ``inputs`` were
+        taken before the target ran."""
         plan = record.plan
         assert plan is not None
         if record.failed or not plan.saves:
@@ -334,7 +322,7 @@ class Recorder:
         self.in_background(plan.store, commit)
 
     def drop(self, record: StepCalls, why: str, *, in_job: bool = False) -> None:
-        """A part of the step cannot be saved: nothing of it is cached (one warning); ``in_job``: in the writer."""
+        """Nothing of the step is cached (one warning); ``in_job``: called in the writer."""
         plan = record.plan
         assert plan is not None
         with record.lock:
