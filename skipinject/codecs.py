@@ -1,9 +1,9 @@
 """A result as a store :class:`~skipinject.payload.Payload` and back, without pickle: the generic parts.
 
-A payload is plain tensors (the store's tensor file) plus a JSON tree in which every value that is not
-JSON-native carries an explicit tag (:func:`to_jsonable`): loading can only build the types listed
-there, and anything else is refused, naming the field, when the cache is written. verl's types are
-encoded on top of these by :mod:`skipinject.verl.codecs`. Nothing imports torch or numpy at module level.
+Plain tensors plus a JSON tree in which every value that is not JSON-native carries an explicit tag
+(:func:`to_jsonable`): loading can only build the types listed there; anything else is refused, naming
+the field, when the cache is written. :mod:`skipinject.verl.codecs` builds verl's types on these.
+Nothing imports torch or numpy at module level.
 """
 
 from __future__ import annotations
@@ -193,13 +193,8 @@ class _Encoder:
 
         if isinstance(value, np.ndarray):
             return self.enc_array(value, path)
-        if isinstance(value, np.generic) and value.dtype.kind in "biufUS":
-            item = value.item()
-            if value.dtype.kind == "S":
-                item = base64.b64encode(item).decode("ascii")
-            return self.tag("np", dtype=value.dtype.str, v=item)
-        if isinstance(value, np.generic) and value.dtype.kind == "c":
-            return self.tag("np", dtype=value.dtype.str, v=[value.real.item(), value.imag.item()])
+        if isinstance(value, np.generic) and value.dtype.kind in "biufUSc":
+            return self.tag("np", dtype=value.dtype.str, v=_json_item(value.dtype.kind, value.item()))
         raise self.fail(path, value, f" (numpy dtype {getattr(value, 'dtype', '?')})")
 
     def enc_array(self, array: Any, path: str) -> Any:
@@ -207,22 +202,18 @@ class _Encoder:
         if kind == "O":
             items = [self.enc(item, f"{path}[{i}]") for i, item in enumerate(array.reshape(-1))]
             return self.tag("ndo", shape=list(array.shape), v=items)
-        if kind in "US":
-            flat = array.reshape(-1).tolist()
-            if kind == "S":
-                flat = [base64.b64encode(item).decode("ascii") for item in flat]
-            return self.tag("nd", dtype=array.dtype.str, shape=list(array.shape), v=flat)
-        if kind not in _NUMPY_TENSOR_KINDS or array.dtype.itemsize > 16:
-            raise self.fail(path, array, f" (numpy dtype {array.dtype})")
-        if self.sink is not None and (array.size > INLINE_MAX_ELEMENTS or kind == "c"):
-            import numpy as np
-            import torch
+        if kind not in "US":
+            if kind not in _NUMPY_TENSOR_KINDS or array.dtype.itemsize > 16:
+                raise self.fail(path, array, f" (numpy dtype {array.dtype})")
+            if self.sink is not None and (array.size > INLINE_MAX_ELEMENTS or kind == "c"):
+                import numpy as np
+                import torch
 
-            native = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
-            return self.tag("ndt", dtype=array.dtype.str, ref=self.sink.add(torch.from_numpy(native), path))
+                native = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
+                return self.tag("ndt", dtype=array.dtype.str, ref=self.sink.add(torch.from_numpy(native), path))
         flat = array.reshape(-1).tolist()
-        if kind == "c":
-            flat = [[z.real, z.imag] for z in flat]
+        if kind in "cS":
+            flat = [_json_item(kind, item) for item in flat]
         return self.tag("nd", dtype=array.dtype.str, shape=list(array.shape), v=flat)
 
     def enc_tensor(self, tensor: torch.Tensor, path: str) -> Any:
@@ -297,12 +288,7 @@ def _decode_numpy(tag: str, obj: dict[str, Any], tensors: Mapping[str, torch.Ten
         return np.fromiter(items, dtype=object, count=len(items)).reshape(obj["shape"])
     dtype = _numpy_dtype(obj["dtype"])
     if tag == "np":
-        value = obj["v"]
-        if dtype.kind == "c":
-            value = complex(*value)
-        elif dtype.kind == "S":
-            value = base64.b64decode(value)
-        return dtype.type(value)
+        return dtype.type(_python_item(dtype.kind, obj["v"]))
     if tag == "ndt":
         if dtype.kind not in _NUMPY_TENSOR_KINDS:
             raise CodecError(f"cache names a numpy dtype {dtype.str!r} that the tensor file does not hold")
@@ -311,11 +297,23 @@ def _decode_numpy(tag: str, obj: dict[str, Any], tensors: Mapping[str, torch.Ten
     flat = obj["v"]
     if dtype.kind in "US":
         _check_string_array(dtype, flat)
-    if dtype.kind == "c":
-        flat = [complex(re, im) for re, im in flat]
-    elif dtype.kind == "S":
-        flat = [base64.b64decode(item) for item in flat]
+    if dtype.kind in "cS":
+        flat = [_python_item(dtype.kind, item) for item in flat]
     return np.array(flat, dtype=dtype).reshape(obj["shape"])
+
+
+def _json_item(kind: str, item: Any) -> Any:
+    """A numpy item of dtype kind ``kind`` in JSON: complex numbers as ``[real, imag]``, bytes in base64."""
+    if kind == "c":
+        return [item.real, item.imag]
+    return base64.b64encode(item).decode("ascii") if kind == "S" else item
+
+
+def _python_item(kind: str, value: Any) -> Any:
+    """Inverse of :func:`_json_item`."""
+    if kind == "c":
+        return complex(*value)
+    return base64.b64decode(value) if kind == "S" else value
 
 
 #: A fixed-width string array may take this many bytes of memory per byte of its JSON text, plus

@@ -1,10 +1,7 @@
-"""The one place where a call is served from the cache or run and saved.
-
-:mod:`~skipinject.engine.phases` (interceptors, the default phase) hands a call to its role's
-:mod:`~skipinject.engine.runtime`: :mod:`~skipinject.engine.stores` (its stores),
-:mod:`~skipinject.engine.replay` (deciding and serving),
-:mod:`~skipinject.engine.record` (saving a step's calls) and :mod:`~skipinject.engine.matching`
-(``action=match``). Every decision is one line on the ``skipinject`` logger.
+"""The one place where a call is served from the cache or run and saved: :mod:`~skipinject.engine.phases`
+hands a call to its role's :mod:`~skipinject.engine.runtime`, which decides and serves
+(:mod:`~skipinject.engine.replay`), records (:mod:`~skipinject.engine.record`) or matches rows
+(:mod:`~skipinject.engine.matching`). Every decision is one line on the ``skipinject`` logger.
 """
 
 from __future__ import annotations
@@ -82,8 +79,8 @@ class Engine:
             logger.debug("skipinject active for %s", ", ".join(self.runtimes))
 
     def check_targets(self) -> list[str]:
-        """Warn once per enabled role that cannot act in this install (no target for this verl, or a
-        target's module missing; nothing is imported). Returns the lines."""
+        """Warn (and return the lines) for each enabled role that has no target for this verl or a target
+        whose module is missing; nothing is imported."""
         installed = verl_version()
         lines = []
         for name, runtime in self.runtimes.items():

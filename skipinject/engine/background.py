@@ -1,9 +1,8 @@
 """Saving off the training step's critical path: a bounded queue and one writer thread per process.
 
-A miss pays only for encoding the result and a private copy (what is written is what training saw);
-writing, fsync and checksums happen in the writer thread. At most :data:`MAX_PENDING` saves wait (a
-full queue makes the next miss wait); reads of a project, ``fit`` returning and interpreter exit wait
-for the pending saves. A process killed meanwhile leaves no half-written step (the store's commit).
+A miss pays only for encoding the result and a private copy; writing, fsync and checksums happen in the
+writer thread. At most :data:`MAX_PENDING` saves wait (a full queue makes the next miss wait); reads of a
+project, ``fit`` returning and interpreter exit wait for the pending saves.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ class BackgroundWriter:
         self._start_lock = threading.Lock()
 
     def submit(self, key: Hashable, job: Callable[[], Any]) -> None:
-        """Queue ``job`` (blocks while the queue is full)."""
         with self._start_lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="skipinject-writer", daemon=True)
@@ -43,7 +41,7 @@ class BackgroundWriter:
         self._jobs.put((key, job))
 
     def flush(self, key: Hashable | None = None) -> None:
-        """Wait until the jobs of ``key`` (``None``: all jobs) are done."""
+        """Wait for the jobs of ``key`` (``None``: all jobs)."""
         if self._thread is None or self._thread is threading.current_thread():
             return
         with self._changed:
@@ -70,6 +68,5 @@ class BackgroundWriter:
                     self._changed.notify_all()
 
 
-#: The writer of this process.
 WRITER = BackgroundWriter()
 atexit.register(WRITER.flush)

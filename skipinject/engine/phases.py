@@ -1,8 +1,7 @@
 """How patched calls reach their role: the interceptors the injector calls, and the default phase.
 
-A patched call goes: validation batches (and calls without a step) run the original untouched;
-steps not in ``skip.<role>.steps`` run the original; otherwise the target's phase decides. The
-default phase, :class:`WholeCall`, serves or records each call of a step as one of its parts.
+Validation batches, calls without a step and steps not in ``skip.<role>.steps`` run the original;
+otherwise the target's phase decides (default :class:`WholeCall`: each call of a step is one part).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ if TYPE_CHECKING:
 
 def drive(calls: Generator[Any, Any, Any], proceed: Callable[..., Any]) -> Any:
     """Run a call's handling written once as a generator: it yields a function doing blocking work
-    (run here) or ``(args, kwargs)`` for the target, and gets the answer (or the exception) back."""
+    (run here) or ``(args, kwargs)`` for the target, and gets the answer or the exception back."""
     sent, error = None, None
     while True:
         try:
@@ -56,7 +55,7 @@ async def drive_async(calls: Generator[Any, Any, Any], proceed: Callable[..., An
 
 class WholeCall:
     """Each call of a step is one unit: call k of a cached step is served its part k; a recorded
-    step's calls run the target and are saved as its parts (see :mod:`skipinject.engine.record`)."""
+    step's calls run the target and are saved as its parts."""
 
     def run(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[..., Any]) -> Any:
         return drive(self.calls(role, call, step, background=True), proceed)
@@ -100,8 +99,8 @@ def compile_passes(
     source: StepSource, chosen: Any, every_step: bool, open_steps: Sized = ()
 ) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], bool]:
     """``passes(instance, args, kwargs)``: True when a call surely runs the original (its step a plain int,
-    read in a few look-ups, not in ``chosen``); anything else, or any call while ``open_steps`` is not
-    empty, is left to the full path."""
+    read in a few look-ups, not in ``chosen``); anything else, or any call while a step is open, takes the
+    full path."""
     if every_step:
         return _never_passes
     if not source.fallbacks and source.kind == "meta":

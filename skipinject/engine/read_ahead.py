@@ -1,11 +1,10 @@
 """Reading the next chosen step ahead (``skip.<role>.read_ahead``), so that its hit waits for (almost) nothing.
 
-Once a step's first call has returned, the next step the settings allow that is committed is verified
-and loaded (read, checksummed, decompressed, tensors rebuilt) in a daemon thread, like a DataLoader's
-prefetch; the hit then only decodes. Its plan uses the entry if the step's ``meta.json`` is still the
-one verified; otherwise (and after any failed read-ahead) it verifies the step as without read-ahead
-and reports what is wrong there, once. One step at a time per role; its entry (one batch of hit memory)
-is let go when used, when the run moves past its step or ends (never waiting for a hung read).
+Once a step's first call has returned, the next committed step the settings allow is verified and loaded
+(read, checksummed, decompressed, tensors rebuilt) in a daemon thread; the hit then only decodes. Its
+plan uses the entry if the step's ``meta.json`` is still the one verified, else (and after a failed
+read-ahead) verifies the step as without read-ahead. One step at a time per role; its entry (one batch
+of hit memory) is let go when used, when the run moves past its step or ends (never waiting for a hung read).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ CANDIDATES = 8
 
 @dataclass
 class _Reading:
-    """One step being read ahead, from the moment its search starts (``found``: its ``step`` is known)."""
+    """One step being read ahead, from its search on (``found``: its ``step`` is known)."""
 
     store: StepStore
     after: int
@@ -49,7 +48,7 @@ class ReadAhead:
 
     def start(self, store: StepStore, after: int, allows: Callable[[int], bool]) -> None:
         """Read the next step after ``after`` that ``allows`` takes and ``store`` holds, in the background
-        (a read of a later step of the same store already under way is kept)."""
+        (a read of a later step of the same store under way is kept)."""
         with self._lock:
             reading = self._reading
             if reading is not None:
@@ -96,8 +95,8 @@ class ReadAhead:
                 reading.entry = entry
 
     def take(self, store: StepStore, step: int) -> tuple[StepEntry, float] | None:
-        """The entry of ``step`` read ahead if it is still the step in ``store``, and the seconds waited
-        for it; None: verify as without read-ahead. A read of an earlier step is let go, a later one kept."""
+        """The entry of ``step`` read ahead if still current in ``store``, and the seconds waited for it;
+        None: verify as without read-ahead. A read of an earlier step is let go, a later one kept."""
         started = time.perf_counter()
         reading = self._reading
         if reading is None or reading.store is not store:
@@ -134,14 +133,14 @@ class ReadAhead:
             self.close(reading)
 
     def close(self, only: _Reading | None = None) -> None:
-        """Let go of the step read ahead (``only``: if it is that one), without waiting for its thread."""
+        """Let go of the step read ahead (``only``: if it is that one), not waiting for its thread."""
         with self._lock:
             reading = self._reading
             if reading is not None and (only is None or reading is only):
                 self._drop(reading)
 
     def wait(self) -> None:
-        """Block until the step being read ahead (if any) is read (tests and benchmarks)."""
+        """Block until the step being read ahead is read (tests and benchmarks)."""
         reading = self._reading
         if reading is not None and reading.thread is not None:
             reading.thread.join()

@@ -1,11 +1,9 @@
-"""Replay: which verified cache entry serves a step (or why none does, one line), loaded, checked against
-the call's inputs and served.
-
-``cache`` serves the step's own entry; ``repeat`` the exact step, else the largest cached step below,
-else the smallest above; ``strict`` is ``cache`` that stops the run when nothing serves; ``refresh``
-serves nothing and saves anew; ``match`` serves rows (:mod:`skipinject.engine.matching`). A failing
-cache never reaches the training call (the target runs), except with ``action=strict`` or
-``on_mismatch=fail``: that rule, for every way a cache fails, is here once.
+"""Replay: which verified cache entry serves a step (or why none does, in one line), loaded, checked
+against the call's inputs and served. ``cache`` serves the step's own entry; ``repeat`` the exact step,
+else the largest cached step below, else the smallest above; ``strict`` is ``cache`` that stops the run
+when nothing serves; ``refresh`` serves nothing and saves anew; ``match`` serves rows
+(:mod:`skipinject.engine.matching`). A failing cache never reaches the training call (the target runs),
+except with ``action=strict`` or ``on_mismatch=fail``: that rule, for every way a cache fails, is here once.
 """
 
 from __future__ import annotations
@@ -139,19 +137,6 @@ def committed(store: StepStore, step: int, *, siblings: bool = False) -> bool:
         return True
 
 
-def cannot_load(name: str, settings: RoleConfig, plan: Plan, exc: Exception, instead: str) -> None:
-    """A planned cache failed to load or fit the call: ``action=strict`` stops the run; else one warning
-    and the caller runs the target (``instead`` says so)."""
-    where = plan.entry.directory if plan.entry else plan.upstream_file
-    if isinstance(exc, CacheMissError):
-        raise exc
-    if settings.action is Action.strict:
-        if isinstance(exc, CorruptCacheError):
-            raise exc
-        raise CorruptCacheError(f"{name} step {plan.step}: cannot load {where} ({type(exc).__name__}: {exc})") from exc
-    logger.warning(f"{name} step {plan.step}: cannot load {where} ({type(exc).__name__}: {exc}); {instead}")
-
-
 #: A decision's log line quotes at most this many of the candidates it could not use, each cut short.
 EXAMPLES = 3
 EXAMPLE_CHARS = 600
@@ -182,10 +167,8 @@ def warm_imports() -> None:
             continue
 
 
-def regenerated(plan: Plan, failed: bool = True) -> Plan:
-    """``plan`` turned into a recording (``failed``: its cache could not serve)."""
-    if not failed:
-        return plan
+def regenerated(plan: Plan) -> Plan:
+    """``plan`` turned into a recording: its cache could not serve."""
     return replace(plan, entry=None, upstream_file=None, upstream_format=None, reason="regenerated")
 
 
@@ -195,7 +178,6 @@ class Replay:
     def __init__(self, runtime: RoleRuntime, steps: StepBook) -> None:
         self.runtime = runtime
         self.steps = steps
-        #: The next chosen step, verified and loaded in the background while this one trains (``read_ahead``).
         self.read_ahead = ReadAhead(runtime.role.name)
 
     def plan(self, call: Call, step: int) -> Plan:
@@ -234,7 +216,7 @@ class Replay:
         return plan
 
     def load(self, plan: Plan, call: Call, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
-        """See :meth:`skipinject.roles.PhaseContext.load`: what serves ``plan``, loaded, or ``None``."""
+        """:meth:`skipinject.roles.PhaseContext.load`: what serves ``plan``, loaded, or ``None``."""
         try:
             if not plan.serves:
                 return None
@@ -245,14 +227,31 @@ class Replay:
                 if prepare is not None:
                     loaded.value = prepare(loaded)
             except Exception as exc:  # whatever is wrong with the cache, it is not trained on
-                cannot_load(self.runtime.name, self.runtime.settings, plan, exc, "running the target instead")
-                TALLY.add(self.runtime.name, failed_steps=1, generated_steps=1)
+                self._cannot_load(plan, exc)
                 return None
             loaded.seconds = time.perf_counter() - started
             self._hit(plan)
             return loaded
         finally:
             self.read_after(plan)
+
+    def _cannot_load(self, plan: Plan, exc: Exception, *, count: bool = True) -> None:
+        """A planned cache failed to load or fit the call: ``action=strict`` stops the run; else one warning,
+        the target runs and (``count``) the step counts as failed."""
+        name, where = self.runtime.name, plan.entry.directory if plan.entry else plan.upstream_file
+        if isinstance(exc, CacheMissError):
+            raise exc
+        if self.runtime.settings.action is Action.strict:
+            if isinstance(exc, CorruptCacheError):
+                raise exc
+            raise CorruptCacheError(
+                f"{name} step {plan.step}: cannot load {where} ({type(exc).__name__}: {exc})"
+            ) from exc
+        logger.warning(
+            f"{name} step {plan.step}: cannot load {where} ({type(exc).__name__}: {exc}); running the target instead"
+        )
+        if count:
+            TALLY.add(name, failed_steps=1, generated_steps=1)
 
     def _payloads(self, plan: Plan, call: Call, *, decode: bool) -> list[Any]:
         """The planned step's results (verl's own file: one), decoded or as stored."""
@@ -264,14 +263,13 @@ class Replay:
         return [self.runtime.codec.decode(payload, call) for payload in payloads] if decode else list(payloads)
 
     def _hit(self, plan: Plan) -> None:
-        """Count the hit, and in the served step's usage record (not with ``save=false``); never raises."""
+        """Count the hit, also in the served step's usage record (not with ``save=false``)."""
         TALLY.add(self.runtime.name, **hit_amounts(plan.entry.meta if plan.entry is not None else {}))
         if plan.entry is not None and self.runtime.settings.save:
             plan.store.note_hit(plan.entry.step)
 
     def read_after(self, plan: Plan) -> None:
-        """The planned step's first call is done: read the next chosen cached step ahead (``read_ahead``;
-        actions that serve whole steps)."""
+        """The planned step's first call is done: read the next chosen cached step ahead."""
         settings = self.runtime.settings
         if (
             not settings.read_ahead
@@ -333,9 +331,7 @@ class Replay:
                 assert plan.entry is not None
                 result, source = rt.codec.decode(record.payloads[index], call), str(plan.entry.directory)
         except Exception as exc:  # whatever is wrong with the cache, it is not trained on
-            cannot_load(rt.name, rt.settings, plan, exc, "running the target instead")
-            if index == 0:
-                TALLY.add(rt.name, failed_steps=1, generated_steps=1)
+            self._cannot_load(plan, exc, count=index == 0)
             return self._regenerate(record, index)
         elapsed = time.perf_counter() - started
         stored, current = record.recorded_inputs[index], rt.fingerprint(call)
@@ -371,8 +367,7 @@ class Replay:
         return result
 
     def _regenerate(self, record: StepCalls, index: int) -> Any:
-        """The cache cannot serve call ``index``: at the step's first call, record the step anew
-        (a later call only runs the target; the step stays as recorded)."""
+        """The cache cannot serve call ``index``: at the step's first call, record the step anew."""
         with record.lock:
             plan = record.plan
             if index == 0 and record.started == 1 and plan is not None:

@@ -1,10 +1,9 @@
 """Where each row of a project's cached results was recorded, found by its key (``action=match``).
 
 Every committed step or rows record whose ``meta.json`` holds ``row_keys`` gives one entry per input
-row, ``key -> (source, number, call, row)``, sorted by key (every copy kept, the latest first), in
-memory and in :data:`~skipinject.store.format.ROW_INDEX_NAME` (numpy arrays, no pickle, bounded and
-checked). A hint, never trusted: a refresh reads only new or changed ``meta.json`` files, and a row is
-served only once its step verified and records the key there: a forged or stale index causes a miss.
+row, ``key -> (source, number, call, row)``, sorted by key (the latest copy first), in memory and in
+:data:`~skipinject.store.format.ROW_INDEX_NAME` (numpy arrays, no pickle, bounded and checked). A hint,
+never trusted: a row is served only once its step verified and records the key there.
 """
 
 from __future__ import annotations
@@ -58,8 +57,8 @@ class RowSource:
 
 
 def match_records(meta: Mapping[str, Any]) -> list[tuple[list[str], int] | None]:
-    """Per recorded call, its row keys and output rows per input row (``None`` where not recorded);
-    :class:`CorruptCacheError` when ``row_keys`` is there but malformed."""
+    """Per recorded call, its row keys and output rows per input row (``None``: not recorded); raises
+    :class:`CorruptCacheError` when they are malformed."""
     keys = meta.get("row_keys")
     per_input = meta.get("rows_per_input")
     if keys is None:
@@ -84,10 +83,9 @@ def match_records(meta: Mapping[str, Any]) -> list[tuple[list[str], int] | None]
 
 
 class RowIndex:
-    """The row keys of one project directory's steps and rows records (see the module)."""
+    """The row keys of one project directory's steps and rows records; ``saves``: kept in its file too."""
 
     def __init__(self, steps: StepStore, rows: StepStore, *, saves: bool = True) -> None:
-        """``saves``: keep the index in its file too (not with ``save=false``)."""
         import numpy as np
 
         self.saves = saves
@@ -135,7 +133,6 @@ class RowIndex:
             return hint
 
     def _seen(self) -> set[tuple[int, int]]:
-        """The records (source, number) whose rows the index holds."""
         return set(zip(self._arrays["seen_source"].tolist(), self._arrays["seen_number"].tolist(), strict=True))
 
     def _refresh(self) -> None:
@@ -193,7 +190,7 @@ class RowIndex:
         self._save()
 
     def _drop(self, records: set[tuple[int, int]]) -> None:
-        """Forget every entry of ``records`` (source, number) and that they were read."""
+        """Forget the entries of ``records`` (source, number) and that they were read."""
         np = self._np
         a = self._arrays
         gone = np.array([_record_code(s, n) for s, n in records], dtype=np.int64)
@@ -244,9 +241,9 @@ class RowIndex:
 
 
 def _check_members(data: bytes) -> None:
-    """The archive holds exactly our arrays, stored (not compressed: no member expands beyond the file).
-    Its end record is read first: an archive of any other number of members, or with a comment, is
-    refused before its directory is parsed (a few MB of members would cost gigabytes)."""
+    """The archive holds exactly our arrays, stored (no member expands beyond the file). Its end record
+    is read first: any other number of members, or a comment, is refused before the directory is parsed
+    (a few MB of members would cost gigabytes)."""
     end = data[-_END_RECORD.size :]
     if len(data) < _END_RECORD.size or end[:4] != b"PK\x05\x06":
         raise CorruptCacheError("not a zip archive of its arrays (or one with a comment)")

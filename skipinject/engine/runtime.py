@@ -211,7 +211,7 @@ class RoleRuntime:
         finally:
             with record.lock:
                 if record.writer is None:
-                    record.plan = regenerated(plan, plan.serves and loaded is None)
+                    record.plan = regenerated(plan) if plan.serves and loaded is None else plan
         return loaded
 
     def served(self, call: Call, step: int) -> bool | None:
