@@ -44,14 +44,6 @@ class TensorSink:
         return name
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    if name not in TENSOR_DTYPES:
-        raise CodecError(f"cache names an unknown tensor dtype {name!r}")
-    return getattr(torch, name)
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -266,7 +258,9 @@ def _decode_tagged(tag: Any, obj: dict[str, Any], tensors: Mapping[str, torch.Te
     if tag == "tensor":
         import torch
 
-        return torch.tensor(obj["v"], dtype=_torch_dtype(obj["dtype"])).reshape(obj["shape"])
+        if obj["dtype"] not in TENSOR_DTYPES:
+            raise CodecError(f"cache names an unknown tensor dtype {obj['dtype']!r}")
+        return torch.tensor(obj["v"], dtype=getattr(torch, obj["dtype"])).reshape(obj["shape"])
     if tag == "tensorref":
         return decode_tensor(obj["spec"], tensors)
     raise CodecError(f"cache holds a value with unknown tag {tag!r} (written by a newer skipinject?)")

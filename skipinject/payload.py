@@ -1,8 +1,5 @@
-"""What a codec hands the store and the store hands back: the neutral ground between them.
-
-A :class:`Payload` is one part of a result: plain tensors and a JSON tree. The settings a role's files
-are written with (:class:`Compression`) and the dtypes a payload may hold are here too, so that codecs
-and the settings reader need nothing of the store's internals.
+"""What a codec hands the store and the store hands back (:class:`Payload`), the dtypes it may hold and
+the compression a role's files are written with: codecs and the settings reader need nothing of the store.
 """
 
 from __future__ import annotations
@@ -36,8 +33,8 @@ class Payload:
     concats: dict[str, tuple[str, str]] = field(default_factory=dict, compare=False)
 
     def private_copy(self) -> Payload:
-        """A copy with its own tensors and JSON tree, for a background save: later in-place changes
-        to the result (by training, or a transport reusing its buffers) cannot reach it."""
+        """A copy for a background save: later in-place changes to the result (by training, or a transport
+        reusing its buffers) cannot reach it."""
         import json
 
         tensors = {name: tensor.detach().clone() for name, tensor in self.tensors.items()}

@@ -92,9 +92,6 @@ class _Lookup:
     ratio: int | None = None  # output rows per input row
     seconds: float = 0.0
 
-    def counts(self) -> dict[str, int]:  # rows served per source
-        return dict(collections.Counter(self.names[piece] for piece, _ in self.served.values()))
-
 
 @dataclass
 class _Pending:
@@ -112,11 +109,6 @@ class _Pending:
     padding: int = 0
     generated: Any = None  # the generated rows without the padding
     generation_s: float = 0.0  # the target's time for this call (recorded with what it generated)
-
-    @property
-    def step(self) -> int:
-        assert self.record.plan is not None
-        return self.record.plan.step
 
 
 class RowMatcher:
@@ -231,8 +223,8 @@ class RowMatcher:
 
     def _cannot(self, pending: _Pending, what: str, exc: Exception) -> None:
         logger.warning(
-            f"{self.runtime.name} step {pending.step}: match: cannot {what} the call ({type(exc).__name__}: {exc}); "
-            "running the whole call instead"
+            f"{self.runtime.name} step {pending.record.step}: match: cannot {what} the call "
+            f"({type(exc).__name__}: {exc}); running the whole call instead"
         )
 
     def finish_whole(self, pending: _Pending, result: Any) -> Any:
@@ -290,13 +282,13 @@ class RowMatcher:
         served: dict[str, list[int]] = {}
         for row, (piece, _) in sorted(found.served.items()):
             served.setdefault(found.names[piece], []).extend(range(row * ratio, row * ratio + ratio))
-        counts = found.counts()
+        counts = dict(collections.Counter(found.names[piece] for piece, _ in found.served.values()))
         sources = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
         shown = ", ".join(f"{name} ({count})" for name, count in sources[:SHOWN_SOURCES])
         more = f" and {len(sources) - SHOWN_SOURCES} more" if len(sources) > SHOWN_SOURCES else ""
         called = " (target not called)" if not misses else f" in one call of {len(misses) + pending.padding} rows"
         logger.info(
-            f"{runtime.name} step {pending.step}: match: {len(found.served)} of {len(keys)} rows served from "
+            f"{runtime.name} step {pending.record.step}: match: {len(found.served)} of {len(keys)} rows served from "
             f"{shown}{more} in {found.seconds:.3f} s; {len(misses)} generated{called}"
         )
         saved = 0.0  # each source's recorded generation time, for the share of its rows served
@@ -308,7 +300,7 @@ class RowMatcher:
         TALLY.add(runtime.name, served_rows=len(found.served), generated_rows=len(misses), generation_s_saved=saved)
         if runtime.role.on_match is not None:  # before saving: what it recomputes is saved as this run's
             info = MatchInfo(
-                pending.step,
+                pending.record.step,
                 len(found.served),
                 len(misses),
                 counts,

@@ -85,8 +85,8 @@ class RoleRuntime:
         return None if rows is None else [str(r) for r in rows]
 
     def extra_meta(self, call: Call) -> dict[str, Any]:
-        """The role's ``record_meta`` fields for a result of ``call`` (none when it fails: one warning), and
-        the values of its ``match_settings`` (a later miss names those that differ)."""
+        """The role's ``record_meta`` fields for a result of ``call`` (none when it fails: one warning) and
+        its ``match_settings`` values (a later miss names those that differ)."""
         recorded: dict[str, Any] = {}
         if self.role.match_settings:
             from skipinject.report.misses import SETTINGS_KEY, recorded_settings
@@ -124,12 +124,12 @@ class RoleRuntime:
             return store
 
     def unusable(self, store: StepStore) -> str | None:
-        """Why ``store`` cannot be used at all this run (found once, logged once when it was opened)."""
+        """Why ``store`` cannot be used at all this run (logged once, when it was opened)."""
         return self._unusable.get(store.project_dir)
 
     def batch_size_stores(self, store: StepStore, limit: int) -> list[StepStore]:
         """This role's usable stores in the layouts that differ from ``store``'s in the batch size only
-        (at most ``limit``, the nearest first): ``action=match`` looks rows up there too. Never raises."""
+        (at most ``limit``, the nearest first), where ``action=match`` looks rows up too. Never raises."""
         if self.unusable(store) is not None:
             return []
         subdir = self.subdir
@@ -162,7 +162,6 @@ class RoleRuntime:
         )
 
     def opened(self) -> list[StepStore]:
-        """The stores this role opened for its runs."""
         with self._stores_lock:
             return list(self._stores.values())
 
@@ -202,7 +201,6 @@ class RoleRuntime:
         return self.replay.plan(call, step)
 
     def load(self, call: Call, step: int, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
-        """The step is then served, or recorded, in this run (its later calls follow)."""
         record = self.recorder.step(call, step)
         plan = self.replay.plan(call, step)
         loaded = None
