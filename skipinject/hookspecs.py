@@ -1,10 +1,5 @@
-"""The plugin contract, in pluggy's terms (docs/plugins.md).
-
-A plugin is any object or module with a ``skipinject_roles`` hook returning the
-:class:`~skipinject.roles.Role` objects it contributes, found through the ``skipinject.plugins``
-entry-point group or named in ``VERL_SKIP_PLUGINS``. Any ``skipinject_*`` function of a plugin is a
-hook, marked or not; one this spec does not declare is an error (a misspelt hook never goes unnoticed).
-"""
+"""The plugin contract, in pluggy's terms (docs/plugins.md): any ``skipinject_*`` function of a plugin is a
+hook, marked or not; one not declared here is an error (a misspelt hook never goes unnoticed)."""
 
 from __future__ import annotations
 

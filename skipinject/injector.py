@@ -1,12 +1,9 @@
-"""Patching targets by dotted path, when their module is imported (wrapt post-import hooks).
-
-A target is patched once (a target carrying our wrapper is left alone), reversibly (uninstrument puts
-back exactly what was there), and keeps its calling convention: sync, ``async def``, or a *trampoline*
-(a sync function over an ``async def`` that looks at its caller's frame, like verl's ``auto_await``).
-A missing target is logged, never raised into the program. ``overrides=True`` also patches subclasses'
-overrides of a method, existing and future; an *attribute target* wraps ``instance.<attribute>`` each
-time the method at ``path`` returns (callables bound per instance). See docs/architecture.md.
-"""
+"""Patching targets by dotted path when their module is imported (wrapt post-import hooks): once (our
+wrapper is left alone), reversibly (exactly what was there is put back), keeping the calling convention:
+sync, ``async def``, or a *trampoline* (sync over an ``async def``, looking at its caller's frame, like
+verl's ``auto_await``). A missing target is logged, never raised. ``overrides=True`` also patches
+subclasses' overrides, existing and future; an *attribute target* wraps ``instance.<attribute>`` each
+time the method at ``path`` returns (callables bound per instance)."""
 
 from __future__ import annotations
 
@@ -43,8 +40,6 @@ class Interceptor(Protocol):
 
 
 class Convention(enum.Enum):
-    """How a target is called and what it returns."""
-
     SYNC = "sync"
     ASYNC = "async"
     TRAMPOLINE = "sync-or-async"
@@ -64,7 +59,7 @@ else:
 
 
 class SkipinjectWrapper(_FunctionWrapper):
-    """Our wrapper type: recognising it is how we never wrap a target twice."""
+    """Our wrapper type: how we never wrap a target twice."""
 
 
 def convention_of(function: Any) -> tuple[Convention, Any]:
@@ -93,8 +88,7 @@ def _awaiting_caller(frame: FrameType | None) -> bool:
 
 
 def target_key(path: str, attribute: str | None = None) -> str:
-    """How a target is named by :class:`Injector` and in logs: ``module:qualname`` or ``...->attribute``
-    (also given as ``path``)."""
+    """A target's name in :class:`Injector` and logs: ``module:qualname`` or ``...->attribute`` (also as ``path``)."""
     if attribute is None and "->" in path:
         path, _, attribute = path.partition("->")
     text = str(TargetPath.parse(path))
@@ -113,8 +107,7 @@ class _Patch:
     convention: Convention | None = None
     overrides: bool = False  # also patch subclasses' own overrides (methods only)
     patched_overrides: list[_Patch] = field(default_factory=list)
-    #: Attribute targets: the dotted attribute wrapped each time the method returns, and
-    #: ``(holder, name, what holder.__dict__ had)`` of every attribute wrapped.
+    #: Attribute targets: the dotted attribute, and ``(holder, name, what holder.__dict__ had)`` of each wrapped.
     instance_attribute: str | None = None
     wrapped: list[tuple[Any, str, Any]] = field(default_factory=list)
 
@@ -134,8 +127,7 @@ def _never(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool
 def _build_wrapper(
     patch: _Patch, raw: Any, binding: _Binding, function: Any, owner: Callable[[], Any] | None = None
 ) -> SkipinjectWrapper:
-    """The wrapper of one target. ``owner`` (attribute targets): returns the instance the calls are
-    reported with (``Call.instance`` and ``passes``), instead of the one wrapt finds."""
+    """The wrapper of one target. ``owner`` (attribute targets): the instance calls are reported with."""
     convention, inner = convention_of(function)
     patch.convention = convention
     interceptor = patch.interceptor
@@ -152,10 +144,8 @@ def _build_wrapper(
         if convention is Convention.ASYNC:
             return interceptor.run_async(call, _proceed(wrapped, args, kwargs))
         if convention is Convention.TRAMPOLINE and _awaiting_caller(sys._getframe(1)):
-            if bound_self is not None:
-                target = _bind(inner, bound_self, _Binding.METHOD)
-            else:
-                target = _bind(inner, instance, binding)
+            own = (instance, binding) if bound_self is None else (bound_self, _Binding.METHOD)
+            target = _bind(inner, *own)
             return interceptor.run_async(call, _proceed(target, args, kwargs))
         return interceptor.sync(call, _proceed(wrapped, args, kwargs))
 
@@ -211,13 +201,12 @@ class Injector:
         attribute: str | None = None,
         overrides: bool = False,
     ) -> None:
-        """Patch ``path`` now if its module is imported, else as soon as it is (``attribute``,
-        ``overrides``: see the module doc)."""
+        """Patch ``path`` now if its module is imported, else as soon as it is."""
         target = TargetPath.parse(path)
         if attribute is not None:
             TargetPath.parse(f"{target}.{attribute}")  # dotted identifiers only
+        key = target_key(path, attribute)
         with self._lock:
-            key = target_key(path, attribute)
             if key in self._patches:
                 logger.debug("%s is already instrumented (by %s)", key, self._patches[key].owner)
                 return

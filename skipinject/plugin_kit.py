@@ -1,10 +1,5 @@
-"""Helpers plugins share (plugin API 1.1), public like :mod:`skipinject`; the built-in roles use them.
-
-:class:`CodecHeader` (a codec's name and version, checked before decoding); :func:`row_digest` and its
-pieces (:func:`attended_tokens`, :func:`tensor_bytes`, :func:`row_text`): one digest per input row for
-:attr:`skipinject.Role.fingerprint`; :func:`installed_verl_matches`: whether a version range holds for
-the installed verl. Nothing here imports torch or verl at import time.
-"""
+"""Helpers plugins share (plugin API 1.1; docs/plugins.md), public like :mod:`skipinject`. Nothing here
+imports torch or verl at import time."""
 
 from __future__ import annotations
 
@@ -15,8 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skipinject.errors import CodecError
-from skipinject.verl.compat import installed_verl_matches
-from skipinject.verl.rows import attended_tokens
+from skipinject.verl.compat import attended_tokens, installed_verl_matches
 
 __all__ = [
     "DIGEST_BYTES",
@@ -40,7 +34,7 @@ class CodecHeader:
     version: int = 1
 
     def fields(self) -> dict[str, Any]:
-        """``{"codec": name, "codec_version": version}``: put first into the payload's objects."""
+        """Put first into the payload's objects."""
         return {"codec": self.name, "codec_version": self.version}
 
     def check(self, objects: Mapping[str, Any]) -> None:

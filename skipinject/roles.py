@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from skipinject.clock import CLOCK
 from skipinject.errors import TargetError
-from skipinject.verl.compat import STEP_KEY, default_bypass
+from skipinject.verl.compat import STEP_KEY, default_bypass, run_config_of
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -62,11 +62,8 @@ class Call:
             params = [p for p in inspect.signature(self.function).parameters if p not in ("self", "cls")]
         except (TypeError, ValueError):
             return None
-        if name in params:
-            index = params.index(name)
-            if index < len(self.args):
-                return self.args[index]
-        return None
+        index = params.index(name) if name in params else len(self.args)
+        return self.args[index] if index < len(self.args) else None
 
     def with_batch(self, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The call's arguments with its batch (see :attr:`batch`) replaced by ``batch``."""
@@ -80,8 +77,6 @@ class Call:
     @property
     def run_config(self) -> Any:
         """The verl config of the run: the bound instance's, else the trainer clock's (or ``None``)."""
-        from skipinject.verl.compat import run_config_of
-
         return run_config_of(self)
 
     @property
@@ -131,36 +126,26 @@ class StepSource:
 
     def resolve(self, call: Call) -> int | None:
         for source in (self, *self.fallbacks):
-            value = source._resolve_one(call)
-            if value is not None:
-                return value
+            value = source._value(call)
+            if value is not None and not isinstance(value, bool):
+                try:
+                    return int(value)
+                except (TypeError, ValueError):
+                    pass
         return None
 
-    def _resolve_one(self, call: Call) -> int | None:
-        value: Any
+    def _value(self, call: Call) -> Any:
         if self.kind == "meta":
             meta = getattr(call.batch, "meta_info", None)
-            value = meta.get(self.name) if isinstance(meta, Mapping) else None
-        elif self.kind == "argument":
-            value = call.argument(self.name)
-        elif self.kind == "attribute":
-            value = getattr(call.instance, self.name, None)
-        elif self.kind == "clock":
-            value = getattr(CLOCK.instance, self.name, None)
-        elif self.kind == "extractor" and self.extractor is not None:
-            value = self.extractor(call)
-        else:
-            value = None
-        if value is None or isinstance(value, bool):
-            return None
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            return None
+            return meta.get(self.name) if isinstance(meta, Mapping) else None
+        if self.kind == "argument":
+            return call.argument(self.name)
+        if self.kind in ("attribute", "clock"):
+            return getattr(call.instance if self.kind == "attribute" else CLOCK.instance, self.name, None)
+        return self.extractor(call) if self.kind == "extractor" and self.extractor is not None else None
 
     def describe(self) -> str:
-        parts = [f"{s.kind}:{s.name}" for s in (self, *self.fallbacks)]
-        return " or ".join(parts)
+        return " or ".join(f"{s.kind}:{s.name}" for s in (self, *self.fallbacks))
 
 
 @runtime_checkable
@@ -182,24 +167,20 @@ class MergingCodec(Codec, Protocol):
 
 @runtime_checkable
 class RowCodec(Codec, Protocol):
-    """A codec whose results are rows served one by one (``action=match``, plugin API 1.2; docs/match.md).
+    """A codec whose results are rows served one by one (``action=match``, plugin API 1.2; docs/match.md):
+    input row ``i`` has output rows ``i*r .. i*r+r-1``. ``with_rows``: ``call``'s arguments with only input
+    rows ``rows``, padded, and the padding's rows; ``merge_rows``: one result of ``call``, the rows of
+    ``pieces`` (concatenated) in ``order``, like the target's own."""
 
-    Input row ``i`` has output rows ``i*r .. i*r+r-1`` (``r`` outputs per input row)."""
+    def input_rows(self, call: Call) -> int: ...
 
-    def input_rows(self, call: Call) -> int:
-        """The number of input rows of ``call``."""
+    def result_rows(self, result: Any) -> int: ...
 
-    def result_rows(self, result: Any) -> int:
-        """The number of output rows of a result."""
+    def with_rows(self, call: Call, rows: Sequence[int]) -> tuple[tuple[Any, ...], dict[str, Any], int]: ...
 
-    def with_rows(self, call: Call, rows: Sequence[int]) -> tuple[tuple[Any, ...], dict[str, Any], int]:
-        """``call``'s arguments with only input rows ``rows``, padded: ``(args, kwargs, padding rows)``."""
+    def select_rows(self, result: Any, rows: Sequence[int]) -> Any: ...
 
-    def select_rows(self, result: Any, rows: Sequence[int]) -> Any:
-        """A result holding output rows ``rows`` of ``result``, in that order."""
-
-    def merge_rows(self, pieces: Sequence[Any], order: Sequence[int], call: Call) -> Any:
-        """One result of ``call``: the rows of ``pieces`` (concatenated) in ``order``, like the target's own."""
+    def merge_rows(self, pieces: Sequence[Any], order: Sequence[int], call: Call) -> Any: ...
 
 
 @dataclass
@@ -272,8 +253,7 @@ class PhaseContext(Protocol):
         """A dict kept with ``step`` until the run moves past it, for the phases' own notes."""
 
     def record(self, call: Call, step: int, result: Any) -> int | None:
-        """Save ``result`` as ``step``'s next part (written in the background); its number, or ``None``
-        when this run does not record the step. Cached only once :meth:`commit` is called."""
+        """Save ``result`` as ``step``'s next part in the background (cached once committed): its number or ``None``."""
 
     def commit(
         self, call: Call, step: int, meta: Mapping[str, Any] | None = None, *, unit: str = "rows", note: str = ""
@@ -284,19 +264,14 @@ class PhaseContext(Protocol):
         """Run ``job`` (a write to ``store``) off the training thread, after the store's earlier jobs."""
 
     def row_keys(self, call: Call, digests: Sequence[str]) -> list[str]:
-        """``action=match``: one row key per digest, as the engine keys a call's input rows (the run's
-        ``match_settings`` and each digest's occurrence among equal ones), for a phase keying rows itself."""
+        """``action=match``: one row key per digest, as the engine keys a call's input rows."""
 
     def match_rows(self, call: Call, keys: list[str], group: int = 1) -> Any:
-        """``action=match``: the rows of ``keys`` cached in the project's layouts that verify, looked
-        up as a call's rows are, in whole groups of ``group`` consecutive keys (a prompt's samples)
-        only, and counted for the run's summary (:class:`skipinject.engine.matching.Found`: per served
-        key index its piece, decoded by the role's :class:`RowCodec`, and row there; its source's name
-        and ``meta.json``)."""
+        """``action=match``: the verified cached rows of ``keys``, in whole groups of ``group`` consecutive keys
+        (a prompt's samples), counted for the summary (:class:`skipinject.engine.matching.Found`)."""
 
     def record_rows(self, call: Call, step: int, result: Any, keys: Sequence[str]) -> None:
-        """``action=match`` at a step committed before: keep ``result``'s rows (one per key) as a rows
-        record, written in the background, so a later ``match`` serves them."""
+        """``action=match`` at a step committed before: ``result``'s rows (one per key) kept as a rows record."""
 
 
 class Phase(Protocol):
@@ -311,12 +286,8 @@ class Phase(Protocol):
 
 @dataclass(frozen=True)
 class Target:
-    """A function or method to patch, with the phase handling its calls (see docs/plugins.md).
-
-    ``verl``: the verl versions it is patched in. ``every_step``: the phase sees every call of an
-    enabled role. ``attribute``: the callable at ``instance.<attribute>`` is wrapped each time the
-    method ``path`` returns (callables bound per instance, which a patch of their class never sees).
-    """
+    """A function or method to patch, with the phase handling its calls (fields: docs/plugins.md);
+    ``every_step``: the phase sees every call of an enabled role."""
 
     path: str
     phase: Phase | None = None
@@ -367,14 +338,11 @@ class MatchInfo:
 
 @dataclass(frozen=True)
 class UpstreamFormat:
-    """verl's own cache file for a role: found, reported, and loaded only when trusted.
-
-    ``directory``: the step's directory as a pattern of ``step`` (``"genstep_{step:06d}"``); ``file_name``
-    the file in it (``"0/name"``: one per part directory). The rest is for ``skipinject cache``, which never
-    unpickles it: ``label`` in listings, the ``inputs_file`` beside it, files ``required`` to load it,
-    ``rows_key``/``step_key`` of the ``meta.json`` counting its rows / naming the step, and ``claims``:
-    whether a loaded value is this role's when several roles declare one file.
-    """
+    """verl's own cache file for a role: found, reported, and loaded only when trusted. ``directory``: a
+    pattern of ``step`` (``"genstep_{step:06d}"``); ``file_name`` in it (``"0/name"``: one per part).
+    For ``skipinject cache``, which never unpickles it: ``label``, ``inputs_file`` beside it, files
+    ``required`` to load it, ``rows_key``/``step_key`` of its ``meta.json``, and ``claims``: whether a
+    loaded value is this role's when several roles declare one file."""
 
     file_name: str
     load: Callable[[Any], Any]
@@ -387,7 +355,7 @@ class UpstreamFormat:
     claims: Callable[[Any], bool] | None = None
 
     def directory_of(self, step: int) -> str | None:
-        """The step's directory name, or None for the default ``{step}``."""
+        """The step's directory name (None: the default ``{step}``)."""
         return None if self.directory == "{step}" else self.directory.format(step=step)
 
 
@@ -399,31 +367,23 @@ class Role:
     targets: Sequence[Target]
     step: StepSource
     codec: Codec | None = None
-    #: Methods whose instance is the trainer: entering them sets the clock and the run config.
     clocks: Sequence[str] = ()
     #: Name of verl's own SkipManager role this replaces (turned off there when this one is on).
     builtin: str | None = None
-    #: Called once with the run's verl config; returns a reason why the role cannot fire, or None.
     check: Callable[[Any], str | None] | None = None
-    #: Called once at the run's start with its verl config and the role's settings; returns why the role
-    #: acts but not exactly in this run (one warning among the start lines), or None.
     caveat: Callable[[Any, RoleConfig], str | None] | None = None
     bypass: Callable[[Call], bool] = default_bypass
-    #: Per-row digests of the call's inputs; a hit whose digests differ is reported (``on_mismatch``).
     fingerprint: Callable[[Call], Sequence[str] | None] | None = None
     on_hit: Callable[[Any, Call, HitInfo], Any] | None = None
     #: JSON-safe fields for the ``meta.json`` of the step this call is saved in (served as ``HitInfo.meta``).
     record_meta: Callable[[Call], Mapping[str, Any] | None] | None = None
     on_miss: Callable[[Any, Call], Any] | None = None
-    #: ``action=match``: per input row, a digest of what decides its result (``None``: ``fingerprint``).
+    #: ``action=match`` (``row_key`` ``None``: ``fingerprint``).
     row_key: Callable[[Call], Sequence[str] | None] | None = None
-    #: ``action=match``: run-config keys (dotted) whose values decide a row's result.
     match_settings: Sequence[str] = ()
-    #: ``action=match``: other roles whose recorded rows (keyed alike) this role's codec decodes and serves;
-    #: a step one of them committed is not overwritten by this role's ``match`` (its new rows are a rows record).
     match_reads: Sequence[str] = ()
     on_match: Callable[[Any, Call, MatchInfo], Any] | None = None
-    #: Sub-directory of the project directory holding the steps; ``None``: the role's name, ``""``: none.
+    #: ``None``: the role's name, ``""``: steps directly in the project directory.
     cache_subdir: str | None = None
     #: verl's own cache files for this role (one format or several, tried in order).
     upstream: UpstreamFormat | Sequence[UpstreamFormat] | None = None

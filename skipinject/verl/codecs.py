@@ -15,17 +15,15 @@ from skipinject.codecs import (
 )
 from skipinject.errors import CodecError
 from skipinject.payload import Payload
-from skipinject.verl.rows import merge, take, with_rows
 from skipinject.verl.tensordicts import decode_tensordict, encode_tensordict, gc_paused
 
-#: verl's tensors that are two others side by side (last dimension): a rollout's ``input_ids`` is its
-#: left-padded ``prompts`` then its right-padded ``responses``. The store stores only the parts when
-#: that holds bit for bit (:attr:`Payload.concats`); a dense TensorDict's names, at any depth.
+#: verl's tensors that are two others side by side (last dimension): ``input_ids`` is the left-padded
+#: ``prompts`` then the right-padded ``responses``; the store stores only the parts when that holds bit for bit.
 CONCATS = {"input_ids": ("prompts", "responses")}
 
 
 def concats_of(spec: Mapping[str, Any], found: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
-    """:data:`CONCATS` as the tensor file names of an encoded TensorDict ``spec`` (and its sub-TensorDicts)."""
+    """:data:`CONCATS` as tensor file names of an encoded TensorDict ``spec``, at any depth."""
     fields = spec["fields"]
     for name, parts in CONCATS.items():
         entries = [fields.get(key, {}) for key in (name, *parts)]
@@ -48,10 +46,8 @@ def _header(objects: Mapping[str, Any], codec: str) -> None:
 
 
 class DataProtoCodec:
-    """verl ``DataProto``: ``batch`` TensorDict, ``non_tensor_batch`` numpy arrays, ``meta_info`` dict.
-
-    Also a :class:`~skipinject.roles.RowCodec`: ``divisor(call)`` is the number of workers the target
-    splits a batch into, to which a batch of some rows is padded (``None``: any size)."""
+    """verl ``DataProto``, also a :class:`~skipinject.roles.RowCodec`: ``divisor(call)``, the number of workers
+    the target splits a batch into, to which a batch of some rows is padded (``None``: any size)."""
 
     name = "DataProto"
 
@@ -108,20 +104,91 @@ class DataProtoCodec:
         return len(result)
 
     def with_rows(self, call: Any, rows: Sequence[int]) -> tuple[tuple[Any, ...], dict[str, Any], int]:
-        batch, padding = with_rows(call, rows, self.divisor)
+        """The call with only ``rows`` of its batch, padded like verl pads a batch to its workers
+        (``pad_dataproto_to_divisor``: the first rows repeated)."""
+        batch, padding = self.select_rows(call.batch, rows), 0
+        size = 1 if self.divisor is None else int(self.divisor(call))
+        if size > 1 and len(batch) % size:
+            from verl.protocol import pad_dataproto_to_divisor
+
+            batch, padding = pad_dataproto_to_divisor(batch, size)
         args, kwargs = call.with_batch(batch)
-        return args, kwargs, padding
+        return args, kwargs, int(padding)
 
     def select_rows(self, result: Any, rows: Sequence[int]) -> Any:
-        return take(result, rows)
+        """A new DataProto holding ``rows`` of ``result`` in that order (copies; ``meta_info`` copied)."""
+        import numpy as np
+        import torch
+        from verl.protocol import DataProto
+
+        index = np.asarray(list(rows), dtype=np.int64)
+        batch = None if result.batch is None else result.batch[torch.from_numpy(index)]
+        non_tensor = {key: value[index] for key, value in result.non_tensor_batch.items()}
+        return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(result.meta_info))
 
     def merge_rows(self, pieces: Sequence[Any], order: Sequence[int], call: Any) -> Any:
-        return merge(pieces, order, call)
+        """The call's own per-row inputs (``uid`` and the other non-tensor columns it passes in) replace the
+        recorded ones, repeated when the target returns several rows per input; ``meta_info`` is the first
+        piece's, with this call's values for the keys its batch carries (its step). Rows of one key have one
+        width (the padded lengths are in the key): pieces differing in columns, dtypes or widths are a
+        :class:`CodecError` (the call runs whole), never padded."""
+        import numpy as np
+        import torch
+        from verl.protocol import DataProto
+
+        if not pieces:
+            raise CodecError("nothing to merge")
+        _check_alike(pieces)
+        index = np.asarray(list(order), dtype=np.int64)
+        batch = None
+        if pieces[0].batch is not None:
+            joined = torch.cat([piece.batch for piece in pieces], dim=0) if len(pieces) > 1 else pieces[0].batch
+            batch = joined[torch.from_numpy(index)]
+        non_tensor = {
+            key: np.concatenate([piece.non_tensor_batch[key] for piece in pieces])[index]
+            for key in pieces[0].non_tensor_batch
+        }
+        source = call.batch
+        inputs: Mapping[str, Any] = getattr(source, "non_tensor_batch", None) or {}
+        if inputs and len(index) % len(source) == 0:
+            per_input = len(index) // len(source)
+            for key, column in inputs.items():
+                if key in non_tensor and isinstance(column, np.ndarray):
+                    non_tensor[key] = np.repeat(column, per_input, axis=0) if per_input > 1 else column.copy()
+        meta = dict(pieces[0].meta_info)
+        own = getattr(source, "meta_info", None) or {}
+        for key in meta.keys() & own.keys():
+            meta[key] = own[key]
+        return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
+
+
+def _check_alike(pieces: Sequence[Any]) -> None:
+    """Every piece has the same columns, dtypes and widths as the first."""
+    first = pieces[0]
+    for piece in pieces[1:]:
+        if (first.batch is None) != (piece.batch is None):
+            raise CodecError("pieces differ: one has tensors, another none")
+        if first.batch is not None:
+            if set(first.batch.keys()) != set(piece.batch.keys()):
+                raise CodecError(
+                    f"pieces differ in their tensors: {sorted(first.batch.keys())} vs {sorted(piece.batch.keys())}"
+                )
+            for key in first.batch.keys():
+                a, b = first.batch[key], piece.batch[key]
+                if a.dtype != b.dtype or tuple(a.shape[1:]) != tuple(b.shape[1:]):
+                    shapes = f"{a.dtype} {tuple(a.shape[1:])} vs {b.dtype} {tuple(b.shape[1:])}"
+                    raise CodecError(f"pieces differ in tensor {key!r}: {shapes}")
+        if set(first.non_tensor_batch) != set(piece.non_tensor_batch):
+            raise CodecError("pieces differ in their non-tensor columns")
+        for key, column in first.non_tensor_batch.items():
+            other = piece.non_tensor_batch[key]
+            if column.dtype != other.dtype or column.shape[1:] != other.shape[1:]:
+                raise CodecError(f"pieces differ in non-tensor column {key!r}")
 
 
 class TensorDictCodec:
-    """A ``tensordict.TensorDict`` (verl's V1 TransferQueue path), or a mapping holding TensorDicts (upstream's
-    V1 dump, ``{"tensordict": td, "keys": [...], "global_steps": 3}``), other values as tagged JSON."""
+    """A ``TensorDict`` (verl's V1 TransferQueue path), or a mapping holding TensorDicts (upstream's V1 dump,
+    ``{"tensordict": td, "keys": [...], "global_steps": 3}``), other values as tagged JSON."""
 
     name = "TensorDict"
 
@@ -191,8 +258,7 @@ class TensorDictCodec:
 
 
 def codec_named(header: object) -> DataProtoCodec | TensorDictCodec | None:
-    """The codec whose header (``objects["codec"]``) is ``header``: ``skipinject cache`` decodes a step
-    of a role whose plugin is not installed with it when the step's header names it."""
+    """The codec whose ``objects["codec"]`` is ``header`` (``skipinject cache`` without the role's plugin)."""
     if header == DataProtoCodec.name:
         return DataProtoCodec()
     return TensorDictCodec() if header == TensorDictCodec.name else None
@@ -204,9 +270,8 @@ def is_tensordict(value: Any) -> bool:
 
 
 def verl_fields(value: Any, prefix: str, flatten: Callable[[Any, str], dict[str, Any]]) -> dict[str, Any] | None:
-    """A ``DataProto``'s or TensorDict's leaf fields by dotted name (``batch.responses``,
-    ``non_tensor_batch.uid``, ``meta_info.global_steps``), nested values through ``flatten``; ``None``
-    for any other value (``skipinject cache show``/``diff``)."""
+    """A ``DataProto``'s or TensorDict's leaf fields by dotted name (``batch.responses``, ``meta_info.global_steps``),
+    nested values through ``flatten``; ``None`` for any other value (``skipinject cache show``/``diff``)."""
     out: dict[str, Any] = {}
     kind = type(value).__name__
     if hasattr(value, "non_tensor_batch") and hasattr(value, "meta_info") and hasattr(value, "batch"):

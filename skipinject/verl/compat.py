@@ -1,7 +1,4 @@
-"""What skipinject knows about verl's runs: its version, the run config, the step, validation.
-
-Public for plugins (re-exported by :mod:`skipinject`). Nothing here imports verl.
-"""
+"""verl's runs: its version, the run config, the step, validation (in the plugin API). Nothing here imports verl."""
 
 from __future__ import annotations
 
@@ -47,8 +44,7 @@ def run_config_of(call: Any) -> Any:
 
 
 def default_bypass(call: Any) -> bool:
-    """Validation batches always run the original (``validate=True`` in a :class:`~skipinject.roles.Call`'s
-    batch's meta or non-tensor data)."""
+    """Validation batches (``validate=True`` in the batch's meta or non-tensor data) always run the original."""
     batch = call.batch
     meta = getattr(batch, "meta_info", None)
     if isinstance(meta, Mapping) and meta.get("validate"):
@@ -60,6 +56,17 @@ def default_bypass(call: Any) -> bool:
         except Exception:
             return False
     return False
+
+
+def attended_tokens(tensors: Any) -> list[Any] | None:
+    """Each row's ``input_ids`` where ``attention_mask`` is set (padding left out), or ``None`` when
+    the batch's tensors (a TensorDict) have no ``input_ids``."""
+    keys = () if tensors is None else tensors.keys()  # TensorDict refuses ``in`` on itself
+    if "input_ids" not in keys:
+        return None
+    ids = tensors["input_ids"]
+    mask = tensors["attention_mask"] if "attention_mask" in keys else None
+    return [ids[index] if mask is None else ids[index][mask[index].bool()] for index in range(ids.shape[0])]
 
 
 def installed_version(distribution: str) -> str | None:
@@ -96,8 +103,7 @@ def version_matches(specifier: str | None, version: str | None) -> bool:
 
 
 def installed_verl_matches(spec: str) -> bool:
-    """Whether the installed verl is in ``spec`` (``">=0.9"``); ``True`` when verl is absent (for clocks
-    and checks, which carry no version range of their own)."""
+    """Whether the installed verl is in ``spec`` (``">=0.9"``); ``True`` without verl (for clocks and checks)."""
     installed = verl_version()
     return installed is None or version_matches(spec, installed)
 

@@ -46,9 +46,9 @@ def layout_of(config: Any) -> tuple[str, dict[str, Any]]:
 
 
 def trainer_batch_size(config: Any) -> int | None:
-    """The ``data.gen_batch_size`` verl's V1 trainer sets when it starts (the driver's config does not say
-    it yet): 1 whenever refills must be exact (a ``trainer_mode`` other than ``sync``, group filtering,
-    ``sync_refill_failed_groups``); ``None``: the config's own value stands (V0, older verls)."""
+    """The ``data.gen_batch_size`` verl's V1 trainer sets at start (not yet in the driver's config): 1 whenever
+    refills must be exact (``trainer_mode`` not ``sync``, group filtering, ``sync_refill_failed_groups``);
+    ``None``: the config's own value stands (V0, older verls)."""
     if select(config, "trainer.use_v1") is not True:
         return None
     asynchronous = select(config, "trainer.v1.trainer_mode", "sync") != "sync"
@@ -112,8 +112,8 @@ def batch_size_layouts(names: Iterable[str], context: Mapping[str, Any]) -> list
 def other_batch_sizes(
     project: Path, context: Mapping[str, Any], subdir: str, names_above: Callable[[int], Iterable[str]]
 ) -> list[tuple[Path, dict[str, Any]]]:
-    """The project directories (and values) of the layouts beside ``project``'s that differ in the batch
-    size only, the nearest first; ``names_above(levels)`` lists the experiment's directory, once."""
+    """The project directories (and values) of the layouts beside ``project``'s differing in the batch size
+    only, nearest first; ``names_above(levels)`` lists the experiment's directory, once."""
     if not {"gbs", "n", "prompt_length", "response_length"} <= set(context):
         return []
     subdir = path_safe(subdir) if subdir else ""
@@ -131,8 +131,8 @@ def other_batch_sizes(
 def project_dir(
     root: DumpRoot, config: Any, subdir: str, *, before_trainer: bool = False
 ) -> tuple[Path, dict[str, Any]]:
-    """The directory (a ``Path``, or a ``RemotePath`` standing in for one) holding one role's steps for a
-    run with ``config`` (``None``: no trainer seen); ``before_trainer``: ``config`` is the driver's."""
+    """The directory (a ``Path`` or ``RemotePath``) of one role's steps for a run with ``config`` (``None``: no
+    trainer seen); ``before_trainer``: ``config`` is the driver's."""
     if config is not None:
         relative, context = layout_of(config)
         gbs = trainer_batch_size(config) if before_trainer else None
@@ -146,4 +146,4 @@ def project_dir(
     location = root.location()
     for piece in relative.split("/"):
         location = location / piece
-    return location, context  # a RemotePath stands in for a Path
+    return location, context

@@ -1,8 +1,5 @@
-"""The verl stack skipinject runs in (torch, tensordict, ray, verl) against the versions tested.
-
-skipinject does not depend on these (installing it must never replace a CUDA torch): at start the
-runner compares what is installed (metadata only) with :data:`TESTED`, one warning when outside it.
-"""
+"""The verl stack (torch, tensordict, ray, verl) against the versions tested: not dependencies (installing
+skipinject must never replace a CUDA torch); at start, one warning when the installed ones are outside it."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ logger = logging.getLogger("skipinject")
 VERL_IN_CI = ("0.9.1", "0.6.1")
 #: The verls whose pairs of real runs pass on demand (``SKIPINJECT_VERL_MATRIX``), not in CI.
 VERL_ON_DEMAND = ("0.8.0", "0.7.1", "0.5.0", "0.4.1")
-#: The versions the test suite runs against, in CI or on demand (the locks in ``requirements/``:
-#: :data:`VERL_IN_CI`, :data:`VERL_ON_DEMAND`; torch, tensordict and ray as the 0.9.1 lock pins them).
+#: The versions tested, in CI or on demand (the locks in ``requirements/``; torch, tensordict, ray: the 0.9.1 lock's).
 TESTED: Mapping[str, str] = {
     "verl": ">=0.4.1,<0.10",
     "torch": ">=2.13,<2.14",
@@ -36,16 +32,13 @@ REQUIRED = ("torch",)
 
 @dataclass(frozen=True)
 class Component:
-    """One package of the stack: its installed version and whether it is in the tested range."""
-
     name: str
     installed: str | None
     tested: str
 
     @property
     def in_range(self) -> bool:
-        """Installed and inside the tested range. A local or pre-release build counts as its release
-        (``2.13.0+cu128`` and NGC's ``2.13.0a0+git...`` are torch 2.13.0)."""
+        """A local or pre-release build counts as its release (``2.13.0+cu128``, NGC's ``2.13.0a0+git...``)."""
         if self.installed is None:
             return False
         try:
@@ -55,7 +48,6 @@ class Component:
             return False
 
     def describe(self) -> str:
-        """``torch 2.13.0+cpu``, with the tested range when outside it."""
         if self.installed is None:
             return f"{self.name} (not installed)"
         if self.in_range:
@@ -64,15 +56,12 @@ class Component:
 
 
 def components(lookup: Callable[[str], str | None] = installed_version) -> list[Component]:
-    """The stack as installed, in :data:`TESTED`'s order."""
     return [Component(name, lookup(name), tested) for name, tested in TESTED.items()]
 
 
 def outside_tested(found: list[Component]) -> list[Component]:
     """Installed packages outside their tested range, and required ones that are missing."""
-    return [
-        c for c in found if (c.installed is not None and not c.in_range) or (c.installed is None and c.name in REQUIRED)
-    ]
+    return [c for c in found if not c.in_range and (c.installed is not None or c.name in REQUIRED)]
 
 
 def warning_text(found: list[Component]) -> str | None:
@@ -93,7 +82,7 @@ def warning_text(found: list[Component]) -> str | None:
 
 
 def warn_if_untested(lookup: Callable[[str], str | None] = installed_version) -> str | None:
-    """Log the start-up warning (one line) when the stack is outside :data:`TESTED`; return it."""
+    """Log the start-up warning (one line), if any; return it."""
     text = warning_text(components(lookup))
     if text is not None:
         logger.warning("%s", text)

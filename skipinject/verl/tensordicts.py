@@ -27,9 +27,6 @@ if TYPE_CHECKING:
     import torch
 
 
-# ---------------------------------------------------------------- TensorDict
-
-
 def encode_tensordict(td: Any, label: str, sink: TensorSink) -> dict[str, Any]:
     """Spec of a TensorDict: tensors (dense/jagged/nested), NonTensorData/NonTensorStack, sub-TensorDicts."""
     from tensordict import NonTensorData, NonTensorStack, TensorDict
@@ -99,8 +96,7 @@ _NO_DATA = object()
 
 
 def _plain_data(item: Any) -> Any:
-    """``item.data`` read from its state (~0.2 us instead of ~10) when it is neither shared nor
-    memory-mapped; ``_NO_DATA`` when unsure."""
+    """``item.data`` from its state (~0.2 us instead of ~10) unless shared or memory-mapped; ``_NO_DATA`` if unsure."""
     fields = item.__dict__.get("_non_tensordict")
     inner = item.__dict__.get("_tensordict")
     inner_state = getattr(inner, "__dict__", None)
@@ -136,8 +132,8 @@ def decode_tensordict(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tenso
 
 
 def _assemble(source: dict[str, Any], batch_size: list[int], device: Any) -> Any:
-    """``TensorDict(source, batch_size=batch_size, device=device)``, through ``_new_unsafe`` when it is
-    the same (no device, leading dims fit): the constructor's validation reads every row :class:`LazyRows` defers."""
+    """``TensorDict(source, ...)``, through ``_new_unsafe`` when that is the same (no device, leading dims fit):
+    the constructor's validation reads every row :class:`LazyRows` defers."""
     from tensordict import TensorDict
 
     if device is None and _td_shortcut_ok() and all(_leading(value, batch_size) for value in source.values()):
@@ -202,8 +198,8 @@ _STACK_STATE = {"_is_locked", "stack_dim", "_batch_size", "tensordicts", "hook_o
 
 
 def non_tensor_stack(rows: Sequence[Any]) -> Any:
-    """What ``NonTensorStack(*[NonTensorData(row) for row in rows])`` gives, its rows made on first use
-    (:class:`LazyRows`: a hit costs nothing per row for the fields training never reads)."""
+    """``NonTensorStack(*[NonTensorData(row) for row in rows])``, its rows made on first use (:class:`LazyRows`:
+    a hit costs nothing per row for the fields training never reads)."""
     from tensordict import NonTensorStack
 
     state = _stack_layout()
@@ -282,12 +278,9 @@ class _Rows(list):  # type: ignore[type-arg]  # holds tensordict's untyped NonTe
 
 
 class LazyRows(_Rows):
-    """A ``NonTensorStack``'s ``tensordicts`` list whose items are made on first use.
-
-    ``len()`` answers from the rows; any other list operation first makes every item (under a lock) and
-    turns the object into a :class:`_Rows`, with list's own C methods from then on. C code reading list
-    storage directly does so only for exact lists, and goes through ``__iter__`` for this one.
-    """
+    """A ``NonTensorStack``'s ``tensordicts`` list whose items are made on first use: ``len()`` answers from
+    the rows; any other list operation first makes every item (under a lock) and turns the object into a
+    :class:`_Rows`. C code reads list storage directly only for exact lists, and goes through ``__iter__`` here."""
 
     __slots__ = ()
 
