@@ -66,13 +66,13 @@ def convention_of(function: Any) -> tuple[Convention, Any]:
     """The convention of ``function`` and, for trampolines, the ``async def`` it drives."""
     if inspect.iscoroutinefunction(function):
         return Convention.ASYNC, None
-    inner = getattr(function, "__wrapped__", None)
+    inner = function
     for _ in range(16):
+        inner = getattr(inner, "__wrapped__", None)
         if inner is None:
             break
         if inspect.iscoroutinefunction(inner):
             return Convention.TRAMPOLINE, inner
-        inner = getattr(inner, "__wrapped__", None)
     return Convention.SYNC, None
 
 
@@ -382,19 +382,12 @@ class Injector:
         logger.debug("wrapped %s on a %s for %s", patch.label, type(holder).__name__, patch.owner)
 
     def _restore(self, patch: _Patch) -> None:
-        if patch.overrides:
-            for child in patch.patched_overrides:
-                self._restore(child)
-            patch.patched_overrides.clear()
-            self._unhook_subclasses(patch)
-        _put_back(patch.parent, patch.attribute, patch.original, str(patch.path))
-        patch.applied = False
-
-    def _unhook_subclasses(self, patch: _Patch) -> None:
+        for child in patch.patched_overrides:  # only with ``overrides``
+            self._restore(child)
+        patch.patched_overrides.clear()
         for base, (own, ours, patches) in list(self._subclass_hooks.items()):
-            if patch not in patches:
-                continue
-            patches.remove(patch)
+            if patch in patches:
+                patches.remove(patch)
             if patches:
                 continue
             del self._subclass_hooks[base]
@@ -404,6 +397,8 @@ class Injector:
                 type.__delattr__(base, "__init_subclass__")
             else:
                 type.__setattr__(base, "__init_subclass__", own)
+        _put_back(patch.parent, patch.attribute, patch.original, str(patch.path))
+        patch.applied = False
 
 
 def _classify(parent: Any, raw: Any) -> tuple[_Binding, Any]:

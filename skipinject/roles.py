@@ -89,7 +89,7 @@ class Call:
 
 @dataclass(frozen=True)
 class StepSource:
-    """Where a call's step comes from; sources are tried in order, the first integer wins."""
+    """Where a call's step comes from (docs/plugins.md); sources are tried in order, the first integer wins."""
 
     kind: str
     name: str = ""
@@ -98,27 +98,22 @@ class StepSource:
 
     @classmethod
     def meta(cls, key: str = STEP_KEY) -> StepSource:
-        """``batch.meta_info[key]`` of the call's batch argument."""
         return cls("meta", key)
 
     @classmethod
     def argument(cls, name: str) -> StepSource:
-        """A named argument of the call."""
         return cls("argument", name)
 
     @classmethod
     def attribute(cls, name: str) -> StepSource:
-        """An attribute of the bound instance (``self.global_steps``)."""
         return cls("attribute", name)
 
     @classmethod
     def clock(cls, name: str = STEP_KEY) -> StepSource:
-        """An attribute of the trainer captured by the role's ``clock`` targets."""
         return cls("clock", name)
 
     @classmethod
     def per_call(cls, extractor: Callable[[Call], int | None]) -> StepSource:
-        """Any function of the call (e.g. parse a sample id)."""
         return cls("extractor", getattr(extractor, "__name__", "extractor"), extractor)
 
     def or_else(self, *others: StepSource) -> StepSource:
@@ -167,10 +162,7 @@ class MergingCodec(Codec, Protocol):
 
 @runtime_checkable
 class RowCodec(Codec, Protocol):
-    """A codec whose results are rows served one by one (``action=match``, plugin API 1.2; docs/match.md):
-    input row ``i`` has output rows ``i*r .. i*r+r-1``. ``with_rows``: ``call``'s arguments with only input
-    rows ``rows``, padded, and the padding's rows; ``merge_rows``: one result of ``call``, the rows of
-    ``pieces`` (concatenated) in ``order``, like the target's own."""
+    """A codec whose results are rows served one by one (``action=match``; each method: docs/plugins.md)."""
 
     def input_rows(self, call: Call) -> int: ...
 
@@ -223,7 +215,7 @@ class Loaded:
 
 
 class PhaseContext(Protocol):
-    """What a phase may use of its role in this process (the engine provides it; docs/plugins.md)."""
+    """What a phase may use of its role in this process (the engine provides it; each method: docs/phases.md)."""
 
     @property
     def name(self) -> str: ...
@@ -234,50 +226,36 @@ class PhaseContext(Protocol):
     @property
     def codec(self) -> Codec: ...
 
-    def once(self, key: Any, level: int, message: str, *args: Any) -> None:
-        """Log ``message`` the first time ``key`` is seen in this process."""
+    def once(self, key: Any, level: int, message: str, *args: Any) -> None: ...
 
-    def store_for(self, call: Call) -> StepStore:
-        """The cache of the run ``call`` belongs to."""
+    def store_for(self, call: Call) -> StepStore: ...
 
-    def plan(self, call: Call, step: int) -> Plan:
-        """The verified entry to serve for ``step``, or why there is none (``action=strict``: raises)."""
+    def plan(self, call: Call, step: int) -> Plan: ...
 
-    def load(self, call: Call, step: int, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
-        """Plan ``step`` and load what serves it with the engine's policy; ``None``: the target must run."""
+    def load(self, call: Call, step: int, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None: ...
 
-    def served(self, call: Call, step: int) -> bool | None:
-        """Whether this run serves ``step`` from the cache; ``None`` before a call decided it."""
+    def served(self, call: Call, step: int) -> bool | None: ...
 
-    def notes(self, call: Call, step: int) -> dict[str, Any]:
-        """A dict kept with ``step`` until the run moves past it, for the phases' own notes."""
+    def notes(self, call: Call, step: int) -> dict[str, Any]: ...
 
-    def record(self, call: Call, step: int, result: Any) -> int | None:
-        """Save ``result`` as ``step``'s next part in the background (cached once committed): its number or ``None``."""
+    def record(self, call: Call, step: int, result: Any) -> int | None: ...
 
     def commit(
         self, call: Call, step: int, meta: Mapping[str, Any] | None = None, *, unit: str = "rows", note: str = ""
-    ) -> None:
-        """Commit the parts :meth:`record` saved of ``step``, with ``meta`` in its ``meta.json``."""
+    ) -> None: ...
 
-    def in_background(self, store: StepStore, job: Callable[[], None]) -> None:
-        """Run ``job`` (a write to ``store``) off the training thread, after the store's earlier jobs."""
+    def in_background(self, store: StepStore, job: Callable[[], None]) -> None: ...
 
-    def row_keys(self, call: Call, digests: Sequence[str]) -> list[str]:
-        """``action=match``: one row key per digest, as the engine keys a call's input rows."""
+    def row_keys(self, call: Call, digests: Sequence[str]) -> list[str]: ...
 
-    def match_rows(self, call: Call, keys: list[str], group: int = 1) -> Any:
-        """``action=match``: the verified cached rows of ``keys``, in whole groups of ``group`` consecutive keys
-        (a prompt's samples), counted for the summary (:class:`skipinject.engine.matching.Found`)."""
+    def match_rows(self, call: Call, keys: list[str], group: int = 1) -> Any: ...
 
-    def record_rows(self, call: Call, step: int, result: Any, keys: Sequence[str]) -> None:
-        """``action=match`` at a step committed before: ``result``'s rows (one per key) kept as a rows record."""
+    def record_rows(self, call: Call, step: int, result: Any, keys: Sequence[str]) -> None: ...
 
 
 class Phase(Protocol):
-    """How one target's calls are handled once the step may skip (default: one call, one unit).
-
-    ``proceed()`` calls the original target, ``proceed(*args, **kwargs)`` with other arguments."""
+    """How one target's calls are handled once the step may skip (docs/phases.md); ``proceed()`` calls the
+    original target, ``proceed(*args, **kwargs)`` with other arguments."""
 
     def run(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any: ...
 

@@ -23,10 +23,8 @@ class BuiltinGuard:
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
         result = proceed()
-        manager = call.instance
-        config = call.argument("config") if call.args or call.kwargs else None
-        self.engine.observe_config(config)
-        instances = getattr(manager, "skip_instances", None)
+        self.engine.observe_config(call.argument("config"))
+        instances = getattr(call.instance, "skip_instances", None)
         if isinstance(instances, dict):
             for runtime in self.engine.runtimes.values():
                 builtin = runtime.role.builtin

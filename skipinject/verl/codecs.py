@@ -199,8 +199,10 @@ class TensorDictCodec:
         with gc_paused():
             sink = TensorSink()
             objects: dict[str, Any] = {"codec": self.name, "codec_version": CODEC_VERSION}
+            concats: dict[str, tuple[str, str]] = {}
             if isinstance(result, TensorDict):
                 objects["td"] = encode_tensordict(result, "result", sink)
+                concats_of(objects["td"], concats)
                 rows = objects["td"]["batch_size"][0] if objects["td"]["batch_size"] else None
             elif isinstance(result, Mapping):
                 entries: dict[str, Any] = {}
@@ -210,6 +212,7 @@ class TensorDictCodec:
                         raise CodecError(f"cannot cache result key {key!r}: keys must be strings")
                     if isinstance(value, TensorDict):
                         entries[key] = {"td": encode_tensordict(value, f"result[{key!r}]", sink)}
+                        concats_of(entries[key]["td"], concats)
                         if rows is None and len(value.batch_size):
                             rows = int(value.batch_size[0])
                     else:
@@ -217,10 +220,6 @@ class TensorDictCodec:
                 objects["mapping"] = entries
             else:
                 raise CodecError(f"cannot cache a {type(result).__qualname__} with the TensorDict codec")
-            concats: dict[str, tuple[str, str]] = {}
-            for entry in [objects] if "td" in objects else objects["mapping"].values():
-                if "td" in entry:
-                    concats_of(entry["td"], concats)
             return Payload(tensors=sink.tensors, objects=objects, rows=rows, concats=concats)
 
     def decode(self, payload: Payload, call: Any = None) -> Any:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import importlib.machinery
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -121,9 +123,6 @@ def settings_values(config: Any, paths: Sequence[str]) -> dict[str, Any]:
 
 def module_exists(dotted: str) -> bool:
     """Whether module ``dotted`` can be found, without importing it or its packages (file system only)."""
-    import importlib.machinery
-    import sys
-
     if dotted in sys.modules:
         return True
     parts = dotted.split(".")

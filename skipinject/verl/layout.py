@@ -28,9 +28,12 @@ def path_safe(name: str) -> str:
     return "_" if cleaned in ("", ".", "..") else cleaned
 
 
-def layout_of(config: Any) -> tuple[str, dict[str, Any]]:
-    """Upstream's ``{experiment}_{project}/GBS{gbs}_N{n}_in{p}_out{r}`` and the values naming it."""
-    gbs = select(config, "data.gen_batch_size")
+def layout_of(config: Any, before_trainer: bool = False) -> tuple[str, dict[str, Any]]:
+    """Upstream's ``{experiment}_{project}/GBS{gbs}_N{n}_in{p}_out{r}`` and the values naming it;
+    ``before_trainer``: ``config`` is the driver's (:func:`trainer_batch_size`)."""
+    gbs = trainer_batch_size(config) if before_trainer else None
+    if gbs is None:
+        gbs = select(config, "data.gen_batch_size")
     if gbs is None:
         gbs = select(config, "data.train_batch_size", 0)
     context: dict[str, Any] = {
@@ -133,14 +136,7 @@ def project_dir(
 ) -> tuple[Path, dict[str, Any]]:
     """The directory (a ``Path`` or ``RemotePath``) of one role's steps for a run with ``config`` (``None``: no
     trainer seen); ``before_trainer``: ``config`` is the driver's."""
-    if config is not None:
-        relative, context = layout_of(config)
-        gbs = trainer_batch_size(config) if before_trainer else None
-        if gbs is not None and gbs != context["gbs"]:
-            context = {**context, "gbs": gbs}
-            relative = f"{relative.rpartition('/')[0]}/{layout_name(context)}"
-    else:
-        relative, context = DEFAULT_PROJECT, {}
+    relative, context = (DEFAULT_PROJECT, {}) if config is None else layout_of(config, before_trainer)
     if subdir:
         relative = f"{relative}/{path_safe(subdir)}"
     location = root.location()

@@ -37,7 +37,12 @@ def encode_tensordict(td: Any, label: str, sink: TensorSink) -> dict[str, Any]:
     for key, value in td.items():
         path = f"{label}[{key!r}]"
         if isinstance(value, NonTensorStack):
-            fields[key] = _encode_non_tensor_stack(value, path, sink)
+            shape = list(value.batch_size)
+            flat: list[Any] = []
+            _flatten_stack(value, path, flat)
+            if len(flat) != math.prod(shape):
+                raise CodecError(f"cannot cache {path}: a ragged NonTensorStack of shape {shape} is not supported")
+            fields[key] = {"k": "nts", "shape": shape, "column": encode_column(flat, path, sink)}
         elif isinstance(value, NonTensorData):
             fields[key] = {"k": "ntd", "v": to_jsonable(value.data, path, sink=sink)}
         elif type(value) is TensorDict:
@@ -57,15 +62,6 @@ def _is_tensor(value: Any) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor) and type(value).__name__ in ("Tensor", "NestedTensor")
-
-
-def _encode_non_tensor_stack(stack: Any, path: str, sink: TensorSink) -> dict[str, Any]:
-    shape = list(stack.batch_size)
-    flat: list[Any] = []
-    _flatten_stack(stack, path, flat)
-    if len(flat) != math.prod(shape):
-        raise CodecError(f"cannot cache {path}: a ragged NonTensorStack of shape {shape} is not supported")
-    return {"k": "nts", "shape": shape, "column": encode_column(flat, path, sink)}
 
 
 def _flatten_stack(stack: Any, path: str, out: list[Any]) -> None:
@@ -113,9 +109,10 @@ def _plain_data(item: Any) -> Any:
 
 def decode_tensordict(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Any:
     """Inverse of :func:`encode_tensordict`."""
-    from tensordict import NonTensorData
+    import torch
+    from tensordict import NonTensorData, TensorDict
 
-    batch_size = list(spec["batch_size"])
+    batch_size, device = list(spec["batch_size"]), spec.get("device")
     source: dict[str, Any] = {}
     for key, field in spec["fields"].items():
         kind = field.get("k")
@@ -128,17 +125,9 @@ def decode_tensordict(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tenso
             source[key] = decode_tensordict(field["td"], tensors)
         else:
             source[key] = decode_tensor(field, tensors)
-    return _assemble(source, batch_size, spec.get("device"))
-
-
-def _assemble(source: dict[str, Any], batch_size: list[int], device: Any) -> Any:
-    """``TensorDict(source, ...)``, through ``_new_unsafe`` when that is the same (no device, leading dims fit):
-    the constructor's validation reads every row :class:`LazyRows` defers."""
-    from tensordict import TensorDict
-
+    # ``_new_unsafe`` when it gives the same (no device, leading dims fit): the constructor's validation
+    # reads every row :class:`LazyRows` defers.
     if device is None and _td_shortcut_ok() and all(_leading(value, batch_size) for value in source.values()):
-        import torch
-
         return TensorDict._new_unsafe(source, batch_size=torch.Size(batch_size), device=None)
     return TensorDict(source, batch_size=batch_size, device=device)
 
