@@ -26,10 +26,9 @@ from skipinject.cache_tool.scan import Item, scan
 from skipinject.cache_tool.verify import damage
 from skipinject.errors import CacheError
 from skipinject.store import garbage
-from skipinject.store.format import META_NAME, is_ours
+from skipinject.store.format import META_NAME, is_ours, is_usage_name
 from skipinject.store.meta import StepMeta
 from skipinject.store.step_store import StoredFile
-from skipinject.store.usage import is_usage_name
 
 _AGE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

@@ -1,10 +1,7 @@
-"""The one module that opens, reads and removes a cache's files (docs/reliability.md).
-
-Files are opened relative to their directory's descriptor, no link followed, and must be regular files of
-the recorded size before a byte is read; JSON is parsed under size and nesting limits; directories must be
-this user's alone (ssh's ``StrictModes``) unless trusted; removal walks down from an anchor one name at a
-time. Every failure to read is a :class:`~skipinject.errors.CorruptCacheError`; a missing file stays
-``FileNotFoundError``."""
+"""The one module that opens, reads and removes a cache's local files (docs/reliability.md): relative to
+directory descriptors, no link followed, regular files of the recorded size before a byte is read; JSON
+under size and nesting limits; trust as ssh's ``StrictModes``. Failures are CorruptCacheError (a missing
+file stays ``FileNotFoundError``)."""
 
 from __future__ import annotations
 
@@ -30,7 +27,6 @@ def _why(exc: OSError) -> str:
 
 
 def open_dir(path: Path | str, dir_fd: int | None = None, *, shown: Path | None = None) -> int:
-    """A directory descriptor, never through a symlink. ENOENT stays FileNotFoundError."""
     shown = shown or Path(path)
     try:
         return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
@@ -119,7 +115,7 @@ def read_fd(fd: int, size: int, shown: Path) -> bytes:
 
 
 def parse_json(data: bytes, shown: Path, *, what: str = "JSON file", max_depth: int | None = None) -> Any:
-    """``json.loads`` whose every failure (syntax, nesting past ``max_depth``, memory) is a CorruptCacheError."""
+    """``json.loads`` whose every failure (syntax, nesting past ``max_depth``, memory) is CorruptCacheError."""
     try:
         value = json.loads(data)
     except RecursionError as exc:
@@ -159,8 +155,7 @@ def trust_problem(path: Path, info: os.stat_result, role: str) -> str:
 
 
 def unresolved_problem(path: Path) -> str | None:
-    """Why ``path`` as given, before its links are resolved, could be redirected by another user
-    (a link another user owns, or a parent others can write without the sticky bit), or None."""
+    """Why ``path`` as given (links unresolved) could be redirected by another user, or None."""
     uid = os.geteuid()
     given = Path(os.path.abspath(path))  # ``..`` removed by text, no link resolved
     current = Path(given.anchor)
@@ -187,7 +182,7 @@ def unresolved_problem(path: Path) -> str | None:
 def read_small(
     path: Path | str, limit: int = MAX_META_BYTES, dir_fd: int | None = None, shown: Path | None = None
 ) -> bytes:
-    """A small regular file's bytes (at most ``limit``), by path or by name in ``dir_fd``, no link followed."""
+    """A small regular file's bytes (at most ``limit``), by path or by name in ``dir_fd``."""
     shown = shown or Path(path)
     fd, info = open_regular(str(path), dir_fd, shown)
     try:
@@ -202,12 +197,6 @@ def read_small(
         os.close(fd)
 
 
-def entries(directory: Path) -> list[os.DirEntry[str]]:
-    """The entries of a directory (callers never follow links)."""
-    with os.scandir(directory) as found:
-        return list(found)
-
-
 def read_head(path: Path, size: int) -> bytes:
     """The first ``size`` bytes of a regular file (never a link, a FIFO never blocks); OSError otherwise."""
     fd = os.open(path, _FILE_FLAGS)
@@ -219,13 +208,12 @@ def read_head(path: Path, size: int) -> bytes:
         os.close(fd)
 
 
-#: Called with (descriptor of the directory, name) right before a name is unlinked; tests use it
-#: to make a race deterministic. Production code never sets it.
+#: Tests only: called with (directory descriptor, name) right before an unlink, to make a race deterministic.
 BEFORE_UNLINK: Callable[[int, str], None] | None = None
 
 
 class LinkedPath(OSError):
-    """A name below the anchor is a symbolic link or not a directory: nothing is removed through it."""
+    """A name below the anchor is a link or no directory: nothing is removed through it."""
 
 
 def relative_parts(anchor: Path, path: Path) -> tuple[str, ...]:
@@ -237,8 +225,7 @@ def relative_parts(anchor: Path, path: Path) -> tuple[str, ...]:
 
 
 def open_below(anchor: Path | int, parts: Sequence[str]) -> int:
-    """A descriptor of ``anchor/parts...``, every name below the anchor opened with ``O_NOFOLLOW``
-    (:class:`LinkedPath` for a link)."""
+    """A descriptor of ``anchor/parts...``, each name opened with ``O_NOFOLLOW`` (:class:`LinkedPath`)."""
     fd = os.dup(anchor) if isinstance(anchor, int) else os.open(anchor, _DIR_FLAGS & ~os.O_NOFOLLOW)
     try:
         for part in parts:
@@ -268,7 +255,7 @@ def opened_below(anchor: Path | int, parts: Sequence[str]) -> Iterator[int]:
 
 
 def unlink_regular(dir_fd: int, name: str, wanted: Callable[[os.stat_result], bool]) -> int | None:
-    """Unlink ``name`` in ``dir_fd`` if it is a regular file ``wanted`` (given its ``lstat``) selects; its size."""
+    """Unlink ``name`` if it is a regular file ``wanted(lstat)`` selects; its size."""
     try:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
@@ -309,9 +296,8 @@ def remove_step(
     wanted: Callable[[str, str, os.stat_result], bool],
     emptied: Callable[[str], bool] = lambda part: True,
 ) -> tuple[int, int]:
-    """Remove the regular files ``wanted(part, name, lstat)`` selects from a step below ``anchor``, ``meta.json``
-    first, then the directories ``emptied(part)`` selects if empty (part ``""``: the step's), all relative to
-    descriptors opened once; returns (files, bytes)."""
+    """Remove the files ``wanted(part, name, lstat)`` selects from a step below ``anchor``, ``meta.json`` first,
+    then the directories ``emptied(part)`` selects if empty (``""``: the step's); returns (files, bytes)."""
     parts = relative_parts(anchor, step_dir)
     if not parts:
         raise ValueError(f"{step_dir}: the anchor itself is no step directory")

@@ -27,6 +27,8 @@ META_NAME = "meta.json"
 STEP_NAME = re.compile(r"0|[1-9][0-9]{0,11}")
 #: A part directory of a step (the same rule, 6 digits at most); part ``""`` is the step directory itself.
 PART_NAME = re.compile(r"0|[1-9][0-9]{0,5}")
+#: A step's usage record beside ``meta.json`` (never named by it), and its local replacement's temporary files.
+USAGE_NAME = "usage.json"
 #: A writer's id ``{unix_time}-{pid}-{8 hex}``: fresh per save, in every data and temporary file name.
 WRITE_ID = re.compile(r"([0-9]{9,12})-([0-9]{1,10})-([0-9a-f]{8})")
 TENSORS_PREFIX, TENSORS_SUFFIX = "tensors-", ".bin"
@@ -90,6 +92,11 @@ def step_name(step: int) -> str:
 def is_ours(name: str) -> bool:
     """A data file or a temporary file of our own saves (what garbage collection and prune may touch)."""
     return DATA_NAME.fullmatch(name) is not None or TMP_NAME.fullmatch(name) is not None
+
+
+def is_usage_name(name: str) -> bool:
+    """The usage record or a temporary file of its local replacement (removed with the step)."""
+    return name == USAGE_NAME or name.startswith(f".{USAGE_NAME}.tmp-")
 
 
 def tensors_name(write_id: str) -> str:

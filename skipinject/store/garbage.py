@@ -26,12 +26,12 @@ from skipinject.store.format import (
     PART_NAME,
     STEP_NAME,
     TMP_NAME,
+    USAGE_NAME,
     WRITE_ID,
     is_ours,
 )
 from skipinject.store.local import LocalFiles
 from skipinject.store.meta import StepMeta
-from skipinject.store.usage import USAGE_NAME
 
 ABANDONED_AFTER = 600.0
 #: Where no process can be asked whether it is alive (an object store): a writer slower than this

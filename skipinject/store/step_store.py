@@ -1,13 +1,15 @@
 """One role's steps under one project directory: the only code that reads, verifies, writes or removes them.
 
-The format's logic lives here once for every backend (:mod:`skipinject.store.backend`): which files a
-step has, the ``meta.json`` checks, sizes before reading and checksums before decoding, the commit rule
-(:class:`~skipinject.store.writer.StepWriter`). Every failure is a :class:`CorruptCacheError` (a missing
-step stays ``FileNotFoundError``)."""
+The format's logic lives here once for every backend: the ``meta.json`` checks, sizes before reading and
+checksums before decoding, the commit rule (:class:`~skipinject.store.writer.StepWriter`). Every failure is
+a :class:`CorruptCacheError`; a missing step stays ``FileNotFoundError``."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +34,9 @@ from skipinject.store.format import (
     READABLE_VERSIONS,
     SAFE_NAME,
     STEP_NAME,
+    USAGE_NAME,
     is_ours,
+    is_usage_name,
     meta_digest,
     step_name,
 )
@@ -40,7 +44,6 @@ from skipinject.store.garbage import collect
 from skipinject.store.hit_memory import FRESH, Claim, HitMemory
 from skipinject.store.meta import DataFile, Part, StepMeta, part_budget, short, step_meta
 from skipinject.store.tensorfile import read_tensors
-from skipinject.store.usage import MAX_HITS, MAX_USAGE_BYTES, USAGE_NAME, Usage, ignored, is_usage_name, parse_usage
 from skipinject.store.writer import StepWriter
 
 if TYPE_CHECKING:
@@ -53,26 +56,72 @@ __all__ = ["STEP_NAME", "RemoteStepStore", "StepEntry", "StepStore"]
 
 logger = logging.getLogger("skipinject")
 
+#: A usage record larger than this is not ours (a real one is under 100 bytes).
+MAX_USAGE_BYTES = 1024
+#: Hit counts past this are forged (JSON's exact integers end here).
+MAX_HITS = 1 << 53
+#: A last use further in the future than this (clock skew between nodes) is forged.
+FUTURE_SLACK = 86400.0
+_warned = False
+_warn_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Usage:
+    """``{step}/usage.json``: how often a step was served, and when last (unix time); never named by
+    ``meta.json``, replaced whole (two runs counting at once may lose an increment, never the file)."""
+
+    hits: int
+    last_served: float
+
+    def encoded(self) -> bytes:
+        return json.dumps({"hits": self.hits, "last_served": round(self.last_served, 3)}).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, shown: object, now: float) -> Usage:
+        """A record's bytes checked (CacheError: hostile input)."""
+        if len(data) > MAX_USAGE_BYTES:
+            raise CacheError(f"{shown}: {len(data)} bytes, larger than any usage record")
+        raw = parse_json(data, shown, what="usage record", max_depth=1)  # type: ignore[arg-type]
+        hits = raw.get("hits") if isinstance(raw, dict) else None
+        served = raw.get("last_served") if isinstance(raw, dict) else None
+        if type(hits) is not int or not 0 <= hits <= MAX_HITS:
+            raise CacheError(f"{shown}: no hit count in the usage record")
+        if not isinstance(served, (int, float)) or type(served) is bool or not math.isfinite(served):
+            raise CacheError(f"{shown}: no last-served time in the usage record")
+        if not 0 <= served <= now + FUTURE_SLACK:
+            raise CacheError(f"{shown}: no plausible last-served time in the usage record")
+        return cls(hits, float(served))
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """A listed name in a step directory (``part``: ``""``) or a part directory, never followed."""
+
+    part: str
+    name: str
+    kind: str
+    size: int
+    mtime: float
+
 
 @dataclass(frozen=True)
 class StepEntry:
-    """A verified, loadable cache entry (what it loads: :class:`~skipinject.payload.Payload`)."""
+    """A verified, loadable step: what :meth:`StepStore.verified` read (and checksummed), kept for ``load``."""
 
     step: int
     directory: Path
     meta: Mapping[str, Any]
-    #: Tensor files read (and checksummed) by :meth:`StepStore.verified`, reused by ``load``.
-    mapped: dict[Path, Decoded] = field(default_factory=dict, compare=False, repr=False)
-    #: Bytes of the other files, read (and checksummed) once by :meth:`StepStore.verified`.
-    blobs: dict[Path, bytes] = field(default_factory=dict, compare=False, repr=False)
+    mapped: dict[Path, Decoded] = field(default_factory=dict, compare=False, repr=False)  # tensor files
+    blobs: dict[Path, bytes] = field(default_factory=dict, compare=False, repr=False)  # objects files
     #: Where a compressed step's decoded tensors go (:mod:`~skipinject.store.hit_memory`).
     memory: Claim = field(default=FRESH, compare=False, repr=False)
     #: Its parts already loaded (a step read ahead): the next :meth:`StepStore.load` hands them out.
     loaded: list[Payload] = field(default_factory=list, compare=False, repr=False)
 
     def release(self) -> None:
-        """Drop what :meth:`StepStore.verified` read. Mappings are let go, never closed: a tensor viewing one holds
-        no buffer export, so closing it would leave the tensor reading unmapped memory."""
+        """Drop what was read. Mappings are let go, never closed: a tensor viewing one holds no buffer
+        export, so closing it would leave the tensor reading unmapped memory."""
         self.mapped.clear()
         self.blobs.clear()
         self.loaded.clear()
@@ -96,11 +145,9 @@ class StepStore:
         step_aliases: Sequence[str] = (),
         siblings: Sequence[str] = (),
     ) -> None:
-        """``trust_permissions``: load from directories other users could write; ``dump_dir``: the cache root
-        (checked down to ``project_dir``); ``plugin``: recorded in ``meta.json``; ``backend``: default local files;
-        ``compression``: of the files written; ``memory``: the pool compressed hits decode into;
-        ``step_aliases``: more ``meta.json`` keys holding the step; ``siblings``: other roles whose steps are
-        read when asked (``action=match``) and never overwritten."""
+        """``dump_dir``: the cache root (trust checked down to ``project_dir``); ``memory``: the pool compressed
+        hits decode into; ``step_aliases``: more ``meta.json`` keys holding the step; ``siblings``: other roles
+        whose steps are read when asked (``action=match``), never overwritten."""
         if backend is None:
             from skipinject.store.local import LocalFiles
 
@@ -139,9 +186,8 @@ class StepStore:
             raise
 
     def claim(self, token: str, first: int | None = None) -> int:
-        """A new record number from ``first`` on (default: after those in use) that no concurrent writer also
-        takes: an exclusive ``mkdir``, or in an object store a ``.claim-<token>`` object that must be the only
-        one listed (and no ``meta.json``). :meth:`release` it once saved."""
+        """A new record number from ``first`` on (default: after those in use) no concurrent writer also takes
+        (docs/cache-format.md: an exclusive ``mkdir``, or a lone ``.claim-<token>`` object). :meth:`release` it."""
         backend = self.backend
         backend.prepare(self.project_dir, self.project_dir)
         self.check_writable([])
@@ -174,7 +220,6 @@ class StepStore:
         return self.backend.read_bytes(self.project_dir / name, limit)
 
     def replace_file(self, name: str, data: bytes) -> None:
-        """Replace a file beside the steps whole."""
         self.backend.write(self.project_dir / name, lambda handle: handle.write(data))
 
     def meta_versions(self, steps: Sequence[int]) -> dict[int, int]:
@@ -205,9 +250,8 @@ class StepStore:
 
     def check_trust(self) -> None:
         """Refuse (CorruptCacheError with the fix) a dump/project directory other users could write."""
-        if self.trust_permissions:
-            return
-        self.backend.check_trust(self._trust_chain(), self.role)
+        if not self.trust_permissions:
+            self.backend.check_trust(self._trust_chain(), self.role)
 
     def unusable(self) -> str | None:
         """Why this store's existing directories can be neither loaded from nor saved into, or None. Never raises."""
@@ -229,8 +273,7 @@ class StepStore:
         return self.backend.open_step(self.step_dir(step), self.role)
 
     def step_numbers_on_disk(self) -> list[int]:
-        """Step numbers of the step directories, sorted, from one listing (no read per step); ``[]`` for an
-        untrusted or missing project."""
+        """The step directories' numbers, sorted, from one listing; ``[]`` for an untrusted or missing project."""
         try:
             self.check_trust()
         except (FileNotFoundError, CacheError):
@@ -246,8 +289,7 @@ class StepStore:
         return sorted({int(name) for name in names if STEP_NAME.fullmatch(name)})
 
     def is_committed(self, step: int, *, siblings: bool = False) -> bool:
-        """The step has a valid ``meta.json`` of this role (``siblings``: or of a sibling; its data files are not
-        verified)."""
+        """The step has a valid ``meta.json`` of this role (or a sibling's); its data files are not verified."""
         try:
             self.read_meta(step, siblings=siblings)
         except (OSError, CorruptCacheError):
@@ -295,8 +337,7 @@ class StepStore:
         return base / name
 
     def read_meta(self, step: int, *, siblings: bool = False) -> StepMeta:
-        """A step's checked ``meta.json`` (format, version, role, context, self-checksum); ``siblings``: one of
-        a sibling role's too."""
+        """A step's checked ``meta.json`` (``siblings``: a sibling role's too)."""
         files = self._open_step(step)
         try:
             return self._read_meta(files, step, siblings)
@@ -304,58 +345,54 @@ class StepStore:
             files.close()
 
     def _read_meta(self, files: StepFiles, step: int, siblings: bool = False) -> StepMeta:
+        """Format, version, self-checksum, role, step, context, rows and checksum algorithm checked."""
         path = self.step_dir(step) / META_NAME
-        data = files.read_meta()
-        meta = parse_json(data, path, what="meta.json", max_depth=MAX_META_DEPTH)
+        meta = parse_json(files.read_meta(), path, what="meta.json", max_depth=MAX_META_DEPTH)
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CorruptCacheError(f"{path}: not a skipinject cache (no format marker)")
         try:
-            return self._check_meta(meta, path, step, siblings)
+            if meta.get("format_version") not in READABLE_VERSIONS:
+                raise CorruptCacheError(
+                    f"{path}: written in format version {short(meta.get('format_version'))}, "
+                    f"this skipinject reads versions {', '.join(map(str, READABLE_VERSIONS))}"
+                )
+            if meta.get("meta_checksum") != meta_digest(meta):
+                raise CorruptCacheError(f"{path}: meta.json was edited or damaged (its checksum does not match)")
+            if meta.get("role") != self.role and not (siblings and meta.get("role") in self.siblings):
+                raise CorruptCacheError(f"{path}: written by role {short(meta.get('role'))}, not {self.role!r}")
+            if meta.get("step") != step:
+                raise CorruptCacheError(f"{path}: records step {short(meta.get('step'))}, but lies in step {step}")
+            context = meta.get("context", {})
+            if not isinstance(context, dict):
+                raise CorruptCacheError(f"{path}: meta.json is malformed (context {short(context)} is not a mapping)")
+            if context != self.context:
+                raise CorruptCacheError(
+                    f"{path}: written for other trainer metadata {short(context)}, this run is {self.context!r}"
+                )
+            rows = meta.get("rows")
+            if rows is not None and (type(rows) is not int or not 0 <= rows <= MAX_ROWS):
+                raise CorruptCacheError(f"{path}: meta.json is malformed (rows {short(rows)} is no row count)")
+            if meta.get("checksum_algo") not in CHECKSUM_ALGOS:
+                raise CorruptCacheError(
+                    f"{path}: meta.json is malformed (unknown checksum algorithm {short(meta.get('checksum_algo'))})"
+                )
         except CacheError:
             raise
         except Exception as exc:
             raise CorruptCacheError(f"{path}: meta.json is malformed ({type(exc).__name__}: {exc})") from exc
-
-    def _check_meta(self, meta: object, path: Path, step: int, siblings: bool = False) -> StepMeta:
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise CorruptCacheError(f"{path}: not a skipinject cache (no format marker)")
-        if meta.get("format_version") not in READABLE_VERSIONS:
-            raise CorruptCacheError(
-                f"{path}: written in format version {short(meta.get('format_version'))}, "
-                f"this skipinject reads versions {', '.join(map(str, READABLE_VERSIONS))}"
-            )
-        if meta.get("meta_checksum") != meta_digest(meta):
-            raise CorruptCacheError(f"{path}: meta.json was edited or damaged (its checksum does not match)")
-        if meta.get("role") != self.role and not (siblings and meta.get("role") in self.siblings):
-            raise CorruptCacheError(f"{path}: written by role {short(meta.get('role'))}, not {self.role!r}")
-        if meta.get("step") != step:
-            raise CorruptCacheError(f"{path}: records step {short(meta.get('step'))}, but lies in step {step}")
-        context = meta.get("context", {})
-        if not isinstance(context, dict):
-            raise CorruptCacheError(f"{path}: meta.json is malformed (context {short(context)} is not a mapping)")
-        if context != self.context:
-            raise CorruptCacheError(
-                f"{path}: written for other trainer metadata {short(context)}, this run is {self.context!r}"
-            )
-        rows = meta.get("rows")
-        if rows is not None and (type(rows) is not int or not 0 <= rows <= MAX_ROWS):
-            raise CorruptCacheError(f"{path}: meta.json is malformed (rows {short(rows)} is no row count)")
-        if meta.get("checksum_algo") not in CHECKSUM_ALGOS:
-            raise CorruptCacheError(
-                f"{path}: meta.json is malformed (unknown checksum algorithm {short(meta.get('checksum_algo'))})"
-            )
         return StepMeta(meta, path)
 
     def verified(self, step: int, *, siblings: bool = False) -> StepEntry:
-        """The step's entry after checking every file it names (CorruptCacheError; FileNotFoundError: nothing
-        cached; ``siblings``: a sibling role's step too). The bytes are read once, into private memory, and
-        kept for :meth:`load`."""
+        """The step's entry after checking every file it names, each read once into private memory and kept for
+        :meth:`load` (CorruptCacheError; FileNotFoundError: nothing cached; ``siblings``: a sibling's step too)."""
         files = self._open_step(step)
         try:
             meta = self._read_meta(files, step, siblings)
             meta.check_budget()
             entry = StepEntry(step, self.step_dir(step), meta, memory=Claim(self.memory))
             try:
-                for part in meta.parts:
-                    self._verify_part(entry, files, part)
+                for part, file in meta.files():
+                    self._verify_file(entry, files, part, file)
             except BaseException as exc:
                 entry.release()
                 entry.memory.refuse()
@@ -366,27 +403,24 @@ class StepStore:
         finally:
             files.close()
 
-    def _verify_part(self, entry: StepEntry, files: StepFiles, part: Part) -> None:
+    def _verify_file(self, entry: StepEntry, files: StepFiles, part: Part, file: DataFile) -> None:
+        path = part.at(entry.directory, file.name)
         algo = entry.meta["checksum_algo"]
-        for file in part.files:
-            path = part.at(entry.directory, file.name)
-            make = entry.memory.buffer if file.kind == "tensors" else bytearray
-            if file.encoded:  # decoded as its stored bytes arrive, kept only if they check out
-                data, checksum = _decode_streamed(files, part.dir, file, algo, make, path)
-            else:  # tensors into private memory (never served from a mapping of the file)
-                into = make if file.kind == "tensors" else None
-                data, checksum = files.read(part.dir, file.name, file.spec.get("size"), algo, into=into)
-            if file.kind == "tensors":
-                if not isinstance(data, bytes) and len(data):
-                    entry.mapped[path] = data  # tensors are views of it
-            else:
-                entry.blobs[path] = bytes(data)
-            if checksum != file.spec.get("checksum"):
-                raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
+        make = entry.memory.buffer if file.kind == "tensors" else bytearray
+        if file.encoded:  # decoded as its stored bytes arrive, kept only if they check out
+            data, checksum = _decode_streamed(files, part.dir, file, algo, make, path)
+        else:  # tensors into private memory (never served from a mapping of the file)
+            into = make if file.kind == "tensors" else None
+            data, checksum = files.read(part.dir, file.name, file.spec.get("size"), algo, into=into)
+        if file.kind != "tensors":
+            entry.blobs[path] = bytes(data)
+        elif not isinstance(data, bytes) and len(data):
+            entry.mapped[path] = data  # tensors are views of it
+        if checksum != file.spec.get("checksum"):
+            raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
 
     def check(self, step: int) -> None:
-        """Read and check every byte of a step as a hit would, then let it go: the one question ``cache verify``
-        and ``cache prune --damaged`` both ask."""
+        """Read and check every byte of a step as a hit would, then let it go (``cache verify``, ``--damaged``)."""
         entry = self.verified(step)
         try:
             self.load(entry)
@@ -402,35 +436,31 @@ class StepStore:
         if not entry.mapped and not entry.blobs:
             entry = self.verified(entry.step, siblings=entry.meta.get("role") != self.role)  # under the same rules
         try:
-            return self._load(entry)
+            return [self._load_part(entry, part) for part in step_meta(entry.meta, entry.directory).parts]
         except BaseException:
             entry.memory.refuse()  # what a refused step took is not kept for later hits
             raise
 
-    def _load(self, entry: StepEntry) -> list[Payload]:
-        payloads = []
-        meta = step_meta(entry.meta, entry.directory)
-        context = meta.get("context")
-        for part in meta.parts:
-            paths = {file.kind: part.at(entry.directory, file.name) for file in part.files}
-            budget = part_budget(part.rows, context if isinstance(context, Mapping) else {})
-            budget -= sum(file.decoded for file in part.files if file.kind != "tensors")
-            try:
-                tensors = read_tensors(entry.mapped.get(paths["tensors"]), paths["tensors"], entry.memory, budget)
-                blob = entry.blobs.get(paths["objects"])
-                if blob is None:
-                    raise CorruptCacheError(f"{paths['objects']}: was not verified")
-                objects = parse_json(blob, paths["objects"], what="objects file")
-            except CacheError:
-                raise
-            except Exception as exc:
-                raise CorruptCacheError(
-                    f"{entry.directory}: cannot load part {part.dir!r}: {type(exc).__name__}: {exc}"
-                ) from exc
-            if not isinstance(tensors, dict) or not isinstance(objects, dict):
-                raise CorruptCacheError(f"{entry.directory}: part {part.dir!r} has an unexpected structure")
-            payloads.append(Payload(tensors=tensors, objects=objects, rows=part.rows))
-        return payloads
+    def _load_part(self, entry: StepEntry, part: Part) -> Payload:
+        paths = {file.kind: part.at(entry.directory, file.name) for file in part.files}
+        context = entry.meta.get("context")
+        budget = part_budget(part.rows, context if isinstance(context, Mapping) else {})
+        budget -= sum(file.decoded for file in part.files if file.kind != "tensors")
+        try:
+            tensors = read_tensors(entry.mapped.get(paths["tensors"]), paths["tensors"], entry.memory, budget)
+            blob = entry.blobs.get(paths["objects"])
+            if blob is None:
+                raise CorruptCacheError(f"{paths['objects']}: was not verified")
+            objects = parse_json(blob, paths["objects"], what="objects file")
+        except CacheError:
+            raise
+        except Exception as exc:
+            raise CorruptCacheError(
+                f"{entry.directory}: cannot load part {part.dir!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(tensors, dict) or not isinstance(objects, dict):
+            raise CorruptCacheError(f"{entry.directory}: part {part.dir!r} has an unexpected structure")
+        return Payload(tensors=tensors, objects=objects, rows=part.rows)
 
     def precheck(self, step: int, meta: Mapping[str, Any]) -> list[tuple[Path, int]]:
         """Every named file is a regular file of its recorded size, checked by name (the cache tool's listing)."""
@@ -451,8 +481,8 @@ class StepStore:
         return out
 
     def note_hit(self, step: int, now: float | None = None) -> None:
-        """Count a hit of ``step`` in its usage record, only into a committed step in a trusted directory
-        (:mod:`~skipinject.store.usage`). Never raises."""
+        """Count a hit in the step's :class:`Usage` record, only into a committed step in a trusted directory.
+        Never raises."""
         now = time.time() if now is None else now
         try:
             step_dir = self.step_dir(step)
@@ -463,24 +493,34 @@ class StepStore:
             self.check_writable([step_dir])
             before = self.usage(step, now)
             record = Usage(min(MAX_HITS, (before.hits if before is not None else 0) + 1), now).encoded()
-            self.backend.write(self.step_dir(step) / USAGE_NAME, lambda handle: handle.write(record))
+            self.backend.write(step_dir / USAGE_NAME, lambda handle: handle.write(record))
         except Exception as exc:
             logger.debug("%s step %d: usage not recorded (%s: %s)", self.role, step, type(exc).__name__, exc)
 
     def usage(self, step: int, now: float | None = None) -> Usage | None:
-        """When ``step`` was last served and how often, or None (none, or a record not to trust). Never raises."""
+        """The step's usage record, or None (none, or one not to trust: said once per process). Never raises."""
+        global _warned
         location = self.step_dir(step) / USAGE_NAME
         try:
             data = self.backend.read_bytes(location, MAX_USAGE_BYTES)
-            return parse_usage(data, location, time.time() if now is None else now)
+            return Usage.parse(data, location, time.time() if now is None else now)
         except FileNotFoundError:
             return None
         except Exception as exc:
-            ignored(str(exc) if isinstance(exc, CacheError) else f"{location}: {type(exc).__name__}: {exc}")
+            problem = str(exc) if isinstance(exc, CacheError) else f"{location}: {type(exc).__name__}: {exc}"
+            with _warn_lock:
+                first, _warned = not _warned, True
+            if first:
+                logger.warning(
+                    "%s; its step's usage statistics start again (further such records: not reported)", problem
+                )
+            else:
+                logger.debug("%s", problem)
             return None
 
     def files(self, step: int) -> list[StoredFile]:
-        """Every name in the step's directory and part directories, never through a link."""
+        """Every name in the step's directory and part directories, never through a link (FileNotFoundError;
+        CorruptCacheError for a link)."""
         return list_step(self.backend, self.step_dir(step))
 
     def remove(self, step: int, only: Collection[str] | None = None, anchor: Path | None = None) -> tuple[int, int]:
@@ -501,7 +541,8 @@ class StepStore:
             listed = self.files(step)
         except FileNotFoundError:
             return 0, 0
-        chosen = sorted((f for f in listed if f.kind == "file" and wanted(f.part, f.name)), key=_meta_first)
+        chosen = [f for f in listed if f.kind == "file" and wanted(f.part, f.name)]
+        chosen.sort(key=lambda found: bool(found.part) or found.name != META_NAME)
         for found in chosen:
             self.backend.remove(step_dir / found.part / found.name if found.part else step_dir / found.name)
         return len(chosen), sum(found.size for found in chosen)
@@ -511,30 +552,8 @@ class StepStore:
         return collect(self.project_dir, step=step, backend=self.backend)
 
 
-def next_number(numbers: Sequence[int]) -> int:
-    """The number after the run of numbers in use from 1; a gap larger than
-    :data:`~skipinject.store.format.MAX_CLAIMS` ends the run (a stray directory never makes records jump)."""
-    last = 0
-    for number in numbers:
-        if number - last > MAX_CLAIMS:
-            break
-        last = number
-    return last + 1
-
-
-@dataclass(frozen=True)
-class StoredFile:
-    """A listed name in a step directory (``part``: ``""``) or a part directory, never followed."""
-
-    part: str
-    name: str
-    kind: str
-    size: int
-    mtime: float
-
-
 def list_step(backend: Backend, step_dir: Path) -> list[StoredFile]:
-    """Every name in a step directory and its part directories (FileNotFoundError; CorruptCacheError for a link)."""
+    """:meth:`StepStore.files` of any step directory (the cache tool's walk)."""
     found = backend.stat(step_dir)
     if found is None:
         raise FileNotFoundError(str(step_dir))
@@ -554,8 +573,15 @@ def list_step(backend: Backend, step_dir: Path) -> list[StoredFile]:
     return out
 
 
-def _meta_first(found: StoredFile) -> bool:
-    return bool(found.part) or found.name != META_NAME
+def next_number(numbers: Sequence[int]) -> int:
+    """The number after the run of numbers in use from 1; a gap larger than
+    :data:`~skipinject.store.format.MAX_CLAIMS` ends the run (a stray directory never makes records jump)."""
+    last = 0
+    for number in numbers:
+        if number - last > MAX_CLAIMS:
+            break
+        last = number
+    return last + 1
 
 
 def RemoteStepStore(

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from skipinject.cache_tool import main
-from skipinject.store import Payload, RemoteStepStore, StepStore, usage
+from skipinject.store import Payload, RemoteStepStore, StepStore, step_store
 from skipinject.store.remote import open_remote
 
 torch = pytest.importorskip("torch")
@@ -88,7 +88,7 @@ HOSTILE = {
 def test_a_garbled_or_hostile_record_costs_only_the_statistics_with_one_line(
     dump: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.setattr(usage, "_warned", False)
+    monkeypatch.setattr(step_store, "_warned", False)
     store = store_at(dump)
     for step, data in enumerate(HOSTILE.values()):
         store.save(step, payload(step))
@@ -105,7 +105,7 @@ def test_a_garbled_or_hostile_record_costs_only_the_statistics_with_one_line(
 
 
 def test_a_record_that_is_a_link_or_a_fifo_is_never_followed_nor_blocks(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(usage, "_warned", False)
+    monkeypatch.setattr(step_store, "_warned", False)
     store = store_at(str(tmp_path / "dump"))
     secret = tmp_path / "secret.json"
     secret.write_text('{"hits": 7, "last_served": 1}')
