@@ -1,10 +1,7 @@
-"""Where a store's files live, apart from what they are: a :class:`Backend` moves bytes.
+"""Where a store's files live, apart from what they are: a :class:`Backend` moves bytes, nothing more.
 
-``names``/``stat``/``versions`` list; ``read_bytes`` and ``open_step`` read, bounded and size-checked;
-``write`` (a file whole), ``replace`` (``meta.json``, the commit) and ``remove`` change. ``prepare``,
-``make_dir`` and ``check_trust`` are a file system's own (no-ops in an object store). Everything else
-(format, checks, commit, claims, garbage) is :class:`~skipinject.store.StepStore`'s, once for both:
-:class:`~skipinject.store.local.LocalFiles` and :class:`~skipinject.store.remote.FsspecFiles`."""
+Format, checks, commit, claims and garbage are :class:`~skipinject.store.StepStore`'s, once for both
+backends: :class:`~skipinject.store.local.LocalFiles` and :class:`~skipinject.store.remote.FsspecFiles`."""
 
 from __future__ import annotations
 
@@ -31,35 +28,33 @@ class Stat(NamedTuple):
 
 
 class StepFiles(Protocol):
-    """One step directory opened for reading (closed by :meth:`close`)."""
+    """One step directory opened for reading. Every read is refused unless of a regular file of exactly
+    ``size`` bytes, checked before a byte is read."""
 
     def read_meta(self) -> bytes:
-        """``meta.json``'s bytes, bounded; FileNotFoundError when there is none, else CorruptCacheError."""
+        """``meta.json``'s bytes, bounded (FileNotFoundError, else CorruptCacheError)."""
 
     def read(
         self, sub: str, name: str, size: object, algo: str, *, into: Callable[[int], Decoded] | None = None
     ) -> tuple[Decoded | bytes, str]:
-        """A data file of part ``sub`` and its checksum, refused unless a regular file of exactly ``size`` bytes
-        (checked before a byte is read), in private memory (``into``: a buffer of the given size)."""
+        """A data file of part ``sub`` and its checksum, in private memory (``into``: a buffer of a size)."""
 
     def stream(self, sub: str, name: str, size: object) -> AbstractContextManager[Iterator[bytes]]:
-        """A data file's bytes in pieces as they arrive, after the same size check."""
+        """A data file's bytes in pieces as they arrive."""
 
     def close(self) -> None: ...
 
 
 class Backend(Protocol):
-    """Moves a store's bytes."""
+    """Moves a store's bytes. ``prepare``, ``make_dir`` and ``check_trust`` are a file system's own."""
 
-    #: Whether directory ownership and modes say who may write (local files; an object store's
-    #: own access control decides that instead).
+    #: Whether directory ownership and modes say who may write (else the store's access control does).
     checks_owners: bool
 
     def names(self, location: Location, *, directories: bool = False) -> list[str]:
         """Names under ``location`` (only sub-directories with ``directories``); FileNotFoundError."""
 
-    def stat(self, location: Location) -> Stat | None:
-        """What ``location`` is, never through a link; None when there is none."""
+    def stat(self, location: Location) -> Stat | None: ...
 
     def versions(self, root: Location, locations: list[Location]) -> dict[Location, int]:
         """A number per existing file that changes when it is replaced; never raises."""
@@ -71,11 +66,11 @@ class Backend(Protocol):
         """The step ``directory`` opened for reading (never through a link, trust-checked)."""
 
     def write(self, location: Location, produce: Callable[[BinaryIO], T], write_id: str | None = None) -> tuple[int, T]:
-        """A file written whole under its final name from ``produce(handle)``: its size and what ``produce``
-        returned. A reader sees the old file or the new one."""
+        """A file written whole from ``produce(handle)`` (a reader sees the old or the new one): its size and
+        what ``produce`` returned."""
 
     def replace(self, location: Location, data: bytes, write_id: str) -> None:
-        """Replace a small file with ``data`` in one step, durably (``meta.json``: the commit)."""
+        """Replace a small file in one step, durably (``meta.json``: the commit)."""
 
     def remove(self, location: Location, anchor: Location | None = None) -> None:
         """Remove a file or empty directory (locally walking down from ``anchor``); never raises."""
@@ -84,7 +79,7 @@ class Backend(Protocol):
         """Make ``folder`` (the step or a part directory) ready for files; returns what it created."""
 
     def make_dir(self, location: Location) -> bool | None:
-        """Create ``location`` exclusively: True if this call did, False if it existed, None: no directories."""
+        """Create ``location`` exclusively: whether this call did; None: no directories."""
 
     def check_trust(self, chain: list[Location], role: str) -> None:
         """Refuse (CorruptCacheError naming the fix) directories other users could write."""

@@ -33,14 +33,19 @@ class Plan:
     derive: dict[str, Any] | None = field(default=None)
 
 
-def _name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def itemsize(dtype_name: str) -> int:
+def itemsize(name: str) -> int:
     import torch
 
-    return int(torch.empty((), dtype=getattr(torch, dtype_name)).element_size())
+    return int(getattr(torch, name).itemsize)
+
+
+def narrows(stored: str, dtype: str) -> bool:
+    """``stored`` is a smaller integer dtype a tensor of ``dtype`` may have been narrowed to."""
+    return stored in NARROW and dtype in INTEGERS and itemsize(stored) < itemsize(dtype)
 
 
 def plan_tensors(tensors: Mapping[str, torch.Tensor], concats: Mapping[str, tuple[str, str]]) -> list[Plan]:
@@ -60,7 +65,7 @@ def plan_tensors(tensors: Mapping[str, torch.Tensor], concats: Mapping[str, tupl
 
 
 def _narrowed(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
-    dtype = _name(tensor.dtype)
+    dtype = dtype_name(tensor.dtype)
     if dtype not in INTEGERS or tensor.numel() == 0 or dtype in ("uint8", "int8"):
         return tensor, None
     import numpy as np
@@ -94,7 +99,7 @@ def _derived(tensor: torch.Tensor) -> dict[str, Any] | None:
     row ``b`` is ``clamp(j - start_b, 0, top_b)``, position ids) that rebuilds the tensor bit for bit, or None."""
     if not (tensor.dim() == 2 and tensor.shape[0] > 0 and 0 < tensor.shape[1] <= MAX_WIDTH) or tensor.is_complex():
         return None
-    dtype = _name(tensor.dtype)
+    dtype = dtype_name(tensor.dtype)
     kinds = [] if dtype == "bfloat16" else ["run"]
     kinds += ["ramp"] if dtype in INTEGERS and not dtype.startswith("uint") else []
     for kind in kinds:  # row 0 first: it tells most tensors apart at once
@@ -236,12 +241,12 @@ class Recipe:
             if type(values) is not list or len(values) != shape[0] or not all(type(v) is int for v in values):
                 raise ValueError(f"a recipe whose {key!r} does not hold one integer per row")
             columns.append(values)
-        _check_recipe(keys[0], columns[0], columns[1], shape[1], _name(dtype))
+        _check_recipe(keys[0], columns[0], columns[1], shape[1], dtype_name(dtype))
         return cls(keys[0], shape, dtype, first=columns[0], second=columns[1])
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * itemsize(_name(self.dtype))
+        return math.prod(self.shape) * itemsize(dtype_name(self.dtype))
 
     def blocks(self) -> list[slice]:
         """Row ranges of the first dimension covering the tensor (one for a 1-D tensor)."""

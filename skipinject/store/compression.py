@@ -1,10 +1,7 @@
-"""A data file compressed in independent zstd frames (``skip.<role>.compression``).
-
-Each frame holds :data:`~skipinject.store.format.FRAME_BYTES` decoded bytes; ``meta.json`` records the
-decoded size and each frame's stored size beside the stored bytes' size and checksum, so frames are
-compressed and decompressed on every core, each into its place. Hostile input is refused before its
-memory is spent: the record is checked against the stored size, each frame's header must announce its
-recorded size, and it decompresses into a buffer of exactly that size."""
+"""A data file compressed in independent zstd frames of :data:`~skipinject.store.format.FRAME_BYTES` decoded
+bytes each, (de)compressed on every core, each into its place. Hostile input is refused before its memory
+is spent: the frame table must match the stored size, each frame's header its recorded size, and it
+decompresses into a buffer of exactly that size."""
 
 from __future__ import annotations
 
@@ -177,28 +174,37 @@ class FrameDecoder:
             self._in_flight.pop(0).result()
 
     def _decode(self, number: int, frame: memoryview) -> None:
-        try:
-            self._decode_frame(number, frame)
-        finally:
-            frame.release()  # the stored bytes (a view of the caller's mapping) are let go even on failure
-
-    def _decode_frame(self, number: int, frame: memoryview) -> None:
+        """Decompress one frame into its place; one more byte than recorded is read to refuse a longer one."""
         zstandard, shown = self._zstandard, self.shown
         expected = min(FRAME_BYTES, self.decoded - number * FRAME_BYTES)
         try:
-            claimed = zstandard.frame_content_size(frame)
+            try:
+                claimed = zstandard.frame_content_size(frame)
+            except zstandard.ZstdError as exc:
+                raise CorruptCacheError(f"{shown}: frame {number} is not a zstd frame ({exc})") from exc
+            if claimed != expected:
+                raise CorruptCacheError(
+                    f"{shown}: frame {number} claims {claimed} decoded bytes, meta.json records {expected}; not decoded"
+                )
+            decompressor = getattr(self._local, "decompressor", None)
+            if decompressor is None:
+                decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
+            reader = decompressor.stream_reader(frame, read_across_frames=False, closefd=False)
+            got = 0
+            at = number * FRAME_BYTES
+            with memoryview(self.out) as whole, whole[at : at + expected] as place:
+                while got < expected:
+                    with place[got:] as rest:
+                        count = reader.readinto(rest)
+                    if not count:
+                        break
+                    got += count
+            got += len(reader.read(1))
         except zstandard.ZstdError as exc:
-            raise CorruptCacheError(f"{shown}: frame {number} is not a zstd frame ({exc})") from exc
-        if claimed != expected:
-            raise CorruptCacheError(
-                f"{shown}: frame {number} claims {claimed} decoded bytes, meta.json records {expected}; not decoded"
-            )
-        decompressor = getattr(self._local, "decompressor", None)
-        if decompressor is None:
-            decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
-        at = number * FRAME_BYTES
-        with memoryview(self.out) as whole, whole[at : at + expected] as place:
-            got = _decompress_frame(decompressor, frame, place, zstandard.ZstdError, shown, number)
+            raise CorruptCacheError(f"{shown}: frame {number} is damaged ({exc})") from exc
+        finally:
+            reader = None  # it holds the frame's buffer until it is freed (close() does not let go of it)
+            frame.release()  # the stored bytes (a view of the caller's mapping) are let go even on failure
         if got != expected:
             raise CorruptCacheError(f"{shown}: frame {number} decodes to {got} bytes, not {expected}")
 
@@ -232,24 +238,3 @@ class FrameDecoder:
             piece.release()
         self._pending = []
         close(self.out)
-
-
-def _decompress_frame(
-    decompressor: Any, frame: memoryview, place: memoryview, error: type[Exception], shown: Path, number: int
-) -> int:
-    """Decompress one frame into ``place``: bytes decoded, or one more than ``place`` holds when the frame
-    would expand further."""
-    reader = decompressor.stream_reader(frame, read_across_frames=False, closefd=False)
-    try:
-        got = 0
-        while got < len(place):
-            with place[got:] as rest:
-                count = reader.readinto(rest)
-            if not count:
-                return got
-            got += count
-        return got + len(reader.read(1))  # anything past the recorded size: refused by the caller
-    except error as exc:
-        raise CorruptCacheError(f"{shown}: frame {number} is damaged ({exc})") from exc
-    finally:
-        del reader  # it holds the frame's buffer until it is freed (close() does not let go of it)

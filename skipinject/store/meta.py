@@ -75,7 +75,10 @@ class StepMeta(dict[str, Any]):
     def parts(self) -> tuple[Part, ...]:
         """Every part, every name checked to be safe (CorruptCacheError otherwise); parsed once."""
         if self._parts is None:
-            self._parts = tuple(_part(self.directory, part) for part in _parts_list(self, self.directory))
+            parts = self.get("parts")
+            if not isinstance(parts, list) or not parts:
+                raise CorruptCacheError(f"{self.directory}: meta.json names no parts")
+            self._parts = tuple(_part(self.directory, part) for part in parts)
         return self._parts
 
     def files(self) -> list[tuple[Part, DataFile]]:
@@ -140,13 +143,6 @@ def part_budget(rows: int | None, context: Mapping[str, Any]) -> int:
 def step_meta(meta: Mapping[str, Any], step_dir: Path) -> StepMeta:
     """``meta`` as a :class:`StepMeta` (itself if it is one)."""
     return meta if isinstance(meta, StepMeta) else StepMeta(meta, step_dir / META_NAME)
-
-
-def _parts_list(meta: Mapping[str, Any], directory: Path) -> list[Any]:
-    parts = meta.get("parts")
-    if not isinstance(parts, list) or not parts:
-        raise CorruptCacheError(f"{directory}: meta.json names no parts")
-    return parts
 
 
 def _part(directory: Path, part: Any) -> Part:

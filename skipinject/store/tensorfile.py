@@ -25,11 +25,8 @@ if TYPE_CHECKING:
     from skipinject.store.hit_memory import Decoded
 
 
-_ALIGN = TENSOR_ALIGN
-
-
 def _padding(size: int) -> int:
-    return -size % _ALIGN
+    return -size % TENSOR_ALIGN
 
 
 def tensor_file(
@@ -42,38 +39,34 @@ def tensor_file(
     """Write the tensor file, plain or compactly encoded and compressed: its checksum (of the stored bytes)
     and what its record adds (None: stored as it is). Contiguous CPU tensors are not copied."""
     if compression is None:
-        return _write_and_hash(handle, _file_pieces(tensors, compact=False), algo), None
+        return _write_and_hash(handle, _file_pieces(tensors, packed=False), algo), None
     hasher = _Hasher(algo)
-    written = write_compressed(handle, _file_pieces(tensors, compact=True, concats=concats), compression, hasher)
+    written = write_compressed(handle, _file_pieces(tensors, packed=True, concats=concats), compression, hasher)
     return hasher.hexdigest(), written
 
 
 def _file_pieces(
-    tensors: Mapping[str, torch.Tensor], *, compact: bool, concats: Mapping[str, tuple[str, str]] | None = None
+    tensors: Mapping[str, torch.Tensor], *, packed: bool, concats: Mapping[str, tuple[str, str]] | None = None
 ) -> list[Buffer]:
-    """The tensor file's bytes in order: magic, index length, index, then each tensor's bytes."""
+    """The tensor file's bytes in order: magic, index length, index, then each tensor's bytes (``packed``:
+    in compact encodings)."""
     import torch
 
     checked = {}
     for name, tensor in tensors.items():
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise TypeError(f"payload tensors must map str to torch.Tensor, got {name!r}: {type(tensor).__name__}")
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in TENSOR_DTYPES or tensor.is_nested or tensor.layout != torch.strided:
+        if compact.dtype_name(tensor.dtype) not in TENSOR_DTYPES or tensor.is_nested or tensor.layout != torch.strided:
             raise TypeError(f"payload tensor {name!r}: {tensor.dtype} {tensor.layout} tensors are not supported")
         checked[name] = tensor.detach().cpu().contiguous()
-    plans = (
-        plan_tensors(checked, concats or {})
-        if compact
-        else [Plan(name, value, stored=value) for name, value in checked.items()]
-    )
+    plans = plan_tensors(checked, concats or {}) if packed else [Plan(name, v, stored=v) for name, v in checked.items()]
     views = []
     index: list[dict[str, Any]] = []
     offset = 0
     for plan in plans:
         entry: dict[str, Any] = {
             "name": plan.name,
-            "dtype": str(plan.tensor.dtype).removeprefix("torch."),
+            "dtype": compact.dtype_name(plan.tensor.dtype),
             "shape": list(plan.tensor.shape),
         }
         if plan.derive is not None:
@@ -165,73 +158,69 @@ def _writeback_starter(handle: BinaryIO) -> Callable[[int, int], None] | None:
 def read_tensors(
     mapped: Decoded | None, path: Path, memory: Claim = FRESH, budget: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Tensors of a tensor file as views of its buffer, compact ones rebuilt into memory from ``memory``; runs
-    no code. The index, every extent and shape, and what is rebuilt (within ``budget``, the part's) are
-    bounded by the file. Any failure is a :class:`CorruptCacheError`."""
+    """Tensors of a tensor file as views of its buffer, compact ones rebuilt into memory from ``memory``
+    (within ``budget``, the part's); runs no code, every extent and shape bounded by the file."""
+    import torch
+
     try:
-        return _read_tensors(mapped, path, memory, budget)
+        size = 0 if mapped is None else len(mapped)
+        if mapped is None or size < len(TENSORS_MAGIC) + 8 or bytes(mapped[: len(TENSORS_MAGIC)]) != TENSORS_MAGIC:
+            raise CorruptCacheError(f"{path}: not a skipinject tensor file")
+        (header_len,) = struct.unpack_from("<Q", mapped, len(TENSORS_MAGIC))
+        data_start = len(TENSORS_MAGIC) + 8 + header_len
+        if data_start > size or data_start % TENSOR_ALIGN or header_len > MAX_INDEX_BYTES:
+            raise CorruptCacheError(f"{path}: tensor file index is damaged")
+        index = json.loads(bytes(mapped[len(TENSORS_MAGIC) + 8 : data_start]))["tensors"]
+        if type(index) is not list or not all(type(entry) is dict for entry in index):
+            raise ValueError("the index is not a list of records")
+        rebuild_budget = (memory_budget() if budget is None else budget) - size
+        check_rebuilt(index, rebuild_budget)
+        tensors = {}
+        derived: list[dict[str, Any]] = []
+        widened: list[tuple[str, torch.dtype]] = []
+        seen: set[str] = set()
+        for entry in index:
+            name, dtype_name, shape = entry["name"], entry["dtype"], entry["shape"]
+            if type(name) is not str or dtype_name not in TENSOR_DTYPES or type(shape) is not list:
+                raise ValueError(f"bad name, dtype or shape for {name!r:.80}")
+            largest = rebuild_budget if "derive" in entry else size
+            if len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d <= largest for d in shape):
+                raise ValueError(f"bad shape for {name!r:.80}")
+            if name in seen:
+                raise ValueError(f"{name!r:.80} is named twice")
+            seen.add(name)
+            dtype = getattr(torch, dtype_name)
+            if "derive" in entry:
+                derived.append(entry)
+                continue
+            stored_name = entry.get("stored_dtype", dtype_name)
+            if stored_name != dtype_name and not compact.narrows(stored_name, dtype_name):
+                raise ValueError(f"bad stored dtype for {name!r:.80}")
+            stored = getattr(torch, stored_name)
+            offset, nbytes = entry["offset"], entry["nbytes"]
+            count = math.prod(shape)
+            itemsize = compact.itemsize(stored_name)
+            if type(offset) is not int or offset < 0 or offset % TENSOR_ALIGN or nbytes != count * itemsize:
+                raise ValueError(f"bad extent for {name!r:.80}")
+            if data_start + offset + nbytes > size:
+                raise ValueError(f"{name!r:.80} runs past the end of the file")
+            if count == 0:
+                if math.prod(d for d in shape if d) > size:
+                    raise ValueError(f"empty tensor {name!r:.80} claims a shape {shape} larger than the file")
+                tensors[name] = torch.empty(shape, dtype=dtype)
+            else:
+                tensor = torch.frombuffer(mapped, dtype=stored, count=count, offset=data_start + offset).view(shape)
+                tensors[name] = tensor
+                if stored is not dtype:
+                    widened.append((name, dtype))
+        if widened or derived:
+            _restore(tensors, widened, derived, memory)
+        return {entry["name"]: tensors[entry["name"]] for entry in index}
+
     except CorruptCacheError:
         raise
     except Exception as exc:  # ValueError, TypeError, RuntimeError from torch, RecursionError, MemoryError
         raise CorruptCacheError(f"{path}: tensor file index is damaged ({type(exc).__name__}: {exc})") from exc
-
-
-def _read_tensors(mapped: Decoded | None, path: Path, memory: Claim, budget: int | None) -> dict[str, torch.Tensor]:
-    import torch
-
-    size = 0 if mapped is None else len(mapped)
-    if mapped is None or size < len(TENSORS_MAGIC) + 8 or bytes(mapped[: len(TENSORS_MAGIC)]) != TENSORS_MAGIC:
-        raise CorruptCacheError(f"{path}: not a skipinject tensor file")
-    (header_len,) = struct.unpack_from("<Q", mapped, len(TENSORS_MAGIC))
-    data_start = len(TENSORS_MAGIC) + 8 + header_len
-    if data_start > size or data_start % _ALIGN or header_len > MAX_INDEX_BYTES:
-        raise CorruptCacheError(f"{path}: tensor file index is damaged")
-    index = json.loads(bytes(mapped[len(TENSORS_MAGIC) + 8 : data_start]))["tensors"]
-    if type(index) is not list or not all(type(entry) is dict for entry in index):
-        raise ValueError("the index is not a list of records")
-    rebuild_budget = (memory_budget() if budget is None else budget) - size
-    check_rebuilt(index, rebuild_budget)
-    tensors = {}
-    derived: list[dict[str, Any]] = []
-    widened: list[tuple[str, torch.dtype]] = []
-    seen: set[str] = set()
-    for entry in index:
-        name, dtype_name, shape = entry["name"], entry["dtype"], entry["shape"]
-        if type(name) is not str or dtype_name not in TENSOR_DTYPES or type(shape) is not list:
-            raise ValueError(f"bad name, dtype or shape for {name!r:.80}")
-        largest = rebuild_budget if "derive" in entry else size
-        if len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d <= largest for d in shape):
-            raise ValueError(f"bad shape for {name!r:.80}")
-        if name in seen:
-            raise ValueError(f"{name!r:.80} is named twice")
-        seen.add(name)
-        dtype = getattr(torch, dtype_name)
-        if "derive" in entry:
-            derived.append(entry)
-            continue
-        stored_name = entry.get("stored_dtype", dtype_name)
-        if stored_name not in TENSOR_DTYPES or (stored_name != dtype_name and not _narrows(stored_name, dtype_name)):
-            raise ValueError(f"bad stored dtype for {name!r:.80}")
-        stored = getattr(torch, stored_name)
-        offset, nbytes = entry["offset"], entry["nbytes"]
-        count = math.prod(shape)
-        itemsize = compact.itemsize(stored_name)
-        if type(offset) is not int or offset < 0 or offset % _ALIGN or nbytes != count * itemsize:
-            raise ValueError(f"bad extent for {name!r:.80}")
-        if data_start + offset + nbytes > size:
-            raise ValueError(f"{name!r:.80} runs past the end of the file")
-        if count == 0:
-            if math.prod(d for d in shape if d) > size:
-                raise ValueError(f"empty tensor {name!r:.80} claims a shape {shape} larger than the file")
-            tensors[name] = torch.empty(shape, dtype=dtype)
-        else:
-            tensor = torch.frombuffer(mapped, dtype=stored, count=count, offset=data_start + offset).view(shape)
-            tensors[name] = tensor
-            if stored is not dtype:
-                widened.append((name, dtype))
-    if widened or derived:
-        _restore(tensors, widened, derived, memory)
-    return {entry["name"]: tensors[entry["name"]] for entry in index}
 
 
 #: Below this many bytes to widen and rebuild, one thread does it (a pool costs more than it saves).
@@ -251,7 +240,7 @@ def _restore(
     stored = dict(tensors)
     dtypes = dict(widened)
     recipes = [Recipe.of(entry, stored, getattr(torch, entry["dtype"]), dtypes) for entry in derived]
-    sizes = [stored[name].numel() * torch.empty((), dtype=dtype).element_size() for name, dtype in widened]
+    sizes = [stored[name].numel() * dtype.itemsize for name, dtype in widened]
     sizes += [recipe.nbytes for recipe in recipes]
     arena, zeroed = memory.take(sum(size + _padding(size) for size in sizes))
     offsets, at = [], 0
@@ -285,8 +274,3 @@ def _restore(
     with ThreadPoolExecutor(workers(), thread_name_prefix="skipinject") as pool:
         for done in [pool.submit(job) for job in jobs]:
             done.result()
-
-
-def _narrows(stored: str, dtype: str) -> bool:
-    """``stored`` is a smaller integer dtype a tensor of ``dtype`` may have been narrowed to."""
-    return stored in compact.NARROW and dtype in compact.INTEGERS and compact.itemsize(stored) < compact.itemsize(dtype)
