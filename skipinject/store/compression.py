@@ -163,17 +163,17 @@ class FrameDecoder:
 
     def _submit(self, number: int, frame: memoryview) -> None:
         if self._threads == 1:
-            self._decode(number, frame)
+            self._decode_frame(number, frame)
             return
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="skipinject-zstd")
-        self._in_flight.append(self._pool.submit(self._decode, number, frame))
+        self._in_flight.append(self._pool.submit(self._decode_frame, number, frame))
         while len(self._in_flight) > 2 * self._threads:
             self._in_flight.pop(0).result()
 
-    def _decode(self, number: int, frame: memoryview) -> None:
+    def _decode_frame(self, number: int, frame: memoryview) -> None:
         """Decompress one frame into its place; one more byte than recorded is read to refuse a longer one."""
         zstandard, shown = self._zstandard, self.shown
         expected = min(FRAME_BYTES, self.decoded - number * FRAME_BYTES)

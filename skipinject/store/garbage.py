@@ -1,11 +1,10 @@
 """Leftovers of killed or concurrent saves: files no committed ``meta.json`` names, removed once abandoned.
 
-One rule for every backend: a leftover matches our own name patterns, is ``min_age`` old, and its writer
-(the write id ``{unix_time}-{pid}-{uuid8}`` in its name) is gone: not an open writer of this process, on a
-local disk no such process on this host, or older than :data:`PID_REUSE_AFTER`. An object store cannot be
-asked about processes: there ``min_age`` is :data:`BY_NAME_ABANDONED_AFTER`. Empty part and step directories
-that old go too; a step whose ``meta.json`` cannot be read is left alone. Locally the removal goes through
-:func:`~skipinject.store.files.remove_step` (no link followed), each file checked again right before its unlink."""
+A leftover matches our name patterns, is ``min_age`` old, and its writer (the write id in its name) is
+gone: not an open writer of this process, locally no such process on this host, or older than
+:data:`PID_REUSE_AFTER` (an object store cannot be asked: there ``min_age`` is :data:`BY_NAME_ABANDONED_AFTER`).
+Empty part and step directories that old go too; a step whose ``meta.json`` cannot be read is left alone.
+Locally each file is checked again right before its unlink (:func:`~skipinject.store.files.remove_step`)."""
 
 from __future__ import annotations
 
@@ -61,18 +60,6 @@ class Leftover:
     anchor: Path
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # not a pid we wrote: do not pretend to know
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def _abandoned(name: str, age: float, min_age: float, local: bool) -> bool:
     """Old enough, and the writer named in it certainly not writing any more."""
     if age < min_age:
@@ -83,7 +70,17 @@ def _abandoned(name: str, age: float, min_age: float, local: bool) -> bool:
     if match.group(0) in ACTIVE_WRITE_IDS:
         return False
     pid = int(match.group(2))
-    return pid == os.getpid() or not local or not _pid_alive(pid)
+    if pid == os.getpid() or not local:
+        return True
+    if pid <= 0:
+        return False  # not a pid we wrote: do not pretend to know
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass
+    return False
 
 
 def _named(backend: Backend, step_dir: Path) -> set[str] | None:

@@ -1,9 +1,6 @@
-"""The local backend: a directory tree, with every guarantee of docs/reliability.md.
-
-Reads go through :mod:`skipinject.store.files` (descriptor-relative, no link followed, sizes checked
-before a byte is read, bytes read into private memory and checksummed there). Writes go through a
-temporary name, fsynced and renamed into place, ``meta.json`` last; directories are created 0700.
-"""
+"""The local backend: a directory tree, with every guarantee of docs/reliability.md. Reads go through
+:mod:`skipinject.store.files`; writes through a temporary name, fsynced and renamed into place; directories
+are created 0700."""
 
 from __future__ import annotations
 
@@ -39,19 +36,15 @@ T = TypeVar("T")
 
 
 class LocalFiles:
-    """A store's files in a local directory tree (see the module doc)."""
-
     checks_owners = True
 
     def __init__(self, *, trust_permissions: bool = False, given_root: Path | None = None) -> None:
-        """``given_root``: the dump directory as the user gave it (links not resolved), checked for links
-        and parents other users control before its resolved form is trusted."""
+        """``given_root``: the dump directory as given (links unresolved), checked before its resolved form."""
         self.trust_permissions = trust_permissions
         self.given_root = given_root
 
     def check_trust(self, chain: list[Path], role: str) -> None:
-        """Every existing directory of ``chain`` is a directory this user (or root) alone can write, unless
-        trusted; the dump directory as given must not be redirectable by another user."""
+        """Every existing directory of ``chain`` only this user (or root) can write, unless trusted."""
         if not self.trust_permissions and self.given_root is not None:
             problem = unresolved_problem(self.given_root)
             if problem is not None:
@@ -231,7 +224,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id: str | None = None) -> None:
-    """Write through a temporary name carrying the writer's id, fsync, then rename."""
+    """Through a temporary name carrying the writer's id, fsynced, then renamed."""
     tmp = path.with_name(tmp_name(path.name, write_id or uuid.uuid4().hex[:8]))
     handle = open(tmp, "wb", opener=lambda at, flags: os.open(at, flags | os.O_EXCL | os.O_NOFOLLOW, 0o666))  # noqa: SIM115
     try:
@@ -247,7 +240,7 @@ def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id
 
 
 def make_private_dirs(path: Path) -> list[Path]:
-    """Create ``path`` and missing parents private to the owner; returns those it created."""
+    """Create ``path`` and missing parents private to the owner; those it created."""
     missing = []
     probe = path
     while not probe.exists():

@@ -1,9 +1,7 @@
 """Steps under an fsspec URL (``s3://``, ``gs://``, ``memory://``...): the :class:`FsspecFiles` backend.
 
-No rename, no directories: every data file is uploaded whole under a fresh name, then ``meta.json``
-in one request (the commit: the last writer's step is seen whole). Reads check each object's size
-before a byte and stream at most that much into memory. Object stores have no POSIX owners: who may
-write is the store's access control. ``file://`` URLs are local paths."""
+No rename, no directories, no POSIX owners: data files are uploaded whole under fresh names, then
+``meta.json`` in one request (the commit). Reads check each object's size before a byte is read."""
 
 from __future__ import annotations
 
@@ -78,14 +76,11 @@ class FsspecFiles:
     def __init__(self, fs: AbstractFileSystem) -> None:
         self.fs = fs
 
-    def _names(self, location: RemotePath) -> list[str]:
-        with contextlib.suppress(Exception):
-            self.fs.invalidate_cache(location.path)
-        entries = self.fs.ls(location.path, detail=False)
-        return [posixpath.basename(str(entry).rstrip("/")) for entry in entries]
-
     def names(self, location: Path, *, directories: bool = False) -> list[str]:
-        return self._names(_at(location))  # no directories in an object store: names are prefixes
+        """Every name: no directories in an object store, names are prefixes."""
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(_at(location).path)
+        return [posixpath.basename(str(entry).rstrip("/")) for entry in self.fs.ls(_at(location).path, detail=False)]
 
     def open_step(self, directory: Path, role: str) -> _RemoteStep:
         return _RemoteStep(self.fs, _at(directory))
@@ -97,7 +92,7 @@ class FsspecFiles:
             return None
         size = info.get("size")
         kind = "file" if info.get("type") == "file" else "directory"
-        return Stat(kind, size if type(size) is int else 0, _modified(info, None))
+        return Stat(kind, size if type(size) is int else 0, _modified(info))
 
     def read_bytes(self, location: Path, limit: int) -> bytes:
         return _read_small(self.fs, _at(location), limit)
@@ -140,8 +135,7 @@ class FsspecFiles:
     def make_dir(self, location: Path) -> None:
         """No directories, so no exclusive create: see :meth:`~skipinject.store.StepStore.claim`."""
 
-    def check_trust(self, chain: list[Path], role: str) -> None:
-        """An object store's access control says who may write it."""
+    def check_trust(self, chain: list[Path], role: str) -> None: ...
 
 
 class _RemoteStep:
@@ -172,8 +166,7 @@ class _RemoteStep:
 
     @contextlib.contextmanager
     def stream(self, sub: str, name: str, size: object, chunk: int | None = None) -> Iterator[Iterator[bytes]]:
-        """Requested ``chunk`` (:data:`STREAM_CHUNK`) bytes at a time, never held whole (frames decode meanwhile),
-        once the object is found of the recorded size; every failure a CorruptCacheError."""
+        """``chunk`` (:data:`STREAM_CHUNK`) bytes per request, never held whole; every failure a CorruptCacheError."""
         location, chunk = self.directory / sub / name, chunk or STREAM_CHUNK
         if type(size) is not int or size < 0:
             raise CorruptCacheError(f"{location}: meta.json records no size")
@@ -205,7 +198,7 @@ class _RemoteStep:
 
 
 def _read_small(fs: AbstractFileSystem, location: RemotePath, limit: int) -> bytes:
-    """A whole small object in one ranged GET, no size query first (it may be replaced between the two)."""
+    """A whole small object in one ranged GET, no size query first (it may be replaced in between)."""
     what = "meta.json" if location.name == META_NAME else "file"
     try:
         data = bytes(fs.cat_file(location.path, start=0, end=limit + 1))
@@ -219,8 +212,8 @@ def _read_small(fs: AbstractFileSystem, location: RemotePath, limit: int) -> byt
     return data
 
 
-def _modified(info: Mapping[str, Any], default: float | None) -> float | None:
-    """An object's modification time (seconds) from fsspec's ``info``; ``default`` when unknown."""
+def _modified(info: Mapping[str, Any]) -> float | None:
+    """An object's modification time (seconds) from fsspec's ``info``, if known."""
     for key in ("LastModified", "mtime", "updated", "created", "last_modified"):
         value = info.get(key)
         if value is None:
@@ -234,7 +227,7 @@ def _modified(info: Mapping[str, Any], default: float | None) -> float | None:
 
             with contextlib.suppress(ValueError):
                 return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    return default
+    return None
 
 
 def _object_version(info: Mapping[str, Any]) -> int:
