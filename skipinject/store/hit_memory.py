@@ -1,10 +1,9 @@
 """Memory compressed hits decode into, kept from one hit to the next (``skip.<role>.reuse_hit_memory``).
 
-Fresh memory's page faults are most of a compressed hit on a VM; step k's batch is alive while step
-k+1 loads and gone by k+2, so two slots let every later hit decode into memory already faulted in. A
-slot's buffers are lent as numpy arrays; weak references tell when the last tensor viewing one is
-gone, and a slot is lent again only when none is and its :class:`Claim` is gone too. Reused memory
-is not ``zeroed``: what is lent from it must be written in full."""
+Fresh memory's page faults are most of a compressed hit on a VM; step k's batch is alive while step k+1
+loads and gone by k+2, so two slots let every later hit decode into memory already faulted in. A slot is
+lent again only when its :class:`Claim` and every array lent from it (weak references) are gone. Reused
+memory is not ``zeroed``: what is lent from it must be written in full."""
 
 from __future__ import annotations
 
@@ -93,7 +92,6 @@ class HitMemory:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the pool keeps allocated."""
         with self._lock:
             return sum(slot.nbytes for slot in self._pool)
 
@@ -199,8 +197,8 @@ FRESH = Claim(None)
 
 
 def anonymous(size: int) -> mmap.mmap | bytearray:
-    """A writable buffer that costs memory only as it is filled: an anonymous private mapping (no huge pages:
-    on a VM a fresh 2 MiB page costs ~4x its 4 KiB pages)."""
+    """A buffer costing memory only as it is filled: an anonymous private mapping (no huge pages: on a VM
+    a fresh 2 MiB page costs ~4x its 4 KiB pages)."""
     if not size:
         return bytearray()
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)

@@ -35,26 +35,16 @@ def parse_mountinfo(text: str) -> list[tuple[str, str]]:
     return mounts
 
 
-def _existing_ancestor(path: Path) -> Path:
-    path = path.expanduser().absolute()
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            return candidate.resolve()
-    return Path("/")
-
-
 def fs_type(path: str | os.PathLike[str], mountinfo: str | None = None) -> str | None:
-    """The type of the file system ``path`` is (or would be) on; ``None`` when it cannot be told.
-
-    ``path`` need not exist yet: its nearest existing parent decides. The mount is the longest
-    mount point that contains the resolved path (the last mounted wins on equal mount points).
-    """
+    """The type of the file system ``path`` is (or would be: its nearest existing parent) on, or None: the
+    longest mount point containing the resolved path, the last mounted on equal ones."""
     if mountinfo is None:
         try:
             mountinfo = Path(MOUNTINFO).read_text()
         except OSError:
             return None
-    target = _existing_ancestor(Path(path))
+    given = Path(path).expanduser().absolute()
+    target = next((at.resolve() for at in (given, *given.parents) if at.exists()), Path("/"))
     best: tuple[int, str] | None = None
     for mount_point, kind in parse_mountinfo(mountinfo):
         mount = Path(mount_point)

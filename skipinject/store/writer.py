@@ -59,7 +59,14 @@ class StepWriter:
             raise ValueError(f"bad part name {part!r}")
         ACTIVE_WRITE_IDS.add(self.write_id)  # again, after a commit: not collected while being written
         blob = json.dumps(payload.objects, separators=(",", ":"), allow_nan=True).encode()
-        self._check_budget(payload, len(blob))
+        tensors = [t for t in payload.tensors.values() if hasattr(t, "element_size")]  # others: refused later
+        decoded = len(blob) + sum(t.numel() * t.element_size() for t in tensors)
+        budget = part_budget(payload.rows, self.store.context)
+        if decoded > budget:  # never write a part no reader would load
+            raise CacheError(
+                f"{self.directory}: a part of {payload.rows} rows taking {decoded} bytes is more than a reader "
+                f"loads ({budget}); not saved"
+            )
         backend = self.store.backend
         folder = self.directory / part if part else self.directory
         self._created.extend(backend.prepare(self.directory, folder))
@@ -89,17 +96,6 @@ class StepWriter:
         files["objects"] = {"name": objects_at.name, "size": size, "checksum": hasher.hexdigest(), **written}
         self.parts[part] = {"dir": part, "rows": payload.rows, "files": files}
 
-    def _check_budget(self, payload: Payload, objects_bytes: int) -> None:
-        """Never write a part no reader would load (:func:`~skipinject.store.meta.part_budget`)."""
-        tensors = [t for t in payload.tensors.values() if hasattr(t, "element_size")]  # others: refused later
-        decoded = objects_bytes + sum(t.numel() * t.element_size() for t in tensors)
-        budget = part_budget(payload.rows, self.store.context)
-        if decoded > budget:
-            raise CacheError(
-                f"{self.directory}: a part of {payload.rows} rows taking {decoded} bytes is more than a reader "
-                f"loads ({budget}); not saved"
-            )
-
     def commit(self, meta: Mapping[str, Any], *, over: Mapping[str, Any] | None = None) -> Path:
         """Publish the step: ``meta.json`` written last, in one step. ``over``: the ``meta.json`` this replaces,
         read again first; if the step changed since, nothing is replaced (CacheError)."""
@@ -121,11 +117,12 @@ class StepWriter:
 
     def meta_record(self, meta: Mapping[str, Any]) -> bytes:
         """The ``meta.json`` committing the parts written so far, with ``meta`` (role-specific keys)."""
+        encoded = any("encoding" in spec for part in self.parts.values() for spec in part["files"].values())
         record = dict(meta)
         record.update(
             {
                 "format": FORMAT,
-                "format_version": FORMAT_VERSION if self._encoded() else PLAIN_FORMAT_VERSION,
+                "format_version": FORMAT_VERSION if encoded else PLAIN_FORMAT_VERSION,
                 "role": self.store.role,
                 "step": self.step,
                 **dict.fromkeys(self.store.step_aliases, self.step),
@@ -144,9 +141,6 @@ class StepWriter:
             record["plugin"] = self.store.plugin
         record["meta_checksum"] = meta_digest(record)
         return json.dumps(record, indent=1, sort_keys=True).encode()
-
-    def _encoded(self) -> bool:
-        return any("encoding" in spec for part in self.parts.values() for spec in part["files"].values())
 
     def abort(self) -> None:
         """Remove what this writer wrote, and the directories it created if empty (best effort)."""

@@ -250,7 +250,6 @@ def test_restored_tensors_are_written_once_into_one_private_mapping(
 ) -> None:
     """Widened and derived tensors are built block by block, in threads, into one fresh mapping sized
     for exactly them (no tensor built twice, none allocated on its own), and keep every bit."""
-    import skipinject.store.compact as compact
     import skipinject.store.hit_memory as hit_memory
     import skipinject.store.tensorfile as tensorfile
 
@@ -268,7 +267,6 @@ def test_restored_tensors_are_written_once_into_one_private_mapping(
 
     monkeypatch.setattr(hit_memory, "anonymous", counted)
     monkeypatch.setattr(tensorfile, "_THREADED_MIN_BYTES", 0)  # threads and many blocks even here
-    monkeypatch.setattr(compact, "BLOCK_ELEMENTS", 200)
     monkeypatch.setattr(tensorfile, "BLOCK_ELEMENTS", 200)
     loaded = _load(store, 1).tensors
     assert_same(loaded, tensors)
@@ -879,7 +877,7 @@ def stored_of(store: StepStore, step: int) -> int:
 def test_a_hit_writes_no_zeros_into_the_fresh_memory_of_masks_and_position_ids() -> None:
     """Fresh anonymous memory reads as zeros: the rebuilt padding is left untouched (its pages never
     faulted in), and only a buffer not known to be zero gets its zeros written."""
-    from skipinject.store.compact import Recipe
+    from skipinject.store.tensorfile import Recipe
 
     tensors = padded_batch()
     for name, key in (("attention_mask", "run"), ("position_ids", "ramp")):
@@ -900,7 +898,7 @@ def test_a_hit_writes_no_zeros_into_the_fresh_memory_of_masks_and_position_ids()
 
 
 def _plan_index(tensors: dict[str, Any]) -> list[dict[str, Any]]:
-    from skipinject.store.compact import plan_tensors
+    from skipinject.store.tensorfile import plan_tensors
 
     return [{"name": p.name, "derive": p.derive} for p in plan_tensors(tensors, CONCATS) if p.derive is not None]
 

@@ -224,7 +224,7 @@ def test_an_uncompressed_hit_is_copied_into_the_pools_memory(tmp_path: Path) -> 
 def test_a_run_or_ramp_written_over_an_earlier_batch_is_written_in_full(dtype: str) -> None:
     """The rows written whole (reused memory) equal the rows written over zeros (fresh memory), for
     runs and ramps anywhere a writer records them (empty, whole, at either end, ramps starting before the row)."""
-    from skipinject.store.compact import Recipe
+    from skipinject.store.tensorfile import Recipe
 
     kind_dtype = getattr(torch, dtype)
     rows, width = 9, 37
