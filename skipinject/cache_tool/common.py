@@ -1,7 +1,6 @@
 """What every command shares: exit statuses, the one-line usage error, path checks, and output.
 
-Every human-readable line goes through :func:`shown` (as ``ls -b`` and git quote paths), since
-names and ``meta.json`` values are hostile input; ``--json`` carries the exact values.
+Every line for people goes through :func:`shown`: names and ``meta.json`` values are hostile input.
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ def existing_dir(path: Path) -> Path:
 
 
 def mutable_root(path: Path, command: str) -> Path:
-    """``path`` for a command that removes or rewrites under it: refused when another user could
-    redirect it, checked before it is resolved (where a swapped link would lead the removal)."""
+    """``path``, refused when another user could redirect it (checked as given: a swapped link leads a removal)."""
     problem = unresolved_problem(path)
     if problem is not None:
         raise CommandError(
@@ -152,8 +150,7 @@ def emit_json(command: str, document: Mapping[str, Any]) -> None:
 
 
 class Progress:
-    """``with Progress(total, "verify") as bar: bar.update(n)``: a bar on stderr, drawn only on a
-    terminal and only after ``delay`` seconds (quick commands print none)."""
+    """A bar on stderr, drawn only on a terminal and after ``delay`` seconds (quick commands print none)."""
 
     def __init__(self, total: int, label: str, *, unit: str = "B", stream: TextIO | None = None, delay: float = 1.0):
         self.total, self.label, self.unit, self.delay = max(0, int(total)), label, unit, delay

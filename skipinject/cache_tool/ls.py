@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.cache_tool.common import OK, default_dump_dir, emit_json, human_size, say, show_table, writer_text
-from skipinject.cache_tool.scan import Item, scan, step_ranges
+from skipinject.cache_tool.scan import Item, scan
 from skipinject.store.local import LocalFiles
 
 _ORDER: dict[str, Callable[[Item], Any]] = {  # ``--sort``
@@ -57,6 +57,17 @@ def when(item: Item) -> str:
 
 def written_by(item: Item, pickle: str = "") -> str:
     return writer_text(item.writer) if item.kind == "skipinject" else f"{item.kind}{pickle}"
+
+
+def step_ranges(steps: list[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3,5"``."""
+    runs: list[list[int]] = []
+    for value in sorted(set(steps)):
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def group(items: Sequence[Item]) -> list[dict[str, Any]]:

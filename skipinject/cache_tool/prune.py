@@ -1,7 +1,7 @@
 """``prune`` and ``rm``: remove skipinject's steps and leftovers of interrupted saves (never verl's pickles).
 
-Select (which steps the options choose), a safety check per step (never a save still running, never
-through a link), the removal through the step's store (:meth:`~skipinject.store.StepStore.remove`).
+What the options choose is checked step by step (never a save still running, never through a link),
+then removed by the step's store (:meth:`~skipinject.store.StepStore.remove`).
 """
 
 from __future__ import annotations
@@ -12,16 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import (
-    FOUND,
-    OK,
-    CommandError,
-    default_dump_dir,
-    emit_json,
-    human_size,
-    mutable_root,
-    say,
-)
+from skipinject.cache_tool.common import FOUND, CommandError, default_dump_dir, emit_json, human_size, mutable_root, say
 from skipinject.cache_tool.scan import Item, scan
 from skipinject.cache_tool.verify import damage
 from skipinject.errors import CacheError
@@ -79,14 +70,19 @@ def cmd_prune(
         mutable_root(root, "prune")
     now = time.time() if now is None else now
     items = scan(root, [])
-    criteria: dict[str, Any] = {"keep_last": keep_last, "older_than": older_than, "max_size": max_size, "by": by}
-    chosen = select(items, partial=partial, damaged=damaged, now=now, **criteria)
+    chosen = select(
+        items,
+        keep_last=keep_last,
+        older_than=older_than,
+        partial=partial,
+        damaged=damaged,
+        now=now,
+        max_size=max_size,
+        by=by,
+    )
     outcome = act(root, items, chosen, partial=partial, dry_run=dry_run, now=now)
-    if as_json:
-        emit_json("prune", {"dump_dir": str(root), "dry_run": dry_run, **outcome})
-    else:
-        render(outcome, dry_run=dry_run)
-    return OK
+    render("prune", outcome, dry_run, as_json, dump_dir=str(root))
+    return 0
 
 
 def cmd_rm(steps: Sequence[Path | str], *, dry_run: bool, as_json: bool, now: float | None = None) -> int:
@@ -98,11 +94,8 @@ def cmd_rm(steps: Sequence[Path | str], *, dry_run: bool, as_json: bool, now: fl
         done = act(item.path.parent, [item], [(item, "named")], partial=False, dry_run=dry_run, now=now)
         for key in ("removed", "skipped", "files", "bytes"):
             outcome[key] += done[key]
-    if as_json:
-        emit_json("rm", {"dry_run": dry_run, **outcome})
-    else:
-        render(outcome, dry_run=dry_run)
-    return FOUND if outcome["skipped"] else OK
+    render("rm", outcome, dry_run, as_json)
+    return FOUND if outcome["skipped"] else 0
 
 
 def _named_step(path: Path | str) -> Item:
@@ -133,8 +126,8 @@ def select(
     """The items the options choose, each with the reason."""
     chosen: list[tuple[Item, str]] = []
     ours = [item for item in items if item.kind == "skipinject"]
-    for item in ours if damaged else ():
-        problems = damage(item) if item.state == "complete" else []  # verify's question: every byte checked
+    for item in (item for item in ours if damaged and item.state == "complete"):
+        problems = damage(item)  # verify's question: every byte checked
         if problems:
             item.state, item.problems = "damaged", problems
     by_role: dict[tuple[str, str, str, Path], list[Item]] = {}
@@ -169,7 +162,7 @@ def act(
 ) -> dict[str, Any]:
     """Remove (or, ``dry_run``, count) what is chosen and safe to remove now; the ``--json`` fields."""
     outcome: dict[str, Any] = {"removed": [], "skipped": [], "leftovers": None, "files": 0, "bytes": 0}
-    leftovers: list[Any] | None = None
+    leftovers: list[garbage.Leftover] | None = None
     if partial and isinstance(root, Path):  # abandoned files of our saves, by the store's rule
         store_dirs = sorted({item.path.parent for item in items if item.kind == "skipinject"})
         leftovers = [found for store_dir in store_dirs for found in garbage.find_leftovers(store_dir, now=now)]
@@ -192,8 +185,9 @@ def act(
                 count, size = 0, 0
         outcome["files"] += count
         outcome["bytes"] += size
-        entry = {"path": str(item.path), "role": item.role, "step": item.step, "reason": reason, "size": size}
-        outcome["removed"].append(entry)
+        outcome["removed"].append(
+            {"path": str(item.path), "role": item.role, "step": item.step, "reason": reason, "size": size}
+        )
     if leftovers is not None:
         gone = {Path(entry["path"]) for entry in outcome["removed"]}
         rest = [leftover for leftover in leftovers if not gone & set(leftover.path.parents)]
@@ -242,7 +236,11 @@ def _unsafe(item: Item, root: Path | str, now: float) -> str | None:
     return None
 
 
-def render(outcome: dict[str, Any], *, dry_run: bool) -> None:
+def render(command: str, outcome: dict[str, Any], dry_run: bool, as_json: bool, **head: str) -> None:
+    """``head``: the ``--json`` fields before the outcome's."""
+    if as_json:
+        emit_json(command, {**head, "dry_run": dry_run, **outcome})
+        return
     verb = "would remove" if dry_run else "removed"
     for entry in outcome["removed"]:
         say(f"{verb} {entry['path']} ({entry['reason']}, {human_size(entry['size'])})")

@@ -1,8 +1,7 @@
 """Finding and classifying the steps under a dump directory or a remote store's URL, no tensor loaded.
 
-One walk through the store's backend for both (no link followed, only regular files opened,
-``meta.json`` read bounded); what it cannot make sense of is a ``damaged`` item with one line saying
-why. verl's own caches are what the installed plugins declare (:class:`~skipinject.roles.UpstreamFormat`).
+One walk through the store's backend for both; what it cannot make sense of is a ``damaged`` item
+with one line saying why.
 """
 
 from __future__ import annotations
@@ -20,18 +19,9 @@ from skipinject.cache_tool.common import existing_dir
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store import StepStore
+from skipinject.store import format as fmt
 from skipinject.store.backend import Backend
 from skipinject.store.files import parse_json, unresolved_problem
-from skipinject.store.format import (
-    FORMAT,
-    MAX_META_BYTES,
-    MAX_META_DEPTH,
-    META_NAME,
-    PART_NAME,
-    ROWS_DIR,
-    STEP_NAME,
-    is_ours,
-)
 from skipinject.store.local import LocalFiles
 from skipinject.store.meta import StepMeta
 from skipinject.store.remote import FsspecFiles, open_remote
@@ -39,7 +29,7 @@ from skipinject.store.step_store import StoredFile, list_step
 from skipinject.verl.layout import layout_values
 
 #: A step directory's name: the store's rule (decimal, no leading zeros), anchored for ``match``.
-STEP_RE = re.compile(rf"^(?:{STEP_NAME.pattern})$")
+STEP_RE = re.compile(rf"^(?:{fmt.STEP_NAME.pattern})$")
 MAX_DEPTH = 8
 PARTIAL = "data files but no meta.json (a save was interrupted, or is running)"
 
@@ -47,18 +37,18 @@ PARTIAL = "data files but no meta.json (a save was interrupted, or is running)"
 def read_json(path: Path, backend: Backend | None = None) -> Any:
     """A small JSON file (a ``meta.json``, ours or verl's) parsed with the training run's bounds."""
     files = backend or LocalFiles()
-    data = files.read_bytes(path, MAX_META_BYTES)
-    return parse_json(data, path, what="meta.json", max_depth=MAX_META_DEPTH)
+    data = files.read_bytes(path, fmt.MAX_META_BYTES)
+    return parse_json(data, path, what="meta.json", max_depth=fmt.MAX_META_DEPTH)
 
 
 def load_meta_json(path: Path, backend: Backend | None = None) -> dict[str, Any] | None:
     """A step's ``meta.json`` if it carries skipinject's format marker, else None."""
     meta = read_json(path, backend)
-    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+    return meta if isinstance(meta, dict) and meta.get("format") == fmt.FORMAT else None
 
 
 def has_meta(step_dir: Path) -> bool:
-    return LocalFiles().stat(step_dir / META_NAME, follow=True) is not None
+    return LocalFiles().stat(step_dir / fmt.META_NAME, follow=True) is not None
 
 
 @dataclass
@@ -89,7 +79,7 @@ class Item:
 
     @property
     def created_time(self) -> float:
-        """When it was written (``meta.json``'s ``created``, else its files' time)."""
+        """``meta.json``'s ``created``, else its files' time."""
         for layout in ("%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S") if self.created else ():
             with contextlib.suppress(ValueError):
                 return datetime.strptime(str(self.created)[:24], layout).timestamp()
@@ -99,17 +89,6 @@ class Item:
     def last_used(self) -> float:
         """When it was last served, else when it was written: what ``prune --max-size`` goes by."""
         return self.served if self.served is not None else self.created_time
-
-    def describe(self, meta: dict[str, Any]) -> None:
-        """What ``meta.json`` says (role, creation, writer, rows, parts), each only when of the right type."""
-        self.meta = meta
-        if isinstance(meta.get("role"), str):
-            self.role = meta["role"]
-        self.created = meta.get("created") if isinstance(meta.get("created"), str) else None
-        writer = meta.get("writer")
-        self.writer = {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}
-        self.rows = meta.get("rows") if type(meta.get("rows")) is int else None
-        self.parts = len(meta["parts"]) if isinstance(meta.get("parts"), list) else 0
 
     def record(self) -> dict[str, Any]:
         """The stable JSON form (docs/cache-tool.md)."""
@@ -144,12 +123,47 @@ def classify(step_dir: Path, upstreams: Sequence[Upstream] = (), backend: Backen
     """The items of one step directory (none, one, or ours beside verl's). Never raises."""
     backend = backend or LocalFiles()
     project, layout, role_dir = _where(PurePosixPath(str(step_dir.parent)).parts)  # a RemotePath too
+    ours_dir = STEP_RE.match(step_dir.name) is not None
+    step = int(step_dir.name) if ours_dir else None
+
+    def new(state: str, files: list[Path], problem: str | None = None) -> Item:
+        found = Item(step_dir, project, layout, role_dir or "-", step, state, files=files, backend=backend)
+        found.problems += [problem] if problem else []
+        return found
+
     try:
-        return _classify(step_dir, (project, layout, role_dir), upstreams, backend)
+        listing = list_step(backend, step_dir)  # the store's listing: no link followed, part directories too
+        listed = {step_dir / f.part / f.name: f for f in listing if f.kind == "file"}
+        items = []
+        foreign = _foreign(step_dir, listed, upstreams)
+        if foreign is not None:  # verl's own pickles: only their presence and size
+            foreign.project, foreign.layout, foreign.role = project, layout, role_dir or foreign.role
+            items.append(foreign)
+            step = step if ours_dir else foreign.step
+        ours_data = [path for path in listed if fmt.is_ours(path.name)]
+        meta_path = step_dir / fmt.META_NAME
+        ours = None
+        if meta_path not in listed and any(not f.part and f.name == fmt.META_NAME for f in listing):
+            ours = new("damaged", [], f"{meta_path}: not a regular file")
+        elif ours_dir and meta_path in listed:
+            ours = _our_step(new("complete", [meta_path]), layout, foreign is not None)
+            if ours is not None and ours.state == "damaged":
+                ours.rows, ours.files = None, [meta_path, *ours_data]  # what a damaged meta.json claims is not shown
+        if ours is None and ours_dir and ours_data:
+            ours = new("partial", ours_data, f"{step_dir}: {PARTIAL}")
+        elif ours is None and ours_dir and meta_path in listed and foreign is None:
+            ours = new("damaged", [], f"{meta_path}: not a skipinject commit record (no format marker)")
+        items += [ours] if ours is not None else []
+        for found in items:  # size and time of its regular files
+            found.files = [path for path in found.files if path in listed]
+            found.size = sum(listed[path].size for path in found.files)
+            found.mtime = max((listed[path].mtime for path in found.files), default=0.0)
+            if found.state != "damaged" and isinstance(found.meta, StepMeta) and found.meta.expansion:
+                found.decoded = found.size + found.meta.expansion
+        return items
     except Exception as exc:  # a weird tree is reported, never a traceback
-        step = int(step_dir.name) if STEP_RE.match(step_dir.name) else None
-        problem = f"{step_dir}: cannot read it ({type(exc).__name__}: {exc})"
-        return [Item(step_dir, project, layout, role_dir or "-", step, "damaged", problems=[problem], backend=backend)]
+        step = int(step_dir.name) if ours_dir else None
+        return [new("damaged", [], f"{step_dir}: cannot read it ({type(exc).__name__}: {exc})")]
 
 
 def _foreign(step_dir: Path, listed: Mapping[Path, StoredFile], upstreams: Sequence[Upstream]) -> Item | None:
@@ -170,50 +184,9 @@ def _foreign(step_dir: Path, listed: Mapping[Path, StoredFile], upstreams: Seque
             item.files, item.upstream, item.parts = paths, upstream, len(paths) if upstream.per_part else 1
             key = upstream.format.rows_key  # rows without unpickling, where verl writes them beside each file
             with contextlib.suppress(Exception):
-                item.rows = None if key is None else sum(int(read_json(p.parent / META_NAME)[key]) for p in paths)
+                item.rows = None if key is None else sum(int(read_json(p.parent / fmt.META_NAME)[key]) for p in paths)
             return item
     return None
-
-
-def _classify(
-    step_dir: Path, where: tuple[str, str, str | None], upstreams: Sequence[Upstream], backend: Backend
-) -> list[Item]:
-    listing = list_step(backend, step_dir)  # the store's listing: no link followed, part directories too
-    listed = {step_dir / f.part / f.name: f for f in listing if f.kind == "file"}
-    project, layout, role_dir = where
-    items = []
-    foreign = _foreign(step_dir, listed, upstreams)
-    if foreign is not None:  # verl's own pickles: only their presence and size
-        foreign.project, foreign.layout, foreign.role = project, layout, role_dir or foreign.role
-        items.append(foreign)
-    ours_dir = STEP_RE.match(step_dir.name) is not None
-    step = int(step_dir.name) if ours_dir else (foreign.step if foreign is not None else None)
-
-    def new(state: str, files: list[Path], problem: str | None = None) -> Item:
-        found = Item(step_dir, project, layout, role_dir or "-", step, state, files=files, backend=backend)
-        found.problems += [problem] if problem else []
-        return found
-
-    ours_data = [path for path in listed if is_ours(path.name)]
-    meta_path = step_dir / META_NAME
-    ours = None
-    if meta_path not in listed and any(not f.part and f.name == META_NAME for f in listing):
-        ours = new("damaged", [], f"{meta_path}: not a regular file")
-    elif ours_dir and meta_path in listed:
-        ours = _our_step(new("complete", [meta_path]), layout, foreign is not None)
-        if ours is not None and ours.state == "damaged":
-            ours.rows, ours.files = None, [meta_path, *ours_data]  # what a damaged meta.json claims is not shown
-    if ours is None and ours_dir and ours_data:
-        ours = new("partial", ours_data, f"{step_dir}: {PARTIAL}")
-    elif ours is None and ours_dir and meta_path in listed and foreign is None:
-        ours = new("damaged", [], f"{meta_path}: not a skipinject commit record (no format marker)")
-    for found in [*items, ours] if ours is not None else items:  # size and time of its regular files
-        found.files = [path for path in found.files if path in listed]
-        found.size = sum(listed[path].size for path in found.files)
-        found.mtime = max((listed[path].mtime for path in found.files), default=0.0)
-        if found.state != "damaged" and isinstance(found.meta, StepMeta) and found.meta.expansion:
-            found.decoded = found.size + found.meta.expansion
-    return [*items, ours] if ours is not None else items
 
 
 def open_step(step_dir: Path, backend: Backend | None = None) -> tuple[StepStore, StepMeta]:
@@ -221,7 +194,7 @@ def open_step(step_dir: Path, backend: Backend | None = None) -> tuple[StepStore
     whole by :meth:`StepStore.read_meta`. CorruptCacheError, or FileNotFoundError without a ``meta.json``."""
     if not STEP_RE.match(step_dir.name):
         raise CorruptCacheError(f"{step_dir}: not a step directory (its name is not a step number)")
-    raw = load_meta_json(step_dir / META_NAME, backend)
+    raw = load_meta_json(step_dir / fmt.META_NAME, backend)
     if raw is None:
         raise CorruptCacheError(f"{step_dir}/meta.json: not a skipinject commit record (no format marker)")
     role, context = raw.get("role"), raw.get("context", {})
@@ -234,17 +207,23 @@ def open_step(step_dir: Path, backend: Backend | None = None) -> tuple[StepStore
 
 
 def _our_step(item: Item, layout: str, beside_foreign: bool) -> Item | None:
-    """``item`` as its ``meta.json`` describes it, its files checked by size; None when it is not ours."""
+    """``item`` as its ``meta.json`` describes it (each value only of the right type), its files checked by
+    size; None when it is not ours."""
     try:
-        raw = load_meta_json(item.path / META_NAME, item.backend)
+        meta = load_meta_json(item.path / fmt.META_NAME, item.backend)
     except CorruptCacheError as exc:
         item.state, item.problems = "damaged", [str(exc)]
         return None if beside_foreign else item  # beside verl's pickle: verl's own meta.json
-    if raw is None:
+    if meta is None:
         return None  # not ours: verl's (beside its pickles) or unknown (reported by the caller)
-    item.describe(raw)
-    if item.path.parent.name == ROWS_DIR and "generated_at" in raw:
-        item.layout = f"{layout}/{ROWS_DIR}"  # rows records of action=match, numbered on their own
+    item.meta, writer = meta, meta.get("writer")
+    item.role = meta["role"] if isinstance(meta.get("role"), str) else item.role
+    item.created = meta.get("created") if isinstance(meta.get("created"), str) else None
+    item.writer = {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}
+    item.rows = meta.get("rows") if type(meta.get("rows")) is int else None
+    item.parts = len(meta["parts"]) if isinstance(meta.get("parts"), list) else 0
+    if item.path.parent.name == fmt.ROWS_DIR and "generated_at" in meta:
+        item.layout = f"{layout}/{fmt.ROWS_DIR}"  # rows records of action=match, numbered on their own
     try:
         store, item.meta = open_step(item.path, item.backend)
         item.files += [path for path, _ in store.precheck(int(item.path.name), item.meta)]
@@ -275,10 +254,10 @@ def step_dirs(backend: Backend, root: Path, problems: list[str], upstreams: Sequ
             continue
         subdirs = {name for name, kind in kinds.items() if kind == "directory"}
         formats = [u for u in upstreams if u.directory.match(directory.name)]
-        known = {META_NAME} | {u.base_name for u in formats if not u.per_part}
+        known = {fmt.META_NAME} | {u.base_name for u in formats if not u.per_part}
         known |= {u.format.inputs_file for u in formats if u.format.inputs_file is not None}
         if (STEP_RE.match(directory.name) or formats) and any(
-            name in known or is_ours(name) or (PART_NAME.fullmatch(name) and name in subdirs) for name in names
+            name in known or fmt.is_ours(name) or (fmt.PART_NAME.fullmatch(name) and name in subdirs) for name in names
         ):
             yield directory
             continue
@@ -310,14 +289,3 @@ def scan(root: Path | str, problems: list[str] | None = None, roles: InstalledRo
             item.state = "untrusted"
             item.problems.append(f"{redirect}: another user could redirect it; a run neither loads nor saves there")
     return items
-
-
-def step_ranges(steps: list[int]) -> str:
-    """``[1, 2, 3, 5]`` -> ``"1-3,5"``."""
-    runs: list[list[int]] = []
-    for value in sorted(set(steps)):
-        if runs and value == runs[-1][1] + 1:
-            runs[-1][1] = value
-        else:
-            runs.append([value, value])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
