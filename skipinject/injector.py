@@ -144,8 +144,8 @@ def _build_wrapper(
         if convention is Convention.ASYNC:
             return interceptor.run_async(call, _proceed(wrapped, args, kwargs))
         if convention is Convention.TRAMPOLINE and _awaiting_caller(sys._getframe(1)):
-            own = (instance, binding) if bound_self is None else (bound_self, _Binding.METHOD)
-            target = _bind(inner, *own)
+            receiver = (instance, binding) if bound_self is None else (bound_self, _Binding.METHOD)
+            target = _bind(inner, *receiver)
             return interceptor.run_async(call, _proceed(target, args, kwargs))
         return interceptor.sync(call, _proceed(wrapped, args, kwargs))
 
