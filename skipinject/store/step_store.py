@@ -481,8 +481,7 @@ class StepStore:
         return out
 
     def note_hit(self, step: int, now: float | None = None) -> None:
-        """Count a hit in the step's :class:`Usage` record, only into a committed step in a trusted directory.
-        Never raises."""
+        """Count a hit in a committed step's :class:`Usage` record, in a trusted directory. Never raises."""
         now = time.time() if now is None else now
         try:
             step_dir = self.step_dir(step)
@@ -519,14 +518,11 @@ class StepStore:
             return None
 
     def files(self, step: int) -> list[StoredFile]:
-        """Every name in the step's directory and part directories, never through a link (FileNotFoundError;
-        CorruptCacheError for a link)."""
         return list_step(self.backend, self.step_dir(step))
 
     def remove(self, step: int, only: Collection[str] | None = None, anchor: Path | None = None) -> tuple[int, int]:
         """Remove a step, ``meta.json`` first, then its data files, usage record and empty directories (never
-        verl's files); ``only``: just these ``part/name`` files. Locally by descriptors from ``anchor``. Returns
-        (files, bytes)."""
+        verl's files; ``only``: just these ``part/name`` files); (files, bytes)."""
 
         def wanted(part: str, name: str, info: object = None) -> bool:
             if only is not None:
@@ -553,7 +549,8 @@ class StepStore:
 
 
 def list_step(backend: Backend, step_dir: Path) -> list[StoredFile]:
-    """:meth:`StepStore.files` of any step directory (the cache tool's walk)."""
+    """Every name in a step directory and its part directories, never through a link (FileNotFoundError;
+    CorruptCacheError for a link)."""
     found = backend.stat(step_dir)
     if found is None:
         raise FileNotFoundError(str(step_dir))

@@ -179,7 +179,7 @@ def read_tensors(
         if type(index) is not list or not all(type(entry) is dict for entry in index):
             raise ValueError("the index is not a list of records")
         rebuild_budget = (memory_budget() if budget is None else budget) - size
-        check_rebuilt(index, rebuild_budget)
+        rebuilt = 0  # bytes widened and rebuilt, checked before any is allocated
         tensors = {}
         derived: list[dict[str, Any]] = []
         widened: list[tuple[str, torch.dtype]] = []
@@ -195,6 +195,8 @@ def read_tensors(
                 raise ValueError(f"{name!r:.80} is named twice")
             seen.add(name)
             dtype = getattr(torch, type_name)
+            if "derive" in entry or "stored_dtype" in entry:
+                rebuilt += math.prod(shape) * itemsize(type_name)
             if "derive" in entry:
                 derived.append(entry)
                 continue
@@ -218,10 +220,13 @@ def read_tensors(
                 tensors[name] = tensor
                 if stored is not dtype:
                     widened.append((name, dtype))
+        if rebuilt > rebuild_budget:
+            raise ValueError(
+                f"its index rebuilds {rebuilt} bytes, more than the step's rows may take ({rebuild_budget})"
+            )
         if widened or derived:
             _restore(tensors, widened, derived, memory)
         return {entry["name"]: tensors[entry["name"]] for entry in index}
-
     except CorruptCacheError:
         raise
     except Exception as exc:  # ValueError, TypeError, RuntimeError from torch, RecursionError, MemoryError
@@ -412,19 +417,6 @@ def _concat(plan: Plan, left: Plan, right: Plan) -> dict[str, Any] | None:
     if np.array_equal(bits[..., :split], _bits(parts[0])) and np.array_equal(bits[..., split:], _bits(parts[1])):
         return {"concat": [left.name, right.name]}
     return None
-
-
-def check_rebuilt(entries: list[Mapping[str, Any]], budget: int) -> None:
-    """Refuse (ValueError) an index whose rebuilt and widened tensors would take more than ``budget``."""
-    total = 0
-    for entry in entries:
-        if "derive" in entry or "stored_dtype" in entry:
-            shape = entry["shape"]
-            if entry["dtype"] not in TENSOR_DTYPES or type(shape) is not list or not all(type(d) is int for d in shape):
-                raise ValueError(f"bad dtype or shape for {str(entry['name'])[:80]!r}")
-            total += math.prod(shape) * itemsize(entry["dtype"])
-    if total > budget:
-        raise ValueError(f"its index rebuilds {total} bytes, more than the step's rows may take ({budget})")
 
 
 def _check_recipe(kind: str, starts: list[int], seconds: list[int], width: int, dtype: str) -> None:
