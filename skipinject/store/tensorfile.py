@@ -419,24 +419,6 @@ def _concat(plan: Plan, left: Plan, right: Plan) -> dict[str, Any] | None:
     return None
 
 
-def _check_recipe(kind: str, starts: list[int], seconds: list[int], width: int, dtype: str) -> None:
-    """What the writer could have recorded (ValueError otherwise): a run inside its row; a ramp of a signed
-    integer dtype, its top a value of that dtype, its start in ``[-top, width)``."""
-    if kind == "run":
-        if dtype == "bfloat16" or dtype.startswith("complex"):
-            raise ValueError(f"a run of {dtype}")
-        if not all(0 <= start <= end <= width for start, end in zip(starts, seconds, strict=True)):
-            raise ValueError(f"a run outside its row of {width}")
-        return
-    if dtype not in INTEGERS or dtype.startswith("uint"):
-        raise ValueError(f"a ramp of {dtype}")
-    highest = (1 << (8 * itemsize(dtype) - 1)) - 1
-    if not all(0 <= top <= highest for top in seconds):
-        raise ValueError(f"a ramp with a negative top or one {dtype} does not hold")
-    if not all(-top <= start < width for start, top in zip(starts, seconds, strict=True)):
-        raise ValueError(f"a ramp starting outside its row of {width}")
-
-
 #: Elements a rebuilding job writes at a time: a block stays in the caches between the passes over it.
 BLOCK_ELEMENTS = 1 << 19
 
@@ -497,8 +479,23 @@ class Recipe:
             if type(values) is not list or len(values) != shape[0] or not all(type(v) is int for v in values):
                 raise ValueError(f"a recipe whose {key!r} does not hold one integer per row")
             columns.append(values)
-        _check_recipe(keys[0], columns[0], columns[1], shape[1], dtype_name(dtype))
-        return cls(keys[0], shape, dtype, first=columns[0], second=columns[1])
+        # what the writer could have recorded: a run inside its row; a ramp of a signed integer dtype, its top
+        # a value of that dtype, its start in [-top, width)
+        (starts, seconds), width, name = columns, shape[1], dtype_name(dtype)
+        if keys[0] == "run":
+            if name == "bfloat16" or name.startswith("complex"):
+                raise ValueError(f"a run of {name}")
+            if not all(0 <= start <= end <= width for start, end in zip(starts, seconds, strict=True)):
+                raise ValueError(f"a run outside its row of {width}")
+        else:
+            if name not in INTEGERS or name.startswith("uint"):
+                raise ValueError(f"a ramp of {name}")
+            highest = (1 << (8 * itemsize(name) - 1)) - 1
+            if not all(0 <= top <= highest for top in seconds):
+                raise ValueError(f"a ramp with a negative top or one {name} does not hold")
+            if not all(-top <= start < width for start, top in zip(starts, seconds, strict=True)):
+                raise ValueError(f"a ramp starting outside its row of {width}")
+        return cls(keys[0], shape, dtype, first=starts, second=seconds)
 
     @property
     def nbytes(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import platform
@@ -156,19 +158,17 @@ def _part_order(name: str) -> tuple[int, str]:
     return (int(name), "") if PART_NAME.fullmatch(name) else (-1, name)
 
 
-_VERSIONS: dict[str, str] = {}
-
-
 def writer_versions() -> dict[str, str]:
     """Versions of what wrote a cache (skipinject, verl, torch, python)."""
-    if not _VERSIONS:
-        from importlib.metadata import PackageNotFoundError, version
+    return dict(_versions())
 
-        _VERSIONS["skipinject"] = __version__
-        _VERSIONS["python"] = platform.python_version()
-        for dist in ("verl", "torch", "tensordict"):
-            try:
-                _VERSIONS[dist] = version(dist)
-            except PackageNotFoundError:
-                pass
-    return dict(_VERSIONS)
+
+@functools.cache
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"skipinject": __version__, "python": platform.python_version()}
+    for dist in ("verl", "torch", "tensordict"):
+        with contextlib.suppress(PackageNotFoundError):
+            found[dist] = version(dist)
+    return found
