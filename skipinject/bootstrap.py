@@ -1,10 +1,7 @@
-"""Installing skipinject in this process and every process it starts: the runner's way, :func:`enable`.
+"""Installing skipinject in this process and every process it starts (the runner, :func:`enable`).
 
-The settings are resolved and checked once (:func:`resolve`), then :func:`install` exports them as JSON in
-``SKIPINJECT_CONFIG`` and puts ``skipinject/_bootstrap`` (a ``sitecustomize``) first on ``PYTHONPATH``, so
-every Python child starts skipinject before any user code; ``ray.init`` is patched to add the variable and a
-``worker_process_setup_hook`` to the job's ``runtime_env`` for workers on other nodes.
-``SKIPINJECT_DISABLE=1`` turns everything off without changing the command line.
+:func:`install` exports the checked settings in ``SKIPINJECT_CONFIG`` and puts ``_bootstrap`` (a
+``sitecustomize``) first on ``PYTHONPATH``; ``ray.init`` is patched to carry both to workers on other nodes.
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ if TYPE_CHECKING:
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "_bootstrap")
 RAY_SETUP_HOOK = "skipinject.bootstrap.ray_worker_setup"
 ENV_CHAINED_HOOK = "SKIPINJECT_CHAINED_SETUP_HOOK"
-#: Patched so that a job's ``runtime_env`` carries the configuration to workers on every node.
 RAY_INIT = "ray:init"
 _HINT = "; see `python -m skipinject --list`"
 
@@ -50,8 +46,7 @@ def resolve(
     settings_file: str | None = None,
     settings: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[PluginSet, Config]:
-    """The chosen plugins (``plugins``, else ``VERL_SKIP_PLUGINS``) and the validated settings: a settings
-    file, then ``settings`` (``{role: {key: value}}``), then ``overrides``, each layer over the one before."""
+    """The chosen plugins and the validated settings: file, then ``settings``, then ``overrides``."""
     from skipinject.config import apply_overrides, apply_settings, load_file
     from skipinject.plugin_manager import load_plugins
 
@@ -74,8 +69,7 @@ def resolve(
 
 
 def install(config: Config, plugins: PluginSet) -> bool:
-    """Say what cannot work, hand the configuration on to every process this one starts, and start the
-    hooks here. Raises :class:`ConfigError` for a setting that must stop the run; ``True``: active."""
+    """Say what cannot work, hand ``config`` on to child processes, start the hooks here; ``True``: active."""
     from skipinject.report import start as run_start
 
     configure_logging()
@@ -90,18 +84,16 @@ def install(config: Config, plugins: PluginSet) -> bool:
     warn_if_untested()
     acting = [name for name in config.enabled_roles if config.role(name).steps]
     end = tally.begin(acting) if acting else None  # before the engine: its exit flush runs before the summary
+    engine = None
     try:
         export(config)
-        _export_plugin_paths(plugins, config)
+        _on_pythonpath(_plugin_dirs(plugins, config))
         engine = start(config, plugins)
-    except BaseException:
-        if end is not None:
-            end.cancel()  # the program does not start: there is no run to sum up
-        raise
+    finally:
+        if engine is None and end is not None:
+            end.cancel()  # no run to sum up
     run_start.say(problems)
     if engine is None:
-        if end is not None:
-            end.cancel()
         return False
     engine.check_targets()
     run_start.watch(config, plugins.roles, end)
@@ -114,23 +106,17 @@ def enable(
     settings_file: str | os.PathLike[str] | None = None,
     plugins: str | None = None,
 ) -> bool:
-    """Install skipinject in this process and every process it starts, as ``python -m skipinject`` does,
-    for a program that calls verl from Python (before verl is imported and Ray starts)::
+    """Install skipinject as ``python -m skipinject`` does, from Python, before verl is imported.
 
-        import skipinject
-        skipinject.enable("skip.rollout_tq.enable=True", "skip.rollout_tq.steps=[1-8]")
-        run_ppo(config, task_runner_class=TaskRunnerV1)
-
-    ``settings``: ``{"rollout": {"enable": True}}`` (also under ``"skip"``); ``settings_file``: as
-    ``--skip-config``; ``plugins``: as ``--plugins``. A wrong setting raises :class:`~skipinject.ConfigError`.
-    Returns whether skipinject is active; a second call changes nothing (one warning).
+    ``settings``: ``{"rollout": {"enable": True}}`` (also under ``"skip"``); ``settings_file``, ``plugins``:
+    as ``--skip-config``, ``--plugins``. Returns whether it is active; a second call changes nothing.
     """
     from skipinject.config.overrides import split_overrides
 
-    if started():
+    if _started:
         configure_logging()
         logger.warning("skipinject.enable: skipinject is already installed in this process; the call changes nothing")
-        return active()
+        return _engine is not None
     env_vars.check()
     parsed, rest = split_overrides(list(overrides))
     if rest:
@@ -158,23 +144,24 @@ def _triggers(plugins: PluginSet, enabled: list[str]) -> tuple[str, ...]:
     return tuple(sorted({path.split(":")[0].split(".")[0] for path in paths}))
 
 
-def _export_plugin_paths(plugins: PluginSet, config: Config) -> None:
-    """Plugins given as ``module[:attr]`` paths must import in children too (Ray workers start
-    elsewhere than the current directory): append their directories to ``PYTHONPATH``."""
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+def _plugin_dirs(plugins: PluginSet, config: Config) -> list[str]:
+    """Where plugins given as ``module[:attr]`` paths import from (children start elsewhere, Ray workers too)."""
+    dirs = []
     for plugin in plugins.plugins:
-        if plugin.name not in config.plugin_sources or plugin.distribution is not None:
-            continue
-        location = getattr(sys.modules.get(plugin.source.split(":")[0].split(".")[0]), "__file__", None)
-        if location is None:
-            continue
-        base = Path(location).resolve().parent
-        if Path(location).name == "__init__.py":
-            base = base.parent
-        if str(base) not in paths:
-            paths.append(str(base))
-    if paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+        if plugin.name in config.plugin_sources and plugin.distribution is None:
+            location = getattr(sys.modules.get(plugin.source.split(":")[0].split(".")[0]), "__file__", None)
+            if location is not None:
+                base = Path(location).resolve().parent
+                dirs.append(str(base.parent if Path(location).name == "__init__.py" else base))
+    return dirs
+
+
+def _on_pythonpath(dirs: list[str], *, first: bool = False) -> None:
+    """Add ``dirs`` to ``PYTHONPATH`` (at the end, or ``first``) where not there yet."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    new = [d for d in dict.fromkeys(dirs) if d not in paths]
+    if new:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*new, *paths] if first else [*paths, *new])
 
 
 def disabled() -> bool:
@@ -187,18 +174,8 @@ def disabled() -> bool:
         return True
 
 
-def started() -> bool:
-    """Whether :func:`start` ran in this process (and :func:`stop` did not undo it)."""
-    return _started
-
-
-def active() -> bool:
-    """Whether hooks of this process's configuration are installed here."""
-    return _engine is not None
-
-
 def configure_logging() -> None:
-    """Give the ``skipinject`` logger a plain stderr handler unless the program configured one."""
+    """A plain stderr handler for the ``skipinject`` logger, unless the program gave it one."""
     if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
@@ -238,8 +215,7 @@ def start(config: Config, plugins: PluginSet | None = None) -> Engine | None:
 
 
 def stop() -> None:
-    """Remove every hook this process installed (the roles' targets and the ``ray.init`` patch), so a
-    later :func:`start` hands on its own configuration."""
+    """Remove every hook this process installed, so a later :func:`start` hands on its own configuration."""
     global _engine, _started
     from skipinject.injector import INJECTOR
 
@@ -255,8 +231,8 @@ def stop() -> None:
 
 
 def start_from_env(hand_on_only: bool = False) -> Engine | None:
-    """Start from ``SKIPINJECT_CONFIG`` (children of the runner); errors are logged, not raised.
-    ``hand_on_only``: only patch ``ray.init`` (a process that imported ray but no target package yet)."""
+    """Start from ``SKIPINJECT_CONFIG``, logging errors; ``hand_on_only``: only patch ``ray.init`` (ray
+    imported, no target package yet)."""
     text = os.environ.get(ENV_CONFIG)
     if not text or disabled():
         return None
@@ -272,10 +248,9 @@ def start_from_env(hand_on_only: bool = False) -> Engine | None:
 
 
 def ray_worker_setup() -> None:
-    """Ray's ``worker_process_setup_hook``, for workers that did not get our sitecustomize (other nodes):
-    start, hand on to this worker's children, then run the job's own hook (``SKIPINJECT_CHAINED_SETUP_HOOK``)."""
+    """Ray's ``worker_process_setup_hook`` (workers on other nodes): start, hand on, run the job's own hook."""
     if start_from_env() is not None:
-        export_bootstrap_path()
+        _on_pythonpath([BOOTSTRAP_DIR], first=True)
     chained = os.environ.get(ENV_CHAINED_HOOK)
     if chained:
         from importlib import import_module
@@ -284,17 +259,10 @@ def ray_worker_setup() -> None:
         getattr(import_module(module), attr)()
 
 
-def export_bootstrap_path() -> None:
-    """Put this installation's bootstrap directory first on ``PYTHONPATH`` (if not there)."""
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if BOOTSTRAP_DIR not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *paths])
-
-
 def export(config: Config) -> None:
     """Put ``config`` and the bootstrap directory into this process's environment, for its children."""
     os.environ[ENV_CONFIG] = config.to_json()
-    export_bootstrap_path()
+    _on_pythonpath([BOOTSTRAP_DIR], first=True)
 
 
 def _patch_ray_init(config: Config) -> None:
@@ -304,16 +272,15 @@ def _patch_ray_init(config: Config) -> None:
 
 
 class _RayInitInterceptor:
-    """Adds our config to the job's ``runtime_env`` (a dict or ``RuntimeEnv``, maybe in a ``job_config``)
-    so workers on every node start skipinject, whatever the program connects to; a setup hook of the
-    user's is chained after ours. Then warns once if several nodes share no cache."""
+    """Adds our config and setup hook (the user's chained after it) to the job's ``runtime_env``, so workers
+    on every node start skipinject; then warns once if several nodes share no cache."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.config_json = config.to_json()
 
     def amend(self, runtime_env: Any) -> Any:
-        """A copy of ``runtime_env`` (dict or ``RuntimeEnv``, maybe ``None``) with our variable and hook."""
+        """A copy of ``runtime_env`` (dict, ``RuntimeEnv`` or ``None``) with our variable and hook."""
         amended = copy.copy(runtime_env) if runtime_env else {}
         env_vars = dict(amended.get("env_vars") or {})
         env_vars.setdefault(ENV_CONFIG, self.config_json)

@@ -1,10 +1,8 @@
 """``python -m skipinject [options] (SCRIPT | -m MODULE | -c CODE) [ARGS...]`` — run a program with hooks.
 
-The program runs as ``python SCRIPT ARGS`` would (same ``sys.argv``, ``sys.path``, ``__main__``, exit
-code and traceback). ``skip.<role>.<key>=value`` items (also ``+skip...`` / ``++skip...``) are taken out
-of ARGS, validated before the program starts, and never reach it. The ``skipinject`` command is the
-same runner. Every mistake in what the user gave is one line and exit status 2 (one error boundary,
-:func:`main`); a module that cannot be found is one line and status 1, as python says it.
+The program runs as ``python SCRIPT ARGS`` would (``sys.argv``, ``sys.path``, ``__main__``, exit code,
+traceback); ``skip.<role>.<key>=value`` items are taken out of ARGS first. A mistake in what the user gave
+is one line and status 2 (:func:`main`); a module that cannot be found is one line and status 1.
 """
 
 from __future__ import annotations
@@ -95,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _epilog() -> str:
-    """Every command, setting source and environment variable (the lists come from their declarations)."""
+    """Every command, setting source and environment variable, from their declarations."""
     from skipinject.cache_tool import build_parser as cache_parser
     from skipinject.config.environment import VARIABLES
     from skipinject.config.schema import ROLE_KEYS, choices
@@ -144,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _console_script_path() -> None:
-    """As the ``skipinject`` console script, put the current directory first on ``sys.path``, as ``python -m``."""
+    """As the ``skipinject`` console script: the current directory first on ``sys.path``, as ``python -m``."""
     if _safe_path() or not sys.path:
         return
     if sys.path[0] == os.path.dirname(os.path.realpath(sys.argv[0])) and Path(sys.argv[0]).name != "__main__.py":
@@ -152,8 +150,7 @@ def _console_script_path() -> None:
 
 
 def _attach_values(argv: list[str]) -> list[str]:
-    """``--plugins -name`` excludes a plugin: argparse would read ``-name`` as an option, so a value-taking
-    option's next word is attached to it (``--plugins=-name``) before the program's own words begin."""
+    """``--plugins -name`` -> ``--plugins=-name`` (argparse would read ``-name`` as an option), up to the program."""
     joined: list[str] = []
     words = iter(argv)
     for word in words:
@@ -201,7 +198,7 @@ def _prepare(argv: list[str]) -> Program | None:
 
 
 def _program(args: argparse.Namespace) -> Program | None:
-    """The program named after the options; a script that does not exist is refused as python does."""
+    """The program named after the options (a missing script refused, as python does)."""
     words = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not words:
         if args.module or args.code:
@@ -220,8 +217,8 @@ def _required(program: Program | None) -> Program:
 
 
 def _run(program: Program) -> int:
-    """Run the program as ``python`` would: its ``SystemExit`` passes through, its exceptions are printed
-    from its own first frame (status 1), a module runpy cannot find is one line."""
+    """Run the program as ``python`` would: ``SystemExit`` passes, an exception is printed from the
+    program's first frame (status 1), a module runpy cannot find is one line."""
     try:
         _execute(program)
     except Exception as exc:

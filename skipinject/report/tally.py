@@ -1,12 +1,8 @@
-"""What the cache did: counts per role in each process, and the run's summary of them in the driver.
+"""What the cache did: counts per role in each process, summed up by the driver into the run's summary.
 
-Each process writes its counts (:data:`TALLY`), whole, to ``{SKIPINJECT_RUN_REPORT}/{pid}.json`` after each
-change (a directory private to the user that the driver made); a Ray worker on another node puts them in the
-cluster's key-value store. The driver adds them up into one block when verl's ``run_ppo`` returns (or at exit)::
-
-    skipinject INFO: summary: rollout: 2 steps served, 1 generated, 0 failed; 1.4 MiB read; 41.2 s of generation saved
-
-and as JSON to the file ``SKIPINJECT_SUMMARY`` names (for CI and sweeps).
+Each process writes its counts whole to ``{SKIPINJECT_RUN_REPORT}/{pid}.json`` (a private directory the
+driver made), or on another node to Ray's key-value store. The driver says the sum when ``run_ppo`` returns
+(or at exit), and writes it as JSON to ``SKIPINJECT_SUMMARY``'s file.
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ import logging
 import os
 import shutil
 import stat
-import sys
 import tempfile
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.config.environment import ENV_RUN_REPORT, ENV_SUMMARY
+from skipinject.node import _ray
 from skipinject.store.files import read_head
 
 logger = logging.getLogger("skipinject")
 
-#: Where verl's trainers log a step's metrics (every verl this supports).
 METRICS_TARGET = "verl.utils.tracking:Tracking.log"
 #: What is counted per role (every value a number; ``*_s`` in seconds).
 FIELDS = (
@@ -43,10 +38,9 @@ FIELDS = (
     "bytes_read",
     "generation_s_saved",
 )
-#: Most process records :func:`collect` reads, and the largest one it reads (a record is a few hundred bytes).
+#: Most process records :func:`collect` reads, and their largest size (a record is a few hundred bytes).
 MAX_FILES = 4096
 MAX_FILE_BYTES = 64 << 10
-#: The namespace of Ray's key-value store the counts of processes on other nodes go to.
 KV_NAMESPACE = "skipinject"
 RUN_PREFIX = "skipinject-run-"
 
@@ -85,14 +79,13 @@ def total(roles: Mapping[str, Mapping[str, float]], key: str) -> float:
 
 
 def count_rescored(role: str, rows: int) -> None:
-    """Count ``rows`` a role re-scored with this run's reward in the run's summary (plugin API 1.4)."""
+    """Count ``rows`` a role re-scored with this run's reward (plugin API 1.4)."""
     if rows > 0:
         TALLY.add(role, rescored_rows=rows)
 
 
 def report_dir() -> Path | None:
-    """The run's report directory from the environment, if it is a directory of this user's that only
-    this user can write (anything else is ignored: the variable is input like any other)."""
+    """The run's report directory, if it is a directory only this user can write (else ignored)."""
     text = os.environ.get(ENV_RUN_REPORT, "")
     if not text or "\x00" in text or not os.path.isabs(text):
         return None
@@ -105,15 +98,8 @@ def report_dir() -> Path | None:
     return Path(text)
 
 
-def _ray() -> Any:
-    """Ray, if this process is connected to a cluster (never imported here)."""
-    ray = sys.modules.get("ray")
-    return ray if ray is not None and ray.is_initialized() else None
-
-
 def publish(record: str) -> None:
-    """Replace this process's record: its file in the run's report directory, else (on another node) its
-    key in the cluster's store. Never raises."""
+    """Replace this process's record: its file in the report directory, else its key in Ray's store."""
     directory = report_dir()
     try:
         if directory is None:
@@ -130,8 +116,7 @@ def publish(record: str) -> None:
 
 
 def cluster_counts(run: str) -> list[bytes]:
-    """The records processes on other nodes put in the cluster's store for ``run``, taken out of it (none
-    when Ray is not connected here). Never raises."""
+    """The records processes on other nodes put in Ray's store for ``run``, taken out of it."""
     if _ray() is None:
         return []
     try:
@@ -148,9 +133,8 @@ def cluster_counts(run: str) -> list[bytes]:
 
 
 def collect(directory: Path, more: Iterable[bytes] = ()) -> dict[str, dict[str, float]]:
-    """The counts of every process that wrote to ``directory`` (and of the records ``more``), added up per
-    role. Records that are not what :func:`publish` writes (too large, not JSON, other keys, not numbers)
-    are left out."""
+    """The counts of ``directory``'s records and ``more``, per role; records :func:`publish` did not write
+    (too large, not JSON, other keys, not numbers) are left out."""
     records = list(more)
     try:
         names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))[:MAX_FILES]
@@ -178,8 +162,7 @@ def collect(directory: Path, more: Iterable[bytes] = ()) -> dict[str, dict[str, 
 
 
 def hit_amounts(meta: Mapping[str, object]) -> dict[str, float]:
-    """What serving a verified step with ``meta.json`` ``meta`` adds: one step, the bytes of its files,
-    and the generation time it recorded (``generation_s``)."""
+    """What serving a step adds: one step, its files' bytes, the generation time its ``meta`` recorded."""
     size = 0
     parts = meta.get("parts")
     for part in parts if isinstance(parts, list) else ():
@@ -212,7 +195,7 @@ class MetricsInterceptor:
 
 
 def _filled(roles: Mapping[str, Mapping[str, float]], order: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Every field of each role, those of ``order`` first (counted or not), then the others by name."""
+    """Every field of each role, ``order``'s first (counted or not), then the others by name."""
     names = [*order, *sorted(name for name in roles if name not in order)]
     return {name: {key: roles.get(name, {}).get(key, 0) for key in FIELDS} for name in names}
 
@@ -240,8 +223,8 @@ def render(roles: Mapping[str, Mapping[str, float]], order: Sequence[str] = ()) 
 
 
 class RunEnd:
-    """Says the summary once: when the driver's ``run_ppo`` returns, or at exit. As an interceptor of the
-    driver's ``ray.shutdown`` it first takes the counts of processes on other nodes out of the cluster."""
+    """Says the summary once, when ``run_ppo`` returns or at exit; at ``ray.shutdown`` (intercepted) it
+    first takes other nodes' counts out of the cluster."""
 
     def __init__(self, directory: Path, roles: Sequence[str]) -> None:
         self.directory = directory
@@ -288,16 +271,14 @@ class RunEnd:
 
 
 def write_whole(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` whole (a reader sees the old file or the new one), through a new
-    private file beside it."""
+    """Replace ``path`` by ``text`` whole, through a new private file beside it."""
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
         handle.write(text)
     os.replace(handle.name, path)
 
 
 def begin(roles: Sequence[str]) -> RunEnd | None:
-    """In the driver: make the run's report directory (private to the user), hand it to every process
-    the run starts, and say the summary at exit if nothing said it before."""
+    """In the driver: make the run's private report directory, hand it on, say the summary at exit."""
     try:
         directory = Path(tempfile.mkdtemp(prefix=RUN_PREFIX))
     except OSError as exc:
