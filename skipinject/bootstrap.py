@@ -86,7 +86,8 @@ def install(config: Config, plugins: PluginSet) -> bool:
     end = tally.begin(acting) if acting else None  # before the engine: its exit flush runs before the summary
     engine = None
     try:
-        export(config)
+        os.environ[ENV_CONFIG] = config.to_json()
+        _on_pythonpath([BOOTSTRAP_DIR], first=True)
         _on_pythonpath(_plugin_dirs(plugins, config))
         engine = start(config, plugins)
     finally:
@@ -257,12 +258,6 @@ def ray_worker_setup() -> None:
 
         module, _, attr = chained.rpartition(".")
         getattr(import_module(module), attr)()
-
-
-def export(config: Config) -> None:
-    """Put ``config`` and the bootstrap directory into this process's environment, for its children."""
-    os.environ[ENV_CONFIG] = config.to_json()
-    _on_pythonpath([BOOTSTRAP_DIR], first=True)
 
 
 def _patch_ray_init(config: Config) -> None:

@@ -1,10 +1,8 @@
-"""Finding, choosing and registering plugins: pluggy, fed the way pytest feeds it.
+"""Finding, choosing and registering plugins: pluggy, fed the way pytest feeds it (docs/plugins.md).
 
-Plugins come from the ``skipinject.plugins`` entry-point group; ``VERL_SKIP_PLUGINS`` (or ``--plugins``)
-chooses among them: ``rollout,reward`` (only these), ``-reward`` (all but this one, pluggy's
-``set_blocked``), ``mypkg.skip:plugin`` or ``mypkg.skip_roles`` (a plugin that is not installed). A
-plugin that fails to load is left out with a warning, or is an error when asked for by name; a misspelt
-``skipinject_*`` hook and an unsupported ``SKIPINJECT_API`` are errors (docs/plugins.md).
+``VERL_SKIP_PLUGINS`` (or ``--plugins``) chooses among the ``skipinject.plugins`` entry points: ``a,b``,
+``-b`` (all but b), ``mypkg.skip:plugin`` (not installed). A plugin that fails to load is left out with a
+warning, unless asked for by name.
 """
 
 from __future__ import annotations
@@ -44,14 +42,9 @@ class PluginSelection:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
 
-    @property
-    def everything(self) -> bool:
-        return not self.include
-
 
 def parse_selection(text: str | None, given_as: str = ENV_PLUGINS) -> PluginSelection:
-    """Parse a comma list of names, ``module[:attr]`` paths and ``-name`` exclusions (duplicates once);
-    errors name where the list was given (``VERL_SKIP_PLUGINS`` or ``--plugins``)."""
+    """Parse a comma list of names, ``module[:attr]`` paths and ``-name`` exclusions; errors name ``given_as``."""
     include: list[str] = []
     exclude: list[str] = []
     for raw in (text or "").split(","):
@@ -73,8 +66,8 @@ def parse_selection(text: str | None, given_as: str = ENV_PLUGINS) -> PluginSele
 
 
 class SkipPluginManager(pluggy.PluginManager):
-    """pluggy's manager for skipinject: ``skipinject_*`` callables are hooks even without ``@hookimpl``
-    (as pytest treats ``pytest_*``), so a plugin that forgot the marker works and a misspelt hook is caught."""
+    """pluggy's manager: ``skipinject_*`` callables are hooks even without ``@hookimpl`` (as pytest's
+    ``pytest_*``), so a forgotten marker works and a misspelt hook is caught."""
 
     def __init__(self) -> None:
         super().__init__(hookspecs.PROJECT)
@@ -139,7 +132,7 @@ def installed_entry_points() -> dict[str, Any]:
 
 
 def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS) -> PluginSet:
-    """Discover, choose, import and register plugins (default: ``$VERL_SKIP_PLUGINS``); collect their roles."""
+    """Discover, choose, import and register plugins (default: ``$VERL_SKIP_PLUGINS``), with their roles."""
     text = os.environ.get(ENV_PLUGINS) if selection_text is None else selection_text
     selection = parse_selection(text, given_as)
     entry_points = installed_entry_points()
@@ -155,12 +148,18 @@ def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS)
             continue
         try:
             if item in entry_points:
-                loaded = _from_entry_point(entry_points[item])
+                ep = entry_points[item]
+                try:
+                    obj = ep.load()
+                except Exception as exc:
+                    raise PluginError(f"plugin {item!r} ({ep.value}) failed to import: {_one_line(exc)}") from exc
+                dist = getattr(ep, "dist", None)
+                loaded = LoadedPlugin(item, ep.value, obj, getattr(dist, "name", None), getattr(dist, "version", None))
             else:
                 loaded = _from_path(item, entry_points, given_as=given_as)
             plugins.append(_register(manager, loaded))
         except PluginError as exc:
-            if not selection.everything:  # asked for by name: an error
+            if selection.include:  # asked for by name: an error
                 raise
             failures[item] = str(exc)
             logger.warning("plugin %r was not loaded: %s", item, exc)
@@ -180,17 +179,6 @@ def _unknown(item: str, name: str, entry_points: Mapping[str, Any], given_as: st
     where = f" in {item!r}" if item != name else ""
     return (
         f"{given_as}: unknown plugin {name!r}{where} (installed plugins: {installed}){did_you_mean(name, entry_points)}"
-    )
-
-
-def _from_entry_point(ep: Any) -> LoadedPlugin:
-    try:
-        obj = ep.load()
-    except Exception as exc:
-        raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to import: {_one_line(exc)}") from exc
-    dist = getattr(ep, "dist", None)
-    return LoadedPlugin(
-        ep.name, ep.value, obj, distribution=getattr(dist, "name", None), version=getattr(dist, "version", None)
     )
 
 
@@ -222,7 +210,7 @@ def _from_path(
 
 def _register(manager: SkipPluginManager, plugin: LoadedPlugin) -> LoadedPlugin:
     where = f"plugin {plugin.name!r} ({plugin.source})"
-    _check_api(plugin, where)
+    _check_api(plugin.obj, where)
     if manager.get_plugin(plugin.name) is not None or manager.is_registered(plugin.obj):
         raise PluginError(f"{where} is registered twice (under two names?)")
     try:
@@ -239,12 +227,11 @@ def _register(manager: SkipPluginManager, plugin: LoadedPlugin) -> LoadedPlugin:
     return plugin
 
 
-def _check_api(plugin: LoadedPlugin, where: str) -> None:
-    declared = getattr(plugin.obj, API_ATTRIBUTE, None)
+def _check_api(obj: Any, where: str) -> None:
+    declared = getattr(obj, API_ATTRIBUTE, None)
     if declared is None:
         return
-    text = str(declared)
-    match = re.fullmatch(r"([0-9]{1,4})(?:\.([0-9]{1,4}))?", text)
+    match = re.fullmatch(r"([0-9]{1,4})(?:\.([0-9]{1,4}))?", str(declared))
     if match is None or isinstance(declared, bool):
         raise PluginError(f"{where}: {API_ATTRIBUTE} = {declared!r} is not a version like 1 or '1.0'")
     major, minor = int(match.group(1)), int(match.group(2) or 0)
@@ -259,7 +246,7 @@ def _check_api(plugin: LoadedPlugin, where: str) -> None:
 def _with_roles(
     manager: SkipPluginManager, plugins: list[LoadedPlugin], failures: dict[str, str] | None = None
 ) -> PluginSet:
-    """The plugin set, its roles collected from every ``skipinject_roles`` implementation, plugin by plugin."""
+    """The plugin set, with the roles of every ``skipinject_roles`` implementation."""
     by_name = {plugin.name: plugin for plugin in plugins}
     owners: dict[str, str] = {}
     for impl in manager.hook.skipinject_roles.get_hookimpls():  # registration order

@@ -1,9 +1,6 @@
-"""A test kit for roles (plugin API 1.1): run a role in this process, call its target, assert hit or miss.
-
-:class:`RoleRun` resolves ``skip.<role>.*`` as the runner does, starts the engine on entering, stops it on
-leaving and keeps the run's ``skipinject`` log lines; :func:`call` calls a target as its caller would (see
-docs/plugins.md). Without verl: :class:`ToyTrainer`, :func:`toy_batch`, :func:`same_batch`, :class:`IntCodec`.
-With verl's V0 trainer: :func:`v0_trainer`, :func:`v0_run_config`, :func:`grpo_batch`.
+"""A test kit for roles (plugin API 1.1): run a role in this process, call its target, assert hit or miss
+(docs/plugins.md). Without verl: :class:`ToyTrainer`, :func:`toy_batch`, :func:`same_batch`, :class:`IntCodec`;
+with verl's V0 trainer: :func:`v0_trainer`, :func:`v0_run_config`, :func:`grpo_batch`.
 """
 
 from __future__ import annotations
@@ -50,11 +47,8 @@ class _Lines(logging.Handler):
 
 
 class RoleRun:
-    """One run of ``roles`` (a role name, several comma-separated, or :class:`~skipinject.Role` objects).
-
-    ``steps``, ``overrides`` (``"skip.<role>.action=repeat"``) and ``settings`` (for every role) are checked
-    as the runner checks them; ``plugins``: a ``VERL_SKIP_PLUGINS`` selection, default the role names.
-    """
+    """One run of ``roles`` (names, comma-separated, or :class:`~skipinject.Role` objects) in this process,
+    its settings checked as the runner does; keeps the run's log lines. ``plugins``: default the role names."""
 
     #: The runs started and not stopped (one at most: starting one stops the others).
     _running: ClassVar[list[RoleRun]] = []
@@ -183,7 +177,7 @@ class RoleRun:
 
 
 def resolve(target: str) -> Any:
-    """The callable named ``package.module:Qualified.name``, looked up now (the patched one, once patched)."""
+    """The callable named ``package.module:Qualified.name``, looked up now (patched or not)."""
     path = TargetPath.parse(target)
     value: Any = importlib.import_module(path.module)
     for name in path.qualname.split("."):
@@ -210,10 +204,8 @@ class IntCodec:
 
 
 class ToyTrainer:
-    """A trainer as a role sees it: the ``global_steps`` clock and a ``config`` naming the cache directory.
-
-    :meth:`fit` calls :meth:`generate` (the test's) ``calls.get(step, 1)`` times per step, into ``outputs``.
-    """
+    """A trainer as a role sees it: ``global_steps`` and a ``config`` naming the cache directory; :meth:`fit`
+    calls the test's :meth:`generate` ``calls.get(step, 1)`` times per step, into ``outputs``."""
 
     def __init__(
         self,
@@ -323,8 +315,7 @@ class _Executor:
 
 
 def v0_trainer(global_steps: int, config: Any = None) -> Any:
-    """A real ``RayPPOTrainer`` at ``global_steps`` that entered the patched ``fit`` (the roles' clock) and
-    left it at its first line (the end of the run before it)."""
+    """A real ``RayPPOTrainer`` at ``global_steps`` that entered the patched ``fit`` (the clock) and left it."""
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     trainer = RayPPOTrainer.__new__(RayPPOTrainer)
@@ -343,8 +334,8 @@ def v0_trainer(global_steps: int, config: Any = None) -> Any:
 def grpo_batch(
     seed: int = 0, prompts: int = 4, n: int = 2, prompt_len: int = 5, response_len: int = 6, *, scores: Any = None
 ) -> Any:
-    """A V0 GRPO training batch (``DataProto``) as ``fit`` has it after the rollout; ``scores`` (per row;
-    ``True``: random ones): with the reward loop's ``rm_scores`` and ``acc`` too."""
+    """A V0 GRPO batch (``DataProto``) as ``fit`` has it after the rollout; ``scores`` (per row, ``True``:
+    random) add the reward loop's ``rm_scores`` and ``acc``."""
     import uuid
 
     import numpy as np

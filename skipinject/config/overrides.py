@@ -1,9 +1,6 @@
-"""Reading ``skip.*`` settings: Hydra-style command-line overrides and an optional YAML file.
-
-Overrides are parsed with OmegaConf's dotlist grammar (``skip.rollout.steps=[1,2,3]``, ``+skip...``);
-a ``--skip-config FILE`` holds a ``skip:`` mapping merged under the command line. YAML is first read as
-a stream of events (:func:`check_yaml`) and refused at an anchor or alias, or past :data:`MAX_DEPTH`
-levels or :data:`MAX_NODES` values, so aliases never expand exponentially and a refusal costs little.
+"""Reading ``skip.*`` settings: Hydra-style overrides (OmegaConf's dotlist grammar) and a ``--skip-config``
+YAML file. YAML is first read as events (:func:`check_yaml`) and refused at an anchor or alias, or past
+:data:`MAX_DEPTH` levels or :data:`MAX_NODES` values, so aliases never expand and a refusal costs little.
 """
 
 from __future__ import annotations
@@ -56,7 +53,9 @@ def parse_overrides(
         try:
             if key == "steps":
                 # read as text by StepSet (ranges stay ranges); interpolations resolve as in YAML
-                text = _unquote(raw.strip())
+                text = raw.strip()
+                if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+                    text = text[1:-1]
                 resolved: Any = text
                 if "${" in text:
                     container = OmegaConf.to_container(OmegaConf.create({"v": text}), resolve=True)
@@ -77,17 +76,9 @@ def parse_overrides(
     return roles, texts
 
 
-def _unquote(text: str) -> str:
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        return text[1:-1]
-    return text
-
-
 def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
-    """The ``skip:`` mapping of a YAML settings file (``{role: {key: value}}``).
-
-    Read bounded (a regular file of at most :data:`MAX_FILE_BYTES`, a FIFO never blocks) and checked
-    by :func:`check_yaml` before OmegaConf parses it."""
+    """The ``skip:`` mapping (``{role: {key: value}}``) of a YAML settings file, read bounded (a FIFO never
+    blocks) and checked by :func:`check_yaml` before OmegaConf parses it."""
     from omegaconf import OmegaConf
 
     text = _read_settings(Path(path), f"--skip-config {path}")

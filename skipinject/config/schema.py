@@ -1,9 +1,7 @@
 """The ``skip.<role>.*`` schema (:class:`RoleConfig`, each key with its check) and a run's :class:`Config`.
 
-OmegaConf converts the values (``True``/``yes``/``1``, enum names, unknown keys refused), each key's check
-runs in :class:`RoleConfig`, and an error is one line naming the key; ``steps`` are read by skipinject
-(ranges stay ranges). :meth:`Config.to_json` travels to children in ``SKIPINJECT_CONFIG`` (through the
-environment, Ray workers through the job's ``runtime_env``); :meth:`Config.from_json` reads it back strictly.
+OmegaConf converts the values, :class:`RoleConfig` checks each key (an error is one line naming it);
+:meth:`Config.to_json` travels to children in ``SKIPINJECT_CONFIG``, :meth:`Config.from_json` reads it back.
 """
 
 from __future__ import annotations
@@ -61,9 +59,12 @@ class RescorePolicy(_Choice):
     never = "never"
 
 
-def _setting(default: Any, expected: str, check: Callable[[Any], None] | None = None) -> Any:
-    """A field of :class:`RoleConfig`: its default, the message a value of the wrong type gets, and
-    ``check``, raising ``ValueError`` with the reason for a value of the right type the key does not take."""
+_BOOLEAN = "expected true or false"
+
+
+def _setting(default: Any, expected: str = _BOOLEAN, check: Callable[[Any], None] | None = None) -> Any:
+    """A field of :class:`RoleConfig`: its default, the message for a value of the wrong type, and ``check``
+    (raising ``ValueError`` with the reason); a ``bool`` field is checked to be one."""
     return field(default=default, metadata={"expected": expected, "check": check})
 
 
@@ -74,14 +75,6 @@ class InvalidSetting(ValueError):
         super().__init__(f"{key}={_show(repr(value))}: {reason}")
         self.key = key
         self.reason = reason
-
-
-_BOOLEAN = "expected true or false"
-
-
-def _boolean(value: Any) -> None:
-    if type(value) is not bool:
-        raise ValueError(_BOOLEAN)
 
 
 def _directory_path(value: Any) -> None:
@@ -117,27 +110,23 @@ ENUM_KEYS: dict[str, type[enum.Enum]] = {"action": Action, "on_mismatch": Mismat
 
 @dataclass(frozen=True)
 class RoleConfig:
-    """The validated settings of one role in this run.
+    """The validated settings of one role: every ``skip.<role>`` key, once, with its check and message (the
+    schema, the transport and the runner's help come from here). The first four are upstream's keys."""
 
-    Every ``skip.<role>`` key is declared here, once, with its check and error message: the OmegaConf
-    schema, the transport to child processes and the runner's help come from these fields (the README's
-    table describes them). The first four are upstream's keys, with upstream's defaults.
-    """
-
-    enable: bool = _setting(False, _BOOLEAN, _boolean)
+    enable: bool = _setting(False)
     dump_dir: str = _setting(DEFAULT_DUMP_DIR, "expected a directory path", _directory_path)
     steps: StepSet = _setting(StepSet(), "expected a list of steps (e.g. [1,2,3] or 1-128)")  # noqa: RUF009
     action: Action = _setting(Action.cache, f"unknown action (choose one of {', '.join(Action)})")  # noqa: RUF009
     #: Load verl's own pickled caches (``gen_batch.dp``, ``tq_batch.pt``): they run code when loaded.
-    trust_upstream: bool = _setting(False, _BOOLEAN, _boolean)
+    trust_upstream: bool = _setting(False)
     on_mismatch: MismatchPolicy = _setting(MismatchPolicy.warn, f"expected one of {', '.join(MismatchPolicy)}")  # noqa: RUF009
     #: Load from cache directories other users can write to or own (ssh's StrictModes, switched off).
-    trust_dir_permissions: bool = _setting(False, _BOOLEAN, _boolean)
+    trust_dir_permissions: bool = _setting(False)
     compression: str = _setting("auto", _COMPRESSIONS, _compression)
     reuse_hit_memory: int = _setting(2, _BATCHES, _batches)
-    read_ahead: bool = _setting(True, _BOOLEAN, _boolean)
+    read_ahead: bool = _setting(True)
     rescore: RescorePolicy = _setting(RescorePolicy.auto, f"expected one of {', '.join(RescorePolicy)}")  # noqa: RUF009
-    save: bool = _setting(True, _BOOLEAN, _boolean)
+    save: bool = _setting(True)
 
     def __post_init__(self) -> None:
         # Plain values from code (``steps=(1, 2)``, ``action="repeat"``) are taken as the schema would;
@@ -149,6 +138,8 @@ class RoleConfig:
             try:
                 if f.name in ENUM_KEYS:
                     object.__setattr__(self, f.name, ENUM_KEYS[f.name](value))
+                elif f.type == "bool" and type(value) is not bool:
+                    raise ValueError(_BOOLEAN)
                 elif f.metadata["check"] is not None:
                     f.metadata["check"](value)
             except ValueError as exc:
@@ -191,10 +182,7 @@ def choices(key: str) -> tuple[str, ...]:
 def role_config(
     role: str, values: Mapping[str, Any], base: RoleConfig | None = None, *, texts: Mapping[str, str] | None = None
 ) -> RoleConfig:
-    """Validate plain values (from the command line, YAML or JSON) for ``skip.<role>``; errors name the key.
-
-    ``texts``: what the user typed for each key, quoted in error messages instead of the parsed value.
-    """
+    """Validate plain values for ``skip.<role>``; errors name the key and quote ``texts`` (what was typed)."""
     if not isinstance(values, Mapping):
         raise ConfigError(f"skip.{role}: expected a mapping of keys to values, got {type(values).__name__}")
     from omegaconf import OmegaConf
@@ -276,8 +264,8 @@ class Config:
     def to_json(self) -> str:
         """Compact text for an environment variable; raises :class:`ConfigError` when it cannot fit."""
         roles = {}
-        for name, cfg in self.roles.items():
-            roles[name] = {f.name: _plain_value(getattr(cfg, f.name)) for f in fields(cfg)}
+        for name, cfg in self.roles.items():  # the enums are ``str``s: JSON writes their values
+            roles[name] = {f.name: getattr(cfg, f.name) for f in fields(cfg)} | {"steps": cfg.steps.format()}
         body = {
             "version": SERIAL_VERSION,
             "plugins": self.plugins,
@@ -299,7 +287,7 @@ class Config:
 
     @classmethod
     def from_json(cls, text: str) -> Config:
-        """Read :meth:`to_json` back; anything else is a :class:`ConfigError` naming the problem."""
+        """Read :meth:`to_json` back; anything else is a :class:`ConfigError`."""
         try:
             if len(text) > MAX_SERIALISED_BYTES * 2:
                 raise ValueError(f"{len(text)} bytes is longer than any configuration skipinject writes")
@@ -336,18 +324,8 @@ class Config:
             raise ConfigError(f"cannot read the serialised skipinject config: {type(exc).__name__}: {exc}") from exc
 
 
-def _plain_value(value: Any) -> Any:
-    """A setting as JSON: steps as ranges, enums by value, the rest as they are."""
-    if isinstance(value, StepSet):
-        return value.format()
-    if isinstance(value, enum.Enum):
-        return value.value
-    return value
-
-
 def _serialised_role(name: str, values: Any) -> RoleConfig:
-    """A role as :meth:`Config.to_json` wrote it, checked strictly without OmegaConf (children start fast):
-    every key of :class:`RoleConfig`, each by its declared check."""
+    """A role as :meth:`Config.to_json` wrote it, checked strictly without OmegaConf (children start fast)."""
     if not isinstance(values, dict) or set(values) != set(ROLE_KEYS):
         raise ValueError(f"role {name!r} does not have exactly the keys {', '.join(ROLE_KEYS)}")
     if not isinstance(values["steps"], str):

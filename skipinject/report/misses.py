@@ -1,10 +1,5 @@
-"""Why a chosen step missed: the nearest cache of the same role, and the settings that put it elsewhere.
-
-At a miss the engine asks :func:`nearest_cache` for the same step under another layout of this run
-directory (another batch size, ``n``, prompt or response length), else under this layout in another
-run directory of the same ``dump_dir`` (another experiment or project name), and says which settings
-differ, as settings, never digests. The search is bounded: two listings, each cut at :data:`MAX_NAMES`,
-and one ``stat`` per candidate (at most :data:`MAX_CANDIDATES`); the steps of a layout are never listed.
+"""Why a chosen step missed: the same step cached under another layout or run name, and which settings
+differ (never digests). Bounded: two listings of at most :data:`MAX_NAMES`, one ``stat`` per candidate.
 """
 
 from __future__ import annotations
@@ -50,8 +45,7 @@ def _listed(backend: Any, location: Path) -> list[str]:
 
 
 def nearest_cache(store: StepStore, step: int) -> str | None:
-    """Where else ``step`` of this role is cached and what differs, as the end of a miss line; ``None``
-    when nowhere near (or the store is not in a layout). Never raises."""
+    """Where else ``step`` of this role is cached and what differs (the end of a miss line), else ``None``."""
     context, project = store.context, store.project_dir
     try:
         if not {*LAYOUT_SETTINGS, *RUN_SETTINGS} <= set(context):
@@ -95,7 +89,7 @@ def nearest_cache(store: StepStore, step: int) -> str | None:
 
 
 def _shared(name: str, run: str) -> int:
-    """Characters ``name`` shares with ``run`` at its start and end (a changed experiment or project name)."""
+    """Characters ``name`` shares with ``run`` at its start and end."""
     return len(commonprefix([name, run])) + len(commonprefix([name[::-1], run[::-1]]))  # noqa: RUF071 - not paths
 
 
@@ -126,9 +120,8 @@ def recorded_settings(settings: Sequence[str], run_config: Any) -> dict[str, Any
 
 
 def settings_differ(store: StepStore, settings: Sequence[str], run_config: Any) -> str | None:
-    """Why no row of a call matched when the layout's latest cached step was generated with other
-    settings: ``actor_rollout_ref.rollout.temperature is 0.7 there, 1.0 here`` (settings, never digests);
-    ``None`` when they are the same, unknown, or nothing is cached. One listing, one ``meta.json``."""
+    """Which recorded settings of the layout's latest cached step differ from this run's (``path is a there,
+    b here``), else ``None``. One listing, one ``meta.json``."""
     try:
         steps = store.step_numbers_on_disk()
         recorded = store.read_meta(steps[-1]).get(SETTINGS_KEY) if steps and settings else None

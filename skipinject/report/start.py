@@ -1,6 +1,5 @@
-"""The start of a run, in the driver: the settings that cannot work, then one line per role saying what
-it will do and how much of it is cached already. The role lines wait for the config the program hands
-verl's ``run_ppo`` (or, at ``ray.init``, one a caller holds), so that the layout is the trainer's::
+"""The start of a run, in the driver: the settings that cannot work, then a line per role once verl's
+``run_ppo`` gets its config (or, at ``ray.init``, one a caller holds), so the layout is the trainer's::
 
     rollout: cache steps 1-64 in /data/skip/e_p/GBS512_N16_in2048_out28672: 40 cached, 24 to generate
 """
@@ -28,12 +27,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("skipinject")
 Lines = list[tuple[int, str]]
 
-#: Where verl gets the run's composed config before it starts Ray (main_ppo, fully async, recipes).
+#: Where verl gets the run's composed config before it starts Ray.
 RUN_ENTRY = "verl.trainer.main_ppo:run_ppo"
 RAY_SHUTDOWN = "ray:shutdown"
 #: Chosen steps a start line counts one by one at most (more are counted by their ranges).
 MAX_COUNTED = 100_000
-#: A role's settings that cannot act ({0}: the role, {1}: its steps), said before anything starts.
 NO_STEPS = (
     "skip.{0}.enable=true but skip.{0}.steps is empty: the role acts at no step "
     "(give skip.{0}.steps=[1,2] or a range like 1-64)"
@@ -44,7 +42,7 @@ MAX_FRAMES = 12
 
 
 def setting_problems(config: Config, *, disabled: bool) -> Lines:
-    """``(level, line)`` for each setting that cannot do what it says, before anything starts."""
+    """``(level, line)`` for each setting that cannot do what it says."""
     named = [name for name, settings in config.roles.items() if settings.enable or settings.steps]
     if disabled and named:
         more = f" and {len(named) - 1} more role(s)" if len(named) > 1 else ""
@@ -58,9 +56,8 @@ def setting_problems(config: Config, *, disabled: bool) -> Lines:
 
 
 def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
-    """Why a local ``dump_dir`` cannot hold this role's cache: it cannot be created or written (read, with
-    ``save=false``), or it is not trusted. ``None`` for a usable directory and for a remote store (checked
-    at its first use: a request costs time). Never raises."""
+    """Why a local ``dump_dir`` cannot hold this role's cache (not creatable, writable, readable or trusted);
+    ``None`` when usable or remote (checked at first use)."""
     root, saves = settings.root, settings.save
     if root.path is None:
         return None
@@ -84,8 +81,7 @@ def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
 
 
 def check_settings(config: Config, *, disabled: bool) -> Lines:
-    """:func:`setting_problems` and each acting role's :func:`dump_dir_problem`, to be said once the
-    program is known to start; the latter raises :class:`ConfigError` under ``action=strict`` instead."""
+    """:func:`setting_problems` and each acting role's :func:`dump_dir_problem` (an error under ``strict``)."""
     lines = setting_problems(config, disabled=disabled)
     for name in [] if disabled else config.enabled_roles:
         settings = config.role(name)
@@ -110,8 +106,8 @@ def role_line(name: str, settings: RoleConfig, where: str, counts: str) -> str:
 
 
 def counts_phrase(settings: RoleConfig, store: StepStore, last: Any) -> str:
-    """What the run will do with the chosen steps, cut at the run's ``last`` step when the config says it,
-    and how many are cached: one listing and one ``stat`` per listed step (object stores: a listing)."""
+    """What the run will do with the chosen steps (up to its ``last``) and how many are cached: one listing
+    and one ``stat`` per listed step."""
     steps, action = settings.steps, settings.action
     if type(last) is int and last > 0:
         steps = StepSet((lo, min(hi, last)) for lo, hi in steps.spans if lo <= last)
@@ -134,9 +130,7 @@ def counts_phrase(settings: RoleConfig, store: StepStore, last: Any) -> str:
 
 
 def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> Lines:
-    """Each enabled role's start line for a run with verl config ``run_config`` (and, first, why a role
-    cannot act in it, as the role's ``check`` says, or why it acts but not exactly, as its ``caveat`` says).
-    Never raises: a role that cannot be counted says so."""
+    """Each enabled role's start line for verl config ``run_config``, after its ``check`` or ``caveat``."""
     from skipinject.verl.compat import select
 
     lines: Lines = []
@@ -172,7 +166,7 @@ def _ask(question: Callable[..., str | None] | None, *args: Any) -> str | None:
 
 
 def open_store(name: str, role: Role, settings: RoleConfig, run_config: Any) -> StepStore:
-    """The store this role's steps of a run with ``run_config`` live in, opened for reading only."""
+    """The store of this role's steps in a run with ``run_config``, opened for reading."""
     from skipinject.store import StepStore
     from skipinject.verl.layout import project_dir
 
@@ -211,9 +205,8 @@ class RunStart:
         return self.sync(call, proceed)
 
     def at_ray_init(self) -> None:
-        """Ray starts in the driver: the role lines from the verl config a caller holds (``run_ppo``'s in
-        ``__main__``, which no import hook sees, or a launcher's own), else where the steps will be,
-        without the layout."""
+        """The role lines from the verl config a caller of ``ray.init`` holds (``run_ppo`` in ``__main__``, which
+        no import hook sees), else without the layout."""
         run_config = _caller_run_config(sys._getframe(1))
         if run_config is not None:
             self.say(lambda: layout_lines(self.config, self.roles, run_config))
@@ -224,8 +217,7 @@ class RunStart:
 
 
 def _caller_run_config(frame: FrameType | None) -> Any:
-    """The verl run config held by the nearest of ``frame``'s callers: a local named ``config``
-    (``run_ppo``'s, a launcher's ``main(config)``), else a local mapping with a ``trainer`` section."""
+    """The nearest caller's local ``config`` that is a verl run config, else a mapping with ``trainer``."""
     from skipinject.verl.compat import is_run_config
 
     for _ in range(MAX_FRAMES):
@@ -246,8 +238,7 @@ _watch: RunStart | None = None
 
 
 def watch(config: Config, roles: Mapping[str, Role], end: RunEnd | None = None) -> None:
-    """In the driver: say each enabled role's start line when verl gets its config (see the module doc),
-    and ``end``'s summary when ``run_ppo`` returns, after the counts of other nodes at ``ray.shutdown``."""
+    """In the driver: the role lines when verl gets its config, ``end``'s summary when ``run_ppo`` returns."""
     global _watch
     from skipinject.injector import INJECTOR
 
