@@ -1,11 +1,8 @@
 """skipinject: skip and replay verl rollouts on any verl install, without editing verl.
 
-This module is the plugin API (version :data:`API_VERSION`, its history in docs/plugins.md): everything a
-plugin may rely on is exported here and listed in ``__all__``, with :mod:`skipinject.plugin_kit` and, for
-its tests, :mod:`skipinject.testing`; every other module is internal. Names that need torch or verl
-(codecs, :class:`Payload`) are imported on first use, so ``import skipinject`` stays cheap::
-
-    from skipinject import Role, StepSource, Target, hookimpl
+The plugin API (:data:`API_VERSION`, docs/plugins.md) is ``__all__``, :mod:`skipinject.plugin_kit` and
+:mod:`skipinject.testing`; every other module is internal. Names that need torch or verl are imported on
+first use, so ``import skipinject`` stays cheap.
 """
 
 from __future__ import annotations
@@ -52,13 +49,7 @@ from skipinject.roles import (
 from skipinject.verl.compat import default_bypass, run_config_of, select, verl_version, version_matches
 
 if TYPE_CHECKING:
-    from skipinject.codecs import (
-        TensorSink,
-        decode_tensor,
-        encode_tensor,
-        from_jsonable,
-        to_jsonable,
-    )
+    from skipinject.codecs import TensorSink, decode_tensor, encode_tensor, from_jsonable, to_jsonable
     from skipinject.config import Action, MismatchPolicy, RescorePolicy, RoleConfig
     from skipinject.hookspecs import hookimpl
     from skipinject.payload import Payload

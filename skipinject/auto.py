@@ -1,10 +1,6 @@
-"""``import skipinject.auto``: install skipinject from the program's own command line, for launchers that
-cannot start through ``python -m skipinject`` (a notebook kernel, a job system's fixed entry point).
-
-The ``skip.<role>.<key>=<value>`` items of ``sys.argv`` (also ``+skip…``, ``++skip…``) are taken out, as
-the runner takes them out of ARGS, and :func:`skipinject.enable` installs them; a wrong one is one line on
-stderr and exit status 2, as under the runner. Without such items nothing happens. Import it first, before
-verl and Hydra read ``sys.argv``.
+"""``import skipinject.auto`` (first, before verl and Hydra read ``sys.argv``): install skipinject from the
+program's own command line, for launchers that cannot start through ``python -m skipinject``. The
+``skip.<role>.<key>=<value>`` items of ``sys.argv`` are taken out and installed as the runner does.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The trainer a run's calls belong to: the latest instance seen entering a role's clock (``fit``).
-
-Its own module so that the roles (which declare clocks) and :mod:`skipinject.verl.compat` (which
-reads the run config from the trainer) both use it without importing each other.
-"""
+"""The trainer a run's calls belong to: the latest instance seen entering a role's clock (``fit``); apart so
+that the roles and :mod:`skipinject.verl.compat` use it without importing each other."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Which node this process runs on, for the record a saved step keeps of its writer.
-
-Apart from :mod:`skipinject.cluster` so that the store's writer can import it without importing the
-store back. Ray is asked only when the program has already imported it.
-"""
+"""Which node this process runs on, for a saved step's record of its writer (apart from
+:mod:`skipinject.cluster`, which imports the store). Ray is asked only once the program imported it."""
 
 from __future__ import annotations
 

@@ -141,16 +141,11 @@ class RoleRun:
     def lines_with(self, needle: str) -> list[str]:
         return [line for line in self.lines if needle in line]
 
-    def _role(self, role: str | None) -> str:
-        if role is not None:
-            return role
-        if len(self.roles) != 1:
-            raise ValueError(f"this run has roles {self.roles}: name the one to look at")
-        return self.roles[0]
-
     def _decisions(self, what: str, step: int | None, role: str | None) -> list[str]:
+        if role is None and len(self.roles) != 1:
+            raise ValueError(f"this run has roles {self.roles}: name the one to look at")
         number = r"\d+" if step is None else str(step)
-        pattern = re.compile(rf"{re.escape(self._role(role))} step {number}: {what}")
+        pattern = re.compile(rf"{re.escape(role or self.roles[0])} step {number}: {what}")
         return [line for line in self.lines if pattern.match(line)]
 
     def hits(self, step: int | None = None, role: str | None = None) -> list[str]:

@@ -1,10 +1,7 @@
-"""Starts skipinject in every Python process of a run (this directory is put on PYTHONPATH).
-
-Any Python process started from the runner (Ray workers, multiprocessing children, subprocesses) imports
-this module at start-up, like coverage.py's subprocess support; another ``sitecustomize`` on the path is
-loaded first. Start-up is lazy, as ddtrace's ``when_imported``: standard library only, it waits for the
-first import of a package holding a target (``SKIPINJECT_CONFIG``'s ``triggers``, e.g. ``verl``) before
-importing skipinject; ``ray`` is watched too, to hand the configuration on through ``ray.init``.
+"""Starts skipinject in every Python process of a run (this directory is first on PYTHONPATH), as
+coverage.py's subprocess support; another ``sitecustomize`` on the path is loaded first. Standard library
+only, it imports skipinject at the first import of a ``triggers`` package (e.g. ``verl``), as ddtrace's
+``when_imported``; ``ray`` is watched too, to hand the configuration on through ``ray.init``.
 """
 
 import importlib.machinery
