@@ -157,11 +157,10 @@ def _attach_values(argv: list[str]) -> list[str]:
         if word in ("--plugins", "--skip-config"):
             value = next(words, None)
             joined.append(word if value is None else f"{word}={value}")
-        elif not word.startswith("-") or word in ("-m", "-c"):
-            joined.append(word)
-            joined.extend(words)  # the program and its ARGS: never rewritten
         else:
             joined.append(word)
+            if not word.startswith("-") or word in ("-m", "-c"):
+                joined.extend(words)  # the program and its ARGS: never rewritten
     return joined
 
 

@@ -42,6 +42,10 @@ class PluginSelection:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
 
+    @property
+    def everything(self) -> bool:
+        return not self.include
+
 
 def parse_selection(text: str | None, given_as: str = ENV_PLUGINS) -> PluginSelection:
     """Parse a comma list of names, ``module[:attr]`` paths and ``-name`` exclusions; errors name ``given_as``."""
@@ -159,7 +163,7 @@ def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS)
                 loaded = _from_path(item, entry_points, given_as=given_as)
             plugins.append(_register(manager, loaded))
         except PluginError as exc:
-            if selection.include:  # asked for by name: an error
+            if not selection.everything:  # asked for by name: an error
                 raise
             failures[item] = str(exc)
             logger.warning("plugin %r was not loaded: %s", item, exc)

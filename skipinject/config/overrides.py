@@ -168,9 +168,8 @@ MAX_NODES = 10_000
 
 
 def check_yaml(text: str, where: str, failure: str = "cannot parse the value") -> None:
-    """Raise :class:`ConfigError` naming ``where`` unless ``text`` is YAML without anchors or aliases,
-    nested at most :data:`MAX_DEPTH` deep, with at most :data:`MAX_NODES` values (a syntax error is
-    one line too: ``{where}: {failure} (YAML: ...)``). Errors name the key being read (``skip.rollout.steps``)."""
+    """Refuse (one line naming ``where`` and the key being read) YAML with anchors or aliases, nested over
+    :data:`MAX_DEPTH` deep or over :data:`MAX_NODES` values; a syntax error is ``{where}: {failure} (YAML: ...)``."""
     import yaml  # type: ignore[import-untyped]
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
