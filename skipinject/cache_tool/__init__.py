@@ -1,9 +1,6 @@
 """``skipinject cache ...``: see, verify, show, compare, import, prune and compact what is cached.
 
-Built on the store's reader and writer (:class:`~skipinject.store.StepStore`), like the engine. Exit
-status: 0 fine, 1 something was found (damaged steps, differences, failed imports), 2 bad usage or
-path, 3 an internal error. Each sub-parser's ``run`` names the command's function, called with the
-parsed options as keywords. The ``--json`` documents are described in ``docs/cache-tool.md``.
+Exit status: 0 fine, 1 something was found, 2 bad usage or path, 3 an internal error (docs/cache-tool.md).
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump_help = "dump directory (default: skip.<role>.dump_dir's default, ~/.verl/rollout_dump)"
 
     def command(name: str, run: str, help: str) -> argparse.ArgumentParser:
-        """A command's sub-parser; ``run``: its function (``module:name``), called with the options."""
+        """``run``: the command's function (``module:name``), called with the parsed options as keywords."""
         found = sub.add_parser(name, help=help)
         found.set_defaults(run=run)
         return found

@@ -1,10 +1,7 @@
 """``skipinject cache compact``: store steps saved uncompressed again, compressed, in place.
 
-Each step is verified and loaded by the training run's reader, written anew compressed and committed
-with one ``meta.json`` replace, only over the step it read (a step recorded anew meanwhile is kept):
-the step is the old one or the new one, whole, at every moment. Role-specific ``meta.json`` keys and
-the creation time are kept. A step not compacted is a ``skipped`` line with the reason (damaged,
-partial, untrusted, linked: exit 1; verl's own pickles: exit 0).
+Each step is committed anew with one ``meta.json`` replace, only over the step it read (one recorded anew
+meanwhile is kept): the old step or the new one, whole, at every moment.
 """
 
 from __future__ import annotations
@@ -48,8 +45,7 @@ def compact_step(step_dir: Path, compression: Compression, dry_run: bool) -> dic
 
 
 def cmd_compact(dump_dir: Path | None, *, compression: str, dry_run: bool, as_json: bool) -> int:
-    """Compress every complete, uncompressed skipinject step under ``dump_dir``; exit 1 if one failed or
-    was skipped as unusable."""
+    """Exit 1 if a step failed or was skipped as unusable (damaged, partial, untrusted, linked)."""
     root = dump_dir or default_dump_dir()
     try:
         chosen = parse_compression(compression)
@@ -88,7 +84,6 @@ def _ratio(before: int, after: int) -> str:
 
 
 def render(results: list[dict[str, Any]]) -> None:
-    """One line per step (sizes and the ratio where compacted), then the total."""
     for result in results:
         sizes = ""
         if "after" in result:

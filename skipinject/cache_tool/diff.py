@@ -44,8 +44,7 @@ def cmd_diff(a: Path, b: Path, *, as_json: bool, rows: int = 3, tokenizer: str |
 
 
 def select(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[tuple[str, str]]]:
-    """The pairs of steps to compare (two steps, or steps matched by their path below A and B), and
-    the steps only one side has."""
+    """The pairs of steps to compare (two steps, or steps by their path below A and B), and those of one side."""
     if all(STEP_RE.match(side.name) and has_meta(side) for side in (a, b)):
         return [(a, b)], []
 
@@ -94,8 +93,7 @@ def diff_steps(
 def compare_samples(
     flat_a: dict[str, Any], flat_b: dict[str, Any], meta: dict[str, Any], rows: int, tokenizer: str | None
 ) -> dict[str, Any] | None:
-    """Rollout rows side by side: how many have identical prompts and responses, each side's mean score
-    and response length, and the first ``rows`` differing rows decoded; None unless both hold rows."""
+    """Rollout rows side by side: how many are identical, each side's means, the first ``rows`` differing."""
     a, b = fields.step_samples(flat_a), fields.step_samples(flat_b)
     if a is None or b is None:
         return None

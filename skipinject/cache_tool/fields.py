@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from skipinject.cache_tool.common import CommandError, shorten
 from skipinject.roles import Call, MergingCodec
@@ -27,8 +27,7 @@ SHOWN_IDS, WIDTH = 8, 80
 Decode = Callable[[Sequence[int]], str]
 
 
-@dataclass
-class Decoded:
+class Decoded(NamedTuple):
     """A step as the engine would replay it, by which codec, and why it is raw when it is."""
 
     value: Any
@@ -37,19 +36,17 @@ class Decoded:
 
 
 def decode(payloads: Sequence[Payload], meta: Mapping[str, Any], roles: InstalledRoles) -> Decoded:
-    """The step decoded by its role's own codec, parts merged as the engine merges them, the calls of a step
-    of several calls one by one (``call1``, ...). Without the role's plugin, skipinject's own codecs decode a
-    payload whose header names them; anything else is its raw payload, with a note saying why."""
+    """The step decoded by its role's own codec, parts merged as the engine merges them, calls one by one
+    (``call1``, ...). Without the role's plugin, by skipinject's codec its header names, else raw."""
     from skipinject.verl.codecs import codec_named
 
     role = str(meta.get("role")) if isinstance(meta.get("role"), str) else "-"
-    codec, note = roles.codec(role), None
+    codec = roles.codec(role)
     if codec is None:
         names = {p.objects.get("codec") for p in payloads}
         codec = codec_named(names.pop()) if len(names) == 1 else None
-        note = roles.missing(role, meta) if codec is None else None
-    if codec is None:
-        return Decoded(_raw(payloads), "raw", note)
+        if codec is None:
+            return Decoded(_raw(payloads), "raw", roles.missing(role, meta))
     name = getattr(codec, "name", None)  # the built-ins' header, else the class
     name = name if isinstance(name, str) and name else type(codec).__name__
     call = Call(target=f"skipinject cache ({role})", function=decode, instance=None, args=(), kwargs={})
@@ -256,8 +253,8 @@ def _row_diff(name: str, ra: list[Any], rb: list[Any]) -> FieldDiff:
 
 
 def tokenizer(path: str | None, meta: Mapping[str, Any]) -> tuple[Decode | None, str | None]:
-    """The decoder of ``path`` (``--tokenizer``: failing to load it is a one-line error), else of the
-    recorded model's directory when it exists here (failing quietly), and where it came from."""
+    """The decoder of ``--tokenizer`` (failing: a one-line error), else of the recorded model's directory
+    when it exists here (failing quietly), and where it came from."""
     chosen = path or recorded_model(meta)
     if chosen is None or (
         path is None and getattr(LocalFiles().stat(Path(chosen), follow=True), "kind", "") != "directory"

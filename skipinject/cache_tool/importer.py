@@ -1,9 +1,7 @@
 """``import``: verl's own pickled caches, converted into skipinject's format beside them (``--trust`` only).
 
-verl's caches are what the installed plugins' roles declare (:class:`~skipinject.roles.UpstreamFormat`):
-the declaring role's loader reads them (a pickle runs code: nothing is loaded without ``--trust``), a role
-whose format ``claims`` the value takes it, its codec encodes it, and the store writes it under the role
-and trainer context the engine looks for; verl's files are left where they are.
+The declaring role's loader (:class:`~skipinject.roles.UpstreamFormat`) reads a cache, a role whose format
+``claims`` the value takes it, its codec encodes it; verl's files are left where they are.
 """
 
 from __future__ import annotations
@@ -36,14 +34,10 @@ def context_for(layout_dir: Path, experiment: str | None, project: str | None) -
         raise CommandError(f"{layout_dir}: not a GBS.._N.._in.._out.. layout directory")
     name = layout_dir.parent.name
     if experiment is None or project is None:
-        known = (i.meta.get("context") for i in scan(layout_dir.parent) if i.kind == "skipinject" and i.meta)
-        names = [
-            (str(c["experiment_name"]), str(c["project_name"]))
-            for c in known
-            if isinstance(c, dict)
-            if {"experiment_name", "project_name"} <= set(c)
-        ]
-        found = names[0] if names else run_names(name)  # names from a skipinject step already cached here
+        known = [i.meta.get("context") for i in scan(layout_dir.parent) if i.kind == "skipinject" and i.meta]
+        named = [c for c in known if isinstance(c, dict) and {"experiment_name", "project_name"} <= set(c)]
+        # the names a skipinject step already cached here records, else the directory's
+        found = (str(named[0]["experiment_name"]), str(named[0]["project_name"])) if named else run_names(name)
         if found is None:
             raise CommandError(
                 f"{layout_dir.parent}: cannot tell the experiment name from the project name in {name!r}; "
@@ -56,8 +50,7 @@ def context_for(layout_dir: Path, experiment: str | None, project: str | None) -
 
 
 def _owner(roles: InstalledRoles, upstream: Upstream, value: Any) -> str:
-    """The role a loaded value belongs to: the first whose declaration of the same file ``claims`` it,
-    else the declaring role that takes the rest."""
+    """The first role whose declaration of the same file ``claims`` the value, else the declaring one."""
     key = (upstream.format.directory, upstream.format.file_name)
     for other in roles.upstreams():
         claims = other.format.claims
@@ -83,10 +76,9 @@ def import_item(
     role: str | None,
     experiment: str | None,
     project: str | None,
-    roles: InstalledRoles | None = None,
+    roles: InstalledRoles,
 ) -> dict[str, Any]:
     """Convert one upstream step with the loader and codec the installed plugins declare; its report record."""
-    roles = roles or InstalledRoles()
     upstream = item.upstream
     if upstream is None:
         raise CommandError(f"{item.path}: no installed plugin declares this cache")

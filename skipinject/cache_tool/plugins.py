@@ -1,9 +1,5 @@
-"""The installed plugins' roles, as the cache tool sees them: a role's own codec decodes its steps.
-
-Plugins are chosen as for a run (``VERL_SKIP_PLUGINS``, else every installed one) and loaded once. A
-step of a role no installed plugin provides is still listed and verified (the store's checks need no
-codec); ``show`` and ``diff`` then show its raw payload and name the plugin that would decode it.
-"""
+"""The installed plugins' roles, chosen as for a run (``VERL_SKIP_PLUGINS``, else every installed one):
+a role's own codec decodes its steps; without its plugin, ``show`` and ``diff`` show the raw payload."""
 
 from __future__ import annotations
 
@@ -28,8 +24,7 @@ class Upstream:
 
     @property
     def directory(self) -> re.Pattern[str]:
-        """The step directory's name, group 1 the step number: ``genstep_{step:06d}`` -> ``^genstep_([0-9]{1,18})$``
-        (``{step}``: the store's step rule)."""
+        """The step directory's name, group 1 the step number (``genstep_{step:06d}``: ``^genstep_([0-9]{1,18})$``)."""
         pieces = []
         for literal, name, spec, _ in string.Formatter().parse(self.format.directory):
             pieces.append(re.escape(literal))
@@ -63,12 +58,6 @@ class InstalledRoles:
             return {}
         return {role.name: (role, plugin.name) for plugin in plugins.plugins for role in plugin.roles}
 
-    @functools.cached_property
-    def _default_codec(self) -> Codec:
-        from skipinject.verl.codecs import DataProtoCodec
-
-        return DataProtoCodec()
-
     def role(self, name: str) -> Role | None:
         return self._roles.get(name, (None, None))[0]
 
@@ -83,8 +72,10 @@ class InstalledRoles:
 
     def codec(self, role: str) -> Codec | None:
         """The codec the engine uses for ``role`` (its own, or the default), None without its plugin."""
+        from skipinject.verl.codecs import DataProtoCodec
+
         found = self.role(role)
-        return None if found is None else found.codec if found.codec is not None else self._default_codec
+        return None if found is None else found.codec if found.codec is not None else DataProtoCodec()
 
     def missing(self, role: str, meta: Mapping[str, Any]) -> str | None:
         """One line when no installed plugin provides ``role`` (which plugin would decode it), else None."""

@@ -190,8 +190,7 @@ def _foreign(step_dir: Path, listed: Mapping[Path, StoredFile], upstreams: Seque
 
 
 def open_step(step_dir: Path, backend: Backend | None = None) -> tuple[StepStore, StepMeta]:
-    """The store holding ``step_dir`` (role and context from its own ``meta.json``) and its meta, checked
-    whole by :meth:`StepStore.read_meta`. CorruptCacheError, or FileNotFoundError without a ``meta.json``."""
+    """The store holding ``step_dir`` (role and context from its ``meta.json``) and its checked meta."""
     if not STEP_RE.match(step_dir.name):
         raise CorruptCacheError(f"{step_dir}: not a step directory (its name is not a step number)")
     raw = load_meta_json(step_dir / fmt.META_NAME, backend)
@@ -268,8 +267,7 @@ def step_dirs(backend: Backend, root: Path, problems: list[str], upstreams: Sequ
 
 
 def scan(root: Path | str, problems: list[str] | None = None, roles: InstalledRoles | None = None) -> list[Item]:
-    """Every item under a local directory (which must exist) or a remote store's URL, ordered by
-    project, layout, role and step. ``roles``: the plugins naming verl's own caches (default: a run's)."""
+    """Every item under a local directory or a remote store's URL, by project, layout, role and step."""
     problems = [] if problems is None else problems
     if isinstance(root, str):  # verl's pickles are never looked for in an object store
         fs, remote = open_remote(root)

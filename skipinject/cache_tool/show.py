@@ -1,9 +1,6 @@
-"""``show``: what one step holds, decoded by its role's own codec (or shown raw, saying why).
-
-``show --match FILE.parquet PATH``: how many of a dataset's prompts have a cached rollout under PATH,
-i.e. a complete step (or rows record) under it recorded the prompt's input fingerprint (``inputs`` /
-``call_inputs`` in ``meta.json``): what ``action=match`` may serve to a run with the same generation
-settings. Only ``meta.json`` files are read.
+"""``show``: what one step holds, decoded by its role's own codec (or shown raw, saying why); with
+``--match FILE.parquet``, how many of a dataset's prompts a complete step under PATH recorded the input
+fingerprint of (only ``meta.json`` files are read).
 """
 
 from __future__ import annotations
@@ -45,11 +42,15 @@ def cmd_show(
     roles = InstalledRoles()
     meta, step = load_step(step_path, roles)
     flat = fields.flatten(step.value)
-    infos = [fields.describe(name, v) for name, v in flat.items()]
-    texts = {name: text for name, v in flat.items() if (text := fields.text_rows(v, rows))}
     inputs = meta.get("inputs") if isinstance(meta.get("inputs"), list) else None
     checked = step_meta(meta, step_path)
-    summary: dict[str, Any] = {
+    found = fields.step_samples(flat)
+    decode, source = fields.tokenizer(tokenizer, meta) if found else (None, None)
+    listed = [fields.shown_row(i, sample, decode) for i, sample in enumerate((found or [])[:rows])]
+    samples = (
+        None if found is None else {"rows": len(found), **fields.means(found), "tokenizer": source, "first": listed}
+    )
+    document: dict[str, Any] = {
         "path": str(step_path),
         **{key: meta.get(key) for key in ("role", "step", "rows")},
         "parts": [p.get("dir") for p in meta.get("parts", [])],
@@ -61,22 +62,19 @@ def cmd_show(
         "decoded_size": checked.stored_size + checked.expansion,
         "plugin": roles.plugin_of(str(meta.get("role"))),
         "note": step.note,
+        "fields": [fields.describe(name, v) for name, v in flat.items()],
+        "text": {name: text for name, v in flat.items() if (text := fields.text_rows(v, rows))},
+        "samples": samples,
     }
-    found = fields.step_samples(flat)
-    decode, source = fields.tokenizer(tokenizer, meta) if found else (None, None)
-    listed = [fields.shown_row(i, sample, decode) for i, sample in enumerate((found or [])[:rows])]
-    samples = (
-        None if found is None else {"rows": len(found), **fields.means(found), "tokenizer": source, "first": listed}
-    )
     if as_json:
-        emit_json("show", {**summary, "fields": infos, "text": texts, "samples": samples})
+        emit_json("show", document)
     else:
-        render(summary, infos, texts, samples)
+        render(document)
     return OK
 
 
 def load_step(step_dir: Path, roles: InstalledRoles) -> tuple[dict[str, Any], fields.Decoded]:
-    """The meta and decoded value of a verified step (by its role's own codec); raises CorruptCacheError."""
+    """The meta and decoded value of a verified step; raises CorruptCacheError."""
     if not STEP_RE.match(step_dir.name):
         raise CommandError(f"{step_dir}: not a step directory (its name is not a step number)")
     if not has_meta(step_dir) or load_meta_json(step_dir / META_NAME) is None:
@@ -90,10 +88,8 @@ def load_step(step_dir: Path, roles: InstalledRoles) -> tuple[dict[str, Any], fi
     return dict(entry.meta), fields.decode(store.load(entry), entry.meta, roles)
 
 
-def render(
-    summary: dict[str, Any], infos: list[dict[str, Any]], texts: dict[str, list[str]], samples: dict[str, Any] | None
-) -> None:
-    inputs, stored, decoded = summary["inputs"], summary["size"], summary["decoded_size"]
+def render(summary: dict[str, Any]) -> None:
+    inputs, stored, decoded, samples = summary["inputs"], summary["size"], summary["decoded_size"], summary["samples"]
     say(summary["path"])
     say(f"  role {summary['role']}, step {summary['step']}, {summary['rows']} rows in {len(summary['parts'])} part(s)")
     say(f"  size {human_size(stored)} stored" + ("" if decoded == stored else f" ({human_size(decoded)} decoded)"))
@@ -108,8 +104,8 @@ def render(
     else:
         say("  input fingerprint: none recorded (prompt mismatches are not detected for this step)")
     say()
-    show_table("FIELD|KIND|DTYPE|SHAPE", [[i["name"], i["kind"], i["dtype"], i["shape"]] for i in infos])
-    for name, lines in texts.items() if samples is None else ():  # the rows below show a rollout's text
+    show_table("FIELD|KIND|DTYPE|SHAPE", [[i["name"], i["kind"], i["dtype"], i["shape"]] for i in summary["fields"]])
+    for name, lines in summary["text"].items() if samples is None else ():  # the rows below show a rollout's text
         say()
         say(f"{name}:")
         for index, line in enumerate(lines):
@@ -128,8 +124,7 @@ def render(
 
 # ---------------------------------------------------------------- show --match
 
-#: Rows of a dataset this command reads at most (checked in the file's footer before any is read, and
-#: again as they are read), and rows read at a time.
+#: Rows of a dataset read at most (checked in the footer first, and as they are read), and at a time.
 MAX_DATASET_ROWS = 10_000_000
 BATCH_ROWS = 1024
 #: Bytes the column may take decoded: this many times the file's size, plus 256 MiB (a few KB of
@@ -160,8 +155,7 @@ def cmd_show_match(path: Path, dataset: Path, *, column: str, as_json: bool) -> 
 
 
 def dataset_fingerprints(dataset: Path, column: str) -> list[str]:
-    """The rollout roles' input fingerprint of each row's prompt, read a batch at a time from a regular
-    file, at most :data:`MAX_DATASET_ROWS` rows and :data:`MAX_EXPANSION` times the file's size decoded."""
+    """The rollout roles' input fingerprint of each row's prompt, read a batch at a time from a regular file."""
     from skipinject.errors import CorruptCacheError
     from skipinject.store.files import open_plain
 

@@ -12,7 +12,6 @@ from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.scan import Item, open_step, scan
 from skipinject.errors import CorruptCacheError
 from skipinject.store.files import read_head
-from skipinject.store.local import LocalFiles
 
 _PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")  # pickle protocol >= 2; torch.save's zip archive
 
@@ -52,9 +51,8 @@ def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
 
 
 def verify_item(item: Item, roles: InstalledRoles | None = None) -> Checked:
-    """Sizes, checksums, tensor index and JSON tree of skipinject's steps (a step of a role no installed
-    plugin provides with a note naming the plugin that would show it); presence, size and file magic only
-    of verl's pickles (loading them would run code)."""
+    """Every byte of skipinject's steps (``roles``: a note where no installed plugin provides the role);
+    presence, size and file magic only of verl's pickles (loading them would run code)."""
     if item.state in ("damaged", "partial", "untrusted"):
         return Checked(item, item.state, list(item.problems))
     if item.state == "foreign":
@@ -65,8 +63,9 @@ def verify_item(item: Item, roles: InstalledRoles | None = None) -> Checked:
                     problems.append(f"{path}: not a pickle or torch.save file (damaged?)")
             except OSError as exc:
                 problems.append(f"{path}: cannot read it ({exc})")
+        backend = item.backend
         for name in item.upstream.format.required if item.upstream is not None else ():
-            if getattr(LocalFiles().stat(item.path / name), "kind", None) != "file":
+            if getattr(backend.stat(item.path / name), "kind", None) != "file":
                 problems.append(f"{item.path}: verl's {name} is missing; verl itself will not load this step")
         return Checked(item, "damaged" if problems else "foreign", problems)
     problems = damage(item)
@@ -79,9 +78,8 @@ def verify_item(item: Item, roles: InstalledRoles | None = None) -> Checked:
 
 
 def damage(item: Item) -> list[str]:
-    """What is wrong with a committed step's bytes (``[]``: intact), by the store's own check of every
-    byte (:meth:`~skipinject.store.StepStore.check`): the one question ``verify`` and ``prune --damaged``
-    ask, so they never disagree. No codec is needed, so every role's steps are checked alike."""
+    """What is wrong with a committed step's bytes (``[]``: intact) by :meth:`~skipinject.store.StepStore.check`:
+    the one question ``verify`` and ``prune --damaged`` ask, so they never disagree. It needs no codec."""
     try:
         store, meta = open_step(item.path, item.backend)
         store.precheck(int(item.path.name), meta)
