@@ -232,8 +232,7 @@ def stop() -> None:
 
 
 def start_from_env(hand_on_only: bool = False) -> Engine | None:
-    """Start from ``SKIPINJECT_CONFIG``, logging errors; ``hand_on_only``: only patch ``ray.init`` (ray
-    imported, no target package yet)."""
+    """Start from ``SKIPINJECT_CONFIG`` (errors logged); ``hand_on_only``: only patch ``ray.init``."""
     text = os.environ.get(ENV_CONFIG)
     if not text or disabled():
         return None

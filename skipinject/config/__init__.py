@@ -1,9 +1,4 @@
-"""The ``skip.<role>.<key>`` configuration: schema, overrides, settings files, transport, environment.
-
-Overrides are taken out of the program's argv by the runner (verl never sees them), parsed with
-OmegaConf's dotlist grammar, validated against one structured schema per role before the
-program starts, and handed to every process of the run as compact JSON.
-"""
+"""The ``skip.<role>.<key>`` configuration: schema, overrides, settings files, transport, environment."""
 
 from skipinject.config.overrides import apply_overrides, apply_settings, load_file, parse_overrides, split_overrides
 from skipinject.config.schema import (

@@ -1,7 +1,5 @@
-"""The environment variables skipinject reads (:data:`VARIABLES`), each validated like a command-line key.
-
-A bad value is a :class:`~skipinject.errors.ConfigError` naming the variable: the runner exits 2
-with that one line; a child process logs it and uses the default.
+"""The environment variables skipinject reads (:data:`VARIABLES`), each validated like a command-line key:
+the runner exits 2 with one line naming a bad one; a child process logs it and uses the default.
 """
 
 from __future__ import annotations

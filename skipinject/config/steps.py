@@ -29,8 +29,6 @@ class StepSet:
         self._lows = tuple(span[0] for span in merged)
         self._highs = tuple(span[1] for span in merged)
 
-    # ------------------------------------------------------------ building
-
     @classmethod
     def parse(cls, text: str, key: str = "steps") -> StepSet:
         """``[1,2,3]``, ``1-128``, ``[1-4,10]``, ``7`` or ``[]``; errors name ``key`` and the text."""
@@ -66,8 +64,6 @@ class StepSet:
                     f"{key}={value!r}: {item!r} is not a step (integers 0..{MAX_STEP} or ranges like 1-128)"
                 )
         return cls(spans)
-
-    # ------------------------------------------------------------ reading
 
     def __contains__(self, step: object) -> bool:
         if not isinstance(step, int):

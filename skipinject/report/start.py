@@ -56,8 +56,7 @@ def setting_problems(config: Config, *, disabled: bool) -> Lines:
 
 
 def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
-    """Why a local ``dump_dir`` cannot hold this role's cache (not creatable, writable, readable or trusted);
-    ``None`` when usable or remote (checked at first use)."""
+    """Why a local ``dump_dir`` cannot hold this role's cache; ``None`` when usable or remote (checked later)."""
     root, saves = settings.root, settings.save
     if root.path is None:
         return None
@@ -106,8 +105,7 @@ def role_line(name: str, settings: RoleConfig, where: str, counts: str) -> str:
 
 
 def counts_phrase(settings: RoleConfig, store: StepStore, last: Any) -> str:
-    """What the run will do with the chosen steps (up to its ``last``) and how many are cached: one listing
-    and one ``stat`` per listed step."""
+    """What the run will do with the chosen steps (up to ``last``), how many are cached (one listing, a stat each)."""
     steps, action = settings.steps, settings.action
     if type(last) is int and last > 0:
         steps = StepSet((lo, min(hi, last)) for lo, hi in steps.spans if lo <= last)

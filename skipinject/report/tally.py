@@ -133,8 +133,7 @@ def cluster_counts(run: str) -> list[bytes]:
 
 
 def collect(directory: Path, more: Iterable[bytes] = ()) -> dict[str, dict[str, float]]:
-    """The counts of ``directory``'s records and ``more``, per role; records :func:`publish` did not write
-    (too large, not JSON, other keys, not numbers) are left out."""
+    """The counts per role of ``directory``'s records and ``more``; malformed records are left out."""
     records = list(more)
     try:
         names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))[:MAX_FILES]
