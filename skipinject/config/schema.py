@@ -129,8 +129,7 @@ class RoleConfig:
     save: bool = _setting(True)
 
     def __post_init__(self) -> None:
-        # Plain values from code (``steps=(1, 2)``, ``action="repeat"``) are taken as the schema would;
-        # then every key's own check, wherever the settings come from.
+        # Plain values from code (``steps=(1, 2)``, ``action="repeat"``) taken as the schema would, then checked.
         if not isinstance(self.steps, StepSet):
             object.__setattr__(self, "steps", StepSet.from_value(list(self.steps), "steps"))
         for f in fields(self):
@@ -230,11 +229,9 @@ def _show(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-#: Largest serialised configuration handed to children. Linux caps one environment string at
-#: 128 KiB (MAX_ARG_STRLEN) and all of them together at a fraction of ARG_MAX; stay well inside.
+#: Largest serialised configuration handed to children, well inside Linux's 128 KiB MAX_ARG_STRLEN.
 MAX_SERIALISED_BYTES = 64 << 10
-#: Largest configuration text before compression: the writer refuses more, so a reader refuses a
-#: variable that expands further after decompressing at most this much (a zip bomb costs no more).
+#: Largest text before compression: written at most, so a reader stops decompressing there (zip bombs).
 MAX_EXPANDED_BYTES = 512 << 10
 _COMPRESS_ABOVE = 4 << 10
 _COMPRESSED = "z1:"
@@ -247,8 +244,7 @@ class Config:
 
     #: Plugins to load, as a ``VERL_SKIP_PLUGINS`` selection (``None``: every installed plugin).
     plugins: str | None = None
-    #: Where the chosen plugins come from (name -> ``module[:attr]``), so children import them
-    #: directly instead of scanning every installed distribution's entry points.
+    #: Where the chosen plugins come from (name -> ``module[:attr]``): children import them without a scan.
     plugin_sources: Mapping[str, str] = field(default_factory=dict)
     roles: Mapping[str, RoleConfig] = field(default_factory=dict)
     #: Top-level packages whose first import starts skipinject in a child process (lazy start-up).

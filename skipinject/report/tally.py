@@ -70,7 +70,6 @@ class Tally:
             self.roles.clear()
 
 
-#: The counts of this process.
 TALLY = Tally()
 
 
