@@ -70,16 +70,8 @@ def cmd_prune(
         mutable_root(root, "prune")
     now = time.time() if now is None else now
     items = scan(root, [])
-    chosen = select(
-        items,
-        keep_last=keep_last,
-        older_than=older_than,
-        partial=partial,
-        damaged=damaged,
-        now=now,
-        max_size=max_size,
-        by=by,
-    )
+    criteria: dict[str, Any] = {"keep_last": keep_last, "older_than": older_than, "max_size": max_size, "by": by}
+    chosen = select(items, partial=partial, damaged=damaged, now=now, **criteria)
     outcome = act(root, items, chosen, partial=partial, dry_run=dry_run, now=now)
     render("prune", outcome, dry_run, as_json, dump_dir=str(root))
     return 0
