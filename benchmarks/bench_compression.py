@@ -57,7 +57,7 @@ for path in (ROOT / "benchmarks", ROOT):
 
 from bench_store import check_equal, grpo_batch, measure, tensor_bytes, touch  # noqa: E402
 
-from skipinject.engine.read_ahead import ReadAhead  # noqa: E402
+from skipinject.engine.replay import ReadAhead  # noqa: E402
 from skipinject.store import StepStore  # noqa: E402
 from skipinject.store.checksums import file_checksum  # noqa: E402
 from skipinject.store.compression import parse_compression  # noqa: E402

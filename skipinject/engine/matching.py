@@ -314,8 +314,7 @@ class RowMatcher:
         return merged
 
     def lookup(self, store: StepStore, call: Call, keys: list[str]) -> _Lookup:
-        """The cached rows of ``keys`` that verify. Each key's copies (this layout's, then other batch
-        sizes') are tried the latest first: one that does not serve falls back to the next."""
+        """The cached rows of ``keys`` that verify; each key's copies tried (this layout's first) the latest first."""
         runtime, found, started = self.runtime, _Lookup(), time.perf_counter()
         places = [store, *self._project("layouts", store, lambda: runtime.batch_size_stores(store, MAX_LAYOUTS))]
         copies: list[list[tuple[int, RowSource]]] = [[] for _ in keys]  # per row, in the order tried
@@ -404,8 +403,7 @@ class RowMatcher:
             entry.release()
 
     def _save(self, pending: _Pending, result: Any, fresh: Any, fresh_rows: Sequence[int], ratio: int | None) -> None:
-        """The whole call as the step's part when the step is not committed, else its new rows as a rows
-        record. Logged, never raised."""
+        """The call as the step's part if the step is not committed, else its new rows as a rows record."""
         record, plan, keys, inputs = pending.record, pending.record.plan, pending.keys, pending.inputs
         assert plan is not None
         if plan.saves:
@@ -431,8 +429,7 @@ class RowMatcher:
         inputs: list[str] | None = None,
         generation_s: float = 0.0,
     ) -> None:
-        """New rows (``ratio`` per key) as the next rows record of ``store`` (also
-        :meth:`skipinject.roles.PhaseContext.record_rows`). Logged, never raised."""
+        """New rows (``ratio`` per key) as the next rows record of ``store`` (also ``record_rows``); never raises."""
         name, count = self.runtime.name, len(keys)
         if not self.runtime.settings.save or self.runtime.unusable(store):
             return

@@ -54,8 +54,7 @@ async def drive_async(calls: Generator[Any, Any, Any], proceed: Callable[..., An
 
 
 class WholeCall:
-    """Each call of a step is one unit: call k of a cached step is served its part k; a recorded
-    step's calls run the target and are saved as its parts."""
+    """Each call of a step is one unit: call k of a cached step is served part k, else saved as part k."""
 
     def run(self, role: RoleRuntime, call: Call, step: int, proceed: Callable[..., Any]) -> Any:
         return drive(self.calls(role, call, step, background=True), proceed)

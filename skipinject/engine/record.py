@@ -188,8 +188,7 @@ class Recorder:
         return record
 
     def enter(self, call: Call, step: int) -> tuple[StepCalls, int]:
-        """Begin a call at ``step``: its step's record (planned at its first call) and its index; one
-        :meth:`leave` follows."""
+        """Begin a call at ``step``: its step's record (planned at its first call) and index; ``leave`` follows."""
         record = self.step(call, step)
         with record.lock:
             if record.plan is None:
@@ -244,8 +243,7 @@ class Recorder:
         background: bool = True,
         keys: Sequence[str] | None = None,
     ) -> None:
-        """Save call ``index``'s result as the step's part ``index`` (logged, never raised); ``inputs`` were
-        taken before the target ran."""
+        """Save call ``index``'s result as part ``index`` (logged, never raised); ``inputs``: from before it ran."""
         plan = record.plan
         assert plan is not None
         if record.failed or not plan.saves:

@@ -25,8 +25,7 @@ logger = logging.getLogger("skipinject")
 
 
 class RoleRuntime:
-    """A role with its settings and the plugin that provides it, in this process; its stores are the
-    run's (named by its verl config), their siblings and other batch-size layouts."""
+    """A role with its settings and the plugin that provides it, in this process."""
 
     def __init__(self, role: Role, settings: RoleConfig, owner: str) -> None:
         self.role = role

@@ -284,7 +284,7 @@ def test_ending_the_run_never_waits_for_a_read_ahead_that_hangs(
 ) -> None:
     """A read-ahead stuck in a store read (a hung mount, a download without a timeout) of a step the run
     never reaches: ``close()`` returns at once; the read's entry is let go whenever it ends."""
-    from skipinject.engine.read_ahead import ReadAhead
+    from skipinject.engine.replay import ReadAhead
     from skipinject.store import Payload
 
     store = StepStore(tmp_path / "project", "toy", {"run": 1})
