@@ -58,9 +58,7 @@ def select(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[tuple[str, s
     return pairs, only
 
 
-def diff_steps(
-    a: Path, b: Path, roles: InstalledRoles, *, rows: int = 3, tokenizer: str | None = None
-) -> dict[str, Any]:
+def diff_steps(a: Path, b: Path, roles: InstalledRoles, *, rows: int, tokenizer: str | None) -> dict[str, Any]:
     report: dict[str, Any] = {"a": str(a), "b": str(b), "meta": [], "fields": [], "problems": [], "notes": []}
     try:
         meta_a, decoded_a = load_step(a, roles)
@@ -69,7 +67,6 @@ def diff_steps(
         report["problems"].append(str(exc))
         report["differs"] = True
         return report
-    value_a, value_b = decoded_a.value, decoded_b.value
     report["notes"] = sorted({note for note in (decoded_a.note, decoded_b.note) if note})
     for key in ("role", "step", "rows", "context", "writer"):
         if meta_a.get(key) != meta_b.get(key):
@@ -78,7 +75,7 @@ def diff_steps(
     report["inputs_differing"] = None
     if isinstance(ia, list) and isinstance(ib, list):
         report["inputs_differing"] = sum(x != y for x, y in zip(ia, ib, strict=False)) + abs(len(ia) - len(ib))
-    flat_a, flat_b = fields.flatten(value_a), fields.flatten(value_b)
+    flat_a, flat_b = fields.flatten(decoded_a.value), fields.flatten(decoded_b.value)
     diffs = fields.compare_fields(flat_a, flat_b)
     report["fields"] = [d.record() for d in diffs]
     report["samples"] = compare_samples(flat_a, flat_b, meta_a, rows, tokenizer)

@@ -71,12 +71,7 @@ def _fingerprint(roles: InstalledRoles, upstream: Upstream, input_path: Path, ro
 
 
 def import_item(
-    item: Item,
-    *,
-    role: str | None,
-    experiment: str | None,
-    project: str | None,
-    roles: InstalledRoles,
+    item: Item, *, role: str | None, experiment: str | None, project: str | None, roles: InstalledRoles
 ) -> dict[str, Any]:
     """Convert one upstream step with the loader and codec the installed plugins declare; its report record."""
     upstream = item.upstream
@@ -116,13 +111,7 @@ def import_item(
 
 
 def cmd_import(
-    paths: Sequence[Path],
-    *,
-    trust: bool,
-    role: str | None,
-    experiment: str | None,
-    project: str | None,
-    as_json: bool,
+    paths: Sequence[Path], *, trust: bool, role: str | None, experiment: str | None, project: str | None, as_json: bool
 ) -> int:
     items: list[Item] = []
     roles = InstalledRoles()
