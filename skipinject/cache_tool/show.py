@@ -156,15 +156,12 @@ def cmd_show_match(path: Path, dataset: Path, *, column: str, as_json: bool) -> 
 
 def dataset_fingerprints(dataset: Path, column: str) -> list[str]:
     """The rollout roles' input fingerprint of each row's prompt, read a batch at a time from a regular file."""
-    from skipinject.errors import CorruptCacheError
     from skipinject.store.files import open_plain
 
     try:
-        opened = open_plain(dataset, "a parquet file")
+        opened = open_plain(dataset, "a parquet file")  # not a regular file: CorruptCacheError, one line
     except FileNotFoundError as exc:
         raise CommandError(f"{dataset}: no such file") from exc
-    except CorruptCacheError as exc:
-        raise CommandError(str(exc)) from exc
     except OSError as exc:
         raise CommandError(f"{dataset}: cannot open it ({type(exc).__name__}: {exc.strerror})") from exc
     with opened as handle:
