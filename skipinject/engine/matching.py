@@ -1,9 +1,7 @@
-"""``action=match``: each row of a call served by its key from any cached step, only the others generated.
-
-Keys are looked up in the project's :class:`~skipinject.engine.row_index.RowIndex` (this layout's, then
-the nearest other batch sizes'); a source serves only when it verifies and records the key where the
-index said. The target runs once for the other rows and the codec merges the pieces; a committed step
-is never rewritten: new rows are saved as a rows record (``{project}/rows/{n}``).
+"""``action=match``: each row of a call served by its key from any cached step (looked up in the project's
+:class:`~skipinject.engine.row_index.RowIndex`, then the nearest other batch sizes'; a source serves only
+when it verifies and records the key there), only the others generated, in one call. A committed step is
+never rewritten: new rows go to a rows record (``{project}/rows/{n}``).
 """
 
 from __future__ import annotations

@@ -58,9 +58,7 @@ class StepCalls:
     committed_parts: int = 0
     saving_seconds: float = 0.0  # encoding, copying, writing and committing the parts (not generating them)
     generation_seconds: float = 0.0  # the target's time for the step: what a hit saves
-    #: A phase records the step and commits it with ``phase_meta`` (its save line counts ``unit``, ends
-    #: with ``note``).
-    by_phase: bool = False
+    by_phase: bool = False  # a phase records it: committed with phase_meta, saved line counts unit, ends with note
     phase_meta: dict[str, Any] = field(default_factory=dict)
     unit: str = "rows"
     note: str = ""
