@@ -1,12 +1,6 @@
-"""The steps a role's calls are in (a step's first call decides for all of them), and recording: call k of
-a recorded step saved as its part k, committed once the run has moved past the step (another step's
-call, ``fit`` returning, exit; roles without a clock: after every call).
-
-Encoding and a private copy happen in the call (the caller may change the result afterwards); writing
-and the commit in the background writer when the role has clocks (``fit`` returning waits for them),
-else at once (a Ray actor may be killed without exit hooks). A step whose part cannot be saved is
-dropped whole (one warning), as is a step a phase records and does not commit before the run moves on.
-"""
+"""The steps a role's calls are in (a step's first call decides for all of them), and recording: call k saved
+as part k, in the background writer for clocked roles, committed once the run has moved past the step or, without
+a clock, after every call (docs/how-it-works.md); a step with a part that cannot be saved is dropped whole."""
 
 from __future__ import annotations
 
@@ -100,10 +94,7 @@ class StepBook:
 
     def mark_recorded(self, project: Hashable, step: int) -> None:
         with self.lock:
-            self.recorded[(project, step)] = None
-            self.recorded.move_to_end((project, step))
-            while len(self.recorded) > REMEMBERED_STEPS:
-                self.recorded.popitem(last=False)
+            _remember(self.recorded, (project, step), None)
 
     def recorded_here(self, project: Hashable, step: int) -> bool:
         with self.lock:
@@ -119,13 +110,8 @@ class StepBook:
                 if record is None:
                     record = self.open[key] = StepCalls(step, project)
                 return record, passed
-            record = self.remembered.get(key)
-            if record is None:
-                record = self.remembered[key] = StepCalls(step, project)
-                while len(self.remembered) > REMEMBERED_STEPS:
-                    self.remembered.popitem(last=False)
-            else:
-                self.remembered.move_to_end(key)
+            record = self.remembered.get(key) or StepCalls(step, project)
+            _remember(self.remembered, key, record)
             return record, []
 
     def find(self, project: Hashable, step: int) -> StepCalls | None:
@@ -158,6 +144,14 @@ class StepBook:
         for record in passed:
             del self.open[(record.project, record.step)]
         return passed
+
+
+def _remember(bounded: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    """``bounded[key] = value`` as its newest item; the oldest beyond :data:`REMEMBERED_STEPS` forgotten."""
+    bounded[key] = value
+    bounded.move_to_end(key)
+    while len(bounded) > REMEMBERED_STEPS:
+        bounded.popitem(last=False)
 
 
 def rows_per_key(codec: Any, result: Any, keys: Sequence[str] | None) -> int | None:

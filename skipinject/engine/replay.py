@@ -1,10 +1,6 @@
-"""Replay: which verified cache entry serves a step (or why none does, in one line), loaded, checked
-against the call's inputs and served. ``cache`` serves the step's own entry; ``repeat`` the exact step,
-else the largest cached step below, else the smallest above; ``strict`` is ``cache`` that stops the run
-when nothing serves; ``refresh`` serves nothing and saves anew; ``match`` serves rows
-(:mod:`skipinject.engine.matching`). A failing cache never reaches the training call (the target runs),
-except with ``action=strict`` or ``on_mismatch=fail``: that rule, for every way a cache fails, is here once.
-"""
+"""Replay: which verified cache entry serves a step (or why none does, in one line), loaded, checked against
+the call's inputs and served, and the next step read ahead (docs/compression.md). A failing cache never reaches
+the training call except with ``action=strict`` or ``on_mismatch=fail``: that rule is here once."""
 
 from __future__ import annotations
 
@@ -190,15 +186,8 @@ class _Reading:
 
 
 class ReadAhead:
-    """The next chosen step read ahead (``skip.<role>.read_ahead``), so that its hit waits for (almost) nothing.
-
-    Once a step's first call has returned, the next committed step the settings allow is verified and
-    loaded (read, checksummed, decompressed, tensors rebuilt) in a daemon thread; the hit then only
-    decodes. Its plan uses the entry if the step's ``meta.json`` is still the one verified, else (and after
-    a failed read-ahead) verifies the step as without read-ahead. One step at a time per role (thread-safe);
-    its entry (one batch of hit memory) is let go when used, when the run moves past its step or ends
-    (never waiting for a hung read).
-    """
+    """The next chosen step verified and loaded in a daemon thread (``skip.<role>.read_ahead``), one at a time
+    per role, so that its hit only decodes; let go unused when the run moves past it or ends, never waiting."""
 
     def __init__(self, role: str) -> None:
         self.role = role
@@ -333,17 +322,16 @@ class Replay:
             return Plan(store, step, reason="recorded by this run", saves=False)
         ahead = self.read_ahead.take(store, step) if rt.settings.read_ahead else None
         entry, waited = ahead if ahead is not None else (None, 0.0)
-        unusable = self.runtime.unusable(store)
+        plan = None
         try:
-            plan = plan_step(rt.name, store, rt.settings, rt.role.upstream_formats, step, unusable, ahead=entry)
-        except BaseException:
-            if entry is not None:
+            plan = plan_step(
+                rt.name, store, rt.settings, rt.role.upstream_formats, step, rt.unusable(store), ahead=entry
+            )
+        finally:
+            if entry is not None and (plan is None or plan.entry is not entry):
                 entry.release()
-            raise
         if entry is not None and plan.entry is entry:
             plan = replace(plan, reason=f"{plan.reason}; read ahead, waited {waited:.3f} s")
-        elif entry is not None:
-            entry.release()
         if not plan.serves and rt.settings.action is not Action.match:
             failed = plan.reason in ("cache unusable", "cache directory unusable")
             TALLY.add(rt.name, generated_steps=1, failed_steps=int(failed))
@@ -357,30 +345,34 @@ class Replay:
             )
         return plan
 
-    def load(self, plan: Plan, call: Call, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
-        """:meth:`skipinject.roles.PhaseContext.load`: what serves ``plan``, loaded, or ``None``."""
+    def load(self, record: StepCalls, call: Call, prepare: Callable[[Loaded], Any] | None) -> Loaded | None:
+        """:meth:`skipinject.roles.PhaseContext.load`: what serves the step, loaded, or ``None`` (it records then)."""
+        plan, loaded = self.plan(call, record.step), None
         try:
-            if not plan.serves:
-                return None
-            warm_imports()
-            started = time.perf_counter()
-            try:
-                loaded = Loaded(plan, self._payloads(plan, call, decode=True))
-                if prepare is not None:
-                    loaded.value = prepare(loaded)
-            except Exception as exc:  # whatever is wrong with the cache, it is not trained on
-                self._cannot_load(plan, exc)
-                return None
-            loaded.seconds = time.perf_counter() - started
-            self._hit(plan)
-            return loaded
+            if plan.serves:
+                warm_imports()
+                started = time.perf_counter()
+                try:
+                    loaded = Loaded(plan, self._payloads(plan, call, decode=True))
+                    if prepare is not None:
+                        loaded.value = prepare(loaded)
+                except Exception as exc:  # whatever is wrong with the cache, it is not trained on
+                    loaded = None
+                    self._cannot_load(plan, exc)
+                else:
+                    loaded.seconds = time.perf_counter() - started
+                    self._hit(plan)
         finally:
+            with record.lock:
+                if record.writer is None:
+                    record.plan = regenerated(plan) if plan.serves and loaded is None else plan
             self.read_after(plan)
+        return loaded
 
     def _cannot_load(self, plan: Plan, exc: Exception, *, count: bool = True) -> None:
         """A planned cache failed to load or fit the call: ``action=strict`` stops the run; else one warning,
         the target runs and (``count``) the step counts as failed."""
-        name, where = self.runtime.name, plan.entry.directory if plan.entry else plan.upstream_file
+        name, where = self.runtime.name, plan.source
         if isinstance(exc, CacheMissError):
             raise exc
         if self.runtime.settings.action is Action.strict:
@@ -454,10 +446,9 @@ class Replay:
             calls = len(record.payloads)
             if index >= calls:
                 if rt.settings.action is Action.strict:
-                    where = plan.entry.directory if plan.entry is not None else plan.upstream_file
                     raise CacheMissError(
                         f"{rt.name} step {plan.step}: skip.{rt.name}.action=strict and call {index + 1} of this "
-                        f"step has nothing to serve ({where} holds {calls} call{'s' if calls != 1 else ''})"
+                        f"step has nothing to serve ({plan.source} holds {calls} call{'s' if calls != 1 else ''})"
                     )
                 rt.once(
                     ("extra", id(record)),
@@ -467,11 +458,9 @@ class Replay:
                     f"the target for call {index + 1} and any later ones (not saved)",
                 )
                 return REGENERATE
-            if plan.upstream_file is not None:
-                result, source = record.payloads[index], str(plan.upstream_file)
-            else:
-                assert plan.entry is not None
-                result, source = rt.codec.decode(record.payloads[index], call), str(plan.entry.directory)
+            result, source = record.payloads[index], str(plan.source)
+            if plan.entry is not None:
+                result = rt.codec.decode(result, call)
         except Exception as exc:  # whatever is wrong with the cache, it is not trained on
             self._cannot_load(plan, exc, count=index == 0)
             return self._regenerate(record, index)

@@ -4,6 +4,7 @@ call's step and hands the rest to its replay, recorder and matcher."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -13,8 +14,8 @@ from typing import Any
 from skipinject.config import RoleConfig
 from skipinject.engine.matching import Found, RowMatcher, row_keys
 from skipinject.engine.record import Recorder, StepBook
-from skipinject.engine.replay import Replay, regenerated
-from skipinject.roles import Call, Codec, Loaded, Plan, Role
+from skipinject.engine.replay import Replay
+from skipinject.roles import Call, Codec, Loaded, Role
 from skipinject.store import StepStore
 from skipinject.store.compression import compression_for
 from skipinject.store.hit_memory import HitMemory
@@ -29,11 +30,12 @@ class RoleRuntime:
 
     def __init__(self, role: Role, settings: RoleConfig, owner: str) -> None:
         self.role = role
+        self.name = role.name
+        self.subdir = role.name if role.cache_subdir is None else role.cache_subdir
         self.settings = settings
         self.owner = owner
         self._lock = threading.Lock()
         self._warned: set[Any] = set()
-        self._default_codec: Codec | None = None
         #: The memory this role's compressed hits decode into, kept between hits (``reuse_hit_memory``).
         self.hit_memory = HitMemory(settings.reuse_hit_memory)
         self._stores: dict[Path, StepStore] = {}  # a RemotePath stands in for a Path
@@ -44,24 +46,20 @@ class RoleRuntime:
         self.recorder = Recorder(self, self.replay, steps)
         #: ``action=match`` (and the row keys every recording of a keyed role saves).
         self.matcher = RowMatcher(self, self.recorder)
+        # PhaseContext (see skipinject.roles), and the run's end (``fit`` returned, the engine stops, exit)
+        self.plan = self.replay.plan
+        self.record = self.recorder.record_part
+        self.in_background = self.recorder.in_background
+        self.row_keys = functools.partial(row_keys, role)
+        self.close_all = self.recorder.close_all
 
-    @property
-    def name(self) -> str:
-        return self.role.name
-
-    @property
-    def subdir(self) -> str:
-        return self.role.name if self.role.cache_subdir is None else self.role.cache_subdir
-
-    @property
+    @functools.cached_property
     def codec(self) -> Codec:
         if self.role.codec is not None:
             return self.role.codec
-        if self._default_codec is None:
-            from skipinject.verl.codecs import DataProtoCodec
+        from skipinject.verl.codecs import DataProtoCodec
 
-            self._default_codec = DataProtoCodec()
-        return self._default_codec
+        return DataProtoCodec()
 
     def once(self, key: Any, level: int, message: str, *args: Any) -> None:
         """Log ``message`` the first time ``key`` is seen."""
@@ -190,26 +188,10 @@ class RoleRuntime:
             return None
         return step
 
-    def close_all(self) -> None:
-        """The run ended (``fit`` returned, the engine stops, the interpreter exits): close every step."""
-        self.recorder.close_all()
-
-    # PhaseContext (see skipinject.roles)
-
-    def plan(self, call: Call, step: int) -> Plan:
-        return self.replay.plan(call, step)
+    # the rest of PhaseContext
 
     def load(self, call: Call, step: int, prepare: Callable[[Loaded], Any] | None = None) -> Loaded | None:
-        record = self.recorder.step(call, step)
-        plan = self.replay.plan(call, step)
-        loaded = None
-        try:
-            loaded = self.replay.load(plan, call, prepare)
-        finally:
-            with record.lock:
-                if record.writer is None:
-                    record.plan = regenerated(plan) if plan.serves and loaded is None else plan
-        return loaded
+        return self.replay.load(self.recorder.step(call, step), call, prepare)
 
     def served(self, call: Call, step: int) -> bool | None:
         record = self.recorder.steps.find(self.store_for(call).project_dir, step)
@@ -218,9 +200,6 @@ class RoleRuntime:
     def notes(self, call: Call, step: int) -> dict[str, Any]:
         return self.recorder.step(call, step).notes
 
-    def record(self, call: Call, step: int, result: Any) -> int | None:
-        return self.recorder.record_part(call, step, result)
-
     def commit(
         self, call: Call, step: int, meta: Mapping[str, Any] | None = None, *, unit: str = "rows", note: str = ""
     ) -> None:
@@ -228,12 +207,6 @@ class RoleRuntime:
         with record.lock:
             record.phase_meta, record.unit, record.note = dict(meta or {}), unit, note
         self.recorder.commit(record)
-
-    def in_background(self, store: StepStore, job: Callable[[], None]) -> None:
-        self.recorder.in_background(store, job)
-
-    def row_keys(self, call: Call, digests: Sequence[str]) -> list[str]:
-        return row_keys(self.role, call, digests)
 
     def match_rows(self, call: Call, keys: list[str], group: int = 1) -> Found:
         return self.matcher.find(self.store_for(call), call, keys, group)
