@@ -50,25 +50,18 @@ def parse_overrides(
             raise ConfigError(f"{dotted}={raw}: expected skip.<role>.<key>=<value>")
         _, role, key = parts
         texts.setdefault(role, {})[key] = raw
-        try:
-            if key == "steps":
-                # read as text by StepSet (ranges stay ranges); interpolations resolve as in YAML
-                text = raw.strip()
-                if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-                    text = text[1:-1]
-                resolved: Any = text
-                if "${" in text:
-                    container = OmegaConf.to_container(OmegaConf.create({"v": text}), resolve=True)
-                    resolved = cast("dict[str, Any]", container)["v"]
-                roles.setdefault(role, {})[key] = resolved
-                continue
+        if key != "steps":
             check_yaml(raw, f"{dotted}={raw}")
-            parsed = OmegaConf.from_dotlist([f"v={raw}"])
-            container = OmegaConf.to_container(parsed, resolve=True)
-            assert isinstance(container, dict)  # from_dotlist always builds a mapping
-            value = container["v"]
-        except ConfigError:
-            raise
+        try:
+            if key == "steps":  # read as text by StepSet (ranges stay ranges); interpolations resolve as in YAML
+                value: Any = raw.strip()
+                if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                    value = value[1:-1]
+                if "${" in value:
+                    value = OmegaConf.create({"v": value})["v"]
+            else:
+                parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]), resolve=True)
+                value = cast("dict[str, Any]", parsed)["v"]
         except Exception as exc:  # OmegaConf's grammar errors, and YAML's underneath
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"{dotted}={raw}: cannot parse the value ({reason})") from exc
@@ -112,13 +105,11 @@ def _read_settings(where: Path, shown: str) -> str:
     except OSError as exc:
         raise ConfigError(f"{shown}: cannot open it ({exc.strerror or exc})") from exc
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
             from skipinject.store.files import file_kind
 
-            raise ConfigError(f"{shown}: {file_kind(info.st_mode)}, not a settings file")
-        if info.st_size > MAX_FILE_BYTES:
-            raise ConfigError(f"{shown}: larger than {MAX_FILE_BYTES} bytes; not a settings file")
+            raise ConfigError(f"{shown}: {file_kind(mode)}, not a settings file")
         data = os.read(fd, MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{shown}: cannot read it ({exc.strerror or exc})") from exc
@@ -173,12 +164,11 @@ def check_yaml(text: str, where: str, failure: str = "cannot parse the value") -
     import yaml  # type: ignore[import-untyped]
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    keys: list[str | None] = []  # per open collection: the mapping key being read (None: a sequence)
-    expecting_key: list[bool] = []
+    open_: list[list[Any]] = []  # per open collection: [is a mapping, nodes read in it, the key being read]
     nodes = 0
 
     def at() -> str:
-        named = [k for k in keys if k is not None]
+        named = [key for is_mapping, _, key in open_ if is_mapping and key is not None]
         return f"{where}: {'.'.join(named)}" if named else where
 
     try:
@@ -186,11 +176,7 @@ def check_yaml(text: str, where: str, failure: str = "cannot parse the value") -
             if isinstance(event, yaml.AliasEvent):
                 raise ConfigError(f"{at()}: YAML aliases (*{event.anchor}) are not accepted in settings")
             if isinstance(event, yaml.CollectionEndEvent):
-                keys.pop()
-                expecting_key.pop()
-                if expecting_key:
-                    expecting_key[-1] = keys[-1] is not None  # a mapping's value ended: a key comes next
-                continue
+                open_.pop()
             if not isinstance(event, yaml.NodeEvent):
                 continue
             if event.anchor is not None:
@@ -201,19 +187,14 @@ def check_yaml(text: str, where: str, failure: str = "cannot parse the value") -
                     f"{at()}: more than {MAX_NODES} YAML values; not a settings file "
                     "(write long step lists as ranges like 1-128)"
                 )
-            in_mapping = bool(expecting_key) and keys[-1] is not None
-            if in_mapping and expecting_key[-1] and isinstance(event, yaml.ScalarEvent):
-                keys[-1] = str(event.value)[:100]
-                expecting_key[-1] = False
-                continue
-            if in_mapping:
-                expecting_key[-1] = True  # this node is the value: a key comes next
+            if open_ and open_[-1][0]:  # in a mapping: keys and values take turns
+                if open_[-1][1] % 2 == 0 and isinstance(event, yaml.ScalarEvent):
+                    open_[-1][2] = str(event.value)[:100]
+                open_[-1][1] += 1
             if isinstance(event, yaml.CollectionStartEvent):
-                if len(keys) >= MAX_DEPTH:
+                if len(open_) >= MAX_DEPTH:
                     raise ConfigError(f"{at()}: YAML nested more than {MAX_DEPTH} levels deep")
-                is_mapping = isinstance(event, yaml.MappingStartEvent)
-                keys.append("" if is_mapping else None)
-                expecting_key.append(is_mapping)
+                open_.append([isinstance(event, yaml.MappingStartEvent), 0, None])
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or " ".join(str(exc).split())[:200]
         raise ConfigError(f"{where}: {failure} (YAML: {problem})") from None

@@ -1,8 +1,5 @@
-"""The ``skip.<role>.*`` schema (:class:`RoleConfig`, each key with its check) and a run's :class:`Config`.
-
-OmegaConf converts the values, :class:`RoleConfig` checks each key (an error is one line naming it);
-:meth:`Config.to_json` travels to children in ``SKIPINJECT_CONFIG``, :meth:`Config.from_json` reads it back.
-"""
+"""The ``skip.<role>.*`` schema (:class:`RoleConfig`: each key, its default and its check) and a run's
+:class:`Config`, which travels to child processes as :meth:`Config.to_json` in ``SKIPINJECT_CONFIG``."""
 
 from __future__ import annotations
 
@@ -10,10 +7,9 @@ import base64
 import enum
 import functools
 import json
-import typing
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, make_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
 from typing import Any
 
 from skipinject.config.steps import StepSet
@@ -63,8 +59,7 @@ _BOOLEAN = "expected true or false"
 
 
 def _setting(default: Any, expected: str = _BOOLEAN, check: Callable[[Any], None] | None = None) -> Any:
-    """A field of :class:`RoleConfig`: its default, the message for a value of the wrong type, and ``check``
-    (raising ``ValueError`` with the reason); a ``bool`` field is checked to be one."""
+    """A field of :class:`RoleConfig`, typed as its default; ``check`` raises ``ValueError`` with the reason."""
     return field(default=default, metadata={"expected": expected, "check": check})
 
 
@@ -104,10 +99,6 @@ def _batches(value: Any) -> None:
         raise ValueError(_BATCHES)
 
 
-#: The settings whose values are an enum's (converted from plain values as the schema would).
-ENUM_KEYS: dict[str, type[enum.Enum]] = {"action": Action, "on_mismatch": MismatchPolicy, "rescore": RescorePolicy}
-
-
 @dataclass(frozen=True)
 class RoleConfig:
     """The validated settings of one role: every ``skip.<role>`` key, once, with its check and message (the
@@ -133,16 +124,16 @@ class RoleConfig:
         if not isinstance(self.steps, StepSet):
             object.__setattr__(self, "steps", StepSet.from_value(list(self.steps), "steps"))
         for f in fields(self):
-            value = getattr(self, f.name)
+            value, kind = getattr(self, f.name), type(f.default)
             try:
-                if f.name in ENUM_KEYS:
-                    object.__setattr__(self, f.name, ENUM_KEYS[f.name](value))
-                elif f.type == "bool" and type(value) is not bool:
+                if issubclass(kind, enum.Enum):
+                    object.__setattr__(self, f.name, kind(value))
+                elif kind is bool and type(value) is not bool:
                     raise ValueError(_BOOLEAN)
                 elif f.metadata["check"] is not None:
                     f.metadata["check"](value)
             except ValueError as exc:
-                reason = f.metadata["expected"] if f.name in ENUM_KEYS else str(exc)
+                reason = f.metadata["expected"] if issubclass(kind, enum.Enum) else str(exc)
                 raise InvalidSetting(f.name, value, reason) from None
 
     @functools.cached_property
@@ -155,27 +146,24 @@ class RoleConfig:
         return self.enable and step is not None and step in self.steps
 
 
-#: Each key's type, resolved once (``bool``, ``str``, ``int``, ``StepSet`` or one of the enums).
-KEY_TYPES: dict[str, Any] = {f.name: typing.get_type_hints(RoleConfig)[f.name] for f in fields(RoleConfig)}
-ROLE_KEYS = tuple(KEY_TYPES)
 _FIELDS = {f.name: f for f in fields(RoleConfig)}
+ROLE_KEYS = tuple(_FIELDS)
 
-
-def _schema_field(f: Any) -> tuple[str, Any, Any]:
-    kind = KEY_TYPES[f.name]
-    if kind is StepSet:  # read by skipinject itself (ranges stay ranges): any value reaches it
-        return f.name, Any, field(default_factory=list)
-    return f.name, kind, field(default=f.default)
-
-
-#: The keys of ``skip.<role>`` and their defaults as OmegaConf validates them: :class:`RoleConfig`'s.
-RoleSchema = make_dataclass("RoleSchema", [_schema_field(f) for f in fields(RoleConfig)])
+#: The keys of ``skip.<role>`` and their defaults as OmegaConf validates them: :class:`RoleConfig`'s, but
+#: ``steps``, read by skipinject itself (ranges stay ranges): any value reaches it.
+RoleSchema = make_dataclass(
+    "RoleSchema",
+    [
+        (f.name, Any, field(default_factory=list)) if f.name == "steps" else (f.name, type(f.default), f.default)
+        for f in fields(RoleConfig)
+    ],
+)
 
 
 def choices(key: str) -> tuple[str, ...]:
     """The values an enum key takes (``action``: cache, repeat, strict), else ``()``."""
-    kind = KEY_TYPES[key]
-    return tuple(member.value for member in kind) if isinstance(kind, type) and issubclass(kind, enum.Enum) else ()
+    default = _FIELDS[key].default
+    return tuple(member.value for member in type(default)) if isinstance(default, enum.Enum) else ()
 
 
 def role_config(
@@ -259,16 +247,15 @@ class Config:
 
     def to_json(self) -> str:
         """Compact text for an environment variable; raises :class:`ConfigError` when it cannot fit."""
-        roles = {}
-        for name, cfg in self.roles.items():  # the enums are ``str``s: JSON writes their values
-            roles[name] = {f.name: getattr(cfg, f.name) for f in fields(cfg)} | {"steps": cfg.steps.format()}
+        roles = {name: asdict(cfg) | {"steps": cfg.steps.format()} for name, cfg in self.roles.items()}
         body = {
             "version": SERIAL_VERSION,
             "plugins": self.plugins,
             "sources": dict(self.plugin_sources),
             "triggers": list(self.triggers),
+            "roles": roles,  # the enums are ``str``s: JSON writes their values
         }
-        text = json.dumps({**body, "roles": roles}, sort_keys=True, separators=(",", ":"))
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
         expanded = len(text)
         if _COMPRESS_ABOVE < expanded <= MAX_EXPANDED_BYTES:
             text = _COMPRESSED + base64.b85encode(zlib.compress(text.encode(), 9)).decode()
@@ -288,17 +275,18 @@ class Config:
             if len(text) > MAX_SERIALISED_BYTES * 2:
                 raise ValueError(f"{len(text)} bytes is longer than any configuration skipinject writes")
             if text.startswith(_COMPRESSED):
-                decompressor = zlib.decompressobj()
-                raw = decompressor.decompress(base64.b85decode(text[len(_COMPRESSED) :]), MAX_EXPANDED_BYTES + 1)
-                if decompressor.unconsumed_tail or len(raw) > MAX_EXPANDED_BYTES:
+                raw = zlib.decompressobj().decompress(
+                    base64.b85decode(text[len(_COMPRESSED) :]), MAX_EXPANDED_BYTES + 1
+                )
+                if len(raw) > MAX_EXPANDED_BYTES:  # stopped one byte past the limit: a zip bomb stops there too
                     limit = MAX_EXPANDED_BYTES
                     raise ValueError(
                         f"compressed configuration expands beyond {limit} bytes, more than skipinject writes"
                     )
                 text = raw.decode()
             data = json.loads(text)
-            if not isinstance(data, dict) or data.get("version") != SERIAL_VERSION:
-                version = data.get("version") if isinstance(data, dict) else None
+            version = data.get("version") if isinstance(data, dict) else None
+            if version != SERIAL_VERSION:
                 raise ConfigError(f"serialised config has version {version!r}, expected {SERIAL_VERSION}")
             sources = data.get("sources") or {}
             if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
