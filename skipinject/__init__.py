@@ -51,42 +51,36 @@ from skipinject.verl.compat import default_bypass, run_config_of, select, verl_v
 if TYPE_CHECKING:
     from skipinject.codecs import TensorSink, decode_tensor, encode_tensor, from_jsonable, to_jsonable
     from skipinject.config import Action, MismatchPolicy, RescorePolicy, RoleConfig
-    from skipinject.hookspecs import hookimpl
     from skipinject.payload import Payload
+    from skipinject.plugin_manager import hookimpl
     from skipinject.report.tally import count_rescored
     from skipinject.store import StepEntry
     from skipinject.store import StepStore as StepCache
     from skipinject.store import StepWriter as StepWriting
     from skipinject.verl.codecs import DataProtoCodec, TensorDictCodec
 
-#: Public names imported on first use: name -> defining module (``module:name`` for another name there).
+#: Public names imported on first use, by defining module; two are that module's other names.
 _LAZY = {
-    "Action": "skipinject.config",
-    "DataProtoCodec": "skipinject.verl.codecs",
-    "MismatchPolicy": "skipinject.config",
-    "RescorePolicy": "skipinject.config",
-    "Payload": "skipinject.payload",
-    "RoleConfig": "skipinject.config",
-    "StepCache": "skipinject.store:StepStore",
-    "StepEntry": "skipinject.store",
-    "StepWriting": "skipinject.store:StepWriter",
-    "TensorDictCodec": "skipinject.verl.codecs",
-    "TensorSink": "skipinject.codecs",
-    "decode_tensor": "skipinject.codecs",
-    "count_rescored": "skipinject.report.tally",
-    "enable": "skipinject.bootstrap",
-    "encode_tensor": "skipinject.codecs",
-    "hookimpl": "skipinject.hookspecs",
-    "from_jsonable": "skipinject.codecs",
-    "to_jsonable": "skipinject.codecs",
+    name: module
+    for module, names in {
+        "skipinject.bootstrap": ("enable",),
+        "skipinject.codecs": ("TensorSink", "decode_tensor", "encode_tensor", "from_jsonable", "to_jsonable"),
+        "skipinject.config": ("Action", "MismatchPolicy", "RescorePolicy", "RoleConfig"),
+        "skipinject.payload": ("Payload",),
+        "skipinject.plugin_manager": ("hookimpl",),
+        "skipinject.report.tally": ("count_rescored",),
+        "skipinject.store": ("StepCache", "StepEntry", "StepWriting"),
+        "skipinject.verl.codecs": ("DataProtoCodec", "TensorDictCodec"),
+    }.items()
+    for name in names
 }
+_RENAMED = {"StepCache": "StepStore", "StepWriting": "StepWriter"}
 
 
 def __getattr__(name: str) -> Any:
-    module, _, attribute = _LAZY.get(name, "").partition(":")
-    if not module:
+    if name not in _LAZY:
         raise AttributeError(f"module 'skipinject' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), attribute or name)
+    value = getattr(importlib.import_module(_LAZY[name]), _RENAMED.get(name, name))
     globals()[name] = value
     return value
 

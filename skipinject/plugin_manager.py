@@ -12,13 +12,12 @@ import importlib.util
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
 
-from skipinject import hookspecs
 from skipinject._version import API_VERSION
 from skipinject.config.environment import ENV_PLUGINS
 from skipinject.errors import PluginError, did_you_mean
@@ -28,6 +27,9 @@ logger = logging.getLogger("skipinject")
 
 ENTRY_POINT_GROUP = "skipinject.plugins"
 API_ATTRIBUTE = "SKIPINJECT_API"
+PROJECT = "skipinject"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _DOTTED = rf"{_IDENT}(?:\.{_IDENT})*"
@@ -37,36 +39,35 @@ _PATH_ITEM = re.compile(rf"^{_DOTTED}(?::{_DOTTED})?$")
 
 @dataclass(frozen=True)
 class PluginSelection:
-    """A parsed ``VERL_SKIP_PLUGINS`` value."""
+    """A parsed ``VERL_SKIP_PLUGINS`` value (nothing included: every installed plugin)."""
 
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
 
-    @property
-    def everything(self) -> bool:
-        return not self.include
-
 
 def parse_selection(text: str | None, given_as: str = ENV_PLUGINS) -> PluginSelection:
     """Parse a comma list of names, ``module[:attr]`` paths and ``-name`` exclusions; errors name ``given_as``."""
-    include: list[str] = []
-    exclude: list[str] = []
-    for raw in (text or "").split(","):
-        item = raw.strip()
-        if not item:
-            continue
+    include: dict[str, None] = {}  # in order, once each
+    exclude: dict[str, None] = {}
+    for item in filter(None, (raw.strip() for raw in (text or "").split(","))):
         if item.startswith("-"):
-            name = item[1:].strip()
-            if not name or not _NAME_ITEM.match(name):
+            if not _NAME_ITEM.match(item[1:].strip()):
                 raise PluginError(f"{given_as}: {item!r} is not a plugin name to exclude")
-            if name not in exclude:
-                exclude.append(name)
+            exclude[item[1:].strip()] = None
         elif _PATH_ITEM.match(item) or _NAME_ITEM.match(item):
-            if item not in include:
-                include.append(item)
+            include[item] = None
         else:
             raise PluginError(f"{given_as}: {item!r} is neither a plugin name nor a module[:attribute] path")
     return PluginSelection(tuple(include), tuple(exclude))
+
+
+class HookSpecs:
+    """The plugin contract, in pluggy's terms: any ``skipinject_*`` function of a plugin is a hook, marked or not;
+    one not declared here is an error (a misspelt hook never goes unnoticed)."""
+
+    @hookspec
+    def skipinject_roles(self) -> Sequence[Role]:  # type: ignore[empty-body]
+        """Return the roles this plugin provides (each with a unique name)."""
 
 
 class SkipPluginManager(pluggy.PluginManager):
@@ -74,8 +75,8 @@ class SkipPluginManager(pluggy.PluginManager):
     ``pytest_*``), so a forgotten marker works and a misspelt hook is caught."""
 
     def __init__(self) -> None:
-        super().__init__(hookspecs.PROJECT)
-        self.add_hookspecs(hookspecs)
+        super().__init__(PROJECT)
+        self.add_hookspecs(HookSpecs)
 
     def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
         opts = super().parse_hookimpl_opts(plugin, name)
@@ -123,15 +124,9 @@ def installed_entry_points() -> dict[str, Any]:
 
     found: dict[str, Any] = {}
     for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in found and found[ep.name].value != ep.value:
-            logger.warning(
-                "two installed plugins are named %r (%s and %s); using the first",
-                ep.name,
-                found[ep.name].value,
-                ep.value,
-            )
-            continue
-        found.setdefault(ep.name, ep)
+        first = found.setdefault(ep.name, ep).value
+        if first != ep.value:
+            logger.warning("two installed plugins are named %r (%s and %s); using the first", ep.name, first, ep.value)
     return found
 
 
@@ -163,7 +158,7 @@ def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS)
                 loaded = _from_path(item, entry_points, given_as=given_as)
             plugins.append(_register(manager, loaded))
         except PluginError as exc:
-            if not selection.everything:  # asked for by name: an error
+            if selection.include:  # asked for by name: an error
                 raise
             failures[item] = str(exc)
             logger.warning("plugin %r was not loaded: %s", item, exc)
@@ -220,10 +215,9 @@ def _register(manager: SkipPluginManager, plugin: LoadedPlugin) -> LoadedPlugin:
     try:
         manager.register(plugin.obj, name=plugin.name)
         manager.check_pending()
-    except pluggy.PluginValidationError as exc:
-        manager.unregister(name=plugin.name)
-        raise PluginError(f"{where}: {_one_line(exc)}") from exc
-    except ValueError as exc:
+    except (pluggy.PluginValidationError, ValueError) as exc:
+        if manager.has_plugin(plugin.name):  # registered before a hook failed validation
+            manager.unregister(name=plugin.name)
         raise PluginError(f"{where}: {_one_line(exc)}") from exc
     if not any(impl.plugin_name == plugin.name for impl in manager.hook.skipinject_roles.get_hookimpls()):
         manager.unregister(name=plugin.name)

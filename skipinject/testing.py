@@ -5,12 +5,12 @@ with verl's V0 trainer: :func:`v0_trainer`, :func:`v0_run_config`, :func:`grpo_b
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from skipinject import bootstrap
@@ -133,9 +133,7 @@ class RoleRun:
     def __enter__(self) -> RoleRun:
         return self.start()
 
-    def __exit__(
-        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def lines_with(self, needle: str) -> list[str]:
@@ -316,11 +314,8 @@ def v0_trainer(global_steps: int, config: Any = None) -> Any:
     trainer = RayPPOTrainer.__new__(RayPPOTrainer)
     trainer.config = v0_run_config() if config is None else config
     trainer._dump_executor = _Executor()
-    try:
+    with contextlib.suppress(_StopFit):
         trainer.fit()
-    except _StopFit:
-        pass
-    else:
         raise AssertionError("RayPPOTrainer.fit did not stop at its first line: another verl?")
     trainer.global_steps = global_steps
     return trainer
@@ -340,12 +335,17 @@ def grpo_batch(
     gen = torch.Generator().manual_seed(seed)
     rows = prompts * n
     lengths = torch.randint(1, response_len + 1, (rows,), generator=gen)
+
+    def at_last_token(values: Any) -> Any:
+        """A row's ``values`` at its last response token, zeros elsewhere."""
+        placed = torch.zeros(rows, response_len)
+        placed[torch.arange(rows), lengths - 1] = values
+        return placed
+
     response_mask = (torch.arange(response_len)[None, :] < lengths[:, None]).long()
     prompt_ids = torch.randint(3, 400, (prompts, prompt_len), generator=gen).repeat_interleave(n, dim=0)
     responses = torch.randint(3, 400, (rows, response_len), generator=gen) * response_mask
-    outcome = torch.rand(rows, generator=gen)
-    token_level_rewards = torch.zeros(rows, response_len)
-    token_level_rewards[torch.arange(rows), lengths - 1] = outcome
+    token_level_rewards = at_last_token(torch.rand(rows, generator=gen))
     uids = np.repeat(np.array([str(uuid.uuid4()) for _ in range(prompts)], dtype=object), n)
     batch = DataProto.from_dict(
         tensors={
@@ -364,9 +364,7 @@ def grpo_batch(
         return batch
     if scores is True:
         scores = torch.rand(rows, generator=torch.Generator().manual_seed(100 + seed))
-    rm_scores = torch.zeros(rows, response_len)
-    rm_scores[torch.arange(rows), lengths - 1] = scores
-    batch.batch["rm_scores"] = rm_scores
+    batch.batch["rm_scores"] = at_last_token(scores)
     batch.non_tensor_batch["acc"] = np.array((scores > 0.5).tolist())
     batch.non_tensor_batch["reward_model"] = np.array(
         [{"style": "rule", "ground_truth": str(i % 4)} for i in range(rows)], dtype=object

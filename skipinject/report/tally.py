@@ -1,9 +1,6 @@
-"""What the cache did: counts per role in each process, summed up by the driver into the run's summary.
-
-Each process writes its counts whole to ``{SKIPINJECT_RUN_REPORT}/{pid}.json`` (a private directory the
-driver made), or on another node to Ray's key-value store. The driver says the sum when ``run_ppo`` returns
-(or at exit), and writes it as JSON to ``SKIPINJECT_SUMMARY``'s file.
-"""
+"""What the cache did: each process's counts per role, in ``{SKIPINJECT_RUN_REPORT}/{pid}.json`` (a private
+directory the driver made) or on another node in Ray's key-value store, summed by the driver when ``run_ppo``
+returns (or at exit) into the summary it says and writes to ``SKIPINJECT_SUMMARY``'s file."""
 
 from __future__ import annotations
 
@@ -133,11 +130,9 @@ def cluster_counts(run: str) -> list[bytes]:
 
 def collect(directory: Path, more: Iterable[bytes] = ()) -> dict[str, dict[str, float]]:
     """The counts per role of ``directory``'s records and ``more``; malformed records are left out."""
-    records = list(more)
-    try:
+    records, names = list(more), []
+    with contextlib.suppress(OSError):
         names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))[:MAX_FILES]
-    except OSError:
-        names = []
     for name in names:
         with contextlib.suppress(OSError):  # a link, a FIFO, gone: not a process's file
             records.append(read_head(directory / name, MAX_FILE_BYTES))
@@ -161,17 +156,14 @@ def collect(directory: Path, more: Iterable[bytes] = ()) -> dict[str, dict[str, 
 
 def hit_amounts(meta: Mapping[str, object]) -> dict[str, float]:
     """What serving a step adds: one step, its files' bytes, the generation time its ``meta`` recorded."""
-    size = 0
     parts = meta.get("parts")
-    for part in parts if isinstance(parts, list) else ():
-        files = part.get("files") if isinstance(part, dict) else None
-        for spec in files.values() if isinstance(files, dict) else ():
-            value = spec.get("size") if isinstance(spec, dict) else None
-            size += value if type(value) is int and value > 0 else 0
-    recorded = meta.get("generation_s")
-    seconds = float(recorded) if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) else 0.0
-    seconds = seconds if 0 <= seconds < 1e9 else 0.0
-    return {"served_steps": 1, "bytes_read": size, "generation_s_saved": seconds}
+    files = [part.get("files") for part in parts if isinstance(part, dict)] if isinstance(parts, list) else []
+    specs = [spec for each in files if isinstance(each, dict) for spec in each.values() if isinstance(spec, dict)]
+    size = sum(value for spec in specs if type(value := spec.get("size")) is int and value > 0)
+    seconds = meta.get("generation_s")
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e9:
+        seconds = 0.0
+    return {"served_steps": 1, "bytes_read": size, "generation_s_saved": float(seconds)}
 
 
 class MetricsInterceptor:

@@ -100,4 +100,4 @@ def test_parse_selection_forms():
     selection = parse_selection(" rollout , -reward,,pkg.mod:attr , pkg.mod ")
     assert selection.include == ("rollout", "pkg.mod:attr", "pkg.mod")
     assert selection.exclude == ("reward",)
-    assert parse_selection(None).everything and parse_selection("").everything
+    assert not parse_selection(None).include and not parse_selection("").include
