@@ -138,7 +138,7 @@ def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS)
     manager = SkipPluginManager()
     for name in selection.exclude:
         if name not in entry_points:
-            raise PluginError(_unknown(f"-{name}", name, entry_points, given_as))
+            raise PluginError(_unknown(name, entry_points, given_as, f"-{name}"))
         manager.set_blocked(name)
     plugins: list[LoadedPlugin] = []
     failures: dict[str, str] = {}
@@ -173,9 +173,8 @@ def load_sources(sources: Mapping[str, str]) -> PluginSet:
     )
 
 
-def _unknown(item: str, name: str, entry_points: Mapping[str, Any], given_as: str) -> str:
-    installed = ", ".join(sorted(entry_points)) or "none"
-    where = f" in {item!r}" if item != name else ""
+def _unknown(name: str, entry_points: Mapping[str, Any], given_as: str, item: str | None = None) -> str:
+    installed, where = ", ".join(sorted(entry_points)) or "none", f" in {item!r}" if item else ""
     return (
         f"{given_as}: unknown plugin {name!r}{where} (installed plugins: {installed}){did_you_mean(name, entry_points)}"
     )
@@ -185,7 +184,7 @@ def _from_path(
     item: str, entry_points: Mapping[str, Any], *, name: str | None = None, given_as: str = ENV_PLUGINS
 ) -> LoadedPlugin:
     if not _PATH_ITEM.match(item):
-        raise PluginError(_unknown(item, item, entry_points, given_as))
+        raise PluginError(_unknown(item, entry_points, given_as))
     module_name, _, attr = item.partition(":")
     if name is None and "." not in module_name and not attr:
         # A bare word: an entry-point name we do not know, unless it is an importable module.
@@ -194,7 +193,7 @@ def _from_path(
         except (ImportError, ValueError):
             found = False
         if not found:
-            raise PluginError(_unknown(item, item, entry_points, given_as))
+            raise PluginError(_unknown(item, entry_points, given_as))
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:

@@ -337,7 +337,6 @@ def grpo_batch(
     lengths = torch.randint(1, response_len + 1, (rows,), generator=gen)
 
     def at_last_token(values: Any) -> Any:
-        """A row's ``values`` at its last response token, zeros elsewhere."""
         placed = torch.zeros(rows, response_len)
         placed[torch.arange(rows), lengths - 1] = values
         return placed

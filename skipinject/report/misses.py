@@ -10,6 +10,7 @@ from os.path import commonprefix
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from skipinject.cache_tool.common import shown
 from skipinject.store.format import META_NAME, step_name
 from skipinject.verl.layout import layout_name, layout_values, path_safe, run_names
 
@@ -29,12 +30,6 @@ LAYOUT_SETTINGS = {
 RUN_SETTINGS = ("experiment_name", "project_name")
 #: ``meta.json``'s record of the run settings a role's rows depend on (its ``match_settings``).
 SETTINGS_KEY = "generation_settings"
-
-
-def _shown(value: object) -> str:
-    from skipinject.cache_tool.common import shown
-
-    return shown(value)
 
 
 def _listed(backend: Any, location: Path) -> list[str]:
@@ -77,12 +72,12 @@ def nearest_cache(store: StepStore, step: int) -> str | None:
                 text = "; ".join(
                     f"{LAYOUT_SETTINGS[key]} is {values[key]} there, {context[key]} here" for key in differ
                 )
-                return f"cached under another layout, {_shown(where)}: {text}"
+                return f"cached under another layout, {shown(where)}: {text}"
         runs = [name for name in _listed(store.backend, run_dir.parent) if name != run]
         runs.sort(key=lambda name: _shared(name, run), reverse=True)
         for name in runs[:MAX_CANDIDATES]:
             if (where := cached(run_dir.parent / name / ours)) is not None:
-                return f"cached under another run name, {_shown(where)}: {_run_difference(name, context)}"
+                return f"cached under another run name, {shown(where)}: {_run_difference(name, context)}"
     except Exception:
         return None
     return None
@@ -98,12 +93,12 @@ def _run_difference(name: str, context: dict[str, Any]) -> str:
     here = [str(context[key]) for key in RUN_SETTINGS]
     there = run_names(name) or here
     parts = [
-        f"trainer.{key} is {_shown(a)!r} there, {_shown(b)!r} here"
+        f"trainer.{key} is {shown(a)!r} there, {shown(b)!r} here"
         for key, a, b in zip(RUN_SETTINGS, there, here, strict=True)
         if a != b
     ]
     joined = path_safe("_".join(here))
-    return "; ".join(parts) or f"trainer.experiment_name/project_name make {_shown(name)!r} there, {joined!r} here"
+    return "; ".join(parts) or f"trainer.experiment_name/project_name make {shown(name)!r} there, {joined!r} here"
 
 
 def recorded_settings(settings: Sequence[str], run_config: Any) -> dict[str, Any]:
@@ -129,7 +124,7 @@ def settings_differ(store: StepStore, settings: Sequence[str], run_config: Any) 
             return None
         here = recorded_settings(settings, run_config)
         differ = [
-            f"{path} is {_shown(recorded[path])} there, {_shown(here[path])} here"
+            f"{path} is {shown(recorded[path])} there, {shown(here[path])} here"
             for path in settings
             if path in recorded and recorded[path] != here[path]
         ]
