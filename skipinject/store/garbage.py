@@ -1,10 +1,6 @@
-"""Leftovers of killed or concurrent saves: files no committed ``meta.json`` names, removed once abandoned.
-
-A leftover matches our name patterns, is ``min_age`` old, and its writer (the write id in its name) is
-gone: not an open writer of this process, locally no such process on this host, or older than
-:data:`PID_REUSE_AFTER` (an object store cannot be asked: there ``min_age`` is :data:`BY_NAME_ABANDONED_AFTER`).
-Empty part and step directories that old go too; a step whose ``meta.json`` cannot be read is left alone.
-Locally each file is checked again right before its unlink (:func:`~skipinject.store.files.remove_step`)."""
+"""Leftovers of killed or concurrent saves: files no committed ``meta.json`` names, removed once abandoned
+(``min_age`` old and their writer gone: docs/cache-tool.md, ``prune --partial``); a step whose ``meta.json``
+cannot be read is left alone, and locally each file is checked again right before its unlink."""
 
 from __future__ import annotations
 
@@ -15,20 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import skipinject.store.format as fmt
 from skipinject.store.backend import Backend
 from skipinject.store.files import parse_json, relative_parts, remove_step
-from skipinject.store.format import (
-    DATA_NAME,
-    MAX_META_BYTES,
-    MAX_META_DEPTH,
-    META_NAME,
-    PART_NAME,
-    STEP_NAME,
-    TMP_NAME,
-    USAGE_NAME,
-    WRITE_ID,
-    is_ours,
-)
 from skipinject.store.local import LocalFiles
 from skipinject.store.meta import StepMeta
 
@@ -45,9 +30,6 @@ ACTIVE_WRITE_IDS: set[str] = set()
 _LAST_SCAN: dict[str, float] = {}
 _LOCK = threading.Lock()
 
-_DEAD_CLAIM = "empty step directory (a claim or save that never wrote a file)"
-_DEAD_PART = "part directory of a save that never committed"
-
 
 @dataclass(frozen=True)
 class Leftover:
@@ -58,13 +40,16 @@ class Leftover:
     reason: str
     #: The project directory it was found from: removal walks down from there, never by path.
     anchor: Path
+    #: What removal unlinks: ``part/name`` of a file (``/name`` in the step directory), ``part/`` of an
+    #: empty part directory, ``/`` of an empty step directory.
+    key: str
 
 
 def _abandoned(name: str, age: float, min_age: float, local: bool) -> bool:
     """Old enough, and the writer named in it certainly not writing any more."""
     if age < min_age:
         return False
-    match = WRITE_ID.search(name)
+    match = fmt.WRITE_ID.search(name)
     if match is None or age >= PID_REUSE_AFTER:
         return True
     if match.group(0) in ACTIVE_WRITE_IDS:
@@ -85,9 +70,11 @@ def _abandoned(name: str, age: float, min_age: float, local: bool) -> bool:
 
 def _named(backend: Backend, step_dir: Path) -> set[str] | None:
     """What the step's meta.json names; empty if it has none; None if unreadable."""
-    shown = step_dir / META_NAME
+    shown = step_dir / fmt.META_NAME
     try:
-        raw = parse_json(backend.read_bytes(shown, MAX_META_BYTES), shown, what="meta.json", max_depth=MAX_META_DEPTH)
+        raw = parse_json(
+            backend.read_bytes(shown, fmt.MAX_META_BYTES), shown, what="meta.json", max_depth=fmt.MAX_META_DEPTH
+        )
         return StepMeta(raw, shown).named() if isinstance(raw, dict) else None
     except FileNotFoundError:
         return set()
@@ -99,10 +86,10 @@ def _one_write(listings: Iterable[list[str]]) -> bool:
     """Only one write's data files and no temporary file (listings only)."""
     ids = set()
     for name in (name for listing in listings for name in listing):
-        if TMP_NAME.fullmatch(name):
+        if fmt.TMP_NAME.fullmatch(name):
             return False
-        if DATA_NAME.fullmatch(name):
-            match = WRITE_ID.search(name)
+        if fmt.DATA_NAME.fullmatch(name):
+            match = fmt.WRITE_ID.search(name)
             ids.add(match.group(0) if match else name)
     return len(ids) <= 1
 
@@ -118,14 +105,15 @@ def _step_leftovers(backend: Backend, step_dir: Path, now: float, min_age: float
         listings = {"": backend.names(step_dir)}
     except Exception:
         return []  # a link, not a directory, or unreadable: not ours to touch
-    if set(listings[""]) <= {USAGE_NAME}:  # a claim or save that never wrote, or a usage record left alone
-        return [Leftover(step_dir, 0, _DEAD_CLAIM, anchor)] if _old(backend, step_dir, now, min_age) else []
-    for sub in filter(PART_NAME.fullmatch, listings[""]):
+    if set(listings[""]) <= {fmt.USAGE_NAME}:  # a claim or save that never wrote, or a usage record left alone
+        dead = Leftover(step_dir, 0, "empty step directory (a claim or save that never wrote a file)", anchor, "/")
+        return [dead] if _old(backend, step_dir, now, min_age) else []
+    for sub in filter(fmt.PART_NAME.fullmatch, listings[""]):
         try:
             listings[sub] = backend.names(step_dir / sub)
         except Exception:
             continue  # a link or a file named like a part
-    if META_NAME in listings[""] and _one_write(listings.values()):
+    if fmt.META_NAME in listings[""] and _one_write(listings.values()):
         return []  # the usual committed step: nothing to collect, no meta.json parsed
     named = _named(backend, step_dir)
     if named is None:
@@ -135,7 +123,7 @@ def _step_leftovers(backend: Backend, step_dir: Path, now: float, min_age: float
         folder = step_dir / sub if sub else step_dir
         found = []
         for name in names:
-            info = backend.stat(folder / name) if is_ours(name) and f"{sub}/{name}" not in named else None
+            info = backend.stat(folder / name) if fmt.is_ours(name) and f"{sub}/{name}" not in named else None
             if info is None or info.kind != "file" or not info.modified:
                 continue
             if _abandoned(name, now - info.modified, min_age, local):
@@ -146,10 +134,10 @@ def _step_leftovers(backend: Backend, step_dir: Path, now: float, min_age: float
                     if named
                     else "data file of a save that never committed (no meta.json)"
                 )
-                found.append(Leftover(folder / name, info.size, reason, anchor))
+                found.append(Leftover(folder / name, info.size, reason, anchor, f"{sub}/{name}"))
         out += found
         if sub and not named and len(found) == len(names) and _old(backend, folder, now, min_age):
-            out.append(Leftover(folder, 0, _DEAD_PART, anchor))
+            out.append(Leftover(folder, 0, "part directory of a save that never committed", anchor, f"{sub}/"))
     return out
 
 
@@ -168,7 +156,9 @@ def find_leftovers(
         names = backend.names(project_dir) if steps is None else list(steps)
     except Exception:
         return []
-    found = [_step_leftovers(backend, project_dir / name, now, min_age) for name in names if STEP_NAME.fullmatch(name)]
+    found = [
+        _step_leftovers(backend, project_dir / name, now, min_age) for name in names if fmt.STEP_NAME.fullmatch(name)
+    ]
     return [leftover for step in found for leftover in step]
 
 
@@ -176,16 +166,9 @@ def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONE
     """Unlink local leftovers (files, then empty part and step directories), each step opened from its project
     directory without following a link and each file checked again right before; returns (files, bytes)."""
     now = time.time()
-    steps: dict[tuple[Path, str], set[str]] = {}  # "part/name" of the files, "part/" of the directories
+    steps: dict[tuple[Path, str], set[str]] = {}
     for item in leftovers:
-        parts = relative_parts(item.anchor, item.path)  # (step,), (step, name or part) or (step, part, name)
-        chosen = steps.setdefault((item.anchor, parts[0]), set())
-        if item.reason == _DEAD_CLAIM:
-            chosen |= {"/", f"/{USAGE_NAME}"}
-        elif item.reason == _DEAD_PART:
-            chosen.add(f"{parts[1]}/")
-        else:
-            chosen.add(f"{parts[1]}/{parts[2]}" if len(parts) == 3 else f"/{parts[1]}")
+        steps.setdefault((item.anchor, relative_parts(item.anchor, item.path)[0]), set()).add(item.key)
     removed = [_remove_chosen(anchor, anchor / step, chosen, now, min_age) for (anchor, step), chosen in steps.items()]
     return sum(files for files, _ in removed), sum(size for _, size in removed)
 
@@ -195,9 +178,9 @@ def _remove_chosen(anchor: Path, step_dir: Path, chosen: set[str], now: float, m
 
     def wanted(part: str, name: str, info: os.stat_result) -> bool:
         key = f"{part}/{name}"
-        if key not in chosen or key == f"/{USAGE_NAME}":
-            return key in chosen  # a dead claim's usage record goes with it
-        if not (is_ours(name) and _abandoned(name, now - info.st_mtime, min_age, True)):
+        if key == f"/{fmt.USAGE_NAME}":
+            return "/" in chosen  # a dead claim's usage record goes with it
+        if key not in chosen or not (fmt.is_ours(name) and _abandoned(name, now - info.st_mtime, min_age, True)):
             return False
         if not meta:  # read again once the step is open: a save may have committed meanwhile
             meta.append(_named(LocalFiles(), step_dir))
@@ -228,7 +211,7 @@ def collect(
         found = find_leftovers(project_dir, min_age=min_age, steps=None if whole else [str(step)], backend=backend)
         if local:
             return remove_leftovers(found)
-        files = [item for item in found if item.reason not in (_DEAD_CLAIM, _DEAD_PART)]
+        files = [item for item in found if not item.key.endswith("/")]
         for item in files:
             backend.remove(item.path)
         return len(files), sum(item.size for item in files)

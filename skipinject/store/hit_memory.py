@@ -56,16 +56,16 @@ def memory_budget() -> int:
     return _USABLE[0] // 2
 
 
-@dataclass
+@dataclass(eq=False)
 class _Buffer:
-    mapping: mmap.mmap
+    mapping: mmap.mmap | bytearray
     lent: weakref.ref[Any] | None = None  # the array lent from it, while alive
 
     def busy(self) -> bool:
         return self.lent is not None and self.lent() is not None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Slot:
     buffers: list[_Buffer] = field(default_factory=list)
     claim: weakref.ref[Claim] | None = None
@@ -73,10 +73,6 @@ class _Slot:
     def busy(self) -> bool:
         claimed = self.claim is not None and self.claim() is not None
         return claimed or any(buffer.busy() for buffer in self.buffers)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(buffer.mapping) for buffer in self.buffers)
 
 
 class HitMemory:
@@ -93,71 +89,17 @@ class HitMemory:
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(slot.nbytes for slot in self._pool)
+            return self._held()
 
-    def _slot_for(self, claim: Claim) -> _Slot | None:
-        """A free slot (or a new one), claimed; None: all busy."""
-        with self._lock:
-            slot = next((slot for slot in self._pool if not slot.busy()), None)
-            if slot is None and len(self._pool) < self.slots:
-                slot = _Slot()
-                self._pool.append(slot)
-            if slot is not None:
-                slot.claim = weakref.ref(claim)
-            return slot
-
-    def _lend(self, slot: _Slot, claim: Claim, size: int) -> tuple[Decoded, bool] | None:
-        """A buffer of ``size`` bytes from ``slot`` and whether it holds zeros; None past the pool's bound."""
-        import numpy as np
-
-        with self._lock:
-            if slot.claim is None or slot.claim() is not claim:
-                return None
-            free = [buffer for buffer in slot.buffers if not buffer.busy()]
-            fits = [buffer for buffer in free if len(buffer.mapping) >= size]
-            if fits:
-                chosen = min(fits, key=lambda buffer: len(buffer.mapping))
-                zeroed = False
-            else:
-                for small in free:  # outgrown: let it go rather than keep memory no hit uses
-                    slot.buffers.remove(small)
-                    close(small.mapping)
-                capacity = size + size // _HEADROOM
-                capacity += -capacity % mmap.PAGESIZE
-                if sum(other.nbytes for other in self._pool) + capacity > self.max_bytes:
-                    return None
-                mapping = anonymous(capacity)
-                assert isinstance(mapping, mmap.mmap)
-                chosen = _Buffer(mapping)
-                slot.buffers.append(chosen)
-                claim._grown.append(chosen)
-                zeroed = True
-            array = np.frombuffer(chosen.mapping, dtype=np.uint8, count=size)
-            chosen.lent = weakref.ref(array)
-            return array, zeroed
-
-    def _refuse(self, slot: _Slot, claim: Claim) -> None:
-        """``claim``'s step was refused: the buffers it added leave the pool."""
-        with self._lock:
-            for buffer in claim._grown:
-                if buffer in slot.buffers:
-                    slot.buffers.remove(buffer)
-            if slot.claim is not None and slot.claim() is claim:
-                slot.claim = None
-            if not slot.buffers and slot in self._pool:
-                self._pool.remove(slot)
+    def _held(self) -> int:
+        return sum(len(buffer.mapping) for slot in self._pool for buffer in slot.buffers)
 
     def clear(self) -> None:
         """Let go of every buffer no tensor views (the rest go when their tensors do)."""
         with self._lock:
-            kept = []
-            for slot in self._pool:
-                if slot.busy():
-                    kept.append(slot)
-                    continue
-                for buffer in slot.buffers:
-                    close(buffer.mapping)
-            self._pool = kept
+            for buffer in (buffer for slot in self._pool if not slot.busy() for buffer in slot.buffers):
+                close(buffer.mapping)
+            self._pool = [slot for slot in self._pool if slot.busy()]
 
 
 class Claim:
@@ -171,20 +113,58 @@ class Claim:
 
     def take(self, size: int) -> tuple[Decoded, bool]:
         """A writable buffer of exactly ``size`` bytes, and whether it holds zeros (else it must be written first)."""
-        if self._memory is not None and size:
-            if not self._tried:
-                self._tried = True
-                self._slot = self._memory._slot_for(self)
-            if self._slot is not None:
-                lent = self._memory._lend(self._slot, self, size)
-                if lent is not None:
-                    return lent
+        memory = self._memory
+        if memory is not None and size:
+            with memory._lock:
+                lent = self._lend(memory, size)
+            if lent is not None:
+                return lent
         return anonymous(size), True
+
+    def _lend(self, memory: HitMemory, size: int) -> tuple[Decoded, bool] | None:
+        """From this claim's slot (a free or new one, claimed on first use); None: all busy, or past the bound."""
+        import numpy as np
+
+        if not self._tried:
+            self._tried = True
+            self._slot = next((slot for slot in memory._pool if not slot.busy()), None)
+            if self._slot is None and len(memory._pool) < memory.slots:
+                self._slot = _Slot()
+                memory._pool.append(self._slot)
+            if self._slot is not None:
+                self._slot.claim = weakref.ref(self)
+        slot = self._slot
+        if slot is None or slot.claim is None or slot.claim() is not self:
+            return None
+        free = [buffer for buffer in slot.buffers if not buffer.busy()]
+        fits = [buffer for buffer in free if len(buffer.mapping) >= size]
+        if fits:
+            chosen, zeroed = min(fits, key=lambda buffer: len(buffer.mapping)), False
+        else:
+            for small in free:  # outgrown: let it go rather than keep memory no hit uses
+                slot.buffers.remove(small)
+                close(small.mapping)
+            capacity = size + size // _HEADROOM
+            capacity += -capacity % mmap.PAGESIZE
+            if memory._held() + capacity > memory.max_bytes:
+                return None
+            chosen, zeroed = _Buffer(anonymous(capacity)), True
+            slot.buffers.append(chosen)
+            self._grown.append(chosen)
+        array = np.frombuffer(chosen.mapping, dtype=np.uint8, count=size)
+        chosen.lent = weakref.ref(array)
+        return array, zeroed
 
     def refuse(self) -> None:
         """The step was refused: what the pool allocated for it is not kept for later hits."""
-        if self._memory is not None and self._slot is not None:
-            self._memory._refuse(self._slot, self)
+        memory, slot = self._memory, self._slot
+        if memory is not None and slot is not None:
+            with memory._lock:
+                slot.buffers = [buffer for buffer in slot.buffers if buffer not in self._grown]
+                if slot.claim is not None and slot.claim() is self:
+                    slot.claim = None
+                if not slot.buffers and slot in memory._pool:
+                    memory._pool.remove(slot)
         self._grown = []
 
     def buffer(self, size: int) -> Decoded:

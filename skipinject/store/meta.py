@@ -9,18 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import skipinject.store.format as fmt
 from skipinject.errors import CorruptCacheError
-from skipinject.store.format import (
-    MAX_BYTES_PER_TOKEN,
-    MAX_FILE_BYTES,
-    MAX_ROW_BYTES,
-    MAX_ROWS,
-    MAX_WIDTH,
-    META_NAME,
-    MIN_ROW_BYTES,
-    PART_SLACK,
-    SAFE_NAME,
-)
 
 
 @dataclass(frozen=True)
@@ -125,7 +115,7 @@ class StepMeta(dict[str, Any]):
 
 def part_budget(rows: int | None, context: Mapping[str, Any]) -> int:
     """The most bytes one part of ``rows`` rows may take decoded and rebuilt: per row, the declared width times
-    :data:`~skipinject.store.format.MAX_BYTES_PER_TOKEN` (at least ``MIN_ROW_BYTES``), plus ``PART_SLACK``,
+    :data:`~skipinject.store.format.MAX_BYTES_PER_TOKEN` (at least ``fmt.MIN_ROW_BYTES``), plus ``fmt.PART_SLACK``,
     at most the memory budget."""
     from skipinject.store.hit_memory import memory_budget
 
@@ -133,23 +123,23 @@ def part_budget(rows: int | None, context: Mapping[str, Any]) -> int:
     if rows is None:
         return budget
     widths = [context.get("prompt_length"), context.get("response_length")]
-    if all(type(w) is int and 0 <= w <= MAX_WIDTH for w in widths):
-        per_row = max(sum(int(w) for w in widths if w is not None) * MAX_BYTES_PER_TOKEN, MIN_ROW_BYTES)
+    if all(type(w) is int and 0 <= w <= fmt.MAX_WIDTH for w in widths):
+        per_row = max(sum(int(w) for w in widths if w is not None) * fmt.MAX_BYTES_PER_TOKEN, fmt.MIN_ROW_BYTES)
     else:
-        per_row = MAX_ROW_BYTES
-    return min(budget, rows * per_row + PART_SLACK)
+        per_row = fmt.MAX_ROW_BYTES
+    return min(budget, rows * per_row + fmt.PART_SLACK)
 
 
 def step_meta(meta: Mapping[str, Any], step_dir: Path) -> StepMeta:
     """``meta`` as a :class:`StepMeta` (itself if it is one)."""
-    return meta if isinstance(meta, StepMeta) else StepMeta(meta, step_dir / META_NAME)
+    return meta if isinstance(meta, StepMeta) else StepMeta(meta, step_dir / fmt.META_NAME)
 
 
 def _part(directory: Path, part: Any) -> Part:
     if not isinstance(part, Mapping):
         raise CorruptCacheError(f"{directory}: meta.json is malformed (part {short(part)} is not a record)")
     sub = part.get("dir", "")
-    if not isinstance(sub, str) or (sub and not SAFE_NAME.match(sub)) or sub in (".", ".."):
+    if not isinstance(sub, str) or (sub and not fmt.SAFE_NAME.match(sub)) or sub in (".", ".."):
         raise CorruptCacheError(f"{directory}: meta.json names an unsafe part directory {short(sub)}")
     files = part.get("files")
     if not isinstance(files, dict) or set(files) != {"tensors", "objects"}:
@@ -157,15 +147,15 @@ def _part(directory: Path, part: Any) -> Part:
     out = []
     for kind, spec in files.items():
         name = spec.get("name") if isinstance(spec, dict) else None
-        if not isinstance(name, str) or not SAFE_NAME.match(name) or ".." in name or name == META_NAME:
+        if not isinstance(name, str) or not fmt.SAFE_NAME.match(name) or ".." in name or name == fmt.META_NAME:
             raise CorruptCacheError(f"{directory}: meta.json names an unsafe file {short(name)}")
         for key in ("size", "decoded_size"):
             value = spec.get(key)
-            if value is not None and (type(value) is not int or not 0 <= value <= MAX_FILE_BYTES):
+            if value is not None and (type(value) is not int or not 0 <= value <= fmt.MAX_FILE_BYTES):
                 raise CorruptCacheError(f"{directory}: meta.json records no file size ({key} {short(value, 40)})")
         out.append(DataFile(kind, name, spec))
     rows = part.get("rows")
-    if rows is not None and (type(rows) is not int or not 0 <= rows <= MAX_ROWS):
+    if rows is not None and (type(rows) is not int or not 0 <= rows <= fmt.MAX_ROWS):
         raise CorruptCacheError(f"{directory}: meta.json part {sub!r} records no row count ({short(rows, 40)})")
     return Part(sub, rows, tuple(out))
 

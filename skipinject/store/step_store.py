@@ -1,8 +1,6 @@
-"""One role's steps under one project directory: the only code that reads, verifies, writes or removes them.
-
-The format's logic lives here once for every backend: the ``meta.json`` checks, sizes before reading and
-checksums before decoding, the commit rule (:class:`~skipinject.store.writer.StepWriter`). Every failure is
-a :class:`CorruptCacheError`; a missing step stays ``FileNotFoundError``."""
+"""One role's steps under one project directory: the only code that reads, verifies, writes or removes them,
+for every backend (``meta.json`` checks, sizes before reading, checksums before decoding, the commit rule).
+Every failure is a :class:`CorruptCacheError`; a missing step stays ``FileNotFoundError``."""
 
 from __future__ import annotations
 
@@ -16,30 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import skipinject.store.format as fmt
 from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.payload import Payload
 from skipinject.store.backend import Backend, StepFiles
 from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo, _Hasher
 from skipinject.store.compression import Compression, FrameDecoder
 from skipinject.store.files import parse_json, remove_step
-from skipinject.store.format import (
-    CLAIM_PREFIX,
-    DATA_NAME,
-    FORMAT,
-    MAX_CLAIMS,
-    MAX_META_DEPTH,
-    MAX_ROWS,
-    META_NAME,
-    PART_NAME,
-    READABLE_VERSIONS,
-    SAFE_NAME,
-    STEP_NAME,
-    USAGE_NAME,
-    is_ours,
-    is_usage_name,
-    meta_digest,
-    step_name,
-)
 from skipinject.store.garbage import collect
 from skipinject.store.hit_memory import FRESH, Claim, HitMemory
 from skipinject.store.meta import DataFile, Part, StepMeta, part_budget, short, step_meta
@@ -52,7 +33,7 @@ if TYPE_CHECKING:
     from skipinject.store.hit_memory import Decoded
     from skipinject.store.remote import RemotePath
 
-__all__ = ["STEP_NAME", "RemoteStepStore", "StepEntry", "StepStore"]
+__all__ = ["RemoteStepStore", "StepEntry", "StepStore"]
 
 logger = logging.getLogger("skipinject")
 
@@ -62,8 +43,8 @@ MAX_USAGE_BYTES = 1024
 MAX_HITS = 1 << 53
 #: A last use further in the future than this (clock skew between nodes) is forged.
 FUTURE_SLACK = 86400.0
-_warned = False
-_warn_lock = threading.Lock()
+#: Taken by the first untrusted usage record reported (later ones are logged at debug level only).
+_first_warning = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -111,7 +92,7 @@ class StepEntry:
 
     step: int
     directory: Path
-    meta: Mapping[str, Any]
+    meta: StepMeta
     mapped: dict[Path, Decoded] = field(default_factory=dict, compare=False, repr=False)  # tensor files
     blobs: dict[Path, bytes] = field(default_factory=dict, compare=False, repr=False)  # objects files
     #: Where a compressed step's decoded tensors go (:mod:`~skipinject.store.hit_memory`).
@@ -170,7 +151,7 @@ class StepStore:
         return self.project_dir
 
     def step_dir(self, step: int) -> Path:
-        return self.project_dir / step_name(step)
+        return self.project_dir / fmt.step_name(step)
 
     def begin(self, step: int) -> StepWriter:
         return StepWriter(self, step)
@@ -193,27 +174,27 @@ class StepStore:
         self.check_writable([])
         if first is None:
             first = next_number(self.step_numbers_on_disk())
-        for number in range(first, first + MAX_CLAIMS):
+        for number in range(first, first + fmt.MAX_CLAIMS):
             step_dir = self.step_dir(number)
             created = backend.make_dir(step_dir)
             if created is not None:
                 if created:
                     return number
                 continue
-            marker = step_dir / f"{CLAIM_PREFIX}{token}"
+            marker = step_dir / f"{fmt.CLAIM_PREFIX}{token}"
             backend.write(marker, lambda handle: None)
             try:
                 names = backend.names(step_dir)
             except FileNotFoundError:
                 names = []
-            if [n for n in names if n.startswith(CLAIM_PREFIX) or n == META_NAME] == [marker.name]:
+            if [n for n in names if n.startswith(fmt.CLAIM_PREFIX) or n == fmt.META_NAME] == [marker.name]:
                 return number
             backend.remove(marker)
-        raise CacheError(f"{self.project_dir}: steps {first} to {first + MAX_CLAIMS - 1} are all taken")
+        raise CacheError(f"{self.project_dir}: steps {first} to {first + fmt.MAX_CLAIMS - 1} are all taken")
 
     def release(self, step: int, token: str) -> None:
         """Remove an object store's claim object (a claimed directory is the record's). Never raises."""
-        self.backend.remove(self.step_dir(step) / f"{CLAIM_PREFIX}{token}", self.dump_dir or self.project_dir)
+        self.backend.remove(self.step_dir(step) / f"{fmt.CLAIM_PREFIX}{token}", self.dump_dir or self.project_dir)
 
     def read_file(self, name: str, limit: int) -> bytes:
         """A file beside the steps (the row index), at most ``limit`` bytes; FileNotFoundError."""
@@ -224,7 +205,7 @@ class StepStore:
 
     def meta_versions(self, steps: Sequence[int]) -> dict[int, int]:
         """A number per step that changes whenever its ``meta.json`` is replaced (no ``meta.json`` read)."""
-        wanted = {self.step_dir(step) / META_NAME: step for step in steps}
+        wanted = {self.step_dir(step) / fmt.META_NAME: step for step in steps}
         if not wanted:
             return {}
         return {wanted[at]: version for at, version in self.backend.versions(self.project_dir, list(wanted)).items()}
@@ -286,7 +267,7 @@ class StepStore:
             if self.backend.checks_owners:
                 raise
             return []  # a remote store that cannot be listed holds nothing this run can use
-        return sorted({int(name) for name in names if STEP_NAME.fullmatch(name)})
+        return sorted({int(name) for name in names if fmt.STEP_NAME.fullmatch(name)})
 
     def is_committed(self, step: int, *, siblings: bool = False) -> bool:
         """The step has a valid ``meta.json`` of this role (or a sibling's); its data files are not verified."""
@@ -307,8 +288,8 @@ class StepStore:
 
         step_dir = self.step_dir(step)
         top = names(step_dir)
-        found = top + [name for sub in top if PART_NAME.fullmatch(sub) for name in names(step_dir / sub)]
-        if META_NAME in top or not any(DATA_NAME.fullmatch(name) for name in found):
+        found = top + [name for sub in top if fmt.PART_NAME.fullmatch(sub) for name in names(step_dir / sub)]
+        if fmt.META_NAME in top or not any(fmt.DATA_NAME.fullmatch(name) for name in found):
             return None
         return f"{step_dir} holds data files but no meta.json (an earlier save was interrupted)"
 
@@ -316,9 +297,8 @@ class StepStore:
         """verl's own file ``name`` of a step if it is a regular file in a real, trusted, local step directory
         (``directory_name``: when not ``{step}``); None otherwise. Never raises."""
         pieces = name.split("/")
-        if len(pieces) > 2 or not all(SAFE_NAME.match(p) and ".." not in p for p in pieces):
-            return None
-        if directory_name is not None and (not SAFE_NAME.match(directory_name) or ".." in directory_name):
+        names = pieces if directory_name is None else [*pieces, directory_name]
+        if len(pieces) > 2 or not all(fmt.SAFE_NAME.match(p) and ".." not in p for p in names):
             return None
         base = self.step_dir(step) if directory_name is None else self.project_dir / directory_name
         if not isinstance(base, Path):  # verl's own caches are pickles on local disks, loaded by path
@@ -346,17 +326,17 @@ class StepStore:
 
     def _read_meta(self, files: StepFiles, step: int, siblings: bool = False) -> StepMeta:
         """Format, version, self-checksum, role, step, context, rows and checksum algorithm checked."""
-        path = self.step_dir(step) / META_NAME
-        meta = parse_json(files.read_meta(), path, what="meta.json", max_depth=MAX_META_DEPTH)
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        path = self.step_dir(step) / fmt.META_NAME
+        meta = parse_json(files.read_meta(), path, what="meta.json", max_depth=fmt.MAX_META_DEPTH)
+        if not isinstance(meta, dict) or meta.get("format") != fmt.FORMAT:
             raise CorruptCacheError(f"{path}: not a skipinject cache (no format marker)")
         try:
-            if meta.get("format_version") not in READABLE_VERSIONS:
+            if meta.get("format_version") not in fmt.READABLE_VERSIONS:
                 raise CorruptCacheError(
                     f"{path}: written in format version {short(meta.get('format_version'))}, "
-                    f"this skipinject reads versions {', '.join(map(str, READABLE_VERSIONS))}"
+                    f"this skipinject reads versions {', '.join(map(str, fmt.READABLE_VERSIONS))}"
                 )
-            if meta.get("meta_checksum") != meta_digest(meta):
+            if meta.get("meta_checksum") != fmt.meta_digest(meta):
                 raise CorruptCacheError(f"{path}: meta.json was edited or damaged (its checksum does not match)")
             if meta.get("role") != self.role and not (siblings and meta.get("role") in self.siblings):
                 raise CorruptCacheError(f"{path}: written by role {short(meta.get('role'))}, not {self.role!r}")
@@ -370,7 +350,7 @@ class StepStore:
                     f"{path}: written for other trainer metadata {short(context)}, this run is {self.context!r}"
                 )
             rows = meta.get("rows")
-            if rows is not None and (type(rows) is not int or not 0 <= rows <= MAX_ROWS):
+            if rows is not None and (type(rows) is not int or not 0 <= rows <= fmt.MAX_ROWS):
                 raise CorruptCacheError(f"{path}: meta.json is malformed (rows {short(rows)} is no row count)")
             if meta.get("checksum_algo") not in CHECKSUM_ALGOS:
                 raise CorruptCacheError(
@@ -436,15 +416,14 @@ class StepStore:
         if not entry.mapped and not entry.blobs:
             entry = self.verified(entry.step, siblings=entry.meta.get("role") != self.role)  # under the same rules
         try:
-            return [self._load_part(entry, part) for part in step_meta(entry.meta, entry.directory).parts]
+            return [self._load_part(entry, part) for part in entry.meta.parts]
         except BaseException:
             entry.memory.refuse()  # what a refused step took is not kept for later hits
             raise
 
     def _load_part(self, entry: StepEntry, part: Part) -> Payload:
         paths = {file.kind: part.at(entry.directory, file.name) for file in part.files}
-        context = entry.meta.get("context")
-        budget = part_budget(part.rows, context if isinstance(context, Mapping) else {})
+        budget = part_budget(part.rows, self.context)  # the step's context: it equals this store's
         budget -= sum(file.decoded for file in part.files if file.kind != "tensors")
         try:
             tensors = read_tensors(entry.mapped.get(paths["tensors"]), paths["tensors"], entry.memory, budget)
@@ -485,21 +464,20 @@ class StepStore:
         now = time.time() if now is None else now
         try:
             step_dir = self.step_dir(step)
-            found, meta = self.backend.stat(step_dir), self.backend.stat(step_dir / META_NAME)
+            found, meta = self.backend.stat(step_dir), self.backend.stat(step_dir / fmt.META_NAME)
             linked = self.backend.checks_owners and (found is None or found.kind != "directory")
             if linked or meta is None or meta.kind != "file":
                 return  # removed meanwhile (or a link): nothing to count in
             self.check_writable([step_dir])
             before = self.usage(step, now)
             record = Usage(min(MAX_HITS, (before.hits if before is not None else 0) + 1), now).encoded()
-            self.backend.write(step_dir / USAGE_NAME, lambda handle: handle.write(record))
+            self.backend.write(step_dir / fmt.USAGE_NAME, lambda handle: handle.write(record))
         except Exception as exc:
             logger.debug("%s step %d: usage not recorded (%s: %s)", self.role, step, type(exc).__name__, exc)
 
     def usage(self, step: int, now: float | None = None) -> Usage | None:
         """The step's usage record, or None (none, or one not to trust: said once per process). Never raises."""
-        global _warned
-        location = self.step_dir(step) / USAGE_NAME
+        location = self.step_dir(step) / fmt.USAGE_NAME
         try:
             data = self.backend.read_bytes(location, MAX_USAGE_BYTES)
             return Usage.parse(data, location, time.time() if now is None else now)
@@ -507,9 +485,7 @@ class StepStore:
             return None
         except Exception as exc:
             problem = str(exc) if isinstance(exc, CacheError) else f"{location}: {type(exc).__name__}: {exc}"
-            with _warn_lock:
-                first, _warned = not _warned, True
-            if first:
+            if _first_warning.acquire(blocking=False):
                 logger.warning(
                     "%s; its step's usage statistics start again (further such records: not reported)", problem
                 )
@@ -527,7 +503,7 @@ class StepStore:
         def wanted(part: str, name: str, info: object = None) -> bool:
             if only is not None:
                 return f"{part}/{name}" in only
-            return is_ours(name) or (not part and (name == META_NAME or is_usage_name(name)))
+            return fmt.is_ours(name) or (not part and (name == fmt.META_NAME or fmt.is_usage_name(name)))
 
         root = anchor if anchor is not None else self.dump_dir if self.dump_dir is not None else self.project_dir
         step_dir = self.step_dir(step)
@@ -538,7 +514,7 @@ class StepStore:
         except FileNotFoundError:
             return 0, 0
         chosen = [f for f in listed if f.kind == "file" and wanted(f.part, f.name)]
-        chosen.sort(key=lambda found: bool(found.part) or found.name != META_NAME)
+        chosen.sort(key=lambda found: bool(found.part) or found.name != fmt.META_NAME)
         for found in chosen:
             self.backend.remove(step_dir / found.part / found.name if found.part else step_dir / found.name)
         return len(chosen), sum(found.size for found in chosen)
@@ -562,7 +538,7 @@ def list_step(backend: Backend, step_dir: Path) -> list[StoredFile]:
         if info is None:
             continue
         out.append(StoredFile("", name, info.kind, info.size, info.modified or 0.0))
-        if info.kind == "directory" and PART_NAME.fullmatch(name):
+        if info.kind == "directory" and fmt.PART_NAME.fullmatch(name):
             for leaf in backend.names(step_dir / name):
                 inner = backend.stat(step_dir / name / leaf)
                 if inner is not None:
@@ -575,7 +551,7 @@ def next_number(numbers: Sequence[int]) -> int:
     :data:`~skipinject.store.format.MAX_CLAIMS` ends the run (a stray directory never makes records jump)."""
     last = 0
     for number in numbers:
-        if number - last > MAX_CLAIMS:
+        if number - last > fmt.MAX_CLAIMS:
             break
         last = number
     return last + 1

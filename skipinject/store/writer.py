@@ -13,23 +13,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+import skipinject.store.format as fmt
 from skipinject._version import __version__
 from skipinject.errors import CacheError
 from skipinject.node import node_identity
 from skipinject.payload import Payload
 from skipinject.store.checksums import _Hasher
 from skipinject.store.compression import write_compressed
-from skipinject.store.format import (
-    FORMAT,
-    FORMAT_VERSION,
-    META_NAME,
-    PART_NAME,
-    PLAIN_FORMAT_VERSION,
-    SAFE_NAME,
-    meta_digest,
-    objects_name,
-    tensors_name,
-)
 from skipinject.store.garbage import ACTIVE_WRITE_IDS
 from skipinject.store.meta import part_budget
 from skipinject.store.tensorfile import tensor_file
@@ -57,7 +47,7 @@ class StepWriter:
 
     def add_part(self, payload: Payload, part: str = "") -> None:
         """Write one part's files, invisible until :meth:`commit` (parts may follow a commit)."""
-        if part and not SAFE_NAME.match(part):
+        if part and not fmt.SAFE_NAME.match(part):
             raise ValueError(f"bad part name {part!r}")
         ACTIVE_WRITE_IDS.add(self.write_id)  # again, after a commit: not collected while being written
         blob = json.dumps(payload.objects, separators=(",", ":"), allow_nan=True).encode()
@@ -75,7 +65,7 @@ class StepWriter:
         self.store.check_writable([self.directory, folder])  # never into a tree another user controls
         algo = self.store.checksum_algo
         compression = self.store.compression
-        tensors_at = folder / tensors_name(self.write_id)
+        tensors_at = folder / fmt.tensors_name(self.write_id)
         self._written.append(tensors_at)
         size, (checksum, encoded) = backend.write(
             tensors_at, lambda h: tensor_file(h, payload.tensors, algo, compression, payload.concats), self.write_id
@@ -83,7 +73,7 @@ class StepWriter:
         files: dict[str, Any] = {
             "tensors": {"name": tensors_at.name, "size": size, "checksum": checksum, **(encoded or {})}
         }
-        objects_at = folder / objects_name(self.write_id)
+        objects_at = folder / fmt.objects_name(self.write_id)
         self._written.append(objects_at)
         hasher = _Hasher(algo)
 
@@ -109,7 +99,7 @@ class StepWriter:
                 current = exc
             if current != over:
                 raise CacheError(f"{self.directory}: recorded anew or removed since it was read; not replaced")
-        self.store.backend.replace(self.directory / META_NAME, text, self.write_id)
+        self.store.backend.replace(self.directory / fmt.META_NAME, text, self.write_id)
         self._written.clear()
         self._created.clear()
         ACTIVE_WRITE_IDS.discard(self.write_id)
@@ -123,8 +113,8 @@ class StepWriter:
         record = dict(meta)
         record.update(
             {
-                "format": FORMAT,
-                "format_version": FORMAT_VERSION if encoded else PLAIN_FORMAT_VERSION,
+                "format": fmt.FORMAT,
+                "format_version": fmt.FORMAT_VERSION if encoded else fmt.PLAIN_FORMAT_VERSION,
                 "role": self.store.role,
                 "step": self.step,
                 **dict.fromkeys(self.store.step_aliases, self.step),
@@ -141,7 +131,7 @@ class StepWriter:
             record["created"] = meta["created"]
         if self.store.plugin:
             record["plugin"] = self.store.plugin
-        record["meta_checksum"] = meta_digest(record)
+        record["meta_checksum"] = fmt.meta_digest(record)
         return json.dumps(record, indent=1, sort_keys=True).encode()
 
     def abort(self) -> None:
@@ -155,7 +145,7 @@ class StepWriter:
 
 
 def _part_order(name: str) -> tuple[int, str]:
-    return (int(name), "") if PART_NAME.fullmatch(name) else (-1, name)
+    return (int(name), "") if fmt.PART_NAME.fullmatch(name) else (-1, name)
 
 
 def writer_versions() -> dict[str, str]:

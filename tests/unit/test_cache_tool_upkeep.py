@@ -88,7 +88,7 @@ HOSTILE = {
 def test_a_garbled_or_hostile_record_costs_only_the_statistics_with_one_line(
     dump: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.setattr(step_store, "_warned", False)
+    monkeypatch.setattr(step_store, "_first_warning", threading.Lock())
     store = store_at(dump)
     for step, data in enumerate(HOSTILE.values()):
         store.save(step, payload(step))
@@ -105,7 +105,7 @@ def test_a_garbled_or_hostile_record_costs_only_the_statistics_with_one_line(
 
 
 def test_a_record_that_is_a_link_or_a_fifo_is_never_followed_nor_blocks(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(step_store, "_warned", False)
+    monkeypatch.setattr(step_store, "_first_warning", threading.Lock())
     store = store_at(str(tmp_path / "dump"))
     secret = tmp_path / "secret.json"
     secret.write_text('{"hits": 7, "last_served": 1}')
