@@ -45,11 +45,8 @@ class Convention(enum.Enum):
     TRAMPOLINE = "sync-or-async"
 
 
-class _Binding(enum.Enum):
-    FUNCTION = "function"
-    METHOD = "method"
-    STATIC = "staticmethod"
-    CLASS = "classmethod"
+#: How a target is bound: how a trampoline's ``async def`` is bound again, and what logs call it.
+FUNCTION, METHOD, STATIC, CLASS = "function", "method", "staticmethod", "classmethod"
 
 
 if TYPE_CHECKING:  # wrapt's stubs make FunctionWrapper generic; wrapt 1.x cannot subscript it at run time
@@ -100,16 +97,12 @@ class _Patch:
     path: TargetPath
     interceptor: Interceptor
     owner: str
-    applied: bool = False
-    parent: Any = None
-    attribute: str = ""
-    original: Any = _MISSING  # what was in parent.__dict__ (``_MISSING``: it was inherited)
-    convention: Convention | None = None
     overrides: bool = False  # also patch subclasses' own overrides (methods only)
-    patched_overrides: list[_Patch] = field(default_factory=list)
-    #: Attribute targets: the dotted attribute, and ``(holder, name, what holder.__dict__ had)`` of each wrapped.
-    instance_attribute: str | None = None
-    wrapped: list[tuple[Any, str, Any]] = field(default_factory=list)
+    instance_attribute: str | None = None  # attribute targets: the dotted attribute
+    convention: Convention | None = None
+    applied: bool = False
+    #: What to put back on uninstrument, oldest first: ``(holder, name, what holder.__dict__ had, what, done)``.
+    undo: list[tuple[Any, str, Any, str, str]] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -125,13 +118,13 @@ def _never(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool
 
 
 def _build_wrapper(
-    patch: _Patch, raw: Any, binding: _Binding, function: Any, owner: Callable[[], Any] | None = None
-) -> SkipinjectWrapper:
-    """The wrapper of one target. ``owner`` (attribute targets): the instance calls are reported with."""
+    patch: _Patch, raw: Any, binding: str, function: Any, owner: Callable[[], Any] | None = None, label: str = ""
+) -> tuple[SkipinjectWrapper, Convention]:
+    """The wrapper of one target (``label``: an override's own). ``owner`` (attribute targets): the instance
+    calls are reported with."""
     convention, inner = convention_of(function)
-    patch.convention = convention
     interceptor = patch.interceptor
-    label = patch.label
+    label = label or patch.label
     passes = getattr(interceptor, "passes", None) or _never
     # A bound method wrapped on an instance (attribute targets): a trampoline's coroutine needs its self.
     bound_self = getattr(function, "__self__", None) if owner is not None else None
@@ -144,12 +137,12 @@ def _build_wrapper(
         if convention is Convention.ASYNC:
             return interceptor.run_async(call, _proceed(wrapped, args, kwargs))
         if convention is Convention.TRAMPOLINE and _awaiting_caller(sys._getframe(1)):
-            receiver = (instance, binding) if bound_self is None else (bound_self, _Binding.METHOD)
+            receiver = (instance, binding) if bound_self is None else (bound_self, METHOD)
             target = _bind(inner, *receiver)
             return interceptor.run_async(call, _proceed(target, args, kwargs))
         return interceptor.sync(call, _proceed(wrapped, args, kwargs))
 
-    return SkipinjectWrapper(raw, wrapper)
+    return SkipinjectWrapper(raw, wrapper), convention
 
 
 def _proceed(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
@@ -163,23 +156,15 @@ def _proceed(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     return proceed
 
 
-def _bind(function: Any, instance: Any, binding: _Binding) -> Any:
-    if binding is _Binding.METHOD and instance is not None:
-        return function.__get__(instance, type(instance))
-    if binding is _Binding.CLASS and instance is not None:
-        return function.__get__(instance, instance)
+def _bind(function: Any, instance: Any, binding: str) -> Any:
+    if binding in (METHOD, CLASS) and instance is not None:
+        return function.__get__(instance, type(instance) if binding == METHOD else instance)
     return function
 
 
-def _put_back(holder: Any, name: str, own: Any, what: str, done: str = "patched") -> None:
-    """Restore ``holder.name`` to ``own`` (``_MISSING``: delete it), unless someone replaced our wrapper since."""
-    current = vars(holder).get(name) if hasattr(holder, "__dict__") else None
-    if not isinstance(current, SkipinjectWrapper):
-        logger.warning("%s was replaced by someone else after we %s it; leaving it", what, done)
-    elif own is _MISSING:
-        delattr(holder, name)
-    else:
-        setattr(holder, name, own)
+def _own(holder: Any, name: str) -> Any:
+    """What ``holder.__dict__`` has at ``name`` (``_MISSING``: nothing, the value is inherited)."""
+    return vars(holder).get(name, _MISSING) if hasattr(holder, "__dict__") else _MISSING
 
 
 class Injector:
@@ -210,7 +195,7 @@ class Injector:
             if key in self._patches:
                 logger.debug("%s is already instrumented (by %s)", key, self._patches[key].owner)
                 return
-            self._patches[key] = _Patch(target, interceptor, owner, overrides=overrides, instance_attribute=attribute)
+            self._patches[key] = _Patch(target, interceptor, owner, overrides, attribute)
             if target.module in sys.modules:
                 self._apply(self._patches[key], sys.modules[target.module])
             elif target.module not in self._hooked_modules:
@@ -218,16 +203,35 @@ class Injector:
                 wrapt.register_post_import_hook(self._on_import, target.module)
 
     def uninstrument(self, path: str, attribute: str | None = None) -> None:
-        """Undo :meth:`instrument`: restore the original object (and every attribute it wrapped)."""
+        """Undo :meth:`instrument`: restore the original object (and every override and attribute it wrapped)."""
         with self._lock:
             patch = self._patches.pop(target_key(path, attribute), None)
             if patch is None:
                 return
-            if patch.applied:
-                self._restore(patch)
-            for holder, name, own in patch.wrapped:
-                _put_back(holder, name, own, patch.label, "wrapped")
-            patch.wrapped.clear()
+            patch.applied = False
+            for base, (own, ours, patches) in list(self._subclass_hooks.items()):
+                if patch not in patches:
+                    continue
+                patches.remove(patch)
+                if patches:
+                    continue
+                del self._subclass_hooks[base]
+                if vars(base).get("__init_subclass__") is not ours:
+                    logger.warning(
+                        "%s.__init_subclass__ was replaced after we patched it; leaving it", base.__qualname__
+                    )
+                elif own is _MISSING:
+                    type.__delattr__(base, "__init_subclass__")
+                else:
+                    type.__setattr__(base, "__init_subclass__", own)
+            while patch.undo:
+                holder, name, own, what, done = patch.undo.pop()
+                if not isinstance(vars(holder).get(name) if hasattr(holder, "__dict__") else None, SkipinjectWrapper):
+                    logger.warning("%s was replaced by someone else after we %s it; leaving it", what, done)
+                elif own is _MISSING:
+                    delattr(holder, name)
+                else:
+                    setattr(holder, name, own)
 
     def uninstrument_all(self) -> None:
         for key in list(self._patches):
@@ -271,7 +275,6 @@ class Injector:
         if isinstance(current, SkipinjectWrapper):
             logger.debug("%s is already wrapped; leaving it", patch.path)
             return
-        own = vars(parent).get(attribute, _MISSING) if hasattr(parent, "__dict__") else _MISSING
         binding, function = _classify(parent, current)
         if function is None:
             logger.warning(
@@ -279,8 +282,8 @@ class Injector:
             )
             return
         if patch.instance_attribute is None:
-            wrapper = _build_wrapper(patch, current, binding, function)
-        elif binding is _Binding.METHOD and convention_of(function)[0] is Convention.SYNC:
+            wrapper, patch.convention = _build_wrapper(patch, current, binding, function)
+        elif binding == METHOD and convention_of(function)[0] is Convention.SYNC:
 
             def wrap_after(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 result = wrapped(*args, **kwargs)
@@ -294,15 +297,17 @@ class Injector:
                 "%s: target %s is not a plain method (%s); its attribute %s cannot be wrapped",
                 patch.who,
                 patch.path,
-                binding.value,
+                binding,
                 patch.instance_attribute,
             )
             return
+        own = _own(parent, attribute)
         setattr(parent, attribute, wrapper)
-        patch.parent, patch.attribute, patch.original, patch.applied = parent, attribute, own, True
+        patch.undo.append((parent, attribute, own, str(patch.path), "patched"))
+        patch.applied = True
         convention = patch.convention.value if patch.convention else "?"
-        logger.debug("patched %s (%s, %s) for %s", patch.path, binding.value, convention, patch.owner)
-        if patch.overrides and binding is _Binding.METHOD and isinstance(parent, type):
+        logger.debug("patched %s (%s, %s) for %s", patch.path, binding, convention, patch.owner)
+        if patch.overrides and binding == METHOD and isinstance(parent, type):
             self._follow_subclasses(patch, parent)
 
     def _follow_subclasses(self, patch: _Patch, base: Any) -> None:
@@ -337,20 +342,18 @@ class Injector:
         self._subclass_hooks[base] = (own, ours, patches)
 
     def _patch_override(self, patch: _Patch, cls: type) -> None:
-        raw = vars(cls).get(patch.attribute, _MISSING)
+        name = patch.path.qualname.rpartition(".")[2]
+        raw = vars(cls).get(name, _MISSING)
         if raw is _MISSING or isinstance(raw, SkipinjectWrapper) or not inspect.isfunction(raw):
             return
-        child = _Patch(
-            TargetPath(cls.__module__, f"{cls.__qualname__}.{patch.attribute}"), patch.interceptor, patch.owner
-        )
+        path = TargetPath(cls.__module__, f"{cls.__qualname__}.{name}")
         try:
-            setattr(cls, patch.attribute, _build_wrapper(child, raw, _Binding.METHOD, raw))
+            setattr(cls, name, _build_wrapper(patch, raw, METHOD, raw, label=str(path))[0])
         except Exception as exc:  # a class that refuses the attribute must not break its definition
-            logger.warning("%s: cannot patch the override %s: %s", patch.who, child.path, exc)
+            logger.warning("%s: cannot patch the override %s: %s", patch.who, path, exc)
             return
-        child.parent, child.attribute, child.original, child.applied = cls, patch.attribute, raw, True
-        patch.patched_overrides.append(child)
-        logger.debug("patched the override %s of %s for %s", child.path, patch.path, patch.owner)
+        patch.undo.append((cls, name, raw, str(path), "patched"))
+        logger.debug("patched the override %s of %s for %s", path, patch.path, patch.owner)
 
     def _wrap_attribute(self, patch: _Patch, instance: Any) -> None:
         """Wrap ``instance.<patch.instance_attribute>`` where it lives (after the method returned)."""
@@ -371,44 +374,23 @@ class Injector:
             if not callable(current):
                 logger.warning("%s: %s is not callable (%s); not wrapped", patch.who, patch.label, type(current))
                 return
-            own = vars(holder).get(name, _MISSING) if hasattr(holder, "__dict__") else _MISSING
-            wrapper = _build_wrapper(patch, current, _Binding.FUNCTION, current, owner=weak_ref(instance))
+            own = _own(holder, name)
+            wrapper, patch.convention = _build_wrapper(patch, current, FUNCTION, current, owner=weak_ref(instance))
             try:
                 setattr(holder, name, wrapper)
             except (AttributeError, TypeError) as exc:
                 logger.warning("%s: cannot wrap %s (%s)", patch.who, patch.label, exc)
                 return
-            patch.wrapped.append((holder, name, own))
+            patch.undo.append((holder, name, own, patch.label, "wrapped"))
         logger.debug("wrapped %s on a %s for %s", patch.label, type(holder).__name__, patch.owner)
 
-    def _restore(self, patch: _Patch) -> None:
-        for child in patch.patched_overrides:  # only with ``overrides``
-            self._restore(child)
-        patch.patched_overrides.clear()
-        for base, (own, ours, patches) in list(self._subclass_hooks.items()):
-            if patch in patches:
-                patches.remove(patch)
-            if patches:
-                continue
-            del self._subclass_hooks[base]
-            if vars(base).get("__init_subclass__") is not ours:
-                logger.warning("%s.__init_subclass__ was replaced after we patched it; leaving it", base.__qualname__)
-            elif own is _MISSING:
-                type.__delattr__(base, "__init_subclass__")
-            else:
-                type.__setattr__(base, "__init_subclass__", own)
-        _put_back(patch.parent, patch.attribute, patch.original, str(patch.path))
-        patch.applied = False
 
-
-def _classify(parent: Any, raw: Any) -> tuple[_Binding, Any]:
-    if isinstance(raw, staticmethod):
-        return _Binding.STATIC, raw.__func__
-    if isinstance(raw, classmethod):
-        return _Binding.CLASS, raw.__func__
+def _classify(parent: Any, raw: Any) -> tuple[str, Any]:
+    if isinstance(raw, (staticmethod, classmethod)):
+        return (STATIC if isinstance(raw, staticmethod) else CLASS), raw.__func__
     if not callable(raw):
-        return _Binding.FUNCTION, None
-    return (_Binding.METHOD if isinstance(parent, type) else _Binding.FUNCTION), raw
+        return FUNCTION, None
+    return (METHOD if isinstance(parent, type) else FUNCTION), raw
 
 
 #: The injector of this process.
