@@ -36,10 +36,7 @@ class TensorSink:
         if known is not None and known[0] is tensor:
             return known[1]
         name = f"{len(self.tensors)}:{label}"
-        value = tensor.detach()
-        if value.device.type != "cpu":
-            value = value.cpu()
-        self.tensors[name] = value.contiguous()
+        self.tensors[name] = tensor.detach().cpu().contiguous()  # each a no-op for a contiguous CPU tensor
         self._seen[id(tensor)] = (tensor, name)
         return name
 
@@ -140,17 +137,19 @@ _SCALARS = (str, int, float, bool, type(None), bytes)
 _NUMPY_TENSOR_KINDS = "biufc"
 
 
+def unsupported(path: str, value: Any, why: str = "") -> CodecError:
+    """The error for a value at ``path`` that no codec can store."""
+    kind = type(value)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    return CodecError(f"cannot cache {path}: type {name} is not supported{why}")
+
+
 class _Encoder:
     """One pass of :func:`to_jsonable`; remembers whether it emitted any tag (decode can then skip)."""
 
     def __init__(self, sink: TensorSink | None) -> None:
         self.sink = sink
         self.tagged = False
-
-    def fail(self, path: str, value: Any, why: str = "") -> CodecError:
-        kind = type(value)
-        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-        return CodecError(f"cannot cache {path}: type {name} is not supported{why}")
 
     def tag(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.tagged = True
@@ -178,7 +177,7 @@ class _Encoder:
             return self.enc_numpy(value, path)
         if (module == "torch" and kind.__name__ == "Tensor") or module.startswith("torch.nested"):
             return self.enc_tensor(value, path)
-        raise self.fail(path, value)
+        raise unsupported(path, value)
 
     def enc_numpy(self, value: Any, path: str) -> Any:
         import numpy as np
@@ -187,7 +186,7 @@ class _Encoder:
             return self.enc_array(value, path)
         if isinstance(value, np.generic) and value.dtype.kind in "biufUSc":
             return self.tag("np", dtype=value.dtype.str, v=_json_item(value.dtype.kind, value.item()))
-        raise self.fail(path, value, f" (numpy dtype {getattr(value, 'dtype', '?')})")
+        raise unsupported(path, value, f" (numpy dtype {getattr(value, 'dtype', '?')})")
 
     def enc_array(self, array: Any, path: str) -> Any:
         kind = array.dtype.kind
@@ -196,7 +195,7 @@ class _Encoder:
             return self.tag("ndo", shape=list(array.shape), v=items)
         if kind not in "US":
             if kind not in _NUMPY_TENSOR_KINDS or array.dtype.itemsize > 16:
-                raise self.fail(path, array, f" (numpy dtype {array.dtype})")
+                raise unsupported(path, array, f" (numpy dtype {array.dtype})")
             if self.sink is not None and (array.size > INLINE_MAX_ELEMENTS or kind == "c"):
                 import numpy as np
                 import torch
@@ -213,7 +212,7 @@ class _Encoder:
         small = not tensor.is_nested and tensor.numel() <= INLINE_MAX_ELEMENTS and not tensor.is_complex()
         if self.sink is None or small:
             if not small or dtype not in TENSOR_DTYPES:
-                raise self.fail(path, tensor, " here (large, nested or complex tensors need a tensor file)")
+                raise unsupported(path, tensor, " here (large, nested or complex tensors need a tensor file)")
             flat = tensor.detach().cpu().reshape(-1).tolist()
             return self.tag("tensor", dtype=dtype, shape=list(tensor.shape), v=flat)
         return self.tag("tensorref", spec=encode_tensor(tensor, path, self.sink))
@@ -229,20 +228,13 @@ def to_jsonable(value: Any, field: str = "value", *, sink: TensorSink | None = N
 def from_jsonable(obj: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> Any:
     """Inverse of :func:`to_jsonable`. ``obj`` is consumed (decoded in place where possible)."""
     kind = type(obj)
-    if kind is list:
-        for i, item in enumerate(obj):
-            if type(item) is list or type(item) is dict:
-                obj[i] = from_jsonable(item, tensors)
-        return obj
-    if kind is not dict:
-        return obj
-    tag = obj.get(TAG)
-    if tag is None:
-        for key, item in obj.items():
+    if kind is dict and obj.get(TAG) is not None:
+        return _decode_tagged(obj[TAG], obj, tensors or {})
+    if kind is list or kind is dict:
+        for key, item in enumerate(obj) if kind is list else obj.items():
             if type(item) is list or type(item) is dict:
                 obj[key] = from_jsonable(item, tensors)
-        return obj
-    return _decode_tagged(tag, obj, tensors or {})
+    return obj
 
 
 def _decode_tagged(tag: Any, obj: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> Any:
@@ -355,12 +347,11 @@ def encode_column(items: Sequence[Any], field: str, sink: TensorSink | None = No
             first_rows.append(row)
         index.append(position)
     encoder = _Encoder(sink)
+    column: dict[str, Any] = {TAG: "column", "n": len(items)}
     if uniques and len(uniques) <= DEDUP_MAX_UNIQUE_FRACTION * len(items):
-        values = _encode_rows(encoder, uniques, first_rows, field)
-        column: dict[str, Any] = {TAG: "column", "n": len(items), "u": values, "i": index}
+        column.update(u=_encode_rows(encoder, uniques, first_rows, field), i=index)
     else:
-        values = _encode_rows(encoder, items, range(len(items)), field)
-        column = {TAG: "column", "n": len(items), "u": values}
+        column["u"] = _encode_rows(encoder, items, range(len(items)), field)
     column["plain"] = not encoder.tagged
     return column
 
@@ -422,7 +413,7 @@ def check_shape(shape: Any, rows: int) -> list[int]:
     for dim in shape:
         product *= dim
         if product > max(rows, 64):
-            raise CodecError(f"cache column of {rows} rows claims the shape {shape[:8]}")
+            break
     if product != rows and shape:
         raise CodecError(f"cache column of {rows} rows claims the shape {shape[:8]}")
     return shape

@@ -113,10 +113,6 @@ class _Patch:
         return self.owner or "skipinject"
 
 
-def _never(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    return False
-
-
 def _build_wrapper(
     patch: _Patch, raw: Any, binding: str, function: Any, owner: Callable[[], Any] | None = None, label: str = ""
 ) -> tuple[SkipinjectWrapper, Convention]:
@@ -125,13 +121,15 @@ def _build_wrapper(
     convention, inner = convention_of(function)
     interceptor = patch.interceptor
     label = label or patch.label
-    passes = getattr(interceptor, "passes", None) or _never
+    passes = getattr(interceptor, "passes", None)
     # A bound method wrapped on an instance (attribute targets): a trampoline's coroutine needs its self.
     bound_self = getattr(function, "__self__", None) if owner is not None else None
 
     def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         reported = instance if owner is None else owner()
-        if passes(reported, args, kwargs):  # every generation call pays this path: nothing else is done
+        if passes is not None and passes(
+            reported, args, kwargs
+        ):  # every generation call pays this path: nothing else is done
             return wrapped(*args, **kwargs)
         call = Call(label, function, reported, args, kwargs)
         if convention is Convention.ASYNC:

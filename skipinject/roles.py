@@ -82,9 +82,7 @@ class Call:
     @property
     def batch(self) -> Any:
         """The first argument: by verl convention the batch (``prompts``, ``data``)."""
-        if self.args:
-            return self.args[0]
-        return next(iter(self.kwargs.values()), None)
+        return self.args[0] if self.args else next(iter(self.kwargs.values()), None)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from skipinject.codecs import (
     TensorSink,
-    _Encoder,
     check_shape,
     decode_column,
     decode_tensor,
@@ -20,6 +19,7 @@ from skipinject.codecs import (
     encode_tensor,
     from_jsonable,
     to_jsonable,
+    unsupported,
 )
 from skipinject.errors import CodecError
 
@@ -50,7 +50,7 @@ def encode_tensordict(td: Any, label: str, sink: TensorSink) -> dict[str, Any]:
         elif _is_tensor(value):
             fields[key] = encode_tensor(value, path, sink)
         else:
-            raise _Encoder(sink).fail(path, value)
+            raise unsupported(path, value)
     return {
         "batch_size": list(td.batch_size),
         "device": None if td.device is None else str(td.device),
@@ -78,21 +78,17 @@ def _flatten_stack(stack: Any, path: str, out: list[Any]) -> None:
     append = out.append
     for item in items:
         if type(item) is NonTensorData:
-            data = _plain_data(item)
-            append(item.data if data is _NO_DATA else data)
+            append(_data(item))
         elif isinstance(item, NonTensorStack):
             _flatten_stack(item, path, out)
         elif isinstance(item, NonTensorData):
             append(item.data)
         else:
-            raise _Encoder(None).fail(f"{path} item", item)
+            raise unsupported(f"{path} item", item)
 
 
-_NO_DATA = object()
-
-
-def _plain_data(item: Any) -> Any:
-    """``item.data`` from its state (~0.2 us instead of ~10) unless shared or memory-mapped; ``_NO_DATA`` if unsure."""
+def _data(item: Any) -> Any:
+    """``item.data``, read from its state (~0.2 us instead of ~10) unless shared, memory-mapped or unsure."""
     fields = item.__dict__.get("_non_tensordict")
     inner = item.__dict__.get("_tensordict")
     inner_state = getattr(inner, "__dict__", None)
@@ -102,9 +98,10 @@ def _plain_data(item: Any) -> Any:
         or inner_state.get("_is_shared", getattr(type(inner), "_is_shared", True))
         or inner_state.get("_is_memmap", getattr(type(inner), "_is_memmap", True))
         or "data" in inner_state.get("_tensordict", ())
+        or "data" not in fields
     ):
-        return _NO_DATA
-    return fields.get("data", _NO_DATA)
+        return item.data
+    return fields["data"]
 
 
 def decode_tensordict(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Any:
