@@ -1,10 +1,6 @@
-"""A result as a store :class:`~skipinject.payload.Payload` and back, without pickle: the generic parts.
-
-Plain tensors plus a JSON tree in which every value that is not JSON-native carries an explicit tag
-(:func:`to_jsonable`): loading can only build the types listed there; anything else is refused, naming
-the field, when the cache is written. :mod:`skipinject.verl.codecs` builds verl's types on these.
-Nothing imports torch or numpy at module level.
-"""
+"""A result as a store :class:`~skipinject.payload.Payload` and back without pickle (docs/cache-format.md): plain
+tensors plus a JSON tree whose non-JSON values carry a tag, so loading builds only the types :func:`to_jsonable`
+lists. :mod:`skipinject.verl.codecs` builds verl's types on these; torch and numpy are imported lazily."""
 
 from __future__ import annotations
 

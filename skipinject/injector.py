@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import inspect
 import logging
 import os
@@ -253,10 +254,8 @@ class Injector:
 
     def _apply(self, patch: _Patch, module: ModuleType) -> None:
         try:
-            parent: Any = module
             *outer, attribute = patch.path.qualname.split(".")
-            for name in outer:
-                parent = getattr(parent, name)
+            parent = functools.reduce(getattr, outer, module)
             current = inspect.getattr_static(parent, attribute)
         except AttributeError:
             logger.warning(
@@ -359,10 +358,8 @@ class Injector:
         with self._lock:
             if not patch.applied:  # uninstrumented meanwhile
                 return
-            holder = instance
             try:
-                for part in outer:
-                    holder = getattr(holder, part)
+                holder = functools.reduce(getattr, outer, instance)
                 current = getattr(holder, name)
             except AttributeError:
                 logger.debug("%s: %s has no attribute %s; not wrapped", patch.label, type(instance).__name__, name)

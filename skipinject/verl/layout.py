@@ -1,8 +1,5 @@
-"""Where a role's steps live: upstream's directory names, derived from the run's verl config.
-
-``{dump_dir}/{experiment}_{project}/GBS{gbs}_N{n}_in{prompt_len}_out{response_len}/[{role}/]{step}/``
-(``gbs`` = ``data.gen_batch_size``, else ``data.train_batch_size``).
-"""
+"""Where a role's steps live: upstream's directory names (docs/cache-format.md), derived from the run's verl
+config: ``{experiment}_{project}/GBS{gbs}_N{n}_in{prompt_len}_out{response_len}/[{role}/]{step}/``."""
 
 from __future__ import annotations
 

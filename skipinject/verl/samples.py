@@ -1,8 +1,5 @@
-"""A rollout batch's rows as people read them (``skipinject cache``): prompt, response, score and length.
-
-Works on the fields as the cache tool flattens them (``batch.responses``, a V1 sample's
-``tensordict.rm_scores``...), for dense padded tensors (the mask says which tokens count) and jagged ones.
-"""
+"""A rollout batch's rows as people read them (``skipinject cache``): prompt, response, score and length, from
+the fields as the cache tool flattens them (``batch.responses``, ``tensordict.rm_scores``...), dense or jagged."""
 
 from __future__ import annotations
 

@@ -189,9 +189,8 @@ def non_tensor_stack(rows: Sequence[Any]) -> Any:
     from tensordict import NonTensorStack
 
     state = _stack_layout()
-    if not rows or state is False:
+    if not rows or state is None:
         return NonTensorStack(*non_tensor_items(rows))
-    assert isinstance(state, dict)
     return _lazy_stack(state, rows)
 
 
@@ -208,8 +207,8 @@ def _lazy_stack(state: dict[str, Any], rows: Sequence[Any]) -> Any:
 
 
 @functools.cache
-def _stack_layout() -> dict[str, Any] | bool:
-    """The constructor's ``NonTensorStack`` state if a stack built from it behaves the same, else ``False``."""
+def _stack_layout() -> dict[str, Any] | None:
+    """The constructor's ``NonTensorStack`` state if a stack built from it behaves the same, else ``None``."""
     from tensordict import NonTensorData, NonTensorStack
 
     rows = ["a", {"b": 1}]
@@ -229,8 +228,8 @@ def _stack_layout() -> dict[str, Any] | bool:
             and all(fast.__dict__[key] == state[key] for key in state if key not in ("tensordicts", "_batch_size"))
         )
     except Exception:  # any failure: use the public constructor
-        return False
-    return {**state, "tensordicts": None} if usable else False  # the constructor's key order
+        return None
+    return {**state, "tensordicts": None} if usable else None  # the constructor's key order
 
 
 _FILL_LOCK = threading.Lock()
