@@ -1,7 +1,6 @@
-"""The one module that opens, reads and removes a cache's local files (docs/reliability.md): relative to
-directory descriptors, no link followed, regular files of the recorded size before a byte is read; JSON
-under size and nesting limits; trust as ssh's ``StrictModes``. Failures are CorruptCacheError (a missing
-file stays ``FileNotFoundError``)."""
+"""The one module that opens, reads and removes a cache's local files, as docs/reliability.md says: no link
+followed, regular files of the recorded size before a byte is read, trust as ssh's ``StrictModes``. Failures
+are CorruptCacheError (a missing file stays ``FileNotFoundError``)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
-from skipinject.errors import CorruptCacheError
+from skipinject.errors import CorruptCacheError, UntrustedCacheError
 from skipinject.store.format import MAX_META_BYTES, META_NAME, PART_NAME, SPARSE_FACTOR, SPARSE_MIN_SIZE
 
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -48,25 +47,23 @@ def open_dir(path: Path | str, dir_fd: int | None = None, *, shown: Path | None 
 def open_regular(
     name: str, dir_fd: int | None, shown: Path, expected_size: object = None
 ) -> tuple[int, os.stat_result]:
-    """Open ``name`` in ``dir_fd`` as a regular file, refused unless of ``expected_size`` (when given)."""
+    """Open ``name`` in ``dir_fd`` as a regular file (checked before and after the open), refused unless of
+    ``expected_size`` (when given)."""
+
+    def regular(info: os.stat_result) -> os.stat_result:
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCacheError(f"{shown}: cannot read it (not a regular file but {file_kind(info.st_mode)})")
+        return info
+
     try:
-        before = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise CorruptCacheError(f"{shown}: cannot read it ({_why(exc)})") from exc
-    if not stat.S_ISREG(before.st_mode):
-        raise CorruptCacheError(f"{shown}: cannot read it (not a regular file but {file_kind(before.st_mode)})")
-    try:
+        regular(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
         fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as exc:
         raise CorruptCacheError(f"{shown}: cannot read it ({_why(exc)})") from exc
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CorruptCacheError(f"{shown}: cannot read it (not a regular file but {file_kind(info.st_mode)})")
+        info = regular(os.fstat(fd))
         if expected_size is not None:
             if type(expected_size) is not int or expected_size < 0:
                 raise CorruptCacheError(f"{shown}: meta.json records no valid size ({expected_size!r})")
@@ -84,18 +81,18 @@ def open_regular(
     return fd, info
 
 
+_KINDS = {
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a pipe",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
 def file_kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a pipe"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return f"file type {stat.S_IFMT(mode):o}"
+    return _KINDS.get(stat.S_IFMT(mode), f"file type {stat.S_IFMT(mode):o}")
 
 
 def read_fd(fd: int, size: int, shown: Path) -> bytes:
@@ -134,21 +131,18 @@ def parse_json(data: bytes, shown: Path, *, what: str = "JSON file", max_depth: 
     return value
 
 
-def untrusted_reason(info: os.stat_result) -> str | None:
-    """Why a directory with this ``stat`` is not trusted (ssh StrictModes), or None."""
+def refuse_untrusted(path: Path, info: os.stat_result, role: str) -> None:
+    """Refuse (UntrustedCacheError naming the fix) a directory with this ``stat`` ssh's StrictModes would not trust."""
     uid = os.geteuid()
     if info.st_uid not in (uid, 0):
-        return f"is owned by uid {info.st_uid}, not by you (uid {uid})"
-    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        why, fix = f"is owned by uid {info.st_uid}, not by you (uid {uid})", "chown it to you"
+    elif info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
         who = " and ".join(w for bit, w in ((0o020, "group"), (0o002, "others")) if info.st_mode & bit)
-        return f"is writable by {who} (mode {stat.S_IMODE(info.st_mode):03o}, no sticky bit)"
-    return None
-
-
-def trust_problem(path: Path, info: os.stat_result, role: str) -> str:
-    why = untrusted_reason(info)
-    fix = "chown it to you" if "owned by" in (why or "") else f"chmod go-w {path}"
-    return (
+        why = f"is writable by {who} (mode {stat.S_IMODE(info.st_mode):03o}, no sticky bit)"
+        fix = f"chmod go-w {path}"
+    else:
+        return
+    raise UntrustedCacheError(
         f"{path} {why}: another user could plant or replace a cache there; not loaded or saved. "
         f"Fix: {fix}, or set skip.{role}.trust_dir_permissions=true to load it anyway"
     )
@@ -224,7 +218,8 @@ def relative_parts(anchor: Path, path: Path) -> tuple[str, ...]:
     return parts
 
 
-def open_below(anchor: Path | int, parts: Sequence[str]) -> int:
+@contextlib.contextmanager
+def open_below(anchor: Path | int, parts: Sequence[str]) -> Iterator[int]:
     """A descriptor of ``anchor/parts...``, each name opened with ``O_NOFOLLOW`` (:class:`LinkedPath`)."""
     fd = os.dup(anchor) if isinstance(anchor, int) else os.open(anchor, _DIR_FLAGS & ~os.O_NOFOLLOW)
     try:
@@ -239,16 +234,6 @@ def open_below(anchor: Path | int, parts: Sequence[str]) -> int:
                 raise
             os.close(fd)
             fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-@contextlib.contextmanager
-def opened_below(anchor: Path | int, parts: Sequence[str]) -> Iterator[int]:
-    fd = open_below(anchor, parts)
-    try:
         yield fd
     finally:
         os.close(fd)
@@ -283,7 +268,7 @@ def remove_name(anchor: Path, path: Path) -> None:
         if not parts:
             os.rmdir(path)
             return
-        with opened_below(anchor, parts[:-1]) as parent:
+        with open_below(anchor, parts[:-1]) as parent:
             try:
                 os.unlink(parts[-1], dir_fd=parent)  # never follows a link: removes the name
             except (IsADirectoryError, PermissionError):
@@ -302,13 +287,13 @@ def remove_step(
     if not parts:
         raise ValueError(f"{step_dir}: the anchor itself is no step directory")
     files = size = 0
-    with opened_below(anchor, parts[:-1]) as parent_fd, opened_below(parent_fd, parts[-1:]) as step_fd:
+    with open_below(anchor, parts[:-1]) as parent_fd, open_below(parent_fd, parts[-1:]) as step_fd:
         for name in sorted(os.listdir(step_fd), key=lambda n: n != META_NAME):
             if not PART_NAME.fullmatch(name):
                 found = [unlink_regular(step_fd, name, functools.partial(wanted, "", name))]
             else:
                 try:
-                    with opened_below(step_fd, [name]) as part_fd:
+                    with open_below(step_fd, [name]) as part_fd:
                         leaves = os.listdir(part_fd)
                         found = [
                             unlink_regular(part_fd, leaf, functools.partial(wanted, name, leaf)) for leaf in leaves

@@ -9,6 +9,7 @@ import os
 import stat
 import uuid
 from collections.abc import Callable, Iterator
+from itertools import takewhile
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
@@ -21,10 +22,9 @@ from skipinject.store.files import (
     open_regular,
     read_fd,
     read_small,
+    refuse_untrusted,
     remove_name,
-    trust_problem,
     unresolved_problem,
-    untrusted_reason,
 )
 from skipinject.store.format import MAX_META_BYTES, META_NAME, tmp_name
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 
 T = TypeVar("T")
+_KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "directory", stat.S_IFLNK: "link"}
 
 
 class LocalFiles:
@@ -65,15 +66,12 @@ class LocalFiles:
                 raise CorruptCacheError(
                     f"{directory} is {file_kind(info.st_mode)}, not a directory: nothing is cached there"
                 )
-            if not self.trust_permissions and untrusted_reason(info) is not None:
-                raise UntrustedCacheError(trust_problem(directory, info, role))
+            if not self.trust_permissions:
+                refuse_untrusted(directory, info, role)
 
     def _check_fd(self, fd: int, path: Path, role: str) -> None:
-        if self.trust_permissions:
-            return
-        info = os.fstat(fd)
-        if untrusted_reason(info) is not None:
-            raise UntrustedCacheError(trust_problem(path, info, role))
+        if not self.trust_permissions:
+            refuse_untrusted(path, os.fstat(fd), role)
 
     def names(self, location: Path, *, directories: bool = False, follow: bool = False) -> list[str]:
         """``follow``: ``location`` itself may be a link (the cache tool's walk from a root as given)."""
@@ -100,8 +98,7 @@ class LocalFiles:
             info = os.stat(location) if follow else os.lstat(location)
         except OSError:
             return None
-        kinds = {stat.S_IFREG: "file", stat.S_IFDIR: "directory", stat.S_IFLNK: "link"}
-        return Stat(kinds.get(stat.S_IFMT(info.st_mode), "other"), info.st_size, info.st_mtime)
+        return Stat(_KINDS.get(stat.S_IFMT(info.st_mode), "other"), info.st_size, info.st_mtime)
 
     def read_bytes(self, location: Path, limit: int) -> bytes:
         return read_small(location, limit)
@@ -122,9 +119,8 @@ class LocalFiles:
         return list(created)
 
     def write(self, location: Path, produce: Callable[[BinaryIO], T], write_id: str | None = None) -> tuple[int, T]:
-        done: list[T] = []
-        _write_file_atomic(location, lambda handle: done.append(produce(handle)), write_id)
-        return location.stat().st_size, done[0]
+        result = _write_file_atomic(location, produce, write_id)
+        return location.stat().st_size, result
 
     def replace(self, location: Path, data: bytes, write_id: str) -> None:
         _refuse_link(location.parent)
@@ -223,16 +219,17 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id: str | None = None) -> None:
-    """Through a temporary name carrying the writer's id, fsynced, then renamed."""
+def _write_file_atomic(path: Path, write: Callable[[BinaryIO], T], write_id: str | None = None) -> T:
+    """Through a temporary name carrying the writer's id, fsynced, then renamed; what ``write`` returned."""
     tmp = path.with_name(tmp_name(path.name, write_id or uuid.uuid4().hex[:8]))
     handle = open(tmp, "wb", opener=lambda at, flags: os.open(at, flags | os.O_EXCL | os.O_NOFOLLOW, 0o666))  # noqa: SIM115
     try:
         with handle:
-            write(handle)
+            result = write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+        return result
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -241,20 +238,11 @@ def _write_file_atomic(path: Path, write: Callable[[BinaryIO], object], write_id
 
 def make_private_dirs(path: Path) -> list[Path]:
     """Create ``path`` and missing parents private to the owner; those it created."""
-    missing = []
-    probe = path
-    while not probe.exists():
-        missing.append(probe)
-        if probe.parent == probe:
-            break
-        probe = probe.parent
     created = []
-    for directory in reversed(missing):
-        try:
+    for directory in reversed(list(takewhile(lambda probe: not probe.exists(), (path, *path.parents)))):
+        with contextlib.suppress(FileExistsError):
             directory.mkdir(mode=0o700)
-        except FileExistsError:
-            continue
-        created.append(directory)
+            created.append(directory)
     return created
 
 

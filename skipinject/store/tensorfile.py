@@ -1,10 +1,6 @@
-"""The raw tensor file: a JSON index, then 64-byte aligned tensor bytes. Loading runs no code.
-
-With compression on, tensors are stored in exact compact encodings, checked bit for bit at save: ``concat``
-(two stored tensors side by side, as the codec names: :attr:`~skipinject.payload.Payload.concats`), ``run``
-(a 2-D mask, one run of ones per row), ``ramp`` (2-D position ids ``clamp(j - start_b, 0, top_b)``) and
-``narrow`` (integers in the smallest dtype holding them). A reader bounds what it rebuilds by its part's
-budget before allocating and checks every recipe whole against its shape and dtype."""
+"""The raw tensor file: a JSON index, then 64-byte aligned tensor bytes; loading runs no code. Compressed, tensors
+are stored in the exact compact encodings of docs/cache-format.md, checked bit for bit at save; a reader bounds
+what it rebuilds by its part's budget before allocating and checks every recipe against its shape and dtype."""
 
 from __future__ import annotations
 
@@ -12,8 +8,9 @@ import json
 import math
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
+from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -53,8 +50,8 @@ def tensor_file(
 def _file_pieces(
     tensors: Mapping[str, torch.Tensor], *, packed: bool, concats: Mapping[str, tuple[str, str]] | None = None
 ) -> list[Buffer]:
-    """The tensor file's bytes in order: magic, index length, index, then each tensor's bytes (``packed``:
-    in compact encodings)."""
+    """The tensor file's bytes in order: magic, index length, index, then each stored tensor's bytes and padding
+    (``packed``: in compact encodings)."""
     import torch
 
     checked = {}
@@ -65,8 +62,8 @@ def _file_pieces(
             raise TypeError(f"payload tensor {name!r}: {tensor.dtype} {tensor.layout} tensors are not supported")
         checked[name] = tensor.detach().cpu().contiguous()
     plans = plan_tensors(checked, concats or {}) if packed else [Plan(name, v, stored=v) for name, v in checked.items()]
-    views = []
     index: list[dict[str, Any]] = []
+    data: list[Buffer] = []
     offset = 0
     for plan in plans:
         entry: dict[str, Any] = {
@@ -74,28 +71,20 @@ def _file_pieces(
             "dtype": dtype_name(plan.tensor.dtype),
             "shape": list(plan.tensor.shape),
         }
-        if plan.derive is not None:
+        index.append(entry)
+        if plan.stored is None:
             entry["derive"] = plan.derive
-            index.append(entry)
             continue
-        value = plan.stored if plan.stored is not None else plan.tensor
-        nbytes = value.numel() * value.element_size()
+        nbytes = plan.stored.numel() * plan.stored.element_size()
         entry.update(offset=offset, nbytes=nbytes)
         if plan.stored_dtype is not None:
             entry["stored_dtype"] = plan.stored_dtype
-        index.append(entry)
         if nbytes:
-            views.append((value.reshape(-1).view(torch.uint8).numpy(), nbytes))
+            data += [plan.stored.reshape(-1).view(torch.uint8).numpy(), bytes(_padding(nbytes))]
         offset += nbytes + _padding(nbytes)
     header = json.dumps({"tensors": index}, separators=(",", ":")).encode()
     header += b" " * _padding(len(TENSORS_MAGIC) + 8 + len(header))
-    pieces: list[Buffer] = [TENSORS_MAGIC, struct.pack("<Q", len(header)), header]
-    for view, nbytes in views:
-        pieces.append(view)
-        pad = bytes(_padding(nbytes))
-        if pad:
-            pieces.append(pad)
-    return pieces
+    return [TENSORS_MAGIC, struct.pack("<Q", len(header)), header, *data]
 
 
 #: Below this many bytes a tensor file is written and hashed in one thread.
@@ -108,8 +97,7 @@ def _write_and_hash(handle: BinaryIO, chunks: list[Buffer], algo: str) -> str:
     """Write ``chunks`` and return their checksum; a large file is hashed in a second thread meanwhile, its
     written bytes handed to the kernel's writeback as it goes (durability still comes from the fsync)."""
     hasher = _Hasher(algo)
-    total = sum(memoryview(chunk).nbytes for chunk in chunks)
-    if total < _OVERLAP_MIN_BYTES:
+    if sum(memoryview(chunk).nbytes for chunk in chunks) < _OVERLAP_MIN_BYTES:
         for chunk in chunks:
             handle.write(chunk)
             hasher.update(chunk)
@@ -132,10 +120,6 @@ def _write_and_hash(handle: BinaryIO, chunks: list[Buffer], algo: str) -> str:
     return hasher.hexdigest()
 
 
-#: torch's own limit on the number of dimensions.
-MAX_DIMS = 64
-
-
 def _writeback_starter(handle: BinaryIO) -> Callable[[int, int], None] | None:
     """``start(offset, nbytes)``: begin writing that range of ``handle`` to disk (Linux), or None."""
     import sys
@@ -146,18 +130,16 @@ def _writeback_starter(handle: BinaryIO) -> Callable[[int, int], None] | None:
         import ctypes
 
         fd = handle.fileno()
-        libc = ctypes.CDLL(None, use_errno=True)
-        sync_file_range = libc.sync_file_range
+        sync_file_range = ctypes.CDLL(None, use_errno=True).sync_file_range
         sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        sync_file_range.restype = ctypes.c_int
     except (AttributeError, OSError, ValueError):
         return None
-    start_write = 2  # SYNC_FILE_RANGE_WRITE: start writeback of dirty pages, do not wait
+    # flag 2, SYNC_FILE_RANGE_WRITE: start writeback, do not wait; best effort (a failure only means no head start)
+    return lambda offset, nbytes: sync_file_range(fd, offset, nbytes, 2)
 
-    def start(offset: int, nbytes: int) -> None:
-        sync_file_range(fd, offset, nbytes, start_write)  # best effort: a failure only means no head start
 
-    return start
+#: torch's own limit on the number of dimensions.
+MAX_DIMS = 64
 
 
 def read_tensors(
@@ -194,20 +176,22 @@ def read_tensors(
             if name in seen:
                 raise ValueError(f"{name!r:.80} is named twice")
             seen.add(name)
-            dtype = getattr(torch, type_name)
+            dtype, count = getattr(torch, type_name), math.prod(shape)
             if "derive" in entry or "stored_dtype" in entry:
-                rebuilt += math.prod(shape) * itemsize(type_name)
+                rebuilt += count * itemsize(type_name)
             if "derive" in entry:
                 derived.append(entry)
                 continue
             stored_name = entry.get("stored_dtype", type_name)
             if stored_name != type_name and not narrows(stored_name, type_name):
                 raise ValueError(f"bad stored dtype for {name!r:.80}")
-            stored = getattr(torch, stored_name)
             offset, nbytes = entry["offset"], entry["nbytes"]
-            count = math.prod(shape)
-            item = itemsize(stored_name)
-            if type(offset) is not int or offset < 0 or offset % TENSOR_ALIGN or nbytes != count * item:
+            if (
+                type(offset) is not int
+                or offset < 0
+                or offset % TENSOR_ALIGN
+                or nbytes != count * itemsize(stored_name)
+            ):
                 raise ValueError(f"bad extent for {name!r:.80}")
             if data_start + offset + nbytes > size:
                 raise ValueError(f"{name!r:.80} runs past the end of the file")
@@ -215,11 +199,11 @@ def read_tensors(
                 if math.prod(d for d in shape if d) > size:
                     raise ValueError(f"empty tensor {name!r:.80} claims a shape {shape} larger than the file")
                 tensors[name] = torch.empty(shape, dtype=dtype)
-            else:
-                tensor = torch.frombuffer(mapped, dtype=stored, count=count, offset=data_start + offset).view(shape)
-                tensors[name] = tensor
-                if stored is not dtype:
-                    widened.append((name, dtype))
+                continue
+            stored = getattr(torch, stored_name)
+            tensors[name] = torch.frombuffer(mapped, dtype=stored, count=count, offset=data_start + offset).view(shape)
+            if stored is not dtype:
+                widened.append((name, dtype))
         if rebuilt > rebuild_budget:
             raise ValueError(
                 f"its index rebuilds {rebuilt} bytes, more than the step's rows may take ({rebuild_budget})"
@@ -248,21 +232,16 @@ def _restore(
     import torch
 
     stored = dict(tensors)
-    dtypes = dict(widened)
-    recipes = [Recipe.of(entry, stored, getattr(torch, entry["dtype"]), dtypes) for entry in derived]
-    sizes = [stored[name].numel() * dtype.itemsize for name, dtype in widened]
-    sizes += [recipe.nbytes for recipe in recipes]
-    arena, zeroed = memory.take(sum(size + _padding(size) for size in sizes))
-    offsets, at = [], 0
-    for size in sizes:
-        offsets.append(at)
-        at += size + _padding(size)
+    recipes = [Recipe.of(entry, stored, getattr(torch, entry["dtype"]), dict(widened)) for entry in derived]
+    sizes = [stored[name].numel() * dtype.itemsize for name, dtype in widened] + [r.nbytes for r in recipes]
+    spans = [size + _padding(size) for size in sizes]
+    arena, zeroed = memory.take(sum(spans))
+    offsets = [0, *accumulate(spans)]
 
     def slot(number: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         if not sizes[number]:
             return torch.empty(shape, dtype=dtype)
-        count = math.prod(shape)
-        return torch.frombuffer(arena, dtype=dtype, count=count, offset=offsets[number]).view(shape)
+        return torch.frombuffer(arena, dtype=dtype, count=math.prod(shape), offset=offsets[number]).view(shape)
 
     jobs: list[Callable[[], object]] = []
     for number, (name, dtype) in enumerate(widened):
@@ -299,7 +278,7 @@ class Plan:
     tensor: torch.Tensor
     stored: torch.Tensor | None = None
     stored_dtype: str | None = None
-    derive: dict[str, Any] | None = field(default=None)
+    derive: dict[str, Any] | None = None
 
 
 def dtype_name(dtype: Any) -> str:
@@ -319,9 +298,7 @@ def narrows(stored: str, dtype: str) -> bool:
 
 def plan_tensors(tensors: Mapping[str, torch.Tensor], concats: Mapping[str, tuple[str, str]]) -> list[Plan]:
     """The compact plan of every tensor (input order), each checked to rebuild exactly."""
-    plans = [Plan(name, tensor) for name, tensor in tensors.items()]
-    for plan in plans:
-        plan.derive = _derived(plan.tensor)
+    plans = [Plan(name, tensor, derive=_derived(tensor)) for name, tensor in tensors.items()]
     named = {plan.name: plan for plan in plans}
     for plan in plans:
         left, right = (named.get(part) for part in concats.get(plan.name, ("", "")))
@@ -338,15 +315,13 @@ def _narrowed(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
     if dtype not in INTEGERS or tensor.numel() == 0 or dtype in ("uint8", "int8"):
         return tensor, None
     import numpy as np
+    import torch
 
     values = tensor.numpy()
     low, high = int(values.min()), int(values.max())
-    size = tensor.element_size()
     for target in NARROW:
         limits = np.iinfo(target)
-        if limits.min <= low and high <= limits.max and itemsize(target) < size:
-            import torch
-
+        if limits.min <= low and high <= limits.max and itemsize(target) < tensor.element_size():
             return torch.from_numpy(values.astype(target)), target
     return tensor, None
 
@@ -355,11 +330,9 @@ _BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 def _bits(tensor: torch.Tensor) -> Any:
-    """The tensor's bytes as integers of its shape (bit-for-bit comparison), or None for complex tensors."""
+    """The tensor's bytes as integers of its shape (bit-for-bit comparison); not for complex tensors."""
     import torch
 
-    if tensor.is_complex():
-        return None
     return tensor.view(getattr(torch, _BITS[tensor.element_size()])).numpy()
 
 
@@ -379,7 +352,6 @@ def _derived(tensor: torch.Tensor) -> dict[str, Any] | None:
 
 def _spec(kind: str, tensor: torch.Tensor) -> dict[str, Any] | None:
     import numpy as np
-    import torch
 
     values = tensor.numpy()
     marked = values != 0 if kind == "run" else values > 0
@@ -391,32 +363,32 @@ def _spec(kind: str, tensor: torch.Tensor) -> dict[str, Any] | None:
     else:
         starts = np.where(marked[rows, first], first - values[rows, first].astype(np.int64), 0)
         spec = {"ramp": starts.tolist(), "top": values.max(axis=1).astype(np.int64).tolist()}
+    return _rebuilds(spec, tensor, {})
+
+
+def _concat(plan: Plan, left: Plan, right: Plan) -> dict[str, Any] | None:
+    """``{"concat": [left, right]}`` if the tensor is the stored tensors ``left`` and ``right`` side by side."""
+    tensor = plan.tensor
+    if tensor.dim() < 2 or tensor.is_complex() or left is right or not 0 < left.tensor.shape[-1] < tensor.shape[-1]:
+        return None
+    if any(part.derive is not None or part is plan for part in (left, right)):
+        return None
+    return _rebuilds({"concat": [left.name, right.name]}, tensor, {left.name: left.tensor, right.name: right.tensor})
+
+
+def _rebuilds(spec: dict[str, Any], tensor: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
+    """``spec`` if a reader accepts it and rebuilds ``tensor`` from it bit for bit, else None."""
+    import numpy as np
+    import torch
+
     try:
-        recipe = Recipe.of({"derive": spec, "shape": list(tensor.shape)}, {}, tensor.dtype)
-    except ValueError:  # no recipe a reader accepts (a row of negative values)
+        recipe = Recipe.of({"derive": spec, "shape": list(tensor.shape)}, sources, tensor.dtype)
+    except ValueError:  # no recipe a reader accepts (a row of negative values, parts of another shape)
         return None
     rebuilt = torch.zeros(tensor.shape, dtype=tensor.dtype)
     for block in recipe.blocks():
         recipe.write(rebuilt, block, zeroed=True)  # as a hit writes it: into fresh (zero) memory
     return spec if np.array_equal(_bits(rebuilt), _bits(tensor)) else None
-
-
-def _concat(plan: Plan, left: Plan, right: Plan) -> dict[str, Any] | None:
-    """``{"concat": [left, right]}`` if the tensor is the stored tensors ``left`` and ``right`` side by side."""
-    import numpy as np
-
-    tensor, parts = plan.tensor, (left.tensor, right.tensor)
-    if tensor.dim() < 2 or tensor.is_complex() or any(p.derive is not None or p is plan for p in (left, right)):
-        return None
-    split, width = parts[0].shape[-1], tensor.shape[-1]
-    if left is right or not 0 < split < width or parts[1].shape[-1] != width - split:
-        return None
-    if any(p.dtype != tensor.dtype or p.shape[:-1] != tensor.shape[:-1] for p in parts):
-        return None
-    bits = _bits(tensor)
-    if np.array_equal(bits[..., :split], _bits(parts[0])) and np.array_equal(bits[..., split:], _bits(parts[1])):
-        return {"concat": [left.name, right.name]}
-    return None
 
 
 #: Elements a rebuilding job writes at a time: a block stays in the caches between the passes over it.
@@ -445,7 +417,6 @@ class Recipe:
         dtypes: Mapping[str, Any] | None = None,
     ) -> Recipe:
         """The recipe of ``entry`` (ValueError for anything malformed); ``dtypes``: the sources' restored dtypes."""
-
         derive, shape = entry["derive"], entry["shape"]
         if type(derive) is not dict:
             raise ValueError("a derived tensor without a recipe")
@@ -454,46 +425,42 @@ class Recipe:
             if type(parts) is not list or len(parts) != 2 or not all(type(p) is str and p in sources for p in parts):
                 raise ValueError("a concatenation of tensors the file does not hold")
             left, right = sources[parts[0]], sources[parts[1]]
-            restored = dtypes or {}
-            if any(restored.get(name, sources[name].dtype) != dtype for name in parts):
+            if any((dtypes or {}).get(name, sources[name].dtype) != dtype for name in parts):
                 raise ValueError("a concatenation of tensors of another dtype")
             if (
                 not shape
-                or list(left.shape[:-1]) != shape[:-1]
-                or list(right.shape[:-1]) != shape[:-1]
-                or left.dim() == 0
-                or right.dim() == 0
+                or any(part.dim() == 0 or list(part.shape[:-1]) != shape[:-1] for part in (left, right))
                 or left.shape[-1] + right.shape[-1] != shape[-1]
             ):
-                parts_shown = f"{list(left.shape)} and {list(right.shape)}"
-                raise ValueError(f"a concatenation of shapes {parts_shown} does not make {shape}")
+                raise ValueError(
+                    f"a concatenation of shapes {list(left.shape)} and {list(right.shape)} does not make {shape}"
+                )
             return cls("concat", shape, dtype, left=left, right=right)
         keys = ("run", "end") if "run" in derive else ("ramp", "top") if "ramp" in derive else None
         if keys is None or len(shape) != 2:
             raise ValueError("an unknown recipe")
         if not (shape[0] > 0 and 0 < shape[1] <= MAX_WIDTH):
             raise ValueError(f"a {keys[0]} of shape {shape}")
-        columns = []
         for key in keys:
             values = derive.get(key)
             if type(values) is not list or len(values) != shape[0] or not all(type(v) is int for v in values):
                 raise ValueError(f"a recipe whose {key!r} does not hold one integer per row")
-            columns.append(values)
         # what the writer could have recorded: a run inside its row; a ramp of a signed integer dtype, its top
         # a value of that dtype, its start in [-top, width)
-        (starts, seconds), width, name = columns, shape[1], dtype_name(dtype)
+        starts, seconds = derive[keys[0]], derive[keys[1]]
+        width, name = shape[1], dtype_name(dtype)
+        pairs = list(zip(starts, seconds, strict=True))
         if keys[0] == "run":
             if name == "bfloat16" or name.startswith("complex"):
                 raise ValueError(f"a run of {name}")
-            if not all(0 <= start <= end <= width for start, end in zip(starts, seconds, strict=True)):
+            if not all(0 <= start <= end <= width for start, end in pairs):
                 raise ValueError(f"a run outside its row of {width}")
         else:
             if name not in INTEGERS or name.startswith("uint"):
                 raise ValueError(f"a ramp of {name}")
-            highest = (1 << (8 * itemsize(name) - 1)) - 1
-            if not all(0 <= top <= highest for top in seconds):
+            if not all(0 <= top < 1 << (8 * itemsize(name) - 1) for top in seconds):
                 raise ValueError(f"a ramp with a negative top or one {name} does not hold")
-            if not all(-top <= start < width for start, top in zip(starts, seconds, strict=True)):
+            if not all(-top <= start < width for start, top in pairs):
                 raise ValueError(f"a ramp starting outside its row of {width}")
         return cls(keys[0], shape, dtype, first=starts, second=seconds)
 
@@ -505,8 +472,7 @@ class Recipe:
         """Row ranges of the first dimension covering the tensor (one for a 1-D tensor)."""
         if len(self.shape) < 2 or not self.shape[0]:
             return [slice(None)]
-        per_row = max(1, math.prod(self.shape[1:]))
-        step = max(1, BLOCK_ELEMENTS // per_row)
+        step = max(1, BLOCK_ELEMENTS // max(1, math.prod(self.shape[1:])))
         return [slice(lo, lo + step) for lo in range(0, self.shape[0], step)]
 
     def write(self, out: torch.Tensor, rows: slice, *, zeroed: bool = False) -> None:
@@ -542,9 +508,9 @@ class Recipe:
         ramp = np.zeros(2 * width, dtype=np.int64)
         ramp[width:] = np.arange(width, dtype=np.int64)
         for row, (start, top) in enumerate(pairs):  # min(max(j - start, 0), top), -top <= start < width
-            lo = min(max(start, 0), width) if zeroed else 0
             if zeroed and not top:
                 continue
+            lo = min(max(start, 0), width) if zeroed else 0
             values = ramp[width - start : 2 * width - start] if start >= 0 else np.arange(-start, width - start)
             np.minimum(values[lo:], top, out=view[row, lo:])
 
