@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from skipinject.dump_root import DumpRoot
@@ -17,13 +17,11 @@ from skipinject.store.mounts import is_network_path
 
 logger = logging.getLogger("skipinject")
 
-_warn_lock = threading.Lock()
-_warned = False
+_warned = threading.Lock()  # held once this process warned
 
 
 def is_node_local(path: str | os.PathLike[str] | DumpRoot, mountinfo: str | None = None) -> bool:
-    """True when ``path`` (a cache root or its text) is known to be on this node only; unknown (no mount
-    table) counts as not node-local."""
+    """``path`` (a cache root or its text) is known to be on this node only (no mount table: not known)."""
     root = path if isinstance(path, DumpRoot) else DumpRoot.parse(str(path))
     if root.path is None:
         return False
@@ -46,26 +44,19 @@ def node_local_dump_dirs(roles: Mapping[str, Any]) -> dict[str, str]:
     found = {}
     for name, settings in roles.items():
         root = getattr(settings, "root", None)
-        if not isinstance(root, DumpRoot):
-            root = DumpRoot.parse(str(getattr(settings, "dump_dir", settings)))
+        root = root if isinstance(root, DumpRoot) else DumpRoot.parse(str(getattr(settings, "dump_dir", settings)))
         if is_node_local(root):
             found[name] = root.text
     return found
 
 
 def warn_if_cache_not_shared(roles: Mapping[str, Any], nodes: int) -> bool:
-    """Warn once per process when ``nodes`` > 1 and a role's ``dump_dir`` (``roles``: settings or the text)
-    is node-local; whether it warned now."""
-    global _warned
+    """Warn once per process when ``nodes`` > 1 and a role's ``dump_dir`` is node-local; whether it warned now."""
     if nodes <= 1:
         return False
     local = node_local_dump_dirs(roles)
-    if not local:
+    if not local or not _warned.acquire(blocking=False):
         return False
-    with _warn_lock:
-        if _warned:
-            return False
-        _warned = True
     logger.warning(
         "the Ray cluster has %d nodes, but the cache of %s is on a node-local file system: steps saved on one "
         "node are not found by a run whose trainer lands on another. Fix: %s",
@@ -81,12 +72,10 @@ def warn_if_cache_not_shared(roles: Mapping[str, Any], nodes: int) -> bool:
 
 def _reset_warning() -> None:
     """Tests: forget that this process warned."""
-    global _warned
-    with _warn_lock:
-        _warned = False
+    if _warned.locked():
+        _warned.release()
 
 
 def enabled_role_settings(config: Any) -> dict[str, Any]:
     """``{role: settings}`` of a :class:`skipinject.config.Config`'s enabled roles."""
-    names: Iterable[str] = config.enabled_roles
-    return {name: config.role(name) for name in names}
+    return {name: config.role(name) for name in config.enabled_roles}

@@ -53,10 +53,6 @@ class DumpRoot:
         return cls(text, path=Path(local_path_text(text)).expanduser().resolve())
 
     @property
-    def remote(self) -> bool:
-        return self.url is not None
-
-    @property
     def scheme(self) -> str:
         """The URL's scheme (``s3``), ``""`` for a local root."""
         return self.url.partition("://")[0].lower() if self.url is not None else ""

@@ -1,7 +1,5 @@
-"""Where a store's files live, apart from what they are: a :class:`Backend` moves bytes, nothing more.
-
-Format, checks, commit, claims and garbage are :class:`~skipinject.store.StepStore`'s, once for both
-backends: :class:`~skipinject.store.local.LocalFiles` and :class:`~skipinject.store.remote.FsspecFiles`."""
+"""Where a store's files live, apart from what they are: a :class:`Backend` moves bytes, nothing more (format,
+checks, commit, claims and garbage are :class:`~skipinject.store.StepStore`'s, once for both backends)."""
 
 from __future__ import annotations
 
@@ -14,9 +12,6 @@ if TYPE_CHECKING:
     from skipinject.store.hit_memory import Decoded
 
 T = TypeVar("T")
-
-#: A local path, or a :class:`~skipinject.store.remote.RemotePath` standing in for one.
-Location = Path
 
 
 class Stat(NamedTuple):
@@ -46,40 +41,42 @@ class StepFiles(Protocol):
 
 
 class Backend(Protocol):
-    """Moves a store's bytes. ``prepare``, ``make_dir`` and ``check_trust`` are a file system's own."""
+    """Moves a store's bytes: :class:`~.local.LocalFiles` or :class:`~.remote.FsspecFiles`. A location is a ``Path``
+    or a :class:`~.remote.RemotePath` standing in for one; ``prepare``, ``make_dir`` and ``check_trust`` are a
+    file system's own."""
 
     #: Whether directory ownership and modes say who may write (else the store's access control does).
     checks_owners: bool
 
-    def names(self, location: Location, *, directories: bool = False) -> list[str]:
+    def names(self, location: Path, *, directories: bool = False) -> list[str]:
         """Names under ``location`` (only sub-directories with ``directories``); FileNotFoundError."""
 
-    def stat(self, location: Location) -> Stat | None: ...
+    def stat(self, location: Path) -> Stat | None: ...
 
-    def versions(self, root: Location, locations: list[Location]) -> dict[Location, int]:
+    def versions(self, root: Path, locations: list[Path]) -> dict[Path, int]:
         """A number per existing file that changes when it is replaced; never raises."""
 
-    def read_bytes(self, location: Location, limit: int) -> bytes:
+    def read_bytes(self, location: Path, limit: int) -> bytes:
         """A whole small file, at most ``limit`` bytes (more: CorruptCacheError); FileNotFoundError."""
 
-    def open_step(self, directory: Location, role: str) -> StepFiles:
+    def open_step(self, directory: Path, role: str) -> StepFiles:
         """The step ``directory`` opened for reading (never through a link, trust-checked)."""
 
-    def write(self, location: Location, produce: Callable[[BinaryIO], T], write_id: str | None = None) -> tuple[int, T]:
+    def write(self, location: Path, produce: Callable[[BinaryIO], T], write_id: str | None = None) -> tuple[int, T]:
         """A file written whole from ``produce(handle)`` (a reader sees the old or the new one): its size and
         what ``produce`` returned."""
 
-    def replace(self, location: Location, data: bytes, write_id: str) -> None:
+    def replace(self, location: Path, data: bytes, write_id: str) -> None:
         """Replace a small file in one step, durably (``meta.json``: the commit)."""
 
-    def remove(self, location: Location, anchor: Location | None = None) -> None:
+    def remove(self, location: Path, anchor: Path | None = None) -> None:
         """Remove a file or empty directory (locally walking down from ``anchor``); never raises."""
 
-    def prepare(self, step_dir: Location, folder: Location) -> list[Location]:
+    def prepare(self, step_dir: Path, folder: Path) -> list[Path]:
         """Make ``folder`` (the step or a part directory) ready for files; returns what it created."""
 
-    def make_dir(self, location: Location) -> bool | None:
+    def make_dir(self, location: Path) -> bool | None:
         """Create ``location`` exclusively: whether this call did; None: no directories."""
 
-    def check_trust(self, chain: list[Location], role: str) -> None:
+    def check_trust(self, chain: list[Path], role: str) -> None:
         """Refuse (CorruptCacheError naming the fix) directories other users could write."""

@@ -47,8 +47,7 @@ def open_dir(path: Path | str, dir_fd: int | None = None, *, shown: Path | None 
 def open_regular(
     name: str, dir_fd: int | None, shown: Path, expected_size: object = None
 ) -> tuple[int, os.stat_result]:
-    """Open ``name`` in ``dir_fd`` as a regular file (checked before and after the open), refused unless of
-    ``expected_size`` (when given)."""
+    """Open ``name`` in ``dir_fd`` as a regular file, refused unless of ``expected_size`` (when given)."""
 
     def regular(info: os.stat_result) -> os.stat_result:
         if not stat.S_ISREG(info.st_mode):

@@ -9,6 +9,7 @@ import os
 import stat
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from itertools import takewhile
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, TypeVar
@@ -36,23 +37,22 @@ T = TypeVar("T")
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "directory", stat.S_IFLNK: "link"}
 
 
+@dataclass(eq=False, kw_only=True)
 class LocalFiles:
-    checks_owners = True
+    """``given_root``: the dump directory as given (links unresolved), checked before its resolved form."""
 
-    def __init__(self, *, trust_permissions: bool = False, given_root: Path | None = None) -> None:
-        """``given_root``: the dump directory as given (links unresolved), checked before its resolved form."""
-        self.trust_permissions = trust_permissions
-        self.given_root = given_root
+    checks_owners = True
+    trust_permissions: bool = False
+    given_root: Path | None = None
 
     def check_trust(self, chain: list[Path], role: str) -> None:
         """Every existing directory of ``chain`` only this user (or root) can write, unless trusted."""
-        if not self.trust_permissions and self.given_root is not None:
-            problem = unresolved_problem(self.given_root)
-            if problem is not None:
-                raise UntrustedCacheError(
-                    f"{problem}: another user could redirect the cache; not loaded or saved. Fix: use a "
-                    f"dump_dir only you control, or set skip.{role}.trust_dir_permissions=true to use it anyway"
-                )
+        problem = None if self.trust_permissions or self.given_root is None else unresolved_problem(self.given_root)
+        if problem is not None:
+            raise UntrustedCacheError(
+                f"{problem}: another user could redirect the cache; not loaded or saved. Fix: use a "
+                f"dump_dir only you control, or set skip.{role}.trust_dir_permissions=true to use it anyway"
+            )
         for directory in chain:
             try:
                 info = os.stat(directory)
@@ -142,15 +142,15 @@ class LocalFiles:
         remove_name(anchor if anchor is not None else location.parent, location)
 
 
+@dataclass(eq=False)
 class _LocalStep:
     """One step directory, held by its descriptor; part directories opened relative to it."""
 
-    def __init__(self, files: LocalFiles, directory: Path, fd: int, role: str) -> None:
-        self.files = files
-        self.directory = directory
-        self.fd = fd
-        self.role = role
-        self._parts: dict[str, int] = {}
+    files: LocalFiles
+    directory: Path
+    fd: int
+    role: str
+    _parts: dict[str, int] = field(default_factory=dict)
 
     def read_meta(self) -> bytes:
         return read_small(META_NAME, MAX_META_BYTES, self.fd, self.directory / META_NAME)

@@ -24,20 +24,14 @@ def _unescape(field: str) -> str:
 def parse_mountinfo(text: str) -> list[tuple[str, str]]:
     """``(mount point, file system type)`` of each line of a ``/proc/<pid>/mountinfo`` text."""
     mounts = []
-    for line in text.splitlines():
-        fields = line.split()
-        if "-" not in fields or len(fields) < 5:
-            continue
-        sep = fields.index("-")
-        if sep + 1 >= len(fields):
-            continue
-        mounts.append((_unescape(fields[4]), fields[sep + 1]))
+    for fields in map(str.split, text.splitlines()):
+        if "-" in fields and len(fields) >= 5 and fields.index("-") + 1 < len(fields):
+            mounts.append((_unescape(fields[4]), fields[fields.index("-") + 1]))
     return mounts
 
 
 def fs_type(path: str | os.PathLike[str], mountinfo: str | None = None) -> str | None:
-    """The type of the file system ``path`` is (or would be: its nearest existing parent) on, or None: the
-    longest mount point containing the resolved path, the last mounted on equal ones."""
+    """The file system type of the longest (last mounted) mount point over ``path``'s nearest existing parent."""
     if mountinfo is None:
         try:
             mountinfo = Path(MOUNTINFO).read_text()
@@ -45,19 +39,13 @@ def fs_type(path: str | os.PathLike[str], mountinfo: str | None = None) -> str |
             return None
     given = Path(path).expanduser().absolute()
     target = next((at.resolve() for at in (given, *given.parents) if at.exists()), Path("/"))
-    best: tuple[int, str] | None = None
-    for mount_point, kind in parse_mountinfo(mountinfo):
-        mount = Path(mount_point)
-        if target == mount or mount in target.parents:
-            depth = len(mount.parts)
-            if best is None or depth >= best[0]:
-                best = (depth, kind)
-    return None if best is None else best[1]
+    within = {target, *target.parents}
+    mounts = [(len(Path(at).parts), kind) for at, kind in parse_mountinfo(mountinfo) if Path(at) in within]
+    return max(reversed(mounts), key=lambda mount: mount[0])[1] if mounts else None
 
 
 def is_network_path(path: str | os.PathLike[str], mountinfo: str | None = None) -> bool | None:
-    """Whether ``path`` lies on a file system whose bytes cross a network (several nodes mount it);
-    None when that cannot be told (no mount table)."""
+    """Whether ``path``'s file system crosses a network (several nodes mount it); None: no mount table."""
     kind = (fs_type(path, mountinfo) or "").lower()
     if not kind:
         return None

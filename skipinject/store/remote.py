@@ -70,11 +70,10 @@ def _at(location: Path) -> RemotePath:
     return cast(RemotePath, location)
 
 
+@dataclass(eq=False)
 class FsspecFiles:
     checks_owners = False
-
-    def __init__(self, fs: AbstractFileSystem) -> None:
-        self.fs = fs
+    fs: AbstractFileSystem
 
     def names(self, location: Path, *, directories: bool = False) -> list[str]:
         """Every name: no directories in an object store, names are prefixes."""
@@ -138,12 +137,12 @@ class FsspecFiles:
     def check_trust(self, chain: list[Path], role: str) -> None: ...
 
 
+@dataclass(eq=False)
 class _RemoteStep:
     """One remote step: ``meta.json`` in one bounded request, files streamed after a size check."""
 
-    def __init__(self, fs: AbstractFileSystem, directory: RemotePath) -> None:
-        self.fs = fs
-        self.directory = directory
+    fs: AbstractFileSystem
+    directory: RemotePath
 
     def read_meta(self) -> bytes:
         return _read_small(self.fs, self.directory / META_NAME, MAX_META_BYTES)
@@ -236,12 +235,12 @@ def _object_version(info: Mapping[str, Any]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
 
 
+@dataclass(eq=False)
 class _Pieces:
     """A write-only handle passing at most :data:`WRITE_PIECE` bytes per ``write`` (fsspec copies what it is
     given, so a large tensor written at once would be held twice)."""
 
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
+    _handle: Any
 
     def write(self, data: Any) -> int:
         with memoryview(data) as whole, whole.cast("B") as view:

@@ -38,8 +38,7 @@ def tensor_file(
     compression: Compression | None,
     concats: Mapping[str, tuple[str, str]] | None = None,
 ) -> tuple[str, dict[str, Any] | None]:
-    """Write the tensor file, plain or compactly encoded and compressed: its checksum (of the stored bytes)
-    and what its record adds (None: stored as it is). Contiguous CPU tensors are not copied."""
+    """Write the tensor file (plain, or compact and compressed): its stored bytes' checksum and record's additions."""
     if compression is None:
         return _write_and_hash(handle, _file_pieces(tensors, packed=False), algo), None
     hasher = _Hasher(algo)
@@ -50,8 +49,7 @@ def tensor_file(
 def _file_pieces(
     tensors: Mapping[str, torch.Tensor], *, packed: bool, concats: Mapping[str, tuple[str, str]] | None = None
 ) -> list[Buffer]:
-    """The tensor file's bytes in order: magic, index length, index, then each stored tensor's bytes and padding
-    (``packed``: in compact encodings)."""
+    """The tensor file's bytes: magic, index length, index, each stored tensor (``packed``: compactly encoded)."""
     import torch
 
     checked = {}
@@ -476,8 +474,8 @@ class Recipe:
         return [slice(lo, lo + step) for lo in range(0, self.shape[0], step)]
 
     def write(self, out: torch.Tensor, rows: slice, *, zeroed: bool = False) -> None:
-        """Write rows ``rows`` into ``out``, a run or ramp row as one window of a template twice its width;
-        ``zeroed``: ``out`` holds zeros, so only non-zeros are written (the padding's pages never faulted in)."""
+        """Write rows ``rows`` into ``out``, each byte once; ``zeroed``: ``out`` holds zeros, so only non-zeros
+        are written (the padding's pages never faulted in)."""
         import numpy as np
 
         block = out[rows]
@@ -491,28 +489,21 @@ class Recipe:
         width = self.shape[1]
         view = block.numpy()  # Recipe.of allows runs and ramps only of dtypes numpy has
         pairs = zip(self.first[rows], self.second[rows], strict=True)
-        if self.kind == "run":  # ones on [begin, stop): step(j - begin) - step(j - stop)
-            step = np.zeros(2 * width, dtype=view.dtype)
-            step[width:] = 1
-            difference = np.not_equal if view.dtype == np.bool_ else np.subtract
-            for row, (start, end) in enumerate(pairs):
+        if self.kind == "run":
+            for row, (start, end) in enumerate(pairs):  # ones on [begin, stop), zeros around
                 begin = min(max(start, 0), width)
                 stop = min(max(end, begin), width)
-                if zeroed:
-                    view[row, begin:stop] = 1
-                else:
-                    difference(
-                        step[width - begin : 2 * width - begin], step[width - stop : 2 * width - stop], out=view[row]
-                    )
+                if not zeroed:
+                    view[row, :begin] = 0
+                    view[row, stop:] = 0
+                view[row, begin:stop] = 1
             return
-        ramp = np.zeros(2 * width, dtype=np.int64)
-        ramp[width:] = np.arange(width, dtype=np.int64)
+        positions = np.arange(width, dtype=np.int64)
         for row, (start, top) in enumerate(pairs):  # min(max(j - start, 0), top), -top <= start < width
             if zeroed and not top:
                 continue
             lo = min(max(start, 0), width) if zeroed else 0
-            values = ramp[width - start : 2 * width - start] if start >= 0 else np.arange(-start, width - start)
-            np.minimum(values[lo:], top, out=view[row, lo:])
+            np.clip(positions[lo:] - start, 0, top, out=view[row, lo:])
 
 
 def copy_into(out: torch.Tensor, source: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ def test_local_roots_are_resolved_paths_and_urls_stay_urls(tmp_path: Path, monke
     assert DumpRoot.parse("~/cache").path == (tmp_path / "cache").resolve()
     assert DumpRoot.parse(f"file://{tmp_path}/x").path == (tmp_path / "x").resolve()
     remote = DumpRoot.parse("s3://bucket/dir/")
-    assert remote.url == "s3://bucket/dir" and remote.path is None and remote.remote and remote.scheme == "s3"
+    assert remote.url == "s3://bucket/dir" and remote.path is None and remote.scheme == "s3"
     assert str(remote) == "s3://bucket/dir" and remote.text == "s3://bucket/dir/"
 
 
@@ -34,7 +34,7 @@ def test_a_role_parses_its_dump_dir_once(tmp_path: Path) -> None:
 def test_a_url_is_checked_when_the_config_is_read() -> None:
     with pytest.raises(ConfigError, match=r"^skip\.rollout\.dump_dir=nosuch://b: fsspec knows no protocol 'nosuch'$"):
         role_config("rollout", {"dump_dir": "nosuch://b"})
-    assert role_config("rollout", {"dump_dir": "memory://b/x"}).root.remote
+    assert role_config("rollout", {"dump_dir": "memory://b/x"}).root.url
 
 
 def test_reading_the_config_imports_no_store() -> None:

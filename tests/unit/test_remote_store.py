@@ -60,7 +60,7 @@ def test_urls_are_remote_and_file_urls_are_local_paths(tmp_path: Path):
     assert not is_remote("file:///tmp/x") and not is_remote("LOCAL://x")
     assert DumpRoot.parse("s3://bucket/dir/") == DumpRoot("s3://bucket/dir/", url="s3://bucket/dir")
     assert DumpRoot.parse(f"file://{tmp_path}").path == tmp_path.resolve()
-    assert DumpRoot.parse(str(tmp_path)).path == tmp_path.resolve() and not DumpRoot.parse(str(tmp_path)).remote
+    assert DumpRoot.parse(str(tmp_path)).path == tmp_path.resolve() and DumpRoot.parse(str(tmp_path)).url is None
     location = RemotePath("s3://", "bucket/a") / "b" / "3"
     assert str(location) == "s3://bucket/a/b/3" and location.name == "3" and str(location.parent) == "s3://bucket/a/b"
 
