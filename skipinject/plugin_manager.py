@@ -252,11 +252,8 @@ def _with_roles(
             roles = impl.function()
         except Exception as exc:
             raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() raised {_one_line(exc)}") from exc
-        if isinstance(roles, Role):
-            roles = [roles]
-        elif roles is None:
-            roles = []
-        elif not isinstance(roles, Iterable) or isinstance(roles, (str, bytes, Mapping)):
+        roles = [roles] if isinstance(roles, Role) else [] if roles is None else roles
+        if not isinstance(roles, Iterable) or isinstance(roles, (str, bytes, Mapping)):
             raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() must return a list of Role objects")
         for role in roles:
             if not isinstance(role, Role):

@@ -96,19 +96,15 @@ def report_dir() -> Path | None:
 
 def publish(record: str) -> None:
     """Replace this process's record: its file in the report directory, else its key in Ray's store."""
-    directory = report_dir()
-    try:
-        if directory is None:
-            ray, run = _ray(), os.path.basename(os.environ.get(ENV_RUN_REPORT, ""))
-            if ray is not None and run.startswith(RUN_PREFIX) and run.isprintable() and len(run) < 100:
-                from ray.experimental.internal_kv import _internal_kv_put
+    with contextlib.suppress(Exception):  # a count must never break the program
+        directory, run = report_dir(), os.path.basename(os.environ.get(ENV_RUN_REPORT, ""))
+        if directory is not None:
+            write_whole(directory / f"{os.getpid()}.json", record)
+        elif (ray := _ray()) is not None and run.startswith(RUN_PREFIX) and run.isprintable() and len(run) < 100:
+            from ray.experimental.internal_kv import _internal_kv_put
 
-                key = f"{run}/{ray.get_runtime_context().get_worker_id()}"
-                _internal_kv_put(key, record, overwrite=True, namespace=KV_NAMESPACE)
-            return
-        write_whole(directory / f"{os.getpid()}.json", record)
-    except Exception:  # a count must never break the program
-        return
+            key = f"{run}/{ray.get_runtime_context().get_worker_id()}"
+            _internal_kv_put(key, record, overwrite=True, namespace=KV_NAMESPACE)
 
 
 def cluster_counts(run: str) -> list[bytes]:
