@@ -7,6 +7,7 @@ warning, unless asked for by name.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -198,11 +199,10 @@ def _from_path(
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:
         raise PluginError(f"plugin {item!r} failed to import: {_one_line(exc)}") from exc
-    for part in filter(None, attr.split(".")):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise PluginError(f"plugin {item!r}: module {module_name!r} has no attribute {attr!r}") from exc
+    try:
+        obj = functools.reduce(getattr, filter(None, attr.split(".")), obj)
+    except AttributeError as exc:
+        raise PluginError(f"plugin {item!r}: module {module_name!r} has no attribute {attr!r}") from exc
     return LoadedPlugin(name or item, item, obj)
 
 

@@ -6,6 +6,7 @@ with verl's V0 trainer: :func:`v0_trainer`, :func:`v0_run_config`, :func:`grpo_b
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import re
@@ -172,10 +173,7 @@ class RoleRun:
 def resolve(target: str) -> Any:
     """The callable named ``package.module:Qualified.name``, looked up now (patched or not)."""
     path = TargetPath.parse(target)
-    value: Any = importlib.import_module(path.module)
-    for name in path.qualname.split("."):
-        value = getattr(value, name)
-    return value
+    return functools.reduce(getattr, path.qualname.split("."), importlib.import_module(path.module))
 
 
 def call(target: str, *args: Any, **kwargs: Any) -> Any:

@@ -60,22 +60,22 @@ def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
     root, saves = settings.root, settings.save
     if root.path is None:
         return None
+    where = f"skip.{name}.dump_dir={root.text}"
     try:
         existing = root.path
         while not os.path.lexists(existing) and existing.parent != existing:
             existing = existing.parent
         if not existing.is_dir():
-            return f"skip.{name}.dump_dir={root.text}: {existing} is not a directory: nothing can be cached there"
+            return f"{where}: {existing} is not a directory: nothing can be cached there"
         with contextlib.suppress(FileNotFoundError):
             root.backend(trust_permissions=settings.trust_dir_permissions).check_trust([root.path], name)
         if existing != root.path and not saves:
             return None  # nothing to read yet, and nothing will be written
         if not os.access(existing, (os.W_OK if saves else os.R_OK) | os.X_OK):
             doing = "created" if existing != root.path else "written" if saves else "read"
-            problem = f"cannot be {doing} ({existing}: permission denied): nothing can be cached there"
-            return f"skip.{name}.dump_dir={root.text}: {problem}"
+            return f"{where}: cannot be {doing} ({existing}: permission denied): nothing can be cached there"
     except Exception as exc:  # the trust rules' one-line reasons
-        return f"skip.{name}.dump_dir={root.text}: {exc}"
+        return f"{where}: {exc}"
     return None
 
 

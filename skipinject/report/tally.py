@@ -40,6 +40,14 @@ MAX_FILES = 4096
 MAX_FILE_BYTES = 64 << 10
 KV_NAMESPACE = "skipinject"
 RUN_PREFIX = "skipinject-run-"
+#: A role's summary line, part by part, shown always (no keys) or when a count it keys is not 0.
+SUMMARY_PARTS = (
+    ((), "{served_steps:.0f} steps served, {generated_steps:.0f} generated, {failed_steps:.0f} failed"),
+    (("served_rows", "generated_rows"), "rows {served_rows:.0f} served, {generated_rows:.0f} generated"),
+    (("rescored_rows",), "{rescored_rows:.0f} rows re-scored"),
+    ((), "{read} read"),
+    ((), "{generation_s_saved:.1f} s of generation saved"),
+)
 
 
 class Tally:
@@ -192,18 +200,8 @@ def render(roles: Mapping[str, Mapping[str, float]], order: Sequence[str] = ()) 
 
     lines = []
     for name, count in _filled(roles, order).items():
-        parts = [
-            f"{count['served_steps']:.0f} steps served, {count['generated_steps']:.0f} generated, "
-            f"{count['failed_steps']:.0f} failed"
-        ]
-        if count["served_rows"] or count["generated_rows"]:
-            parts.append(f"rows {count['served_rows']:.0f} served, {count['generated_rows']:.0f} generated")
-        if count["rescored_rows"]:
-            parts.append(f"{count['rescored_rows']:.0f} rows re-scored")
-        parts += [
-            f"{human_size(int(count['bytes_read']))} read",
-            f"{count['generation_s_saved']:.1f} s of generation saved",
-        ]
+        values = {**count, "read": human_size(int(count["bytes_read"]))}
+        parts = [text.format(**values) for keys, text in SUMMARY_PARTS if not keys or any(count[k] for k in keys)]
         lines.append(f"summary: {name}: " + "; ".join(parts))
     return [*lines, f"summary: {total(roles, 'generation_s_saved'):.1f} s of generation saved in all"]
 
