@@ -52,9 +52,8 @@ def resolve(
 
     loaded = load_plugins(plugins, ENV_PLUGINS if plugins is None else plugins_given_as)
     config = Config()
-    for layer in (None if settings_file is None else load_file(settings_file), settings):
-        if layer is not None:
-            config = apply_settings(config, layer, loaded.roles, hint=_HINT)
+    for layer in ({} if settings_file is None else load_file(settings_file), settings or {}):
+        config = apply_settings(config, layer, loaded.roles, hint=_HINT)
     config = apply_overrides(config, overrides, loaded.roles, hint=_HINT)
     owners = sorted({loaded.plugin_of(name).name for name in config.enabled_roles})
     config = Config(
@@ -107,11 +106,8 @@ def enable(
     settings_file: str | os.PathLike[str] | None = None,
     plugins: str | None = None,
 ) -> bool:
-    """Install skipinject as ``python -m skipinject`` does, from Python, before verl is imported.
-
-    ``settings``: ``{"rollout": {"enable": True}}`` (also under ``"skip"``); ``settings_file``, ``plugins``:
-    as ``--skip-config``, ``--plugins``. Returns whether it is active; a second call changes nothing.
-    """
+    """Install skipinject as ``python -m skipinject`` does, from Python, before verl is imported; ``settings``
+    are ``{"rollout": {"enable": True}}`` (also under ``"skip"``). Whether it is active; a second call does nothing."""
     from skipinject.config.overrides import split_overrides
 
     if _started:
@@ -124,12 +120,9 @@ def enable(
         raise ConfigError(f"{rest[0]}: expected skip.<role>.<key>=<value>")
     if settings is not None and set(settings) == {"skip"}:
         settings = settings["skip"]
+    settings_file = None if settings_file is None else str(settings_file)
     loaded, config = resolve(
-        parsed,
-        plugins=plugins,
-        plugins_given_as="plugins=",
-        settings_file=None if settings_file is None else str(settings_file),
-        settings=settings,
+        parsed, plugins=plugins, plugins_given_as="plugins=", settings_file=settings_file, settings=settings
     )
     return install(config, loaded)
 
@@ -204,9 +197,8 @@ def start(config: Config, plugins: PluginSet | None = None) -> Engine | None:
         if plugins is None:
             from skipinject.plugin_manager import load_plugins, load_sources
 
-            plugins = (
-                load_sources(config.plugin_sources) if config.plugin_sources else load_plugins(config.plugins or "")
-            )
+            sources = config.plugin_sources
+            plugins = load_sources(sources) if sources else load_plugins(config.plugins or "")
         roles = {role.name: (role, plugin.name) for plugin in plugins.plugins for role in plugin.roles}
         engine = Engine(config, roles)
         engine.start()

@@ -235,21 +235,18 @@ def _execute(program: Program) -> None:
     if program.kind == "module":  # runpy sets argv[0] to the module's file, as ``python -m`` does
         runpy.run_module(program.target, run_name="__main__", alter_sys=True)
         return
+    script = os.path.abspath(program.target)  # python's ``__file__`` and tracebacks name it so
+    packed = program.kind == "script" and (os.path.isdir(script) or zipfile.is_zipfile(script))
+    if not _safe_path():  # python's first sys.path entry (runpy puts a folder's or zip's there itself)
+        if packed:
+            del sys.path[0]
+        else:
+            sys.path[0] = "" if program.kind == "code" else os.path.dirname(script)
     if program.kind == "code":
-        if not _safe_path():
-            sys.path[0] = ""
         _run_as_main(compile(program.target, "<string>", "exec"))
         return
-    script = os.path.abspath(program.target)  # python's ``__file__`` and tracebacks name it so
-    if os.path.isdir(script) or zipfile.is_zipfile(script):  # with a __main__.py: runpy puts it on sys.path
-        if not _safe_path():
-            del sys.path[0]
-        runpy.run_path(program.target, run_name="__main__")
-        return
-    if not _safe_path():
-        sys.path[0] = os.path.dirname(script)
-    source = Path(script).read_bytes()
-    if source.startswith(importlib.util.MAGIC_NUMBER):  # compiled code
+    source = b"" if packed else Path(script).read_bytes()
+    if packed or source.startswith(importlib.util.MAGIC_NUMBER):  # a folder or zip with __main__.py, compiled code
         runpy.run_path(program.target, run_name="__main__")
     else:
         _run_as_main(compile(source, script, "exec"), script)

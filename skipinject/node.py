@@ -12,11 +12,9 @@ def _ray() -> Any | None:
     """The Ray module if the program imported it and is connected, else ``None`` (never imports Ray)."""
     ray = sys.modules.get("ray")
     try:
-        if ray is not None and ray.is_initialized():
-            return ray
+        return ray if ray is not None and ray.is_initialized() else None
     except Exception:
         return None
-    return None
 
 
 def node_identity() -> dict[str, str]:

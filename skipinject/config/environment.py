@@ -4,6 +4,7 @@ the runner exits 2 with one line naming a bad one; a child process logs it and u
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 
@@ -36,17 +37,7 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
 
-def disabled(environ: Mapping[str, str] | None = None) -> bool:
-    """``SKIPINJECT_DISABLE`` as a boolean."""
-    return _flag(ENV_DISABLE, environ)
-
-
-def debug(environ: Mapping[str, str] | None = None) -> bool:
-    """``SKIPINJECT_DEBUG`` as a boolean."""
-    return _flag(ENV_DEBUG, environ)
-
-
-def _flag(name: str, environ: Mapping[str, str] | None) -> bool:
+def _flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
     raw = (os.environ if environ is None else environ).get(name, "")
     value = raw.strip().lower()
     if value in _TRUE:
@@ -54,6 +45,11 @@ def _flag(name: str, environ: Mapping[str, str] | None) -> bool:
     if value in _FALSE:
         return False
     raise ConfigError(f"{name}={_show(raw)}: expected 1 or 0 (true/false, yes/no, on/off)")
+
+
+#: ``SKIPINJECT_DISABLE`` and ``SKIPINJECT_DEBUG`` as booleans (``environ``: ``os.environ`` unless given).
+disabled = functools.partial(_flag, ENV_DISABLE)
+debug = functools.partial(_flag, ENV_DEBUG)
 
 
 def log_level(environ: Mapping[str, str] | None = None) -> str:

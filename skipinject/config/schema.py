@@ -172,7 +172,7 @@ def role_config(
     """Validate plain values for ``skip.<role>``; errors name the key and quote ``texts`` (what was typed)."""
     if not isinstance(values, Mapping):
         raise ConfigError(f"skip.{role}: expected a mapping of keys to values, got {type(values).__name__}")
-    from omegaconf import OmegaConf
+    from omegaconf import Container, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     node = OmegaConf.structured(RoleSchema)
@@ -186,14 +186,15 @@ def role_config(
                 f"{dotted}: unknown key {key!r} (known: {', '.join(ROLE_KEYS)}){did_you_mean(key, ROLE_KEYS)}"
             )
         if key == "steps":  # read by StepSet itself (ranges stay ranges); its errors name the key
-            changes[key] = StepSet.from_value(_plain(value), dotted)
+            plain = OmegaConf.to_container(value, resolve=True) if isinstance(value, Container) else value
+            changes[key] = StepSet.from_value(plain, dotted)
             continue
         shown[key] = _show((texts or {}).get(key, value))
         try:
             node[key] = value  # OmegaConf converts to the key's type: True/yes/1, enum names
         except (OmegaConfBaseException, ValueError, TypeError) as exc:  # not of the key's type
-            expected = _FIELDS[key].metadata["expected"]
-            raise ConfigError(f"{dotted}={shown[key]}: {expected}{did_you_mean(value, choices(key))}") from exc
+            reason = _FIELDS[key].metadata["expected"] + did_you_mean(value, choices(key))
+            raise ConfigError(f"{dotted}={shown[key]}: {reason}") from exc
         changes[key] = node[key]
     try:
         config = replace(base or RoleConfig(), **changes)
@@ -202,14 +203,6 @@ def role_config(
     if "dump_dir" in changes:  # a URL's protocol: imports fsspec, so only for what a user gave
         config.root.check(f"skip.{role}.dump_dir")
     return config
-
-
-def _plain(value: Any) -> Any:
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
 
 
 def _show(value: Any) -> str:

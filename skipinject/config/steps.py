@@ -38,9 +38,7 @@ class StepSet:
         elif "[" in body or "]" in body:
             raise ConfigError(f"{key}={text}: unbalanced brackets")
         items = [piece.strip() for piece in body.split(",")]
-        if items == [""]:
-            return cls()
-        return cls(_span(item, key, text) for item in items)
+        return cls() if items == [""] else cls(_span(item, key, text) for item in items)
 
     @classmethod
     def from_value(cls, value: Any, key: str = "steps") -> StepSet:
@@ -105,14 +103,11 @@ class StepSet:
 
 
 def _span(item: str, key: str, text: Any) -> tuple[int, int]:
+    if not item:
+        raise ConfigError(f"{key}={text}: empty item in the step list")
     match = _ITEM.fullmatch(item) if item.isascii() else None
     if match is None:
-        what = (
-            "empty item in the step list"
-            if not item
-            else f"{item!r} is not a step (integers >= 0 or ranges like 1-128)"
-        )
-        raise ConfigError(f"{key}={text}: {what}")
+        raise ConfigError(f"{key}={text}: {item!r} is not a step (integers >= 0 or ranges like 1-128)")
     low_text, high_text = (n.lstrip("0") or "0" for n in (match.group(1), match.group(2) or match.group(1)))
     for number in (low_text, high_text):
         if len(number) > len(str(MAX_STEP)) or int(number) > MAX_STEP:
