@@ -1,9 +1,6 @@
-"""skipinject: skip and replay verl rollouts on any verl install, without editing verl.
-
-The plugin API (:data:`API_VERSION`, docs/plugins.md) is ``__all__``, :mod:`skipinject.plugin_kit` and
-:mod:`skipinject.testing`; every other module is internal. Names that need torch or verl are imported on
-first use, so ``import skipinject`` stays cheap.
-"""
+"""skipinject: skip and replay verl rollouts on any verl install, without editing verl. The plugin API
+(:data:`API_VERSION`, docs/plugins.md) is ``__all__``, :mod:`skipinject.plugin_kit` and :mod:`skipinject.testing`;
+every other module is internal."""
 
 from __future__ import annotations
 
@@ -59,7 +56,8 @@ if TYPE_CHECKING:
     from skipinject.store import StepWriter as StepWriting
     from skipinject.verl.codecs import DataProtoCodec, TensorDictCodec
 
-#: Public names imported on first use, by defining module; two are that module's other names.
+#: Public names that need torch or verl, imported on first use (``import skipinject`` stays cheap), by defining
+#: module; two are that module's other names.
 _LAZY = {
     name: module
     for module, names in {

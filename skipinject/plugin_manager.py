@@ -1,9 +1,5 @@
-"""Finding, choosing and registering plugins: pluggy, fed the way pytest feeds it (docs/plugins.md).
-
-``VERL_SKIP_PLUGINS`` (or ``--plugins``) chooses among the ``skipinject.plugins`` entry points: ``a,b``,
-``-b`` (all but b), ``mypkg.skip:plugin`` (not installed). A plugin that fails to load is left out with a
-warning, unless asked for by name.
-"""
+"""Finding, choosing and registering plugins: pluggy, fed the way pytest feeds it (docs/plugins.md). A plugin
+that fails to load is left out with a warning, unless ``VERL_SKIP_PLUGINS`` (or ``--plugins``) names it."""
 
 from __future__ import annotations
 
@@ -47,7 +43,8 @@ class PluginSelection:
 
 
 def parse_selection(text: str | None, given_as: str = ENV_PLUGINS) -> PluginSelection:
-    """Parse a comma list of names, ``module[:attr]`` paths and ``-name`` exclusions; errors name ``given_as``."""
+    """Parse a comma list of entry-point names, ``module[:attr]`` paths (not installed) and ``-name`` exclusions
+    (all but those); errors name ``given_as``."""
     include: dict[str, None] = {}  # in order, once each
     exclude: dict[str, None] = {}
     for item in filter(None, (raw.strip() for raw in (text or "").split(","))):
@@ -63,8 +60,7 @@ def parse_selection(text: str | None, given_as: str = ENV_PLUGINS) -> PluginSele
 
 
 class HookSpecs:
-    """The plugin contract, in pluggy's terms: any ``skipinject_*`` function of a plugin is a hook, marked or not;
-    one not declared here is an error (a misspelt hook never goes unnoticed)."""
+    """The plugin contract in pluggy's terms: the hooks a plugin may implement (docs/plugins.md)."""
 
     @hookspec
     def skipinject_roles(self) -> Sequence[Role]:  # type: ignore[empty-body]

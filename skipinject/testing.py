@@ -1,7 +1,6 @@
 """A test kit for roles (plugin API 1.1): run a role in this process, call its target, assert hit or miss
 (docs/plugins.md). Without verl: :class:`ToyTrainer`, :func:`toy_batch`, :func:`same_batch`, :class:`IntCodec`;
-with verl's V0 trainer: :func:`v0_trainer`, :func:`v0_run_config`, :func:`grpo_batch`.
-"""
+with verl's V0 trainer: :func:`v0_trainer`, :func:`v0_run_config`, :func:`grpo_batch`."""
 
 from __future__ import annotations
 
@@ -36,6 +35,8 @@ __all__ = [
     "v0_run_config",
     "v0_trainer",
 ]
+
+_LOG = logging.getLogger("skipinject")
 
 
 class _Lines(logging.Handler):
@@ -76,16 +77,8 @@ class RoleRun:
             self.plugins = PluginSet(SkipPluginManager(), [LoadedPlugin("test", __name__, None, roles=given)])
         if not isinstance(steps, str):
             steps = "[" + ",".join(str(int(step)) for step in steps) + "]"
-        argv = [
-            item
-            for name in self.roles
-            for item in (
-                f"skip.{name}.enable=True",
-                f"skip.{name}.steps={steps}",
-                f"skip.{name}.dump_dir={dump_dir}",
-                *(f"skip.{name}.{key}={value}" for key, value in settings.items()),
-            )
-        ]
+        settings = {"enable": True, "steps": steps, "dump_dir": dump_dir, **settings}
+        argv = [f"skip.{name}.{key}={value}" for name in self.roles for key, value in settings.items()]
         parsed, rest = split_overrides([*argv, *overrides])
         if rest:
             raise ConfigError(f"{rest[0]}: not a skip.<role>.<key>=<value> override")
@@ -102,10 +95,9 @@ class RoleRun:
         RoleRun.stop_all()
         bootstrap.stop()
         RoleRun._running.append(self)
-        log = logging.getLogger("skipinject")
-        self._level = log.level
-        log.addHandler(self._handler)
-        log.setLevel(logging.INFO)
+        self._level = _LOG.level
+        _LOG.addHandler(self._handler)
+        _LOG.setLevel(logging.INFO)
         self.engine = bootstrap.start(self.config, self.plugins)
         if self.engine is None or not set(self.roles) <= set(self.engine.runtimes):
             self.stop()
@@ -120,9 +112,8 @@ class RoleRun:
             bootstrap.stop()
         finally:
             RoleRun._running.remove(self)
-            log = logging.getLogger("skipinject")
-            log.removeHandler(self._handler)
-            log.setLevel(self._level)
+            _LOG.removeHandler(self._handler)
+            _LOG.setLevel(self._level)
             self.engine = None
 
     @classmethod

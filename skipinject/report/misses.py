@@ -128,8 +128,7 @@ def settings_differ(store: StepStore, settings: Sequence[str], run_config: Any) 
             for path in settings
             if path in recorded and recorded[path] != here[path]
         ]
+        said = "; ".join(differ[:4])
+        return f"the cached rows of step {steps[-1]} were generated with other settings: {said}" if differ else None
     except Exception:
         return None
-    if not differ:
-        return None
-    return f"the cached rows of step {steps[-1]} were generated with other settings: " + "; ".join(differ[:4])

@@ -1,8 +1,5 @@
-"""The start of a run, in the driver: the settings that cannot work, then a line per role once verl's
-``run_ppo`` gets its config (or, at ``ray.init``, one a caller holds), so the layout is the trainer's::
-
-    rollout: cache steps 1-64 in /data/skip/e_p/GBS512_N16_in2048_out28672: 40 cached, 24 to generate
-"""
+"""The start of a run, in the driver: the settings that cannot work, then a line per role (:func:`role_line`) once
+verl's ``run_ppo`` gets its config (or, at ``ray.init``, one a caller holds), so the layout is the trainer's."""
 
 from __future__ import annotations
 
