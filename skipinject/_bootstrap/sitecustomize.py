@@ -36,9 +36,7 @@ def _triggers(text: str) -> "list[str] | None":
         triggers = json.loads(text).get("triggers")
     except Exception:
         return None  # the full start reports what is wrong with the configuration
-    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) for t in triggers):
-        return None
-    return triggers
+    return triggers if isinstance(triggers, list) and triggers and all(isinstance(t, str) for t in triggers) else None
 
 
 class _StartOnImport:
