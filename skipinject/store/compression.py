@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from skipinject.errors import CorruptCacheError
-from skipinject.payload import COMPRESSION_VALUE as COMPRESSION_VALUE
 from skipinject.payload import Compression as Compression
 from skipinject.payload import parse_compression as parse_compression
 from skipinject.store.checksums import workers
@@ -86,7 +85,6 @@ def write_compressed(
             compressor = local.compressor = zstandard.ZstdCompressor(level=compression.level, write_content_size=True)
         return bytes(compressor.compress(block))
 
-    decoded = 0
     frames: list[int] = []
     threads = workers()
 
@@ -99,13 +97,12 @@ def write_compressed(
     with ThreadPoolExecutor(threads, thread_name_prefix="skipinject-zstd") as pool:
         in_flight: list[Future[bytes]] = []
         for block in _blocks(pieces, FRAME_BYTES):
-            decoded += memoryview(block).nbytes
             in_flight.append(pool.submit(compress, block))
             if len(in_flight) > 2 * threads:
                 emit(in_flight.pop(0))
         for future in in_flight:
             emit(future)
-    return {"encoding": ENCODING, "decoded_size": decoded, "frames": frames}
+    return {"encoding": ENCODING, "decoded_size": sum(memoryview(p).nbytes for p in pieces), "frames": frames}
 
 
 def check_record(spec: Mapping[str, Any], stored: int, shown: Path) -> tuple[int, list[int]]:

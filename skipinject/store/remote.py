@@ -259,9 +259,7 @@ class _Pieces:
 
 def _discard(handle: Any) -> None:
     """Abandon an upload in progress (fsspec aborts a multipart upload on ``discard``) so no partial object appears."""
-    discard = getattr(handle, "discard", None)
-    if callable(discard):
-        with contextlib.suppress(Exception):
-            discard()
+    with contextlib.suppress(Exception):
+        handle.discard()
     with contextlib.suppress(Exception):
         handle.closed = True

@@ -162,7 +162,7 @@ def read_tensors(
         rebuilt = 0  # bytes widened and rebuilt, checked before any is allocated
         tensors = {}
         derived: list[dict[str, Any]] = []
-        widened: list[tuple[str, torch.dtype]] = []
+        recipes: dict[str, Recipe] = {}  # what is rebuilt into fresh memory, by name: narrowed ones first
         seen: set[str] = set()
         for entry in index:
             name, type_name, shape = entry["name"], entry["dtype"], entry["shape"]
@@ -183,13 +183,8 @@ def read_tensors(
             stored_name = entry.get("stored_dtype", type_name)
             if stored_name != type_name and not narrows(stored_name, type_name):
                 raise ValueError(f"bad stored dtype for {name!r:.80}")
-            offset, nbytes = entry["offset"], entry["nbytes"]
-            if (
-                type(offset) is not int
-                or offset < 0
-                or offset % TENSOR_ALIGN
-                or nbytes != count * itemsize(stored_name)
-            ):
+            offset, nbytes, stored = entry["offset"], entry["nbytes"], getattr(torch, stored_name)
+            if type(offset) is not int or offset < 0 or offset % TENSOR_ALIGN or nbytes != count * stored.itemsize:
                 raise ValueError(f"bad extent for {name!r:.80}")
             if data_start + offset + nbytes > size:
                 raise ValueError(f"{name!r:.80} runs past the end of the file")
@@ -198,16 +193,18 @@ def read_tensors(
                     raise ValueError(f"empty tensor {name!r:.80} claims a shape {shape} larger than the file")
                 tensors[name] = torch.empty(shape, dtype=dtype)
                 continue
-            stored = getattr(torch, stored_name)
             tensors[name] = torch.frombuffer(mapped, dtype=stored, count=count, offset=data_start + offset).view(shape)
             if stored is not dtype:
-                widened.append((name, dtype))
+                recipes[name] = Recipe("widen", shape, dtype, left=tensors[name])
         if rebuilt > rebuild_budget:
             raise ValueError(
                 f"its index rebuilds {rebuilt} bytes, more than the step's rows may take ({rebuild_budget})"
             )
-        if widened or derived:
-            _restore(tensors, widened, derived, memory)
+        widened = {name: recipe.dtype for name, recipe in recipes.items()}
+        for entry in derived:
+            recipes[entry["name"]] = Recipe.of(entry, tensors, getattr(torch, entry["dtype"]), widened)
+        if recipes:
+            _restore(tensors, recipes, memory)
         return {entry["name"]: tensors[entry["name"]] for entry in index}
     except CorruptCacheError:
         raise
@@ -219,40 +216,22 @@ def read_tensors(
 _THREADED_MIN_BYTES = 8 << 20
 
 
-def _restore(
-    tensors: dict[str, torch.Tensor],
-    widened: list[tuple[str, torch.dtype]],
-    derived: list[dict[str, Any]],
-    memory: Claim,
-) -> None:
+def _restore(tensors: dict[str, torch.Tensor], recipes: Mapping[str, Recipe], memory: Claim) -> None:
     """Widen narrowed tensors and rebuild derived ones into one buffer from ``memory``, block by block in
     threads, each byte written at most once (in fresh memory a mask's zeros not at all)."""
     import torch
 
-    stored = dict(tensors)
-    recipes = [Recipe.of(entry, stored, getattr(torch, entry["dtype"]), dict(widened)) for entry in derived]
-    sizes = [stored[name].numel() * dtype.itemsize for name, dtype in widened] + [r.nbytes for r in recipes]
-    spans = [size + _padding(size) for size in sizes]
+    spans = [recipe.nbytes + _padding(recipe.nbytes) for recipe in recipes.values()]
     arena, zeroed = memory.take(sum(spans))
-    offsets = [0, *accumulate(spans)]
-
-    def slot(number: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        if not sizes[number]:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(arena, dtype=dtype, count=math.prod(shape), offset=offsets[number]).view(shape)
-
     jobs: list[Callable[[], object]] = []
-    for number, (name, dtype) in enumerate(widened):
-        source = stored[name].reshape(-1)
-        out = slot(number, dtype, list(source.shape))
-        blocks = [slice(lo, lo + BLOCK_ELEMENTS) for lo in range(0, source.numel(), BLOCK_ELEMENTS)]
-        jobs.extend(partial(copy_into, out[block], source[block]) for block in blocks)
-        tensors[name] = out.view(stored[name].shape)
-    for number, (entry, recipe) in enumerate(zip(derived, recipes, strict=True), start=len(widened)):
-        out = tensors[entry["name"]] = slot(number, recipe.dtype, recipe.shape)
-        if out.numel():
-            jobs.extend(partial(recipe.write, out, rows, zeroed=zeroed) for rows in recipe.blocks())
-    if sum(sizes) < _THREADED_MIN_BYTES or workers() == 1:
+    for (name, recipe), offset in zip(recipes.items(), accumulate(spans, initial=0), strict=False):  # one more offset
+        count, shape = math.prod(recipe.shape), recipe.shape
+        if not count:
+            tensors[name] = torch.empty(shape, dtype=recipe.dtype)
+            continue
+        out = tensors[name] = torch.frombuffer(arena, dtype=recipe.dtype, count=count, offset=offset).view(shape)
+        jobs.extend(partial(recipe.write, out, rows, zeroed=zeroed) for rows in recipe.blocks())
+    if sum(spans) < _THREADED_MIN_BYTES or workers() == 1:
         for job in jobs:
             job()
         return
@@ -337,12 +316,11 @@ def _bits(tensor: torch.Tensor) -> Any:
 def _derived(tensor: torch.Tensor) -> dict[str, Any] | None:
     """A run (``{"run": starts, "end": ends}``: each row one run of ones) or a ramp (``{"ramp": starts, "top": tops}``:
     row ``b`` is ``clamp(j - start_b, 0, top_b)``, position ids) that rebuilds the tensor bit for bit, or None."""
-    if not (tensor.dim() == 2 and tensor.shape[0] > 0 and 0 < tensor.shape[1] <= MAX_WIDTH) or tensor.is_complex():
+    if not (tensor.dim() == 2 and tensor.shape[0] > 0 and 0 < tensor.shape[1] <= MAX_WIDTH):
         return None
-    dtype = dtype_name(tensor.dtype)
-    kinds = [] if dtype == "bfloat16" else ["run"]
-    kinds += ["ramp"] if dtype in INTEGERS and not dtype.startswith("uint") else []
-    for kind in kinds:  # row 0 first: it tells most tensors apart at once
+    if tensor.is_complex() or dtype_name(tensor.dtype) == "bfloat16":  # no recipe of theirs; numpy has no bfloat16
+        return None
+    for kind in ("run", "ramp"):  # row 0 first: it tells most tensors apart at once (and Recipe.of the dtypes)
         if _spec(kind, tensor[:1]) is not None and (spec := _spec(kind, tensor)) is not None:
             return spec
     return None
@@ -395,8 +373,8 @@ BLOCK_ELEMENTS = 1 << 19
 
 @dataclass
 class Recipe:
-    """A checked ``derive`` entry, written block by block (rows of its first dimension) into memory the reader
-    allocated, by several threads; a concatenation copies its parts straight from their stored bytes."""
+    """A checked ``derive`` entry or a narrowed tensor (``widen``: ``left``), written block by block into memory the
+    reader allocated, by several threads; a concatenation copies its parts straight from their stored bytes."""
 
     kind: str
     shape: list[int]
@@ -467,7 +445,9 @@ class Recipe:
         return math.prod(self.shape) * itemsize(dtype_name(self.dtype))
 
     def blocks(self) -> list[slice]:
-        """Row ranges of the first dimension covering the tensor (one for a 1-D tensor)."""
+        """Row ranges of the first dimension covering the tensor (one for a 1-D tensor); ranges of elements to widen."""
+        if self.kind == "widen":
+            return [slice(lo, lo + BLOCK_ELEMENTS) for lo in range(0, math.prod(self.shape), BLOCK_ELEMENTS)]
         if len(self.shape) < 2 or not self.shape[0]:
             return [slice(None)]
         step = max(1, BLOCK_ELEMENTS // max(1, math.prod(self.shape[1:])))
@@ -478,6 +458,10 @@ class Recipe:
         are written (the padding's pages never faulted in)."""
         import numpy as np
 
+        if self.kind == "widen":
+            assert self.left is not None
+            copy_into(out.reshape(-1)[rows], self.left.reshape(-1)[rows])
+            return
         block = out[rows]
         if self.kind == "concat":
             assert self.left is not None and self.right is not None
