@@ -1,8 +1,7 @@
 """The one place where a call is served from the cache or run and saved: :mod:`~skipinject.engine.phases`
 hands a call to its role's :mod:`~skipinject.engine.runtime`, which decides and serves
 (:mod:`~skipinject.engine.replay`), records (:mod:`~skipinject.engine.record`) or matches rows
-(:mod:`~skipinject.engine.matching`). Every decision is one line on the ``skipinject`` logger.
-"""
+(:mod:`~skipinject.engine.matching`). Every decision is one line on the ``skipinject`` logger."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Saving off the training step's critical path: a bounded queue and one writer thread per process.
-
-A miss pays only for encoding the result and a private copy; writing, fsync and checksums happen in the
-writer thread. At most :data:`MAX_PENDING` saves wait (a full queue makes the next miss wait); reads of a
-project, ``fit`` returning and interpreter exit wait for the pending saves.
-"""
+"""Saving off the training step's critical path: a bounded queue (a full one makes the next miss wait) and one
+writer thread per process doing the writes, fsync and checksums; reads of a project, ``fit`` returning and
+interpreter exit wait for the pending saves (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -29,14 +26,12 @@ class BackgroundWriter:
         self._pending: collections.Counter[Hashable] = collections.Counter()
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
 
     def submit(self, key: Hashable, job: Callable[[], Any]) -> None:
-        with self._start_lock:
+        with self._changed:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="skipinject-writer", daemon=True)
                 self._thread.start()
-        with self._changed:
             self._pending[key] += 1
         self._jobs.put((key, job))
 

@@ -1,12 +1,9 @@
-"""``action=match``: each row of a call served by its key from any cached step (looked up in the project's
-:class:`~skipinject.engine.row_index.RowIndex`, then the nearest other batch sizes'; a source serves only
-when it verifies and records the key there), only the others generated, in one call. A committed step is
-never rewritten: new rows go to a rows record (``{project}/rows/{n}``).
-"""
+"""``action=match``: each row of a call served by its key from any cached step that verifies and records it there
+(found through the row index of the project, then of the nearest other batch sizes), only the others generated,
+in one call; a committed step is never rewritten: new rows go to a rows record (docs/match.md)."""
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import logging
@@ -280,7 +277,7 @@ class RowMatcher:
         served: dict[str, list[int]] = {}
         for row, (piece, _) in sorted(found.served.items()):
             served.setdefault(found.names[piece], []).extend(range(row * ratio, row * ratio + ratio))
-        counts = dict(collections.Counter(found.names[piece] for piece, _ in found.served.values()))
+        counts = {name: len(rows) // ratio for name, rows in served.items()}
         sources = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
         shown = ", ".join(f"{name} ({count})" for name, count in sources[:SHOWN_SOURCES])
         more = f" and {len(sources) - SHOWN_SOURCES} more" if len(sources) > SHOWN_SOURCES else ""
@@ -436,17 +433,10 @@ class RowMatcher:
         except Exception as exc:
             logger.warning(f"{name} step {step}: cannot encode the new rows ({type(exc).__name__}: {exc}); not saved")
             return
-        extra = self.runtime.extra_meta(call)
+        meta = self.runtime.extra_meta(call)
         if generation_s > 0:
-            extra["generation_s"] = round(generation_s, 6)
-        meta = {
-            **extra,
-            "inputs": inputs,
-            "calls": 1,
-            "row_keys": [list(keys)],
-            "rows_per_input": [ratio],
-            "generated_at": step,
-        }
+            meta["generation_s"] = round(generation_s, 6)
+        meta.update(inputs=inputs, calls=1, row_keys=[list(keys)], rows_per_input=[ratio], generated_at=step)
         rows_store = self.rows_store(store)
 
         def write() -> None:

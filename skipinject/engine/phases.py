@@ -1,8 +1,6 @@
-"""How patched calls reach their role: the interceptors the injector calls, and the default phase.
-
-Validation batches, calls without a step and steps not in ``skip.<role>.steps`` run the original;
-otherwise the target's phase decides (default :class:`WholeCall`: each call of a step is one part).
-"""
+"""How patched calls reach their role: the interceptors the injector calls, and the default phase. Validation
+batches, calls without a step and steps not in ``skip.<role>.steps`` run the original; otherwise the target's
+phase decides (default :class:`WholeCall`: each call of a step is one part)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Where each row of a project's cached results was recorded, found by its key (``action=match``).
-
-Every committed step or rows record whose ``meta.json`` holds ``row_keys`` gives one entry per input
-row, ``key -> (source, number, call, row)``, sorted by key (the latest copy first), in memory and in
-:data:`~skipinject.store.format.ROW_INDEX_NAME` (numpy arrays, no pickle, bounded and checked). A hint,
-never trusted: a row is served only once its step verified and records the key there.
-"""
+"""Where each row of a project's cached results was recorded, by its key (``action=match``), in memory and in
+``row-index.npz`` (docs/cache-format.md; numpy arrays, no pickle, bounded and checked). A hint, never trusted: a
+row is served only once its step verified and records the key there."""
 
 from __future__ import annotations
 
@@ -31,17 +27,10 @@ logger = logging.getLogger("skipinject")
 ROW_KEY = re.compile(r"[0-9a-f]{16}")
 #: Sources of rows: the role's steps, and the rows records of ``match`` (``{project}/rows/{n}``).
 STEPS, ROWS = 0, 1
-#: The index's arrays and their dtypes: the entries (sorted by key), then the records read.
-_DTYPES = {
-    "keys": "uint64",
-    "source": "uint8",
-    "number": "int64",
-    "call": "uint32",
-    "row": "uint32",
-    "seen_source": "uint8",
-    "seen_number": "int64",
-    "seen_mtime": "int64",
-}
+#: The index's arrays and their dtypes: the entries ``key -> (source, number, call, row)`` sorted by key (the
+#: latest copy first), then the records read.
+_ENTRY_DTYPES = {"keys": "uint64", "source": "uint8", "number": "int64", "call": "uint32", "row": "uint32"}
+_DTYPES = {**_ENTRY_DTYPES, "seen_source": "uint8", "seen_number": "int64", "seen_mtime": "int64"}
 _ARRAYS = tuple(_DTYPES)
 _ENTRIES, _SEEN = _ARRAYS[:5], _ARRAYS[5:]
 
