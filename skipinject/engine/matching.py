@@ -5,6 +5,7 @@ in one call; a committed step is never rewritten: new rows go to a rows record (
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -249,9 +250,7 @@ class RowMatcher:
                 generated = codec.select_rows(fresh, range(len(misses) * ratio)) if pending.padding else fresh
             assert ratio is not None
             # where each output row is in the concatenation: the generated rows first, then the pieces
-            starts = [len(misses) * ratio]
-            for piece in found.pieces:
-                starts.append(starts[-1] + codec.result_rows(piece))
+            starts = list(itertools.accumulate(map(codec.result_rows, found.pieces), initial=len(misses) * ratio))
             fresh_at = {row: position for position, row in enumerate(misses)}
             order: list[int] = []
             for row in range(len(keys)):

@@ -95,9 +95,8 @@ _HASHED_STEPS = 1 << 16
 def compile_passes(
     source: StepSource, chosen: Any, every_step: bool, open_steps: Sized = ()
 ) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], bool]:
-    """``passes(instance, args, kwargs)``: True when a call surely runs the original (its step a plain int,
-    read in a few look-ups, not in ``chosen``); anything else, or any call while a step is open, takes the
-    full path."""
+    """``passes(instance, args, kwargs)``: True when a call surely runs the original (no step open, its step a
+    plain int read in a few look-ups, not in ``chosen``); anything else takes the full path."""
     if every_step:
         return _never_passes
     if not source.fallbacks and source.kind == "meta":

@@ -106,10 +106,7 @@ class StepBook:
         with self.lock:
             if self.clocked:
                 passed = self._take_other(step)
-                record = self.open.get(key)
-                if record is None:
-                    record = self.open[key] = StepCalls(step, project)
-                return record, passed
+                return self.open.setdefault(key, StepCalls(step, project)), passed
             record = self.remembered.get(key) or StepCalls(step, project)
             _remember(self.remembered, key, record)
             return record, []
