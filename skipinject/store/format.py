@@ -1,7 +1,5 @@
-"""Every name, pattern and bound of the on-disk format, in one place, so no two readers disagree.
-
-:func:`reference_table` renders the table docs/cache-format.md holds (``python -m skipinject.store.format``).
-"""
+"""Every name, pattern and bound of the on-disk format, in one place, so no two readers disagree;
+:func:`reference_table` renders the table docs/cache-format.md holds (``python -m skipinject.store.format``)."""
 
 from __future__ import annotations
 
@@ -31,8 +29,6 @@ PART_NAME = re.compile(r"0|[1-9][0-9]{0,5}")
 USAGE_NAME = "usage.json"
 #: A writer's id ``{unix_time}-{pid}-{8 hex}``: fresh per save, in every data and temporary file name.
 WRITE_ID = re.compile(r"([0-9]{9,12})-([0-9]{1,10})-([0-9a-f]{8})")
-TENSORS_PREFIX, TENSORS_SUFFIX = "tensors-", ".bin"
-OBJECTS_PREFIX, OBJECTS_SUFFIX = "objects-", ".json"
 #: A data file of a part: the tensor file or the objects file of one write.
 DATA_NAME = re.compile(r"(?:tensors-[0-9A-Za-z_.-]+\.bin|objects-[0-9A-Za-z_.-]+\.json)")
 #: A temporary file of a local save (``.{name}.tmp-{8 hex or the write id}``), renamed into place.
@@ -100,11 +96,11 @@ def is_usage_name(name: str) -> bool:
 
 
 def tensors_name(write_id: str) -> str:
-    return f"{TENSORS_PREFIX}{write_id}{TENSORS_SUFFIX}"
+    return f"tensors-{write_id}.bin"
 
 
 def objects_name(write_id: str) -> str:
-    return f"{OBJECTS_PREFIX}{write_id}{OBJECTS_SUFFIX}"
+    return f"objects-{write_id}.json"
 
 
 def tmp_name(name: str, token: str) -> str:
@@ -130,48 +126,31 @@ def _mib(size: int) -> str:
 def reference_table() -> str:
     """The markdown table of names, patterns and bounds docs/cache-format.md holds."""
     rows = [
-        ("step directory", _code(STEP_NAME.pattern), "decimal step number, no sign, no leading zeros"),
-        ("part directory", _code(PART_NAME.pattern), 'part `""` is the step directory itself'),
-        ("commit record", f"`{META_NAME}`", f"at most {_mib(MAX_META_BYTES)}, {MAX_META_DEPTH} levels deep"),
-        ("row count", "`rows` in `meta.json`", f"an integer from 0 to 2^{MAX_ROWS.bit_length() - 1}, or null"),
-        ("tensor file", f"`{tensors_name('{write_id}')}`", f"index at most {_mib(MAX_INDEX_BYTES)}"),
-        ("objects file", f"`{objects_name('{write_id}')}`", "tagged JSON"),
-        ("data file", _code(DATA_NAME.pattern), "what no `meta.json` names is a leftover"),
-        ("temporary file", _code(TMP_NAME.pattern), "a local save's file before its rename"),
-        ("write id", _code(WRITE_ID.pattern), "`{unix_time}-{pid}-{8 hex}`"),
-        ("name from meta.json", _code(SAFE_NAME.pattern), "and not `..`, not `meta.json`"),
-        (
-            "sparse files",
-            f"{_mib(SPARSE_MIN_SIZE)} or more",
-            f"must occupy at least 1/{SPARSE_FACTOR} of their size on disk",
-        ),
-        ("tensor file magic", f"`{TENSORS_MAGIC.decode()}`", f"data {TENSOR_ALIGN}-byte aligned"),
-        ("tree checksum chunk", _mib(TREE_CHUNK), "`xxh3_64-tree`"),
-        (
-            "zstd frame",
-            f"{_mib(FRAME_BYTES)} decoded",
-            f"expanding at most {MAX_EXPANSION}x, levels 1-{ZSTD_MAX_LEVEL}",
-        ),
-        (
-            "decoded part",
-            f"rows x max(width x {MAX_BYTES_PER_TOKEN} B, {_mib(MIN_ROW_BYTES)}) + {_mib(PART_SLACK)}",
-            f"data files decoded and compact tensors rebuilt; {_mib(MAX_ROW_BYTES)} a row without a declared "
-            "width; a step at most half the memory the process may use",
-        ),
-        ("rows records (`match`)", f"`{ROWS_DIR}/{{n}}/`", "ordinary committed steps, numbered from 1"),
-        (
-            "rows record claim",
-            f"`{ROWS_DIR}/{{n}}/{CLAIM_PREFIX}{{token}}`",
-            f"object stores: `n` is a writer's only while its claim is the only one there; {MAX_CLAIMS} tries",
-        ),
-        (
-            "row index (`match`)",
-            f"`{ROW_INDEX_NAME}`",
-            f"at most {MAX_INDEXED_ROWS} rows, {_mib(MAX_ROW_INDEX_BYTES)}; a hint, rebuilt when it does not check out",
-        ),
+        f"step directory | {_code(STEP_NAME.pattern)} | decimal step number, no sign, no leading zeros",
+        f'part directory | {_code(PART_NAME.pattern)} | part `""` is the step directory itself',
+        f"commit record | `{META_NAME}` | at most {_mib(MAX_META_BYTES)}, {MAX_META_DEPTH} levels deep",
+        f"row count | `rows` in `meta.json` | an integer from 0 to 2^{MAX_ROWS.bit_length() - 1}, or null",
+        f"tensor file | `{tensors_name('{write_id}')}` | index at most {_mib(MAX_INDEX_BYTES)}",
+        f"objects file | `{objects_name('{write_id}')}` | tagged JSON",
+        f"data file | {_code(DATA_NAME.pattern)} | what no `meta.json` names is a leftover",
+        f"temporary file | {_code(TMP_NAME.pattern)} | a local save's file before its rename",
+        f"write id | {_code(WRITE_ID.pattern)} | `{{unix_time}}-{{pid}}-{{8 hex}}`",
+        f"name from meta.json | {_code(SAFE_NAME.pattern)} | and not `..`, not `meta.json`",
+        f"sparse files | {_mib(SPARSE_MIN_SIZE)} or more | "
+        f"must occupy at least 1/{SPARSE_FACTOR} of their size on disk",
+        f"tensor file magic | `{TENSORS_MAGIC.decode()}` | data {TENSOR_ALIGN}-byte aligned",
+        f"tree checksum chunk | {_mib(TREE_CHUNK)} | `xxh3_64-tree`",
+        f"zstd frame | {_mib(FRAME_BYTES)} decoded | expanding at most {MAX_EXPANSION}x, levels 1-{ZSTD_MAX_LEVEL}",
+        f"decoded part | rows x max(width x {MAX_BYTES_PER_TOKEN} B, {_mib(MIN_ROW_BYTES)}) + {_mib(PART_SLACK)} | "
+        f"data files decoded and compact tensors rebuilt; {_mib(MAX_ROW_BYTES)} a row without a declared width; "
+        "a step at most half the memory the process may use",
+        f"rows records (`match`) | `{ROWS_DIR}/{{n}}/` | ordinary committed steps, numbered from 1",
+        f"rows record claim | `{ROWS_DIR}/{{n}}/{CLAIM_PREFIX}{{token}}` | object stores: `n` is a writer's only "
+        f"while its claim is the only one there; {MAX_CLAIMS} tries",
+        f"row index (`match`) | `{ROW_INDEX_NAME}` | at most {MAX_INDEXED_ROWS} rows, {_mib(MAX_ROW_INDEX_BYTES)}; "
+        "a hint, rebuilt when it does not check out",
     ]
-    lines = ["| what | name or pattern | bound or rule |", "|---|---|---|"]
-    lines += [f"| {what} | {name} | {rule} |" for what, name, rule in rows]
+    lines = ["| what | name or pattern | bound or rule |", "|---|---|---|", *(f"| {row} |" for row in rows)]
     return "\n".join(lines) + "\n"
 
 

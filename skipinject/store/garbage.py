@@ -156,10 +156,8 @@ def find_leftovers(
         names = backend.names(project_dir) if steps is None else list(steps)
     except Exception:
         return []
-    found = [
-        _step_leftovers(backend, project_dir / name, now, min_age) for name in names if fmt.STEP_NAME.fullmatch(name)
-    ]
-    return [leftover for step in found for leftover in step]
+    step_dirs = [project_dir / name for name in names if fmt.STEP_NAME.fullmatch(name)]
+    return [leftover for step_dir in step_dirs for leftover in _step_leftovers(backend, step_dir, now, min_age)]
 
 
 def remove_leftovers(leftovers: Iterable[Leftover], *, min_age: float = ABANDONED_AFTER) -> tuple[int, int]:

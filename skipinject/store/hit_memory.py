@@ -1,9 +1,6 @@
-"""Memory compressed hits decode into, kept from one hit to the next (``skip.<role>.reuse_hit_memory``).
-
-Fresh memory's page faults are most of a compressed hit on a VM; step k's batch is alive while step k+1
-loads and gone by k+2, so two slots let every later hit decode into memory already faulted in. A slot is
-lent again only when its :class:`Claim` and every array lent from it (weak references) are gone. Reused
-memory is not ``zeroed``: what is lent from it must be written in full."""
+"""Memory hits decode into, kept from one hit to the next (``skip.<role>.reuse_hit_memory``, docs/compression.md):
+fresh memory's page faults are most of a compressed hit on a VM. A slot is lent again only when its :class:`Claim`
+and every array lent from it (weak references) are gone; reused memory is not zeroed, so it must be written in full."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ before a path is built from it. Nothing else walks the JSON."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,7 @@ class DataFile:
 
     @property
     def size(self) -> int:
-        size = self.spec.get("size")
-        return size if type(size) is int else 0
+        return self.spec.get("size") or 0  # checked when parsed: a bounded int or absent
 
     @property
     def encoded(self) -> bool:
@@ -33,8 +33,7 @@ class DataFile:
     @property
     def decoded(self) -> int:
         """Bytes it takes decoded (its stored size unless compressed)."""
-        decoded = self.spec.get("decoded_size")
-        return (decoded if type(decoded) is int else 0) if self.encoded else self.size
+        return (self.spec.get("decoded_size") or 0) if self.encoded else self.size
 
 
 @dataclass(frozen=True)
@@ -55,21 +54,18 @@ class StepMeta(dict[str, Any]):
     def __init__(self, raw: Mapping[str, Any], shown: Path) -> None:
         super().__init__(raw)
         self.shown = shown
-        self._parts: tuple[Part, ...] | None = None
 
     @property
     def directory(self) -> Path:
         return self.shown.parent
 
-    @property
+    @functools.cached_property
     def parts(self) -> tuple[Part, ...]:
         """Every part, every name checked to be safe (CorruptCacheError otherwise); parsed once."""
-        if self._parts is None:
-            parts = self.get("parts")
-            if not isinstance(parts, list) or not parts:
-                raise CorruptCacheError(f"{self.directory}: meta.json names no parts")
-            self._parts = tuple(_part(self.directory, part) for part in parts)
-        return self._parts
+        parts = self.get("parts")
+        if not isinstance(parts, list) or not parts:
+            raise CorruptCacheError(f"{self.directory}: meta.json names no parts")
+        return tuple(_part(self.directory, part) for part in parts)
 
     def files(self) -> list[tuple[Part, DataFile]]:
         return [(part, file) for part in self.parts for file in part.files]
@@ -115,7 +111,7 @@ class StepMeta(dict[str, Any]):
 
 def part_budget(rows: int | None, context: Mapping[str, Any]) -> int:
     """The most bytes one part of ``rows`` rows may take decoded and rebuilt: per row, the declared width times
-    :data:`~skipinject.store.format.MAX_BYTES_PER_TOKEN` (at least ``fmt.MIN_ROW_BYTES``), plus ``fmt.PART_SLACK``,
+    :data:`~skipinject.store.format.MAX_BYTES_PER_TOKEN` (at least ``MIN_ROW_BYTES``), plus ``PART_SLACK``,
     at most the memory budget."""
     from skipinject.store.hit_memory import memory_budget
 

@@ -110,27 +110,23 @@ class StepWriter:
     def meta_record(self, meta: Mapping[str, Any]) -> bytes:
         """The ``meta.json`` committing the parts written so far, with ``meta`` (role-specific keys)."""
         encoded = any("encoding" in spec for part in self.parts.values() for spec in part["files"].values())
-        record = dict(meta)
-        record.update(
-            {
-                "format": fmt.FORMAT,
-                "format_version": fmt.FORMAT_VERSION if encoded else fmt.PLAIN_FORMAT_VERSION,
-                "role": self.store.role,
-                "step": self.step,
-                **dict.fromkeys(self.store.step_aliases, self.step),
-                "context": dict(self.store.context),
-                "checksum_algo": self.store.checksum_algo,
-                "parts": [self.parts[name] for name in sorted(self.parts, key=_part_order)],
-                "rows": sum(p["rows"] or 0 for p in self.parts.values()),
-                "writer": writer_versions(),
-                "node": node_identity(),  # which node wrote the step (multi-node clusters)
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
-        )
-        if "created" in meta:  # a step stored anew (``cache compact``) keeps when it was generated
-            record["created"] = meta["created"]
-        if self.store.plugin:
-            record["plugin"] = self.store.plugin
+        record = {
+            **meta,
+            "format": fmt.FORMAT,
+            "format_version": fmt.FORMAT_VERSION if encoded else fmt.PLAIN_FORMAT_VERSION,
+            "role": self.store.role,
+            "step": self.step,
+            **dict.fromkeys(self.store.step_aliases, self.step),
+            "context": dict(self.store.context),
+            "checksum_algo": self.store.checksum_algo,
+            "parts": [self.parts[name] for name in sorted(self.parts, key=_part_order)],
+            "rows": sum(p["rows"] or 0 for p in self.parts.values()),
+            "writer": writer_versions(),
+            "node": node_identity(),  # which node wrote the step (multi-node clusters)
+            # a step stored anew (``cache compact``) keeps when it was generated
+            "created": meta["created"] if "created" in meta else time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **({"plugin": self.store.plugin} if self.store.plugin else {}),
+        }
         record["meta_checksum"] = fmt.meta_digest(record)
         return json.dumps(record, indent=1, sort_keys=True).encode()
 
