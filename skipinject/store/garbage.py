@@ -118,6 +118,11 @@ def _step_leftovers(backend: Backend, step_dir: Path, now: float, min_age: float
     named = _named(backend, step_dir)
     if named is None:
         return []
+    unnamed = (
+        "data file not named by the step's meta.json (replaced, or a losing concurrent save)"
+        if named
+        else "data file of a save that never committed (no meta.json)"
+    )
     out = []
     for sub, names in listings.items():
         folder = step_dir / sub if sub else step_dir
@@ -127,13 +132,7 @@ def _step_leftovers(backend: Backend, step_dir: Path, now: float, min_age: float
             if info is None or info.kind != "file" or not info.modified:
                 continue
             if _abandoned(name, now - info.modified, min_age, local):
-                reason = (
-                    "temporary file of an interrupted save"
-                    if name.startswith(".")
-                    else "data file not named by the step's meta.json (replaced, or a losing concurrent save)"
-                    if named
-                    else "data file of a save that never committed (no meta.json)"
-                )
+                reason = "temporary file of an interrupted save" if name.startswith(".") else unnamed
                 found.append(Leftover(folder / name, info.size, reason, anchor, f"{sub}/{name}"))
         out += found
         if sub and not named and len(found) == len(names) and _old(backend, folder, now, min_age):

@@ -64,8 +64,7 @@ class Usage:
         if len(data) > MAX_USAGE_BYTES:
             raise CacheError(f"{shown}: {len(data)} bytes, larger than any usage record")
         raw = parse_json(data, shown, what="usage record", max_depth=1)  # type: ignore[arg-type]
-        hits = raw.get("hits") if isinstance(raw, dict) else None
-        served = raw.get("last_served") if isinstance(raw, dict) else None
+        hits, served = (raw.get("hits"), raw.get("last_served")) if isinstance(raw, dict) else (None, None)
         if type(hits) is not int or not 0 <= hits <= MAX_HITS:
             raise CacheError(f"{shown}: no hit count in the usage record")
         if not isinstance(served, (int, float)) or type(served) is bool or not math.isfinite(served):
