@@ -165,9 +165,8 @@ def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS)
 def load_sources(sources: Mapping[str, str]) -> PluginSet:
     """Register plugins the runner already chose (``name -> module[:attr]``), in its children: no scan."""
     manager = SkipPluginManager()
-    return _with_roles(
-        manager, [_register(manager, _from_path(source, {}, name=name)) for name, source in sources.items()]
-    )
+    plugins = [_register(manager, _from_path(source, {}, name=name)) for name, source in sources.items()]
+    return _with_roles(manager, plugins)
 
 
 def _unknown(name: str, entry_points: Mapping[str, Any], given_as: str, item: str | None = None) -> str:
