@@ -387,16 +387,16 @@ class StepStore:
         algo = entry.meta["checksum_algo"]
         make = entry.memory.buffer if file.kind == "tensors" else bytearray
         if file.encoded:  # decoded as its stored bytes arrive, kept only if they check out
-            data, checksum = _decode_streamed(files, part.dir, file, algo, make, path)
+            data = _decode_streamed(files, part.dir, file, algo, make, path)
         else:  # tensors into private memory (never served from a mapping of the file)
             into = make if file.kind == "tensors" else None
             data, checksum = files.read(part.dir, file.name, file.spec.get("size"), algo, into=into)
+            if checksum != file.spec.get("checksum"):
+                raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
         if file.kind != "tensors":
             entry.blobs[path] = bytes(data)
         elif not isinstance(data, bytes) and len(data):
             entry.mapped[path] = data  # tensors are views of it
-        if checksum != file.spec.get("checksum"):
-            raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
 
     def check(self, step: int) -> None:
         """Read and check every byte of a step as a hit would, then let it go (``cache verify``, ``--damaged``)."""
@@ -574,11 +574,11 @@ def RemoteStepStore(
 
 def _decode_streamed(
     files: StepFiles, sub: str, file: DataFile, algo: str, make: Callable[[int], Decoded], path: Path
-) -> tuple[Decoded, str]:
-    """A compressed file decoded frame by frame while it arrives, and its stored bytes' checksum (a damaged
+) -> Decoded:
+    """A compressed file decoded frame by frame while it arrives, its stored bytes checksummed first (a damaged
     or changed file is reported as such, whatever its frames did)."""
     spec, size = file.spec, file.spec.get("size")
-    if type(size) is not int or size < 0:
+    if size is None:  # else a bounded int: meta.json's parts are checked when parsed
         raise CorruptCacheError(f"{path}: meta.json records no size")
     with files.stream(sub, file.name, size) as pieces:
         decoder = FrameDecoder(spec, size, path, make)
@@ -600,8 +600,7 @@ def _decode_streamed(
                 raise CorruptCacheError(f"{path}: checksum mismatch (the file was damaged or changed)")
             if failure is not None:
                 raise failure
-            decoded = decoder.finish()
+            return decoder.finish()
         except BaseException:
             decoder.abandon()
             raise
-    return decoded, hasher.hexdigest()
