@@ -10,7 +10,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -59,18 +59,13 @@ def writer_text(writer: dict[str, str]) -> str:
 
 # ---------------------------------------------------------------- escaping
 
-_NAMED = {"\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\x1b": "\\e"}
-
 
 def _escape(char: str) -> str:
-    code = ord(char)
-    if char in _NAMED:
-        return _NAMED[char]
-    if 0xDC80 <= code <= 0xDCFF:  # an undecodable byte of a file name (surrogateescape)
-        return f"\\x{code - 0xDC00:02x}"
-    if code <= 0xFF:
-        return f"\\x{code:02x}"
-    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+    if char == "\x1b":
+        return "\\e"
+    if 0xDC80 <= ord(char) <= 0xDCFF:  # an undecodable byte of a file name (surrogateescape)
+        return f"\\x{ord(char) - 0xDC00:02x}"
+    return char.encode("unicode_escape").decode("ascii")  # \\, \n, \t, \r, \xNN, \uNNNN, \UNNNNNNNN
 
 
 def shown(value: object) -> str:
@@ -149,7 +144,15 @@ def emit_json(command: str, document: Mapping[str, Any]) -> None:
     print()
 
 
-class Progress:
+def output(command: str, as_json: bool, document: Mapping[str, Any], render: Callable[[], None]) -> None:
+    """``--json``: ``command``'s document; else the lines ``render`` says."""
+    if as_json:
+        emit_json(command, document)
+    else:
+        render()
+
+
+class Progress(contextlib.AbstractContextManager["Progress"]):
     """A bar on stderr, drawn only on a terminal and after ``delay`` seconds (quick commands print none)."""
 
     def __init__(self, total: int, label: str, *, unit: str = "B", stream: TextIO | None = None, delay: float = 1.0):
@@ -158,9 +161,6 @@ class Progress:
         self.done, self.started, self._last, self._drawn, self.enabled = 0, time.monotonic(), 0.0, False, False
         with contextlib.suppress(AttributeError, ValueError):
             self.enabled = bool(self.stream.isatty())
-
-    def __enter__(self) -> Progress:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         if self._drawn:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import CommandError, default_dump_dir, emit_json, human_size, mutable_root, say
+from skipinject.cache_tool.common import CommandError, default_dump_dir, human_size, mutable_root, output, say
 from skipinject.cache_tool.scan import open_step, scan
 from skipinject.errors import CacheError
 from skipinject.store import Payload, StepStore
@@ -72,10 +72,7 @@ def cmd_compact(dump_dir: Path | None, *, compression: str, dry_run: bool, as_js
         except (CacheError, OSError, ValueError, TypeError) as exc:
             result["state"], result["problem"] = "failed", " ".join(str(exc).split())
         results.append(result)
-    if as_json:
-        emit_json("compact", {"steps": results})
-    else:
-        render(results)
+    output("compact", as_json, {"steps": results}, lambda: render(results))
     return 1 if any(r["state"] == "failed" or r.get("unusable") for r in results) else 0
 
 

@@ -12,9 +12,9 @@ from skipinject.cache_tool.common import (
     OK,
     CommandError,
     Progress,
-    emit_json,
     existing_dir,
     human_number,
+    output,
     say,
     show_table,
 )
@@ -35,11 +35,9 @@ def cmd_diff(a: Path, b: Path, *, as_json: bool, rows: int = 3, tokenizer: str |
             reports.append(diff_steps(x, y, roles, rows=rows, tokenizer=tokenizer))
             bar.update(1, x.name)
     differ = bool(only) or any(r["differs"] for r in reports)
-    if as_json:
-        listed = [{"side": side, "step": key} for side, key in only]
-        emit_json("diff", {"a": str(a), "b": str(b), "differs": differ, "steps": reports, "only": listed})
-    else:
-        render(reports, only, differ)
+    listed = [{"side": side, "step": key} for side, key in only]
+    document = {"a": str(a), "b": str(b), "differs": differ, "steps": reports, "only": listed}
+    output("diff", as_json, document, lambda: render(reports, only, differ))
     return FOUND if differ else OK
 
 

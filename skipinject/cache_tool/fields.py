@@ -99,23 +99,18 @@ def _jagged(value: Any) -> bool:
 def describe(name: str, value: Any) -> dict[str, Any]:
     """A field's record: kind (tensor, jagged, array, list, value), dtype, shape and rows."""
     kind, shape = type(value).__name__, tuple(getattr(value, "shape", ()))
-    if kind in ("Tensor", "NestedTensor") or hasattr(value, "is_nested"):
+    info: list[Any] = ["value", kind, "-", None]
+    if kind in ("Tensor", "NestedTensor") or hasattr(value, "is_nested") or kind == "ndarray":
         dtype = str(value.dtype).removeprefix("torch.")
+        info = ["array" if kind == "ndarray" else "tensor", dtype, str(shape), shape[0] if shape else None]
         if _jagged(value):
             rows = value.size(0)
             dims = [str(rows), "j", *[str(d) for d in value.shape[2:]]] if value.dim() > 1 else [str(rows)]
-            return _info(name, "jagged", dtype, "(" + ", ".join(dims) + ")", rows)
-        return _info(name, "tensor", dtype, str(shape), shape[0] if shape else None)
-    if kind == "ndarray":
-        return _info(name, "array", str(value.dtype), str(shape), shape[0] if shape else None)
-    if isinstance(value, (list, tuple)):
+            info = ["jagged", dtype, "(" + ", ".join(dims) + ")", rows]
+    elif isinstance(value, (list, tuple)):
         types = sorted({type(v).__name__ for v in value})
-        return _info(name, "list", "|".join(types[:3]) or "-", f"({len(value)},)", len(value))
-    return _info(name, "value", kind, "-", None)
-
-
-def _info(name: str, kind: str, dtype: str, shape: str, rows: int | None) -> dict[str, Any]:
-    return {"name": name, "kind": kind, "dtype": dtype, "shape": shape, "rows": rows}
+        info = ["list", "|".join(types[:3]) or "-", f"({len(value)},)", len(value)]
+    return dict(zip(("name", "kind", "dtype", "shape", "rows"), [name, *info], strict=True))
 
 
 def text_rows(value: Any, limit: int, width: int = 100) -> list[str] | None:
@@ -198,8 +193,14 @@ def compare(name: str, a: Any, b: Any) -> FieldDiff:
             return None
         return torch.as_tensor(value) if isinstance(value, np.ndarray) and value.dtype.kind in "biufc" else value
 
+    def rows_of(value: Any) -> list[Any] | None:
+        if _jagged(value):
+            return list(value.unbind(0))
+        objects = type(value).__name__ == "ndarray" and value.dtype.kind == "O"
+        return list(value) if objects or isinstance(value, (list, tuple)) else None
+
     ta, tb = dense(a), dense(b)
-    if ta is not None and tb is not None and isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor):
+    if isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor):
         if tuple(ta.shape) != tuple(tb.shape):
             return FieldDiff(name, "shape", note=f"{tuple(ta.shape)} vs {tuple(tb.shape)}")
         if ta.dtype != tb.dtype:
@@ -217,13 +218,6 @@ def compare(name: str, a: Any, b: Any) -> FieldDiff:
         return result
     if ta is not None and tb is not None:  # strings and other numpy dtypes
         return _row_diff(name, list(np.asarray(a)), list(np.asarray(b)))
-
-    def rows_of(value: Any) -> list[Any] | None:
-        if _jagged(value):
-            return list(value.unbind(0))
-        objects = type(value).__name__ == "ndarray" and value.dtype.kind == "O"
-        return list(value) if objects or isinstance(value, (list, tuple)) else None
-
     rows_a, rows_b = rows_of(a), rows_of(b)
     if rows_a is not None and rows_b is not None:
         return _row_diff(name, rows_a, rows_b)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import OK, default_dump_dir, emit_json, human_size, say, show_table, writer_text
+from skipinject.cache_tool.common import OK, default_dump_dir, human_size, output, say, show_table, writer_text
 from skipinject.cache_tool.scan import Item, scan
 from skipinject.store.local import LocalFiles
 
@@ -20,13 +20,7 @@ _ORDER: dict[str, Callable[[Item], Any]] = {  # ``--sort``
 
 
 def cmd_ls(
-    dump_dir: Path | str | None,
-    *,
-    as_json: bool,
-    steps: bool = False,
-    sort: str = "step",
-    role: Sequence[str] = (),
-    state: Sequence[str] = (),
+    dump_dir: Path | str | None, *, as_json: bool, steps: bool, sort: str, role: Sequence[str], state: Sequence[str]
 ) -> int:
     root = dump_dir or default_dump_dir()
     missing = dump_dir is None and LocalFiles().stat(default_dump_dir(), follow=True) is None
@@ -35,11 +29,9 @@ def cmd_ls(
     items = [i for i in found if (not role or i.role in role) and (not state or i.state in state)]
     items.sort(key=_ORDER[sort])  # stable: the scan's order within equal keys
     groups = group(items)
-    if as_json:
-        records = [item.record() for item in items]
-        emit_json("ls", {"dump_dir": str(root), "steps": records, "groups": groups, "problems": problems})
-    else:
-        render(f"{root} (it does not exist)" if missing else root, items, groups, problems, per_step=steps)
+    document = {"dump_dir": str(root), "steps": [i.record() for i in items], "groups": groups, "problems": problems}
+    shown_root = f"{root} (it does not exist)" if missing else root
+    output("ls", as_json, document, lambda: render(shown_root, items, groups, problems, per_step=steps))
     return OK
 
 

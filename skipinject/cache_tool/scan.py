@@ -162,7 +162,6 @@ def classify(step_dir: Path, upstreams: Sequence[Upstream] = (), backend: Backen
                 found.decoded = found.size + found.meta.expansion
         return items
     except Exception as exc:  # a weird tree is reported, never a traceback
-        step = int(step_dir.name) if ours_dir else None
         return [new("damaged", [], f"{step_dir}: cannot read it ({type(exc).__name__}: {exc})")]
 
 

@@ -16,6 +16,7 @@ from skipinject.cache_tool.common import (
     existing_dir,
     human_number,
     human_size,
+    output,
     say,
     show_table,
     writer_text,
@@ -28,13 +29,7 @@ from skipinject.store.meta import step_meta
 
 
 def cmd_show(
-    step_path: Path,
-    *,
-    as_json: bool,
-    rows: int = 3,
-    tokenizer: str | None = None,
-    match: Path | None = None,
-    column: str = "prompt",
+    step_path: Path, *, as_json: bool, rows: int, tokenizer: str | None, match: Path | None, column: str
 ) -> int:
     if match is not None:
         return cmd_show_match(step_path, match, column=column, as_json=as_json)
@@ -66,10 +61,7 @@ def cmd_show(
         "text": {name: text for name, v in flat.items() if (text := fields.text_rows(v, rows))},
         "samples": samples,
     }
-    if as_json:
-        emit_json("show", document)
-    else:
-        render(document)
+    output("show", as_json, document, lambda: render(document))
     return OK
 
 
@@ -78,9 +70,8 @@ def load_step(step_dir: Path, roles: InstalledRoles) -> tuple[dict[str, Any], fi
     if not STEP_RE.match(step_dir.name):
         raise CommandError(f"{step_dir}: not a step directory (its name is not a step number)")
     if not has_meta(step_dir) or load_meta_json(step_dir / META_NAME) is None:
-        hint = ""
-        if any(item.state == "foreign" for item in classify(step_dir, roles.upstreams())):
-            hint = " (it holds verl's own pickles: `skipinject cache import --trust` converts them)"
+        foreign = any(item.state == "foreign" for item in classify(step_dir, roles.upstreams()))
+        hint = " (it holds verl's own pickles: `skipinject cache import --trust` converts them)" if foreign else ""
         raise CommandError(f"{step_dir}: no skipinject cache here{hint}")
     store, meta = open_step(step_dir)
     store.precheck(int(step_dir.name), meta)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import FOUND, OK, Progress, default_dump_dir, emit_json, human_size, say
+from skipinject.cache_tool.common import FOUND, OK, Progress, default_dump_dir, human_size, output, say
 from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.scan import Item, open_step, scan
 from skipinject.errors import CorruptCacheError
@@ -42,11 +42,9 @@ def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
             results.append(verify_item(item, roles))
             bar.update(item.size if item.state == "complete" else 0, f"{item.role} {item.step}")
     damaged = [r for r in results if r.status == "damaged"]
-    if as_json:
-        counts = {"ok": not damaged and not unreadable, "checked": len(results), "bytes": total}
-        emit_json("verify", {**counts, "steps": [r.record() for r in results], "problems": unreadable})
-    else:
-        render(results, unreadable, total)
+    counts = {"ok": not damaged and not unreadable, "checked": len(results), "bytes": total}
+    document = {**counts, "steps": [r.record() for r in results], "problems": unreadable}
+    output("verify", as_json, document, lambda: render(results, unreadable, total))
     return FOUND if damaged or unreadable else OK
 
 
@@ -69,12 +67,10 @@ def verify_item(item: Item, roles: InstalledRoles | None = None) -> Checked:
                 problems.append(f"{item.path}: verl's {name} is missing; verl itself will not load this step")
         return Checked(item, "damaged" if problems else "foreign", problems)
     problems = damage(item)
-    checked = Checked(item, "damaged" if problems else "ok", problems)
-    if roles is not None and checked.status == "ok" and item.meta is not None:
-        checked.plugin = roles.plugin_of(item.role)
-        note = roles.missing(item.role, item.meta)
-        checked.notes += [] if note is None else [f"{item.path}: {note}"]
-    return checked
+    if problems or roles is None or item.meta is None:
+        return Checked(item, "damaged" if problems else "ok", problems)
+    note = roles.missing(item.role, item.meta)
+    return Checked(item, "ok", [], [] if note is None else [f"{item.path}: {note}"], roles.plugin_of(item.role))
 
 
 def damage(item: Item) -> list[str]:
