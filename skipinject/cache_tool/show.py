@@ -12,7 +12,6 @@ import skipinject.cache_tool.fields as fields
 from skipinject.cache_tool.common import (
     OK,
     CommandError,
-    emit_json,
     existing_dir,
     human_number,
     human_size,
@@ -130,18 +129,15 @@ def cmd_show_match(path: Path, dataset: Path, *, column: str, as_json: bool) -> 
     hits = sum(1 for digest in digests if digest in cached)
     unique = set(digests)
     unique_hits = len(unique & cached)
-    if as_json:
-        counts = {"rows": len(digests), "cached_rows": hits, "prompts": len(unique), "cached_prompts": unique_hits}
-        emit_json(
-            "show-match", {"dataset": str(dataset), "path": str(path), "column": column, **counts, "steps_read": steps}
-        )
-    else:
-        share = f" ({100 * hits / len(digests):.1f}%)" if digests else ""
-        say(
-            f"{hits} of {len(digests)} rows of {dataset}{share} ({unique_hits} of {len(unique)} distinct prompts) "
-            f"have a cached rollout in {path} ({steps} step(s) read), by the fingerprint of column {column!r}; "
-            "action=match serves them to a run with the same generation settings"
-        )
+    counts = {"rows": len(digests), "cached_rows": hits, "prompts": len(unique), "cached_prompts": unique_hits}
+    document = {"dataset": str(dataset), "path": str(path), "column": column, **counts, "steps_read": steps}
+    share = f" ({100 * hits / len(digests):.1f}%)" if digests else ""
+    summary = (
+        f"{hits} of {len(digests)} rows of {dataset}{share} ({unique_hits} of {len(unique)} distinct prompts) "
+        f"have a cached rollout in {path} ({steps} step(s) read), by the fingerprint of column {column!r}; "
+        "action=match serves them to a run with the same generation settings"
+    )
+    output("show-match", as_json, document, lambda: say(summary))
     return OK
 
 
