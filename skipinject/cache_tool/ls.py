@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -53,13 +54,9 @@ def written_by(item: Item, pickle: str = "") -> str:
 
 def step_ranges(steps: list[int]) -> str:
     """``[1, 2, 3, 5]`` -> ``"1-3,5"``."""
-    runs: list[list[int]] = []
-    for value in sorted(set(steps)):
-        if runs and value == runs[-1][1] + 1:
-            runs[-1][1] = value
-        else:
-            runs.append([value, value])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    consecutive = itertools.groupby(enumerate(sorted(set(steps))), key=lambda pair: pair[1] - pair[0])
+    runs = [[step for _, step in run] for _, run in consecutive]
+    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 def group(items: Sequence[Item]) -> list[dict[str, Any]]:
