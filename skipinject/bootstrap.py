@@ -52,7 +52,7 @@ def resolve(
 
     loaded = load_plugins(plugins, ENV_PLUGINS if plugins is None else plugins_given_as)
     config = Config()
-    for layer in ({} if settings_file is None else load_file(settings_file), settings or {}):
+    for layer in ({} if settings_file is None else load_file(settings_file), {} if settings is None else settings):
         config = apply_settings(config, layer, loaded.roles, hint=_HINT)
     config = apply_overrides(config, overrides, loaded.roles, hint=_HINT)
     owners = sorted({loaded.plugin_of(name).name for name in config.enabled_roles})

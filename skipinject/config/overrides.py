@@ -132,6 +132,8 @@ def apply_settings(
     texts: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Config:
     """``base`` with ``{role: {key: value}}`` merged in key by key; unknown roles or keys are errors."""
+    if not isinstance(layer, Mapping):
+        raise ConfigError(f"settings: a mapping of roles to their settings, not {type(layer).__name__}{hint}")
     known = set(known_roles)
     roles = dict(base.roles)
     for role, values in layer.items():

@@ -195,3 +195,10 @@ def test_an_over_long_dump_dir_is_a_problem_of_dump_dir() -> None:
         )
         config.to_json()
     assert str(caught.value).startswith("skip.rollout.dump_dir=")
+
+
+@pytest.mark.parametrize("settings", [[], ["rollout"], "rollout"])
+def test_settings_that_are_no_mapping_are_one_config_error(settings: object) -> None:
+    with pytest.raises(ConfigError) as caught:
+        apply_settings(Config(), settings, ["rollout"])  # type: ignore[arg-type]
+    assert str(caught.value).startswith("settings: a mapping of roles to their settings, not ")
