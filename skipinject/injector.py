@@ -128,9 +128,8 @@ def _build_wrapper(
 
     def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         reported = instance if owner is None else owner()
-        if passes is not None and passes(
-            reported, args, kwargs
-        ):  # every generation call pays this path: nothing else is done
+        # every generation call pays this path: nothing else is done
+        if passes is not None and passes(reported, args, kwargs):
             return wrapped(*args, **kwargs)
         call = Call(label, function, reported, args, kwargs)
         if convention is Convention.ASYNC:
@@ -225,7 +224,7 @@ class Injector:
                     type.__setattr__(base, "__init_subclass__", own)
             while patch.undo:
                 holder, name, own, what, done = patch.undo.pop()
-                if not isinstance(vars(holder).get(name) if hasattr(holder, "__dict__") else None, SkipinjectWrapper):
+                if not isinstance(_own(holder, name), SkipinjectWrapper):
                     logger.warning("%s was replaced by someone else after we %s it; leaving it", what, done)
                 elif own is _MISSING:
                     delattr(holder, name)
