@@ -50,7 +50,10 @@ class DumpRoot:
         text = str(text)
         if is_remote(text):
             return cls(text, url=text.rstrip("/") or text)
-        return cls(text, path=Path(local_path_text(text)).expanduser().resolve())
+        try:
+            return cls(text, path=Path(local_path_text(text)).expanduser().resolve())
+        except (RuntimeError, OSError) as exc:  # ``~user`` unknown, no home directory, a symlink loop
+            raise ConfigError(f"not a usable directory path ({exc})") from None
 
     @property
     def scheme(self) -> str:

@@ -201,7 +201,11 @@ def role_config(
     except InvalidSetting as exc:  # of the key's type, but not a value the key takes
         raise ConfigError(f"skip.{role}.{exc.key}={shown[exc.key]}: {exc.reason}") from None
     if "dump_dir" in changes:  # a URL's protocol: imports fsspec, so only for what a user gave
-        config.root.check(f"skip.{role}.dump_dir")
+        try:
+            root = config.root
+        except ConfigError as exc:
+            raise ConfigError(f"skip.{role}.dump_dir={shown['dump_dir']}: {exc}") from None
+        root.check(f"skip.{role}.dump_dir")
     return config
 
 

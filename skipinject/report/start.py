@@ -54,11 +54,11 @@ def setting_problems(config: Config, *, disabled: bool) -> Lines:
 
 def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
     """Why a local ``dump_dir`` cannot hold this role's cache; ``None`` when usable or remote (checked later)."""
-    root, saves = settings.root, settings.save
-    if root.path is None:
-        return None
-    where = f"skip.{name}.dump_dir={root.text}"
+    where = f"skip.{name}.dump_dir={settings.dump_dir}"
     try:
+        root, saves = settings.root, settings.save
+        if root.path is None:
+            return None
         existing = root.path
         while not os.path.lexists(existing) and existing.parent != existing:
             existing = existing.parent

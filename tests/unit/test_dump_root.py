@@ -37,6 +37,21 @@ def test_a_url_is_checked_when_the_config_is_read() -> None:
     assert role_config("rollout", {"dump_dir": "memory://b/x"}).root.url
 
 
+@pytest.mark.parametrize("kind", ["unknown user", "symlink loop"])
+def test_a_dump_dir_that_resolves_nowhere_is_one_line_naming_the_key(tmp_path: Path, kind: str) -> None:
+    """``~nosuchuser/x`` or a path through a symlink loop: pathlib raises RuntimeError, not a traceback."""
+    if kind == "unknown user":
+        given = "~si_no_such_user_x/cache"
+    else:
+        (tmp_path / "a").symlink_to(tmp_path / "b")
+        (tmp_path / "b").symlink_to(tmp_path / "a")
+        given = f"{tmp_path}/a/cache"
+    with pytest.raises(ConfigError) as info:
+        role_config("rollout", {"dump_dir": given})
+    message = str(info.value)
+    assert message.startswith(f"skip.rollout.dump_dir={given}: not a usable directory path") and "\n" not in message
+
+
 def test_reading_the_config_imports_no_store() -> None:
     code = (
         "import sys; from skipinject.config import role_config;"

@@ -102,6 +102,21 @@ def test_a_dump_dir_other_users_can_write_is_not_trusted(tmp_path: Path) -> None
     )
 
 
+def test_a_default_dump_dir_without_a_home_directory_is_a_line_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``HOME`` and a uid without a passwd entry (a container): ``~`` cannot be expanded."""
+    import pwd
+
+    def no_entry(uid: int) -> Any:
+        raise KeyError(uid)
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    problem = start.dump_dir_problem("r", RoleConfig(enable=True, steps=(1,)))
+    assert problem is not None and problem.startswith("skip.r.dump_dir=~/.verl/rollout_dump: not a usable directory")
+    with pytest.raises(ConfigError, match=r"^skip\.r\.dump_dir=~/\.verl/rollout_dump: not a usable directory path"):
+        start.check_settings(config(r=RoleConfig(enable=True, steps=(1,), action="strict")), disabled=False)
+
+
 def test_the_role_line_counts_the_chosen_steps_cached_in_the_runs_layout(tmp_path: Path) -> None:
     with RoleRun(toy_role(), tmp_path, [1, 2]):
         Trainer().fit(2)
