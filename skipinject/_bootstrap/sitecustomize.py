@@ -40,33 +40,24 @@ def _triggers(text: str) -> "list[str] | None":
 
 
 class _StartOnImport:
-    """A meta-path finder, and the loader of the watched top-level packages: the real loader runs the module
-    (and is put back), then skipinject starts."""
+    """A meta-path finder that runs a callback right after a watched top-level package is imported."""
 
     def __init__(self, packages: "list[str]") -> None:
         self.pending = set(packages)
-        self.loaders: dict[str, object] = {}  # per package being imported: its real loader
+        self.finding: set[str] = set()  # the packages being searched for below (it does not come back here)
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> object:
-        if name not in self.pending or name in self.loaders:
+        if name not in self.pending or name in self.finding:
             return None
-        self.loaders[name] = None  # the search below does not come back here
+        self.finding.add(name)
         try:
             spec = importlib.util.find_spec(name)
         finally:
-            del self.loaders[name]
+            self.finding.discard(name)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return None
-        self.loaders[name], spec.loader = spec.loader, self  # type: ignore[assignment]
+        spec.loader = _FireAfterExec(spec.loader, self)  # type: ignore[assignment]
         return spec
-
-    def create_module(self, spec: object) -> object:
-        return self.loaders[spec.name].create_module(spec)  # type: ignore[attr-defined]
-
-    def exec_module(self, module: object) -> None:
-        loader = module.__spec__.loader = module.__loader__ = self.loaders.pop(module.__name__)  # type: ignore[attr-defined]
-        loader.exec_module(module)  # type: ignore[attr-defined]
-        self.fire(module.__name__)  # type: ignore[attr-defined]
 
     def fire(self, name: str) -> None:
         self.pending.discard(name)
@@ -75,6 +66,23 @@ class _StartOnImport:
             if self in sys.meta_path:  # type: ignore[comparison-overlap]
                 sys.meta_path.remove(self)  # type: ignore[arg-type]
         _start_skipinject(hand_on_only=name == "ray" and bool(self.pending))
+
+
+class _FireAfterExec:
+    """The real loader (a spec only looked up keeps it, runpy asks it for code), and the finder's callback
+    once the module has run (the real loader is put back)."""
+
+    def __init__(self, loader: object, finder: _StartOnImport) -> None:
+        self.loader = loader
+        self.finder = finder
+
+    def exec_module(self, module: object) -> None:
+        module.__spec__.loader = module.__loader__ = self.loader  # type: ignore[attr-defined]
+        self.loader.exec_module(module)  # type: ignore[attr-defined]
+        self.finder.fire(module.__name__)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.loader, name)
 
 
 def _start() -> None:
