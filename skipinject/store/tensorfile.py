@@ -320,7 +320,8 @@ def _derived(tensor: torch.Tensor) -> dict[str, Any] | None:
         return None
     if tensor.is_complex() or dtype_name(tensor.dtype) == "bfloat16":  # no recipe of theirs; numpy has no bfloat16
         return None
-    for kind in ("run", "ramp"):  # row 0 first: it tells most tensors apart at once (and Recipe.of the dtypes)
+    # row 0 first: it tells most tensors apart at once (and Recipe.of the dtypes; a float is never cast to int64)
+    for kind in ("run",) if tensor.is_floating_point() else ("run", "ramp"):
         if _spec(kind, tensor[:1]) is not None and (spec := _spec(kind, tensor)) is not None:
             return spec
     return None

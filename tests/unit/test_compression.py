@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,15 @@ def test_what_is_not_derivable_is_stored_as_it_is(tmp_path: Path) -> None:
     assert "stored_dtype" not in index["unsigned"]  # needs its 32 bits
     assert index["small"]["stored_dtype"] == "int16" and "derive" not in index["small"]
     assert_same(_load(store, 1).tensors, saved)
+
+
+def test_a_float_tensor_beyond_int64_saves_without_a_numpy_warning(tmp_path: Path) -> None:
+    """Position ids are looked for in integer tensors only: a float's inf or 1e30 is never cast to int64."""
+    saved = {"scores": torch.tensor([[float("inf"), 1.0], [0.0, 2.0]]), "big": torch.tensor([[1e30, 1.0]])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _store(tmp_path).save(1, Payload(tensors=saved, objects={}, rows=2))
+    assert_same(_load(_store(tmp_path), 1).tensors, saved)
 
 
 def test_a_loaded_compressed_tensor_is_private_and_writable(tmp_path: Path) -> None:
