@@ -372,7 +372,15 @@ class Role:
         return (self.upstream,) if isinstance(self.upstream, UpstreamFormat) else tuple(self.upstream)
 
     def __post_init__(self) -> None:
-        if not self.name.isidentifier():
+        if not isinstance(self.name, str) or not self.name.isidentifier():
             raise TargetError(f"role name {self.name!r} must be an identifier")
+        for field_name, kind in (("targets", Target), ("clocks", str)):
+            value = getattr(self, field_name)
+            if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, kind) for v in value):
+                raise TargetError(f"role {self.name!r}: {field_name} must be a list of {kind.__name__}, not {value!r}")
+        if not isinstance(self.step, StepSource):
+            raise TargetError(f"role {self.name!r}: step must be a StepSource, not {self.step!r}")
+        if self.codec is not None and not isinstance(self.codec, Codec):
+            raise TargetError(f"role {self.name!r}: codec {self.codec!r} has no encode(result), decode(payload, call)")
         for clock in self.clocks:
             TargetPath.parse(clock)

@@ -101,3 +101,35 @@ def test_parse_selection_forms():
     assert selection.include == ("rollout", "pkg.mod:attr", "pkg.mod")
     assert selection.exclude == ("reward",)
     assert not parse_selection(None).include and not parse_selection("").include
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ("targets=None", "targets must be a list of Target"),
+        ("targets=['json:dumps']", "targets must be a list of Target"),
+        ("targets='json:dumps'", "targets must be a list of Target"),
+        ("step='meta'", "step must be a StepSource"),
+        ("codec=object()", "has no encode(result), decode(payload, call)"),
+        ("clocks='json:dumps'", "clocks must be a list of str"),
+    ],
+)
+def test_a_role_of_the_wrong_shape_is_a_plugin_error_not_a_traceback_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: str, named: str
+) -> None:
+    """``--list`` and the runner iterated ``targets`` and called ``step.describe()``: a TypeError traceback."""
+    defaults = {"targets": "[Target('json:dumps')]", "step": "StepSource.meta()"}
+    key, _, value = fields.partition("=")
+    args = ", ".join(f"{k}={v}" for k, v in {**defaults, key: value}.items())
+    module = f"si_misshapen_role_{abs(hash(fields))}"
+    (tmp_path / f"{module}.py").write_text(
+        "from skipinject import Role, StepSource, Target\n"
+        f"def skipinject_roles():\n    return [Role('misshapen', {args})]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(PluginError) as info:
+        load_plugins(module)
+    message = str(info.value)
+    assert f"plugin {module!r}" in message and "role 'misshapen'" in message and named in message
+    assert "\n" not in message
