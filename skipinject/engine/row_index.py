@@ -264,7 +264,8 @@ def _record_code(source: Any, number: Any) -> Any:
 
 
 def _valid(arrays: Mapping[str, Any], np: Any) -> bool:
-    """Right dtypes, one dimension, equal lengths, keys sorted, sources known, within the bounds."""
+    """Right dtypes, one dimension, equal lengths, keys sorted, sources and record numbers possible, within the
+    bounds."""
     if any(arrays[name].dtype != np.dtype(_DTYPES[name]) or arrays[name].ndim != 1 for name in _ARRAYS):
         return False
     rows = len(arrays["keys"])
@@ -272,4 +273,6 @@ def _valid(arrays: Mapping[str, Any], np: Any) -> bool:
         return False
     if rows and bool(np.any(arrays["keys"][1:] < arrays["keys"][:-1])):
         return False
+    if any(bool(np.any((arrays[name] < 0) | (arrays[name] >= 1 << 40))) for name in ("number", "seen_number")):
+        return False  # no step directory has such a number (and _record_code needs it below 2^40)
     return not bool(np.any(arrays["source"] > ROWS)) and not bool(np.any(arrays["seen_source"] > ROWS))

@@ -325,6 +325,28 @@ def test_a_forged_index_costs_one_line_per_run(targets: Any, tmp_path: Path, cap
     assert GENERATED == [], "the rebuilt index serves every row"
 
 
+@pytest.mark.parametrize("forged", ["seen_number", "number"])
+def test_an_index_naming_record_numbers_no_step_has_is_rebuilt(
+    targets: Any, tmp_path: Path, caplog, forged: str
+) -> None:
+    """A record number past any step's (2^63 - 1, no 12-digit step name) makes the index malformed:
+    rebuilt from the steps, every cached row served, not every lookup of every run failing."""
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    run(targets, tmp_path, {3: [1]}, action="match")  # builds the index
+    index = project(tmp_path) / "row-index.npz"
+    with np.load(index) as saved:
+        arrays = {name: saved[name].copy() for name in saved.files}
+    arrays[f"{forged.removesuffix('number')}source"][:] = 1
+    arrays[forged][:] = np.iinfo(np.int64).max
+    np.savez(index, **arrays)
+    GENERATED.clear()
+    with caplog.at_level(logging.INFO, logger="skipinject"):
+        out = run(targets, tmp_path, {3: [2, 3]}, action="match")
+    assert GENERATED == [], messages(caplog)
+    assert [p for p, _ in responses(out[3][1])] == [2, 2, 3, 3]
+    assert not [line for line in messages(caplog) if "cannot look rows up" in line]
+
+
 def test_an_index_of_many_members_is_refused_before_its_directory_is_read() -> None:
     """A zip of 100,000 tiny members (a few MB) is refused from its end record, at no cost."""
     import io
