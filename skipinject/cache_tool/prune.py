@@ -6,6 +6,7 @@ then removed by the step's store (:meth:`~skipinject.store.StepStore.remove`).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Sequence
@@ -193,7 +194,8 @@ def act(
 def _named(item: Item) -> set[str]:
     """``part/name`` of the files that make up ``item`` (``/name`` in the step directory itself)."""
     if item.state != "partial" and isinstance(item.meta, StepMeta):
-        return item.meta.named() | {f"/{META_NAME}"}
+        with contextlib.suppress(CacheError):  # a damaged step's parts may not parse: its files, as listed
+            return item.meta.named() | {f"/{META_NAME}"}
     return {f"/{p.name}" if p.parent == item.path else f"{p.parent.name}/{p.name}" for p in item.files}
 
 

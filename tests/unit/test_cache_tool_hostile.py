@@ -310,3 +310,39 @@ def test_an_absurd_size_in_meta_json_is_a_damaged_line(
             assert code == 1 and "1 ok, 2 damaged" in out, out
         if command in ("ls", "ls -l"):
             assert "damaged" in out, out
+
+
+def age(path: Path, seconds: float = 3600) -> None:
+    """Every file and directory under ``path`` last changed ``seconds`` ago (no save could still be writing)."""
+    for found in [path, *path.rglob("*")]:
+        os.utime(found, (found.stat().st_atime, found.stat().st_mtime - seconds), follow_symlinks=False)
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda part: part.update(rows="2"),
+        lambda part: part["files"].pop("objects"),
+        lambda part: part["files"]["tensors"].update(size=float("inf")),
+        lambda part: part["files"]["tensors"].update(name="../x"),
+    ],
+    ids=["rows", "no-objects", "size", "name"],
+)
+def test_prune_and_rm_remove_a_step_whose_parts_are_malformed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], forge: Any
+) -> None:
+    """verify calls such a step DAMAGED; prune --damaged and rm remove it (and the rest), never stop at it."""
+    root = tmp_path / "dump"
+    layout = root / "e_p" / LAYOUT
+    for step in (1, 2, 3):
+        save(layout, step)
+    for step in (2, 3):
+        rewrite_meta(layout / str(step), lambda meta: forge(meta["parts"][0]))
+    age(root)
+    code, out, err = run(capsys, "verify", root)
+    assert code == 1 and "1 ok, 2 damaged" in out, out + err
+    code, out, err = run(capsys, "rm", layout / "3")
+    assert code == 0 and err == "" and "removed 1 step(s), 3 file(s)" in out, out + err
+    code, out, err = run(capsys, "prune", "--damaged", root)
+    assert code == 0 and err == "" and "removed 1 step(s), 3 file(s)" in out, out + err
+    assert sorted(p.name for p in layout.iterdir()) == ["1"]
