@@ -52,8 +52,10 @@ def mutable_root(path: Path, command: str) -> Path:
     return existing_dir(path)
 
 
-def writer_text(writer: dict[str, str]) -> str:
-    parts = [f"{name} {writer[name]}" for name in ("skipinject", "verl", "torch") if name in writer]
+def writer_text(writer: object) -> str:
+    """``meta.json``'s ``writer`` record in a few words (``-``: none, or no record)."""
+    found = writer if isinstance(writer, dict) else {}
+    parts = [f"{name} {found[name]}" for name in ("skipinject", "verl", "torch") if name in found]
     return ", ".join(parts) or "-"
 
 

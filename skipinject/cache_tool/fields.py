@@ -43,7 +43,7 @@ def decode(payloads: Sequence[Payload], meta: Mapping[str, Any], roles: Installe
     role = str(meta.get("role")) if isinstance(meta.get("role"), str) else "-"
     codec = roles.codec(role)
     if codec is None:
-        names = {p.objects.get("codec") for p in payloads}
+        names = {header if isinstance(header := p.objects.get("codec"), str) else None for p in payloads}
         codec = codec_named(names.pop()) if len(names) == 1 else None
         if codec is None:
             return Decoded(_raw(payloads), "raw", roles.missing(role, meta))

@@ -83,7 +83,7 @@ def render(summary: dict[str, Any]) -> None:
     say(summary["path"])
     say(f"  role {summary['role']}, step {summary['step']}, {summary['rows']} rows in {len(summary['parts'])} part(s)")
     say(f"  size {human_size(stored)} stored" + ("" if decoded == stored else f" ({human_size(decoded)} decoded)"))
-    say(f"  codec {summary['codec']}; created {summary['created']} by {writer_text(summary['writer'] or {})}")
+    say(f"  codec {summary['codec']}; created {summary['created']} by {writer_text(summary['writer'])}")
     if summary["plugin"] is not None:
         say(f"  decoded by plugin {summary['plugin']}")
     if summary["note"]:

@@ -346,3 +346,31 @@ def test_prune_and_rm_remove_a_step_whose_parts_are_malformed(
     code, out, err = run(capsys, "prune", "--damaged", root)
     assert code == 0 and err == "" and "removed 1 step(s), 3 file(s)" in out, out + err
     assert sorted(p.name for p in layout.iterdir()) == ["1"]
+
+
+@pytest.mark.parametrize("value", [["x"], {"name": "x"}, 3])
+def test_show_and_diff_of_a_step_whose_objects_name_no_codec_as_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: Any
+) -> None:
+    """A role (its plugin not installed here) whose objects hold a "codec" that is no name: shown raw."""
+    layout = tmp_path / "e_p" / LAYOUT
+    store = StepStore(layout, "tool_test", context())
+    payload = Payload(tensors={"x": torch.zeros(2, 3)}, objects={"codec": value, "value": [1, 2]}, rows=2)
+    step = store.save(1, payload, {"inputs": None})
+    other = save(layout, 2)
+    code, out, err = run(capsys, "show", step)
+    assert code == 0 and err == "" and "codec raw" in out, out + err
+    code, out, err = run(capsys, "diff", step, other)
+    assert code == 1 and err == "", out + err
+
+
+@pytest.mark.parametrize("writer", ["skipinject 0.1", ["skipinject"], None])
+def test_show_of_a_step_whose_writer_is_no_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], writer: Any
+) -> None:
+    step = save(tmp_path / "e_p" / LAYOUT, 1)
+    rewrite_meta(step, lambda meta: meta.update(writer=writer))
+    code, out, err = run(capsys, "show", step)
+    assert code == 0 and err == "" and " by -" in out, out + err
+    code, out, err = run(capsys, "show", step, "--json")
+    assert code == 0 and json.loads(out)["writer"] == writer
