@@ -172,6 +172,16 @@ def unresolved_problem(path: Path) -> str | None:
     return None
 
 
+def unwritable(directory: Path) -> str | None:
+    """Why nothing can be removed from ``directory`` (a read-only file system, no write permission), or None."""
+    try:
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return "a read-only file system"
+        return None if os.access(directory, os.W_OK) else "not writable"
+    except OSError:
+        return None
+
+
 def read_small(
     path: Path | str, limit: int = MAX_META_BYTES, dir_fd: int | None = None, shown: Path | None = None
 ) -> bytes:

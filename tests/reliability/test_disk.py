@@ -284,3 +284,45 @@ def test_unreadable_cache_directory(
         lost,
     )
     assert ok and len(warnings) == 1 and "Permission denied" in warnings[0], warnings
+
+
+@pytest.mark.parametrize("method", ["tmpfs-ro", "chattr+i", "chmod-0500"])
+def test_prune_and_rm_on_a_read_only_cache_say_what_they_kept(
+    tmp_path: Path, method: str, capsys: pytest.CaptureFixture[str], ledger: Any
+) -> None:
+    """Nothing can be deleted: each step is reported kept with why, never "removed"."""
+    from skipinject.cache_tool import main
+
+    context = tmpfs(tmp_path / "mnt", "16m") if method == "tmpfs-ro" else contextlib.nullcontext(tmp_path / "mnt")
+    with context as mnt:
+        mnt.mkdir(exist_ok=True)
+        dump = mnt / "dump"
+        for step in (1, 2, 3):
+            h.call(h.runtime(dump), h.ToyTarget(), step)
+        project = h.project_dir(h.runtime(dump))
+        for found in _leftovers(mnt):  # no save could still be writing them
+            os.utime(found, (1, 1))
+        before = _leftovers(mnt)
+        steps = [project / str(step) for step in (1, 2, 3)]  # chattr +i and chmod: each step directory
+        with contextlib.ExitStack() as stack:
+            for where in [mnt] if method == "tmpfs-ro" else steps:
+                stack.enter_context(_read_only(method, where))
+            pruned = main(["prune", "--keep-last", "1", str(dump)])
+            pruned_out = capsys.readouterr().out
+            removed = main(["rm", str(project / "3")])
+            rm_out = capsys.readouterr().out
+        reason = {"tmpfs-ro": "a read-only file system"}.get(method, "not writable")
+        kept = [line for line in (pruned_out + rm_out).splitlines() if line.startswith("kept ")]
+        lost = int(_leftovers(mnt) != before) + int(len(kept) != 3 or not all(reason in line for line in kept))
+        ledger(
+            "disk",
+            f"cache prune --keep-last 1 and rm on a read-only cache ({method}), 3 steps",
+            2,
+            f"steps reported kept with why: {len(kept)} of 3; reported removed: "
+            f"{pruned_out.count('removed /') + rm_out.count('removed /')}; exit statuses {pruned}, {removed}",
+            lost,
+        )
+        assert _leftovers(mnt) == before
+        assert "removed 0 step(s), 0 file(s)" in pruned_out and "removed 0 step(s)" in rm_out, pruned_out + rm_out
+        assert len(kept) == 3 and all(reason in line for line in kept), kept
+        assert (pruned, removed) == (0, 1)
