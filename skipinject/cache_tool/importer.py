@@ -17,6 +17,7 @@ from skipinject.cache_tool.scan import Item, load_meta_json, read_json, scan
 from skipinject.errors import CorruptCacheError
 from skipinject.roles import Call
 from skipinject.store import META_NAME, StepStore
+from skipinject.store.format import STEP_NAME
 from skipinject.store.local import LocalFiles
 from skipinject.verl.compat import STEP_KEY
 from skipinject.verl.layout import layout_values, path_safe, run_names
@@ -80,6 +81,8 @@ def import_item(
     layout_dir, step, key = item.path.parent, item.step or 0, upstream.format.step_key
     with contextlib.suppress(Exception):  # the step the engine reads it as
         step = step if key is None else int(read_json(item.path / META_NAME).get(key, step))
+    if not STEP_NAME.fullmatch(str(step)):  # a directory no reader lists, nor prune removes
+        raise CorruptCacheError(f"{item.path}: {META_NAME} records {key} {str(step)[:40]}, no step number")
     context = context_for(layout_dir, experiment, project)
     record: dict[str, Any] = {"source": str(item.path), "kind": item.kind, "step": step}
     value = upstream.format.load(item.files[0])  # trusted: --trust

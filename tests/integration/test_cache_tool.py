@@ -416,6 +416,18 @@ def test_import_needs_names_for_ambiguous_project_dirs_and_detects_async(tmp_pat
     StepStore(layout, "async_rollout", ctx).verified(4)
 
 
+def test_import_of_verl_08_steps_recording_no_step_number_writes_nothing(tmp_path: Path, capsys):
+    """A ``global_steps`` no step directory can have (negative, 13 digits and more): that step fails in one
+    line, never imported into a directory no reader lists (nor ``prune`` removes)."""
+    layout = tmp_path / "dump" / f"{EXP}_{PROJ}" / "GBS4_N2_in32_out16"
+    for gen_step, recorded in enumerate((-3, 10**13, 10**20, 2), start=1):
+        _upstream_v08(layout, gen_step, recorded)
+    code, out, _ = run(capsys, "import", tmp_path / "dump", "--trust")
+    assert code == 1 and "1 step(s) imported, 0 already there, 3 failed" in out, out
+    assert len([line for line in out.splitlines() if line.startswith("FAILED") and "no step number" in line]) == 3
+    assert sorted(p.name for p in layout.iterdir() if not p.name.startswith("genstep_")) == ["2"]
+
+
 # ---------------------------------------------------------------- prune
 
 
