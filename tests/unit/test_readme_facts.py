@@ -186,3 +186,25 @@ def test_the_readmes_rescore_table_and_figures_are_docs_rescores() -> None:
     assert len(measured) == 1 and "| CPU |" in measured[0], measured
     cells = [cell.strip() for cell in measured[0].split("|")[3:6]]
     assert cells == [f"{rows[2]} ms", f"{rows[3]} ms", f"{rows[4]} ms"], (cells, rows.groups())
+
+
+def test_the_runners_page_names_every_environment_variable_skipinject_reads_or_sets() -> None:
+    from skipinject.config.environment import VARIABLES
+
+    listed = section((ROOT / "docs" / "runner.md").read_text(), "## Environment variables")
+    assert [name for name in VARIABLES if f"`{name}`" not in listed] == []
+
+
+def test_the_plugin_guides_role_table_has_a_row_for_every_field_of_role() -> None:
+    import dataclasses
+
+    from skipinject import Role
+
+    table = section((ROOT / "docs" / "plugins.md").read_text(), "## What a `Role` declares")
+    rows = {
+        name
+        for line in table.splitlines()
+        if line.startswith("| `")
+        for name in re.findall(r"`(\w+)`", line.split(" | ")[0])
+    }
+    assert [f.name for f in dataclasses.fields(Role) if f.name not in rows] == []
