@@ -256,9 +256,15 @@ class RunEnd:
 
 def write_whole(path: Path, text: str) -> None:
     """Replace ``path`` by ``text`` whole, through a new private file beside it."""
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
-        handle.write(text)
-    os.replace(handle.name, path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(name, path)
+    except BaseException:  # ``path`` a directory, a full disk: no private copy is left beside it
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise
 
 
 def begin(roles: Sequence[str]) -> RunEnd | None:

@@ -188,3 +188,16 @@ def test_the_trainers_metrics_get_the_running_totals() -> None:
         )
     ]
     tally.TALLY.clear()
+
+
+def test_a_summary_that_cannot_be_written_leaves_no_file_beside_its_target(
+    report_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``SKIPINJECT_SUMMARY`` naming a directory: one warning, and no ``.name.xxxx`` private copy left there."""
+    target = tmp_path / "summaries"
+    target.mkdir()
+    monkeypatch.setenv(ENV_SUMMARY, str(target))
+    with caplog.at_level(logging.WARNING, "skipinject"):
+        tally.RunEnd(report_dir, ["rollout"]).say()
+    assert any("cannot write the summary there" in record.getMessage() for record in caplog.records)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["summaries"] and not any(target.iterdir())
