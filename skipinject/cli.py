@@ -220,6 +220,12 @@ def _run(program: Program) -> int:
     program's first frame (status 1), a module runpy cannot find is one line."""
     try:
         _execute(program)
+    except KeyboardInterrupt as exc:  # python's own exit (by SIGINT), its traceback from the program's frames
+        interrupt, frames, hook = exc, _program_frames(exc.__traceback__), sys.excepthook
+        sys.excepthook = lambda kind, value, tb: (
+            hook(kind, value.with_traceback(frames), frames) if value is interrupt and frames else hook(kind, value, tb)
+        )
+        raise
     except Exception as exc:
         frames = _program_frames(exc.__traceback__)
         if frames is None and isinstance(exc, ImportError):

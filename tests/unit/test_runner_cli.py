@@ -24,6 +24,15 @@ def test_dash_c_runs_code_like_python() -> None:
     assert ours.returncode == plain.returncode == 4 and ours.stdout == plain.stdout
 
 
+def test_an_interrupted_program_ends_as_under_python(tmp_path: Path) -> None:
+    """Ctrl-C: killed by SIGINT, the traceback from the program's first frame (not the runner's frames)."""
+    script = tmp_path / "interrupted.py"
+    script.write_text("def train():\n    raise KeyboardInterrupt\n\ntrain()\n")
+    ours = run([str(script)])
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert ours.returncode == plain.returncode == -2 and ours.stderr == plain.stderr, ours.stderr
+
+
 @pytest.mark.parametrize(
     ("env", "named"),
     [
