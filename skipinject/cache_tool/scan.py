@@ -26,7 +26,7 @@ from skipinject.store.local import LocalFiles
 from skipinject.store.meta import StepMeta
 from skipinject.store.remote import FsspecFiles, open_remote
 from skipinject.store.step_store import StoredFile, list_step
-from skipinject.verl.layout import layout_values
+from skipinject.verl.layout import DEFAULT_PROJECT, layout_values
 
 #: A step directory's name: the store's rule (decimal, no leading zeros), anchored for ``match``.
 STEP_RE = re.compile(rf"^(?:{fmt.STEP_NAME.pattern})$")
@@ -116,6 +116,8 @@ def _where(names: Sequence[str]) -> tuple[str, str, str | None]:
     for index in range(len(names) - 1, -1, -1):
         if layout_values(names[index]) is not None:
             return (names[index - 1] if index else "-"), names[index], names[-1] if index + 1 < len(names) else None
+    if len(names) > 1 and names[-2] == DEFAULT_PROJECT:  # {dump_dir}/skipinject_default/{role}/{step}
+        return DEFAULT_PROJECT, "-", names[-1]
     return (names[-1] if names else "-"), "-", None
 
 

@@ -76,6 +76,17 @@ def test_ls_lists_a_third_party_role(dump: Path, capsys: pytest.CaptureFixture[s
     assert found == [("toy", 1, "complete"), ("toy", 2, "complete")]
 
 
+def test_ls_names_the_default_project_of_steps_saved_without_a_verl_config(
+    dump: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``{dump_dir}/skipinject_default/{role}/{step}`` (docs/cache-format.md): the project is skipinject_default."""
+    assert step_dir(dump, 1) == dump / "skipinject_default" / "toy" / "1"
+    code, doc = run_json(capsys, "ls", dump)
+    assert code == 0
+    assert {(s["project"], s["layout"], s["role"]) for s in doc["steps"]} == {("skipinject_default", "-", "toy")}
+    assert [(g["project"], g["layout"], g["role"]) for g in doc["groups"]] == [("skipinject_default", "-", "toy")]
+
+
 def test_verify_calls_a_healthy_third_party_cache_ok(
     dump: Path, with_plugin: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
