@@ -25,6 +25,8 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[tuple[str, str]], list[st
     rest: list[str] = []
     for arg in argv:
         match = _OVERRIDE.match(arg)
+        if match is None and arg.startswith("~skip."):  # Hydra's deletion: a skip.* key has no value to delete
+            raise ConfigError(f"{arg}: removing a setting is not supported; leave it out to keep its default")
         if match is None:
             rest.append(arg)
             continue

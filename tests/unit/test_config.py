@@ -48,6 +48,14 @@ def test_interpolation_resolves(monkeypatch: pytest.MonkeyPatch) -> None:
     assert configure("skip.rollout.dump_dir=${oc.env:SI_TEST_DIR}/dump").role("rollout").dump_dir == "/data/x/dump"
 
 
+@pytest.mark.parametrize("arg", ["~skip.rollout.enable", "~skip.rollout.enable=True", "~skip.rolout.steps"])
+def test_a_hydra_deletion_of_a_setting_is_refused_not_passed_on(arg: str) -> None:
+    """``~skip.rollout.enable`` went to the program as one of its arguments: the setting stayed as it was."""
+    with pytest.raises(ConfigError) as info:
+        split_overrides(["data.x=1", arg])
+    assert str(info.value) == f"{arg}: removing a setting is not supported; leave it out to keep its default"
+
+
 @pytest.mark.parametrize(
     ("override", "line"),
     [
