@@ -88,7 +88,8 @@ def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
     roles: dict[str, dict[str, Any]] = {}
     for role, values in loaded["skip"].items():
         if not isinstance(role, str) or not _NAME.match(role):
-            raise ConfigError(f"--skip-config {path}: skip.{role}: not a role name")
+            shown = role if isinstance(role, str) and role.isprintable() else repr(role)
+            raise ConfigError(f"--skip-config {path}: skip.{shown}: not a role name")
         if not isinstance(values, Mapping):
             raise ConfigError(f"skip.{role}: expected a mapping of keys to values, got {type(values).__name__}")
         roles[role] = {str(k): v for k, v in values.items()}

@@ -180,7 +180,7 @@ def role_config(
     shown: dict[str, str] = {}
     for raw_key, value in values.items():
         key = str(raw_key)
-        dotted = f"skip.{role}.{key}"
+        dotted = f"skip.{role}.{_show(key)}"
         if key not in ROLE_KEYS:
             raise ConfigError(
                 f"{dotted}: unknown key {key!r} (known: {', '.join(ROLE_KEYS)}){did_you_mean(key, ROLE_KEYS)}"
@@ -210,7 +210,7 @@ def role_config(
 
 
 def _show(value: Any) -> str:
-    text = value if isinstance(value, str) else repr(value)
+    text = value if isinstance(value, str) and value.isprintable() else repr(value)  # one line, no escapes
     return text if len(text) <= 200 else text[:200] + "..."
 
 

@@ -32,7 +32,7 @@ class StepSet:
     @classmethod
     def parse(cls, text: str, key: str = "steps") -> StepSet:
         """``[1,2,3]``, ``1-128``, ``[1-4,10]``, ``7`` or ``[]``; errors name ``key`` and the text."""
-        body = text.strip()
+        body, text = text.strip(), text if text.isprintable() else repr(text)  # errors quote it on one line
         if body.startswith("[") and body.endswith("]"):
             body = body[1:-1]
         elif "[" in body or "]" in body:

@@ -163,3 +163,25 @@ def test_environment_variables_are_validated(env: dict[str, str], message: str) 
 def test_environment_defaults() -> None:
     assert environment.log_level({}) == "INFO" and environment.log_level({"SKIPINJECT_LOG_LEVEL": "warn"}) == "WARNING"
     assert environment.disabled({}) is False and environment.disabled({"SKIPINJECT_DISABLE": "On"}) is True
+
+
+@pytest.mark.parametrize(
+    ("body", "start"),
+    [
+        ('    action: "repeat\\n"', "skip.rollout.action='repeat\\n': unknown action"),
+        ('    action: "\\e[31mred"', "skip.rollout.action='\\x1b[31mred': unknown action"),
+        ('    steps: "1\\nx"', "skip.rollout.steps='1\\nx': '1\\nx' is not a step"),
+        ('    "en\\nable": true', "skip.rollout.'en\\nable': unknown key 'en\\nable'"),
+        ('    enable: true\n  "roll\\nout": {}', "--skip-config "),
+    ],
+)
+def test_a_value_or_key_with_a_line_break_or_escape_is_quoted_in_the_one_line(
+    tmp_path: Path, body: str, start: str
+) -> None:
+    """A YAML ``>`` block or a quoted ``\\n`` put a line break (or a terminal escape) raw into the error."""
+    settings = tmp_path / "skip.yaml"
+    settings.write_text("skip:\n  rollout:\n" + body + "\n")
+    with pytest.raises(ConfigError) as info:
+        apply_settings(Config(), load_file(settings), ROLES)
+    message = str(info.value)
+    assert message.startswith(start) and message.isprintable(), message
