@@ -249,7 +249,7 @@ def step_dirs(backend: Backend, root: Path, problems: list[str], upstreams: Sequ
             else:
                 names = backend.names(directory)
             kinds = {name: getattr(backend.stat(directory / name), "kind", None) for name in names}
-        except OSError as exc:
+        except (OSError, CorruptCacheError) as exc:  # e.g. another user's private directory in a shared one
             problems.append(f"{directory}: cannot list it ({type(exc).__name__}: {exc})")
             continue
         subdirs = {name for name, kind in kinds.items() if kind == "directory"}

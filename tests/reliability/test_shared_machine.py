@@ -237,3 +237,53 @@ def test_the_cache_tool_refuses_to_prune_under_a_world_writable_parent(base: Pat
                            as_json=True)  # fmt: skip
     assert _files(dump) == before
     assert {item.state for item in scan(dump)} == {"untrusted"}
+
+
+@as_root
+def test_the_cache_tool_lists_a_shared_dump_dir_past_another_users_private_project(base: Path, ledger: Any) -> None:
+    """In a sticky shared dump directory another user's project is private (0700): ``ls``, ``verify`` and
+    ``prune`` of the directory say so in one line and go on with the rest, never stop at it."""
+    import contextlib
+    import importlib
+    import io
+    import json
+
+    from skipinject.cache_tool import main
+    from tests.reliability.test_races import OTHER_UID, chown_tree
+
+    shared = base / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    h.call(h.runtime(shared / "theirs"), h.ToyTarget(), STEP)  # root's, private
+    os.chmod(shared / "theirs", 0o700)
+    h.call(h.runtime(shared / "mine"), h.ToyTarget(), STEP)
+    chown_tree(shared / "mine", OTHER_UID)
+    commands = {"ls": ["ls", "--json"], "verify": ["verify", "--json"], "prune": ["prune", "--keep-last", "0"]}
+    for argv in commands.values():  # every module the commands import, loaded before the child drops root
+        with contextlib.redirect_stdout(io.StringIO()):
+            main([*argv, "--dry-run", str(shared / "mine")] if argv[0] == "prune" else [*argv, str(shared / "mine")])
+    importlib.import_module("_strptime")  # datetime.strptime's, imported at its first call
+
+    def run_all() -> None:
+        results = {}
+        for name, argv in commands.items():
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main([*argv, str(shared)])
+            results[name] = [code, out.getvalue(), err.getvalue()]
+        (shared / "mine" / "results.json").write_text(json.dumps(results))
+
+    as_other_user(run_all)
+    results = json.loads((shared / "mine" / "results.json").read_text())
+    (ls_code, ls_out, ls_err), (verify_code, verify_out, _), (prune_code, prune_out, prune_err) = results.values()
+    listed = [(s["project"], s["state"]) for s in json.loads(ls_out)["steps"]]
+    problems = json.loads(verify_out)["problems"]
+    lost = int(listed != [("exp_proj", "complete")]) + int(prune_code != 0 or "removed 1 step(s)" not in prune_out)
+    lost += int(len(problems) != 1 or "theirs" not in problems[0]) + int(ls_code != 0)
+    ledger("trust", "cache ls, verify, prune of a 1777 dump dir holding another user's private (0700) project", 3,
+           f"own steps listed: {len(listed)}; unreadable lines: {len(problems)}; exit statuses "
+           f"{ls_code}, {verify_code}, {prune_code}", lost)  # fmt: skip
+    assert ls_code == 0 and listed == [("exp_proj", "complete")], (ls_out, ls_err)
+    assert verify_code == 1 and len(problems) == 1 and "theirs: cannot" in problems[0], verify_out
+    assert prune_code == 0 and "removed 1 step(s)" in prune_out, (prune_out, prune_err)
+    assert (shared / "theirs").is_dir() and not list((shared / "mine").rglob("meta.json"))
