@@ -20,6 +20,7 @@ from skipinject.errors import CacheError
 from skipinject.store import garbage
 from skipinject.store.files import unwritable
 from skipinject.store.format import META_NAME, is_ours, is_usage_name
+from skipinject.store.local import LocalFiles
 from skipinject.store.meta import StepMeta
 from skipinject.store.step_store import StoredFile
 
@@ -96,6 +97,8 @@ def _named_step(path: Path | str) -> Item:
     """The skipinject step at ``path`` (a local step directory or a step's URL); CommandError otherwise."""
     if isinstance(path, Path):
         mutable_root(path.parent, "rm")
+        if getattr(LocalFiles().stat(path), "kind", None) == "link":  # its target is never walked
+            raise CommandError(f"{path}: a symbolic link, not a step directory; skipinject never removes through one")
     where = path if isinstance(path, Path) else path.rpartition("/")[0]  # a remote step: listed from its parent
     found = [item for item in scan(where, []) if str(item.path) == str(path)]
     ours = [item for item in found if item.kind == "skipinject"]

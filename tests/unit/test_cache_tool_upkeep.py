@@ -249,6 +249,19 @@ def test_rm_keeps_a_step_a_save_is_writing_and_never_removes_verls_pickles(tmp_p
     assert code == 2 and "skipinject never removes it" in err and (pickle_dir / "gen_batch.dp").exists()
 
 
+def test_rm_of_a_step_that_is_a_link_neither_follows_nor_walks_it(tmp_path: Path, capsys):
+    """A step directory that is a link (to a whole other tree): refused in one line, its target never walked."""
+    rollout = store_at(str(tmp_path / "dump"))
+    rollout.save(1, payload(1))
+    elsewhere = store_at(str(tmp_path / "elsewhere"))
+    elsewhere.save(1, payload(2))
+    (rollout.project_dir / "2").symlink_to(tmp_path / "elsewhere")
+    before = step_files(elsewhere, 1)
+    code, out, err = run(capsys, "rm", rollout.project_dir / "2")
+    assert code == 2 and "a symbolic link" in err and len(err.splitlines()) == 1, out + err
+    assert step_files(elsewhere, 1) == before and rollout.is_committed(1)
+
+
 def test_every_hit_through_the_engine_is_counted(toy: Any, dump: str, capsys):
     from skipinject import bootstrap
     from tests.remote_checks import generate, start
