@@ -57,8 +57,8 @@ def _abandoned(name: str, age: float, min_age: float, local: bool) -> bool:
     pid = int(match.group(2))
     if pid == os.getpid() or not local:
         return True
-    if pid <= 0:
-        return False  # not a pid we wrote: do not pretend to know
+    if not 0 < pid < 1 << 31:
+        return False  # not a pid we wrote (nor one ``kill`` takes): do not pretend to know
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -90,6 +90,23 @@ def test_files_of_live_or_recent_writers_are_kept(tmp_path: Path) -> None:
     assert store.load(store.verified(5))
 
 
+def test_a_leftover_naming_a_pid_no_process_can_have_stops_no_collection(tmp_path: Path, capsys) -> None:
+    """A write id's pid of 10 digits (past what ``kill`` takes): that file is kept (whose it is is unknown),
+    the rest collected; ``cache prune --partial`` says so, never an internal OverflowError."""
+    from skipinject.cache_tool import main
+
+    store = StepStore(tmp_path / "proj", "toy", {})
+    store.save(1, _payload())
+    foreign = _killed_save(store.step_dir(2), 9_999_999_999)
+    planted = _killed_save(store.step_dir(3), _dead_pid())
+    assert garbage.collect(store.project_dir, force=True) == (4, 5850)
+    assert [p for p in planted if p.exists()] == [] and all(p.exists() for p in foreign)
+    planted = _killed_save(store.step_dir(3), _dead_pid())
+    assert main(["prune", "--partial", str(tmp_path)]) == 0
+    assert "removed 1 step(s), 4 file(s)" in capsys.readouterr().out
+    assert [p for p in planted if p.exists()] == [] and all(p.exists() for p in foreign)
+
+
 def test_named_files_symlinks_and_unreadable_meta_are_never_touched(tmp_path: Path) -> None:
     store = StepStore(tmp_path / "proj", "toy", {})
     store.save(1, _payload())
