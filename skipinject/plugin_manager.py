@@ -147,7 +147,7 @@ def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS)
                 ep = entry_points[item]
                 try:
                     obj = ep.load()
-                except Exception as exc:
+                except (Exception, SystemExit) as exc:  # a module that exits on import (argparse) is a failure too
                     raise PluginError(f"plugin {item!r} ({ep.value}) failed to import: {_one_line(exc)}") from exc
                 dist = getattr(ep, "dist", None)
                 loaded = LoadedPlugin(item, ep.value, obj, getattr(dist, "name", None), getattr(dist, "version", None))
@@ -192,7 +192,7 @@ def _from_path(
             raise PluginError(_unknown(item, entry_points, given_as))
     try:
         obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise PluginError(f"plugin {item!r} failed to import: {_one_line(exc)}") from exc
     try:
         obj = functools.reduce(getattr, filter(None, attr.split(".")), obj)

@@ -133,3 +133,25 @@ def test_a_role_of_the_wrong_shape_is_a_plugin_error_not_a_traceback_later(
     message = str(info.value)
     assert f"plugin {module!r}" in message and "role 'misshapen'" in message and named in message
     assert "\n" not in message
+
+
+@pytest.fixture
+def exiting_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed plugin whose module exits while imported (a script's argparse run at import)."""
+    info = tmp_path / "skipinject_exiting-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: skipinject-exiting\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[skipinject.plugins]\nexiting = si_exiting_plugin_module\n")
+    (tmp_path / "si_exiting_plugin_module.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "si_exiting_plugin_module", raising=False)
+
+
+def test_a_plugin_that_exits_on_import_is_left_out_not_the_end_of_the_run(exiting_dist: None, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="skipinject"):
+        plugins = load_plugins("")
+    assert "SystemExit: 3" in plugins.failures["exiting"] and "rollout" in {p.name for p in plugins.plugins}
+    with pytest.raises(PluginError, match=r"^plugin 'exiting' .* failed to import: SystemExit: 3$"):
+        load_plugins("exiting")
+    with pytest.raises(PluginError, match=r"^plugin 'si_exiting_plugin_module' failed to import: SystemExit: 3$"):
+        load_plugins("si_exiting_plugin_module")
