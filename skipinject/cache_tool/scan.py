@@ -121,8 +121,11 @@ def _where(names: Sequence[str]) -> tuple[str, str, str | None]:
     return (names[-1] if names else "-"), "-", None
 
 
-def classify(step_dir: Path, upstreams: Sequence[Upstream] = (), backend: Backend | None = None) -> list[Item]:
-    """The items of one step directory (none, one, or ours beside verl's). Never raises."""
+def classify(
+    step_dir: Path, upstreams: Sequence[Upstream] = (), backend: Backend | None = None, root: Path | None = None
+) -> list[Item]:
+    """The items of one step directory (none, one, or ours beside verl's), its trust checked from ``root``
+    down (as a run checks its dump directory's). Never raises."""
     backend = backend or LocalFiles()
     project, layout, role_dir = _where(PurePosixPath(str(step_dir.parent)).parts)  # a RemotePath too
     ours_dir = STEP_RE.match(step_dir.name) is not None
@@ -148,7 +151,7 @@ def classify(step_dir: Path, upstreams: Sequence[Upstream] = (), backend: Backen
         if meta_path not in listed and any(not f.part and f.name == fmt.META_NAME for f in listing):
             ours = new("damaged", [], f"{meta_path}: not a regular file")
         elif ours_dir and meta_path in listed:
-            ours = _our_step(new("complete", [meta_path]), layout, foreign is not None)
+            ours = _our_step(new("complete", [meta_path]), layout, foreign is not None, root)
             if ours is not None and ours.state == "damaged":
                 ours.rows, ours.files = None, [meta_path, *ours_data]  # what a damaged meta.json claims is not shown
         if ours is None and ours_dir and ours_data:
@@ -190,8 +193,9 @@ def _foreign(step_dir: Path, listed: Mapping[Path, StoredFile], upstreams: Seque
     return None
 
 
-def open_step(step_dir: Path, backend: Backend | None = None) -> tuple[StepStore, StepMeta]:
-    """The store holding ``step_dir`` (role and context from its ``meta.json``) and its checked meta."""
+def open_step(step_dir: Path, backend: Backend | None = None, root: Path | None = None) -> tuple[StepStore, StepMeta]:
+    """The store holding ``step_dir`` (role and context from its ``meta.json``; trusted from ``root`` down)
+    and its checked meta."""
     if not STEP_RE.match(step_dir.name):
         raise CorruptCacheError(f"{step_dir}: not a step directory (its name is not a step number)")
     raw = load_meta_json(step_dir / fmt.META_NAME, backend)
@@ -202,11 +206,11 @@ def open_step(step_dir: Path, backend: Backend | None = None) -> tuple[StepStore
         raise CorruptCacheError(
             f"{step_dir}/meta.json: malformed (role {role!r:.80}, context {type(context).__name__})"
         )
-    store = StepStore(step_dir.parent, role, context, backend=backend)
+    store = StepStore(step_dir.parent, role, context, backend=backend, dump_dir=root)
     return store, store.read_meta(int(step_dir.name))
 
 
-def _our_step(item: Item, layout: str, beside_foreign: bool) -> Item | None:
+def _our_step(item: Item, layout: str, beside_foreign: bool, root: Path | None = None) -> Item | None:
     """``item`` as its ``meta.json`` describes it (each value only of the right type), its files checked by
     size; None when it is not ours."""
     try:
@@ -225,7 +229,7 @@ def _our_step(item: Item, layout: str, beside_foreign: bool) -> Item | None:
     if item.path.parent.name == fmt.ROWS_DIR and "generated_at" in meta:
         item.layout = f"{layout}/{fmt.ROWS_DIR}"  # rows records of action=match, numbered on their own
     try:
-        store, item.meta = open_step(item.path, item.backend)
+        store, item.meta = open_step(item.path, item.backend, root)
         item.files += [path for path, _ in store.precheck(int(item.path.name), item.meta)]
         usage = store.usage(int(item.path.name))
         if usage is not None:
@@ -280,7 +284,8 @@ def scan(root: Path | str, problems: list[str] | None = None, roles: InstalledRo
         backend, where = LocalFiles(), existing_dir(root)
         upstreams = (roles or InstalledRoles()).upstreams()
     found = step_dirs(backend, where, problems, upstreams)
-    items = [item for directory in found for item in classify(directory, upstreams, backend)]
+    local = where if isinstance(backend, LocalFiles) else None  # directories others could write: as a run sees them
+    items = [item for directory in found for item in classify(directory, upstreams, backend, local)]
     items.sort(key=lambda i: (i.project, i.layout, i.role, i.step if i.step is not None else -1, i.kind))
     redirect = unresolved_problem(root) if isinstance(root, Path) else None
     for item in items if redirect is not None else ():  # as a run sees such a dump_dir: not loaded

@@ -374,3 +374,23 @@ def test_show_of_a_step_whose_writer_is_no_record(
     assert code == 0 and err == "" and " by -" in out, out + err
     code, out, err = run(capsys, "show", step, "--json")
     assert code == 0 and json.loads(out)["writer"] == writer
+
+
+@pytest.mark.parametrize("writable", ["project", "dump"])
+def test_steps_below_a_directory_others_can_write_are_untrusted_as_a_run_sees_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], writable: str
+) -> None:
+    """A world-writable experiment directory (or dump directory given to the tool) above the layout: a run
+    refuses its steps, so ``ls`` and ``verify`` call them untrusted and ``compact`` never writes there."""
+    root = tmp_path / "dump"
+    for step in (1, 2):
+        save(root / "e_p" / LAYOUT, step)
+    os.chmod(root / "e_p" if writable == "project" else root, 0o777)
+    before = sorted(p.name for p in (root / "e_p" / LAYOUT / "1").iterdir())
+    code, out, err = run(capsys, "ls", "--json", root)
+    assert code == 0 and [s["state"] for s in json.loads(out)["steps"]] == ["untrusted", "untrusted"], out + err
+    code, out, err = run(capsys, "verify", root)
+    assert code == 0 and "0 ok, 0 damaged, 0 partial, 2 untrusted" in out, out + err
+    code, out, err = run(capsys, "compact", root)
+    assert code == 1 and "compacted 0 step(s)" in out, out + err
+    assert sorted(p.name for p in (root / "e_p" / LAYOUT / "1").iterdir()) == before
