@@ -105,8 +105,8 @@ def _read_settings(where: Path, shown: str) -> str:
         fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise ConfigError(f"{shown}: no such file") from None
-    except OSError as exc:
-        raise ConfigError(f"{shown}: cannot open it ({exc.strerror or exc})") from exc
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise ConfigError(f"{shown}: cannot open it ({getattr(exc, 'strerror', None) or exc})") from exc
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

@@ -115,6 +115,8 @@ def test_missing_or_huge_yaml(tmp_path: Path) -> None:
     huge.write_bytes(b"#" * (2 << 20))
     with pytest.raises(ConfigError, match="not a settings file"):
         load_file(huge)
+    with pytest.raises(ConfigError, match=r"cannot open it \(embedded null byte\)$"):  # enable(settings_file=...)
+        load_file(f"{tmp_path}/skip\x00.yaml")
 
 
 def test_transport_round_trip_and_compaction() -> None:
