@@ -72,9 +72,16 @@ def _fingerprint(roles: InstalledRoles, upstream: Upstream, input_path: Path, ro
 
 
 def import_item(
-    item: Item, *, role: str | None, experiment: str | None, project: str | None, roles: InstalledRoles
+    item: Item,
+    *,
+    role: str | None,
+    experiment: str | None,
+    project: str | None,
+    roles: InstalledRoles,
+    root: Path | None = None,
 ) -> dict[str, Any]:
-    """Convert one upstream step with the loader and codec the installed plugins declare; its report record."""
+    """Convert one upstream step with the loader and codec the installed plugins declare (into a tree trusted
+    from ``root`` down, as a run's dump directory); its report record."""
     upstream = item.upstream
     if upstream is None:
         raise CommandError(f"{item.path}: no installed plugin declares this cache")
@@ -90,7 +97,8 @@ def import_item(
     codec = roles.codec(role_name)
     if codec is None:
         raise CommandError(f"no installed plugin provides role {role_name!r} (give --role an installed role)")
-    store = StepStore(layout_dir, role_name, context, plugin=roles.plugin_of(role_name), step_aliases=(STEP_KEY,))
+    plugin = roles.plugin_of(role_name)
+    store = StepStore(layout_dir, role_name, context, plugin=plugin, step_aliases=(STEP_KEY,), dump_dir=root)
     with contextlib.suppress(CorruptCacheError, FileNotFoundError):
         if load_meta_json(store.step_dir(step) / META_NAME) is not None and store.verified(step):
             return {**record, "role": role_name, "status": "already", "path": str(store.step_dir(step))}
@@ -116,26 +124,27 @@ def import_item(
 def cmd_import(
     paths: Sequence[Path], *, trust: bool, role: str | None, experiment: str | None, project: str | None, as_json: bool
 ) -> int:
-    items: list[Item] = []
+    items: list[tuple[Item, Path]] = []
     roles = InstalledRoles()
     for path in paths:
         if getattr(LocalFiles().stat(path), "kind", None) == "link":  # the path given is read, never a link's target
             raise CommandError(f"{path}: a symbolic link; give the directory it points to if you trust it")
         mutable_root(path, "import")
-        items += [i for i in scan(path, roles=roles) if i.state == "foreign"]
+        items += [(i, path) for i in scan(path, roles=roles) if i.state == "foreign"]
     if not trust:
         if as_json:
-            emit_json("import", {"trusted": False, "found": [i.record() for i in items]})
+            emit_json("import", {"trusted": False, "found": [i.record() for i, _ in items]})
         else:
-            for item in items:
+            for item, _ in items:
                 say(f"found {item.kind} {item.path}")
             say(f"{len(items)} verl cache step(s) found, none imported. {WARNING}")
         return USAGE if items else OK
     results = []
-    with Progress(sum(i.size for i in items), "import") as bar:
-        for item in items:
+    with Progress(sum(i.size for i, _ in items), "import") as bar:
+        for item, root in items:
             try:
-                results.append(import_item(item, role=role, experiment=experiment, project=project, roles=roles))
+                found = import_item(item, role=role, experiment=experiment, project=project, roles=roles, root=root)
+                results.append(found)
             except Exception as exc:  # a broken pickle must not stop the others
                 error = str(exc) if isinstance(exc, CommandError) else f"{type(exc).__name__}: {exc}"
                 results.append({"source": str(item.path), "kind": item.kind, "status": "failed", "error": error})

@@ -428,6 +428,19 @@ def test_import_of_verl_08_steps_recording_no_step_number_writes_nothing(tmp_pat
     assert sorted(p.name for p in layout.iterdir() if not p.name.startswith("genstep_")) == ["2"]
 
 
+def test_import_never_writes_below_a_directory_others_can_write(tmp_path: Path, capsys):
+    """A world-writable experiment directory above the layout: a run neither loads nor saves there, and
+    ``import`` does not write there either (one FAILED line naming the fix)."""
+    dump = tmp_path / "dump"
+    layout = dump / f"{EXP}_{PROJ}" / LAYOUT
+    _upstream_v0(layout, 1, 1)
+    os.chmod(dump / f"{EXP}_{PROJ}", 0o777)
+    before = sorted(p.relative_to(dump) for p in dump.rglob("*"))
+    code, out, _ = run(capsys, "import", dump, "--trust")
+    assert code == 1 and "FAILED" in out and "writable by group and others" in out, out
+    assert sorted(p.relative_to(dump) for p in dump.rglob("*")) == before
+
+
 # ---------------------------------------------------------------- prune
 
 
