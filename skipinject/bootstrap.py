@@ -36,6 +36,7 @@ logger = logging.getLogger("skipinject")
 _lock = threading.Lock()
 _engine: Engine | None = None
 _started = False
+_refused: str | None = None  # the SKIPINJECT_CONFIG this process could not start from
 
 
 def resolve(
@@ -225,8 +226,9 @@ def stop() -> None:
 
 def start_from_env(hand_on_only: bool = False) -> Engine | None:
     """Start from ``SKIPINJECT_CONFIG`` (errors logged); ``hand_on_only``: only patch ``ray.init``."""
+    global _refused
     text = os.environ.get(ENV_CONFIG)
-    if not text or disabled():
+    if not text or text == _refused or disabled():  # refused: said once (at ray's import), not again at verl's
         return None
     configure_logging()
     try:
@@ -235,6 +237,7 @@ def start_from_env(hand_on_only: bool = False) -> Engine | None:
             return None
         return start(Config.from_json(text))
     except Exception as exc:
+        _refused = text
         logger.error("not active in process %d: %s: %s", os.getpid(), type(exc).__name__, exc)
         return None
 

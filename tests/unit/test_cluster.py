@@ -170,6 +170,18 @@ def test_worker_setup_runs_the_chained_module_hook(monkeypatch: pytest.MonkeyPat
     assert calls == [1]
 
 
+def test_a_child_says_once_that_it_cannot_read_its_configuration(monkeypatch: pytest.MonkeyPatch):
+    """ray's import (hand on only), then verl's (start): a tampered SKIPINJECT_CONFIG was said twice."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    monkeypatch.setattr(bootstrap.logger, "handlers", [handler])
+    monkeypatch.setattr(bootstrap, "_refused", None)
+    monkeypatch.setenv(bootstrap.ENV_CONFIG, '{"version": 1}')
+    assert bootstrap.start_from_env(hand_on_only=True) is None and bootstrap.start_from_env() is None
+    assert len(lines) == 1 and "serialised config has version 1" in lines[0], lines
+
+
 @pytest.mark.integration  # builds Ray's RuntimeEnv / JobConfig
 def test_job_config_runtime_env_is_amended_not_replaced():
     from ray.job_config import JobConfig
