@@ -8,6 +8,7 @@ them, decoding through the installed plugin's own codec, or names the plugin whe
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,18 @@ def test_the_engine_records_the_plugin_and_no_codec_header(dump: Path) -> None:
     assert meta["step"] == meta["global_steps"] == 1  # the step also under the trainer's name for it
     objects = next(step_dir(dump, 1).glob("objects-*.json"))
     assert "codec" not in json.loads(objects.read_text())  # plain objects: the built-ins' header is not a rule
+
+
+def test_every_key_of_a_saved_steps_meta_json_is_in_the_format_documents_table(dump: Path) -> None:
+    meta = json.loads((step_dir(dump, 1) / "meta.json").read_text())
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cache-format.md").read_text()
+    table = {
+        key
+        for line in text.splitlines()
+        if line.startswith("| `")
+        for key in re.findall(r"`(\w+)`", line.split(" | ")[0])
+    }
+    assert sorted(set(meta) - table) == []
 
 
 def test_ls_lists_a_third_party_role(dump: Path, capsys: pytest.CaptureFixture[str]) -> None:
