@@ -5,6 +5,7 @@ nodes see it. Nothing here imports fsspec or the store until a root is opened.""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -14,7 +15,7 @@ from skipinject.errors import ConfigError
 if TYPE_CHECKING:
     from skipinject.store.backend import Backend
 
-__all__ = ["LOCAL_SCHEMES", "DumpRoot", "is_remote", "is_url", "local_path_text"]
+__all__ = ["LOCAL_SCHEMES", "DumpRoot", "anchored", "is_remote", "is_url", "local_path_text"]
 
 #: URL schemes that name this node's own file system (``file:///srv/cache`` is ``/srv/cache``).
 LOCAL_SCHEMES = ("file", "local")
@@ -34,6 +35,18 @@ def is_remote(path: str) -> bool:
 def local_path_text(path: str) -> str:
     """``path`` without a ``file://`` (or ``local://``) scheme; other text as it is."""
     return str(path).partition("://")[2] if is_url(path) and not is_remote(path) else str(path)
+
+
+def anchored(text: str) -> str:
+    """``text``, a relative local path joined to this process's working directory: handed to the run's other
+    processes, which may start elsewhere (Ray's workers), it names the directory the user meant."""
+    text = str(text)
+    if is_url(text) or text.startswith("~") or os.path.isabs(text) or "\x00" in text:
+        return text
+    try:
+        return os.path.join(os.getcwd(), text)
+    except OSError:  # the working directory is gone: each process resolves it as before
+        return text
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields, make_dataclass, replac
 from typing import Any
 
 from skipinject.config.steps import StepSet
-from skipinject.dump_root import DumpRoot
+from skipinject.dump_root import DumpRoot, anchored
 from skipinject.errors import ConfigError, did_you_mean
 
 DEFAULT_DUMP_DIR = "~/.verl/rollout_dump"
@@ -244,7 +244,10 @@ class Config:
 
     def to_json(self) -> str:
         """Compact text for an environment variable; raises :class:`ConfigError` when it cannot fit."""
-        roles = {name: asdict(cfg) | {"steps": cfg.steps.format()} for name, cfg in self.roles.items()}
+        roles = {
+            name: asdict(cfg) | {"steps": cfg.steps.format(), "dump_dir": anchored(cfg.dump_dir)}
+            for name, cfg in self.roles.items()
+        }
         body = {
             "version": SERIAL_VERSION,
             "plugins": self.plugins,

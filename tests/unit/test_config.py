@@ -187,3 +187,27 @@ def test_a_value_or_key_with_a_line_break_or_escape_is_quoted_in_the_one_line(
         apply_settings(Config(), load_file(settings), ROLES)
     message = str(info.value)
     assert message.startswith(start) and message.isprintable(), message
+
+
+@pytest.mark.parametrize("given", ["cache", "runs/../cache"])
+def test_transport_anchors_a_relative_dump_dir_to_the_drivers_directory(
+    given: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray's workers may start in another directory: they get the path the user meant, not their own."""
+    monkeypatch.chdir(tmp_path)
+    cfg = Config(roles={"rollout": configure(f"skip.rollout.dump_dir={given}").role("rollout")})
+    text = cfg.to_json()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    back = Config.from_json(text).roles["rollout"]
+    assert back.dump_dir == str(tmp_path / given)
+    assert back.root.path == (tmp_path / "cache").resolve()
+
+
+@pytest.mark.parametrize("given", ["/srv/cache", "~/cache", "memory://bucket/cache"])
+def test_transport_keeps_an_absolute_home_or_remote_dump_dir(given: str) -> None:
+    if given.startswith("memory://"):
+        pytest.importorskip("fsspec")
+    cfg = Config(roles={"rollout": configure(f"skip.rollout.dump_dir={given}").role("rollout")})
+    assert Config.from_json(cfg.to_json()).roles["rollout"].dump_dir == given
