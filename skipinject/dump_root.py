@@ -41,7 +41,7 @@ def anchored(text: str) -> str:
     """``text``, a relative local path joined to this process's working directory: handed to the run's other
     processes, which may start elsewhere (Ray's workers), it names the directory the user meant."""
     text = str(text)
-    if is_url(text) or text.startswith("~") or os.path.isabs(text) or "\x00" in text:
+    if is_url(text) or text.startswith("~") or os.path.isabs(text):
         return text
     try:
         return os.path.join(os.getcwd(), text)

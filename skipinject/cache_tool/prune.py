@@ -18,7 +18,6 @@ from skipinject.cache_tool.scan import Item, scan
 from skipinject.cache_tool.verify import damage
 from skipinject.errors import CacheError
 from skipinject.store import garbage
-from skipinject.store.files import unwritable
 from skipinject.store.format import META_NAME, is_ours, is_usage_name
 from skipinject.store.local import LocalFiles
 from skipinject.store.meta import StepMeta
@@ -177,11 +176,10 @@ def act(
         else:  # locally from descriptors opened once from ``root``: a step swapped for a link removes nothing
             try:
                 only = _named(item) if item.state == "partial" else None
-                there = {(found.part, found.name) for found in _our_files(item)}
                 count, size = item.store(root if isinstance(root, Path) else None).remove(int(item.path.name), only)
-                problem = _not_removed(item, there)
-            except (CacheError, OSError, ValueError) as exc:
-                count, size, problem = 0, 0, f"not removed ({exc})"
+            except (CacheError, OSError, ValueError) as exc:  # e.g. a read-only file system, an immutable directory
+                why = f"{exc.strerror} ({exc.filename})" if isinstance(exc, OSError) and exc.strerror else exc
+                count, size, problem = 0, 0, f"not removed: {why}"
         outcome["files"] += count
         outcome["bytes"] += size
         if problem:
@@ -219,21 +217,6 @@ def _our_files(item: Item) -> list[StoredFile]:
         return found.kind == "file" and (is_ours(found.name) or top)
 
     return [found for found in item.store().files(int(item.path.name)) if ours(found)]
-
-
-def _not_removed(item: Item, there: set[tuple[str, str]]) -> str | None:
-    """Why files of ``item`` that were ``there`` before its removal still are (a read-only or immutable
-    directory), or None."""
-    try:
-        left = [found for found in _our_files(item) if (found.part, found.name) in there]
-    except FileNotFoundError:
-        return None
-    if not left:
-        return None
-    where = item.path / left[0].part if left[0].part else item.path
-    why = unwritable(where) if item.backend.checks_owners else None
-    where_why = f"{where}: {why}" if why else f"{where}"
-    return f"not removed: {len(left)} of its files could not be deleted ({left[0].name} in {where_why})"
 
 
 def _unsafe(item: Item, root: Path | str, now: float) -> str | None:

@@ -172,16 +172,6 @@ def unresolved_problem(path: Path) -> str | None:
     return None
 
 
-def unwritable(directory: Path) -> str | None:
-    """Why nothing can be removed from ``directory`` (a read-only file system, no write permission), or None."""
-    try:
-        if os.statvfs(directory).f_flag & os.ST_RDONLY:
-            return "a read-only file system"
-        return None if os.access(directory, os.W_OK) else "not writable"
-    except OSError:
-        return None
-
-
 def read_small(
     path: Path | str, limit: int = MAX_META_BYTES, dir_fd: int | None = None, shown: Path | None = None
 ) -> bytes:
@@ -249,7 +239,8 @@ def open_below(anchor: Path | int, parts: Sequence[str]) -> Iterator[int]:
 
 
 def unlink_regular(dir_fd: int, name: str, wanted: Callable[[os.stat_result], bool]) -> int | None:
-    """Unlink ``name`` if it is a regular file ``wanted(lstat)`` selects; its size."""
+    """Unlink ``name`` if it is a regular file ``wanted(lstat)`` selects; its size. A wanted file that cannot go
+    (a read-only file system, an immutable directory) raises its OSError: the removal stops and says why."""
     try:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
@@ -260,7 +251,7 @@ def unlink_regular(dir_fd: int, name: str, wanted: Callable[[os.stat_result], bo
         BEFORE_UNLINK(dir_fd, name)
     try:
         os.unlink(name, dir_fd=dir_fd)
-    except OSError:
+    except FileNotFoundError:  # removed meanwhile by another collector
         return None
     return info.st_size
 

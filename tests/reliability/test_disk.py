@@ -311,7 +311,7 @@ def test_prune_and_rm_on_a_read_only_cache_say_what_they_kept(
             pruned_out = capsys.readouterr().out
             removed = main(["rm", str(project / "3")])
             rm_out = capsys.readouterr().out
-        reason = {"tmpfs-ro": "a read-only file system"}.get(method, "not writable")
+        reason = {"tmpfs-ro": "Read-only file system", "chattr+i": "Operation not permitted"}.get(method, "Permission")
         kept = [line for line in (pruned_out + rm_out).splitlines() if line.startswith("kept ")]
         lost = int(_leftovers(mnt) != before) + int(len(kept) != 3 or not all(reason in line for line in kept))
         ledger(
