@@ -32,7 +32,12 @@ from typing import Any
 import numpy as np
 from skipinject import CacheError, Call, RescorePolicy, RoleConfig, count_rescored
 
-from skipinject_rollout.reward_identity import describe_difference, recorded_identity, reward_identity
+from skipinject_rollout.reward_identity import (
+    describe_difference,
+    recorded_identity,
+    reward_identity,
+    unreadable_file,
+)
 
 logger = logging.getLogger("skipinject")
 
@@ -60,6 +65,10 @@ def decide(
         differs, what = True, "recorded by an unknown reward: the cache records none"
     elif current is None:
         differs, what = True, "this run's reward is not known here"
+    elif (unread := unreadable_file(current)) is not None:
+        differs, what = True, f"this run's reward file cannot be read ({unread})"
+    elif (unread := unreadable_file(recorded)) is not None:
+        differs, what = True, f"recorded with a reward file that could not be read ({unread})"
     elif recorded.get("digest") == current.get("digest"):
         differs, what = False, "recorded by this run's reward"
     else:

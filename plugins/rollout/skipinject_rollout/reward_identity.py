@@ -17,14 +17,23 @@ the served responses alike, each saved step's ``meta.json`` holds, under ``"rewa
   where it lies.
 * ``digest``: one digest of all that (file paths left out, file contents in): two runs score alike
   when their digests are equal.
+
+What is in it, what is not, and why: docs/rescore.md ("The reward's identity").
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import json
 import os
+import stat as stat_kind
+import sys
+import sysconfig
+import types
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from skipinject import Call, select
@@ -75,8 +84,17 @@ NOT_DECIDING = frozenset(
         "disaggregation",
     }
 )
-#: Largest reward file digested whole (a larger one is named by its size and modification time).
-MAX_DIGESTED_BYTES = 64 << 20
+#: Subtrees of tuning that decide no score (a mapping named in :data:`NOT_DECIDING` otherwise is read:
+#: those names are scalars in every verl, so a mapping under one is a setting of the user's own).
+TUNING_TREES = frozenset({"fsdp_config", "profiler", "disaggregation"})
+#: Bytes read at a time when a file is digested (memory stays bounded whatever its size).
+CHUNK_BYTES = 1 << 20
+#: Files of local modules digested beside a reward file (its imports that live beside it), at most.
+MAX_LOCAL_MODULES = 64
+#: How deep a Python object in the config (a class, a function, a partial, their bound values) is followed.
+MAX_OBJECT_DEPTH = 6
+#: A file's digest when it cannot be read: never equal to a content's, and it forces re-scoring.
+UNREADABLE = "unreadable"
 
 
 def _plain(value: Any) -> Any:
@@ -94,41 +112,191 @@ def _plain(value: Any) -> Any:
 def _leaves(prefix: str, value: Any) -> Iterator[tuple[str, Any]]:
     if isinstance(value, Mapping):
         for key in sorted(value, key=str):
-            if str(key) in NOT_DECIDING:
+            name, item = str(key), value[key]
+            if name in TUNING_TREES or (name in NOT_DECIDING and not isinstance(item, Mapping)):
                 continue
-            yield from _leaves(f"{prefix}.{key}", value[key])
+            yield from _leaves(f"{prefix}.{key}", item)
         return
     yield prefix, _json_safe(value)
 
 
-def _json_safe(value: Any) -> Any:
+def _json_safe(value: Any, depth: int = 0) -> Any:
+    """``value`` as JSON that is equal across processes exactly when the value decides alike: a Python
+    object in the config (a class, a function, a lambda, a ``partial``) by its code and bound values,
+    never by its ``repr`` (an address, or a name that stays when the body changes)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if depth > MAX_OBJECT_DEPTH:
+        return {"object": _type_name(value), "beyond": MAX_OBJECT_DEPTH}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
+        return [_json_safe(item, depth + 1) for item in value]
     if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    return repr(value)
+        return {str(k): _json_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, functools.partial):
+        return {
+            "partial": _json_safe(value.func, depth + 1),
+            "args": _json_safe(list(value.args), depth + 1),
+            "keywords": _json_safe(dict(value.keywords), depth + 1),
+        }
+    if isinstance(value, types.MethodType):
+        return {"method": _json_safe(value.__func__, depth + 1), "self": _json_safe(value.__self__, depth + 1)}
+    if isinstance(value, types.FunctionType):
+        return _function_identity(value, depth)
+    if isinstance(value, type):
+        return _class_identity(value, depth)
+    if isinstance(value, (bytes, bytearray)):
+        return {"bytes": hashlib.sha256(value).hexdigest()[:16]}
+    state = getattr(value, "__dict__", None)
+    if isinstance(state, dict):  # an instance (a class-based reward): its class and its attributes
+        return {"instance": _class_identity(type(value), depth + 1), "state": _json_safe(state, depth + 1)}
+    return {"object": _type_name(value), "repr": repr(value)}
+
+
+def _type_name(value: Any) -> str:
+    kind = value if isinstance(value, type) else type(value)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _installed(module: str) -> bool:
+    """A module of the standard library or an installed package (identified by the environment's versions)."""
+    if module in sys.builtin_module_names:
+        return True
+    where = getattr(sys.modules.get(module), "__file__", None)
+    if not isinstance(where, str):  # loaded from a file by path (verl's load_module), or made at run time
+        return False
+    roots = {sysconfig.get_paths()[name] for name in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return any(os.path.realpath(where).startswith(os.path.realpath(root) + os.sep) for root in roots)
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """What a code object does (its instructions, names and constants, nested code too), not where it lies."""
+    digest = hashlib.sha256()
+    parts: list[Any] = [code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_argcount]
+    parts.append(code.co_kwonlyargcount)
+    digest.update(repr(parts).encode())
+    for const in code.co_consts:
+        digest.update(_code_digest(const).encode() if isinstance(const, types.CodeType) else repr(const).encode())
+    return digest.hexdigest()[:16]
+
+
+def _function_identity(function: types.FunctionType, depth: int) -> dict[str, Any]:
+    cells = [cell.cell_contents for cell in function.__closure__ or () if _cell_filled(cell)]
+    return {
+        "function": f"{function.__module__}.{function.__qualname__}",
+        "code": _code_digest(function.__code__),
+        "defaults": _json_safe(list(function.__defaults__ or ()), depth + 1),
+        "kwdefaults": _json_safe(dict(function.__kwdefaults__ or {}), depth + 1),
+        "closure": _json_safe(cells, depth + 1),
+    }
+
+
+def _cell_filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _class_identity(kind: type, depth: int) -> dict[str, Any]:
+    """A class by its name and, unless it is installed (the environment's versions name it), the code of its
+    own methods and attributes and of its bases."""
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if _installed(kind.__module__):
+        return {"class": name}
+    body = {
+        str(key): _json_safe(getattr(item, "__func__", item), depth + 1)
+        for key, item in sorted(vars(kind).items())
+        if not (str(key).startswith("__") and str(key).endswith("__")) or str(key) in ("__init__", "__call__")
+    }
+    return {"class": name, "body": body, "bases": [_json_safe(base, depth + 1) for base in kind.__bases__]}
 
 
 def file_digest(path: str) -> str:
-    """A short digest of a file's content (size and time for a huge one); ``""`` when unreadable."""
+    """A short digest of a regular file's whole content, read in bounded chunks whatever its size;
+    :data:`UNREADABLE` (with the reason) when it cannot be read or is no regular file."""
     try:
-        stat = os.stat(path)
-        if stat.st_size > MAX_DIGESTED_BYTES:
-            return f"size{stat.st_size}-mtime{stat.st_mtime_ns}"
+        handle = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        return f"{UNREADABLE}: {os.strerror(exc.errno) if exc.errno else type(exc).__name__}"
+    try:
+        if not stat_kind.S_ISREG(os.fstat(handle).st_mode):
+            return f"{UNREADABLE}: not a regular file"
         digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
+        while chunk := os.read(handle, CHUNK_BYTES):
+            digest.update(chunk)
         return digest.hexdigest()[:16]
-    except OSError:
-        return ""
+    except OSError as exc:
+        return f"{UNREADABLE}: {os.strerror(exc.errno) if exc.errno else type(exc).__name__}"
+    finally:
+        os.close(handle)
+
+
+def _file_of(value: str) -> str:
+    """A ``file://`` setting as verl's ``load_module`` reads it: the path without the prefix."""
+    return value[len("file://") :] if value.startswith("file://") else value
 
 
 def _is_file_setting(key: str, value: Any) -> bool:
     leaf = key.rsplit(".", 1)[-1]
-    return (leaf == "path" or leaf.endswith("_path")) and isinstance(value, str) and os.path.isfile(value)
+    return (
+        (leaf == "path" or leaf.endswith("_path"))
+        and isinstance(value, str)
+        and bool(value)
+        and not value.startswith("pkg://")
+        and (value.endswith(".py") or (os.path.lexists(_file_of(value)) and not os.path.isdir(_file_of(value))))
+    )
+
+
+def local_modules(path: str) -> dict[str, str]:
+    """The files of the modules a Python file imports that live beside it (its directory and below, its
+    package's siblings by relative import), and theirs in turn: their digests by path relative to the file's
+    directory, at most :data:`MAX_LOCAL_MODULES`. Installed packages and the standard library are not
+    followed: the environment's versions identify them."""
+    if not path.endswith(".py"):
+        return {}
+    base = Path(path).resolve().parent
+    found: dict[str, str] = {}
+    pending = [Path(path).resolve()]
+    seen = set(pending)
+    while pending and len(found) < MAX_LOCAL_MODULES:
+        current = pending.pop(0)
+        for module in _imported_files(current, base):
+            if module not in seen and len(seen) <= MAX_LOCAL_MODULES:
+                seen.add(module)
+                pending.append(module)
+                found[str(module.relative_to(base))] = file_digest(str(module))
+    return dict(sorted(found.items()))
+
+
+def _imported_files(source: Path, base: Path) -> list[Path]:
+    try:
+        if os.stat(source).st_size > 16 * CHUNK_BYTES:  # no module of a reward is 16 MiB of source
+            return []
+        tree = ast.parse(source.read_bytes())
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    names: list[tuple[Path, list[str]]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend((base, alias.name.split(".")) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            up = source.parents
+            if node.level > len(up):
+                continue
+            start = base if node.level == 0 else up[node.level - 1]
+            dotted = (node.module or "").split(".") if node.module else []
+            names.append((start, dotted))
+            names.extend((start, [*dotted, alias.name]) for alias in node.names if alias.name != "*")
+    files: list[Path] = []
+    for start, parts in names:
+        if not parts or not all(parts):
+            continue
+        for candidate in (start.joinpath(*parts).with_suffix(".py"), start.joinpath(*parts, "__init__.py")):
+            if candidate.is_file() and candidate.resolve().is_relative_to(base):
+                files.append(candidate.resolve())
+                break
+    return files
 
 
 #: The last run configs asked about and their identities: a run asks at every saved and served step, and
@@ -160,13 +328,16 @@ def _identity(config: Any) -> dict[str, Any]:
         value = select(config, key)
         if value is not None:
             settings[key] = _json_safe(_plain(value))
-    files = {
-        key: {"path": value, "sha256": file_digest(value)}
-        for key, value in settings.items()
-        if _is_file_setting(key, value)
-    }
+    files: dict[str, dict[str, Any]] = {}
+    for key, value in settings.items():
+        if _is_file_setting(key, value):
+            entry: dict[str, Any] = {"path": value, "sha256": file_digest(_file_of(value))}
+            modules = local_modules(_file_of(value))
+            if modules:
+                entry["modules"] = modules
+            files[key] = entry
     deciding = {key: value for key, value in settings.items() if key not in files}
-    deciding.update({key: {"sha256": entry["sha256"]} for key, entry in files.items()})
+    deciding.update({key: {k: v for k, v in entry.items() if k != "path"} for key, entry in files.items()})
     digest = hashlib.sha256(json.dumps(deciding, sort_keys=True, default=repr).encode()).hexdigest()[:16]
     return {"digest": digest, "settings": settings, "files": files}
 
@@ -193,6 +364,19 @@ def recorded_identity(meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
     if not isinstance(identity, Mapping) or not isinstance(identity.get("digest"), str):
         return None
     return identity
+
+
+def unreadable_file(identity: Mapping[str, Any]) -> str | None:
+    """The first file of an identity whose content could not be read (``path: reason``), else ``None``: such
+    an identity equals no other, whatever its digest (a score it decides is unknown)."""
+    for entry in _mapping(identity.get("files")).values():
+        entry = _mapping(entry)
+        digests = {str(entry.get("path")): entry.get("sha256")}
+        digests.update({str(k): v for k, v in _mapping(entry.get("modules")).items()})
+        for path, digest in digests.items():
+            if not isinstance(digest, str) or not digest or digest.startswith(UNREADABLE):
+                return f"{path}: {digest or UNREADABLE}"
+    return None
 
 
 def describe_difference(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str:
