@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -250,19 +251,52 @@ def tokenizer(path: str | None, meta: Mapping[str, Any]) -> tuple[Decode | None,
     """The decoder of ``--tokenizer`` (failing: a one-line error), else of the recorded model's directory
     when it exists here (failing quietly), and where it came from."""
     chosen = path or recorded_model(meta)
+    if chosen is not None and "\x00" in chosen:  # no file system path holds one
+        if path is not None:
+            raise CommandError(f"cannot load a tokenizer from {path!r}: a path holds no NUL character")
+        logging.getLogger("skipinject").warning(
+            "the recorded model directory %s is no path (it holds a NUL character): rows shown as token ids",
+            shorten(repr(chosen)),
+        )
+        return None, None
     if chosen is None or (
         path is None and getattr(LocalFiles().stat(Path(chosen), follow=True), "kind", "") != "directory"
     ):
         return None, None
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # first: its import sets its loggers' levels
 
-        loaded = AutoTokenizer.from_pretrained(chosen, local_files_only=True)
+        with _no_code_no_prompt_no_chatter():
+            loaded = AutoTokenizer.from_pretrained(chosen, local_files_only=True, trust_remote_code=False)
     except Exception as exc:
         if path is None:
             return None, None
-        raise CommandError(f"cannot load a tokenizer from {path} ({type(exc).__name__}: {exc})") from exc
+        first = next(iter(str(exc).strip().splitlines()), "")
+        raise CommandError(f"cannot load a tokenizer from {path} ({type(exc).__name__}: {shorten(first)})") from exc
     return (lambda ids: str(loaded.decode(list(ids), skip_special_tokens=True))), chosen
+
+
+@contextlib.contextmanager
+def _no_code_no_prompt_no_chatter() -> Iterator[None]:
+    """While a tokenizer named by a cache or an argument loads: its directory's code is refused
+    (``trust_remote_code=False`` at the call), nothing can ask on stdin (an empty stdin answers any prompt
+    with end of input, whatever the terminal holds), and transformers' own warnings, which quote that
+    directory's ``config.json`` strings, are not printed."""
+    import io
+    import sys
+    import warnings
+
+    hf_logger = logging.getLogger("transformers")
+    level, stdin = hf_logger.level, sys.stdin
+    hf_logger.setLevel(logging.ERROR + 10)
+    sys.stdin = io.StringIO("")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        sys.stdin = stdin
+        hf_logger.setLevel(level)
 
 
 def _ids_text(ids: Sequence[int]) -> str:

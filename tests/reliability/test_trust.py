@@ -396,3 +396,75 @@ def test_a_save_load_cycle_calls_no_unpickler(tmp_path: Path, monkeypatch: pytes
     result = h.call(h.runtime(tmp_path), target, 1)
     assert target.calls == [1] and h.same_batch(result, h.make_batch(4, 8, seed=1001, step=1))
     assert all(c.startswith("torch.load weights_only=True") for c in calls), calls
+
+
+# ---------------------------------------------------------------- a tokenizer directory's code
+
+_TOKENIZER_IN_A_CHILD = """
+import sys
+from skipinject.cache_tool import fields
+from skipinject.cache_tool.common import CommandError
+given = sys.argv[1] or None
+try:
+    decode, source = fields.tokenizer(given, {"model": sys.argv[2]})
+    print("loaded" if decode else "none")
+except CommandError as exc:
+    print("refused:", exc)
+"""
+
+
+def _evil_model_dir(root: Path, marker: Path) -> Path:
+    """A model directory whose tokenizer and config name code of their own (``auto_map``), and whose
+    ``config.json`` holds terminal escapes; its code, when run, creates ``marker``."""
+    model = root / "model"
+    model.mkdir()
+    code = f"open({str(marker)!r}, 'w').write('ran')\nclass EvilTokenizer: pass\nclass EvilConfig: pass\n"
+    (model / "tokenization_evil.py").write_text(code)
+    (model / "configuration_evil.py").write_text(code)
+    (model / "tokenizer_config.json").write_text(
+        '{"auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", null]}, "tokenizer_class": "EvilTokenizer"}'
+    )
+    (model / "config.json").write_text(
+        '{"model_type": "evil\\u001b]0;owned\\u0007", "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}'
+    )
+    return model
+
+
+@pytest.mark.parametrize("how", ["--tokenizer", "recorded model"])
+def test_a_tokenizer_directory_never_runs_its_code_nor_asks(tmp_path: Path, how: str, ledger: Any) -> None:
+    """``cache show``/``diff`` load a tokenizer named by a cache (or ``--tokenizer``) with
+    ``trust_remote_code=False``: a directory with code of its own is refused in one line, even with a
+    "y" waiting on stdin, and transformers' warnings quoting its ``config.json`` are not printed."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "RAN"
+    model = _evil_model_dir(tmp_path, marker)
+    given = str(model) if how == "--tokenizer" else ""
+    done = subprocess.run(
+        [sys.executable, "-c", _TOKENIZER_IN_A_CHILD, given, str(model)],
+        input="y\ny\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert not marker.exists(), "the tokenizer directory's code ran"
+    assert "\x1b" not in done.stdout + done.stderr and "\x07" not in done.stdout + done.stderr, done.stderr
+    assert "trust_remote_code" not in done.stderr and "[y/N]" not in done.stdout + done.stderr, "no prompt"
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and len(lines) == 1, (done.stdout, done.stderr)
+    if how == "recorded model":
+        assert lines[0] == "none", "a recorded directory that cannot be loaded: rows shown as token ids"
+    if how == "--tokenizer":
+        assert lines[0].startswith(f"refused: cannot load a tokenizer from {model} (ValueError: ")
+    ledger("trust", f"a tokenizer directory with its own code, named by {how}, 'y' on stdin", 1, "refused", 0)
+
+
+def test_a_nul_in_the_recorded_model_directory_is_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    from skipinject.cache_tool import fields
+
+    with caplog.at_level(logging.WARNING, logger="skipinject"):
+        assert fields.tokenizer(None, {"model": "/models/a\x00b"}) == (None, None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "the recorded model directory '/models/a\\x00b' is no path (it holds a NUL character): rows shown as token ids"
+    ]
