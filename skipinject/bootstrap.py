@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from skipinject.config import Config
 from skipinject.config import environment as env_vars
 from skipinject.config.environment import ENV_CONFIG, ENV_PLUGINS, ENV_RUN_REPORT
-from skipinject.errors import ConfigError
+from skipinject.errors import MAX_LINE, ConfigError, one_line
 
 if TYPE_CHECKING:
     from skipinject.engine import Engine
@@ -169,8 +169,24 @@ def disabled() -> bool:
         return True
 
 
+def _one_line_record(record: logging.LogRecord) -> bool:
+    """Each line of a run is one bounded line whatever names from a cache it quotes (a recorded path, a
+    settings key): control characters escaped, cut at :data:`~skipinject.errors.MAX_LINE`."""
+    message = record.getMessage()
+    if not message.isprintable() or len(message) > MAX_LINE:
+        record.msg, record.args = one_line(message), None
+    return True
+
+
+def bound_log_lines() -> None:
+    """Every line of the ``skipinject`` logger one bounded line (:func:`_one_line_record`), whoever handles it."""
+    if _one_line_record not in logger.filters:
+        logger.addFilter(_one_line_record)
+
+
 def configure_logging() -> None:
-    """A plain stderr handler for the ``skipinject`` logger, unless the program gave it one."""
+    """A plain stderr handler for the ``skipinject`` logger, unless the program gave it one; its lines bounded."""
+    bound_log_lines()
     if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from skipinject.errors import shown as shown
 from skipinject.store.files import unresolved_problem
 from skipinject.store.local import LocalFiles
 
@@ -60,22 +61,6 @@ def writer_text(writer: object) -> str:
 
 
 # ---------------------------------------------------------------- escaping
-
-
-def _escape(char: str) -> str:
-    if char == "\x1b":
-        return "\\e"
-    if 0xDC80 <= ord(char) <= 0xDCFF:  # an undecodable byte of a file name (surrogateescape)
-        return f"\\x{ord(char) - 0xDC00:02x}"
-    return char.encode("unicode_escape").decode("ascii")  # \\, \n, \t, \r, \xNN, \uNNNN, \UNNNNNNNN
-
-
-def shown(value: object) -> str:
-    """``value`` as one safe line of text: nothing in it can control a terminal or start a new line."""
-    text = value if isinstance(value, str) else str(value)
-    if text.isprintable() and "\\" not in text:
-        return text
-    return "".join(c if c == " " or (c.isprintable() and c != "\\") else _escape(c) for c in text)
 
 
 def _escape_record(record: logging.LogRecord) -> bool:

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.config.environment import ENV_RUN_REPORT, ENV_SUMMARY
+from skipinject.errors import shown
 from skipinject.node import _ray
+from skipinject.report.summary_file import summary_target, write_summary
 from skipinject.store.files import read_head
 
 logger = logging.getLogger("skipinject")
@@ -215,6 +217,7 @@ class RunEnd:
         self.roles = list(roles)
         self.remote: list[bytes] = []
         self._once = threading.Lock()  # held from the first say (or cancel) on
+        self.summary = summary_target()  # named now: the program may change directory before the end
 
     def sync(self, call: Any, proceed: Any) -> Any:
         self.remote += cluster_counts(self.directory.name)
@@ -230,16 +233,16 @@ class RunEnd:
             counted = collect(self.directory, [*self.remote, *cluster_counts(self.directory.name)])
             for line in render(counted, self.roles):
                 logger.info("%s", line)
-            target = os.environ.get(ENV_SUMMARY)
+            target = self.summary
             if target:
                 filled = _filled(counted, self.roles)
                 data = {"roles": filled, "total": {key: total(filled, key) for key in FIELDS}}
                 try:
-                    write_whole(Path(target), json.dumps(data, indent=1, sort_keys=True))
+                    why = write_summary(target, json.dumps(data, indent=1, sort_keys=True))
                 except OSError as exc:
-                    logger.warning(
-                        "%s=%s: cannot write the summary there (%s)", ENV_SUMMARY, target, exc.strerror or exc
-                    )
+                    why = str(exc.strerror or exc)
+                if why is not None:
+                    logger.warning("%s=%s: cannot write the summary there (%s)", ENV_SUMMARY, shown(target), why)
         except Exception as exc:  # a report must never break the program's end
             logger.debug("summary failed: %s: %s", type(exc).__name__, exc)
         finally:

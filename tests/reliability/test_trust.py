@@ -468,3 +468,73 @@ def test_a_nul_in_the_recorded_model_directory_is_one_line(caplog: pytest.LogCap
     assert [r.getMessage() for r in caplog.records] == [
         "the recorded model directory '/models/a\\x00b' is no path (it holds a NUL character): rows shown as token ids"
     ]
+
+
+# ---------------------------------------------------------------- SKIPINJECT_SUMMARY's file
+
+
+def _summary_into(target: str, report_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> list[str]:
+    """A run's end with ``SKIPINJECT_SUMMARY=target``: the warnings it says."""
+    from skipinject.config.environment import ENV_SUMMARY
+    from skipinject.report import tally
+
+    report_dir.mkdir(mode=0o700)
+    monkeypatch.setenv(ENV_SUMMARY, target)
+    end = tally.RunEnd(report_dir, ["rollout"])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "skipinject"):
+        end.say()
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "character device", "link to a fifo", "directory"])
+def test_the_summary_never_replaces_what_is_not_a_regular_file(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch, caplog: Any, ledger: Any
+) -> None:
+    target = tmp_path / "summary.json"
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "character device":
+        os.mknod(target, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers (tests run as root)
+    elif kind == "link to a fifo":
+        os.mkfifo(tmp_path / "pipe")
+        target.symlink_to(tmp_path / "pipe")
+    else:
+        target.mkdir()
+    before = os.lstat(target)
+    said = _summary_into(str(target), tmp_path / "run", monkeypatch, caplog)
+    after = os.lstat(target)
+    assert (after.st_ino, stat.S_IFMT(after.st_mode)) == (before.st_ino, stat.S_IFMT(before.st_mode)), "replaced"
+    assert len(said) == 1 and "cannot write the summary there" in said[0] and "not a regular file" in said[0], said
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [], "a private copy left beside"
+    ledger("trust", f"SKIPINJECT_SUMMARY naming a {kind}", 1, "refused in one line, left as it was", 0)
+
+
+def test_the_summary_is_written_through_a_link_to_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    (tmp_path / "real.json").write_text("old")
+    link = tmp_path / "summary.json"
+    link.symlink_to(tmp_path / "real.json")
+    assert _summary_into(str(link), tmp_path / "run", monkeypatch, caplog) == []
+    assert link.is_symlink() and '"roles"' in (tmp_path / "real.json").read_text()
+
+
+def test_a_relative_summary_path_names_the_directory_the_command_started_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """As ``dump_dir``: the program may move (Hydra's ``chdir``) before the run ends."""
+    from skipinject.config.environment import ENV_SUMMARY
+    from skipinject.report import tally
+
+    started, moved = tmp_path / "started", tmp_path / "moved"
+    started.mkdir()
+    moved.mkdir()
+    monkeypatch.chdir(started)
+    monkeypatch.setenv(ENV_SUMMARY, "out/summary.json")
+    (started / "out").mkdir()
+    (tmp_path / "run").mkdir(mode=0o700)
+    end = tally.RunEnd(tmp_path / "run", ["rollout"])
+    monkeypatch.chdir(moved)
+    end.say()
+    assert (started / "out" / "summary.json").is_file() and not any(moved.iterdir())

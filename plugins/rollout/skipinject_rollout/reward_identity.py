@@ -388,7 +388,7 @@ def describe_difference(recorded: Mapping[str, Any], current: Mapping[str, Any])
         old_sha = old.get("sha256")
         if old_sha != new.get("sha256"):
             return (
-                f"another {key.rsplit('.', 1)[0]}: {_short(old.get('path'))} "
+                f"another {_short(key.rsplit('.', 1)[0])}: {_short(old.get('path'))} "
                 f"digest {str(old_sha)[:8]} → {_short(new.get('path'))} digest {str(new.get('sha256'))[:8]}"
             )
     old_settings = _mapping(recorded.get("settings"))
@@ -401,7 +401,7 @@ def describe_difference(recorded: Mapping[str, Any], current: Mapping[str, Any])
     if changed:
         key = changed[0]
         more = f" (and {len(changed) - 1} more settings)" if len(changed) > 1 else ""
-        return f"another {key}: {_short(old_settings.get(key))} → {_short(new_settings.get(key))}{more}"
+        return f"another {_short(key)}: {_short(old_settings.get(key))} → {_short(new_settings.get(key))}{more}"
     return f"another reward (digest {str(recorded.get('digest'))[:8]} → {str(current.get('digest'))[:8]})"
 
 

@@ -176,3 +176,40 @@ def test_a_model_directory_is_named_by_its_path(tmp_path: Path, setting: str) ->
     identity = reward_identity(config(None, **{setting: str(model)}))
     assert setting not in identity["files"] and identity["settings"][setting] == str(model)
     assert served_as_recorded(config(None, **{setting: str(model)}), config(None, **{setting: str(model)}))
+
+
+EVIL_KEY = "reward.evil\x1b]0;owned\x07\nskipinject ERROR: forged line"
+
+
+@pytest.mark.parametrize("key", [EVIL_KEY, "reward." + "k" * (1 << 20)])
+def test_a_recorded_settings_key_is_printed_escaped_and_bounded(key: str) -> None:
+    """A forged identity's key in the run's line: no escape code, no second line, not a megabyte."""
+    import io
+    import logging
+    import types
+
+    from skipinject import bootstrap
+
+    recorded = reward_identity(config(None))
+    assert recorded is not None
+    forged = {**recorded, "digest": "forged", "settings": {**recorded["settings"], key: 1}}
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("skipinject")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    bootstrap.bound_log_lines()
+    try:
+        call = types.SimpleNamespace(run_config=config(None))
+        done = rescore.apply(None, call, "rollout", 2, None, [({"reward": forged}, None)])  # type: ignore[arg-type]
+        assert done.rows == 0
+        settings = types.SimpleNamespace(rescore=RescorePolicy.never)
+        rescore.apply(None, call, "rollout", 3, settings, [({"reward": forged}, None)])  # type: ignore[arg-type]
+    finally:
+        logger.removeHandler(handler)
+        logger.level = level
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2, lines  # auto: re-scored (nothing to score here); never: served, with a warning
+    for line in lines:
+        assert "\x1b" not in line and "\x07" not in line and len(line) < 400, line[:400]
+        assert "another reward.evil" in line or "another reward.kkk" in line or "…" in line, line
