@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import skipinject.store.format as fmt
 from skipinject._version import __version__
-from skipinject.errors import CacheError
+from skipinject.errors import CacheError, shown
 from skipinject.node import node_identity
 from skipinject.payload import Payload
 from skipinject.store.checksums import _Hasher
@@ -128,7 +128,9 @@ class StepWriter:
             **({"plugin": self.store.plugin} if self.store.plugin else {}),
         }
         record["meta_checksum"] = fmt.meta_digest(record)
-        return json.dumps(record, indent=1, sort_keys=True).encode()
+        text = json.dumps(record, indent=1, sort_keys=True).encode()
+        _readable_meta(record, len(text))
+        return text
 
     def abort(self) -> None:
         """Remove what this writer wrote, and the directories it created if empty (best effort)."""
@@ -138,6 +140,26 @@ class StepWriter:
         self._written.clear()
         self._created.clear()
         ACTIVE_WRITE_IDS.discard(self.write_id)
+
+
+def _readable_meta(record: Mapping[str, Any], size: int) -> None:
+    """Refuse (CacheError, one line) a ``meta.json`` every reader would refuse: larger than
+    :data:`~skipinject.store.format.MAX_META_BYTES` or nested deeper than ``MAX_META_DEPTH``. Saved, it would
+    make the step unusable for every later run; refused, the step is generated again, and the line says why."""
+    if size > fmt.MAX_META_BYTES:
+        sizes = {str(key): len(json.dumps(value)) for key, value in record.items()}
+        largest = max(sizes, key=sizes.__getitem__)
+        raise CacheError(
+            f"its meta.json would be {size:,} bytes, more than the {fmt.MAX_META_BYTES:,} a reader accepts "
+            f"(the largest entry: {shown(largest[:60])!r}, {sizes[largest]:,} bytes)"
+        )
+    stack: list[tuple[Any, int]] = [(record, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > fmt.MAX_META_DEPTH:
+            raise CacheError(f"its meta.json would be nested more than {fmt.MAX_META_DEPTH} levels deep")
+        children = item.values() if isinstance(item, Mapping) else item if isinstance(item, (list, tuple)) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (Mapping, list, tuple)))
 
 
 def _part_order(name: str) -> tuple[int, str]:

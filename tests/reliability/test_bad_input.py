@@ -504,3 +504,29 @@ def test_runner_hands_a_huge_step_range_to_child_processes(tmp_path: Path) -> No
 def test_errors_are_ours() -> None:
     assert issubclass(ConfigError, SkipInjectError) and issubclass(PluginError, SkipInjectError)
     assert issubclass(TargetError, SkipInjectError)
+
+
+@pytest.mark.parametrize(
+    ("meta", "said"),
+    [
+        ({"reward": {"settings": {"reward.reward_kwargs.table": "x" * (20 << 20)}}}, "more than the 16,777,216"),
+        ({"reward": {"settings": {"deep": __import__("functools").reduce(lambda v, _: [v], range(40), 1)}}}, "nested"),
+    ],
+    ids=["20-MB-reward_kwargs", "40-levels"],
+)
+def test_the_writer_refuses_a_meta_json_every_reader_would_refuse(
+    tmp_path: Path, meta: dict[str, Any], said: str, ledger: Any
+) -> None:
+    """Saved, such a step would be ``cache unusable`` for every later run; refused at save time in one line,
+    nothing of it is left, and the step is simply generated again."""
+    from skipinject.errors import CacheError
+    from skipinject.store import StepStore
+
+    store = StepStore(tmp_path / "exp_proj" / "GBS4_N2_in8_out8", "toy", h.CONTEXT)
+    with pytest.raises(CacheError) as info:
+        store.save(1, h.codec_payload(2), meta)
+    message = str(info.value)
+    assert said in message and "\n" not in message and len(message) < 300, message[:300]
+    assert not store.step_dir(1).exists() or not any(store.step_dir(1).iterdir()), "nothing half-written"
+    assert 1 not in store.step_numbers_on_disk()
+    ledger("bad input", f"a step whose meta.json would be refused by every reader ({said.split()[0]}...)", 1, "refused", 0)
