@@ -529,4 +529,4 @@ def test_the_writer_refuses_a_meta_json_every_reader_would_refuse(
     assert said in message and "\n" not in message and len(message) < 300, message[:300]
     assert not store.step_dir(1).exists() or not any(store.step_dir(1).iterdir()), "nothing half-written"
     assert 1 not in store.step_numbers_on_disk()
-    ledger("bad input", f"a step whose meta.json would be refused by every reader ({said.split()[0]}...)", 1, "refused", 0)
+    ledger("bad input", f"a meta.json every reader would refuse ({said.split()[0]} ...)", 1, "refused at save", 0)
