@@ -7,14 +7,25 @@ then removed by the step's store (:meth:`~skipinject.store.StepStore.remove`).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import FOUND, CommandError, default_dump_dir, emit_json, human_size, mutable_root, say
-from skipinject.cache_tool.scan import Item, scan
+from skipinject.cache_tool.common import (
+    FOUND,
+    CommandError,
+    default_dump_dir,
+    emit_json,
+    human_size,
+    mutable_root,
+    say,
+    shorten,
+    shown,
+)
+from skipinject.cache_tool.scan import STEP_RE, Item, scan
 from skipinject.cache_tool.verify import damage
 from skipinject.errors import CacheError
 from skipinject.store import garbage
@@ -26,6 +37,8 @@ from skipinject.store.step_store import StoredFile
 _AGE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(?:i?b)?$")
+#: Sizes beyond this (8 EiB) name no store: refused, not overflowed.
+MAX_SIZE = float(1 << 63)
 #: A data file written this recently may belong to a save still running: never touched.
 MIN_AGE = 600.0
 
@@ -41,8 +54,11 @@ def parse_size(text: str) -> int:
     """``500G`` -> bytes (K, M, G, T, P: powers of 1024; a plain number is bytes)."""
     match = _SIZE.match(text.strip().lower())
     if not match:
-        raise CommandError(f"bad size {text!r}: use a number with K, M, G or T (e.g. 500G, 10M)")
-    return int(float(match.group(1)) * 1024 ** "_kmgtp".index(match.group(2) or "_"))
+        raise CommandError(f"bad size {shorten(shown(text), 60)!r}: use a number with K, M, G or T (e.g. 500G, 10M)")
+    size = float(match.group(1)) * 1024 ** "_kmgtp".index(match.group(2) or "_")
+    if not size < MAX_SIZE:  # a 400-digit number is inf as a float
+        raise CommandError(f"bad size {shorten(shown(text), 60)!r}: more than any store holds (at most 8 EiB)")
+    return int(size)
 
 
 def cmd_prune(
@@ -83,8 +99,20 @@ def cmd_rm(steps: Sequence[Path | str], *, dry_run: bool, as_json: bool, now: fl
     """Remove the named steps through :func:`act` (the same checks and removal as ``prune``)."""
     now = time.time() if now is None else now
     outcome: dict[str, Any] = {"removed": [], "skipped": [], "leftovers": None, "files": 0, "bytes": 0}
-    for path in steps:
-        item = _named_step(path)
+    items, named, wrong = [], set(), []
+    for path in steps:  # every name checked before anything is removed; a step named twice counts once
+        try:
+            item = _named_step(path)
+        except CommandError as exc:
+            wrong.append(str(exc))
+            continue
+        if str(item.path) not in named:
+            named.add(str(item.path))
+            items.append(item)
+    if wrong:
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise CommandError(f"{wrong[0]}{more}; nothing removed")
+    for item in items:
         done = act(item.path.parent, [item], [(item, "named")], partial=False, dry_run=dry_run, now=now)
         for key in ("removed", "skipped", "files", "bytes"):
             outcome[key] += done[key]
@@ -95,11 +123,17 @@ def cmd_rm(steps: Sequence[Path | str], *, dry_run: bool, as_json: bool, now: fl
 def _named_step(path: Path | str) -> Item:
     """The skipinject step at ``path`` (a local step directory or a step's URL); CommandError otherwise."""
     if isinstance(path, Path):
+        path = Path(os.path.abspath(path))  # ``2`` and ``./2`` name one step
+    name = path.name if isinstance(path, Path) else path.rstrip("/").rpartition("/")[2]
+    if not STEP_RE.match(name):  # ``rm /`` walks nothing: only a directory named by a number is a step
+        raise CommandError(f"{shown(path)}: no skipinject step there (a step directory is named by its number)")
+    if isinstance(path, Path):
         mutable_root(path.parent, "rm")
         if getattr(LocalFiles().stat(path), "kind", None) == "link":  # its target is never walked
             raise CommandError(f"{path}: a symbolic link, not a step directory; skipinject never removes through one")
-    where = path if isinstance(path, Path) else path.rpartition("/")[0]  # a remote step: listed from its parent
-    found = [item for item in scan(where, []) if str(item.path) == str(path)]
+    # the step directory alone (a remote step: listed from its parent), never what lies below it
+    where, depth = (path, 0) if isinstance(path, Path) else (path.rstrip("/").rpartition("/")[0], 1)
+    found = [item for item in scan(where, [], max_depth=depth) if str(item.path) == str(path).rstrip("/")]
     ours = [item for item in found if item.kind == "skipinject"]
     if ours:
         return ours[0]

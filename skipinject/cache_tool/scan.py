@@ -242,8 +242,11 @@ def _our_step(item: Item, layout: str, beside_foreign: bool, root: Path | None =
     return item
 
 
-def step_dirs(backend: Backend, root: Path, problems: list[str], upstreams: Sequence[Upstream]) -> Iterator[Path]:
-    """Step directories at or under ``root``; never follows a link below it, never leaves it."""
+def step_dirs(
+    backend: Backend, root: Path, problems: list[str], upstreams: Sequence[Upstream], max_depth: int = MAX_DEPTH
+) -> Iterator[Path]:
+    """Step directories at or under ``root`` (at most ``max_depth`` levels below); never follows a link below
+    it, never leaves it."""
     stack = [(root, 0)]
     while stack:
         directory, depth = stack.pop()
@@ -267,12 +270,15 @@ def step_dirs(backend: Backend, root: Path, problems: list[str], upstreams: Sequ
             continue
         for name in sorted(n for n in names if STEP_RE.match(n) and kinds[n] == "link"):
             problems.append(f"{directory / name}: a symbolic link, not followed")
-        if depth < MAX_DEPTH:
+        if depth < max_depth:
             stack.extend((directory / name, depth + 1) for name in sorted(subdirs, reverse=True))
 
 
-def scan(root: Path | str, problems: list[str] | None = None, roles: InstalledRoles | None = None) -> list[Item]:
-    """Every item under a local directory or a remote store's URL, by project, layout, role and step."""
+def scan(
+    root: Path | str, problems: list[str] | None = None, roles: InstalledRoles | None = None, max_depth: int = MAX_DEPTH
+) -> list[Item]:
+    """Every item under a local directory or a remote store's URL (at most ``max_depth`` levels below it), by
+    project, layout, role and step."""
     problems = [] if problems is None else problems
     if isinstance(root, str):  # verl's pickles are never looked for in an object store
         fs, remote = open_remote(root)
@@ -283,7 +289,7 @@ def scan(root: Path | str, problems: list[str] | None = None, roles: InstalledRo
     else:
         backend, where = LocalFiles(), existing_dir(root)
         upstreams = (roles or InstalledRoles()).upstreams()
-    found = step_dirs(backend, where, problems, upstreams)
+    found = step_dirs(backend, where, problems, upstreams, max_depth)
     local = where if isinstance(backend, LocalFiles) else None  # directories others could write: as a run sees them
     items = [item for directory in found for item in classify(directory, upstreams, backend, local)]
     items.sort(key=lambda i: (i.project, i.layout, i.role, i.step if i.step is not None else -1, i.kind))

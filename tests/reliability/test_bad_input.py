@@ -530,3 +530,81 @@ def test_the_writer_refuses_a_meta_json_every_reader_would_refuse(
     assert not store.step_dir(1).exists() or not any(store.step_dir(1).iterdir()), "nothing half-written"
     assert 1 not in store.step_numbers_on_disk()
     ledger("bad input", f"a meta.json every reader would refuse ({said.split()[0]} ...)", 1, "refused at save", 0)
+
+
+# ---------------------------------------------------------------- the cache tool's arguments
+
+
+def _tool(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
+    from skipinject.cache_tool import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _two_steps(tmp_path: Path) -> Any:
+    from tests.unit.test_cache_tool_upkeep import payload, store_at
+
+    store = store_at(str(tmp_path / "dump"))
+    store.save(1, payload(1))
+    store.save(2, payload(2))
+    return store
+
+
+def test_prune_max_size_of_400_digits_is_one_line(tmp_path: Path, capsys: Any, ledger: Any) -> None:
+    _two_steps(tmp_path)
+    code, out, err = _tool(capsys, "prune", tmp_path / "dump", "--max-size", "9" * 400)
+    assert code == 2 and "internal error" not in err and len(err.strip().splitlines()) == 1, err
+    assert "more than any store holds" in err and len(err) < 300
+    ledger("cache tool", "prune --max-size with a 400-digit number", 1, "one line, exit 2", 0)
+
+
+def test_rm_checks_every_name_before_removing_any(tmp_path: Path, capsys: Any, ledger: Any) -> None:
+    store = _two_steps(tmp_path)
+    code, out, err = _tool(capsys, "rm", store.step_dir(1), store.step_dir(7))
+    assert code == 2 and "nothing removed" in err and len(err.strip().splitlines()) == 1, err
+    assert store.step_numbers_on_disk() == [1, 2], "the existing step named first is kept"
+    ledger("cache tool", "rm A B with B missing", 1, "nothing removed, one line", 0)
+
+
+def test_rm_of_a_step_named_twice_counts_it_once(
+    tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, ledger: Any
+) -> None:
+    store = _two_steps(tmp_path)
+    monkeypatch.chdir(store.project_dir)
+    code, out, _ = _tool(capsys, "rm", "2", store.step_dir(2), "./2", "--dry-run", "--json")
+    import json
+
+    doc = json.loads(out)
+    assert code == 0 and len(doc["removed"]) == 1 and doc["files"] == len(list(store.step_dir(2).iterdir()))
+    code, out, err = _tool(capsys, "rm", "2", "2")
+    assert code == 0 and out.count("removed ") == 2 and store.step_numbers_on_disk() == [1], (out, err)
+    ledger("cache tool", "rm 2 2, --dry-run of a step named twice", 2, "counted and removed once", 0)
+
+
+def test_rm_of_a_directory_that_is_no_step_walks_nothing(
+    tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, ledger: Any
+) -> None:
+    import skipinject.cache_tool.scan as scan
+
+    walked: list[Path] = []
+    real = scan.step_dirs
+
+    def counted(backend: Any, root: Path, *args: Any) -> Any:
+        if not root.is_relative_to(tmp_path / "dump"):
+            raise AssertionError(f"walked {root}")
+        for found in real(backend, root, *args):
+            walked.append(found)
+            yield found
+
+    monkeypatch.setattr(scan, "step_dirs", counted)
+    for name in ("/", tmp_path):
+        code, _, err = _tool(capsys, "rm", name)
+        assert code == 2 and "no skipinject step there" in err and len(err.strip().splitlines()) == 1, err
+        assert "walked" not in err
+    store = _two_steps(tmp_path)
+    (store.step_dir(2) / "9").mkdir()  # a step named by a number is looked at, nothing below it
+    code, _, _ = _tool(capsys, "rm", store.step_dir(2), "--dry-run")
+    assert code == 0 and walked == [store.step_dir(2)]
+    ledger("cache tool", "rm / and rm of a directory that is no step", 2, "one line, nothing walked", 0)
