@@ -554,7 +554,7 @@ def _two_steps(tmp_path: Path) -> Any:
 
 def test_prune_max_size_of_400_digits_is_one_line(tmp_path: Path, capsys: Any, ledger: Any) -> None:
     _two_steps(tmp_path)
-    code, out, err = _tool(capsys, "prune", tmp_path / "dump", "--max-size", "9" * 400)
+    code, _out, err = _tool(capsys, "prune", tmp_path / "dump", "--max-size", "9" * 400)
     assert code == 2 and "internal error" not in err and len(err.strip().splitlines()) == 1, err
     assert "more than any store holds" in err and len(err) < 300
     ledger("cache tool", "prune --max-size with a 400-digit number", 1, "one line, exit 2", 0)
@@ -562,7 +562,7 @@ def test_prune_max_size_of_400_digits_is_one_line(tmp_path: Path, capsys: Any, l
 
 def test_rm_checks_every_name_before_removing_any(tmp_path: Path, capsys: Any, ledger: Any) -> None:
     store = _two_steps(tmp_path)
-    code, out, err = _tool(capsys, "rm", store.step_dir(1), store.step_dir(7))
+    code, _out, err = _tool(capsys, "rm", store.step_dir(1), store.step_dir(7))
     assert code == 2 and "nothing removed" in err and len(err.strip().splitlines()) == 1, err
     assert store.step_numbers_on_disk() == [1, 2], "the existing step named first is kept"
     ledger("cache tool", "rm A B with B missing", 1, "nothing removed, one line", 0)
