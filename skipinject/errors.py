@@ -59,6 +59,11 @@ class PluginError(SkipInjectError):
     """A plugin was asked for but cannot be found, imported or understood."""
 
 
+class UnknownPluginError(PluginError, ConfigError):
+    """A plugin selection (``VERL_SKIP_PLUGINS``, ``--plugins``, ``enable(plugins=...)``) names no plugin: a
+    wrong setting like any other (``ConfigError``), and a plugin that cannot be found (``PluginError``)."""
+
+
 class TargetError(SkipInjectError):
     """A target path is malformed (``package.module:Qualified.name`` expected)."""
 

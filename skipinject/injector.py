@@ -196,6 +196,7 @@ class Injector:
             self._patches[key] = _Patch(target, interceptor, owner, overrides, attribute)
             if target.module in sys.modules:
                 self._apply(self._patches[key], sys.modules[target.module])
+                self._say_earlier_names(self._patches[key])
             elif target.module not in self._hooked_modules:
                 self._hooked_modules.add(target.module)
                 wrapt.register_post_import_hook(self._on_import, target.module)
@@ -243,6 +244,33 @@ class Injector:
         """The convention of the target (attribute targets: of the attribute last wrapped)."""
         patch = self._patches.get(target_key(path, attribute))
         return patch.convention if patch else None
+
+    def _say_earlier_names(self, patch: _Patch) -> None:
+        """A module-level function patched after its module was imported: names other modules bound to it
+        before (``from verl... import f``) still call the original. Said in one line, naming them."""
+        if not patch.applied or "." in patch.path.qualname or not patch.undo:
+            return
+        wrapper = getattr(sys.modules[patch.path.module], patch.path.qualname, None)
+        original = getattr(wrapper, "__wrapped__", None)
+        if original is None:
+            return
+        patched = {(p.path.module, p.path.qualname) for p in self._patches.values()}
+        earlier = [
+            f"{name}.{attribute}"
+            for name, module in list(sys.modules.items())
+            if name != patch.path.module
+            for attribute, value in list(getattr(module, "__dict__", {}).items())
+            if value is original and (name, attribute) not in patched
+        ]
+        if earlier:
+            shown = ", ".join(sorted(earlier)[:3]) + (f" and {len(earlier) - 3} more" if len(earlier) > 3 else "")
+            logger.warning(
+                "%s: %s was imported by name before skipinject was installed (%s): calls through those names are "
+                "not skipped; install skipinject (enable()) before importing them",
+                patch.who,
+                patch.path,
+                shown,
+            )
 
     def _on_import(self, module: ModuleType) -> None:
         with self._lock:

@@ -17,7 +17,7 @@ import pluggy
 
 from skipinject._version import API_VERSION
 from skipinject.config.environment import ENV_PLUGINS
-from skipinject.errors import PluginError, did_you_mean
+from skipinject.errors import PluginError, UnknownPluginError, did_you_mean
 from skipinject.roles import Role
 
 logger = logging.getLogger("skipinject")
@@ -50,12 +50,12 @@ def parse_selection(text: str | None, given_as: str = ENV_PLUGINS) -> PluginSele
     for item in filter(None, (raw.strip() for raw in (text or "").split(","))):
         if item.startswith("-"):
             if not _NAME_ITEM.match(item[1:].strip()):
-                raise PluginError(f"{given_as}: {item!r} is not a plugin name to exclude")
+                raise UnknownPluginError(f"{given_as}: {item!r} is not a plugin name to exclude")
             exclude[item[1:].strip()] = None
         elif _PATH_ITEM.match(item) or _NAME_ITEM.match(item):
             include[item] = None
         else:
-            raise PluginError(f"{given_as}: {item!r} is neither a plugin name nor a module[:attribute] path")
+            raise UnknownPluginError(f"{given_as}: {item!r} is neither a plugin name nor a module[:attribute] path")
     return PluginSelection(tuple(include), tuple(exclude))
 
 
@@ -135,7 +135,7 @@ def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS)
     manager = SkipPluginManager()
     for name in selection.exclude:
         if name not in entry_points:
-            raise PluginError(_unknown(name, entry_points, given_as, f"-{name}"))
+            raise UnknownPluginError(_unknown(name, entry_points, given_as, f"-{name}"))
         manager.set_blocked(name)
     plugins: list[LoadedPlugin] = []
     failures: dict[str, str] = {}
@@ -180,7 +180,7 @@ def _from_path(
     item: str, entry_points: Mapping[str, Any], *, name: str | None = None, given_as: str = ENV_PLUGINS
 ) -> LoadedPlugin:
     if not _PATH_ITEM.match(item):
-        raise PluginError(_unknown(item, entry_points, given_as))
+        raise UnknownPluginError(_unknown(item, entry_points, given_as))
     module_name, _, attr = item.partition(":")
     if name is None and "." not in module_name and not attr:
         # A bare word: an entry-point name we do not know, unless it is an importable module.
@@ -189,7 +189,7 @@ def _from_path(
         except (ImportError, ValueError):
             found = False
         if not found:
-            raise PluginError(_unknown(item, entry_points, given_as))
+            raise UnknownPluginError(_unknown(item, entry_points, given_as))
     try:
         obj: Any = importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:

@@ -608,3 +608,17 @@ def test_rm_of_a_directory_that_is_no_step_walks_nothing(
     code, _, _ = _tool(capsys, "rm", store.step_dir(2), "--dry-run")
     assert code == 0 and walked == [store.step_dir(2)]
     ledger("cache tool", "rm / and rm of a directory that is no step", 2, "one line, nothing walked", 0)
+
+
+@pytest.mark.parametrize("plugins", ["no_such_plugin_xyz", "-no_such_plugin_xyz", "not a name!"])
+def test_enable_with_an_unknown_plugin_raises_config_error(plugins: str, ledger: Any) -> None:
+    """As docs/runner.md says: a wrong setting of ``enable()`` is a ``ConfigError`` (and still a ``PluginError``
+    for code that catches that), one line naming it; nothing is installed."""
+    from skipinject import bootstrap
+
+    started = bootstrap._started
+    with pytest.raises(ConfigError) as info:
+        bootstrap.enable("skip.rollout.enable=True", "skip.rollout.steps=[1]", plugins=plugins)
+    assert isinstance(info.value, PluginError) and "\n" not in str(info.value)
+    assert plugins.lstrip("-").split()[0] in str(info.value) and bootstrap._started == started
+    ledger("bad input", f"enable(plugins={plugins!r})", 1, "ConfigError, one line", 0)

@@ -286,3 +286,27 @@ def test_overrides_keep_the_base_class_own_init_subclass(fresh_module_name: str,
     assert registered == ["child"] and Child().fit() == 1002
     injector.uninstrument(f"{fresh_module_name}:Base.fit")
     assert Base.__dict__["__init_subclass__"] is original and Child().fit() == 2
+
+
+def test_a_function_imported_by_name_before_it_is_patched_is_said_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``enable()`` after the program ran ``from module import f``: that name keeps the original; one line
+    names it (a name bound after the patch, or the module's own attribute, is not named)."""
+    (tmp_path / "si_early_target.py").write_text("def work(x):\n    return x\n")
+    (tmp_path / "si_early_user.py").write_text("from si_early_target import work\nalias = work\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("si_early_target", "si_early_user"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    importlib.import_module("si_early_user")
+    injector = Injector()
+    try:
+        with caplog.at_level(logging.WARNING, logger="skipinject"):
+            injector.instrument("si_early_target:work", Recorder(), owner="toy")
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1, said
+        assert "si_early_target:work was imported by name before skipinject was installed" in said[0]
+        assert "(si_early_user.alias, si_early_user.work)" in said[0] and "\n" not in said[0]
+        assert sys.modules["si_early_target"].work(1) == 1001 and sys.modules["si_early_user"].work(1) == 1
+    finally:
+        injector.uninstrument_all()
