@@ -112,7 +112,10 @@ class RowIndex:
         only the index file vouched for it: then nothing only the file vouches for is trusted (one line)."""
         with self.lock:
             hint = (source, number) not in self._read_here
-            self._drop(self._seen() - self._read_here if hint else {(source, number)})
+            if hint:  # the file lied: what it alone vouches for goes, entries of records it never listed too
+                self._keep_only(self._read_here)
+            else:
+                self._drop({(source, number)})
             if hint and not self._distrusted:
                 self._distrusted = True
                 logger.warning(
@@ -190,6 +193,18 @@ class RowIndex:
         for name in _SEEN:
             a[name] = a[name][keep]
 
+    def _keep_only(self, records: set[tuple[int, int]]) -> None:
+        """Keep the entries and records of ``records`` alone (a rebuild starts from what this process read)."""
+        np = self._np
+        a = self._arrays
+        kept = np.array([_record_code(s, n) for s, n in records], dtype=np.int64)
+        keep = np.isin(_record_code(a["source"].astype(np.int64), a["number"]), kept)
+        for name in _ENTRIES:
+            a[name] = a[name][keep]
+        keep = np.isin(_record_code(a["seen_source"].astype(np.int64), a["seen_number"]), kept)
+        for name in _SEEN:
+            a[name] = a[name][keep]
+
     def _load(self) -> None:
         """The saved index if it loads and checks out; else an empty one (rebuilt by the refresh)."""
         np = self._np
@@ -205,6 +220,13 @@ class RowIndex:
             return
         if _valid(arrays, np):
             self._arrays = arrays
+            seen_codes = _record_code(arrays["seen_source"].astype(np.int64), arrays["seen_number"])
+            orphans = ~np.isin(_record_code(arrays["source"].astype(np.int64), arrays["number"]), seen_codes)
+            if bool(orphans.any()):  # entries of a record the index never read: none was written by us
+                for name in _ENTRIES:
+                    arrays[name] = arrays[name][~orphans]
+                logger.info(f"row index {self.path} names records it never read (damaged or forged); dropped them")
+                self._save()  # the file no longer holds them either
             # records committed anew since the index was written (same number, other meta.json): read again
             seen = list(zip(*(arrays[name].tolist() for name in _SEEN), strict=True))
             versions = {

@@ -325,6 +325,45 @@ def test_a_forged_index_costs_one_line_per_run(targets: Any, tmp_path: Path, cap
     assert GENERATED == [], "the rebuilt index serves every row"
 
 
+@pytest.mark.parametrize("names", ["a record no step has", "a record of another step"])
+def test_forged_entries_are_gone_from_the_file_once_the_run_says_it_rebuilds_the_index(
+    targets: Any, tmp_path: Path, caplog, names: str
+) -> None:
+    """16 forged entries shadowing cached prompts (the newest copy, looked up first): the run that finds them
+    says it rebuilds the index, and the file it leaves holds none of them; the runs after serve every row."""
+    run(targets, tmp_path, {1: [1, 2, 3, 4]})
+    run(targets, tmp_path, {2: [5, 6, 7, 8]})
+    run(targets, tmp_path, {3: [1]}, action="match")  # builds the index
+    index = project(tmp_path) / "row-index.npz"
+    with np.load(index) as saved:
+        arrays = {name: saved[name].copy() for name in saved.files}
+    count = len(arrays["keys"])
+    forged_number = 50 if names == "a record no step has" else 2
+    picks = np.resize(np.arange(count), 16)
+    forged = {
+        "keys": arrays["keys"][picks],
+        "source": np.zeros(16, dtype=np.uint8),
+        "number": np.full(16, forged_number, dtype=np.int64),
+        "call": np.full(16, 9, dtype=np.uint32),  # no call 9: never what the step holds
+        "row": np.zeros(16, dtype=np.uint32),
+    }
+    for name, column in forged.items():
+        arrays[name] = np.concatenate([column, arrays[name]])
+    order = np.lexsort((-arrays["number"], arrays["keys"]))
+    for name in forged:
+        arrays[name] = arrays[name][order]
+    np.savez(index, **arrays)
+    with caplog.at_level(logging.INFO, logger="skipinject"):
+        run(targets, tmp_path, {3: [1, 2, 5, 6]}, action="match")
+    with np.load(index) as saved:
+        assert not bool(np.any(saved["call"] == 9)), "the forged entries are still in the file"
+    for _ in range(2):
+        GENERATED.clear()
+        out = run(targets, tmp_path, {3: [1, 2, 5, 6]}, action="match")
+        assert GENERATED == [], "every later run serves the cached prompts"
+        assert [p for p, _ in responses(out[3][1])] == [1, 1, 2, 2, 5, 5, 6, 6]
+
+
 @pytest.mark.parametrize("forged", ["seen_number", "number"])
 def test_an_index_naming_record_numbers_no_step_has_is_rebuilt(
     targets: Any, tmp_path: Path, caplog, forged: str
