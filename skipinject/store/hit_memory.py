@@ -34,7 +34,7 @@ _USABLE: list[int] = []
 
 def memory_budget() -> int:
     """The most one step may take decoded and rebuilt: half the memory this process may use (physical,
-    cgroup or ``RLIMIT_AS``). A step declaring more is refused before anything is allocated."""
+    its cgroups' limits or ``RLIMIT_AS``). A step declaring more is refused before anything is allocated."""
     if not _USABLE:
         limits = []
         with contextlib.suppress(AttributeError, OSError, ValueError):
@@ -45,12 +45,37 @@ def memory_budget() -> int:
             soft = resource.getrlimit(resource.RLIMIT_AS)[0]
             if soft != resource.RLIM_INFINITY:
                 limits.append(soft)
-        with contextlib.suppress(OSError), open("/sys/fs/cgroup/memory.max", "rb") as handle:
-            text = handle.read(64).strip()
-            if text.isdigit():
-                limits.append(int(text))
+        with contextlib.suppress(OSError, ValueError), open("/proc/self/cgroup", "rb") as handle:
+            limits += cgroup_limits(handle.read(1 << 16).decode(errors="replace"))
         _USABLE.append(min(limits) if limits else 32 << 30)
     return _USABLE[0] // 2
+
+
+#: Limits at or above this are cgroup v1's "no limit" (9223372036854771712, a page below 2^63).
+_NO_LIMIT = 1 << 62
+
+
+def cgroup_limits(membership: str, root: str = "/sys/fs/cgroup") -> list[int]:
+    """The memory limits of the cgroups a process belongs to (``membership``: its ``/proc/self/cgroup``) and of
+    their ancestors, as mounted under ``root``: cgroup v2's ``memory.max``, v1's ``memory.limit_in_bytes``."""
+    found: list[int] = []
+    for line in membership.splitlines():
+        controllers, _, path = line.partition(":")[2].partition(":")
+        if controllers == "":
+            files, base = ("memory.max",), root  # v2 (unified)
+        elif "memory" in controllers.split(","):
+            files, base = ("memory.limit_in_bytes",), os.path.join(root, "memory")
+        else:
+            continue
+        parts = [part for part in path.split("/") if part and part not in (".", "..")]
+        for depth in range(len(parts), -1, -1):  # the process's own cgroup and every ancestor visible here
+            directory = os.path.join(base, *parts[:depth])
+            for name in files:
+                with contextlib.suppress(OSError), open(os.path.join(directory, name), "rb") as handle:
+                    text = handle.read(64).strip()
+                    if text.isdigit() and 0 < int(text) < _NO_LIMIT:
+                        found.append(int(text))
+    return found
 
 
 @dataclass(eq=False)

@@ -106,6 +106,20 @@ FOUND = """\
   and thousands of empty claims were re-read on every call and never removed; a run going 1 -> 2 -> 1
   was served at the second step 1 what it had recorded at the first.
 
+* Hostile input against re-scoring, the summary file and the cache tool's upkeep commands: a
+  tokenizer directory named by a cache (or `--tokenizer`) with code of its own made `cache show` ask
+  on stdin whether to run it, and a "y" ran it; the reward's identity left out a `reward_kwargs`
+  mapping under a name that is tuning elsewhere, a class-based reward's code (its `repr` stayed), the
+  modules the reward file imports and every byte past 64 MiB, digested an unreadable file as `''`,
+  and differed in every process for a `lambda` or `partial`, so `auto` trained on stale scores or
+  re-scored for nothing; `SKIPINJECT_SUMMARY` replaced a symlink, a FIFO or a device (as root,
+  `/dev/stdout`) with a regular file, and a relative one followed the program's `chdir`; a recorded
+  reward path or settings key with escape codes or a megabyte of text went raw into the run's log;
+  a 20 MB `reward_kwargs` was saved into a `meta.json` every later run refused; `cache rm A B` with B
+  missing removed A, `rm 2 2` counted the step twice, `rm /` walked the whole file system, `prune
+  --max-size` with 400 digits and a NUL in the recorded model path were internal errors; a forged row
+  index's entries naming no record it had read stayed in the file after the run said it rebuilt it.
+
 Not covered here: power loss (only SIGKILL: data files are fsynced before they are renamed and named
 by meta.json, and every file is checked against meta.json on load, so a lost directory entry
 shows up as a missing file, i.e. a regenerated step); writers on other hosts of a shared file system
@@ -138,6 +152,23 @@ leading shape products may not exceed its rows), a tensor without elements may n
 than its file has bytes, a string array may take at most 64 bytes per byte of its JSON, and jagged
 offsets must lie inside their values. Memory a refused step took is released (hit memory does not
 keep it), and any failure while a step is read, `MemoryError` included, is a `CorruptCacheError`.
+
+**A cache that rebuilds more than the process may hold.** Before a byte of a step is decompressed
+or a compact encoding rebuilt, what the step declares it decodes and rebuilds to is checked against
+the budget: half the memory the process may use, the smallest of the physical memory, `RLIMIT_AS`
+and the memory limits of the process's own cgroup and its ancestors (cgroup v2 `memory.max`, v1
+`memory.limit_in_bytes`, as `/proc/self/cgroup` names them), read once per process. A step beyond
+it is not read and nothing is allocated for it: one line (`declares N decoded bytes, more than this
+process may spend on a step (B); not read`), and the step is generated again (`action=strict`: the
+run stops with that `CorruptCacheError`). A limit applied from outside the process is invisible to
+it: a supervisor or scheduler that kills at a resident-set size, Ray's memory monitor (which kills
+workers above `RAY_memory_usage_threshold` of the node's memory), a container runtime's OOM policy
+without a cgroup limit. A step within the budget may still be more than such a supervisor allows,
+and the process is killed while it rebuilds. Set the limit where the process can read it: run the
+job in a cgroup with a memory limit (systemd's `MemoryMax=`, `docker run --memory`, Kubernetes'
+`resources.limits.memory`) or with `ulimit -v` (`RLIMIT_AS`, which also counts address space
+reserved and never touched — CUDA and PyTorch reserve much of it, so on GPU nodes prefer the
+cgroup), and keep any outside kill threshold above that limit.
 
 `action=match`'s row index and rows records are bounded too: the index is a zip of exactly its 8
 arrays (its end record is read first), an entry only the file vouches for that does not serve drops

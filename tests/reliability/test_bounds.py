@@ -202,3 +202,25 @@ def test_settings_that_are_no_mapping_are_one_config_error(settings: object) -> 
     with pytest.raises(ConfigError) as caught:
         apply_settings(Config(), settings, ["rollout"])  # type: ignore[arg-type]
     assert str(caught.value).startswith("settings: a mapping of roles to their settings, not ")
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_the_memory_budget_reads_the_limit_of_the_process_own_cgroup_and_its_ancestors(
+    tmp_path: Path, version: str
+) -> None:
+    """A limit set on the slice or container a run is in (not on the file system's root cgroup) bounds what a
+    step may rebuild; cgroup v1's "no limit" number is none."""
+    from skipinject.store.hit_memory import cgroup_limits
+
+    if version == "v2":
+        membership, base, name = "0::/user.slice/run-42.scope\n", tmp_path, "memory.max"
+    else:
+        membership = "4:memory:/user.slice/run-42.scope\n3:cpuset:/\n"
+        base, name = tmp_path / "memory", "memory.limit_in_bytes"
+    own = base / "user.slice" / "run-42.scope"
+    own.mkdir(parents=True)
+    (base / name).write_text("9223372036854771712\n" if version == "v1" else "max\n")
+    (base / "user.slice" / name).write_text(f"{8 << 30}\n")
+    (own / name).write_text(f"{2 << 30}\n")
+    assert sorted(cgroup_limits(membership, str(tmp_path))) == [2 << 30, 8 << 30]
+    assert cgroup_limits("0::/../../etc\n", str(tmp_path)) == [], "no path leaves the cgroup mount"
