@@ -386,6 +386,13 @@ def describe_difference(recorded: Mapping[str, Any], current: Mapping[str, Any])
     for key in sorted(set(old_files) | set(new_files)):
         old, new = _mapping(old_files.get(key)), _mapping(new_files.get(key))
         old_sha = old.get("sha256")
+        old_modules, new_modules = _mapping(old.get("modules")), _mapping(new.get("modules"))
+        for module in sorted(set(old_modules) | set(new_modules), key=str):
+            if old_sha == new.get("sha256") and old_modules.get(module) != new_modules.get(module):
+                return (
+                    f"another {_short(key.rsplit('.', 1)[0])}: {_short(module)}, a module it imports, "
+                    f"digest {str(old_modules.get(module))[:8]} → {str(new_modules.get(module))[:8]}"
+                )
         if old_sha != new.get("sha256"):
             return (
                 f"another {_short(key.rsplit('.', 1)[0])}: {_short(old.get('path'))} "

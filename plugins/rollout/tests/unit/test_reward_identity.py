@@ -73,8 +73,12 @@ def test_the_local_modules_a_reward_file_imports_decide(tmp_path: Path) -> None:
     found = local_modules(str(reward))
     assert sorted(found) == ["helper.py", "pkg/__init__.py", "pkg/deeper.py", "pkg/rules.py"], found
     before = digest(reward)
+    recorded = config(reward)
+    identity_before = reward_identity(recorded)
     (tmp_path / "pkg" / "deeper.py").write_text("X = 2\n")
     assert digest(reward) != before, "a module imported by a module the reward imports decides"
+    why = rescore.decide(RescorePolicy.auto, {"reward": identity_before}, reward_identity(config(reward))).why
+    assert "pkg/deeper.py, a module it imports" in why, why
     after = digest(reward)
     (tmp_path / "unrelated.py").write_text("Y = 1\n")
     assert digest(reward) == after, "a file beside it that no import names does not"
