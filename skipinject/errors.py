@@ -1,4 +1,5 @@
-"""Exceptions of skipinject: each message says what is wrong and what to do about it."""
+"""Exceptions of skipinject: each message says what is wrong and what to do about it; and how a message or log
+line quotes a name that may come from a cache (:func:`shown`, :func:`one_line`): escaped, on one line."""
 
 from __future__ import annotations
 
