@@ -132,6 +132,9 @@ def _json_safe(value: Any, depth: int = 0) -> Any:
         return [_json_safe(item, depth + 1) for item in value]
     if isinstance(value, Mapping):
         return {str(k): _json_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):  # in an order no hash seed changes
+        items = [_json_safe(item, depth + 1) for item in value]
+        return {"set": sorted(items, key=lambda item: json.dumps(item, sort_keys=True, default=str))}
     if isinstance(value, functools.partial):
         return {
             "partial": _json_safe(value.func, depth + 1),
@@ -175,7 +178,12 @@ def _code_digest(code: types.CodeType) -> str:
     parts.append(code.co_kwonlyargcount)
     digest.update(repr(parts).encode())
     for const in code.co_consts:
-        digest.update(_code_digest(const).encode() if isinstance(const, types.CodeType) else repr(const).encode())
+        if isinstance(const, types.CodeType):
+            digest.update(_code_digest(const).encode())
+        elif isinstance(const, frozenset):  # ``x in {"a", "b"}``: its order follows the hash seed
+            digest.update(repr(sorted(repr(item) for item in const)).encode())
+        else:
+            digest.update(repr(const).encode())
     return digest.hexdigest()[:16]
 
 

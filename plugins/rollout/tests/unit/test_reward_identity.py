@@ -144,16 +144,25 @@ scale = float(sys.argv[1])
 def score(s, factor):
     return factor * len(s)
 config = OmegaConf.create({}, flags={"allow_objects": True})
-OmegaConf.update(config, "reward.fn", lambda s: scale * len(s), force_add=True)
+OmegaConf.update(config, "reward.fn", lambda s: scale * len(s) * (s in {"alpha", "beta", "gamma"}), force_add=True)
+OmegaConf.update(config, "reward.words", {"alpha", "beta", "gamma", "delta"}, force_add=True)
 OmegaConf.update(config, "reward.partial", functools.partial(score, factor=scale), force_add=True)
 print(reward_identity(config)["digest"])
 """
 
 
 def test_a_lambda_and_a_partial_are_stable_across_processes_and_follow_their_bound_values() -> None:
+    seeds: list[str] = []
+
     def child(scale: str) -> str:
+        seed = str(len(seeds))  # another hash seed in each child: set and frozenset orders differ
+        seeds.append(seed)
         done = subprocess.run(
-            [sys.executable, "-c", IDENTITY_IN_A_CHILD, scale], capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", IDENTITY_IN_A_CHILD, scale],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONHASHSEED": seed},
         )
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
