@@ -271,6 +271,11 @@ def tokenizer(path: str | None, meta: Mapping[str, Any]) -> tuple[Decode | None,
     except Exception as exc:
         if path is None:
             return None, None
+        if "trust_remote_code" in str(exc) or "custom code" in str(exc):
+            raise CommandError(
+                f"cannot load a tokenizer from {path}: it names code of its own (auto_map), which skipinject never "
+                "runs; give --tokenizer a directory without it"
+            ) from exc
         first = next(iter(str(exc).strip().splitlines()), "")
         raise CommandError(f"cannot load a tokenizer from {path} ({type(exc).__name__}: {shorten(first)})") from exc
     return (lambda ids: str(loaded.decode(list(ids), skip_special_tokens=True))), chosen

@@ -456,7 +456,10 @@ def test_a_tokenizer_directory_never_runs_its_code_nor_asks(tmp_path: Path, how:
     if how == "recorded model":
         assert lines[0] == "none", "a recorded directory that cannot be loaded: rows shown as token ids"
     if how == "--tokenizer":
-        assert lines[0].startswith(f"refused: cannot load a tokenizer from {model} (ValueError: ")
+        assert lines[0] == (
+            f"refused: cannot load a tokenizer from {model}: it names code of its own (auto_map), which skipinject "
+            "never runs; give --tokenizer a directory without it"
+        )
     ledger("trust", f"a tokenizer directory with its own code, named by {how}, 'y' on stdin", 1, "refused", 0)
 
 
