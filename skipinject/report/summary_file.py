@@ -33,6 +33,9 @@ def refusal(path: Path) -> str | None:
     """Why the summary is not written at ``path`` (what it names, links followed, is no regular file), else
     ``None`` (a regular file, or nothing yet)."""
     try:
+        link = path.lstat()
+        if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.geteuid(), 0):
+            return f"it is a symbolic link of another user (uid {link.st_uid}): the summary is not written through it"
         mode = path.stat().st_mode
     except FileNotFoundError:
         return None

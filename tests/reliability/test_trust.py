@@ -523,6 +523,21 @@ def test_the_summary_is_written_through_a_link_to_its_file(
     assert link.is_symlink() and '"roles"' in (tmp_path / "real.json").read_text()
 
 
+def test_the_summary_is_not_written_through_another_users_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any, ledger: Any
+) -> None:
+    """A link planted by someone else (e.g. in /tmp) never redirects the summary onto the user's own file."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    link = tmp_path / "summary.json"
+    link.symlink_to(victim)
+    os.lchown(link, 4242, 4242)  # tests run as root: the link now belongs to another user
+    said = _summary_into(str(link), tmp_path / "run", monkeypatch, caplog)
+    assert victim.read_text() == "keep me" and link.is_symlink()
+    assert len(said) == 1 and "a symbolic link of another user (uid 4242)" in said[0], said
+    ledger("trust", "SKIPINJECT_SUMMARY naming another user's link to the user's file", 1, "refused, file kept", 0)
+
+
 def test_a_relative_summary_path_names_the_directory_the_command_started_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
