@@ -174,6 +174,8 @@ class Injector:
         self._lock = threading.RLock()
         #: Base classes whose ``__init_subclass__`` we replaced: (what was in their __dict__, ours, patches).
         self._subclass_hooks: dict[type, tuple[Any, Any, list[_Patch]]] = {}
+        #: Targets patched after their module was imported, not yet checked for names bound to the original.
+        self._patched_late: list[str] = []
 
     def instrument(
         self,
@@ -196,7 +198,7 @@ class Injector:
             self._patches[key] = _Patch(target, interceptor, owner, overrides, attribute)
             if target.module in sys.modules:
                 self._apply(self._patches[key], sys.modules[target.module])
-                self._say_earlier_names(self._patches[key])
+                self._patched_late.append(key)  # see say_earlier_names
             elif target.module not in self._hooked_modules:
                 self._hooked_modules.add(target.module)
                 wrapt.register_post_import_hook(self._on_import, target.module)
@@ -245,15 +247,26 @@ class Injector:
         patch = self._patches.get(target_key(path, attribute))
         return patch.convention if patch else None
 
-    def _say_earlier_names(self, patch: _Patch) -> None:
-        """A module-level function patched after its module was imported: names other modules bound to it
-        before (``from verl... import f``) still call the original. Said in one line, naming them."""
+    def say_earlier_names(self) -> None:
+        """Once every target is instrumented: for each module-level function patched after its module was
+        imported, the names other modules bound to it before (``from verl... import f``), which still call the
+        original, in one line (names that are targets themselves are patched, not named)."""
+        with self._lock:
+            late, self._patched_late = self._patched_late, []
+            said: set[int] = set()  # one line per function, however many of its names are targets
+            for key in late:
+                patch = self._patches.get(key)
+                if patch is not None:
+                    self._say_earlier_names(patch, said)
+
+    def _say_earlier_names(self, patch: _Patch, said: set[int]) -> None:
         if not patch.applied or "." in patch.path.qualname or not patch.undo:
             return
         wrapper = getattr(sys.modules[patch.path.module], patch.path.qualname, None)
         original = getattr(wrapper, "__wrapped__", None)
-        if original is None:
+        if original is None or id(original) in said:
             return
+        said.add(id(original))
         patched = {(p.path.module, p.path.qualname) for p in self._patches.values()}
         earlier = [
             f"{name}.{attribute}"

@@ -71,6 +71,7 @@ class Engine:
             self._instrument(path, clock, "skipinject/clock", overrides=True)
         if any(rt.role.builtin for rt in self.runtimes.values()):
             self._instrument(BUILTIN_SKIP_INIT, BuiltinGuard(self), "skipinject/builtin-guard")
+        self.injector.say_earlier_names()  # a role's target imported by name before skipinject: said once
         if self.runtimes:
             # the trainer's metrics get the cache's running totals (skipinject/served_steps_total, ...)
             self._instrument(METRICS_TARGET, MetricsInterceptor(), "skipinject/metrics")

@@ -303,6 +303,8 @@ def test_a_function_imported_by_name_before_it_is_patched_is_said_once(
     try:
         with caplog.at_level(logging.WARNING, logger="skipinject"):
             injector.instrument("si_early_target:work", Recorder(), owner="toy")
+            injector.say_earlier_names()
+            injector.say_earlier_names()  # said once
         said = [r.getMessage() for r in caplog.records]
         assert len(said) == 1, said
         assert "si_early_target:work was imported by name before skipinject was installed" in said[0]
@@ -310,3 +312,41 @@ def test_a_function_imported_by_name_before_it_is_patched_is_said_once(
         assert sys.modules["si_early_target"].work(1) == 1001 and sys.modules["si_early_user"].work(1) == 1
     finally:
         injector.uninstrument_all()
+
+
+def test_an_engine_started_after_a_target_was_imported_by_name_names_it_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What ``enable()`` does after the program ran ``from module import f``: one warning for that name;
+    a second target bound under the other name (a role following it there) is patched, not named."""
+    from skipinject import Role, StepSource, Target
+    from skipinject.config import Config, RoleConfig
+    from skipinject.engine import Engine
+    from skipinject.testing import IntCodec
+
+    (tmp_path / "si_late_target.py").write_text("def work(x):\n    return x\n")
+    (tmp_path / "si_late_user.py").write_text("from si_late_target import work\n")
+    (tmp_path / "si_late_other.py").write_text("from si_late_target import work\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("si_late_target", "si_late_user", "si_late_other"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        importlib.import_module(name)
+    role = Role(
+        name="late",
+        targets=[Target("si_late_target:work"), Target("si_late_other:work")],
+        step=StepSource.argument("x"),
+        codec=IntCodec(),
+        cache_subdir="",
+    )
+    config = Config(roles={"late": RoleConfig(enable=True, dump_dir=str(tmp_path / "dump"), steps=(1,))})
+    with caplog.at_level(logging.WARNING, logger="skipinject"):
+        engine = Engine(config, {"late": (role, "test")}, injector=Injector())
+        engine.start()
+    try:
+        said = [r.getMessage() for r in caplog.records if "imported by name" in r.getMessage()]
+        assert said == [
+            "test/late: si_late_target:work was imported by name before skipinject was installed (si_late_user.work): "
+            "calls through those names are not skipped; install skipinject (enable()) before importing them"
+        ], said
+    finally:
+        engine.stop()
