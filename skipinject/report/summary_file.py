@@ -56,6 +56,9 @@ def write_summary(target: str, text: str) -> str | None:
     if why is not None:
         return why
     real = Path(os.path.realpath(path))  # through links, to the file they name
+    if _through_proc(path):  # a descriptor's file (/dev/stdout -> /proc/self/fd/1 -> the run's log): kept
+        _append(path, text)
+        return None
     fd, name = tempfile.mkstemp(dir=real.parent, prefix=f".{real.name}.")
     try:
         with os.fdopen(fd, "w") as handle:
@@ -72,3 +75,31 @@ def write_summary(target: str, text: str) -> str | None:
             os.unlink(name)
         raise
     return None
+
+
+def _through_proc(path: Path) -> bool:
+    """``path`` or a link on the way to its file is under ``/proc`` (``/dev/stdout`` -> ``/proc/self/fd/1``):
+    a descriptor's file, which may be deleted, or be the run's own redirected output."""
+    current = Path(os.path.abspath(path))
+    for _ in range(40):  # the kernel's own bound on links followed
+        current = Path(os.path.realpath(current.parent)) / current.name  # its directories' links (/dev/fd) too
+        if current.parts[1:2] == ("proc",):
+            return True
+        if not current.is_symlink():
+            return False
+        current = Path(os.path.abspath(current.parent / os.readlink(current)))
+    return True
+
+
+def _append(path: Path, text: str) -> None:
+    """Write ``text`` at the end of the regular file ``path`` opens (never truncated, never replaced): the
+    file an open descriptor writes to, such as the run's own redirected output."""
+    handle = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(handle).st_mode):
+            raise OSError(0, "it is not a regular file")
+        data = (text if text.endswith("\n") else text + "\n").encode()
+        while data:
+            data = data[os.write(handle, data) :]
+    finally:
+        os.close(handle)

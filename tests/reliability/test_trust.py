@@ -538,6 +538,41 @@ def test_the_summary_is_not_written_through_another_users_link(
     ledger("trust", "SKIPINJECT_SUMMARY naming another user's link to the user's file", 1, "refused, file kept", 0)
 
 
+_SUMMARY_TO_STDOUT = """
+import os, sys
+from pathlib import Path
+from skipinject.report import tally
+print("the run's own output", flush=True)
+run = Path(sys.argv[1])
+run.mkdir(mode=0o700)
+tally.RunEnd(run, ["rollout"]).say()
+"""
+
+
+def test_a_summary_to_dev_stdout_is_appended_to_the_runs_output_file(tmp_path: Path, ledger: Any) -> None:
+    """``SKIPINJECT_SUMMARY=/dev/stdout`` with the run's output redirected to a file: the summary is written
+    at its end (the file a descriptor writes to), never in place of it, and nothing is made beside it."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "run.log"
+    with log.open("w") as out:
+        inode = os.fstat(out.fileno()).st_ino
+        done = subprocess.run(
+            [sys.executable, "-c", _SUMMARY_TO_STDOUT, str(tmp_path / "run")],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "SKIPINJECT_SUMMARY": "/dev/stdout"},
+            timeout=120,
+        )
+    assert done.returncode == 0, done.stderr
+    text = log.read_text()
+    assert log.stat().st_ino == inode and text.startswith("the run's own output\n") and '"roles"' in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.log"], "a file made beside the log"
+    ledger("trust", "SKIPINJECT_SUMMARY=/dev/stdout, output redirected to a file", 1, "appended, file kept", 0)
+
+
 def test_a_relative_summary_path_names_the_directory_the_command_started_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
