@@ -70,9 +70,12 @@ def _escape_record(record: logging.LogRecord) -> bool:
 
 @contextlib.contextmanager
 def escaped_logs() -> Iterator[None]:
-    """While the tool runs, the ``skipinject`` logger's lines go through :func:`shown` too."""
+    """While the tool runs, the ``skipinject`` logger's lines go through :func:`shown` too: first, so that a
+    run's own line filter (``bootstrap.bound_log_lines``, escaping control characters only) finds them safe
+    and does not escape them twice."""
     logger = logging.getLogger("skipinject")
-    logger.addFilter(_escape_record)
+    if _escape_record not in logger.filters:
+        logger.filters.insert(0, _escape_record)
     try:
         yield
     finally:

@@ -241,16 +241,25 @@ def test_ls_and_verify_of_a_non_utf8_name_under_a_strict_utf8_stdout(tmp_path: P
     ]  # lossless: the undecodable bytes as U+DC80..U+DCFF (surrogateescape), os.fsencode restores them
 
 
+@pytest.mark.parametrize("run_filter", [False, True], ids=["alone", "with-a-run's-line-filter"])
 def test_log_lines_of_a_command_are_escaped_too(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     capsys: pytest.CaptureFixture[str],
+    run_filter: bool,
 ) -> None:
-    """A warning the store or a plugin logs while a command runs (naming a cache file) is escaped."""
+    """A warning the store or a plugin logs while a command runs (naming a cache file) is escaped, once, also
+    in a process whose runs' line filter is installed."""
     import logging
 
+    from skipinject import bootstrap
     from skipinject.cache_tool import ls
+
+    logger = logging.getLogger("skipinject")
+    monkeypatch.setattr(logger, "filters", list(logger.filters))  # restored afterwards
+    if run_filter:
+        bootstrap.bound_log_lines()
 
     def logging_scan(root: Path | str, problems: list[str]) -> list[Any]:
         logging.getLogger("skipinject").warning("leftover %s removed", f"{root}/{EVIL}")

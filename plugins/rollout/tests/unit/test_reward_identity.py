@@ -211,6 +211,7 @@ def test_a_recorded_settings_key_is_printed_escaped_and_bounded(key: str) -> Non
     logger = logging.getLogger("skipinject")
     logger.addHandler(handler)
     level, logger.level = logger.level, logging.INFO
+    filters = list(logger.filters)
     bootstrap.bound_log_lines()
     try:
         call = types.SimpleNamespace(run_config=config(None))
@@ -221,6 +222,7 @@ def test_a_recorded_settings_key_is_printed_escaped_and_bounded(key: str) -> Non
     finally:
         logger.removeHandler(handler)
         logger.level = level
+        logger.filters[:] = filters  # no state left for other tests
     lines = stream.getvalue().splitlines()
     assert len(lines) == 2, lines  # auto: re-scored (nothing to score here); never: served, with a warning
     for line in lines:
