@@ -4,7 +4,6 @@ a clock, after every call (docs/how-it-works.md); a step with a part that cannot
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 import time
@@ -272,7 +271,7 @@ class Recorder:
                 writer.add_part(snapshot, part=str(index) if record.by_phase or index else "")
                 record.saving_seconds += time.perf_counter() - began
             except Exception as exc:
-                self.drop(record, f"cannot write {what} ({type(exc).__name__}: {exc})", in_job=True, cause=exc)
+                self.drop(record, f"cannot write {what} ({type(exc).__name__}: {exc})", in_job=True)
 
         if background:
             self.in_background(plan.store, write)
@@ -298,7 +297,7 @@ class Recorder:
                 directory = writer.commit(meta)
                 record.saving_seconds += time.perf_counter() - began
             except Exception as exc:
-                self.drop(record, f"cannot commit ({type(exc).__name__}: {exc})", in_job=True, cause=exc)
+                self.drop(record, f"cannot commit ({type(exc).__name__}: {exc})", in_job=True)
                 return
             if record.by_phase:
                 what, note = f"{record.rows} {record.unit} in {parts} part(s)", record.note
@@ -309,9 +308,8 @@ class Recorder:
 
         self.in_background(plan.store, commit)
 
-    def drop(self, record: StepCalls, why: str, *, in_job: bool = False, cause: BaseException | None = None) -> None:
-        """Nothing of the step is cached (one warning; a read-only file system: one for the run, not one per
-        step); ``in_job``: called in the writer."""
+    def drop(self, record: StepCalls, why: str, *, in_job: bool = False) -> None:
+        """Nothing of the step is cached (one warning); ``in_job``: called in the writer."""
         plan = record.plan
         assert plan is not None
         with record.lock:
@@ -325,15 +323,6 @@ class Recorder:
                 writer.abort()
             else:
                 self.in_background(plan.store, writer.abort)
-        if isinstance(cause, OSError) and cause.errno == errno.EROFS:  # so is every later step: said once
-            self.runtime.once(
-                ("save", str(plan.store.project_dir), "read-only"),
-                logging.WARNING,
-                f"{self.runtime.name}: {plan.store.project_dir} is on a read-only file system: no step is saved in "
-                f"this run (first step {plan.step}); training goes on without them "
-                f"(skip.{self.runtime.name}.save=false reads the cache without trying)",
-            )
-            return
         self.runtime.once(
             ("save", str(plan.store.project_dir), plan.step),
             logging.WARNING,

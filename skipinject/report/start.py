@@ -70,11 +70,6 @@ def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
             return None  # nothing to read yet, and nothing will be written
         if not os.access(existing, (os.W_OK if saves else os.R_OK) | os.X_OK):
             doing = "created" if existing != root.path else "written" if saves else "read"
-            if saves and os.statvfs(existing).f_flag & os.ST_RDONLY:
-                return (
-                    f"{where}: cannot be {doing} ({existing} is on a read-only file system): no step is saved in "
-                    f"this run (skip.{name}.save=false reads the cache without trying)"
-                )
             return f"{where}: cannot be {doing} ({existing}: permission denied): nothing can be cached there"
     except Exception as exc:  # the trust rules' one-line reasons
         return f"{where}: {exc}"
