@@ -196,3 +196,12 @@ def test_the_engine_serves_a_recorded_step_to_a_neoproto_trainer(tmp_path: Path)
     for was, now in zip(generated, served, strict=True):
         assert type(now) is NeoDataProto
         assert_same_columns(now, was)
+
+
+def test_rollout_tq_on_the_neo_tree_says_there_is_no_v1_trainer_and_points_to_skip_rollout() -> None:
+    from omegaconf import OmegaConf
+    from skipinject_rollout_tq.plugin import cannot_fire
+
+    for use_v1 in (True, False):
+        reason = cannot_fire(OmegaConf.create({"trainer": {"use_v1": use_v1}}))
+        assert reason is not None and "has no V1 TransferQueue trainer" in reason and "use skip.rollout" in reason
