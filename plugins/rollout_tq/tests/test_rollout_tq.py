@@ -98,7 +98,8 @@ def test_a_verl_without_the_v1_trainer_is_said_and_points_to_skip_rollout(monkey
 
     assert plugin.no_v1_trainer() is None, "verl 0.9.1 has its V1 trainer"
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == plugin.V1_GLUE else real(name, *a))
+    glue_gone = lambda name, *rest: None if name == plugin.V1_GLUE else real(name, *rest)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", glue_gone)
     for use_v1 in (True, False):
         reason = cannot_fire(OmegaConf.create({"trainer": {"use_v1": use_v1}}))
         assert reason is not None and "has no V1 TransferQueue trainer" in reason and "use skip.rollout" in reason
