@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -217,8 +217,9 @@ def rescore_matched_sample(result: Any, call: Call, info: MatchInfo) -> Any:
 
 
 def mark_miss(result: Any, call: Call) -> Any:
+    """A generated batch reports the miss in its timing (a NeoProto's ``meta_info`` is a live mapping)."""
     meta = getattr(result, "meta_info", None)
-    if isinstance(meta, dict):
+    if isinstance(meta, MutableMapping):
         timing = meta.get("timing")
         if isinstance(timing, dict):
             timing["skipinject/hit"] = 0.0
