@@ -7,7 +7,9 @@ One pair of real ``python -m skipinject -m verl.trainer.main_ppo`` GRPO runs on 
 ``skip.rollout`` on steps 1-2: run 1 generates and records both steps from the NeoProto batches, run 2
 makes 0 generator calls and trains on the served steps: every row the trainer dumps
 (``trainer.rollout_data_dir``: prompt, response, score, per step) and every score and advantage
-statistic it logs is the same in both runs.
+statistic it logs is the same in both runs. Run 3, on the same tree with the classic data plane
+(``trainer.data_plane=classic``, classic ``DataProto`` batches), is served the NeoProto recording the
+same way: the one cache format serves either data plane.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def neo_runs(tmp_path_factory: pytest.TempPathFactory) -> NeoRuns:
     assets = assets_for(python, tmp / "assets")
     dump = tmp / "dump"
     procs, calls, rows = [], [], []
-    for run in ("run1", "run2"):
+    for run, plane in (("run1", "neoproto"), ("run2", "neoproto"), ("run3", "classic")):
         gen_log, generations = tmp / f"{run}.gen.jsonl", tmp / f"{run}.rollouts"
         overrides = harness.main_ppo_overrides(
             assets,
@@ -80,7 +82,7 @@ def neo_runs(tmp_path_factory: pytest.TempPathFactory) -> NeoRuns:
             dump_dir=dump,
             verl=harness.verl_version(python),
             extra=[
-                "trainer.data_plane=neoproto",
+                f"trainer.data_plane={plane}",
                 "skip.rollout.enable=True",
                 "skip.rollout.steps=[1,2]",
                 f"trainer.rollout_data_dir={generations}",
@@ -106,9 +108,10 @@ def neo_runs(tmp_path_factory: pytest.TempPathFactory) -> NeoRuns:
 
 
 def test_neoproto_rollout_recorded_then_served(neo_runs: NeoRuns) -> None:
-    first, second = neo_runs.procs
+    first, second, classic = neo_runs.procs
     for proc in (first, second):
         assert f"data_proto_cls={NEO_CLASS}" in proc.stdout + proc.stderr, "the trainer runs on NeoProto"
+    assert "data_proto_cls=verl.protocol.DataProto" in classic.stdout + classic.stderr
     layout = harness.cache_dir(neo_runs.dump)
     assert sorted(p.name for p in layout.iterdir() if p.name.isdigit()) == ["1", "2"]
     lines = skip_lines(first, "rollout")
@@ -122,11 +125,21 @@ def test_neoproto_rollout_recorded_then_served(neo_runs: NeoRuns) -> None:
     assert not any("other inputs" in line for line in lines), lines
 
 
+def test_a_neoproto_recording_serves_the_classic_data_plane(neo_runs: NeoRuns) -> None:
+    assert neo_runs.calls[2] == 0
+    lines = skip_lines(neo_runs.procs[2], "rollout")
+    assert sum("hit, served step" in line for line in lines) == 2, lines
+    generated, served = neo_runs.rows[0], neo_runs.rows[2]
+    for step in (1, 2):  # the same rows; each data plane balances its batch on its own
+        assert sorted(map(json.dumps, served[step])) == sorted(map(json.dumps, generated[step])), step
+    assert trained_metrics(neo_runs.procs[2]) == trained_metrics(neo_runs.procs[0])
+
+
 def test_neoproto_served_rows_are_the_generated_ones(neo_runs: NeoRuns) -> None:
-    generated, served = neo_runs.rows
+    generated, served = neo_runs.rows[:2]
     assert sorted(generated) == [1, 2] and sorted(served) == [1, 2], (sorted(generated), sorted(served))
     for step in (1, 2):
         assert generated[step], f"step {step}: nothing dumped"
         assert served[step] == generated[step], f"step {step}: the trainer saw other rows when served"
-    first, second = (trained_metrics(proc) for proc in neo_runs.procs)
+    first, second = (trained_metrics(proc) for proc in neo_runs.procs[:2])
     assert len(first) == 2 and first == second
