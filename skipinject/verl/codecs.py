@@ -109,7 +109,8 @@ class DataProtoCodec:
     def served(self, result: Any, call: Any) -> Any:
         """``result`` as the class of the batch ``call`` received, when that is another DataProto class (verl's
         NeoProto): built by that class's ``from_dict`` from the columns (a NeoProto puts them into its storage
-        engine). A classic batch for a classic call is returned as it is."""
+        engine; not its constructor, which sizes a 2-D tensor's rows by its width and drops the rows beyond
+        it). A classic batch for a classic call is returned as it is."""
         target = trainer_class(call)
         if target is None or type(result) is target or not _is_classic(result):
             return result
