@@ -198,10 +198,19 @@ def test_the_engine_serves_a_recorded_step_to_a_neoproto_trainer(tmp_path: Path)
         assert_same_columns(now, was)
 
 
-def test_rollout_tq_on_the_neo_tree_says_there_is_no_v1_trainer_and_points_to_skip_rollout() -> None:
+def test_rollout_tq_on_the_neo_tree_says_there_is_no_v1_trainer_and_points_to_skip_rollout(tmp_path: Path) -> None:
+    from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
+    from skipinject.report.start import layout_lines
     from skipinject_rollout_tq.plugin import cannot_fire
 
     for use_v1 in (True, False):
         reason = cannot_fire(OmegaConf.create({"trainer": {"use_v1": use_v1}}))
         assert reason is not None and "has no V1 TransferQueue trainer" in reason and "use skip.rollout" in reason
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        run_config = compose("ppo_trainer")  # the trainer's own config, as run_ppo gets it
+    with RoleRun("rollout_tq", tmp_path, [1]) as run:
+        assert run.engine is not None and run.engine.check_targets() == [], "no line about the version"
+        warned = [line for level, line in layout_lines(run.config, run.plugins.roles, run_config) if level >= 30]
+    assert len(warned) == 1 and "skip.rollout_tq is enabled but cannot act" in warned[0], warned
+    assert "no V1 TransferQueue trainer" in warned[0] and "use skip.rollout" in warned[0]
