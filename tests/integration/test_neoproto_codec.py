@@ -201,8 +201,9 @@ def test_the_engine_serves_a_recorded_step_to_a_neoproto_trainer(tmp_path: Path)
 def test_rollout_tq_on_the_neo_tree_says_there_is_no_v1_trainer_and_points_to_skip_rollout(tmp_path: Path) -> None:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
-    from skipinject.report.start import layout_lines
     from skipinject_rollout_tq.plugin import cannot_fire
+
+    from skipinject.report.start import layout_lines
 
     for use_v1 in (True, False):
         reason = cannot_fire(OmegaConf.create({"trainer": {"use_v1": use_v1}}))
