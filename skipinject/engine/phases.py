@@ -67,11 +67,11 @@ class WholeCall:
         record, index = yield lambda: role.recorder.enter(call, step)
         try:
             if role.settings.action is Action.match:
-                return (yield from role.matcher.calls(record, index, call, background))
+                return role.deliver(call, (yield from role.matcher.calls(record, index, call, background)))
             if not record.recording:
                 result = yield lambda: role.replay.serve_call(record, index, call)
                 if result is not REGENERATE:
-                    return result
+                    return role.deliver(call, result)
                 if not record.recording:  # a later call of a replayed step: run it, save nothing
                     return role.after_miss(call, (yield (), {}))
             inputs = role.fingerprint(call)  # before the target runs: it may change its inputs

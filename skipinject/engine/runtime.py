@@ -104,6 +104,12 @@ class RoleRuntime:
     def after_miss(self, call: Call, result: Any) -> Any:
         return result if self.role.on_miss is None else self.role.on_miss(result, call)
 
+    def deliver(self, call: Call, result: Any) -> Any:
+        """A served (or merged) result as the caller's own kind, after the role's hooks saw it: the codec's
+        ``served`` (the DataProto codec: the class of the call's batch, verl's NeoProto on its data plane)."""
+        served = getattr(self.codec, "served", None)
+        return result if served is None else served(result, call)
+
     def store_for(self, call: Call) -> StepStore:
         """The store of this run (directory named by the run's verl config, like upstream)."""
         config = call.run_config

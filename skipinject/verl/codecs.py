@@ -1,4 +1,12 @@
-"""The default codecs: verl's DataProto (V0) and TensorDict results (V1 TransferQueue)."""
+"""The default codecs: verl's DataProto (V0) and TensorDict results (V1 TransferQueue).
+
+A V0 batch is either verl's classic ``verl.protocol.DataProto`` (a TensorDict and dicts) or, on verl's
+``neo`` data plane (``trainer.data_plane=neoproto``), a NeoProto (``verl.experimental.neoproto``): a
+subclass of it whose columns are references into a storage engine (Ray's object store) behind an index
+view, read through proxies. Both are recorded in one format: a NeoProto is materialised into the classic
+form first (:func:`classic_dataproto`). A served batch is rebuilt as a classic one, which the role's
+hooks and the row operations work on, and handed to the trainer as its own class (:meth:`DataProtoCodec.served`),
+so that its ``union``, ``repeat`` and every later use meet what a generated batch would be."""
 
 from __future__ import annotations
 
@@ -56,8 +64,11 @@ class DataProtoCodec:
 
     def encode(self, result: Any) -> Payload:
         sink = TensorSink()
-        batch = getattr(result, "batch", None)
         non_tensor = getattr(result, "non_tensor_batch", None)
+        if not isinstance(non_tensor, Mapping) and is_neoproto(result):
+            result = classic_dataproto(result)  # its columns read once from their storage
+            non_tensor = result.non_tensor_batch
+        batch = getattr(result, "batch", None)
         meta_info = getattr(result, "meta_info", None)
         if not isinstance(non_tensor, Mapping) or not isinstance(meta_info, Mapping):
             raise CodecError(f"cannot cache a {type(result).__qualname__} with the DataProto codec")
@@ -93,7 +104,20 @@ class DataProtoCodec:
         """Several parts of one step as one batch."""
         from verl.protocol import DataProto
 
-        return results[0] if len(results) == 1 else DataProto.concat(list(results))
+        return results[0] if len(results) == 1 else DataProto.concat([classic_dataproto(r) for r in results])
+
+    def served(self, result: Any, call: Any) -> Any:
+        """``result`` as the class of the batch ``call`` received, when that is another DataProto class (verl's
+        NeoProto): built by that class's ``from_dict`` from the columns (a NeoProto puts them into its storage
+        engine; not its constructor, which sizes a 2-D tensor's rows by its width and drops the rows beyond
+        it). A classic batch for a classic call is returned as it is."""
+        target = trainer_class(call)
+        if target is None or type(result) is target or not _is_classic(result):
+            return result
+        tensors = {} if result.batch is None else {key: result.batch[key] for key in result.batch.keys()}
+        return target.from_dict(
+            tensors=tensors, non_tensors=dict(result.non_tensor_batch), meta_info=dict(result.meta_info)
+        )
 
     # -- RowCodec (action=match)
 
@@ -112,7 +136,7 @@ class DataProtoCodec:
             from verl.protocol import pad_dataproto_to_divisor
 
             batch, padding = pad_dataproto_to_divisor(batch, size)
-        args, kwargs = call.with_batch(batch)
+        args, kwargs = call.with_batch(self.served(batch, call))
         return args, kwargs, int(padding)
 
     def select_rows(self, result: Any, rows: Sequence[int]) -> Any:
@@ -121,6 +145,7 @@ class DataProtoCodec:
         import torch
         from verl.protocol import DataProto
 
+        result = classic_dataproto(result)
         index = np.asarray(list(rows), dtype=np.int64)
         batch = None if result.batch is None else result.batch[torch.from_numpy(index)]
         non_tensor = {key: value[index] for key, value in result.non_tensor_batch.items()}
@@ -138,6 +163,7 @@ class DataProtoCodec:
 
         if not pieces:
             raise CodecError("nothing to merge")
+        pieces = [classic_dataproto(piece) for piece in pieces]
         _check_alike(pieces)
         index = np.asarray(list(order), dtype=np.int64)
         batch = None
@@ -160,6 +186,50 @@ class DataProtoCodec:
         for key in meta.keys() & own.keys():
             meta[key] = own[key]
         return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
+
+
+def is_neoproto(value: Any) -> bool:
+    """Whether ``value`` is a batch of verl's NeoProto data plane: columns referenced through an index view
+    (``dim0_index``), read by ``materialize`` (told by its attributes: verl is not imported)."""
+    return hasattr(value, "dim0_index") and callable(getattr(value, "materialize", None))
+
+
+def _is_classic(value: Any) -> bool:
+    return isinstance(getattr(value, "non_tensor_batch", None), dict) and not is_neoproto(value)
+
+
+def trainer_class(call: Any) -> type[Any] | None:
+    """The DataProto class the call's batch is (verl's NeoProto on its data plane), else ``None``."""
+    batch = getattr(call, "batch", None) if call is not None else None
+    if batch is None or not hasattr(batch, "non_tensor_batch") or not callable(getattr(batch, "from_dict", None)):
+        return None
+    return type(batch)
+
+
+def classic_dataproto(value: Any) -> Any:
+    """``value`` as a classic ``verl.protocol.DataProto``: a NeoProto's columns are read from their storage
+    (every referenced tensor and array materialised, in the view's row order; ``value`` keeps no copy);
+    a classic one is returned as it is."""
+    if not is_neoproto(value):
+        return value
+    import numpy as np
+    from tensordict import TensorDict
+    from verl.protocol import DataProto
+
+    tensor_keys = list(value.batch.keys())
+    non_tensor_keys = list(value.non_tensor_batch.keys())
+    columns = value.materialize(keys=tensor_keys + non_tensor_keys) if tensor_keys or non_tensor_keys else {}
+    rows = len(value)
+    non_tensor: dict[str, Any] = {}
+    for key in non_tensor_keys:
+        column = columns[key]
+        if not isinstance(column, np.ndarray):  # a list of row objects
+            array = np.empty(len(column), dtype=object)
+            array[:] = list(column)
+            column = array
+        non_tensor[key] = column
+    batch = TensorDict({key: columns[key] for key in tensor_keys}, batch_size=[rows]) if tensor_keys else None
+    return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(value.meta_info))
 
 
 def _check_alike(pieces: Sequence[Any]) -> None:

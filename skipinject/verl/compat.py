@@ -98,10 +98,10 @@ def version_matches(specifier: str | None, version: str | None) -> bool:
     from packaging.version import InvalidVersion, Version
 
     try:
-        parsed = Version(version)
+        release = Version(Version(version).base_version)  # 0.9.0.dev0 is in ">=0.9", as 0.9.0 is
     except InvalidVersion:
         return False
-    return SpecifierSet(specifier).contains(parsed, prereleases=True)
+    return SpecifierSet(specifier).contains(release)
 
 
 def installed_verl_matches(spec: str) -> bool:

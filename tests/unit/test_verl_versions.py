@@ -179,3 +179,10 @@ def test_harness_overrides_follow_the_launchers_verl(tmp_path):
         harness.main_ppo_overrides(assets, use_v1=False, total_steps=2, verl="0.7.1", rollout_mode="sync")
     assert "actor_rollout_ref.actor.fsdp_config.strategy" in keys("0.7.1")
     assert "actor_rollout_ref.actor.fsdp_config.strategy" not in keys("0.8.0")
+
+
+def test_a_dev_build_of_a_release_counts_as_that_release():
+    """verl's neo tree is 0.9.0.dev0: a 0.9 tree for every target range (none of 0.6-0.8's, all of 0.9's)."""
+    assert version_matches(">=0.9", "0.9.0.dev0") and version_matches(">=0.5", "0.9.0.dev0")
+    assert not version_matches("<0.9", "0.9.0.dev0") and not version_matches(">=0.6,<0.9", "0.9.0.dev0")
+    assert version_matches(">=0.9", "0.9.1+local") and not version_matches(">=0.9", "0.8.0")

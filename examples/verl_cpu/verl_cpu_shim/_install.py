@@ -31,6 +31,21 @@ def has_platform_registry() -> bool:
         return False
 
 
+def plain_attention_helpers() -> None:
+    """A 0.9-line tree without verl 0.9.1's pure-torch unpad/pad fallback (verl's neo tree, whose NeoProto
+    worker bridge unpads every batch) imports them from ``flash_attn``, which has no CPU build: the plain
+    helpers are taken there, as on the older verls (:mod:`verl_cpu_shim.legacy`)."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        return
+    import verl.utils.attention_utils as attention
+
+    if hasattr(attention, "_fallback_unpad_input"):
+        return
+    from .legacy import _patch_attention_helpers
+
+    _patch_attention_helpers()
+
+
 def install() -> None:
     """Register the ``cpu`` platform (or patch the device helpers), gloo init, ``hf`` rollout, ``cpu_store``."""
     global _installed
@@ -41,6 +56,7 @@ def install() -> None:
         from .distributed import patch_process_group_init
 
         patch_process_group_init()
+        plain_attention_helpers()
     else:
         from .legacy import install_legacy
 

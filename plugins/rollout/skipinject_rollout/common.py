@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from skipinject import (
     Call,
     CodecError,
@@ -216,8 +217,9 @@ def rescore_matched_sample(result: Any, call: Call, info: MatchInfo) -> Any:
 
 
 def mark_miss(result: Any, call: Call) -> Any:
+    """A generated batch reports the miss in its timing (a NeoProto's ``meta_info`` is a live mapping)."""
     meta = getattr(result, "meta_info", None)
-    if isinstance(meta, dict):
+    if isinstance(meta, MutableMapping):
         timing = meta.get("timing")
         if isinstance(timing, dict):
             timing["skipinject/hit"] = 0.0
@@ -225,14 +227,16 @@ def mark_miss(result: Any, call: Call) -> Any:
 
 
 def _align_shared_keys(result: Any, call: Call) -> None:
-    """Make the cached batch's shared keys this call's, so the trainer's ``union`` accepts it."""
+    """Make the cached batch's shared keys this call's, so the trainer's ``union`` accepts it. The call's
+    columns are read by key: on verl's NeoProto data plane they are a proxy reading its storage."""
     cached = getattr(result, "non_tensor_batch", None)
     current = getattr(call.batch, "non_tensor_batch", None)
-    if not isinstance(cached, dict) or not isinstance(current, dict):
+    if not isinstance(cached, dict) or current is None or not hasattr(current, "keys"):
         return
+    present = set(current.keys())
     for key in SHARED_KEYS:
-        if key in cached and key in current and len(cached[key]) == len(current[key]):
-            cached[key] = current[key].copy()
+        if key in cached and key in present and len(cached[key]) == len(current[key]):
+            cached[key] = np.array(current[key], copy=True)
 
 
 def _load_pickled_dataproto(path: Path) -> Any:

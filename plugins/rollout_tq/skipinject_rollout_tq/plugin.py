@@ -19,6 +19,7 @@ pickled ``{step}/{i}/tq_batch.pt`` is read only with ``skip.rollout_tq.trust_ups
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from skipinject import (
@@ -29,6 +30,7 @@ from skipinject import (
     hookimpl,
     installed_verl_matches,
     select,
+    verl_version,
 )
 from skipinject_rollout.common import GENERATION_SETTINGS
 from skipinject_rollout.reward_identity import record_reward
@@ -61,8 +63,34 @@ V1_VERL = ">=0.9"
 TQ_BATCH = UpstreamFormat(f"0/{UPSTREAM_FILE}", load_upstream_file, label="verl-v1", rows_key="num_trajectories")
 
 
+#: verl's TransferQueue glue, which the V1 trainer runs on. A verl >= 0.9 without it has no V1 trainer: verl's
+#: ``neo`` line removes TransferQueue for the NeoProto data plane of the V0 trainer, and its ``main_ppo``
+#: refuses ``trainer.use_v1=true``.
+V1_GLUE = "verl.utils.transferqueue_utils"
+
+
+def no_v1_trainer() -> str | None:
+    """Why the installed verl has no V1 TransferQueue trainer for this role to act in, else ``None`` (older
+    verls have none either: there the start line says that no target is for that verl)."""
+    if not installed_verl_matches(V1_VERL):
+        return None
+    try:
+        found = importlib.util.find_spec(V1_GLUE) is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return (
+        f"this verl ({verl_version()}) has no V1 TransferQueue trainer (no {V1_GLUE}: its main_ppo runs the V0 "
+        "RayPPOTrainer only); use skip.rollout, which records and serves that trainer's rollout"
+    )
+
+
 def cannot_fire(config: Any) -> str | None:
-    """The V0 trainer has no TransferQueue submit/sample."""
+    """A verl without the V1 trainer, or the V0 trainer chosen: no TransferQueue submit/sample."""
+    missing = no_v1_trainer()
+    if missing is not None:
+        return missing
     if select(config, "trainer.use_v1") is False:
         return (
             "trainer.use_v1=False runs the V0 RayPPOTrainer, which has no TransferQueue submit/sample; "

@@ -90,6 +90,21 @@ def test_cannot_fire_on_the_v0_trainer():
     assert cannot_fire(OmegaConf.create({"trainer": {"use_v1": True}})) is None
 
 
+def test_a_verl_without_the_v1_trainer_is_said_and_points_to_skip_rollout(monkeypatch: pytest.MonkeyPatch):
+    """verl's neo line has no TransferQueue glue and no V1 trainer: whatever the config, one reason."""
+    import importlib.util
+
+    from skipinject_rollout_tq import plugin
+
+    assert plugin.no_v1_trainer() is None, "verl 0.9.1 has its V1 trainer"
+    real = importlib.util.find_spec
+    glue_gone = lambda name, *rest: None if name == plugin.V1_GLUE else real(name, *rest)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", glue_gone)
+    for use_v1 in (True, False):
+        reason = cannot_fire(OmegaConf.create({"trainer": {"use_v1": use_v1}}))
+        assert reason is not None and "has no V1 TransferQueue trainer" in reason and "use skip.rollout" in reason
+
+
 def test_installed_plugin_provides_the_role_through_its_entry_point():
     from skipinject.plugin_manager import load_plugins
 
