@@ -34,7 +34,7 @@ def paired_ms(base: tuple[list[str], dict[str, str]], ours: tuple[list[str], dic
     cpu_ms(*base)  # warm the page cache and .pyc files
     cpu_ms(*ours)
     pairs = [(cpu_ms(*base), cpu_ms(*ours)) for _ in range(runs)]
-    base_ms, ours_ms, added_ms = zip(*((b, o, o - b) for b, o in pairs))
+    base_ms, ours_ms, added_ms = zip(*((b, o, o - b) for b, o in pairs), strict=True)
     return [statistics.median(base_ms), statistics.median(ours_ms), statistics.median(added_ms)]
 
 
