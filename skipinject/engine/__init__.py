@@ -160,6 +160,22 @@ class Engine:
         self.injector.instrument(path, interceptor, owner=owner, attribute=attribute, overrides=overrides)
         self._paths.append(target_key(path, attribute))
 
+    def read_first_steps(self, config: Any) -> None:
+        """The trainer's ``fit`` began in this process (the run's config composed, its workers starting): each
+        clocked role with steps to serve reads its first chosen cached step ahead, so that the run's first hit
+        only waits for what is left of that read."""
+        for slot in list(self.runtimes.slots.values()):
+            settings = slot.settings
+            if not slot.role.clocks or not settings.read_ahead or not settings.steps:
+                continue
+            if settings.action in (Action.match, Action.refresh):
+                continue
+            try:
+                runtime = slot.get()
+                runtime.replay.read_from(runtime.store_of(config), 0, start=True)
+            except Exception as exc:  # the first call plans the step again and says what is wrong
+                logger.debug("%s: no read-ahead at the start: %s: %s", slot.role.name, type(exc).__name__, exc)
+
     def observe_config(self, config: Any) -> None:
         """Run every enabled role's ``check`` against a run config once; warn when it cannot fire."""
         if not is_run_config(config):

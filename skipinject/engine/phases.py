@@ -226,3 +226,4 @@ class ClockInterceptor:
         if call.instance is not None:
             CLOCK.enter(call.instance)
             self.engine.observe_config(getattr(call.instance, "config", None))
+            self.engine.read_first_steps(call.run_config)

@@ -108,7 +108,10 @@ class RoleRuntime:
 
     def store_for(self, call: Call) -> StepStore:
         """The store of this run (directory named by the run's verl config, like upstream)."""
-        config = call.run_config
+        return self.store_of(call.run_config)
+
+    def store_of(self, config: Any) -> StepStore:
+        """The store of the run whose verl config is ``config`` (``None``: none seen)."""
         project, context = project_dir(self.settings.root, config, self.subdir)
         with self._stores_lock:
             store = self._stores.get(project)
