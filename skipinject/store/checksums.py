@@ -81,13 +81,6 @@ def _read_chunk(fd: int, chunk: memoryview, offset: int, shown: Path) -> bytes:
         chunk.release()
 
 
-def _chunk_digest(chunk: memoryview) -> bytes:
-    try:
-        return _Hasher("xxh3_64", chunk).digest()
-    finally:
-        chunk.release()
-
-
 def _pread_exact(fd: int, view: memoryview, offset: int, shown: Path) -> None:
     got = 0
     while got < len(view):
