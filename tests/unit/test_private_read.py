@@ -43,30 +43,3 @@ def test_a_large_file_is_read_in_chunks_on_several_threads_and_checksummed_as_wr
     assert len(readers) == 3 and all(name.startswith("skipinject-read") for name in readers)
     assert len(set(readers)) > 1 or os.cpu_count() == 1
     buffer.close()
-
-
-def _vm_flags(buffer: object) -> list[str]:
-    """The ``VmFlags`` of the mapping holding ``buffer`` (``/proc/self/smaps``)."""
-    import ctypes
-
-    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))  # type: ignore[arg-type]
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            low, high = (int(x, 16) for x in head.split("-"))
-            inside = low <= address < high
-        elif inside and line.startswith("VmFlags:"):
-            return line.split()[1:]
-    return []
-
-
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps")
-def test_a_large_hit_buffer_asks_for_huge_pages_and_a_small_one_does_not() -> None:
-    large, small = anonymous(64 << 20), anonymous(64 << 10)
-    try:
-        assert "hg" in _vm_flags(large)  # MADV_HUGEPAGE: a hit faults its memory in 2 MiB pages
-        assert "hg" not in _vm_flags(small)
-    finally:
-        large.close()
-        small.close()
