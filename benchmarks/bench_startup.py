@@ -3,8 +3,9 @@
 A run's configuration reaches each process through ``SKIPINJECT_CONFIG`` and a ``sitecustomize``;
 this measures, per process, the CPU time over plain Python of: a process that never imports a
 target package (most helper processes), a process that imports verl (where skipinject really
-starts: plugins, engine, hooks), and the runner itself. Each case is the median of N runs,
-with the load average beside it.
+starts: plugins, hooks; the cache code waits for the first call that needs it), and the runner itself.
+Each case runs as N interleaved pairs (plain, then with skipinject, so both see the same load): the
+median of each side and the median of the pairs' differences, with the load average at start and end.
 
     python benchmarks/bench_startup.py [--runs N]
 """
@@ -28,9 +29,13 @@ def cpu_ms(argv: list[str], env: dict[str, str]) -> float:
     return 1000 * ((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
 
 
-def median_ms(argv: list[str], env: dict[str, str], runs: int) -> float:
-    cpu_ms(argv, env)  # warm the page cache and .pyc files
-    return statistics.median(cpu_ms(argv, env) for _ in range(runs))
+def paired_ms(base: tuple[list[str], dict[str, str]], ours: tuple[list[str], dict[str, str]], runs: int) -> list[float]:
+    """Median CPU ms of ``base`` and ``ours`` and of their difference, over ``runs`` interleaved pairs."""
+    cpu_ms(*base)  # warm the page cache and .pyc files
+    cpu_ms(*ours)
+    pairs = [(cpu_ms(*base), cpu_ms(*ours)) for _ in range(runs)]
+    base_ms, ours_ms, added_ms = zip(*((b, o, o - b) for b, o in pairs), strict=True)
+    return [statistics.median(base_ms), statistics.median(ours_ms), statistics.median(added_ms)]
 
 
 def run_config() -> str:
@@ -80,22 +85,30 @@ def main() -> None:
     ]
     inside = []
     probe = (
-        "import verl, time; t = time.process_time(); from skipinject import bootstrap; bootstrap.start_from_env(); "
-        "print(1000 * (time.process_time() - t))"
+        "import verl.experimental.agent_loop.agent_loop, gc, time; gc.disable(); t = time.thread_time(); "
+        "from skipinject import bootstrap; bootstrap.start_from_env(); print(1000 * (time.thread_time() - t))"
     )
     for _ in range(args.runs):
         env = {k: v for k, v in child.items() if k != "PYTHONPATH"}
         out = subprocess.run([py, "-c", probe], env=env, capture_output=True, text=True, check=True)
         inside.append(float(out.stdout.strip().splitlines()[-1]))
-    print(f"CPU ms per process, median of {args.runs}; load {os.getloadavg()[0]:.2f}")
-    print("| process | plain Python | with skipinject | added |")
-    print("|---|---:|---:|---:|")
-    for label, base_argv, base_env, argv, env in cases:
-        base = median_ms(base_argv, base_env, args.runs)
-        ours = median_ms(argv, env, args.runs)
-        print(f"| {label} | {base:.0f} | {ours:.0f} | {ours - base:+.0f} |")
+    load_before = os.getloadavg()[0]
+    rows = [
+        (label, paired_ms((base_argv, base_env), (argv, env), args.runs))
+        for label, base_argv, base_env, argv, env in cases
+    ]
     print(
-        f"| skipinject's own start in a process that imported verl (measured inside it) | | | "
+        f"CPU ms per process, median of {args.runs} interleaved pairs; "
+        f"load {load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end ({os.cpu_count()} cores)"
+    )
+    print("| process | plain Python | with skipinject | added (median of pairs) |")
+    print("|---|---:|---:|---:|")
+    for label, (base, ours, added) in rows:
+        print(f"| {label} | {base:.0f} | {ours:.0f} | {added:+.0f} |")
+    print(
+        f"| skipinject's own start and patching in a process that imported verl's agent loop "
+        f"(its main thread's CPU, measured inside it; garbage collection paused: a full collection of verl's "
+        f"heap that happens to land in the window is not skipinject's) | | | "
         f"+{statistics.median(inside):.0f} |"
     )
 

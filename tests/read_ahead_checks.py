@@ -34,15 +34,19 @@ Between = Callable[[int, RoleRuntime], None]
 
 
 class Trainer:
-    def __init__(self, between: Callable[[int], None] | None = None) -> None:
+    def __init__(self, between: Callable[[int], None] | None = None, started: Callable[[], None] | None = None) -> None:
         self.between = between
+        self.started = started
         self.global_steps = 0
 
     def fit(self, steps: Sequence[int], *, keep: bool = True) -> dict[int, DataProto]:
         """One call per step; the batches trained on (none with ``keep=False``: each is dropped by
-        the next step, as verl's loop drops its batch)."""
+        the next step, as verl's loop drops its batch). ``started`` runs first (verl's own start-up
+        in ``fit``: checkpoint, validation)."""
         out: dict[int, DataProto] = {}
         batch: DataProto | None = None
+        if self.started is not None:
+            self.started()
         for step in steps:
             self.global_steps = step
             batch = self.generate_sequences(step)
@@ -93,6 +97,7 @@ def run(
     *,
     trained: Sequence[int] | None = None,
     between: Between | None = None,
+    started: Callable[[RoleRuntime], None] | None = None,
     keep: bool = True,
     phase: Any = None,
     **settings: Any,
@@ -107,7 +112,8 @@ def run(
     GENERATED.clear()
     try:
         hook = None if between is None else (lambda step: between(step, runtime))
-        return targets.Trainer(hook).fit(trained if trained is not None else steps, keep=keep), runtime
+        start = None if started is None else (lambda: started(runtime))
+        return targets.Trainer(hook, start).fit(trained if trained is not None else steps, keep=keep), runtime
     finally:
         engine.stop()
 

@@ -5,9 +5,11 @@ only, it imports skipinject at the first import of a ``triggers`` package (e.g. 
 """
 
 import importlib.machinery
-import importlib.util
 import os
 import sys
+
+# ``importlib.util`` (with contextlib, functools) is imported only where needed: this module runs in every
+# process of a run, and most of them never import a watched package.
 
 
 def _load_next_sitecustomize() -> None:
@@ -16,15 +18,23 @@ def _load_next_sitecustomize() -> None:
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", search)
     if spec is None or spec.loader is None:
         return
-    module = importlib.util.module_from_spec(spec)
+    from importlib.util import module_from_spec
+
+    module = module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # mirror site.py: report, go on
         print(f"Error in sitecustomize ({spec.origin}); set PYTHONVERBOSE for traceback: {exc}", file=sys.stderr)
 
 
+_TRIGGERS_KEY = '"triggers":['
+
+
 def _triggers(text: str) -> "list[str] | None":
     """The packages whose import starts skipinject; ``None``: start now (no or unreadable list)."""
+    quick = _plain_triggers(text)
+    if quick is not None:
+        return quick
     import json
 
     try:
@@ -39,6 +49,19 @@ def _triggers(text: str) -> "list[str] | None":
     return triggers if isinstance(triggers, list) and triggers and all(isinstance(t, str) for t in triggers) else None
 
 
+def _plain_triggers(text: str) -> "list[str] | None":
+    """The trigger list read without ``json`` (most processes of a run import no target package: this is all
+    they pay), when the configuration holds it once as a list of plain names; else ``None``."""
+    if text.count(_TRIGGERS_KEY) != 1:
+        return None
+    start = text.index(_TRIGGERS_KEY) + len(_TRIGGERS_KEY)
+    end = text.find("]", start)
+    names = [item.strip() for item in text[start:end].split(",")] if end > start else []
+    if not names or not all(len(n) > 2 and n[0] == n[-1] == '"' and n[1:-1].isidentifier() for n in names):
+        return None
+    return [n[1:-1] for n in names]
+
+
 class _StartOnImport:
     """A meta-path finder that runs a callback right after a watched top-level package is imported."""
 
@@ -49,9 +72,11 @@ class _StartOnImport:
     def find_spec(self, name: str, path: object = None, target: object = None) -> object:
         if name not in self.pending or name in self.finding:
             return None
+        from importlib.util import find_spec
+
         self.finding.add(name)
         try:
-            spec = importlib.util.find_spec(name)
+            spec = find_spec(name)
         finally:
             self.finding.discard(name)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):

@@ -1,7 +1,12 @@
 """The one place where a call is served from the cache or run and saved: :mod:`~skipinject.engine.phases`
 hands a call to its role's :mod:`~skipinject.engine.runtime`, which decides and serves
 (:mod:`~skipinject.engine.replay`), records (:mod:`~skipinject.engine.record`) or matches rows
-(:mod:`~skipinject.engine.matching`). Every decision is one line on the ``skipinject`` logger."""
+(:mod:`~skipinject.engine.matching`). Every decision is one line on the ``skipinject`` logger.
+
+Patching imports only what a patch needs (this module, :mod:`~skipinject.engine.phases`, the injector): a
+role's runtime, with the cache code under it, is built when it is first needed (the first call that does not
+pass straight through, the run's config seen, the end of the run's steps). Every Ray worker and helper process
+of a run patches verl, and most of them never serve or save a step."""
 
 from __future__ import annotations
 
@@ -9,14 +14,12 @@ import atexit
 import contextlib
 import logging
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from skipinject.config import Action, Config
 from skipinject.engine.background import WRITER
-from skipinject.engine.matching import check_matchable
-from skipinject.engine.phases import ClockInterceptor, TargetInterceptor
-from skipinject.engine.runtime import RoleRuntime
+from skipinject.engine.phases import ClockInterceptor, RuntimeSlot, TargetInterceptor
 from skipinject.errors import ConfigError
 from skipinject.injector import INJECTOR, Injector, target_key
 from skipinject.report.tally import METRICS_TARGET, MetricsInterceptor
@@ -24,9 +27,43 @@ from skipinject.roles import Role
 from skipinject.verl.builtin_guard import BUILTIN_SKIP_INIT, BuiltinGuard
 from skipinject.verl.compat import is_run_config, module_exists, verl_version, version_matches
 
+if TYPE_CHECKING:
+    from skipinject.engine.runtime import RoleRuntime
+
 logger = logging.getLogger("skipinject")
 
-__all__ = ["Engine", "RoleRuntime"]
+__all__ = ["Engine", "RoleRuntime", "TargetInterceptor"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RoleRuntime":
+        from skipinject.engine.runtime import RoleRuntime
+
+        return RoleRuntime
+    raise AttributeError(f"module 'skipinject.engine' has no attribute {name!r}")
+
+
+class Runtimes(Mapping[str, "RoleRuntime"]):
+    """The enabled roles' runtimes by name, each built at its first look-up (:class:`RuntimeSlot`)."""
+
+    def __init__(self) -> None:
+        self.slots: dict[str, RuntimeSlot] = {}
+
+    def __getitem__(self, name: str) -> RoleRuntime:
+        return self.slots[name].get()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def built(self) -> list[RoleRuntime]:
+        """The runtimes that exist (none is built for the asking)."""
+        return [slot.runtime for slot in list(self.slots.values()) if slot.runtime is not None]
+
+    def clear(self) -> None:
+        self.slots.clear()
 
 
 class Engine:
@@ -36,7 +73,7 @@ class Engine:
         self.config = config
         self.roles = dict(roles)
         self.injector = injector
-        self.runtimes: dict[str, RoleRuntime] = {}
+        self.runtimes = Runtimes()
         self._paths: list[str] = []
         self._seen_configs: set[int] = set()
         self._lock = threading.Lock()
@@ -49,10 +86,11 @@ class Engine:
         clocks: list[str] = []
         for name in self.config.enabled_roles:
             role, owner = self.roles[name]
-            runtime = RoleRuntime(role, self.config.role(name), owner)
-            if runtime.settings.action is Action.match:
-                check_matchable(role, runtime.codec)
-            self.runtimes[name] = runtime
+            slot = self.runtimes.slots[name] = RuntimeSlot(role, self.config.role(name), owner)
+            if slot.settings.action is Action.match:
+                from skipinject.engine.matching import check_matchable
+
+                check_matchable(role, slot.get().codec)
             for target in role.targets:
                 if target.verl and installed is None:
                     installed = verl_version()
@@ -62,14 +100,14 @@ class Engine:
                     )
                     continue
                 self._instrument(
-                    target.path, TargetInterceptor(runtime, target), f"{owner}/{name}", attribute=target.attribute
+                    target.path, TargetInterceptor(slot, target), f"{owner}/{name}", attribute=target.attribute
                 )
             clocks.extend(c for c in role.clocks if c not in clocks)
         clock = ClockInterceptor(self)
         for path in clocks:
             # A recipe's trainer overriding fit (verl's DAPO trainer) runs its own fit: that is the clock too.
             self._instrument(path, clock, "skipinject/clock", overrides=True)
-        if any(rt.role.builtin for rt in self.runtimes.values()):
+        if any(slot.role.builtin for slot in self.runtimes.slots.values()):
             self._instrument(BUILTIN_SKIP_INIT, BuiltinGuard(self), "skipinject/builtin-guard")
         self.injector.say_earlier_names()  # a role's target imported by name before skipinject: said once
         if self.runtimes:
@@ -83,10 +121,10 @@ class Engine:
         whose module is missing; nothing is imported."""
         installed = verl_version()
         lines = []
-        for name, runtime in self.runtimes.items():
-            targets = [t for t in runtime.role.targets if version_matches(t.verl, installed)]
+        for name, slot in self.runtimes.slots.items():
+            targets = [t for t in slot.role.targets if version_matches(t.verl, installed)]
             if not targets:
-                ranges = ", ".join(sorted({t.verl or "any" for t in runtime.role.targets}))
+                ranges = ", ".join(sorted({t.verl or "any" for t in slot.role.targets}))
                 lines.append(
                     f"skip.{name} is enabled but has no target for the installed verl {installed} "
                     f"(its targets are for verl {ranges}); it will not act in this run"
@@ -105,7 +143,7 @@ class Engine:
 
     def end_of_run(self) -> None:
         """The run ended (``fit`` returned, the engine stops, exit): every open step committed and written."""
-        for runtime in list(self.runtimes.values()):
+        for runtime in self.runtimes.built():
             runtime.close_all()
         WRITER.flush()
 
@@ -123,6 +161,22 @@ class Engine:
         self.injector.instrument(path, interceptor, owner=owner, attribute=attribute, overrides=overrides)
         self._paths.append(target_key(path, attribute))
 
+    def read_first_steps(self, config: Any) -> None:
+        """The trainer's ``fit`` began in this process (the run's config composed, its workers starting): each
+        clocked role with steps to serve reads its first chosen cached step ahead, so that the run's first hit
+        only waits for what is left of that read."""
+        for slot in list(self.runtimes.slots.values()):
+            settings = slot.settings
+            if not slot.role.clocks or not settings.read_ahead or not settings.steps:
+                continue
+            if settings.action in (Action.match, Action.refresh):
+                continue
+            try:
+                runtime = slot.get()
+                runtime.replay.read_from(runtime.store_of(config), 0, start=True)
+            except Exception as exc:  # the first call plans the step again and says what is wrong
+                logger.debug("%s: no read-ahead at the start: %s: %s", slot.role.name, type(exc).__name__, exc)
+
     def observe_config(self, config: Any) -> None:
         """Run every enabled role's ``check`` against a run config once; warn when it cannot fire."""
         if not is_run_config(config):
@@ -131,11 +185,11 @@ class Engine:
             if id(config) in self._seen_configs:
                 return
             self._seen_configs.add(id(config))
-        for runtime in self.runtimes.values():
-            if runtime.role.check is None:
+        for name, slot in self.runtimes.slots.items():
+            if slot.role.check is None:
                 continue
             with contextlib.suppress(Exception):
-                reason = runtime.role.check(config)
+                reason = slot.role.check(config)
                 if reason:
-                    message = f"skip.{runtime.name} is enabled but cannot act in this run: {reason}"
-                    runtime.once(("check", reason), logging.WARNING, message)
+                    message = f"skip.{name} is enabled but cannot act in this run: {reason}"
+                    slot.get().once(("check", reason), logging.WARNING, message)

@@ -4,6 +4,7 @@ in one call; a committed step is never rewritten: new rows go to a rows record (
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -105,6 +106,45 @@ class _Pending:
     padding: int = 0
     generated: Any = None  # the generated rows without the padding
     generation_s: float = 0.0  # the target's time for this call (recorded with what it generated)
+
+
+class _ReadsAhead:
+    """The sources of a ``match`` call, each read (verified, loaded, its rows taken) while the one before it
+    is merged: one source ahead at a time, so memory holds at most one more source being read."""
+
+    def __init__(self, reads: Sequence[Callable[[], Any]]) -> None:
+        self.reads = list(reads)
+        self.pending: dict[int, threading.Thread] = {}
+        self.outcomes: dict[int, tuple[Any, BaseException | None]] = {}
+
+    def result(self, index: int) -> Any:
+        """Source ``index``'s rows (its exception raised here), the next source's read started first."""
+        if index + 1 < len(self.reads):
+            self._start(index + 1)
+        thread = self.pending.pop(index, None)
+        if thread is not None:
+            thread.join()
+        outcome = self.outcomes.pop(index, None)
+        if outcome is None:
+            return self.reads[index]()
+        value, error = outcome
+        if error is not None:
+            raise error
+        return value
+
+    def _start(self, index: int) -> None:
+        def read() -> None:
+            try:
+                self.outcomes[index] = (self.reads[index](), None)
+            except BaseException as exc:  # raised in the caller's thread, as if read there
+                self.outcomes[index] = (None, exc)
+
+        thread = threading.Thread(target=read, name="skipinject-match-read", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had: read when its turn comes
+            return
+        self.pending[index] = thread
 
 
 class RowMatcher:
@@ -332,14 +372,25 @@ class RowMatcher:
                         break
             if not wanted:
                 break
-            for (place, source, number, part), rows in sorted(wanted.items()):
+            ordered = sorted(wanted.items())
+            stores = [
+                places[place] if source == STEPS else self.rows_store(places[place])
+                for (place, source, _, _), _ in ordered
+            ]
+            reads = _ReadsAhead(
+                [
+                    functools.partial(self._load_rows, stores[i], number, part, rows, keys, call)
+                    for i, ((_, _, number, part), rows) in enumerate(ordered)
+                ]
+            )
+            for i, ((place, source, number, _), rows) in enumerate(ordered):
                 where_store = places[place]
                 name = f"{'step' if source == STEPS else 'rows'} {number}"
                 if place:
                     name += f" of {layout_label(where_store.context, str(where_store.project_dir))}"
-                from_store = where_store if source == STEPS else self.rows_store(where_store)
+                from_store = stores[i]
                 try:
-                    piece, piece_ratio, kept, meta = self._load_rows(from_store, number, part, rows, keys, call)
+                    piece, piece_ratio, kept, meta = reads.result(i)
                 except Exception as exc:  # this source does not serve: its rows try their next copy
                     failed.add((place, source, number))
                     if self.index(where_store).forget(source, number):

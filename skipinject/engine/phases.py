@@ -5,18 +5,18 @@ phase decides (default :class:`WholeCall`: each call of a step is one part)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Generator, Sized
 from typing import TYPE_CHECKING, Any
 
 from skipinject.clock import CLOCK
-from skipinject.config import Action
-from skipinject.engine.replay import REGENERATE
-from skipinject.engine.runtime import RoleRuntime
-from skipinject.roles import Call, Phase, StepSource, Target
+from skipinject.config import Action, RoleConfig
+from skipinject.roles import Call, Phase, Role, StepSource, Target
 
 if TYPE_CHECKING:
     from skipinject.engine import Engine
+    from skipinject.engine.runtime import RoleRuntime
 
 
 def drive(calls: Generator[Any, Any, Any], proceed: Callable[..., Any]) -> Any:
@@ -64,6 +64,8 @@ class WholeCall:
 
     @staticmethod
     def calls(role: RoleRuntime, call: Call, step: int, background: bool) -> Generator[Any, Any, Any]:
+        from skipinject.engine.replay import REGENERATE
+
         record, index = yield lambda: role.recorder.enter(call, step)
         try:
             if role.settings.action is Action.match:
@@ -134,29 +136,70 @@ def _never_passes(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     return False
 
 
-class TargetInterceptor:
-    """Connects one patched target to its role's phase (see :class:`skipinject.injector.Interceptor`)."""
+class RuntimeSlot:
+    """A role's place in this process before its :class:`~skipinject.engine.runtime.RoleRuntime` exists: what
+    patching needs (the role, its settings, the set of open steps the fast path reads), and the runtime built
+    on first use, so that a process that patches but never calls a chosen step imports no cache code."""
 
-    def __init__(self, runtime: RoleRuntime, target: Target) -> None:
-        self.runtime = runtime
+    def __init__(self, role: Role, settings: RoleConfig, owner: str) -> None:
+        self.role = role
+        self.settings = settings
+        self.owner = owner
+        #: The role's open steps (clocked roles), shared with its runtime's StepBook once that exists.
+        self.open_steps: dict[Any, Any] = {}
+        self.runtime: RoleRuntime | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> RoleRuntime:
+        runtime = self.runtime
+        if runtime is not None:
+            return runtime
+        with self._lock:
+            if self.runtime is None:
+                from skipinject.engine.runtime import RoleRuntime
+
+                self.runtime = RoleRuntime(self.role, self.settings, self.owner, open_steps=self.open_steps)
+            return self.runtime
+
+
+class TargetInterceptor:
+    """Connects one patched target to its role's phase (see :class:`skipinject.injector.Interceptor`);
+    ``runtime`` is the role's runtime or its :class:`RuntimeSlot` (the runtime is then built at the first
+    call that does not pass straight through)."""
+
+    def __init__(self, runtime: RoleRuntime | RuntimeSlot, target: Target) -> None:
+        self.slot: RuntimeSlot | None
+        self.runtime: RoleRuntime | None
+        open_steps: Sized
+        if isinstance(runtime, RuntimeSlot):
+            self.slot, self.runtime, open_steps = runtime, None, runtime.open_steps
+        else:
+            self.slot, self.runtime, open_steps = None, runtime, runtime.recorder.steps.open
         self.phase: Phase | WholeCall = target.phase or WHOLE_CALL
         self.every_step = target.every_step
         steps = runtime.settings.steps
         chosen = frozenset(steps) if len(steps) <= _HASHED_STEPS else steps
         #: Asked by the injector first on every call, before a Call exists (see compile_passes).
-        self.passes = compile_passes(runtime.role.step, chosen, target.every_step, runtime.recorder.steps.open)
+        self.passes = compile_passes(runtime.role.step, chosen, target.every_step, open_steps)
+
+    def _runtime(self) -> RoleRuntime:
+        assert self.slot is not None
+        self.runtime = self.slot.get()
+        return self.runtime
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
-        step = self.runtime.applicable_step(call, any_step=self.every_step)
+        runtime = self.runtime or self._runtime()
+        step = runtime.applicable_step(call, any_step=self.every_step)
         if step is None:
             return proceed()
-        return self.phase.run(self.runtime, call, step, proceed)
+        return self.phase.run(runtime, call, step, proceed)
 
     async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:
-        step = self.runtime.applicable_step(call, any_step=self.every_step)
+        runtime = self.runtime or self._runtime()
+        step = runtime.applicable_step(call, any_step=self.every_step)
         if step is None:
             return await proceed()
-        return await self.phase.run_async(self.runtime, call, step, proceed)
+        return await self.phase.run_async(runtime, call, step, proceed)
 
 
 class ClockInterceptor:
@@ -183,3 +226,4 @@ class ClockInterceptor:
         if call.instance is not None:
             CLOCK.enter(call.instance)
             self.engine.observe_config(getattr(call.instance, "config", None))
+            self.engine.read_first_steps(call.run_config)

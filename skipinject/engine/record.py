@@ -84,10 +84,11 @@ class StepBook:
     """The steps a role's calls are in, in this process: ``open`` (clocked roles; while not empty the fast
     path is off, so a call at another step closes them) or ``remembered`` (recent steps, bounded)."""
 
-    def __init__(self, clocked: bool) -> None:
+    def __init__(self, clocked: bool, open_steps: dict[tuple[Hashable, int], StepCalls] | None = None) -> None:
         self.clocked = clocked
         self.lock = threading.Lock()
-        self.open: dict[tuple[Hashable, int], StepCalls] = {}
+        #: ``open_steps``: the dict the role's fast path already reads (patched before this book existed).
+        self.open: dict[tuple[Hashable, int], StepCalls] = {} if open_steps is None else open_steps
         self.remembered: OrderedDict[tuple[Hashable, int], StepCalls] = OrderedDict()
         #: Steps this run recorded (bounded): a call coming back to one (1 -> 2 -> 1) is never served it.
         self.recorded: OrderedDict[tuple[Hashable, int], None] = OrderedDict()

@@ -404,21 +404,28 @@ class Replay:
 
     def read_after(self, plan: Plan) -> None:
         """The planned step's first call is done: read the next chosen cached step ahead."""
+        self.read_from(plan.store, plan.step)
+
+    def read_from(self, store: StepStore, after: int, *, start: bool = False) -> None:
+        """Read the first chosen cached step after ``after`` ahead (``start``: the run's first, while the
+        trainer starts, also when the run's first call already waits for it)."""
         settings = self.runtime.settings
         if (
             not settings.read_ahead
             or settings.action in (Action.match, Action.refresh)
-            or self.runtime.unusable(plan.store) is not None
+            or self.runtime.unusable(store) is not None
         ):
             return
-        project, steps = plan.store.project_dir, self.steps
+        project, steps = store.project_dir, self.steps
 
         def ahead(step: int) -> bool:  # chosen, and not met by this run yet (concurrent calls may be ahead)
             return (
-                settings.allows(step) and steps.find(project, step) is None and not steps.recorded_here(project, step)
+                settings.allows(step)
+                and (start or steps.find(project, step) is None)
+                and not steps.recorded_here(project, step)
             )
 
-        self.read_ahead.start(plan.store, plan.step, ahead)
+        self.read_ahead.start(store, after, ahead)
 
     def serve_call(self, record: StepCalls, index: int, call: Call) -> Any:
         """Call ``index`` of a replayed step: its recorded result, or ``REGENERATE`` to run the target (at

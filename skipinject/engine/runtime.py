@@ -28,7 +28,9 @@ logger = logging.getLogger("skipinject")
 class RoleRuntime:
     """A role with its settings and the plugin that provides it, in this process."""
 
-    def __init__(self, role: Role, settings: RoleConfig, owner: str) -> None:
+    def __init__(
+        self, role: Role, settings: RoleConfig, owner: str, *, open_steps: dict[Any, Any] | None = None
+    ) -> None:
         self.role = role
         self.name = role.name
         self.subdir = role.name if role.cache_subdir is None else role.cache_subdir
@@ -41,7 +43,7 @@ class RoleRuntime:
         self._stores: dict[Path, StepStore] = {}  # a RemotePath stands in for a Path
         self._unusable: dict[Path, str | None] = {}
         self._stores_lock = threading.Lock()
-        steps = StepBook(clocked=bool(role.clocks))
+        steps = StepBook(clocked=bool(role.clocks), open_steps=open_steps)
         self.replay = Replay(self, steps)
         self.recorder = Recorder(self, self.replay, steps)
         #: ``action=match`` (and the row keys every recording of a keyed role saves).
@@ -112,7 +114,10 @@ class RoleRuntime:
 
     def store_for(self, call: Call) -> StepStore:
         """The store of this run (directory named by the run's verl config, like upstream)."""
-        config = call.run_config
+        return self.store_of(call.run_config)
+
+    def store_of(self, config: Any) -> StepStore:
+        """The store of the run whose verl config is ``config`` (``None``: none seen)."""
         project, context = project_dir(self.settings.root, config, self.subdir)
         with self._stores_lock:
             store = self._stores.get(project)

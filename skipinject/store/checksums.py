@@ -56,7 +56,8 @@ def _digest(data: Buffer, algo: str) -> str:
 
 def read_private(fd: int, size: int, make: Callable[[int], Decoded], algo: str, shown: Path) -> tuple[Decoded, str]:
     """The ``size`` bytes of ``fd`` copied into a private buffer from ``make`` (what is checksummed is what is
-    served) and their checksum, a tree checksum's chunks hashed in threads while the next is read."""
+    served) and their checksum. A tree checksum's chunks are read on every core, each hashed by the thread that
+    read it while it is still in that core's cache, and the fresh pages it lands in fault in on all of them."""
     buffer = make(size)
     with memoryview(buffer) as whole, whole.cast("B") as view:
         if algo != "xxh3_64-tree" or size <= TREE_CHUNK:
@@ -64,18 +65,17 @@ def read_private(fd: int, size: int, make: Callable[[int], Decoded], algo: str, 
             return buffer, _digest(view, algo)
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max(1, workers() - 1), thread_name_prefix="skipinject-hash") as pool:
-            digests = []
-            for start in range(0, size, TREE_CHUNK):
-                chunk = view[start : start + TREE_CHUNK]
-                _pread_exact(fd, chunk, start, shown)
-                digests.append(pool.submit(_chunk_digest, chunk))
+        starts = range(0, size, TREE_CHUNK)
+        with ThreadPoolExecutor(min(workers(), len(starts)), thread_name_prefix="skipinject-read") as pool:
+            digests = [pool.submit(_read_chunk, fd, view[start : start + TREE_CHUNK], start, shown) for start in starts]
             joined = b"".join(done.result() for done in digests)
         return buffer, _Hasher("xxh3_64", joined).hexdigest()
 
 
-def _chunk_digest(chunk: memoryview) -> bytes:
+def _read_chunk(fd: int, chunk: memoryview, offset: int, shown: Path) -> bytes:
+    """One tree chunk read into place and hashed."""
     try:
+        _pread_exact(fd, chunk, offset, shown)
         return _Hasher("xxh3_64", chunk).digest()
     finally:
         chunk.release()

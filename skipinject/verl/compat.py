@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import importlib.machinery
+import operator
+import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from skipinject.clock import CLOCK
@@ -87,6 +89,19 @@ def verl_version() -> str | None:
     return installed_version("verl")
 
 
+#: ``<op><release>`` clauses that plain tuple comparison decides exactly when both sides are final releases.
+_SIMPLE_CLAUSE = re.compile(r"\s*(<=|>=|==|!=|<|>)\s*(\d+(?:\.\d+)*)\s*")
+_RELEASE = re.compile(r"\d+(?:\.\d+)*")
+_COMPARE: dict[str, Callable[[tuple[int, ...], tuple[int, ...]], bool]] = {
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+    "==": operator.eq,
+    "!=": operator.ne,
+}
+
+
 def version_matches(specifier: str | None, version: str | None) -> bool:
     """Whether ``version`` is in ``specifier`` (``">=0.8,<0.9"``; none matches everything); development
     builds (``0.9.2.dev0+abc``) count as the release they lead to."""
@@ -94,6 +109,9 @@ def version_matches(specifier: str | None, version: str | None) -> bool:
         return True
     if version is None:
         return False
+    simple = _simple_match(specifier, version)
+    if simple is not None:
+        return simple
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
@@ -102,6 +120,30 @@ def version_matches(specifier: str | None, version: str | None) -> bool:
     except InvalidVersion:
         return False
     return SpecifierSet(specifier).contains(release)
+
+
+@functools.lru_cache(maxsize=64)
+def _simple_match(specifier: str, version: str) -> bool | None:
+    """The answer for a final release against ``<op><release>`` clauses (what every role declares), without
+    importing ``packaging.specifiers`` (every process of a run patches targets); ``None``: ask ``packaging``."""
+    if not _RELEASE.fullmatch(version):
+        return None
+    clauses = [_SIMPLE_CLAUSE.fullmatch(clause) for clause in specifier.split(",")]
+    if not all(clauses):
+        return None
+    have = _release(version)
+    return all(
+        _COMPARE[c.group(1)](_padded(have, c.group(2)), _padded(_release(c.group(2)), version)) for c in clauses if c
+    )
+
+
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def _padded(release: tuple[int, ...], other: str) -> tuple[int, ...]:
+    """``release`` with trailing zeros up to the length of ``other`` (PEP 440: ``0.9`` == ``0.9.0``)."""
+    return release + (0,) * (other.count(".") + 1 - len(release))
 
 
 def installed_verl_matches(spec: str) -> bool:

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -1030,3 +1031,29 @@ def test_rows_served_count_their_share_of_the_recorded_generation_time(targets: 
     meta = json.loads((project(tmp_path) / "2" / "meta.json").read_text())
     assert meta["generation_s"] > 0, "the merged call records the time of the rows it generated"
     TALLY.clear()
+
+
+def test_a_calls_sources_are_read_one_ahead_of_the_one_being_merged(
+    targets: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows cached in two steps: the second step is read while the first is (its read waits until the
+    second's has begun: read one after the other, it would wait in vain)."""
+    from skipinject.engine.matching import RowMatcher
+
+    run(targets, tmp_path, {1: [1, 2, 3, 4], 2: [5, 6, 7, 8]})
+    load_rows = RowMatcher._load_rows
+    began: dict[int, threading.Event] = {1: threading.Event(), 2: threading.Event()}
+    overlapped: list[bool] = []
+
+    def slow_first(self: Any, store: Any, number: int, *args: Any) -> Any:
+        began[number].set()
+        if number == 1:
+            overlapped.append(began[2].wait(30))
+        return load_rows(self, store, number, *args)
+
+    monkeypatch.setattr(RowMatcher, "_load_rows", slow_first)
+    GENERATED.clear()
+    out = run(targets, tmp_path, {3: [1, 5, 2, 6]}, action="match")
+    assert overlapped == [True]
+    assert GENERATED == []  # every row served, from both steps
+    assert [prompt for prompt, _ in responses(out[3][1])] == [1, 1, 5, 5, 2, 2, 6, 6]

@@ -71,11 +71,44 @@ def test_the_next_cached_step_is_read_ahead_and_its_hit_reads_no_data_file(
     assert GENERATED == []
     for step in (1, 2, 3):
         assert_same(served[step], recorded[step])
-    assert read_ahead_lines(log) == ["1 -> 2", "2 -> 3"]
-    assert "read ahead" not in hit_line(log, 1)
-    for step in (2, 3):
+    assert read_ahead_lines(log) == ["0 -> 1", "1 -> 2", "2 -> 3"]
+    for step in (1, 2, 3):  # step 1: read while the trainer started
         assert f"served step {step} (own cache; read ahead, waited " in hit_line(log, step)
     assert not lines(log, "", logging.WARNING)
+
+
+@pytest.mark.parametrize("compression", STORED)
+def test_the_first_chosen_step_is_read_while_the_trainer_starts_and_its_hit_reads_no_data_file(
+    targets: Any, tmp_path: Path, log: pytest.LogCaptureFixture, compression: str
+) -> None:
+    recorded, _ = run(targets, tmp_path, (2, 3), compression=compression)
+    log.clear()
+
+    def starting(runtime: RoleRuntime) -> None:  # fit began; its first generation has not
+        runtime.replay.read_ahead.wait()
+        assert remove_data_files(tmp_path, 2)  # only meta.json is left to read
+
+    served, _ = run(targets, tmp_path, (2, 3), trained=(1, 2, 3), started=starting, compression=compression)
+    assert GENERATED == [1]
+    assert read_ahead_lines(log)[0] == "0 -> 2"  # the first step the settings choose and the store holds
+    assert "served step 2 (own cache; read ahead, waited " in hit_line(log, 2)
+    assert_same(served[2], recorded[2])
+    assert not lines(log, "", logging.WARNING)
+
+
+def test_a_run_without_steps_to_serve_reads_nothing_at_the_start(
+    targets: Any, tmp_path: Path, log: pytest.LogCaptureFixture
+) -> None:
+    run(targets, tmp_path, (1, 2), compression="zstd")
+    log.clear()
+    threads: list[str] = []
+
+    def starting(runtime: RoleRuntime) -> None:
+        threads.extend(t.name for t in threading.enumerate() if "read-ahead" in t.name)
+
+    run(targets, tmp_path, (1, 2), started=starting, action="refresh")
+    run(targets, tmp_path, (1, 2), started=starting, read_ahead=False)
+    assert threads == [] and read_ahead_lines(log) == []
 
 
 @pytest.mark.parametrize("action", ["strict", "repeat"])
@@ -85,7 +118,7 @@ def test_strict_and_repeat_are_served_steps_read_ahead_too(
     recorded, _ = run(targets, tmp_path, (1, 2, 3), compression="zstd")
     log.clear()
     served, _ = run(targets, tmp_path, (1, 2, 3), between=wait_for_read_ahead, action=action)
-    assert GENERATED == [] and read_ahead_lines(log) == ["1 -> 2", "2 -> 3"]
+    assert GENERATED == [] and read_ahead_lines(log) == ["0 -> 1", "1 -> 2", "2 -> 3"]
     for step in (2, 3):
         assert "read ahead, waited" in hit_line(log, step)
         assert_same(served[step], recorded[step])
@@ -109,7 +142,7 @@ def test_a_step_read_ahead_has_its_tensors_rebuilt_in_the_background(
     monkeypatch.setattr(step_store, "read_tensors", recorded)
     run(targets, tmp_path, (1, 2, 3), between=wait_for_read_ahead)
     assert GENERATED == []
-    assert rebuilt_in == [threading.current_thread().name] + ["skipinject-read-ahead-gen"] * 2
+    assert rebuilt_in == ["skipinject-read-ahead-gen"] * 3  # step 1's while the trainer started
 
 
 class LoadingPhase:
@@ -133,9 +166,8 @@ def test_a_phase_loading_through_the_context_is_served_steps_read_ahead(
     log.clear()
     phase = LoadingPhase()
     served, _ = run(targets, tmp_path, (1, 2, 3), between=wait_for_read_ahead, phase=phase)
-    assert GENERATED == [] and read_ahead_lines(log) == ["1 -> 2", "2 -> 3"]
-    assert phase.reasons[1] == "own cache"
-    assert all(phase.reasons[step].startswith("own cache; read ahead, waited ") for step in (2, 3))
+    assert GENERATED == [] and read_ahead_lines(log) == ["0 -> 1", "1 -> 2", "2 -> 3"]
+    assert all(phase.reasons[step].startswith("own cache; read ahead, waited ") for step in (1, 2, 3))
     for step in (1, 2, 3):
         assert_same(served[step], recorded[step])
 
@@ -174,7 +206,7 @@ def test_a_step_recorded_anew_or_removed_after_it_was_read_ahead_is_read_again(
             shutil.rmtree(step_location(tmp_path, 3))
 
     served, _ = run(targets, tmp_path, (1, 2, 3), between=train)
-    assert read_ahead_lines(log) == ["1 -> 2", "2 -> 3"]
+    assert read_ahead_lines(log) == ["0 -> 1", "1 -> 2", "2 -> 3"]
     assert_same(served[2], anew)
     assert "read ahead" not in hit_line(log, 2)
     assert GENERATED == [3]
@@ -193,7 +225,7 @@ def test_a_damaged_next_step_is_reported_once_and_generated_again(
     tensors.write_bytes(bytes(data))
     log.clear()
     served, _ = run(targets, tmp_path, (1, 2, 3), between=wait_for_read_ahead)
-    assert read_ahead_lines(log) == ["1 -> 2", "2 -> 3"]
+    assert read_ahead_lines(log) == ["0 -> 1", "1 -> 2", "2 -> 3"]
     (warning,) = lines(log, "", logging.WARNING)
     assert "gen step 2: cache unusable, not loaded:" in warning and "checksum mismatch" in warning
     assert GENERATED == [2]
@@ -239,7 +271,7 @@ def test_only_steps_the_settings_allow_and_the_store_holds_are_read_ahead(
     log.clear()
     run(targets, tmp_path, (1, 3, 6), trained=range(1, 8), between=wait_for_read_ahead)
     # step 2 is cached but not chosen; after 3, step 4 is cached but not chosen and 6 is chosen but not cached
-    assert read_ahead_lines(log) == ["1 -> 3"]
+    assert read_ahead_lines(log) == ["0 -> 1", "1 -> 3"]
     assert GENERATED == [2, 4, 5, 6, 7]
 
 
@@ -258,7 +290,7 @@ def test_a_step_read_ahead_is_let_go_when_the_run_ends(
     _, runtime = run(
         targets, tmp_path, (1, 2, 3), trained=(1, 2), between=wait_for_read_ahead, keep=False, reuse_hit_memory=16
     )
-    assert read_ahead_lines(log) == ["1 -> 2", "2 -> 3"]  # step 3 is read ahead, never trained
+    assert read_ahead_lines(log) == ["0 -> 1", "1 -> 2", "2 -> 3"]  # step 3 is read ahead, never trained
     assert _nothing_held(runtime) == 0
 
 
@@ -275,7 +307,7 @@ def test_a_step_read_ahead_is_let_go_when_the_run_moves_past_it(
             held[step] = _nothing_held(runtime)
 
     run(targets, tmp_path, (1, 2, 3), trained=(1, 2, 4), between=train, keep=False, reuse_hit_memory=16)
-    assert read_ahead_lines(log) == ["1 -> 2", "2 -> 3"]
+    assert read_ahead_lines(log) == ["0 -> 1", "1 -> 2", "2 -> 3"]
     assert held == {4: 0}
 
 

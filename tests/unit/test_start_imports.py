@@ -1,0 +1,125 @@
+"""What a run's other processes pay before a target runs: a process started with the runner's configuration
+imports, when verl's module is patched, only what patching needs; the cache code comes with the first call
+that does not pass straight through. Every Ray worker and helper process of a run patches verl."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import skipinject
+
+BOOTSTRAP = str(Path(skipinject.__file__).parent / "_bootstrap")
+
+#: The skipinject modules a process may hold once verl's agent loop is patched (and before a target runs).
+ALLOWED_BEFORE_A_CALL = {
+    "skipinject",
+    "skipinject._version",
+    "skipinject.bootstrap",
+    "skipinject.clock",
+    "skipinject.codecs",
+    "skipinject.config",
+    "skipinject.config.environment",
+    "skipinject.config.overrides",
+    "skipinject.config.schema",
+    "skipinject.config.steps",
+    "skipinject.dump_root",
+    "skipinject.engine",
+    "skipinject.engine.background",
+    "skipinject.engine.phases",
+    "skipinject.errors",
+    "skipinject.injector",
+    "skipinject.node",
+    "skipinject.payload",
+    "skipinject.plugin_kit",
+    "skipinject.plugin_manager",
+    "skipinject.report",
+    "skipinject.report.tally",
+    "skipinject.roles",
+    "skipinject.store",
+    "skipinject.store.files",
+    "skipinject.store.format",
+    "skipinject.verl",
+    "skipinject.verl.builtin_guard",
+    "skipinject.verl.codecs",
+    "skipinject.verl.compat",
+    "skipinject.verl.tensordicts",
+    "skipinject_rollout",
+    "skipinject_rollout.common",
+    "skipinject_rollout.legacy",
+    "skipinject_rollout.rescore",
+    "skipinject_rollout.reward_identity",
+    "skipinject_rollout.rollout",
+}
+#: What serving or saving a step needs: none of it before a call.
+CACHE_CODE = {
+    "skipinject.engine.runtime",
+    "skipinject.engine.replay",
+    "skipinject.engine.record",
+    "skipinject.engine.matching",
+    "skipinject.store.step_store",
+    "skipinject.store.tensorfile",
+    "skipinject.store.garbage",
+    "skipinject.report.misses",
+    "skipinject.cache_tool.common",
+}
+
+AGENT_LOOP = """
+class AgentLoopManager:
+    def generate_sequences(self, prompts):
+        return ("generated", prompts.meta_info)
+"""
+
+PROBE = """
+import json, sys
+import verl.experimental.agent_loop.agent_loop as agent_loop
+before = sorted(m for m in sys.modules if m.startswith("skipinject"))
+patched = type(vars(agent_loop.AgentLoopManager)["generate_sequences"]).__name__
+class Batch:
+    meta_info = {"global_steps": 1, "validate": True}
+result = agent_loop.AgentLoopManager().generate_sequences(Batch())
+after = sorted(m for m in sys.modules if m.startswith("skipinject"))
+print(json.dumps({"before": before, "patched": patched, "result": list(result), "after": after}))
+"""
+
+
+def fake_verl(root: Path) -> None:
+    """A ``verl`` package holding the rollout role's target (the unit tier imports no real verl)."""
+    package = root / "verl" / "experimental" / "agent_loop"
+    package.mkdir(parents=True)
+    for directory in (root / "verl", root / "verl" / "experimental", package):
+        (directory / "__init__.py").write_text("")
+    (package / "agent_loop.py").write_text(AGENT_LOOP)
+
+
+def runner_config(tmp_path: Path) -> str:
+    """``SKIPINJECT_CONFIG`` as the runner exports it for a rollout run."""
+    code = "import os; print(os.environ['SKIPINJECT_CONFIG'])"
+    args = ["skip.rollout.enable=True", "skip.rollout.steps=[1-3]", f"skip.rollout.dump_dir={tmp_path / 'dump'}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SKIPINJECT", "VERL_SKIP"))}
+    out = subprocess.run(
+        [sys.executable, "-m", "skipinject", "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[0]
+
+
+def test_a_child_patches_verl_without_importing_the_cache_code(tmp_path: Path) -> None:
+    fake_verl(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SKIPINJECT", "VERL_SKIP", "PYTHONPATH"))}
+    env.update(SKIPINJECT_CONFIG=runner_config(tmp_path), PYTHONPATH=os.pathsep.join([BOOTSTRAP, str(tmp_path)]))
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["patched"] == "SkipinjectWrapper"  # skipinject is active: the target is patched
+    before = set(seen["before"])
+    assert before <= ALLOWED_BEFORE_A_CALL, f"imported before a call: {sorted(before - ALLOWED_BEFORE_A_CALL)}"
+    assert not before & CACHE_CODE
+    # the first call builds the role's runtime (a validation batch: the original runs)
+    assert seen["result"] == ["generated", {"global_steps": 1, "validate": True}]
+    assert "skipinject.engine.runtime" in seen["after"]
