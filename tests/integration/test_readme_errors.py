@@ -22,6 +22,7 @@ MISTAKES: list[tuple[list[str], dict[str, str]]] = [
     (["-c", "pass", "skip.rollout.enable=True", "skip.rollout.dump_dir=foo://x"], {}),
     (["-c", "pass"], {"SKIPINJECT_DISABLE": "maybe"}),
     (["train.py", "skip.rollout.enable=True"], {}),
+    (["skip.rollout.enable=True", "-m", "verl.trainer.main_ppo"], {}),
 ]
 
 

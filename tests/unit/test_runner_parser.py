@@ -45,6 +45,17 @@ def test_the_program_and_its_args_are_what_follows_the_options(tmp_path: Path) -
         (["no/such/script.py"], "can't open file 'no/such/script.py': no such file"),
         (["--plugins"], "argument --plugins: expected one argument"),
         (["--plugins", "a", "--plugins=b", "-c", "0"], "argument --plugins: given twice"),
+        (
+            ["skip.rollout.enable=True", "-m", "verl.trainer.main_ppo", "x=1"],
+            "skip.rollout.enable=True comes before the program: settings go after it, among its ARGS: "
+            "python -m skipinject -m verl.trainer.main_ppo x=1 skip.rollout.enable=True",
+        ),
+        (
+            ["++skip.rollout.steps=[1,2]", "trainer.use_v1=False", "train.py"],
+            "++skip.rollout.steps=[1,2] comes before the program: settings go after it, among its ARGS: "
+            "python -m skipinject train.py '++skip.rollout.steps=[1,2]' trainer.use_v1=False",
+        ),
+        (["skip.rollout.enable=True"], "skip.rollout.enable=True is a setting, not a program: give a SCRIPT"),
     ],
 )
 def test_command_line_mistakes_are_one_line(argv: list[str], message: str | None) -> None:
@@ -54,6 +65,16 @@ def test_command_line_mistakes_are_one_line(argv: list[str], message: str | None
     with pytest.raises(UsageError) as info:
         parsed(*argv)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_settings_before_the_program_name_the_command_in_order_with_its_options(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["--plugins", "rollout", "skip.rollout.enable=True", "-m", "verl.trainer.main_ppo"]) == 2
+    assert capsys.readouterr().err == (
+        "skipinject: error: skip.rollout.enable=True comes before the program: settings go after it, among its "
+        "ARGS: python -m skipinject --plugins rollout -m verl.trainer.main_ppo skip.rollout.enable=True\n"
+    )
 
 
 def test_main_prints_one_line_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
