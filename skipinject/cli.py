@@ -140,6 +140,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SkipInjectError as exc:
         print(f"skipinject: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:  # this Python lacks what skipinject needs: how to go on, not a traceback
+        from skipinject.invocation import missing_dependency
+
+        line = missing_dependency(exc)
+        if line is None:
+            raise
+        print(f"skipinject: error: {line}", file=sys.stderr)
+        return 2
     return 0 if program is None else _run(program)
 
 
