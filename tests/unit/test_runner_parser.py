@@ -157,6 +157,30 @@ def test_settings_from_code_are_checked_by_the_same_declarations() -> None:
         RoleConfig(action="skip")  # type: ignore[arg-type]
 
 
+def test_an_unknown_role_names_where_it_would_come_from() -> None:
+    """A role of a plugin that is not installed names the package providing it; one installed but left out by
+    ``--plugins`` says so; a typo keeps its "did you mean"."""
+    from skipinject.bootstrap import resolve
+    from skipinject.plugin_manager import role_origin
+
+    with pytest.raises(ConfigError) as info:
+        resolve([("skip.reward.enable", "True")], plugins="rollout")
+    assert str(info.value) == (
+        "skip.reward.enable: unknown role 'reward' (loaded roles: rollout; see `python -m skipinject --list`; "
+        "the installed plugin 'reward' is not among those --plugins chooses)"
+    )
+    loaded = load_plugins("rollout")
+    without = ["rollout", "rollout_tq", "async_rollout"]  # an environment without the shipped extra roles
+    assert role_origin("reward", loaded, without, "--plugins") == (
+        "; the package skipinject-reward provides it: pip install skipinject-reward "
+        "(from a clone: pip install ./plugins/reward)"
+    )
+    assert role_origin("advantage", loaded, without, "--plugins").startswith("; the package skipinject-advantage ")
+    assert role_origin("rolout", loaded, without, "--plugins") == ""
+    with pytest.raises(ConfigError, match=r"unknown role 'rolout' \(loaded roles: rollout; see [^;]*\); did you"):
+        resolve([("skip.rolout.enable", "True")], plugins="rollout")
+
+
 def test_a_plugin_mistake_names_the_flag_or_variable_it_came_from() -> None:
     with pytest.raises(PluginError) as info:
         load_plugins("rolout", given_as="--plugins")
