@@ -124,6 +124,19 @@ def counts_phrase(settings: RoleConfig, store: StepStore, last: Any) -> str:
     return phrase + ("" if settings.save else "; read-only (save=false): nothing is saved")
 
 
+def past_the_end(steps: StepSet, last: Any) -> str:
+    """``"; steps 3-5 come after the run's last step (trainer.total_training_steps=2): never reached"``, or
+    ``""`` when every chosen step is reached (or the run's config does not give its last step)."""
+    if type(last) is not int or last <= 0:
+        return ""
+    beyond = StepSet((max(lo, last + 1), hi) for lo, hi in steps.spans if hi > last)
+    if not beyond:
+        return ""
+    one = len(beyond.spans) == 1 and beyond.spans[0][0] == beyond.spans[0][1]
+    after = f"{'step' if one else 'steps'} {_steps_text(beyond)} {'comes' if one else 'come'} after the run's last step"
+    return f"; {after} (trainer.total_training_steps={last}): never reached"
+
+
 def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> Lines:
     """Each enabled role's start line for verl config ``run_config``, after its ``check`` or ``caveat``."""
     from skipinject.verl.compat import select
@@ -141,6 +154,7 @@ def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> 
             store = open_store(name, role, settings, run_config)
             problem = store.unusable()
             counts = f"unusable ({problem})" if problem else counts_phrase(settings, store, last)
+            counts += past_the_end(settings.steps, last)
             level = logging.WARNING if problem else logging.INFO
             lines.append((level, role_line(name, settings, str(store.project_dir), counts)))
         except Exception as exc:

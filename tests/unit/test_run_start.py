@@ -155,7 +155,34 @@ def test_the_role_line_counts_the_chosen_steps_cached_in_the_runs_layout(tmp_pat
     found = start.layout_lines(
         config(toyrole=RoleConfig(enable=True, dump_dir=str(tmp_path), steps=StepSet.parse("1-64"))), roles, last
     )
-    assert found[0][1].endswith(": 2 cached, 0 to generate"), "steps past the run's last are not counted"
+    assert found[0][1].endswith(
+        ": 2 cached, 0 to generate; steps 3-64 come after the run's last step (trainer.total_training_steps=2): "
+        "never reached"
+    ), "steps past the run's last are not counted, and said"
+
+
+def test_chosen_steps_after_the_runs_last_step_are_named_in_the_start_line(tmp_path: Path) -> None:
+    """``steps=[2-5]`` in a 2-step run: the start line says which chosen steps the run never reaches."""
+    run_config = Trainer().config
+    roles = {"toyrole": toy_role()}
+
+    def line(steps: str, last: Any) -> str:
+        found = start.layout_lines(
+            config(toyrole=RoleConfig(enable=True, dump_dir=str(tmp_path), steps=StepSet.parse(steps))),
+            roles,
+            dict(run_config, trainer={**run_config["trainer"], "total_training_steps": last}),
+        )
+        return found[0][1].split("GBS4_N2_in8_out8: ", 1)[1]
+
+    assert line("2-5", 2) == (
+        "0 cached, 1 to generate; steps 3-5 come after the run's last step (trainer.total_training_steps=2): "
+        "never reached"
+    )
+    assert line("[1,4]", 3) == (
+        "0 cached, 1 to generate; step 4 comes after the run's last step (trainer.total_training_steps=3): "
+        "never reached"
+    )
+    assert line("1-2", 2) == line("1-2", None) == "0 cached, 2 to generate", "all reached, or the last not known"
 
 
 def test_the_role_lines_are_said_once_when_verl_gets_its_config(
