@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from skipinject.config import Action
 from skipinject.engine.background import WRITER
 from skipinject.engine.replay import Replay, committed
+from skipinject.report.start import said_at_start
 from skipinject.report.tally import TALLY
 from skipinject.roles import Call, Plan, RowCodec
 from skipinject.store import Payload, StepStore, StepWriter
@@ -323,11 +324,15 @@ class Recorder:
                 writer.abort()
             else:
                 self.in_background(plan.store, writer.abort)
-        self.runtime.once(
-            ("save", str(plan.store.project_dir), plan.step),
-            logging.WARNING,
-            f"{self.runtime.name} step {plan.step}: could not save the cache to {plan.store.step_dir(plan.step)} "
-            f"({why}); training goes on without it",
+        rt = self.runtime
+        message = f"{rt.name} step {plan.step}: could not save the cache to {plan.store.step_dir(plan.step)} ({why})"
+        if rt.unwritable_root:  # the dump_dir cannot be written: said once, at start where this process said it
+            level = logging.DEBUG if said_at_start(rt.settings) else logging.WARNING
+            message += f"; skip.{rt.name}.dump_dir cannot be written: no step is saved in this run"
+            rt.once(("save", str(plan.store.project_dir)), level, message)
+            return
+        rt.once(
+            ("save", str(plan.store.project_dir), plan.step), logging.WARNING, f"{message}; training goes on without it"
         )
 
     def in_background(self, store: StepStore, job: Callable[[], None]) -> None:

@@ -7,8 +7,10 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -68,24 +70,96 @@ def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
             root.backend(trust_permissions=settings.trust_dir_permissions).check_trust([root.path], name)
         if existing != root.path and not saves:
             return None  # nothing to read yet, and nothing will be written
+        doing = "created" if existing != root.path else "written" if saves else "read"
         if not os.access(existing, (os.W_OK if saves else os.R_OK) | os.X_OK):
-            doing = "created" if existing != root.path else "written" if saves else "read"
             return f"{where}: cannot be {doing} ({existing}: permission denied): nothing can be cached there"
+        refused = cannot_write_in(existing, probe=existing != root.path) if saves else None
+        if refused is not None:
+            return f"{where}: cannot be {doing} ({existing}: {refused}): nothing can be cached there"
     except Exception as exc:  # the trust rules' one-line reasons
         return f"{where}: {exc}"
     return None
 
 
+def cannot_write_in(directory: Path, *, probe: bool) -> str | None:
+    """Why nothing can be written in ``directory``, where ``os.access`` lets root through: a read-only file
+    system, or (``probe``: the run would create its ``dump_dir`` there anyway) a directory made and removed again
+    failing (a virtual file system). ``None`` when nothing says so."""
+    with contextlib.suppress(OSError, AttributeError):
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return "read-only file system"
+    if not probe:
+        return None
+    try:
+        made = tempfile.mkdtemp(prefix=".skipinject-probe-", dir=directory)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    with contextlib.suppress(OSError):
+        os.rmdir(made)
+    return None
+
+
+#: Bounds :func:`run_directory_problem`'s look into a ``dump_dir``: entries read, at most.
+MAX_ENTRIES_LOOKED_AT = 10_000
+
+
+def run_directory_problem(name: str, settings: RoleConfig) -> str | None:
+    """A local ``dump_dir`` that is itself a run's directory (``{experiment}_{project}``: it holds layouts such as
+    ``GBS4_N2_in32_out16/``) or a layout's (it holds steps): the run would cache one or two levels below it, find
+    none of what is there and generate every step again. ``None`` when it is neither (or cannot be read)."""
+    from skipinject.verl.layout import LAYOUT_RE
+
+    try:
+        root = settings.root.path
+        if root is None or not root.is_dir():
+            return None
+        with os.scandir(root) as entries:
+            for _, entry in zip(range(MAX_ENTRIES_LOOKED_AT), entries, strict=False):
+                if not entry.is_dir(follow_symlinks=False):
+                    continue
+                if LAYOUT_RE.match(entry.name):
+                    what, levels = f"{entry.name}/, a cache layout: it is a run's directory", 1
+                elif entry.name.isdigit() and os.path.isfile(os.path.join(entry.path, "meta.json")):
+                    what, levels = f"step {entry.name}/: it is a layout's directory", 2
+                else:
+                    continue
+                parent = root.parents[levels - 1]
+                return (
+                    f"skip.{name}.dump_dir={settings.dump_dir} holds {what}, and this run caches in "
+                    f"{root}/<experiment>_<project>/GBS…/, finding none of it; give skip.{name}.dump_dir={parent}"
+                )
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+#: The dump_dirs whose problem the start lines of this process said (its engine does not say it again).
+_said: set[str] = set()
+
+
+def said_at_start(settings: RoleConfig) -> bool:
+    """Whether this process said at start what is wrong with ``settings``' ``dump_dir``."""
+    try:
+        return str(settings.root) in _said
+    except Exception:
+        return False
+
+
 def check_settings(config: Config, *, disabled: bool) -> Lines:
-    """:func:`setting_problems` and each acting role's :func:`dump_dir_problem` (an error under ``strict``)."""
+    """:func:`setting_problems` and each acting role's :func:`dump_dir_problem` or :func:`run_directory_problem`
+    (an error under ``strict``)."""
     lines = setting_problems(config, disabled=disabled)
     for name in [] if disabled else config.enabled_roles:
         settings = config.role(name)
-        problem = dump_dir_problem(name, settings) if settings.steps else None
+        problem = (
+            (dump_dir_problem(name, settings) or run_directory_problem(name, settings)) if settings.steps else None
+        )
         if problem is not None and settings.action is Action.strict:
             raise ConfigError(f"{problem} (skip.{name}.action=strict relies on the cache)")
         if problem is not None:
             lines.append((logging.WARNING, problem))
+            with contextlib.suppress(Exception):
+                _said.add(str(settings.root))
     return lines
 
 
