@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from skipinject.config import Action
 from skipinject.engine.background import WRITER
-from skipinject.engine.replay import Replay, committed
+from skipinject.engine.replay import Replay, committed, not_imported
 from skipinject.report.start import said_at_start
 from skipinject.report.tally import TALLY
 from skipinject.roles import Call, Plan, RowCodec
@@ -61,6 +61,8 @@ class StepCalls:
     # -- replaying
     payloads: Sequence[Payload] | None = None
     recorded_inputs: list[Any] = field(default_factory=list)
+    planning_s: float = 0.0  # finding, verifying and reading the step served: part of its hit's time
+    absent: tuple[str, ...] = ()  # libraries not imported when the step was planned (a hit says their first use)
 
     @property
     def recording(self) -> bool:
@@ -182,7 +184,9 @@ class Recorder:
         record = self.step(call, step)
         with record.lock:
             if record.plan is None:
+                started, record.absent = time.perf_counter(), not_imported()
                 record.plan = self.replay.plan(call, step)
+                record.planning_s = time.perf_counter() - started
             index = record.started
             record.started += 1
             record.running += 1

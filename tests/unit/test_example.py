@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,13 @@ def test_toy_example_misses_then_hits_and_keeps_its_cache(tmp_path: Path) -> Non
     assert proc.stderr.count("toy_rollout step 1: miss") == 1
     assert proc.stderr.count("toy_rollout step 1: hit, served step 1") == 1
     assert "toy_rollout step 3" not in proc.stderr
+    # the first hit's logged time is the step's (finding, reading and decoding it, and what that imported the
+    # first time, which it names); a step without tensors imports neither torch nor tensordict
+    hit = re.search(r"toy_rollout step 1: hit, [^\n]* in ([0-9.]+) s[^\n]*", proc.stderr)
+    assert hit is not None, proc.stderr
+    took = float(second[0].rsplit(" (", 1)[1].rstrip(" s)"))
+    assert float(hit[1]) >= took / 2 or took < 0.05, (hit[0], second[0])
+    assert "torch" not in hit[0] and "tensordict" not in hit[0], hit[0]
     kept = dump / "skipinject_default" / "toy_rollout"
     assert sorted(p.name for p in kept.iterdir()) == ["1", "2"], "the cache is kept for `skipinject cache ls`"
     hint = proc.stdout.rstrip().rsplit("try: ", 1)[1]
