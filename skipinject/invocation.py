@@ -59,7 +59,7 @@ def missing_dependency(exc: BaseException) -> str | None:
     names = ", ".join(DEPENDENCIES[module].partition(">")[0] for module in missing)
     return (
         f"this Python ({sys.executable}) lacks skipinject's dependencies: {names}. Run skipinject with the Python "
-        f"it is installed in (in a clone, after `make setup`: .venv/bin/skipinject), or install them into this "
+        f"it is installed in (in a clone, after make setup: .venv/bin/skipinject), or install them into this "
         f"one: {python} -m pip install {wanted}"
     )
 
