@@ -71,9 +71,11 @@ def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
         if existing != root.path and not saves:
             return None  # nothing to read yet, and nothing will be written
         doing = "created" if existing != root.path else "written" if saves else "read"
-        if not os.access(existing, (os.W_OK if saves else os.R_OK) | os.X_OK):
-            return f"{where}: cannot be {doing} ({existing}: permission denied): nothing can be cached there"
-        refused = cannot_write_in(existing, probe=existing != root.path) if saves else None
+        refused = read_only(existing) if saves else None
+        if refused is None and not os.access(existing, (os.W_OK if saves else os.R_OK) | os.X_OK):
+            refused = "permission denied"
+        if refused is None and saves and existing != root.path:  # the run would create its dump_dir there
+            refused = cannot_create_in(existing)
         if refused is not None:
             return f"{where}: cannot be {doing} ({existing}: {refused}): nothing can be cached there"
     except Exception as exc:  # the trust rules' one-line reasons
@@ -81,15 +83,17 @@ def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
     return None
 
 
-def cannot_write_in(directory: Path, *, probe: bool) -> str | None:
-    """Why nothing can be written in ``directory``, where ``os.access`` lets root through: a read-only file
-    system, or (``probe``: the run would create its ``dump_dir`` there anyway) a directory made and removed again
-    failing (a virtual file system). ``None`` when nothing says so."""
+def read_only(directory: Path) -> str | None:
+    """``"read-only file system"`` when ``directory`` is on one, else ``None``."""
     with contextlib.suppress(OSError, AttributeError):
         if os.statvfs(directory).f_flag & os.ST_RDONLY:
             return "read-only file system"
-    if not probe:
-        return None
+    return None
+
+
+def cannot_create_in(directory: Path) -> str | None:
+    """Why no directory can be made in ``directory`` where ``os.access`` lets root through (a virtual file system
+    such as ``/proc``): one is made and removed again. ``None`` when it can."""
     try:
         made = tempfile.mkdtemp(prefix=".skipinject-probe-", dir=directory)
     except OSError as exc:

@@ -210,6 +210,13 @@ def test_read_only_dump_dir(tmp_path: Path, method: str, caplog: pytest.LogCaptu
         caplog.set_level(logging.INFO, logger="skipinject")
         with _read_only(method, mnt if method == "tmpfs-ro" else project):
             rt = h.runtime(dump)
+            if method == "tmpfs-ro":  # said at start, where root passes os.access
+                from skipinject.config import RoleConfig
+                from skipinject.report.start import dump_dir_problem
+
+                said = dump_dir_problem("toy", RoleConfig(enable=True, steps=(1,), dump_dir=str(dump)))
+                assert said == f"skip.toy.dump_dir={dump}: cannot be written ({dump}: read-only file system): " \
+                    "nothing can be cached there"  # fmt: skip
             hit = h.call(rt, target, 1)
             results = [h.call(rt, target, step) for step in (2, 2, 3)]
         warnings = h.records(caplog)
