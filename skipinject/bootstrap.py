@@ -51,11 +51,18 @@ def resolve(
     from skipinject.config import apply_overrides, apply_settings, load_file
     from skipinject.plugin_manager import load_plugins
 
-    loaded = load_plugins(plugins, ENV_PLUGINS if plugins is None else plugins_given_as)
+    given_as = ENV_PLUGINS if plugins is None else plugins_given_as
+    loaded = load_plugins(plugins, given_as)
+
+    def hint(role: str) -> str:  # an unknown role: where it would come from
+        from skipinject.plugin_manager import installed_entry_points, role_origin
+
+        return _HINT + role_origin(role, loaded, installed_entry_points(), given_as)
+
     config = Config()
     for layer in ({} if settings_file is None else load_file(settings_file), {} if settings is None else settings):
-        config = apply_settings(config, layer, loaded.roles, hint=_HINT)
-    config = apply_overrides(config, overrides, loaded.roles, hint=_HINT)
+        config = apply_settings(config, layer, loaded.roles, hint=hint)
+    config = apply_overrides(config, overrides, loaded.roles, hint=hint)
     owners = sorted({loaded.plugin_of(name).name for name in config.enabled_roles})
     config = Config(
         plugins=",".join(owners),

@@ -11,7 +11,9 @@ import argparse
 import importlib.machinery
 import importlib.util
 import os
+import re
 import runpy
+import shlex
 import sys
 import textwrap
 import types
@@ -138,6 +140,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SkipInjectError as exc:
         print(f"skipinject: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:  # this Python lacks what skipinject needs: how to go on, not a traceback
+        from skipinject.invocation import missing_dependency
+
+        line = missing_dependency(exc)
+        if line is None:
+            raise
+        print(f"skipinject: error: {line}", file=sys.stderr)
+        return 2
     return 0 if program is None else _run(program)
 
 
@@ -176,7 +186,7 @@ def _prepare(argv: list[str]) -> Program | None:
     from skipinject.config.overrides import split_overrides
 
     environment.check()
-    program = _program(args)
+    program = _program(args, argv[: len(argv) - len(args.program)])
     overrides, rest = split_overrides(program.args if program else [])
     if program is not None:
         program = Program(program.kind, program.target, rest)
@@ -196,8 +206,9 @@ def _prepare(argv: list[str]) -> Program | None:
     return program
 
 
-def _program(args: argparse.Namespace) -> Program | None:
-    """The program named after the options (a missing script refused, as python does)."""
+def _program(args: argparse.Namespace, options: Sequence[str] = ()) -> Program | None:
+    """The program named after the options (a missing script refused, as python does; ``options``: the words
+    before it, for the corrected command when settings come first)."""
     words = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not words:
         if args.module or args.code:
@@ -205,8 +216,25 @@ def _program(args: argparse.Namespace) -> Program | None:
         return None
     kind = "module" if args.module else "code" if args.code else "script"
     if kind == "script" and not os.path.exists(words[0]):
-        raise UsageError(f"can't open file {words[0]!r}: no such file")
+        raise UsageError(_settings_first(words, options) or f"can't open file {words[0]!r}: no such file")
     return Program(kind, words[0], words[1:])
+
+
+#: A ``key=value`` setting as Hydra (and skipinject's ``skip.*``) takes it, with Hydra's ``+``/``++``/``~``.
+_SETTING = re.compile(r"^(\+{1,2}|~)?[A-Za-z_][A-Za-z0-9_.\-]*=")
+
+
+def _settings_first(words: Sequence[str], options: Sequence[str]) -> str | None:
+    """The one line for settings put before the program (python would take the first for a script's name),
+    with the command in the right order; ``None`` when ``words`` do not start with a setting."""
+    count = next((i for i, word in enumerate(words) if not _SETTING.match(word)), len(words))
+    if count == 0:
+        return None
+    settings, rest = list(words[:count]), list(words[count:])
+    if not rest:
+        return f"{words[0]} is a setting, not a program: give a SCRIPT, -m MODULE or -c CODE before the settings"
+    command = " ".join(shlex.quote(word) for word in ["python", "-m", "skipinject", *options, *rest, *settings])
+    return f"{words[0]} comes before the program: settings go after it, among its ARGS: {command}"
 
 
 def _required(program: Program | None) -> Program:

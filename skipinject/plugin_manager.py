@@ -115,6 +115,27 @@ class PluginSet:
         raise KeyError(role_name)
 
 
+#: Plugins skipinject ships as distributions of their own (not in its wheel), by the role each provides:
+#: the package, and its directory in a clone of skipinject.
+SHIPPED_PLUGINS = {
+    "reward": ("skipinject-reward", "plugins/reward"),
+    "advantage": ("skipinject-advantage", "plugins/advantage"),
+}
+
+
+def role_origin(role: str, loaded: PluginSet, installed: Iterable[str], given_as: str) -> str:
+    """Where an unknown ``role`` would come from, as the end of its error line: a plugin that is installed but
+    failed to import or was not chosen, or the shipped package that provides it; ``""`` when none is known."""
+    if role in loaded.failures:
+        return f"; {loaded.failures[role]}"
+    if role in installed:
+        return f"; the installed plugin {role!r} is not among those {given_as} chooses"
+    if role in SHIPPED_PLUGINS:
+        package, directory = SHIPPED_PLUGINS[role]
+        return f"; the package {package} provides it: pip install {package} (from a clone: pip install ./{directory})"
+    return ""
+
+
 def installed_entry_points() -> dict[str, Any]:
     """Entry points of the ``skipinject.plugins`` group, by name (the first of two same-named wins)."""
     import importlib_metadata

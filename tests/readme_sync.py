@@ -99,7 +99,9 @@ def cache_listing(dump: Path) -> str:
     )
     return (
         f"```\n$ make example        # the toy trainer, twice: its cache stays in {TOY_CACHE}\n"
-        f"$ skipinject cache ls {TOY_CACHE}\n" + listed.stdout.replace(str(dump), TOY_CACHE) + "```\n"
+        f"$ .venv/bin/skipinject cache ls {TOY_CACHE}   # make setup's console script (or activate .venv)\n"
+        + listed.stdout.replace(str(dump), TOY_CACHE)
+        + "```\n"
     )
 
 

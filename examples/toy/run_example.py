@@ -43,7 +43,9 @@ def main() -> int:
         print(f"--- run {run}: exit {proc.returncode} in {time.perf_counter() - started:.1f} s", flush=True)
         if proc.returncode:
             return proc.returncode
-    print(f"the cache is kept in {dump_dir}; try: python -m skipinject cache ls {dump_dir}")
+    from skipinject.invocation import command, shown_path
+
+    print(f"the cache is kept in {dump_dir}; try: {command()} cache ls {shown_path(dump_dir)}")
     return 0
 
 

@@ -5,7 +5,7 @@ both from the cache, never calls the generator, and its summary says how much ge
 saved. ``--trainer v0`` (the default) runs verl's V0 ``RayPPOTrainer``
 (``trainer.use_v1=False``, role ``rollout``); ``--trainer v1`` verl 0.9's default V1 TransferQueue
 trainer (role ``rollout_tq``). Everything lives in ``.demo/`` of the repository, and the cache is
-kept there for ``skipinject cache ls``::
+kept there for ``skipinject cache ls`` (the command it prints works as typed)::
 
     python examples/verl_cpu/demo.py                 # or: make demo
     python examples/verl_cpu/demo.py --trainer v1
@@ -86,8 +86,16 @@ def main() -> int:
             print(f"    {path.relative_to(where)}  ({path.stat().st_size} bytes)")
     ok = calls[0] > 0 and calls[1] == 0
     print(f"\n{'OK' if ok else 'UNEXPECTED'}: run 1 generated {calls[0]} sequences, run 2 generated {calls[1]}")
-    print(f"try: skipinject cache ls {dump_dir}")
+    print(f"try: {cache_ls_hint(dump_dir)}")
     return 0 if ok else 1
+
+
+def cache_ls_hint(dump_dir: Path) -> str:
+    """``skipinject cache ls`` of the demo's cache as it works when typed here (the console script lives in the
+    environment's ``bin``, which need not be on ``PATH``)."""
+    from skipinject.invocation import command, shown_path
+
+    return f"{command()} cache ls {shown_path(dump_dir)}"
 
 
 if __name__ == "__main__":

@@ -180,6 +180,12 @@ def main(argv: Sequence[str]) -> int:
         print(f"skipinject cache {command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
+        from skipinject.invocation import missing_dependency
+
+        line = missing_dependency(exc)
+        if line is not None:  # this Python lacks what skipinject needs: bad usage, not an internal error
+            print(f"skipinject cache {command}: error: {line}", file=sys.stderr)
+            return USAGE
         if show_traceback:
             raise
         print(

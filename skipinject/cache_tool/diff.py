@@ -156,8 +156,14 @@ def _step_lines(report: dict[str, Any]) -> Iterator[str]:
         length = human_number(mean["mean_length"])
         yield f"{side.upper()}: mean score {human_number(mean['mean_score'])}, mean response length {length}"
     for pair in samples["first_differing"]:
-        yield f"row {pair['row']}: prompt {(pair['a'] or pair['b'])['prompt']}"
-        for side, row in (("A", pair["a"]), ("B", pair["b"])):
+        a, b = pair["a"], pair["b"]
+        if a is not None and b is not None and a["prompt"] != b["prompt"]:  # each side's own prompt
+            yield f"row {pair['row']}: prompts differ"
+            yield f"  A prompt: {a['prompt']}"
+            yield f"  B prompt: {b['prompt']}"
+        else:
+            yield f"row {pair['row']}: prompt {(a or b)['prompt']}"
+        for side, row in (("A", a), ("B", b)):
             if row is None:
                 yield f"  {side}: (no such row)"
             else:

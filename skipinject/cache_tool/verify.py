@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skipinject.cache_tool.common import FOUND, OK, Progress, default_dump_dir, human_size, output, say
+from skipinject.cache_tool.common import FOUND, OK, CommandError, Progress, default_dump_dir, human_size, output, say
 from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.scan import Item, open_step, scan
 from skipinject.errors import CorruptCacheError
@@ -33,7 +33,11 @@ def cmd_verify(paths: Sequence[Path | str], *, as_json: bool) -> int:
     items: list[Item] = []
     unreadable: list[str] = []
     for path in paths or [default_dump_dir()]:
-        items += scan(path, unreadable)
+        before = len(unreadable)
+        found = scan(path, unreadable)
+        if not found and len(unreadable) == before:  # a wrong path must not look like a pass
+            raise CommandError(f"{path}: no cache found there (no step of skipinject or verl below it)")
+        items += found
     total = sum(i.size for i in items if i.state == "complete")
     results = []
     roles = InstalledRoles()

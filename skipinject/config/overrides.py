@@ -6,7 +6,7 @@ YAML file. YAML is first read as events (:func:`check_yaml`) and refused at an a
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -131,10 +131,11 @@ def apply_settings(
     layer: Mapping[str, Mapping[str, Any]],
     known_roles: Iterable[str],
     *,
-    hint: str = "",
+    hint: str | Callable[[str], str] = "",
     texts: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Config:
-    """``base`` with ``{role: {key: value}}`` merged in key by key; unknown roles or keys are errors."""
+    """``base`` with ``{role: {key: value}}`` merged in key by key; unknown roles or keys are errors (``hint``, or
+    ``hint(role)``, ends the line of an unknown role)."""
     if not isinstance(layer, Mapping):
         raise ConfigError(f"settings: a mapping of roles to their settings, not {type(layer).__name__}{hint}")
     known = set(known_roles)
@@ -142,16 +143,20 @@ def apply_settings(
     for role, values in layer.items():
         if role not in known:
             listed = ", ".join(sorted(known)) or "none"
-            first = next(iter(values), "enable")
+            first, more = next(iter(values), "enable"), hint(role) if callable(hint) else hint
             raise ConfigError(
-                f"skip.{role}.{first}: unknown role {role!r} (loaded roles: {listed}{hint}){did_you_mean(role, known)}"
+                f"skip.{role}.{first}: unknown role {role!r} (loaded roles: {listed}{more}){did_you_mean(role, known)}"
             )
         roles[role] = role_config(role, values, roles.get(role), texts=(texts or {}).get(role))
     return Config(plugins=base.plugins, plugin_sources=base.plugin_sources, roles=roles)
 
 
 def apply_overrides(
-    base: Config, overrides: Iterable[tuple[str, str]], known_roles: Iterable[str], *, hint: str = ""
+    base: Config,
+    overrides: Iterable[tuple[str, str]],
+    known_roles: Iterable[str],
+    *,
+    hint: str | Callable[[str], str] = "",
 ) -> Config:
     """``base`` with parsed ``skip.<role>.<key>=value`` pairs applied (see :func:`apply_settings`)."""
     layer, texts = parse_overrides(overrides)

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from skipinject.config import Action
 from skipinject.engine.background import WRITER
-from skipinject.engine.replay import Replay, committed
+from skipinject.engine.replay import Replay, committed, not_imported
+from skipinject.report.start import said_at_start
 from skipinject.report.tally import TALLY
 from skipinject.roles import Call, Plan, RowCodec
 from skipinject.store import Payload, StepStore, StepWriter
@@ -60,6 +61,8 @@ class StepCalls:
     # -- replaying
     payloads: Sequence[Payload] | None = None
     recorded_inputs: list[Any] = field(default_factory=list)
+    planning_s: float = 0.0  # finding, verifying and reading the step served: part of its hit's time
+    absent: tuple[str, ...] = ()  # libraries not imported when the step was planned (a hit says their first use)
 
     @property
     def recording(self) -> bool:
@@ -182,7 +185,9 @@ class Recorder:
         record = self.step(call, step)
         with record.lock:
             if record.plan is None:
+                started, record.absent = time.perf_counter(), not_imported()
                 record.plan = self.replay.plan(call, step)
+                record.planning_s = time.perf_counter() - started
             index = record.started
             record.started += 1
             record.running += 1
@@ -324,11 +329,15 @@ class Recorder:
                 writer.abort()
             else:
                 self.in_background(plan.store, writer.abort)
-        self.runtime.once(
-            ("save", str(plan.store.project_dir), plan.step),
-            logging.WARNING,
-            f"{self.runtime.name} step {plan.step}: could not save the cache to {plan.store.step_dir(plan.step)} "
-            f"({why}); training goes on without it",
+        rt = self.runtime
+        message = f"{rt.name} step {plan.step}: could not save the cache to {plan.store.step_dir(plan.step)} ({why})"
+        if rt.unwritable_root:  # the dump_dir cannot be written: said once, at start where this process said it
+            level = logging.DEBUG if said_at_start(rt.settings) else logging.WARNING
+            message += f"; skip.{rt.name}.dump_dir cannot be written: no step is saved in this run"
+            rt.once(("save", str(plan.store.project_dir)), level, message)
+            return
+        rt.once(
+            ("save", str(plan.store.project_dir), plan.step), logging.WARNING, f"{message}; training goes on without it"
         )
 
     def in_background(self, store: StepStore, job: Callable[[], None]) -> None:

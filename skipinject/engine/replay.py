@@ -5,10 +5,8 @@ the training call except with ``action=strict`` or ``on_mismatch=fail``: that ru
 from __future__ import annotations
 
 import bisect
-import functools
-import importlib
-import importlib.util
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -147,19 +145,20 @@ def summary(problems: list[str]) -> str:
 
 #: Returned by :meth:`Replay.serve_call` when the target must run after all.
 REGENERATE = object()
-#: Modules a first hit would import while it is timed (the store's readers, the codecs' libraries).
-WARM_MODULES = ("numpy", "torch", "tensordict", "skipinject.codecs", "skipinject.store.tensorfile")
+#: Libraries a hit may import on their first use in a process (reading, rebuilding tensors, decoding): a hit
+#: that does says so beside its time, which includes it (nothing is imported ahead that a step does not need).
+FIRST_USE_LIBRARIES = ("numpy", "torch", "tensordict")
 
 
-@functools.cache
-def warm_imports() -> None:
-    """Import what decoding imports on first use before a hit is timed: a hit's time is the load's."""
-    for name in WARM_MODULES:
-        try:
-            if importlib.util.find_spec(name) is not None:
-                importlib.import_module(name)
-        except Exception:  # a library that does not import here: decoding says so, if it needs it
-            continue
+def not_imported() -> tuple[str, ...]:
+    """The :data:`FIRST_USE_LIBRARIES` this process has not imported yet."""
+    return tuple(name for name in FIRST_USE_LIBRARIES if name not in sys.modules)
+
+
+def first_use(absent: Sequence[str]) -> str:
+    """``" (including the first import of torch in this process)"`` for those of ``absent`` imported since."""
+    imported = [name for name in absent if name in sys.modules]
+    return f" (including the first import of {', '.join(imported)} in this process)" if imported else ""
 
 
 def regenerated(plan: Plan) -> Plan:
@@ -347,11 +346,10 @@ class Replay:
 
     def load(self, record: StepCalls, call: Call, prepare: Callable[[Loaded], Any] | None) -> Loaded | None:
         """:meth:`skipinject.roles.PhaseContext.load`: what serves the step, loaded, or ``None`` (it records then)."""
+        started = time.perf_counter()  # finding and reading the step are part of the hit's time
         plan, loaded = self.plan(call, record.step), None
         try:
             if plan.serves:
-                warm_imports()
-                started = time.perf_counter()
                 try:
                     loaded = Loaded(plan, self._payloads(plan, call, decode=True))
                     if prepare is not None:
@@ -433,8 +431,7 @@ class Replay:
         rt = self.runtime
         plan = record.plan
         assert plan is not None
-        warm_imports()
-        started = time.perf_counter()
+        started = time.perf_counter() - (record.planning_s if index == 0 else 0.0)  # finding and reading it too
         try:
             if record.payloads is None:
                 record.payloads = self._payloads(plan, call, decode=False)
@@ -494,7 +491,8 @@ class Replay:
             logger.warning("%s", message + "training on them anyway (on_mismatch=warn)")
         logger.info(
             f"{rt.name} step {plan.step}: hit{f' ({which.strip()})' if which else ''}, served step {plan.served_step} "
-            f"({plan.reason}) from {source} in {elapsed:.3f} s; target not called"
+            f"({plan.reason}) from {source} in {elapsed:.3f} s{first_use(record.absent) if index == 0 else ''}; "
+            "target not called"
         )
         if index == 0:
             self._hit(plan)

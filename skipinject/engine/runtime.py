@@ -15,6 +15,7 @@ from skipinject.config import RoleConfig
 from skipinject.engine.matching import Found, RowMatcher, row_keys
 from skipinject.engine.record import Recorder, StepBook
 from skipinject.engine.replay import Replay
+from skipinject.report.start import dump_dir_problem, said_at_start
 from skipinject.roles import Call, Codec, Loaded, Role
 from skipinject.store import StepStore
 from skipinject.store.compression import compression_for
@@ -123,13 +124,26 @@ class RoleRuntime:
             store = self._stores.get(project)
             if store is None:
                 store = self._stores[project] = self.open(project, context)
-                if config is None:
-                    logger.info("%s: no verl trainer config seen; caching under %s", self.name, project)
                 problem = self._unusable[project] = store.unusable()
+                if config is None and problem is None:
+                    logger.info("%s: no verl trainer config seen; caching under %s", self.name, project)
                 if problem is not None:
                     unusable = f"cache directory unusable ({problem}); this run neither loads nor saves caches there"
-                    logger.warning(f"{self.name}: {unusable}")
+                    # said once at start in this process already (the driver): not again
+                    level = logging.DEBUG if said_at_start(self.settings) else logging.WARNING
+                    logger.log(level, f"{self.name}: {unusable}")
             return store
+
+    @functools.cached_property
+    def unwritable_root(self) -> bool:
+        """Whether this role's ``dump_dir`` cannot hold what this run saves (checked once per process): a failed
+        save is then said once for the run, not at every step."""
+        if not self.settings.save:
+            return False
+        try:
+            return dump_dir_problem(self.name, self.settings) is not None
+        except Exception:
+            return False
 
     def unusable(self, store: StepStore) -> str | None:
         """Why ``store`` cannot be used at all this run (logged once, when it was opened)."""

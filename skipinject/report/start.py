@@ -7,8 +7,10 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -68,24 +70,100 @@ def dump_dir_problem(name: str, settings: RoleConfig) -> str | None:
             root.backend(trust_permissions=settings.trust_dir_permissions).check_trust([root.path], name)
         if existing != root.path and not saves:
             return None  # nothing to read yet, and nothing will be written
-        if not os.access(existing, (os.W_OK if saves else os.R_OK) | os.X_OK):
-            doing = "created" if existing != root.path else "written" if saves else "read"
-            return f"{where}: cannot be {doing} ({existing}: permission denied): nothing can be cached there"
+        doing = "created" if existing != root.path else "written" if saves else "read"
+        refused = read_only(existing) if saves else None
+        if refused is None and not os.access(existing, (os.W_OK if saves else os.R_OK) | os.X_OK):
+            refused = "permission denied"
+        if refused is None and saves and existing != root.path:  # the run would create its dump_dir there
+            refused = cannot_create_in(existing)
+        if refused is not None:
+            return f"{where}: cannot be {doing} ({existing}: {refused}): nothing can be cached there"
     except Exception as exc:  # the trust rules' one-line reasons
         return f"{where}: {exc}"
     return None
 
 
+def read_only(directory: Path) -> str | None:
+    """``"read-only file system"`` when ``directory`` is on one, else ``None``."""
+    with contextlib.suppress(OSError, AttributeError):
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return "read-only file system"
+    return None
+
+
+def cannot_create_in(directory: Path) -> str | None:
+    """Why no directory can be made in ``directory`` where ``os.access`` lets root through (a virtual file system
+    such as ``/proc``): one is made and removed again. ``None`` when it can."""
+    try:
+        made = tempfile.mkdtemp(prefix=".skipinject-probe-", dir=directory)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    with contextlib.suppress(OSError):
+        os.rmdir(made)
+    return None
+
+
+#: Bounds :func:`run_directory_problem`'s look into a ``dump_dir``: entries read, at most.
+MAX_ENTRIES_LOOKED_AT = 10_000
+
+
+def run_directory_problem(name: str, settings: RoleConfig) -> str | None:
+    """A local ``dump_dir`` that is itself a run's directory (``{experiment}_{project}``: it holds layouts such as
+    ``GBS4_N2_in32_out16/``) or a layout's (it holds steps): the run would cache one or two levels below it, find
+    none of what is there and generate every step again. ``None`` when it is neither (or cannot be read)."""
+    from skipinject.verl.layout import LAYOUT_RE
+
+    try:
+        root = settings.root.path
+        if root is None or not root.is_dir():
+            return None
+        with os.scandir(root) as entries:
+            for _, entry in zip(range(MAX_ENTRIES_LOOKED_AT), entries, strict=False):
+                if not entry.is_dir(follow_symlinks=False):
+                    continue
+                if LAYOUT_RE.match(entry.name):
+                    what, levels = f"{entry.name}/, a cache layout: it is a run's directory", 1
+                elif entry.name.isdigit() and os.path.isfile(os.path.join(entry.path, "meta.json")):
+                    what, levels = f"step {entry.name}/: it is a layout's directory", 2
+                else:
+                    continue
+                parent = root.parents[levels - 1]
+                return (
+                    f"skip.{name}.dump_dir={settings.dump_dir} holds {what}, and this run caches in "
+                    f"{root}/<experiment>_<project>/GBS…/, finding none of it; give skip.{name}.dump_dir={parent}"
+                )
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+#: The dump_dirs whose problem the start lines of this process said (its engine does not say it again).
+_said: set[str] = set()
+
+
+def said_at_start(settings: RoleConfig) -> bool:
+    """Whether this process said at start what is wrong with ``settings``' ``dump_dir``."""
+    try:
+        return str(settings.root) in _said
+    except Exception:
+        return False
+
+
 def check_settings(config: Config, *, disabled: bool) -> Lines:
-    """:func:`setting_problems` and each acting role's :func:`dump_dir_problem` (an error under ``strict``)."""
+    """:func:`setting_problems` and each acting role's :func:`dump_dir_problem` or :func:`run_directory_problem`
+    (an error under ``strict``)."""
     lines = setting_problems(config, disabled=disabled)
     for name in [] if disabled else config.enabled_roles:
         settings = config.role(name)
-        problem = dump_dir_problem(name, settings) if settings.steps else None
+        problem = (
+            (dump_dir_problem(name, settings) or run_directory_problem(name, settings)) if settings.steps else None
+        )
         if problem is not None and settings.action is Action.strict:
             raise ConfigError(f"{problem} (skip.{name}.action=strict relies on the cache)")
         if problem is not None:
             lines.append((logging.WARNING, problem))
+            with contextlib.suppress(Exception):
+                _said.add(str(settings.root))
     return lines
 
 
@@ -124,6 +202,19 @@ def counts_phrase(settings: RoleConfig, store: StepStore, last: Any) -> str:
     return phrase + ("" if settings.save else "; read-only (save=false): nothing is saved")
 
 
+def past_the_end(steps: StepSet, last: Any) -> str:
+    """``"; steps 3-5 come after the run's last step (trainer.total_training_steps=2): never reached"``, or
+    ``""`` when every chosen step is reached (or the run's config does not give its last step)."""
+    if type(last) is not int or last <= 0:
+        return ""
+    beyond = StepSet((max(lo, last + 1), hi) for lo, hi in steps.spans if hi > last)
+    if not beyond:
+        return ""
+    one = len(beyond.spans) == 1 and beyond.spans[0][0] == beyond.spans[0][1]
+    after = f"{'step' if one else 'steps'} {_steps_text(beyond)} {'comes' if one else 'come'} after the run's last step"
+    return f"; {after} (trainer.total_training_steps={last}): never reached"
+
+
 def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> Lines:
     """Each enabled role's start line for verl config ``run_config``, after its ``check`` or ``caveat``."""
     from skipinject.verl.compat import select
@@ -141,6 +232,7 @@ def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> 
             store = open_store(name, role, settings, run_config)
             problem = store.unusable()
             counts = f"unusable ({problem})" if problem else counts_phrase(settings, store, last)
+            counts += past_the_end(settings.steps, last)
             level = logging.WARNING if problem else logging.INFO
             lines.append((level, role_line(name, settings, str(store.project_dir), counts)))
         except Exception as exc:

@@ -81,6 +81,7 @@ def open_regular(
 
 
 _KINDS = {
+    stat.S_IFREG: "a regular file",
     stat.S_IFLNK: "a symbolic link",
     stat.S_IFDIR: "a directory",
     stat.S_IFIFO: "a pipe",

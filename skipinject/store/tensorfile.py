@@ -49,11 +49,12 @@ def tensor_file(
 def _file_pieces(
     tensors: Mapping[str, torch.Tensor], *, packed: bool, concats: Mapping[str, tuple[str, str]] | None = None
 ) -> list[Buffer]:
-    """The tensor file's bytes: magic, index length, index, each stored tensor (``packed``: compactly encoded)."""
-    import torch
-
+    """The tensor file's bytes: magic, index length, index, each stored tensor (``packed``: compactly encoded).
+    A payload without tensors is an empty index: torch is not imported for it."""
     checked = {}
     for name, tensor in tensors.items():
+        import torch
+
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise TypeError(f"payload tensors must map str to torch.Tensor, got {name!r}: {type(tensor).__name__}")
         if dtype_name(tensor.dtype) not in TENSOR_DTYPES or tensor.is_nested or tensor.layout != torch.strided:
@@ -78,6 +79,8 @@ def _file_pieces(
         if plan.stored_dtype is not None:
             entry["stored_dtype"] = plan.stored_dtype
         if nbytes:
+            import torch
+
             data += [plan.stored.reshape(-1).view(torch.uint8).numpy(), bytes(_padding(nbytes))]
         offset += nbytes + _padding(nbytes)
     header = json.dumps({"tensors": index}, separators=(",", ":")).encode()
@@ -144,9 +147,8 @@ def read_tensors(
     mapped: Decoded | None, path: Path, memory: Claim = FRESH, budget: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Tensors of a tensor file as views of its buffer, compact ones rebuilt into memory from ``memory``
-    (within ``budget``, the part's); runs no code, every extent and shape bounded by the file."""
-    import torch
-
+    (within ``budget``, the part's); runs no code, every extent and shape bounded by the file. An empty index
+    (a payload without tensors) imports no torch."""
     try:
         size = 0 if mapped is None else len(mapped)
         if mapped is None or size < len(TENSORS_MAGIC) + 8 or bytes(mapped[: len(TENSORS_MAGIC)]) != TENSORS_MAGIC:
@@ -158,6 +160,10 @@ def read_tensors(
         index = json.loads(bytes(mapped[len(TENSORS_MAGIC) + 8 : data_start]))["tensors"]
         if type(index) is not list or not all(type(entry) is dict for entry in index):
             raise ValueError("the index is not a list of records")
+        if not index:
+            return {}
+        import torch
+
         rebuild_budget = (memory_budget() if budget is None else budget) - size
         rebuilt = 0  # bytes widened and rebuilt, checked before any is allocated
         tensors = {}

@@ -36,7 +36,7 @@ def ids(*words: str) -> list[int]:
     return [WORDS.index(w) for w in words]
 
 
-def rollout_batch(answers: list[str], scores: list[float]) -> Any:
+def rollout_batch(answers: list[str], scores: list[float], question: str = "what is two plus three") -> Any:
     """A GRPO-shaped DataProto: left-padded prompts, right-padded responses, rm_scores on the last token."""
     rows, prompt_width, response_width = len(answers), 5, 3
     batch = make_batch(rows, width=response_width)
@@ -45,7 +45,7 @@ def rollout_batch(answers: list[str], scores: list[float]) -> Any:
     attention = torch.zeros(rows, prompt_width + response_width, dtype=torch.int64)
     rm_scores = torch.zeros(rows, response_width)
     for row, answer in enumerate(answers):
-        prompt, response = ids("what", "is", "two", "plus", "three"), ids(*answer.split())
+        prompt, response = ids(*question.split()), ids(*answer.split())
         prompts[row, prompt_width - len(prompt) :] = torch.tensor(prompt)
         responses[row, : len(response)] = torch.tensor(response)
         attention[row, prompt_width - len(prompt) : prompt_width + len(response)] = 1
@@ -57,9 +57,13 @@ def rollout_batch(answers: list[str], scores: list[float]) -> Any:
     return batch
 
 
-def save(root: Path, answers: list[str], scores: list[float], meta: dict[str, Any] | None = None) -> Path:
+def save(
+    root: Path, answers: list[str], scores: list[float], meta: dict[str, Any] | None = None, question: str = ""
+) -> Path:
     store = StepStore(root / LAYOUT, "rollout", context())
-    store.save(1, DataProtoCodec().encode(rollout_batch(answers, scores)), meta or {})
+    store.save(
+        1, DataProtoCodec().encode(rollout_batch(answers, scores, question or "what is two plus three")), meta or {}
+    )
     return store.step_dir(1)
 
 
@@ -119,6 +123,15 @@ def test_diff_counts_identical_rows_gives_each_sides_means_and_decodes_the_first
     ]
     code, out, _ = run(capsys, "diff", a, a)
     assert code == 0 and "rows: 4 of 4 identical" in out
+
+
+def test_diff_shows_each_sides_prompt_where_they_differ(tmp_path: Path, tokenizer_dir: Path, capsys):
+    a = save(tmp_path / "a", ["five"], [1.0])
+    b = save(tmp_path / "b", ["four"], [0.0], question="what is two plus two")
+    code, out, _ = run(capsys, "diff", a, b, "--tokenizer", tokenizer_dir)
+    assert code == 1
+    assert "  row 0: prompts differ\n    A prompt: what is two plus three\n    B prompt: what is two plus two\n" \
+        "    A: five (score 1, 1 tokens)\n    B: four (score 0, 1 tokens)\n" in out, out  # fmt: skip
 
 
 def test_show_match_names_the_files_columns_when_the_prompt_column_is_missing(tmp_path: Path, capsys):

@@ -22,6 +22,9 @@ MISTAKES: list[tuple[list[str], dict[str, str]]] = [
     (["-c", "pass", "skip.rollout.enable=True", "skip.rollout.dump_dir=foo://x"], {}),
     (["-c", "pass"], {"SKIPINJECT_DISABLE": "maybe"}),
     (["train.py", "skip.rollout.enable=True"], {}),
+    (["skip.rollout.enable=True", "-m", "verl.trainer.main_ppo"], {}),
+    # a Python without skipinject's dependencies (-S: no site-packages), running it from a clone
+    (["-S", "-c", "pass", "skip.rollout.enable=True"], {"PYTHONPATH": str(ROOT)}),
 ]
 
 
@@ -35,8 +38,9 @@ def test_every_error_the_readme_quotes_is_what_the_runner_prints(tmp_path: Path)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SKIPINJECT", "VERL_SKIP"))}
     printed = []
     for args, extra in MISTAKES:
+        flags = args[:1] if args[:1] == ["-S"] else []  # python's own: before -m
         run = subprocess.run(
-            [sys.executable, "-m", "skipinject", *args],
+            [sys.executable, *flags, "-m", "skipinject", *args[len(flags) :]],
             cwd=tmp_path,
             env={**base, **extra},
             capture_output=True,

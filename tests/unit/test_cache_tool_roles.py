@@ -110,6 +110,19 @@ def test_verify_calls_a_healthy_third_party_cache_ok(
     assert code == 0 and doc["ok"] and [s["plugin"] for s in doc["steps"]] == ["toy", "toy"]
 
 
+def test_verify_of_a_path_without_a_cache_is_an_error_not_a_pass(
+    dump: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A wrong path (a folder holding no step) exits 2 with one line, also beside a right one: never "0 ok"."""
+    empty = tmp_path / "not-the-cache"
+    (empty / "sub").mkdir(parents=True)
+    for argv in (["verify", empty], ["verify", "--json", empty], ["verify", dump, empty]):
+        code, out, err = run(capsys, *argv)
+        assert (code, out) == (2, ""), (argv, out)
+        assert err == f"skipinject cache verify: error: {empty}: no cache found there (no step of skipinject or " \
+            "verl below it)\n"  # fmt: skip
+
+
 def test_verify_still_finds_damage_in_a_third_party_cache(
     dump: Path, with_plugin: None, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -101,6 +101,7 @@ WARNINGS = {
         "no sticky bit",
         ": another user could plant or replace a cache there; not loaded or saved",
     ],
+    "run directory": [".dump_dir=", " holds ", ", a cache layout: it is a run's directory", "; give skip."],
     "unusable": [": cache unusable, not loaded: ", "; running the target and ", "saving its result"],
     "mismatch": [": the cache served (step ", " was generated from ", "other inputs in "],
     "strict": [": skip.", ".action=strict and ", "no cache at "],

@@ -155,7 +155,34 @@ def test_the_role_line_counts_the_chosen_steps_cached_in_the_runs_layout(tmp_pat
     found = start.layout_lines(
         config(toyrole=RoleConfig(enable=True, dump_dir=str(tmp_path), steps=StepSet.parse("1-64"))), roles, last
     )
-    assert found[0][1].endswith(": 2 cached, 0 to generate"), "steps past the run's last are not counted"
+    assert found[0][1].endswith(
+        ": 2 cached, 0 to generate; steps 3-64 come after the run's last step (trainer.total_training_steps=2): "
+        "never reached"
+    ), "steps past the run's last are not counted, and said"
+
+
+def test_chosen_steps_after_the_runs_last_step_are_named_in_the_start_line(tmp_path: Path) -> None:
+    """``steps=[2-5]`` in a 2-step run: the start line says which chosen steps the run never reaches."""
+    run_config = Trainer().config
+    roles = {"toyrole": toy_role()}
+
+    def line(steps: str, last: Any) -> str:
+        found = start.layout_lines(
+            config(toyrole=RoleConfig(enable=True, dump_dir=str(tmp_path), steps=StepSet.parse(steps))),
+            roles,
+            dict(run_config, trainer={**run_config["trainer"], "total_training_steps": last}),
+        )
+        return found[0][1].split("GBS4_N2_in8_out8: ", 1)[1]
+
+    assert line("2-5", 2) == (
+        "0 cached, 1 to generate; steps 3-5 come after the run's last step (trainer.total_training_steps=2): "
+        "never reached"
+    )
+    assert line("[1,4]", 3) == (
+        "0 cached, 1 to generate; step 4 comes after the run's last step (trainer.total_training_steps=3): "
+        "never reached"
+    )
+    assert line("1-2", 2) == line("1-2", None) == "0 cached, 2 to generate", "all reached, or the last not known"
 
 
 def test_the_role_lines_are_said_once_when_verl_gets_its_config(
@@ -320,3 +347,76 @@ def test_at_ray_init_the_line_comes_from_a_launchers_own_config(
         f"toyrole: cache step 1 in {tmp_path}/e_p/GBS4_N2_in8_out8: 0 cached, 1 to generate",
         "toyrole: not exact with separate_async",
     ]
+
+
+def test_a_dump_dir_that_is_a_run_or_layout_directory_is_said_at_start(tmp_path: Path) -> None:
+    """``dump_dir`` pointed at ``…/e_p`` (or ``…/e_p/GBS…``) would cache one level below it and find nothing:
+    one line at start naming the directory to give (an error under ``strict``, which relies on the cache)."""
+    with RoleRun(toy_role(), tmp_path, [1]):
+        Trainer().fit(1)
+    run, layout = tmp_path / "e_p", tmp_path / "e_p" / "GBS4_N2_in8_out8"
+    assert (layout / "1" / "meta.json").is_file()
+    found = start.check_settings(config(r=RoleConfig(enable=True, steps=(1,), dump_dir=str(run))), disabled=False)
+    assert found == [
+        (
+            logging.WARNING,
+            f"skip.r.dump_dir={run} holds GBS4_N2_in8_out8/, a cache layout: it is a run's directory, and this run "
+            f"caches in {run}/<experiment>_<project>/GBS…/, finding none of it; give skip.r.dump_dir={tmp_path}",
+        )
+    ]
+    problem = start.run_directory_problem("r", RoleConfig(enable=True, steps=(1,), dump_dir=str(layout)))
+    assert problem is not None and "holds step 1/: it is a layout's directory" in problem
+    assert problem.endswith(f"give skip.r.dump_dir={tmp_path}")
+    strict = RoleConfig(enable=True, steps=(1,), dump_dir=str(run), action="strict")
+    with pytest.raises(ConfigError, match=r"a run's directory.*action=strict relies on the cache"):
+        start.check_settings(config(r=strict), disabled=False)
+    right = RoleConfig(enable=True, steps=(1,), dump_dir=str(tmp_path))
+    assert start.check_settings(config(r=right), disabled=False) == []
+
+
+def toy_run(dump_dir: str) -> subprocess.CompletedProcess[str]:
+    """The toy example's trainer, 2 steps under the runner, both chosen, caching in ``dump_dir``."""
+    import os
+
+    from tests.conftest import ROOT
+
+    args = ["--plugins", "toy_skip_plugin", "train.py", "2", "skip.toy_rollout.enable=True"]
+    args += ["skip.toy_rollout.steps=[1,2]", f"skip.toy_rollout.dump_dir={dump_dir}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SKIPINJECT", "VERL_SKIP"))}
+    return subprocess.run(
+        [sys.executable, "-m", "skipinject", *args],
+        cwd=ROOT / "examples" / "toy",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def test_a_dump_dir_that_is_a_file_or_cannot_be_written_is_one_line_at_start(tmp_path: Path) -> None:
+    """A file as ``dump_dir``: one line at start, not three (nor ``file type 100000``); one that cannot be
+    created (``/proc`` refuses even root, whom ``os.access`` lets through): one line at start, not one per step."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    done = toy_run(str(blocker))
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "summary:" not in line]
+    assert said == [
+        f"skipinject WARNING: skip.toy_rollout.dump_dir={blocker}: {blocker} is not a directory: nothing can be "
+        "cached there"
+    ]
+    done = toy_run("/proc/skipinject-no-such-dir")
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "skipinject WARNING: skip.toy_rollout.dump_dir=/proc/skipinject-no-such-dir: cannot be created (/proc: "
+    ), done.stderr
+    assert warnings[0].endswith("): nothing can be cached there")
+
+
+def test_a_regular_file_is_named_so() -> None:
+    import stat
+
+    from skipinject.store.files import file_kind
+
+    assert file_kind(stat.S_IFREG | 0o644) == "a regular file"

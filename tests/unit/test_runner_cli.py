@@ -93,3 +93,44 @@ def test_without_a_role_setting_the_runner_loads_no_plugin_and_no_engine() -> No
     assert run(["-c", code]).stdout.strip() == "[]"
     with_role = run(["-c", code, "skip.rollout.enable=False"])
     assert with_role.returncode == 0 and "skipinject_rollout" in with_role.stdout, with_role.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "prefix"),
+    [
+        (["cache", "ls", "."], "skipinject cache ls: error: "),
+        (["--version"], "skipinject: error: "),
+        (["-c", "pass", "skip.rollout.enable=True"], "skipinject: error: "),
+    ],
+)
+def test_a_python_without_skipinjects_dependencies_says_which_and_how_to_install(
+    args: list[str], prefix: str, tmp_path: Path
+) -> None:
+    """skipinject from a clone's sources with a Python that lacks its dependencies (``-S``: no site-packages):
+    one line naming them and the command that installs them, exit 2 — not an internal error or a traceback."""
+    from tests.conftest import ROOT
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SKIPINJECT", "VERL_SKIP"))}
+    done = subprocess.run(
+        [sys.executable, "-S", "-m", "skipinject", *args],
+        capture_output=True,
+        text=True,
+        env={**clean, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"{prefix}this Python ({sys.executable}) lacks skipinject's dependencies: wrapt, ")
+    assert line.endswith(f"{sys.executable} -m pip install 'wrapt>=1.16' 'importlib-metadata>=6' 'pluggy>=1.3' "
+                         "'omegaconf>=2.3' 'packaging>=23' 'zstandard>=0.22'")  # fmt: skip
+
+
+def test_the_dependencies_named_are_the_packages(tmp_path: Path) -> None:
+    import tomllib
+
+    from skipinject.invocation import DEPENDENCIES
+    from tests.conftest import ROOT
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert sorted(DEPENDENCIES.values()) == sorted(declared)

@@ -45,6 +45,17 @@ def test_the_program_and_its_args_are_what_follows_the_options(tmp_path: Path) -
         (["no/such/script.py"], "can't open file 'no/such/script.py': no such file"),
         (["--plugins"], "argument --plugins: expected one argument"),
         (["--plugins", "a", "--plugins=b", "-c", "0"], "argument --plugins: given twice"),
+        (
+            ["skip.rollout.enable=True", "-m", "verl.trainer.main_ppo", "x=1"],
+            "skip.rollout.enable=True comes before the program: settings go after it, among its ARGS: "
+            "python -m skipinject -m verl.trainer.main_ppo x=1 skip.rollout.enable=True",
+        ),
+        (
+            ["++skip.rollout.steps=[1,2]", "trainer.use_v1=False", "train.py"],
+            "++skip.rollout.steps=[1,2] comes before the program: settings go after it, among its ARGS: "
+            "python -m skipinject train.py '++skip.rollout.steps=[1,2]' trainer.use_v1=False",
+        ),
+        (["skip.rollout.enable=True"], "skip.rollout.enable=True is a setting, not a program: give a SCRIPT"),
     ],
 )
 def test_command_line_mistakes_are_one_line(argv: list[str], message: str | None) -> None:
@@ -54,6 +65,16 @@ def test_command_line_mistakes_are_one_line(argv: list[str], message: str | None
     with pytest.raises(UsageError) as info:
         parsed(*argv)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_settings_before_the_program_name_the_command_in_order_with_its_options(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["--plugins", "rollout", "skip.rollout.enable=True", "-m", "verl.trainer.main_ppo"]) == 2
+    assert capsys.readouterr().err == (
+        "skipinject: error: skip.rollout.enable=True comes before the program: settings go after it, among its "
+        "ARGS: python -m skipinject --plugins rollout -m verl.trainer.main_ppo skip.rollout.enable=True\n"
+    )
 
 
 def test_main_prints_one_line_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,6 +155,30 @@ def test_settings_from_code_are_checked_by_the_same_declarations() -> None:
         RoleConfig(compression="zstd-99")
     with pytest.raises(ValueError, match="action='skip': unknown action"):
         RoleConfig(action="skip")  # type: ignore[arg-type]
+
+
+def test_an_unknown_role_names_where_it_would_come_from() -> None:
+    """A role of a plugin that is not installed names the package providing it; one installed but left out by
+    ``--plugins`` says so; a typo keeps its "did you mean"."""
+    from skipinject.bootstrap import resolve
+    from skipinject.plugin_manager import role_origin
+
+    with pytest.raises(ConfigError) as info:
+        resolve([("skip.reward.enable", "True")], plugins="rollout")
+    assert str(info.value) == (
+        "skip.reward.enable: unknown role 'reward' (loaded roles: rollout; see `python -m skipinject --list`; "
+        "the installed plugin 'reward' is not among those --plugins chooses)"
+    )
+    loaded = load_plugins("rollout")
+    without = ["rollout", "rollout_tq", "async_rollout"]  # an environment without the shipped extra roles
+    assert role_origin("reward", loaded, without, "--plugins") == (
+        "; the package skipinject-reward provides it: pip install skipinject-reward "
+        "(from a clone: pip install ./plugins/reward)"
+    )
+    assert role_origin("advantage", loaded, without, "--plugins").startswith("; the package skipinject-advantage ")
+    assert role_origin("rolout", loaded, without, "--plugins") == ""
+    with pytest.raises(ConfigError, match=r"unknown role 'rolout' \(loaded roles: rollout; see [^;]*\); did you"):
+        resolve([("skip.rolout.enable", "True")], plugins="rollout")
 
 
 def test_a_plugin_mistake_names_the_flag_or_variable_it_came_from() -> None:

@@ -53,3 +53,28 @@ def test_store_round_trip_through_the_overlapped_path(tmp_path: Path, monkeypatc
         _digest(path.read_bytes(), store.checksum_algo)
         == store.read_meta(1)["parts"][0]["files"]["tensors"]["checksum"]
     )
+
+
+def test_a_step_without_tensors_is_saved_and_served_without_importing_torch(tmp_path: Path) -> None:
+    """A role whose results hold no tensors (the toy example's JSON) never pays for torch's import (seconds):
+    not when its step is saved, nor when it is verified and loaded in a fresh process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from skipinject.payload import Payload\n"
+        "from skipinject.store import StepStore\n"
+        f"store = StepStore(Path({str(tmp_path)!r}), 'toy', {{}})\n"
+        "if sys.argv[1] == 'save':\n"
+        "    store.save(1, Payload(objects={'result': {'responses': ['a', 'b']}}, rows=2))\n"
+        "else:\n"
+        "    (payload,) = store.load(store.verified(1))\n"
+        "    assert payload.objects == {'result': {'responses': ['a', 'b']}}, payload.objects\n"
+        "print(sorted(name for name in ('torch', 'tensordict') if name in sys.modules))\n"
+    )
+    for stage in ("save", "load"):
+        done = subprocess.run([sys.executable, "-c", code, stage], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "[]", (stage, done.stdout)
