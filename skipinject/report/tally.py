@@ -20,7 +20,6 @@ from typing import Any
 from skipinject.config.environment import ENV_RUN_REPORT, ENV_SUMMARY
 from skipinject.errors import shown
 from skipinject.node import _ray
-from skipinject.report.summary_file import summary_target, write_summary
 from skipinject.store.files import read_head
 
 logger = logging.getLogger("skipinject")
@@ -217,6 +216,8 @@ class RunEnd:
         self.roles = list(roles)
         self.remote: list[bytes] = []
         self._once = threading.Lock()  # held from the first say (or cancel) on
+        from skipinject.report.summary_file import summary_target  # the driver's end only
+
         self.summary = summary_target()  # named now: the program may change directory before the end
 
     def sync(self, call: Any, proceed: Any) -> Any:
@@ -238,6 +239,8 @@ class RunEnd:
                 filled = _filled(counted, self.roles)
                 data = {"roles": filled, "total": {key: total(filled, key) for key in FIELDS}}
                 try:
+                    from skipinject.report.summary_file import write_summary
+
                     why = write_summary(target, json.dumps(data, indent=1, sort_keys=True))
                 except OSError as exc:
                     why = str(exc.strerror or exc)
