@@ -13,6 +13,7 @@ from skipinject.clock import CLOCK
 from skipinject.config import Action
 from skipinject.engine.replay import REGENERATE
 from skipinject.engine.runtime import RoleRuntime
+from skipinject.report.tally import TALLY
 from skipinject.roles import Call, Phase, StepSource, Target
 
 if TYPE_CHECKING:
@@ -141,6 +142,9 @@ class TargetInterceptor:
         self.runtime = runtime
         self.phase: Phase | WholeCall = target.phase or WHOLE_CALL
         self.every_step = target.every_step
+        #: A call of this target at a chosen step is the role being called (never-called check); a target
+        #: seeing every step (a sample phase, a switch) does not say the role's own work was reached.
+        self.marks = not target.every_step or all(t.every_step for t in runtime.role.targets)
         steps = runtime.settings.steps
         chosen = frozenset(steps) if len(steps) <= _HASHED_STEPS else steps
         #: Asked by the injector first on every call, before a Call exists (see compile_passes).
@@ -150,13 +154,19 @@ class TargetInterceptor:
         step = self.runtime.applicable_step(call, any_step=self.every_step)
         if step is None:
             return proceed()
+        self._called(step)
         return self.phase.run(self.runtime, call, step, proceed)
 
     async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:
         step = self.runtime.applicable_step(call, any_step=self.every_step)
         if step is None:
             return await proceed()
+        self._called(step)
         return await self.phase.run_async(self.runtime, call, step, proceed)
+
+    def _called(self, step: int) -> None:
+        if self.marks and self.runtime.name not in TALLY.called and self.runtime.settings.allows(step):
+            TALLY.note_called(self.runtime.name)
 
 
 class ClockInterceptor:
@@ -168,16 +178,20 @@ class ClockInterceptor:
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
         self._enter(call)
         try:
-            return proceed()
+            result = proceed()
         finally:
             self.engine.end_of_run()  # the run is over (or failed): its steps are committed before the process may end
+        self.engine.silence.run_ended(call.instance)  # a role never called by now is said (strict: an error)
+        return result
 
     async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:
         self._enter(call)
         try:
-            return await proceed()
+            result = await proceed()
         finally:
             await asyncio.to_thread(self.engine.end_of_run)
+        self.engine.silence.run_ended(call.instance)
+        return result
 
     def _enter(self, call: Call) -> None:
         if call.instance is not None:

@@ -101,7 +101,9 @@ def version_matches(specifier: str | None, version: str | None) -> bool:
         parsed = Version(version)
     except InvalidVersion:
         return False
-    return SpecifierSet(specifier).contains(parsed, prereleases=True)
+    if parsed.is_prerelease:  # 0.9.1.dev0, 0.9.2rc1: the release they lead to (not below it)
+        parsed = Version(parsed.base_version)
+    return SpecifierSet(specifier).contains(parsed)
 
 
 def installed_verl_matches(spec: str) -> bool:
