@@ -271,3 +271,38 @@ def test_the_summary_lists_the_roles_never_called(
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == [f"summary: {line}"], "a role another process called after all is not listed"
     assert json.loads(target.read_text())["never_called"] == {"reward": line}
+
+
+class Batch:
+    def __init__(self, validate: bool) -> None:
+        self.meta_info = {"validate": validate}
+
+
+class ValidatingTrainer(RayPPOTrainer):
+    """Calls the target with validation batches only (never skipped, so not the role being called)."""
+
+    def reward(self, batch: int) -> int:
+        return int(sys.modules[REWARD_MODULE].extract_reward(Batch(validate=True)) is None) + batch + 1
+
+
+def test_validation_calls_do_not_count_as_the_role_being_called(tmp_path: Path) -> None:
+    module = sys.modules[REWARD_MODULE]
+    original = module.extract_reward
+    module.extract_reward = lambda batch: None  # type: ignore[attr-defined]
+    try:
+        with started(reward_role(ValidatingTrainer), tmp_path, "[1]") as run:
+            run_fit(ValidatingTrainer())
+    finally:
+        module.extract_reward = original  # type: ignore[attr-defined]
+    assert [line.split(" was never called")[0] for line in never_lines(run)] == [
+        "skip.reward: step 1 ended and extract_reward"
+    ]
+
+
+def test_the_step_end_keeps_the_trainers_metrics_totals(tmp_path: Path) -> None:
+    with started(reward_role(RayPPOTrainer), tmp_path, "[1]"):
+        tally.TALLY.add("reward", served_steps=2)
+        tracking = Tracking()
+        tracking.log(data={"training/global_step": 5, "actor/loss": 0.5}, step=5)
+    logged, step = tracking.logged[0]
+    assert step == 5 and logged["actor/loss"] == 0.5 and logged["skipinject/served_steps_total"] == 2
