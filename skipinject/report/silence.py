@@ -120,10 +120,22 @@ class Silence:
     def logged(self, call: Any) -> None:
         """A ``Tracking.log`` call: a training step's metrics end that step (anything else is not a step's end)."""
         data = call.kwargs.get("data", call.args[0] if call.args else None)
-        step = data.get(STEP_METRIC) if isinstance(data, Mapping) else None
-        if type(step) is not int or not self.watched:
+        step = logged_step(data.get(STEP_METRIC) if isinstance(data, Mapping) else None)
+        if step is None or not self.watched:
             return
         self.step_logged(step, logging_trainer(sys._getframe(1)))
+
+
+def logged_step(value: Any) -> int | None:
+    """A logged ``training/global_step`` as an int: an integer, a numpy one, or a whole float (the fully async
+    trainer's aggregated metrics)."""
+    if isinstance(value, bool):
+        return None
+    with contextlib.suppress(TypeError, ValueError, OverflowError):
+        number = float(value)
+        if number.is_integer() and 0 <= number < 1 << 62:
+            return int(number)
+    return None
 
 
 class StepEnd:

@@ -106,8 +106,8 @@ class FullyAsyncTrainer(RayPPOTrainer):
         for step in range(1, self.steps + 1):
             self.global_steps = step
             self.rewards.append(self.reward(step))
-            if step % self.trigger_parameter_sync_step == 0:
-                self.logger.log(data={"training/global_step": step}, step=step // 2)
+            if step % self.trigger_parameter_sync_step == 0:  # aggregated: the cycle's last step, a float
+                self.logger.log(data={"training/global_step": float(step)}, step=step // 2)
         self.global_steps += 1
 
 
