@@ -547,6 +547,8 @@ def one_step_off_overrides(
     resource pool, no hybrid engine) on another, weights synced through the shim's ``cpu_store`` engine."""
     overrides = _common_overrides(assets, experiment=experiment, project=project)
     overrides += [
+        # its config finds verl's ppo_trainer at file://verl/trainer/config, relative to verl's source tree
+        "hydra.searchpath=[pkg://verl.trainer.config]",
         f"data.train_batch_size={TRAIN_BATCH}",
         f"trainer.total_training_steps={total_steps}",
         "actor_rollout_ref.hybrid_engine=False",
