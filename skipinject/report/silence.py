@@ -184,18 +184,36 @@ def likely_cause(watched: Watched, trainer: Any) -> str:
         reason = watched.check(config) if watched.check is not None and is_run_config(config) else None
         if reason:
             return f"{name}: {reason}"
-    for target in watched.targets:
-        with contextlib.suppress(Exception):
-            found = _bound_elsewhere(target, trainer) or _overridden(target, trainer)
-            if found:
-                return f"{name} {found}"
+    found = bypass_of(watched, type(trainer))
+    if found:
+        return f"{name} {found}"
     return (
         f"{name} did not call {' or '.join(watched.targets)} at a chosen step (a trainer or a setting that does not "
         "reach it; docs/verl-versions.md lists which trainer reaches which role)"
     )
 
 
-def _bound_elsewhere(target: str, trainer: Any) -> str | None:
+def bypass_of(watched: Watched, trainer: type) -> str | None:
+    """How the trainer class does not reach the role's targets, if its modules or methods show it."""
+    for target in watched.targets:
+        with contextlib.suppress(Exception):
+            found = _bound_elsewhere(target, trainer) or _overridden(target, trainer)
+            if found:
+                return found
+    return None
+
+
+def trainers_of(modules: Iterable[Any]) -> list[type]:
+    """The trainer classes (a class with a ``fit``) that entry modules hold, as the program's main imports them."""
+    found: dict[type, None] = {}
+    for module in modules:
+        for value in list(vars(module).values()) if module is not None else ():
+            if isinstance(value, type) and callable(getattr(value, "fit", None)):
+                found[value] = None
+    return list(found)
+
+
+def _bound_elsewhere(target: str, trainer: type) -> str | None:
     """The trainer's modules calling the target's function under a name skipinject did not patch."""
     from skipinject.injector import SkipinjectWrapper
 
@@ -205,7 +223,7 @@ def _bound_elsewhere(target: str, trainer: Any) -> str | None:
     original = getattr(patched, "__wrapped__", None) if isinstance(patched, SkipinjectWrapper) else None
     if original is None:
         return None
-    for klass in type(trainer).__mro__:
+    for klass in trainer.__mro__:
         module = sys.modules.get(klass.__module__)
         if module is None or module is defining:
             continue
@@ -217,18 +235,20 @@ def _bound_elsewhere(target: str, trainer: Any) -> str | None:
     return None
 
 
-def _overridden(target: str, trainer: Any) -> str | None:
+def _overridden(target: str, trainer: type) -> str | None:
     """The trainer's own class overriding a method target (a subclass's ``_add_batch_to_generate``)."""
     module_name, _, qualname = target.partition(":")
     owner_name, _, method = qualname.rpartition(".")
     owner = sys.modules.get(module_name)
     for part in owner_name.split(".") if owner_name else ():
         owner = getattr(owner, part, None)
-    if not isinstance(owner, type) or not isinstance(trainer, owner):
+    if not isinstance(owner, type) or not issubclass(trainer, owner):
         return None
-    for klass in type(trainer).__mro__:
-        if klass is owner:
-            return None
+    from skipinject.injector import SkipinjectWrapper
+
+    for klass in trainer.__mro__:
+        if klass is owner or isinstance(vars(klass).get(method), SkipinjectWrapper):
+            return None  # the target itself, or an override skipinject follows
         if method in vars(klass):
             return f"overrides {method} in {klass.__module__}.{klass.__qualname__}, so {target} is not called"
     return None
@@ -249,3 +269,25 @@ def watched_roles(runtimes: Iterable[Any], installed: Callable[[Any], bool]) -> 
         targets = tuple(t.label for t in acting)
         found.append(Watched(role.name, settings.steps, targets, settings.action is Action.strict, role.check))
     return found
+
+
+def entry_lines(config: Any, roles: Mapping[str, Any], modules: Iterable[Any]) -> list[str]:
+    """At the run's start: each enabled role with chosen steps that a trainer class the entry modules hold does
+    not reach (a module of its binding the target's function under a name not patched, an override)."""
+    from skipinject.verl.compat import verl_version, version_matches
+
+    installed = verl_version()
+    trainers = trainers_of(modules)
+    lines = []
+    for name in config.enabled_roles:
+        settings, role = config.role(name), roles.get(name)
+        if role is None or not settings.steps.spans:
+            continue
+        targets = [t for t in role.targets if version_matches(t.verl, installed) and not t.every_step]
+        watched = Watched(name, settings.steps, tuple(t.label for t in targets))
+        for trainer in trainers:
+            found = bypass_of(watched, trainer)
+            if found:
+                lines.append(f"skip.{name} may not act in this run: {trainer.__name__} {found}")
+                break
+    return lines

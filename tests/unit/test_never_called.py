@@ -306,3 +306,33 @@ def test_the_step_end_keeps_the_trainers_metrics_totals(tmp_path: Path) -> None:
         tracking.log(data={"training/global_step": 5, "actor/loss": 0.5}, step=5)
     logged, step = tracking.logged[0]
     assert step == 5 and logged["actor/loss"] == 0.5 and logged["skipinject/served_steps_total"] == 2
+
+
+def test_the_start_says_which_role_the_entry_modules_trainers_do_not_reach(tmp_path: Path) -> None:
+    """Before the run: a trainer class the program's main module holds whose module binds the target's function
+    under a name not patched (verl's one-step-off main: ``OneStepOffRayTrainer``), or overrides a method target."""
+    from skipinject.report.silence import entry_lines
+
+    role = reward_role(RayPPOTrainer)
+    with started(role, tmp_path, "[1]") as run:
+        lines = entry_lines(run.config, {"reward": role}, [sys.modules[__name__]])
+        assert entry_lines(run.config, {"reward": role}, [types.ModuleType("main_without_trainers")]) == []
+    assert lines == [
+        f"skip.reward may not act in this run: RayPPOTrainer calls {REWARD_MODULE}.extract_reward as "
+        f"{__name__}.bound_reward, not through {REWARD_MODULE}:extract_reward, the name the role patches"
+    ]
+    submit = Role(
+        name="submit",
+        targets=[Target(f"{__name__}:Submitting.submit")],
+        step=StepSource.clock("global_steps"),
+        codec=IntCodec(),
+        clocks=[f"{__name__}:Submitting.fit"],
+        cache_subdir="",
+    )
+    main = types.ModuleType("main_with_a_streaming_trainer")
+    main.StreamingTrainer = StreamingTrainer  # type: ignore[attr-defined]
+    with started(submit, tmp_path, "[1]") as run:
+        assert entry_lines(run.config, {"submit": submit}, [main]) == [
+            f"skip.submit may not act in this run: StreamingTrainer overrides submit in {__name__}.StreamingTrainer, "
+            f"so {__name__}:Submitting.submit is not called"
+        ]
