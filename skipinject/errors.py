@@ -91,3 +91,7 @@ class PromptMismatchError(CacheError):
 
 class CodecError(CacheError):
     """A value cannot be stored in (or read back from) the safe on-disk format."""
+
+
+class NeverCalledError(SkipInjectError):
+    """``action=strict`` and the role's target was never called by the end of its first chosen step."""

@@ -39,6 +39,7 @@ __all__ = [
     "ASYNC_LAUNCHER",
     "MAIN_PPO_LAUNCHER",
     "MODES",
+    "ONE_STEP_OFF_LAUNCHER",
     "ROLLOUT_N",
     "TRAIN_BATCH",
     "V1_MODES",
@@ -53,6 +54,7 @@ __all__ = [
     "harness_env",
     "main_ppo_overrides",
     "mode_overrides",
+    "one_step_off_overrides",
     "run_fully_async",
     "run_main_ppo",
     "skip_role",
@@ -78,6 +80,8 @@ ASYNC_LAUNCHER: tuple[str, ...] = (
 PROMPT_LEN = 32
 RESPONSE_LEN = 16
 TRAIN_BATCH = 4
+#: verl's one-step-off trainer: generation of step k+1 overlaps training of step k, on its own fake GPU.
+ONE_STEP_OFF_LAUNCHER: tuple[str, ...] = (sys.executable, "-m", "verl.experimental.one_step_off_policy.main_ppo")
 ROLLOUT_N = 2
 N_ROWS = 32
 
@@ -528,6 +532,32 @@ def fully_async_overrides(
     overrides += _ray_overrides(fake_gpus=2)
     overrides += _skip_dump_dir(skip_role(fully_async=True), dump_dir)
     return overrides + list(extra)
+
+
+def one_step_off_overrides(
+    assets: Assets,
+    *,
+    total_steps: int,
+    experiment: str = "e",
+    project: str = "p",
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """Hydra overrides for verl's one-step-off trainer (``verl.experimental.one_step_off_policy.main_ppo``):
+    a ``total_steps``-step GRPO run with the trainer on one fake GPU and the rollout (``rollout.*``, its own
+    resource pool, no hybrid engine) on another, weights synced through the shim's ``cpu_store`` engine."""
+    overrides = _common_overrides(assets, experiment=experiment, project=project)
+    overrides += [
+        # its config finds verl's ppo_trainer at file://verl/trainer/config, relative to verl's source tree
+        "hydra.searchpath=[pkg://verl.trainer.config]",
+        f"data.train_batch_size={TRAIN_BATCH}",
+        f"trainer.total_training_steps={total_steps}",
+        "actor_rollout_ref.hybrid_engine=False",
+        *_batch_overrides(TRAIN_BATCH),
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_store",
+        "rollout.nnodes=1",
+        "rollout.n_gpus_per_node=1",
+    ]
+    return overrides + _ray_overrides(fake_gpus=2) + list(extra)
 
 
 def mode_overrides(

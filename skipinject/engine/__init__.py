@@ -22,6 +22,7 @@ from skipinject.engine.background import WRITER
 from skipinject.engine.phases import ClockInterceptor, RuntimeSlot, TargetInterceptor
 from skipinject.errors import ConfigError
 from skipinject.injector import INJECTOR, Injector, target_key
+from skipinject.report.silence import Silence, StepEnd, watched_roles
 from skipinject.report.tally import METRICS_TARGET, MetricsInterceptor
 from skipinject.roles import Role
 from skipinject.verl.builtin_guard import BUILTIN_SKIP_INIT, BuiltinGuard
@@ -77,6 +78,8 @@ class Engine:
         self._paths: list[str] = []
         self._seen_configs: set[int] = set()
         self._lock = threading.Lock()
+        #: The enabled roles no process has called at a chosen step yet, judged at a step's end.
+        self.silence = Silence(())
 
     def start(self) -> None:
         unknown = [name for name in self.config.enabled_roles if name not in self.roles]
@@ -111,8 +114,12 @@ class Engine:
             self._instrument(BUILTIN_SKIP_INIT, BuiltinGuard(self), "skipinject/builtin-guard")
         self.injector.say_earlier_names()  # a role's target imported by name before skipinject: said once
         if self.runtimes:
-            # the trainer's metrics get the cache's running totals (skipinject/served_steps_total, ...)
-            self._instrument(METRICS_TARGET, MetricsInterceptor(), "skipinject/metrics")
+            self.silence = Silence(
+                watched_roles(self.runtimes.slots.values(), lambda target: version_matches(target.verl, installed))
+            )
+            # the trainer's metrics get the cache's running totals (skipinject/served_steps_total, ...); a
+            # training step's log ends the step: an enabled role never called by then is said
+            self._instrument(METRICS_TARGET, StepEnd(self.silence, MetricsInterceptor()), "skipinject/metrics")
             atexit.register(self.end_of_run)  # after the writer's own exit flush was registered: runs first
             logger.debug("skipinject active for %s", ", ".join(self.runtimes))
 

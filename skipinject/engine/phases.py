@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from skipinject.clock import CLOCK
 from skipinject.config import Action, RoleConfig
+from skipinject.report.tally import TALLY
 from skipinject.roles import Call, Phase, Role, StepSource, Target
 
 if TYPE_CHECKING:
@@ -177,6 +178,9 @@ class TargetInterceptor:
             self.slot, self.runtime, open_steps = None, runtime, runtime.recorder.steps.open
         self.phase: Phase | WholeCall = target.phase or WHOLE_CALL
         self.every_step = target.every_step
+        #: A call of this target at a chosen step is the role being called (never-called check); a target
+        #: seeing every step (a sample phase, a switch) does not say the role's own work was reached.
+        self.marks = not target.every_step or all(t.every_step for t in runtime.role.targets)
         steps = runtime.settings.steps
         chosen = frozenset(steps) if len(steps) <= _HASHED_STEPS else steps
         #: Asked by the injector first on every call, before a Call exists (see compile_passes).
@@ -192,6 +196,7 @@ class TargetInterceptor:
         step = runtime.applicable_step(call, any_step=self.every_step)
         if step is None:
             return proceed()
+        self._called(runtime, step)
         return self.phase.run(runtime, call, step, proceed)
 
     async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:
@@ -199,7 +204,12 @@ class TargetInterceptor:
         step = runtime.applicable_step(call, any_step=self.every_step)
         if step is None:
             return await proceed()
+        self._called(runtime, step)
         return await self.phase.run_async(runtime, call, step, proceed)
+
+    def _called(self, runtime: RoleRuntime, step: int) -> None:
+        if self.marks and runtime.name not in TALLY.called and runtime.settings.allows(step):
+            TALLY.note_called(runtime.name)
 
 
 class ClockInterceptor:
@@ -211,16 +221,20 @@ class ClockInterceptor:
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
         self._enter(call)
         try:
-            return proceed()
+            result = proceed()
         finally:
             self.engine.end_of_run()  # the run is over (or failed): its steps are committed before the process may end
+        self.engine.silence.run_ended(call.instance)  # a role never called by now is said (strict: an error)
+        return result
 
     async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:
         self._enter(call)
         try:
-            return await proceed()
+            result = await proceed()
         finally:
             await asyncio.to_thread(self.engine.end_of_run)
+        self.engine.silence.run_ended(call.instance)
+        return result
 
     def _enter(self, call: Call) -> None:
         if call.instance is not None:

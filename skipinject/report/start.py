@@ -244,6 +244,16 @@ def layout_lines(config: Config, roles: Mapping[str, Role], run_config: Any) -> 
     return lines
 
 
+def bypass_lines(config: Config, roles: Mapping[str, Role], modules: Iterable[Any]) -> Lines:
+    """A line for each enabled role the trainer classes of the program's entry modules do not reach."""
+    from skipinject.report.silence import entry_lines
+
+    try:
+        return [(logging.WARNING, line) for line in entry_lines(config, roles, modules)]
+    except Exception:  # a start line must never break the program
+        return []
+
+
 def _ask(question: Callable[..., str | None] | None, *args: Any) -> str | None:
     """A role's ``check`` or ``caveat`` for this run: its reason, ``None`` when it has none or fails."""
     try:
@@ -281,7 +291,11 @@ class RunStart:
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
         run_config = call.args[0] if call.args else call.kwargs.get("config")
-        self.say(lambda: layout_lines(self.config, self.roles, run_config))
+        runner = call.kwargs.get("task_runner_class", call.args[1] if len(call.args) > 1 else None)
+        entry = [sys.modules.get("__main__"), sys.modules.get(getattr(runner, "__module__", "") or "")]
+        self.say(
+            lambda: layout_lines(self.config, self.roles, run_config) + bypass_lines(self.config, self.roles, entry)
+        )
         try:
             return proceed()
         finally:  # the trainer's fit returned (or failed): every process's counts are written

@@ -52,10 +52,13 @@ SUMMARY_PARTS = (
 
 
 class Tally:
-    """The counts of this process, per role."""
+    """The counts of this process, per role; the roles called here at a chosen step, and those found never called
+    (the line said, by role: :mod:`skipinject.report.silence`)."""
 
     def __init__(self) -> None:
         self.roles: dict[str, dict[str, float]] = {}
+        self.called: set[str] = set()
+        self.silent: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def add(self, role: str, **amounts: float) -> None:
@@ -64,7 +67,28 @@ class Tally:
             counts = self.roles.setdefault(role, dict.fromkeys(FIELDS, 0))
             for key, amount in amounts.items():
                 counts[key] += amount
-            publish(json.dumps({"roles": self.roles}))
+            self._publish()
+
+    def note_called(self, role: str) -> None:
+        """``role``'s target was called at a chosen step in this process (published the first time)."""
+        if role in self.called:
+            return
+        with self._lock:
+            self.called.add(role)
+            self._publish()
+
+    def note_silent(self, role: str, line: str) -> None:
+        with self._lock:
+            self.silent[role] = line
+            self._publish()
+
+    def _publish(self) -> None:
+        record: dict[str, Any] = {"roles": self.roles}
+        if self.called:
+            record["called"] = sorted(self.called)
+        if self.silent:
+            record["silent"] = self.silent
+        publish(json.dumps(record))
 
     def metrics(self) -> dict[str, float]:
         """Running totals over the roles, as the trainer logs them (``skipinject/served_steps_total`` ...)."""
@@ -74,6 +98,8 @@ class Tally:
     def clear(self) -> None:
         with self._lock:
             self.roles.clear()
+            self.called.clear()
+            self.silent.clear()
 
 
 TALLY = Tally()
@@ -116,8 +142,8 @@ def publish(record: str) -> None:
             _internal_kv_put(key, record, overwrite=True, namespace=KV_NAMESPACE)
 
 
-def cluster_counts(run: str) -> list[bytes]:
-    """The records processes on other nodes put in Ray's store for ``run``, taken out of it."""
+def cluster_counts(run: str, *, take: bool = True) -> list[bytes]:
+    """The records processes on other nodes put in Ray's store for ``run``, taken out of it (``take``) or read."""
     if _ray() is None:
         return []
     try:
@@ -126,28 +152,75 @@ def cluster_counts(run: str) -> list[bytes]:
         records = []
         for key in _internal_kv_list(f"{run}/", namespace=KV_NAMESPACE)[:MAX_FILES]:
             value = _internal_kv_get(key, namespace=KV_NAMESPACE)
-            _internal_kv_del(key, namespace=KV_NAMESPACE)
+            if take:
+                _internal_kv_del(key, namespace=KV_NAMESPACE)
             records.append((value or b"")[:MAX_FILE_BYTES])
         return records
     except Exception:
         return []
 
 
-def collect(directory: Path, more: Iterable[bytes] = ()) -> dict[str, dict[str, float]]:
-    """The counts per role of ``directory``'s records and ``more``; malformed records are left out."""
+def read_records(directory: Path | None, more: Iterable[bytes] = ()) -> list[dict[str, Any]]:
+    """The process records in ``directory`` (if any) and ``more`` that parse as JSON objects."""
     records, names = list(more), []
-    with contextlib.suppress(OSError):
-        names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))[:MAX_FILES]
-    for name in names:
-        with contextlib.suppress(OSError):  # a link, a FIFO, gone: not a process's file
-            records.append(read_head(directory / name, MAX_FILE_BYTES))
-    merged: dict[str, dict[str, float]] = {}
+    if directory is not None:
+        with contextlib.suppress(OSError):
+            names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))[:MAX_FILES]
+        for name in names:
+            with contextlib.suppress(OSError):  # a link, a FIFO, gone: not a process's file
+                records.append(read_head(directory / name, MAX_FILE_BYTES))
+    parsed = []
     for record in records:
         try:
             data = json.loads(record)
         except (ValueError, RecursionError):
             continue
-        roles = data.get("roles") if isinstance(data, dict) else None
+        if isinstance(data, dict):
+            parsed.append(data)
+    return parsed
+
+
+def called_roles(records: Iterable[Mapping[str, Any]]) -> set[str]:
+    """The roles some process of the run called at a chosen step."""
+    names = [name for data in records if isinstance(called := data.get("called"), list) for name in called]
+    return {name for name in names if isinstance(name, str) and name.isidentifier()}
+
+
+def silent_roles(records: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """The roles a process found never called, with the line it said (the first found)."""
+    found: dict[str, str] = {}
+    for data in records:
+        silent = data.get("silent")
+        for name, line in silent.items() if isinstance(silent, dict) else ():
+            if isinstance(name, str) and name.isidentifier() and isinstance(line, str) and line.isprintable():
+                found.setdefault(name, line[:1000])
+    return found
+
+
+def never_called(records: Sequence[Mapping[str, Any]], roles: Iterable[str]) -> dict[str, str]:
+    """Of ``roles``, those a process found never called and no process called after all, with its line."""
+    called = called_roles(records)
+    return {name: line for name, line in silent_roles(records).items() if name in roles and name not in called}
+
+
+def run_records() -> list[dict[str, Any]]:
+    """Every process's record of this run so far (this node's files, other nodes' keys, left in place)."""
+    directory = report_dir()
+    run = os.path.basename(os.environ.get(ENV_RUN_REPORT, ""))
+    remote = cluster_counts(run, take=False) if run.startswith(RUN_PREFIX) else []
+    return read_records(directory, remote)
+
+
+def collect(directory: Path, more: Iterable[bytes] = ()) -> dict[str, dict[str, float]]:
+    """The counts per role of ``directory``'s records and ``more``; malformed records are left out."""
+    return merge_counts(read_records(directory, more))
+
+
+def merge_counts(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """The counts per role of the process ``records``, added up."""
+    merged: dict[str, dict[str, float]] = {}
+    for data in records:
+        roles = data.get("roles")
         for role, counts in roles.items() if isinstance(roles, dict) else ():
             if not isinstance(role, str) or not role.isidentifier() or not isinstance(counts, dict):
                 continue
@@ -231,13 +304,17 @@ class RunEnd:
         if not self._once.acquire(blocking=False):
             return
         try:
-            counted = collect(self.directory, [*self.remote, *cluster_counts(self.directory.name)])
+            records = read_records(self.directory, [*self.remote, *cluster_counts(self.directory.name)])
+            counted = merge_counts(records)
             for line in render(counted, self.roles):
                 logger.info("%s", line)
+            silent = never_called(records, self.roles)
+            for line in silent.values():
+                logger.warning("summary: %s", line)
             target = self.summary
             if target:
                 filled = _filled(counted, self.roles)
-                data = {"roles": filled, "total": {key: total(filled, key) for key in FIELDS}}
+                data = {"roles": filled, "total": {key: total(filled, key) for key in FIELDS}, "never_called": silent}
                 try:
                     from skipinject.report.summary_file import write_summary
 

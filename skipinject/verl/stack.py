@@ -18,7 +18,7 @@ logger = logging.getLogger("skipinject")
 #: on the sync worker-group path, several generation calls per step (``tests/verl_matrix/pairs.py``).
 VERL_IN_CI = ("0.9.1", "0.6.1")
 #: The verls whose pairs of real runs pass on demand (``SKIPINJECT_VERL_MATRIX``), not in CI.
-VERL_ON_DEMAND = ("0.8.0", "0.7.1", "0.5.0", "0.4.1")
+VERL_ON_DEMAND = ("0.9.0", "0.8.0", "0.7.1", "0.5.0", "0.4.1")
 #: The versions tested, in CI or on demand (the locks in ``requirements/``; torch, tensordict, ray: the 0.9.1 lock's).
 TESTED: Mapping[str, str] = {
     "verl": ">=0.4.1,<0.10",

@@ -152,6 +152,9 @@ def test_fully_async_rollout_cache_then_hit(assets: Any, async_recording: AsyncR
     warned = [line for line in lines if "not computed by this run's reward" in line]
     assert len(warned) == 1 and "rescore=never" in warned[0] and OTHER_REWARD_FILE in warned[0], lines
     assert not any("re-scored" in line for line in lines), lines
+    # The Rollouter calls the role's target in its own process: the trainer's step ends find it called there.
+    for run in (async_recording.first, second):
+        assert "was never called" not in run.stdout + run.stderr
     # The recorded scores (the harness's reward, in [0, 1]) are trained on, none of this run's (< -1).
     scores = trained_scores(second)
     assert scores and all(0.0 <= value <= 1.0 for value in scores), scores

@@ -46,7 +46,7 @@ from tests.e2e.conftest import harness, skip_lines
 from tests.e2e.test_dapo_recipe_e2e import REWARD, RecipeLog
 from tests.e2e.test_rollout_e2e import USER_ROLES, trained_metrics
 from tests.verl_matrix import envs
-from tests.verl_matrix.pairs import CALL_PAIRS, PAIRS, Pair, selected_versions, skip_reason
+from tests.verl_matrix.pairs import CALL_PAIRS, PAIRS, V1_PAIRS, Pair, selected_versions, skip_reason
 
 pytestmark = [pytest.mark.e2e, pytest.mark.verl_matrix]
 
@@ -419,3 +419,62 @@ def test_remax_baseline_is_recorded_and_replayed(remax: CallRuns) -> None:
     one, two = trained_metrics(remax.first), trained_metrics(remax.second)
     assert len(one) == len(two) == 2
     assert one == two, "run 2 trains on run 1's samples and baselines"
+
+
+# -- verl 0.9.0's V1 trainer: the async warm-up ---------------------------------------------------
+
+
+@dataclass
+class WarmupRuns:
+    tmp: Path
+    dump: Path
+    listing: str
+    first: Any
+    second: Any
+    calls: tuple[int, int]
+
+
+@pytest.fixture(scope="module", params=_params(V1_PAIRS))
+def warmup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> WarmupRuns:
+    """Two ``colocate_async`` runs of verl 0.9.0's V1 trainer with ``skip.rollout_tq`` at steps 1-2 (of 2)."""
+    pair: Pair = request.param
+    python, tmp, assets = pair_env(pair, tmp_path_factory)
+    dump = tmp / "dump"
+    listing = subprocess.run(
+        [str(python), "-m", "skipinject", "--list"], capture_output=True, text=True, cwd=tmp, timeout=300
+    )
+    assert listing.returncode == 0, listing.stderr[-3000:]
+    overrides = harness.main_ppo_overrides(
+        assets,
+        use_v1=True,
+        trainer_mode="colocate_async",
+        total_steps=2,
+        dump_dir=dump,
+        verl=pair.version,
+        extra=["skip.rollout_tq.enable=True", "skip.rollout_tq.steps=[1,2]"],
+    )
+    (first, one), (second, two) = run_twice(pair, python, assets, tmp, overrides)
+    return WarmupRuns(tmp, dump, listing.stdout, first, second, (_sequences(one), _sequences(two)))
+
+
+def test_v1_warm_up_of_verl_0_9_0_is_switched_off_and_steps_are_served(warmup: WarmupRuns) -> None:
+    """verl 0.9.0 has no ``_add_async_warmup_batches``: its async modes' ``on_train_begin`` submits the
+    warm-up batches itself, through the submit target, at step 1. ``rollout_tq`` switches that off (one line),
+    so step 1 is submitted once, by the step: run 1 generates exactly the 2 steps' prompts and caches them,
+    run 2 generates nothing; no line says that the role will not act."""
+    states = _target_states(warmup.listing)
+    assert states["verl.trainer.ppo.v1.trainer_colocate_async:PPOTrainerColocateAsync.on_train_begin"] == "ok"
+    assert states["verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_async_warmup_batches"] == "not for this verl"
+    per_step = harness.TRAIN_BATCH * harness.ROLLOUT_N
+    for proc in (warmup.first, warmup.second):
+        output = proc.stdout + proc.stderr
+        assert "async warm-up prefetch switched off" in output
+        assert "will not act" not in output and "was never called" not in output
+    assert warmup.calls[0] == 2 * per_step, f"run 1 generated {warmup.calls[0]} sequences: warm-up batches too?"
+    lines = skip_lines(warmup.first, "rollout_tq")
+    assert sum(f"rollout_tq step {s}: saved {per_step} trajectories" in line for line in lines for s in (1, 2)) == 2
+    layout = harness.cache_dir(warmup.dump, gbs=1)  # the async modes fetch one prompt at a time
+    assert sorted(p.name for p in layout.iterdir()) == ["1", "2"]
+    assert warmup.calls[1] == 0, f"run 2 generated {warmup.calls[1]} sequences"
+    hits = [line for line in skip_lines(warmup.second, "rollout_tq") if "hit, served step" in line]
+    assert len(hits) == 2, skip_lines(warmup.second, "rollout_tq")

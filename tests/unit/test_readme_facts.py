@@ -104,6 +104,7 @@ WARNINGS = {
     "run directory": [".dump_dir=", " holds ", ", a cache layout: it is a run's directory", "; give skip."],
     "unusable": [": cache unusable, not loaded: ", "; running the target and ", "saving its result"],
     "mismatch": [": the cache served (step ", " was generated from ", "other inputs in "],
+    "never called": [" was never called: ", " calls "],
     "strict": [": skip.", ".action=strict and ", "no cache at "],
     "cluster": ["the Ray cluster has ", " nodes, but the cache of ", " is on a node-local file system"],
     "untested": ["this environment has ", ": outside the versions skipinject is tested with ("],

@@ -7,7 +7,16 @@ from __future__ import annotations
 import pytest
 
 from tests.verl_matrix import envs
-from tests.verl_matrix.pairs import CALL_PAIRS, PAIRS, VERL_BUGS, Pair, is_chosen, selected_versions, skip_reason
+from tests.verl_matrix.pairs import (
+    CALL_PAIRS,
+    PAIRS,
+    V1_PAIRS,
+    VERL_BUGS,
+    Pair,
+    is_chosen,
+    selected_versions,
+    skip_reason,
+)
 
 
 def _chosen(monkeypatch: pytest.MonkeyPatch, value: str | None) -> list[str]:
@@ -16,13 +25,13 @@ def _chosen(monkeypatch: pytest.MonkeyPatch, value: str | None) -> list[str]:
     else:
         monkeypatch.setenv("SKIPINJECT_VERL_MATRIX", value)
     chosen = selected_versions()
-    return [pair.id for pair in PAIRS + CALL_PAIRS if is_chosen(pair, chosen)]
+    return [pair.id for pair in PAIRS + CALL_PAIRS + V1_PAIRS if is_chosen(pair, chosen)]
 
 
 def test_the_default_runs_exactly_one_older_verl_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     chosen = _chosen(monkeypatch, None)
     assert chosen == ["0.6.1-sync-dapo"]
-    [pair] = [pair for pair in PAIRS + CALL_PAIRS if pair.id == chosen[0]]
+    [pair] = [pair for pair in PAIRS + CALL_PAIRS + V1_PAIRS if pair.id == chosen[0]]
     assert pair.version in envs.VERSIONS and pair.version != envs.NEWEST
     assert pair.sync and pair.variant == "dapo", "the worker-group path, several calls per step"
     assert skip_reason(pair, selected_versions()) is None
@@ -35,7 +44,8 @@ def test_stack_says_which_verls_ci_runs_and_which_run_on_demand(monkeypatch: pyt
     from skipinject.verl import stack
 
     monkeypatch.delenv("SKIPINJECT_VERL_MATRIX", raising=False)
-    in_ci = {envs.NEWEST} | {pair.version for pair in PAIRS + CALL_PAIRS if is_chosen(pair, selected_versions())}
+    chosen = selected_versions()
+    in_ci = {envs.NEWEST} | {pair.version for pair in PAIRS + CALL_PAIRS + V1_PAIRS if is_chosen(pair, chosen)}
     assert set(stack.VERL_IN_CI) == in_ci
     assert set(stack.VERL_ON_DEMAND) == set(envs.VERSIONS) - in_ci
     assert all(version in SpecifierSet(stack.TESTED["verl"]) for version in envs.VERSIONS)
@@ -68,13 +78,13 @@ def test_a_pair_a_verl_bug_stops_skips_with_that_reason(monkeypatch: pytest.Monk
 
 
 def test_all_and_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _chosen(monkeypatch, "all") == [pair.id for pair in PAIRS + CALL_PAIRS]
+    assert _chosen(monkeypatch, "all") == [pair.id for pair in PAIRS + CALL_PAIRS + V1_PAIRS]
     assert _chosen(monkeypatch, "none") == []
 
 
 def test_every_pair_has_a_lock_and_the_sync_ones_are_the_worker_group_paths() -> None:
-    assert {pair.version for pair in PAIRS + CALL_PAIRS} <= set(envs.VERSIONS) - {envs.NEWEST}
-    assert all(envs.lock_file(pair.version).is_file() for pair in PAIRS + CALL_PAIRS)
+    assert {pair.version for pair in PAIRS + CALL_PAIRS + V1_PAIRS} <= set(envs.VERSIONS) - {envs.NEWEST}
+    assert all(envs.lock_file(pair.version).is_file() for pair in PAIRS + CALL_PAIRS + V1_PAIRS)
     assert [pair.id for pair in PAIRS if pair.sync] == ["0.6.1-sync", "0.5.0", "0.4.1"]
     assert all(pair.sync for pair in CALL_PAIRS), "several worker-group calls per step: the sync path"
 
@@ -103,3 +113,10 @@ def test_a_second_build_of_an_env_waits_for_the_first_and_finds_it_built(tmp_pat
         caller.join(timeout=30)
     assert builds == ["0.8.0"], "the second caller waited and found the env built"
     assert results == [envs.env_python("0.8.0")] * 2
+
+
+def test_verl_0_9_0_is_an_on_demand_v1_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl 0.9.0's pair (the V1 colocate async warm-up) runs when its version is chosen, never by default."""
+    assert [pair.id for pair in V1_PAIRS] == ["0.9.0"]
+    assert "0.9.0" not in _chosen(monkeypatch, "")
+    assert _chosen(monkeypatch, "0.9.0") == ["0.9.0"]

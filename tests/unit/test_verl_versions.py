@@ -22,7 +22,7 @@ from skipinject_rollout_tq.plugin import make_role
 from skipinject.roles import Call
 from skipinject.verl.compat import version_matches
 
-VERSIONS = ("0.4.1", "0.5.0", "0.6.1", "0.7.0", "0.7.1", "0.8.0", "0.9.1")
+VERSIONS = ("0.4.1", "0.5.0", "0.6.1", "0.7.0", "0.7.1", "0.8.0", "0.9.0", "0.9.1")
 
 
 def applied(role: Any, version: str) -> set[str]:
@@ -56,6 +56,45 @@ def test_dev_build_of_a_newer_verl_counts_as_that_release():
     v1_submit = next(t for t in make_role().targets if t.path.endswith("_add_batch_to_generate"))
     assert version_matches(v1_submit.verl, "0.10.0.dev0")
     assert version_matches(v1_submit.verl, "0.9.2rc1")
+
+
+@pytest.mark.parametrize("version", ["0.9.0", "0.9.1", "0.9.1.dev0", "0.10.0.dev0"])
+def test_rollout_tq_switches_off_the_warm_up_each_v1_verl_has(version: str):
+    """verl 0.9.0 has no ``_add_async_warmup_batches``: its async modes submit the warm-up batches in
+    ``on_train_begin`` (at step 1, through the submit target); those are switched off there instead, and no
+    target that does not exist in the install is patched (no warning that the role will not act)."""
+    role = make_role()
+    warm_ups = {t.path.rsplit(":", 1)[1]: t for t in role.targets if "warmup" in t.path or "on_train_begin" in t.path}
+    on = {name for name, t in warm_ups.items() if version_matches(t.verl, version)}
+    if version == "0.9.0":
+        assert on == {"PPOTrainerColocateAsync.on_train_begin", "PPOTrainerSeparateAsync.on_train_begin"}
+    else:
+        assert on == {"PPOTrainer._add_async_warmup_batches"}
+    assert all(t.every_step and type(t.phase).__name__ == "WarmupOff" for t in warm_ups.values())
+
+
+def test_version_ranges_count_a_development_build_as_its_release():
+    assert version_matches(">=0.9.1", "0.9.1.dev0") and not version_matches("<0.9.1", "0.9.1.dev0")
+    assert version_matches(">=0.9,<0.9.1", "0.9.0") and not version_matches(">=0.9,<0.9.1", "0.9.1rc1")
+
+
+def test_the_checks_know_the_trainers_that_ignore_use_v1():
+    """verl's one-step-off and fully async mains run V0-based trainers while ``trainer.use_v1`` keeps its
+    default ``true``: the V0 roles are not said to be off there; the roles those trainers never call are."""
+    from skipinject_advantage.role import cannot_fire as advantage_check
+    from skipinject_reward.role import cannot_fire as reward_check
+    from skipinject_rollout.async_rollout import cannot_fire as async_check
+    from skipinject_rollout_tq.plugin import cannot_fire as tq_check
+
+    one_step_off = OmegaConf.create({"trainer": {"use_v1": True}, "rollout": {"nnodes": 1}})
+    fully_async = OmegaConf.create({**one_step_off, "async_training": {"trigger_parameter_sync_step": 1}})
+    main_ppo_v1 = OmegaConf.create({"trainer": {"use_v1": True}})
+    for check in (reward_check, advantage_check):
+        assert check(one_step_off) is None and check(fully_async) is None and "use_v1=True" in check(main_ppo_v1)
+    assert cannot_fire(one_step_off) is None and "skip.async_rollout" in cannot_fire(fully_async)
+    assert "skip.rollout (one-step-off)" in tq_check(one_step_off) and tq_check(main_ppo_v1) is None
+    assert async_check(fully_async) is None
+    assert "fully_async_main" in async_check(one_step_off) and "fully_async_main" in async_check(main_ppo_v1)
 
 
 def test_rollout_acts_on_the_sync_worker_group_path():

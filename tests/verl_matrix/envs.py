@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCH = "torch==2.13.0"
-VERSIONS = ("0.9.1", "0.8.0", "0.7.1", "0.6.1", "0.5.0", "0.4.1")
+VERSIONS = ("0.9.1", "0.9.0", "0.8.0", "0.7.1", "0.6.1", "0.5.0", "0.4.1")
 NEWEST = "0.9.1"
 #: Distributions of older set-ups whose roles now ship inside skipinject's own wheel.
 OBSOLETE = ("skipinject-rollout", "skipinject-rollout-tq")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-OLDER = ("0.8.0", "0.7.1", "0.6.1", "0.5.0", "0.4.1")
+OLDER = ("0.9.0", "0.8.0", "0.7.1", "0.6.1", "0.5.0", "0.4.1")
 #: Run by ``make test`` (and so in CI) unless SKIPINJECT_VERL_MATRIX says otherwise: versions or pair
 #: ids. verl 0.6.1's DAPO recipe on the worker group proves the mechanisms verl 0.9.1's runs cannot (the
 #: ``init_workers->actor_rollout_wg.generate_sequences`` target, several calls per step, an older verl).
@@ -45,6 +45,9 @@ CALL_PAIRS = (
     Pair("0.6.1", "sync", "remax"),
     Pair("0.5.0", variant="remax"),
 )
+#: Pairs of the V1 TransferQueue trainer (verl 0.9.0: ``skip.rollout_tq`` in ``colocate_async``, whose
+#: warm-up 0.9.0 submits in ``on_train_begin``), chosen by their version or id.
+V1_PAIRS = (Pair("0.9.0"),)
 #: Pairs verl itself cannot run, on any device: chosen, they skip with the reason instead of failing.
 VERL_BUGS = {
     "0.5.0-remax": "verl 0.5.0's REMAX cannot run with rollout.n > 1 (a verl bug): RayPPOTrainer.fit deep-copies "

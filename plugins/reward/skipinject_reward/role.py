@@ -33,7 +33,8 @@ ROW_KEYS = ("data_source", "reward_model")
 
 
 def cannot_fire(config: Any) -> str | None:
-    if select(config, "trainer.use_v1") is True:
+    # verl's one-step-off and fully async trainers (a top-level ``rollout`` section) ignore trainer.use_v1
+    if select(config, "trainer.use_v1") is True and select(config, "rollout.nnodes") is None:
         return (
             "trainer.use_v1=True runs the V1 trainer, which takes rewards from TransferQueue, not from "
             "ray_trainer's reward function; set trainer.use_v1=False for the V0 RayPPOTrainer"

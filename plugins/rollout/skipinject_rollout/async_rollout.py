@@ -13,7 +13,7 @@ import dataclasses
 import re
 from typing import Any
 
-from skipinject import Call, Role, StepSource, Target, hookimpl
+from skipinject import Call, Role, StepSource, Target, hookimpl, select
 
 from skipinject_rollout.common import (
     GEN_BATCH,
@@ -30,6 +30,17 @@ TARGET = (
     "verl.experimental.fully_async_policy.fully_async_rollouter:FullyAsyncAgentLoopManager.generate_sequences_single"
 )
 _SAMPLE_ID = re.compile(r"(?:uid_)?sample_([0-9]{1,18})_([0-9]{1,18})")
+
+
+def cannot_fire(config: Any) -> str | None:
+    """Only the fully async trainer (its config has an ``async_training`` section) has a Rollouter."""
+    if select(config, "async_training") is None:
+        return (
+            "only verl's fully async trainer (-m verl.experimental.fully_async_policy.fully_async_main) calls "
+            "FullyAsyncAgentLoopManager.generate_sequences_single; use skip.rollout (V0, one-step-off) or "
+            "skip.rollout_tq (V1) here"
+        )
+    return None
 
 
 def parse_sample_id(sample_id: str) -> int | None:
@@ -57,6 +68,7 @@ ASYNC_ROLLOUT = Role(
     targets=[Target(TARGET, verl=">=0.8")],
     step=StepSource.per_call(feed_index),
     builtin="async_rollout",
+    check=cannot_fire,
     codec=RolloutCodec(),
     fingerprint=prompt_fingerprint,
     # action=match: a sample is served by its prompt (not its id), from whichever step recorded it,

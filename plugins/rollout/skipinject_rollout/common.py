@@ -19,6 +19,7 @@ from skipinject import (
     installed_verl_matches,
     row_digest,
     row_text,
+    select,
 )
 
 from skipinject_rollout import rescore
@@ -37,8 +38,15 @@ __all__ = [
     "prompt_key",
     "rescore_matched_sample",
     "rescore_sample",
+    "separate_trainer",
     "workers_of",
 ]
+
+
+def separate_trainer(config: Any) -> bool:
+    """verl's one-step-off and fully async trainers: their own ``main``s, with a top-level ``rollout`` section
+    for the rollout's resources, run V0-based trainers whatever ``trainer.use_v1`` says."""
+    return select(config, "rollout.nnodes") is not None
 
 
 #: Non-tensor keys the V0 trainer keeps on its own batch and compares in ``batch.union(output)``.

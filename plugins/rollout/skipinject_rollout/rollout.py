@@ -45,6 +45,7 @@ from skipinject_rollout.common import (
     mark_miss,
     prompt_fingerprint,
     prompt_key,
+    separate_trainer,
     workers_of,
 )
 from skipinject_rollout.legacy import BUILTIN_WRAP, BuiltinSkipOff
@@ -63,8 +64,14 @@ CLOCKS = (V0_FIT, V1_FIT) if installed_verl_matches(">=0.9") else (V0_FIT,)
 
 
 def cannot_fire(config: Any) -> str | None:
-    """Trainers that call neither target: V1 (verl >= 0.9's default), verl 0.4's async server manager."""
-    if select(config, "trainer.use_v1") is True:
+    """Trainers that call neither target: V1 (verl >= 0.9's default), the fully async trainer (its Rollouter
+    generates per sample), verl 0.4's async server manager."""
+    if select(config, "async_training") is not None:
+        return (
+            "the fully async trainer generates in its Rollouter, one sample per call of "
+            "FullyAsyncAgentLoopManager.generate_sequences_single; use skip.async_rollout there"
+        )
+    if select(config, "trainer.use_v1") is True and not separate_trainer(config):
         return (
             "trainer.use_v1=True runs the V1 TransferQueue trainer, which does not call "
             "AgentLoopManager.generate_sequences; use skip.rollout_tq there, or set trainer.use_v1=False"

@@ -646,7 +646,8 @@ def _drawn(notes: Mapping[str, Any]) -> int | None:
 
 
 class WarmupOff:
-    """``PPOTrainer._add_async_warmup_batches``: a no-op while the role is enabled.
+    """``PPOTrainer._add_async_warmup_batches`` (verl 0.9.0: the async modes' ``on_train_begin``, which only
+    warms up): a no-op while the role is enabled.
 
     The async modes prefetch warm-up prompts outside the per-step submit; those would bypass the
     cache and shift the dataloader against it. verl's own skip turns the prefetch off for the same

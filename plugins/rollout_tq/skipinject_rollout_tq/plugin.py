@@ -10,7 +10,11 @@ Targets (verl 0.9.1):
 * ``ReplayBuffer.sample`` and ``ReplayBufferAsync.sample`` (sample): after the real sample, the
   train batch of a generated step is read back and copied in the call, then written in the
   background; ``parameter_sync_step = k`` gives k parts, one commit.
-* ``PPOTrainer._add_async_warmup_batches``: switched off while the role is enabled (every step).
+* ``PPOTrainer._add_async_warmup_batches`` (verl >= 0.9.1): switched off while the role is enabled (every
+  step). verl 0.9.0 has no such method: its async modes' ``on_train_begin`` (``PPOTrainerColocateAsync``,
+  ``PPOTrainerSeparateAsync``) submits the warm-up batches itself, through the submit target, at step 1
+  (upstream skips them when its own ``skip.rollout_tq.enable`` is set); those two are switched off instead,
+  so step 1 is submitted once, by the step itself.
 
 The step is the trainer's ``global_steps`` (clock: ``PPOTrainer.fit``). The cache lives where
 upstream puts it, ``{dump_dir}/{experiment}_{project}/GBS.._N.._in.._out../{step}/``; upstream's
@@ -32,7 +36,7 @@ from skipinject import (
     select,
     verl_version,
 )
-from skipinject_rollout.common import GENERATION_SETTINGS
+from skipinject_rollout.common import GENERATION_SETTINGS, separate_trainer
 from skipinject_rollout.reward_identity import record_reward
 
 from skipinject_rollout_tq.phases import (
@@ -49,6 +53,11 @@ TRAINER = "verl.trainer.ppo.v1.trainer_base:PPOTrainer"
 SUBMIT = f"{TRAINER}._add_batch_to_generate"
 REFILL = f"{TRAINER}._add_prompts_to_generate"
 WARMUP = f"{TRAINER}._add_async_warmup_batches"
+#: verl 0.9.0's async modes submit their warm-up batches in ``on_train_begin`` (nothing else happens there).
+WARMUP_090 = (
+    "verl.trainer.ppo.v1.trainer_colocate_async:PPOTrainerColocateAsync.on_train_begin",
+    "verl.trainer.ppo.v1.trainer_separate_async:PPOTrainerSeparateAsync.on_train_begin",
+)
 FIT = f"{TRAINER}.fit"
 SAMPLES = (
     "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample",
@@ -57,6 +66,9 @@ SAMPLES = (
 
 #: The V1 TransferQueue trainer exists in verl >= 0.9 only.
 V1_VERL = ">=0.9"
+#: ``_add_async_warmup_batches`` exists from verl 0.9.1 on; 0.9.0 warms up in ``on_train_begin``.
+WARMUP_VERL = ">=0.9.1"
+WARMUP_090_VERL = ">=0.9,<0.9.1"
 
 #: Upstream's file of part 0 of a step; the loader reads every part of that step.
 #: verl 0.9 writes ``num_trajectories`` in a ``meta.json`` beside each part's file.
@@ -87,10 +99,16 @@ def no_v1_trainer() -> str | None:
 
 
 def cannot_fire(config: Any) -> str | None:
-    """A verl without the V1 trainer, or the V0 trainer chosen: no TransferQueue submit/sample."""
+    """A verl without the V1 trainer, the V0 trainer chosen, or verl's one-step-off and fully async trainers:
+    no TransferQueue submit/sample."""
     missing = no_v1_trainer()
     if missing is not None:
         return missing
+    if separate_trainer(config):
+        return (
+            "verl's one-step-off and fully async trainers have no TransferQueue submit/sample, whatever "
+            "trainer.use_v1 says; use skip.rollout (one-step-off) or skip.async_rollout (fully async)"
+        )
     if select(config, "trainer.use_v1") is False:
         return (
             "trainer.use_v1=False runs the V0 RayPPOTrainer, which has no TransferQueue submit/sample; "
@@ -108,7 +126,8 @@ def make_role() -> Role:
             Target(SUBMIT, phase=SubmitPhase(last_served), verl=V1_VERL),
             Target(REFILL, phase=RefillPhase(), verl=V1_VERL),
             *(Target(path, phase=SamplePhase(last_served), every_step=True, verl=V1_VERL) for path in SAMPLES),
-            Target(WARMUP, phase=WarmupOff(), every_step=True, verl=V1_VERL),
+            Target(WARMUP, phase=WarmupOff(), every_step=True, verl=WARMUP_VERL),
+            *(Target(path, phase=WarmupOff(), every_step=True, verl=WARMUP_090_VERL) for path in WARMUP_090),
         ],
         step=StepSource.clock("global_steps").or_else(StepSource.argument("global_steps")),
         codec=TrajectoryCodec(),

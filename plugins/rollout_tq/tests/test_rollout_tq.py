@@ -33,6 +33,7 @@ from skipinject.report.tally import TALLY
 from skipinject.store import StepStore
 from skipinject.store.writer import StepWriter
 from skipinject.verl.codecs import TensorDictCodec
+from skipinject.verl.compat import installed_verl_matches
 from skipinject_rollout_tq.phases import parameter_sync_step
 from skipinject_rollout_tq.plugin import cannot_fire, make_role
 from skipinject_rollout_tq.transfer import CachedBatch, group_rows, inject, prepare, remap, select_rows
@@ -698,6 +699,7 @@ def test_validation_samples_are_not_saved(tmp_path: Path, clean_tq: None):
     assert not dump.exists()
 
 
+@pytest.mark.skipif(not installed_verl_matches(">=0.9.1"), reason="_add_async_warmup_batches: verl >= 0.9.1")
 def test_async_warmup_prefetch_is_off_only_while_the_role_is_enabled(tmp_path: Path, caplog):
     trainer = object.__new__(get_trainer_cls("separate_async"))
     trainer.config = run_config("separate_async", 2)
@@ -749,6 +751,29 @@ def _in_thread(work: Any) -> tuple[threading.Thread, list[Any]]:
     thread = threading.Thread(target=lambda: done.append(work()), daemon=True)
     thread.start()
     return thread, done
+
+
+@pytest.mark.skipif(
+    not installed_verl_matches(">=0.9,<0.9.1"), reason="verl 0.9.0's async modes warm up in on_train_begin"
+)
+@pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])
+def test_verl_0_9_0_warm_up_in_on_train_begin_is_off_while_the_role_is_enabled(tmp_path: Path, caplog, mode: str):
+    """verl 0.9.0 has no ``_add_async_warmup_batches``: its async modes' ``on_train_begin`` submits the warm-up
+    batches through the submit target at step 1. Run in verl 0.9.0's environment (``.venvs/verl-0.9.0``)."""
+    trainer = object.__new__(get_trainer_cls(mode))
+    trainer.config = run_config(mode, 1)
+    OmegaConf.update(trainer.config, f"trainer.v1.{mode}.num_warmup_batches", 2)
+    submitted: list[int] = []
+    trainer._add_batch_to_generate = lambda: submitted.append(trainer.global_steps)
+    trainer.global_steps = 1
+    CLOCK.enter(trainer)
+    with Session(tmp_path, steps=(5,)), caplog.at_level(logging.INFO, logger="skipinject"):
+        trainer.on_train_begin()
+        trainer.on_train_begin()
+    assert submitted == [], "no warm-up submit while enabled, even at steps outside skip.steps"
+    assert sum("warm-up prefetch switched off" in r.getMessage() for r in caplog.records) == 1
+    trainer.on_train_begin()
+    assert submitted == [1, 1], "the original warms up again once the role is gone"
 
 
 @pytest.mark.ray
