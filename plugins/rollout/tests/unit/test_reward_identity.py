@@ -210,7 +210,8 @@ def test_a_recorded_settings_key_is_printed_escaped_and_bounded(key: str) -> Non
     handler = logging.StreamHandler(stream)
     logger = logging.getLogger("skipinject")
     logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel, not the attribute: it clears the logger's isEnabledFor cache
     filters = list(logger.filters)
     bootstrap.bound_log_lines()
     try:
@@ -221,7 +222,7 @@ def test_a_recorded_settings_key_is_printed_escaped_and_bounded(key: str) -> Non
         rescore.apply(None, call, "rollout", 3, settings, [({"reward": forged}, None)])  # type: ignore[arg-type]
     finally:
         logger.removeHandler(handler)
-        logger.level = level
+        logger.setLevel(level)
         logger.filters[:] = filters  # no state left for other tests
     lines = stream.getvalue().splitlines()
     assert len(lines) == 2, lines  # auto: re-scored (nothing to score here); never: served, with a warning
