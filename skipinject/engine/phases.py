@@ -144,15 +144,39 @@ class TargetInterceptor:
         steps = runtime.settings.steps
         chosen = frozenset(steps) if len(steps) <= _HASHED_STEPS else steps
         #: Asked by the injector first on every call, before a Call exists (see compile_passes).
-        self.passes = compile_passes(runtime.role.step, chosen, target.every_step, runtime.recorder.steps.open)
+        self.passes = compile_passes(
+            runtime.role.step, chosen, target.every_step or target.before is not None, runtime.recorder.steps.open
+        )
+        self.before = target.before
+
+    def _readied(self, call: Call, proceed: Callable[..., Any], awaiting: bool) -> Callable[..., Any]:
+        """``proceed`` calling the target's ``before(call)`` first (off the event loop for awaiting callers)."""
+        before = self.before
+        if before is None:
+            return proceed
+        if awaiting:
+
+            async def ready_then_proceed_async(*args: Any, **kwargs: Any) -> Any:
+                await asyncio.to_thread(before, call)
+                return await proceed(*args, **kwargs)
+
+            return ready_then_proceed_async
+
+        def ready_then_proceed(*args: Any, **kwargs: Any) -> Any:
+            before(call)
+            return proceed(*args, **kwargs)
+
+        return ready_then_proceed
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
+        proceed = self._readied(call, proceed, awaiting=False)
         step = self.runtime.applicable_step(call, any_step=self.every_step)
         if step is None:
             return proceed()
         return self.phase.run(self.runtime, call, step, proceed)
 
     async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:
+        proceed = self._readied(call, proceed, awaiting=True)
         step = self.runtime.applicable_step(call, any_step=self.every_step)
         if step is None:
             return await proceed()
