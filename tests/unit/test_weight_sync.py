@@ -266,3 +266,15 @@ def test_colocate_async_abort_and_resume_follow_the_pending_sync(tmp_path: Path)
     after_one = calls[calls.index("generate step 1") + 1 :]
     assert after_one[:3] == ["abort", "sleep", "sync 2"], after_one  # step 2 served; the step-1 sync skipped
     assert after_one[3] == "resume" and trainer.generator.seen[-1] == ("step 3", 2, 2)
+
+
+def test_a_generation_of_an_unchosen_step_carries_the_pending_sync_out_first(tmp_path: Path):
+    run(tmp_path, "[1-3]")
+    SYNCS.clear()
+    with RoleRun(role(), tmp_path, "[1-3]") as started:
+        trainer = Trainer()
+        trainer.fit()  # every step served: the sync after step 3 pending
+        assert trainer.outputs == [10, 20, 30] and syncs(trainer) == []
+        trainer.generator.generate(Batch({"global_steps": 9}))  # no chosen step: the target runs
+    assert trainer.generator.seen == [("step 9", 3, 3)] and syncs(trainer) == ["sync 3"]
+    assert any("pending weight sync carried out before step 9's generation" in line for line in started.lines)
