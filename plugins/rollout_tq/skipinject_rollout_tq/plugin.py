@@ -113,7 +113,7 @@ def make_role() -> Role:
             Target(WARMUP, phase=WarmupOff(), every_step=True, verl=V1_VERL),
             Target(GENERATE, phase=PassThrough(), every_step=True, verl=V1_VERL, before=before_generation),
             # The trainer's weight sync into the rollout engine, deferred while the coming step is served.
-            *manager_targets(v1_defers),
+            *manager_targets(v1_defers, verl=V1_VERL),
         ],
         step=StepSource.clock("global_steps").or_else(StepSource.argument("global_steps"), BEFORE_TRAINING),
         codec=TrajectoryCodec(),
