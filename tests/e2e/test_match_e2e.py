@@ -165,9 +165,10 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
     syncs = harness.weight_syncs(tmp_path / "run2.gen.jsonl")
     assert [s["global_steps"] for s in syncs] == [0, 1], syncs
     carried = [line for line in skip_lines(second, "rollout") if "pending weight sync carried out" in line]
-    assert [line.split(" (weights")[0] for line in carried] == [
-        f"rollout step {s}: pending weight sync carried out before step {s}'s generation" for s in (1, 2)
-    ], carried
+    assert len(carried) == 2, carried
+    for step, line in zip((1, 2), carried, strict=True):
+        said = f"rollout step {step}: pending weight sync carried out before step {step}'s generation (weights of"
+        assert f"{said} step {step - 1}," in line, carried
 
     # Trained on its own prompts: each dumped row's prompt (decoded from the rollout's output) has the
     # ground truth of its dataset row (the call's own), and a served prompt got run 1's responses for it.

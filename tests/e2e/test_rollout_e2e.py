@@ -184,7 +184,7 @@ def test_v0_weight_syncs_wait_for_a_generation(v0_runs: V0Runs):
     lines = skip_lines(v0_runs.second, "rollout")
     carried = [line for line in lines if "pending weight sync carried out" in line]
     assert len(carried) == 1 and "before validation's generation (weights of step 0" in carried[0], lines
-    deferred = [line.split(":")[0] for line in lines if "weight sync deferred" in line]
+    deferred = [m[1] for line in lines if (m := re.search(r"(\w+ step \d+): weight sync deferred", line))]
     assert deferred == [f"rollout step {s}" for s in (1, 2, 3, 4)], lines
     said = [
         line for line in (v0_runs.second.stdout + v0_runs.second.stderr).splitlines() if "summary: rollout:" in line
