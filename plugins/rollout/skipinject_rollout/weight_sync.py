@@ -130,20 +130,22 @@ def _carrying_out() -> bool:
 
 
 def carry_out(manager: Any, state: EngineState, before: str, step: int | None) -> None:
-    """Carry ``state``'s pending sync out now (its resume after it), one line saying before what."""
-    pending = state.pending
-    if pending is None:
-        return
-    state.pending = None
-    count_weight_syncs(pending.role, -1, -pending.seconds)  # it was not skipped after all
-    SYNCS.carrying.active = True
-    started = time.perf_counter()
-    try:
-        manager.update_weights(*pending.args, **pending.kwargs)
-        if pending.resume:
-            manager.resume_generation_replicas()
-    finally:
-        SYNCS.carrying.active = False
+    """Carry ``state``'s pending sync out now (its resume after it), one line saying before what. Under the
+    lock: a generation on another thread waits until the weights are in the engine."""
+    with SYNCS.lock:
+        pending = state.pending
+        if pending is None:
+            return
+        state.pending = None
+        count_weight_syncs(pending.role, -1, -pending.seconds)  # it was not skipped after all
+        SYNCS.carrying.active = True
+        started = time.perf_counter()
+        try:
+            manager.update_weights(*pending.args, **pending.kwargs)
+            if pending.resume:
+                manager.resume_generation_replicas()
+        finally:
+            SYNCS.carrying.active = False
     at = f"step {step}" if step is not None else f"step {pending.weights_of}"
     logger.info(
         "%s %s: pending weight sync carried out before %s (weights of step %d, in %.3f s)",
