@@ -278,3 +278,23 @@ def test_a_generation_of_an_unchosen_step_carries_the_pending_sync_out_first(tmp
         trainer.generator.generate(Batch({"global_steps": 9}))  # no chosen step: the target runs
     assert trainer.generator.seen == [("step 9", 3, 3)] and syncs(trainer) == ["sync 3"]
     assert any("pending weight sync carried out before step 9's generation" in line for line in started.lines)
+
+
+def test_the_summary_counts_the_syncs_skipped_in_the_time_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from skipinject.report import tally
+
+    counts = {"rollout": {**dict.fromkeys(tally.FIELDS, 0), "served_steps": 2, "generation_s_saved": 20.0}}
+    assert tally.render(counts)[-1] == "summary: 20.0 s of generation saved in all", "no sync skipped: as before"
+    counts["rollout"].update(weight_syncs_skipped=3, weight_sync_s_saved=1.5)
+    lines = tally.render(counts)
+    assert "; 3 weight syncs skipped (1.5 s); 20.0 s of generation saved" in lines[0]
+    assert lines[-1] == "summary: 21.5 s of generation and weight syncs saved in all"
+    target = tmp_path / "summary.json"
+    monkeypatch.setenv("SKIPINJECT_SUMMARY", str(target))
+    directory = tmp_path / "report"
+    directory.mkdir(mode=0o700)
+    (directory / "1.json").write_text(json.dumps({"roles": counts}))
+    tally.RunEnd(directory, ["rollout"]).say()
+    written = json.loads(target.read_text())
+    assert written["roles"]["rollout"]["weight_syncs_skipped"] == 3
+    assert written["total"]["weight_sync_s_saved"] == 1.5
