@@ -62,13 +62,13 @@ _TOTAL = StepSource.clock("total_training_steps")
 _MANAGERS: set[str] = set()
 
 
-def _before_training(call: Call) -> int | None:
+def step_zero_before_fit(call: Call) -> int | None:
     """The manager's calls made before the trainer's ``fit`` (its set-up's sleep, V1's first sync): step 0."""
     return 0 if call.target.rpartition(".")[0] in _MANAGERS else None
 
 
 #: A rollout role's step source ends with this: the manager's calls carry no step before ``fit``.
-BEFORE_TRAINING = StepSource.per_call(_before_training)
+BEFORE_TRAINING = StepSource.per_call(step_zero_before_fit)
 _GENERATION_STEP = StepSource.meta("global_steps").or_else(StepSource.clock("global_steps"))
 
 
