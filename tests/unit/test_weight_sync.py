@@ -130,12 +130,13 @@ class Trainer(ToyTrainer):
         return self.outputs
 
 
-def role(**eligible: Any) -> Role:
+def role(keeps: str | None = None) -> Role:
+    """The test's rollout role; ``keeps``: why its trainer keeps every sync (``None``: it may defer)."""
     return Role(
         name="gen",
         targets=[
             Target(f"{HERE}:Generator.generate", before=before_generation),
-            *manager_targets(lambda config: None, manager=f"{HERE}:Manager", verl=None),
+            *manager_targets(lambda config: keeps, manager=f"{HERE}:Manager", verl=None),
         ],
         step=StepSource.meta("global_steps").or_else(StepSource.clock("global_steps"), BEFORE_TRAINING),
         codec=IntCodec(),
@@ -154,11 +155,11 @@ def _fresh() -> Any:
     TALLY.clear()
 
 
-def run(dump: Path, steps: str, *overrides: str, **trainer: Any) -> tuple[Trainer, RoleRun]:
+def run(dump: Path, steps: str, *overrides: str, keeps: str | None = None, **trainer: Any) -> tuple[Trainer, RoleRun]:
     """One run in a process of its own as verl's: nothing counted or pending from an earlier one."""
     SYNCS.clear()
     TALLY.clear()
-    with RoleRun(role(), dump, steps, *overrides) as started:
+    with RoleRun(role(keeps), dump, steps, *overrides) as started:
         trainer_ = Trainer(**trainer)
         trainer_.fit()
     return trainer_, started
@@ -298,3 +299,28 @@ def test_the_summary_counts_the_syncs_skipped_in_the_time_saved(tmp_path: Path, 
     written = json.loads(target.read_text())
     assert written["roles"]["rollout"]["weight_syncs_skipped"] == 3
     assert written["total"]["weight_sync_s_saved"] == 1.5
+
+
+def test_a_trainer_whose_engine_generates_while_it_trains_keeps_every_sync_and_says_so(tmp_path: Path):
+    run(tmp_path, "[1-3]")
+    reason = "trainer.v1.trainer_mode=separate_async: the rollout engine generates while the trainer trains"
+    second, started = run(tmp_path, "[1-3]", keeps=reason)
+    assert second.generator.seen == [] and syncs(second) == ["sync 0", "sync 1", "sync 2", "sync 3"]
+    said = [line for line in started.lines if "weight syncs are carried out as verl makes them" in line]
+    assert said == [f"gen: weight syncs are carried out as verl makes them in this run ({reason})"]
+
+
+def test_which_trainers_defer():
+    from omegaconf import OmegaConf
+    from skipinject_rollout.rollout import v0_defers
+    from skipinject_rollout_tq.plugin import v1_defers
+
+    def config(**sections: Any) -> Any:
+        return OmegaConf.create({"trainer": {"use_v1": False}, **sections})
+
+    assert v0_defers(config()) is None
+    assert "hybrid_engine=False" in str(v0_defers(config(actor_rollout_ref={"hybrid_engine": False})))
+    assert v0_defers(OmegaConf.create({"trainer": {"use_v1": True}}))  # the V1 trainer: rollout_tq's
+    for mode, defers in (("sync", True), ("colocate_async", True), ("separate_async", False)):
+        v1 = OmegaConf.create({"trainer": {"use_v1": True, "v1": {"trainer_mode": mode}}})
+        assert (v1_defers(v1) is None) == defers, mode
