@@ -296,13 +296,13 @@ def will_serve(role: PhaseContext, call: Call, coming: int) -> str | None:
         store = role.store_for(call)
         if settings.action is Action.repeat:
             found = any(store.is_committed(s) for s in store.step_numbers_on_disk()[:8])
+            what = "a cached step serves it (action=repeat)"
         else:
             found = store.is_committed(coming)
+            what = "the step is cached"
     except Exception:
         return None
-    return (
-        "the step is cached: the rollout engine is not woken; carried out before anything generates" if found else None
-    )
+    return f"{what}: the rollout engine is not woken; carried out before anything generates" if found else None
 
 
 class SleepPhase(_ManagerPhase):
