@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "examples" / "verl_cpu"))
 import harness  # noqa: E402
 
 LAUNCHER = (sys.executable, "-m", "skipinject", "-m", "verl.trainer.main_ppo")
-_TIMING = re.compile(r"timing_s/(step|update_weights|gen):(-?[0-9.e+-]+)")
+_TIMING = re.compile(r"timing_s/(step|update_weights|gen):(-?[0-9.]+(?:e[+-]?[0-9]+)?)")
 
 
 def step_timings(stdout: str) -> list[dict[str, float]]:
