@@ -249,24 +249,29 @@ def test_an_engine_call_carries_the_pending_sync_out_first(tmp_path: Path):
     assert any("pending weight sync carried out before wake_up_replicas" in line for line in started.lines)
 
 
-def test_colocate_async_abort_and_resume_follow_the_pending_sync(tmp_path: Path):
+def test_colocate_async_skips_abort_and_resume_on_a_sleeping_engine_and_keeps_a_sync_after_an_abort(tmp_path: Path):
     run(tmp_path, "[1,2]", async_mode=True)
     second, _ = run(tmp_path, "[1,2]", async_mode=True)
     # Served steps 1-2: nothing reaches the engine; step 3's sync is carried out with its resume.
     assert second.manager.calls[:2] == ["sleep", "sync 2"]
     assert second.generator.seen == [("step 3", 2, 2)]
-    # After step 3 (generated): aborted and put to sleep for real; the last sync and its resume wait for nothing.
-    assert second.manager.calls[-2:] == ["abort", "sleep"] and not second.manager.gate_open
+    # After step 3 (generated): aborted and put to sleep for real; the sync after that abort is carried out.
+    assert second.manager.calls[-4:] == ["abort", "sleep", "sync 3", "resume"] and second.manager.gate_open
 
-    # A gate really closed (step 1 generated) stays closed while a sync is pending, opens after it.
+    # A gate an abort really closed (step 1 generated) may park requests that resume after the sync: that sync
+    # is carried out as verl makes it (so is every later one), and each generation sees the weights it would.
     third_dump = tmp_path / "third"
     run(third_dump, "[2]", async_mode=True)
     trainer, _ = run(third_dump, "[2]", async_mode=True)
     calls = trainer.manager.calls
     assert calls[: calls.index("generate step 1") + 1] == ["sleep", "sync 0", "generate step 1"]
-    after_one = calls[calls.index("generate step 1") + 1 :]
-    assert after_one[:3] == ["abort", "sleep", "sync 2"], after_one  # step 2 served; the step-1 sync skipped
-    assert after_one[3] == "resume" and trainer.generator.seen[-1] == ("step 3", 2, 2)
+    after_one = calls[calls.index("generate step 1") + 1 : calls.index("generate step 3")]
+    assert after_one == ["abort", "sleep", "sync 1", "resume", "abort", "sleep", "sync 2", "resume"], after_one
+    assert (
+        trainer.generator.seen
+        == [("step 1", 0, 0), ("step 3", 2, 2)]
+        == [seen for seen in without_skipinject(async_mode=True).generator.seen if seen[0] != "step 2"]
+    )
 
 
 def test_a_generation_of_an_unchosen_step_carries_the_pending_sync_out_first(tmp_path: Path):

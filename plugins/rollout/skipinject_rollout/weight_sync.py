@@ -13,8 +13,9 @@ that runs (a miss, a ``match`` call with rows to generate, a refill, validation)
 the skipped sync would have moved (nothing trains between a sync and the next generation). The generation
 targets carry it out in their ``Target.before``; the manager's other engine calls in their phase. A run
 whose remaining steps are all served ends with none. While a sync is pending the engine is still asleep:
-``sleep_replicas`` (and ``colocate_async``'s ``abort_replicas``) are not called again, and its
-``resume_generation_replicas`` follows the pending sync when it is carried out.
+``sleep_replicas`` (and ``colocate_async``'s ``abort_replicas``) are not called again, and neither is
+its ``resume_generation_replicas``. A sync that follows an abort carried out (``colocate_async`` after a
+generated step: requests it parked resume after the sync, with its weights) is never deferred.
 
 Trainers whose engine generates while the trainer trains (V1 ``separate_async``, one-step-off, fully async:
 ``actor_rollout_ref.hybrid_engine=False``) keep every sync; one line says so. verl < 0.8 has no
@@ -244,7 +245,9 @@ class SyncPhase(_ManagerPhase):
     def run(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         manager, weights_of = call.instance, _weights_of(call, step)
         state = SYNCS.of(manager)
-        if not _carrying_out() and self.defers(role, call):
+        # A gate an abort really closed (``colocate_async``) may hold requests that resume right after this sync
+        # and generate with its weights, as verl has them: such a sync is carried out.
+        if not _carrying_out() and not state.gate_closed and self.defers(role, call):
             coming = weights_of + 1
             why = will_serve(role, call, coming)
             if why is not None:
