@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from skipinject.config import Action, MismatchPolicy, RescorePolicy, RoleConfig
     from skipinject.payload import Payload
     from skipinject.plugin_manager import hookimpl
-    from skipinject.report.tally import count_rescored
+    from skipinject.report.tally import count_rescored, count_weight_syncs
     from skipinject.store import StepEntry
     from skipinject.store import StepStore as StepCache
     from skipinject.store import StepWriter as StepWriting
@@ -66,7 +66,7 @@ _LAZY = {
         "skipinject.config": ("Action", "MismatchPolicy", "RescorePolicy", "RoleConfig"),
         "skipinject.payload": ("Payload",),
         "skipinject.plugin_manager": ("hookimpl",),
-        "skipinject.report.tally": ("count_rescored",),
+        "skipinject.report.tally": ("count_rescored", "count_weight_syncs"),
         "skipinject.store": ("StepCache", "StepEntry", "StepWriting"),
         "skipinject.verl.codecs": ("DataProtoCodec", "TensorDictCodec"),
     }.items()
@@ -123,6 +123,7 @@ __all__ = [
     "__version__",
     "attended_tokens",
     "count_rescored",
+    "count_weight_syncs",
     "decode_tensor",
     "default_bypass",
     "enable",

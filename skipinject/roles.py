@@ -263,13 +263,16 @@ class Phase(Protocol):
 @dataclass(frozen=True)
 class Target:
     """A function or method to patch, with the phase handling its calls (fields: docs/plugins.md);
-    ``every_step``: the phase sees every call of an enabled role."""
+    ``every_step``: the phase sees every call of an enabled role; ``before(call)``: called in this process
+    right before the original runs (whatever the engine decided, validation included), never for a call
+    served from the cache -- what must be ready when the target really runs (plugin API 1.6)."""
 
     path: str
     phase: Phase | None = None
     verl: str | None = None
     every_step: bool = False
     attribute: str | None = None
+    before: Callable[[Call], None] | None = None
 
     def __post_init__(self) -> None:
         TargetPath.parse(self.path)

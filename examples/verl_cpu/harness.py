@@ -59,6 +59,7 @@ __all__ = [
     "run_main_ppo",
     "skip_role",
     "verl_version",
+    "weight_syncs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -740,7 +741,8 @@ def gen_log_events(gen_log: Path, event: str | None = None) -> list[dict]:
     """All records of ``gen_log`` (or those of one ``event``); a missing file means none.
 
     Events written by the shim's ``hf`` rollout: ``server_start`` (a generation server
-    loaded its model: the log works even when a run generates nothing) and ``generate``.
+    loaded its model: the log works even when a run generates nothing), ``generate`` and
+    ``weight_sync``.
     """
     try:
         text = Path(gen_log).read_text()
@@ -756,10 +758,17 @@ def generate_calls(gen_log: Path) -> list[dict]:
     Each record: ``event`` (``"generate"``), ``pid``, ``time``, ``replica``, ``n_sequences``
     (always 1: verl's agent loops send one request per sequence), ``n_prompt_tokens``, ``prompt`` (a
     digest of the prompt's tokens: which prompt was generated),
-    ``n_new_tokens``, ``weight_version`` (weight syncs the serving model had received) and
-    ``global_steps`` (the trainer step of those weights, as verl passed it with them).
+    ``n_new_tokens``, ``weight_version`` (weight syncs the serving model had received),
+    ``weight_digest`` (a digest of those weights' values) and ``global_steps`` (the trainer step of
+    those weights, as verl passed it with them).
     """
     return gen_log_events(gen_log, "generate")
+
+
+def weight_syncs(gen_log: Path) -> list[dict]:
+    """The ``weight_sync`` records of ``gen_log``, one per state dict a generation server loaded (a trainer's
+    weight sync into the rollout): ``n_tensors``, ``weight_version``, ``weight_digest``, ``global_steps``."""
+    return gen_log_events(gen_log, "weight_sync")
 
 
 def prompt_digests(assets: Assets, texts: Sequence[str]) -> dict[str, str]:

@@ -11,6 +11,7 @@ from skipinject.config.schema import (
     RescorePolicy,
     RoleConfig,
     RoleSchema,
+    WeightSyncPolicy,
     role_config,
 )
 from skipinject.config.steps import MAX_STEP, StepSet
@@ -27,6 +28,7 @@ __all__ = [
     "RoleConfig",
     "RoleSchema",
     "StepSet",
+    "WeightSyncPolicy",
     "apply_overrides",
     "apply_settings",
     "load_file",

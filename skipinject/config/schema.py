@@ -55,6 +55,14 @@ class RescorePolicy(_Choice):
     never = "never"
 
 
+class WeightSyncPolicy(_Choice):
+    """Whether the trainer's weight sync into the rollout engine waits while the coming generation is served
+    (``skip.<role>.defer_weight_sync``): carried out, once, before anything needs the engine again."""
+
+    auto = "auto"  # deferred where the role's trainer allows it exactly (colocated, sync generation)
+    never = "never"  # every sync carried out when verl makes it
+
+
 _BOOLEAN = "expected true or false"
 
 
@@ -118,6 +126,9 @@ class RoleConfig:
     read_ahead: bool = _setting(True)
     rescore: RescorePolicy = _setting(RescorePolicy.auto, f"expected one of {', '.join(RescorePolicy)}")  # noqa: RUF009
     save: bool = _setting(True)
+    defer_weight_sync: WeightSyncPolicy = _setting(  # noqa: RUF009
+        WeightSyncPolicy.auto, f"expected one of {', '.join(WeightSyncPolicy)}"
+    )
 
     def __post_init__(self) -> None:
         # Plain values from code (``steps=(1, 2)``, ``action="repeat"``) taken as the schema would, then checked.

@@ -184,14 +184,37 @@ class TargetInterceptor:
         steps = runtime.settings.steps
         chosen = frozenset(steps) if len(steps) <= _HASHED_STEPS else steps
         #: Asked by the injector first on every call, before a Call exists (see compile_passes).
-        self.passes = compile_passes(runtime.role.step, chosen, target.every_step, open_steps)
+        self.passes = compile_passes(
+            runtime.role.step, chosen, target.every_step or target.before is not None, open_steps
+        )
+        self.before = target.before
 
     def _runtime(self) -> RoleRuntime:
         assert self.slot is not None
         self.runtime = self.slot.get()
         return self.runtime
 
+    def _readied(self, call: Call, proceed: Callable[..., Any], awaiting: bool) -> Callable[..., Any]:
+        """``proceed`` calling the target's ``before(call)`` first (off the event loop for awaiting callers)."""
+        before = self.before
+        if before is None:
+            return proceed
+        if awaiting:
+
+            async def ready_then_proceed_async(*args: Any, **kwargs: Any) -> Any:
+                await asyncio.to_thread(before, call)
+                return await proceed(*args, **kwargs)
+
+            return ready_then_proceed_async
+
+        def ready_then_proceed(*args: Any, **kwargs: Any) -> Any:
+            before(call)
+            return proceed(*args, **kwargs)
+
+        return ready_then_proceed
+
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
+        proceed = self._readied(call, proceed, awaiting=False)
         runtime = self.runtime or self._runtime()
         step = runtime.applicable_step(call, any_step=self.every_step)
         if step is None:
@@ -200,6 +223,7 @@ class TargetInterceptor:
         return self.phase.run(runtime, call, step, proceed)
 
     async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:
+        proceed = self._readied(call, proceed, awaiting=True)
         runtime = self.runtime or self._runtime()
         step = runtime.applicable_step(call, any_step=self.every_step)
         if step is None:

@@ -35,6 +35,8 @@ FIELDS = (
     "rescored_rows",
     "bytes_read",
     "generation_s_saved",
+    "weight_syncs_skipped",
+    "weight_sync_s_saved",
 )
 #: Most process records :func:`collect` reads, and their largest size (a record is a few hundred bytes).
 MAX_FILES = 4096
@@ -47,6 +49,7 @@ SUMMARY_PARTS = (
     (("served_rows", "generated_rows"), "rows {served_rows:.0f} served, {generated_rows:.0f} generated"),
     (("rescored_rows",), "{rescored_rows:.0f} rows re-scored"),
     ((), "{read} read"),
+    (("weight_syncs_skipped",), "{weight_syncs_skipped:.0f} weight syncs skipped ({weight_sync_s_saved:.1f} s)"),
     ((), "{generation_s_saved:.1f} s of generation saved"),
 )
 
@@ -113,6 +116,13 @@ def count_rescored(role: str, rows: int) -> None:
     """Count ``rows`` a role re-scored with this run's reward (plugin API 1.4)."""
     if rows > 0:
         TALLY.add(role, rescored_rows=rows)
+
+
+def count_weight_syncs(role: str, skipped: int, seconds: float = 0.0) -> None:
+    """Count weight syncs ``role`` skipped and the seconds they took in the recording run (plugin API 1.6); a
+    deferred sync carried out after all is taken back with negative amounts (a process's totals stay >= 0)."""
+    if skipped or seconds:
+        TALLY.add(role, weight_syncs_skipped=skipped, weight_sync_s_saved=seconds)
 
 
 def report_dir() -> Path | None:
@@ -277,7 +287,11 @@ def render(roles: Mapping[str, Mapping[str, float]], order: Sequence[str] = ()) 
         values = {**count, "read": human_size(int(count["bytes_read"]))}
         parts = [text.format(**values) for keys, text in SUMMARY_PARTS if not keys or any(count[k] for k in keys)]
         lines.append(f"summary: {name}: " + "; ".join(parts))
-    return [*lines, f"summary: {total(roles, 'generation_s_saved'):.1f} s of generation saved in all"]
+    saved, syncs = total(roles, "generation_s_saved"), total(roles, "weight_syncs_skipped")
+    if not syncs:
+        return [*lines, f"summary: {saved:.1f} s of generation saved in all"]
+    synced = total(roles, "weight_sync_s_saved")
+    return [*lines, f"summary: {saved + synced:.1f} s of generation and weight syncs saved in all"]
 
 
 class RunEnd:

@@ -160,6 +160,15 @@ def test_match_serves_seen_prompts_generates_the_others_and_trains_on_its_own(
     wanted[(2, new_at_2)] += padding  # the padding rows repeat the cut call's first rows: the new prompt's
     assert got == wanted, (got, wanted)
     assert not {call["prompt"] for call in generated_2} & {call["prompt"] for call in generated_1}
+    # Every step chosen (match): each sync waits; steps 1 and 2 have rows to generate, so the pending sync is
+    # carried out right before their call (weights of the step before, as above); step 3 is served whole.
+    syncs = harness.weight_syncs(tmp_path / "run2.gen.jsonl")
+    assert [s["global_steps"] for s in syncs] == [0, 1], syncs
+    carried = [line for line in skip_lines(second, "rollout") if "pending weight sync carried out" in line]
+    assert len(carried) == 2, carried
+    for step, line in zip((1, 2), carried, strict=True):
+        said = f"rollout step {step}: pending weight sync carried out before step {step}'s generation (weights of"
+        assert f"{said} step {step - 1}," in line, carried
 
     # Trained on its own prompts: each dumped row's prompt (decoded from the rollout's output) has the
     # ground truth of its dataset row (the call's own), and a served prompt got run 1's responses for it.

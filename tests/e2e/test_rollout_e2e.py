@@ -164,3 +164,32 @@ def test_fully_async_rollout_cache_then_hit(assets: Any, async_recording: AsyncR
 def trained_scores(proc: Any) -> list[float]:
     """Every score statistic (mean, max, min) verl logged to the console for the trained steps."""
     return [value for step in trained_metrics(proc) for key, value in step.items() if key.startswith("critic/score/")]
+
+
+def test_v0_weight_syncs_wait_for_a_generation(v0_runs: V0Runs):
+    """Run 1 generates steps 1-2: a sync before each; the one after its last step waits for nothing.
+    Run 2 serves steps 1-3 and validates first: the first sync waits until validation needs the engine,
+    is carried out once before it, and no served step makes another (before each served step and after
+    the last, ``weight sync deferred``)."""
+    syncs_1 = harness.weight_syncs(v0_runs.tmp / "run1.gen.jsonl")
+    assert [s["global_steps"] for s in syncs_1] == [0, 1], syncs_1
+    generated_1 = harness.generate_calls(v0_runs.tmp / "run1.gen.jsonl")
+    assert {int(call["global_steps"]) for call in generated_1} == {0, 1}
+
+    syncs_2 = harness.weight_syncs(v0_runs.tmp / "run2.gen.jsonl")
+    generated_2 = harness.generate_calls(v0_runs.tmp / "run2.gen.jsonl")
+    assert [s["global_steps"] for s in syncs_2] == [0], syncs_2
+    assert generated_2 and min(call["time"] for call in generated_2) > syncs_2[0]["time"], "validation after it"
+    assert {(int(call["global_steps"]), call["weight_digest"]) for call in generated_2} == {
+        (0, syncs_2[0]["weight_digest"])
+    }
+    assert syncs_2[0]["weight_digest"] == syncs_1[0]["weight_digest"], "the initial weights, as run 1 synced them"
+    lines = skip_lines(v0_runs.second, "rollout")
+    carried = [line for line in lines if "pending weight sync carried out" in line]
+    assert len(carried) == 1 and "before validation's generation (weights of step 0" in carried[0], lines
+    deferred = [m[1] for line in lines if (m := re.search(r"(\w+ step \d+): weight sync deferred", line))]
+    assert deferred == [f"rollout step {s}" for s in (1, 2, 3, 4)], lines
+    said = [
+        line for line in (v0_runs.second.stdout + v0_runs.second.stderr).splitlines() if "summary: rollout:" in line
+    ]
+    assert said and "3 weight syncs skipped" in said[-1], said

@@ -55,6 +55,7 @@ def test_every_key_travels_to_child_processes() -> None:
             "read_ahead": False,
             "rescore": "never",
             "save": False,
+            "defer_weight_sync": "never",
         },
     )
     assert {f.name for f in fields(changed) if getattr(changed, f.name) != getattr(RoleConfig(), f.name)} == set(

@@ -22,6 +22,16 @@ from skipinject_rollout_tq.plugin import make_role
 from skipinject.roles import Call
 from skipinject.verl.compat import version_matches
 
+#: The CheckpointEngineManager methods the rollout roles watch (verl 0.8's and 0.9's have every one).
+MANAGER_METHODS = (
+    "update_weights",
+    "sleep_replicas",
+    "abort_replicas",
+    "resume_generation_replicas",
+    "wake_up_replicas",
+    "release_kv_cache_replicas",
+    "resume_kv_cache_replicas",
+)
 VERSIONS = ("0.4.1", "0.5.0", "0.6.1", "0.7.0", "0.7.1", "0.8.0", "0.9.0", "0.9.1")
 
 
@@ -39,6 +49,8 @@ def test_each_role_targets_what_exists_in_that_verl(version: str):
         rollout.add("RayPPOTrainer.init_workers")
     if (0, 6) <= release < (0, 9):  # verl/utils/rollout_skip.py: 0.6 to 0.8
         rollout.add("RolloutSkip.wrap_generate_sequences")
+    if release >= (0, 8):  # verl/checkpoint_engine: the weight sync, deferred while a step is served
+        rollout |= {f"CheckpointEngineManager.{method}" for method in MANAGER_METHODS}
     assert applied(ROLLOUT, version) == rollout
     assert applied(REWARD, version) == {"extract_reward" if release >= (0, 7, 1) else "compute_reward"}
     assert applied(ADVANTAGE, version) == {"compute_advantage"}

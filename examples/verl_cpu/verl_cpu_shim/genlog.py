@@ -14,9 +14,9 @@ GEN_LOG_ENV = "VERL_CPU_GEN_LOG"
 def log_event(event: str, **fields: Any) -> None:
     """Append one JSON line ``{"event", "pid", "time", **fields}`` to ``$VERL_CPU_GEN_LOG`` (if set).
 
-    Events: ``server_start`` (a generation server loaded its model) and ``generate`` (one
-    request served). One ``os.write`` on an ``O_APPEND`` descriptor per line, so lines
-    written by concurrent processes never interleave.
+    Events: ``server_start`` (a generation server loaded its model), ``generate`` (one request
+    served) and ``weight_sync`` (a server loaded the weights a trainer sent). One ``os.write`` on an
+    ``O_APPEND`` descriptor per line, so lines written by concurrent processes never interleave.
     """
     path = os.environ.get(GEN_LOG_ENV)
     if not path:

@@ -12,13 +12,15 @@ TRT-LLM), none of which runs on CPU. Three pieces stand in for them:
   engine) or ``CheckpointEngineWorker`` (standalone) process and pushes new weights
   into the server actor: a real weight sync, so rollouts follow the trained policy.
 
-Set ``VERL_CPU_GEN_LOG=<file>`` to get one JSON line per generate request served (see
-:func:`log_event`; ``harness.generate_calls`` reads them).
+Set ``VERL_CPU_GEN_LOG=<file>`` to get one JSON line per generate request served and per weight sync
+loaded (see :func:`log_event`; ``harness.generate_calls`` and ``harness.weight_syncs`` read them): each
+names the weights it saw by ``global_steps`` (verl's weight version) and a digest of their values.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import threading
@@ -77,6 +79,15 @@ async def collect_state_dict(weights: Iterable[Any] | AsyncIterator[Any]) -> dic
     return state
 
 
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """A short digest of a state dict's names and values: equal weights, equal digests."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name in sorted(state):
+        digest.update(name.encode())
+        digest.update(state[name].detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 class HFGenerationServer:
     """Ray actor serving token-in/token-out generation with a HF causal LM on CPU."""
 
@@ -104,6 +115,8 @@ class HFGenerationServer:
         # Version of the weights being served; verl's V1 trainer does int() on it.
         self.global_steps = 0
         self.weight_version = 0
+        # A digest of the weights last loaded ("pretrained" before any sync): which weights a generation saw.
+        self.weight_digest = "pretrained"
         # torch generate is not re-entrant on one model: one request computes at a time.
         self._compute_lock = threading.Lock()
         self._admission = asyncio.Event()
@@ -172,7 +185,7 @@ class HFGenerationServer:
                     token_ids=[], stop_reason="aborted", extra_fields={"global_steps": self.global_steps}
                 )
             await self._admission.wait()
-        steps, version = self.global_steps, self.weight_version
+        steps, version, digest = self.global_steps, self.weight_version, self.weight_digest
         tokens, log_probs = await asyncio.to_thread(self._generate_blocking, prompt_ids, dict(sampling_params))
         log_event(
             "generate",
@@ -182,6 +195,7 @@ class HFGenerationServer:
             prompt=prompt_digest(prompt_ids),
             n_new_tokens=len(tokens),
             weight_version=version,
+            weight_digest=digest,
             global_steps=steps,
         )
         return TokenOutput(
@@ -201,8 +215,17 @@ class HFGenerationServer:
         if unexpected:
             logger.warning("hf server ignored %d unexpected weights, e.g. %s", len(unexpected), unexpected[:3])
         self.weight_version += 1
+        self.weight_digest = state_digest(state)
         if global_steps is not None:
             self.global_steps = global_steps
+        log_event(
+            "weight_sync",
+            replica=self.replica_rank,
+            n_tensors=len(state),
+            weight_version=self.weight_version,
+            weight_digest=self.weight_digest,
+            global_steps=self.global_steps,
+        )
         logger.info(
             "hf server %s loaded %d tensors (version %d, step %s, %d not sent)",
             self.replica_rank,

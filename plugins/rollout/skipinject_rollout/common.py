@@ -22,7 +22,7 @@ from skipinject import (
     select,
 )
 
-from skipinject_rollout import rescore
+from skipinject_rollout import rescore, weight_sync
 
 __all__ = [
     "GENERATION_SETTINGS",
@@ -170,6 +170,8 @@ def mark_match(result: Any, call: Call, info: MatchInfo) -> Any:
     (:mod:`skipinject_rollout.rescore`); it reports what was served, generated and re-scored
     (``timing_s/skipinject/match_*``, ``…/rescored_rows``, ``…/rescore_s``)."""
     sources = [(info.source_meta.get(name, {}), rows) for name, rows in info.served.items()]
+    if not info.generated_rows and sources:
+        weight_sync.served(info.step, sources[0][0])
     done = rescore.apply(result, call, "rollout", info.step, info.settings, sources) if sources else None
     meta = getattr(result, "meta_info", None)
     if isinstance(meta, dict):
@@ -194,6 +196,7 @@ def mark_hit(result: Any, call: Call, info: HitInfo) -> Any:
     """A served batch is scored by this run's reward where the recording's was another
     (:mod:`skipinject_rollout.rescore`) and reports the hit, not the old run's generation timing."""
     _align_shared_keys(result, call)
+    weight_sync.served(info.requested_step, info.meta)
     done = rescore.apply(result, call, "rollout", info.requested_step, info.settings, [(info.meta, None)])
     meta = getattr(result, "meta_info", None)
     if isinstance(meta, dict):

@@ -15,6 +15,10 @@ the worker group's method), so exactly one of skipinject's targets acts on a gen
 is ``meta_info["global_steps"]``, else the trainer's clock (verl 0.4 sets no step in the batch).
 Validation batches (``meta_info["validate"]``) always run the original.
 
+The trainer's weight sync into the rollout engine (``CheckpointEngineManager``, verl >= 0.8) waits while
+the coming step is served and is carried out before the next generation that runs
+(:mod:`skipinject_rollout.weight_sync`, ``skip.rollout.defer_weight_sync``).
+
 REMAX (verl 0.4-0.6) generates a greedy baseline in every step, a second call of the same step
 (``meta_info["do_sample"] = False``): like any second call of a step it is recorded as the step's
 call 2 and replayed as such (see docs/how-it-works.md, "Several calls in one step"), never served call 1.
@@ -50,6 +54,13 @@ from skipinject_rollout.common import (
 )
 from skipinject_rollout.legacy import BUILTIN_WRAP, BuiltinSkipOff
 from skipinject_rollout.reward_identity import record_run
+from skipinject_rollout.weight_sync import (
+    BEFORE_TRAINING,
+    before_generation,
+    hybrid_engine,
+    manager_targets,
+    recorded_meta,
+)
 
 TARGET = "verl.experimental.agent_loop.agent_loop:AgentLoopManager.generate_sequences"
 #: verl 0.4-0.6's sync rollout: the worker group's per-instance method, wrapped after init_workers.
@@ -84,16 +95,29 @@ def cannot_fire(config: Any) -> str | None:
     return None
 
 
+def v0_defers(config: Any) -> str | None:
+    """Whether this V0 run may defer its weight syncs (see :mod:`skipinject_rollout.weight_sync`)."""
+    return cannot_fire(config) or hybrid_engine(config)
+
+
+def record_meta(call: Any) -> dict[str, Any]:
+    """What scored the step (re-scoring) and what the weight sync before its generation took."""
+    return {**(record_run(call) or {}), **recorded_meta()}
+
+
 ROLLOUT = Role(
     name="rollout",
     targets=[
-        Target(TARGET, verl=">=0.5"),
+        # A generation that runs carries a deferred weight sync out first (validation and misses alike).
+        Target(TARGET, verl=">=0.5", before=before_generation),
         WORKER_GROUP,
         # verl 0.6-0.8's built-in (RolloutSkip): not wrapped while this role is on (every step: it is
         # called once, before step 1). verl 0.4/0.5 have none.
         Target(BUILTIN_WRAP, phase=BuiltinSkipOff(cannot_fire), verl=">=0.6,<0.9", every_step=True),
+        # The trainer's weight sync into the rollout engine, deferred while the coming step is served.
+        *manager_targets(v0_defers),
     ],
-    step=StepSource.meta("global_steps").or_else(StepSource.clock("global_steps")),
+    step=StepSource.meta("global_steps").or_else(StepSource.clock("global_steps"), BEFORE_TRAINING),
     codec=RolloutCodec(divisor=workers_of),
     clocks=CLOCKS,
     builtin="rollout",
@@ -101,7 +125,7 @@ ROLLOUT = Role(
     fingerprint=prompt_fingerprint,
     on_hit=mark_hit,
     on_miss=mark_miss,
-    record_meta=record_run,
+    record_meta=record_meta,
     row_key=prompt_key,
     match_settings=GENERATION_SETTINGS,
     match_reads=("rollout_tq",),  # the V1 trainer's trajectories, padded as this trainer pads its rows

@@ -35,7 +35,7 @@ from skipinject import (
     run_config_of,
     select,
 )
-from skipinject_rollout import rescore
+from skipinject_rollout import rescore, weight_sync
 from skipinject_rollout.reward_identity import reward_identity
 from skipinject_rollout.trainer_formats import prompt_fields
 
@@ -228,6 +228,7 @@ class SubmitPhase:
             time.perf_counter() - started,
             "".join(f"; {note}" for note in notes),
         )
+        weight_sync.served(step, meta)
         return True
 
     @staticmethod

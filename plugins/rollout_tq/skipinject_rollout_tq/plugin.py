@@ -38,6 +38,7 @@ from skipinject import (
 )
 from skipinject_rollout.common import GENERATION_SETTINGS, separate_trainer
 from skipinject_rollout.reward_identity import record_reward
+from skipinject_rollout.weight_sync import BEFORE_TRAINING, before_generation, manager_targets, recorded_meta
 
 from skipinject_rollout_tq.phases import (
     LastServed,
@@ -59,6 +60,12 @@ WARMUP_090 = (
     "verl.trainer.ppo.v1.trainer_separate_async:PPOTrainerSeparateAsync.on_train_begin",
 )
 FIT = f"{TRAINER}.fit"
+#: The trainer's set-up, before ``fit``: it makes the first weight sync (``on_init_end``), a clock too.
+INIT = f"{TRAINER}.init"
+#: What generates in the V1 trainer (submit, refill, validation, re-issued prompts): a deferred sync first.
+GENERATE = "verl.trainer.ppo.v1.agent_loop_tq:AgentLoopManagerTQ.generate_sequences"
+#: The V1 trainer modes whose engine sleeps while the trainer trains: weight syncs may wait.
+DEFERRING_MODES = ("sync", "colocate_async")
 SAMPLES = (
     "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample",
     "verl.trainer.ppo.v1.replay_buffer:ReplayBufferAsync.sample",
@@ -117,6 +124,29 @@ def cannot_fire(config: Any) -> str | None:
     return None
 
 
+def v1_defers(config: Any) -> str | None:
+    """Whether this V1 run may defer its weight syncs (see :mod:`skipinject_rollout.weight_sync`)."""
+    mode = select(config, "trainer.v1.trainer_mode", "sync")
+    if mode not in DEFERRING_MODES:
+        return f"trainer.v1.trainer_mode={mode}: the rollout engine generates while the trainer trains"
+    return cannot_fire(config)
+
+
+class PassThrough:
+    """A target only watched (its ``Target.before`` acts): the original always runs."""
+
+    def run(self, role: Any, call: Any, step: int, proceed: Any) -> Any:
+        return proceed()
+
+    async def run_async(self, role: Any, call: Any, step: int, proceed: Any) -> Any:
+        return await proceed()
+
+
+def record_meta(call: Any) -> dict[str, Any]:
+    """What scored the step (re-scoring) and what the weight sync before its generation took."""
+    return {**(record_reward(call) or {}), **recorded_meta()}
+
+
 def make_role() -> Role:
     """The ``rollout_tq`` role; its submit and sample phases share the last served step per cache directory."""
     last_served: LastServed = {}
@@ -128,8 +158,11 @@ def make_role() -> Role:
             *(Target(path, phase=SamplePhase(last_served), every_step=True, verl=V1_VERL) for path in SAMPLES),
             Target(WARMUP, phase=WarmupOff(), every_step=True, verl=WARMUP_VERL),
             *(Target(path, phase=WarmupOff(), every_step=True, verl=WARMUP_090_VERL) for path in WARMUP_090),
+            Target(GENERATE, phase=PassThrough(), every_step=True, verl=V1_VERL, before=before_generation),
+            # The trainer's weight sync into the rollout engine, deferred while the coming step is served.
+            *manager_targets(v1_defers, verl=V1_VERL),
         ],
-        step=StepSource.clock("global_steps").or_else(StepSource.argument("global_steps")),
+        step=StepSource.clock("global_steps").or_else(StepSource.argument("global_steps"), BEFORE_TRAINING),
         codec=TrajectoryCodec(),
         # action=match: each trajectory keyed as ``rollout`` keys a row (its prompt, its session as the
         # copy, the generation settings); the submit and refill phases key and cut the prompts.
@@ -138,9 +171,9 @@ def make_role() -> Role:
         match_reads=("rollout",),  # the V0 trainer's rows, unpadded as this trainer writes its trajectories
         # What scored the trajectories, in each saved step's meta.json (a served step is re-scored when
         # this run's reward differs: skipinject_rollout.rescore).
-        record_meta=record_reward,
+        record_meta=record_meta,
         # The V1 trainer's fit does not exist before verl 0.9: no clock there (nothing to time).
-        clocks=[FIT] if installed_verl_matches(V1_VERL) else [],
+        clocks=[FIT, INIT] if installed_verl_matches(V1_VERL) else [],
         builtin="rollout_tq",
         check=cannot_fire,
         # action=match in the async modes or with parameter_sync_step > 1: one line at start says why not exact.
