@@ -54,6 +54,7 @@ ALLOWED_BEFORE_A_CALL = {
     "skipinject_rollout.rescore",
     "skipinject_rollout.reward_identity",
     "skipinject_rollout.rollout",
+    "skipinject_rollout.weight_sync",
 }
 #: What serving or saving a step needs: none of it before a call.
 CACHE_CODE = {

@@ -24,6 +24,7 @@ pickled ``{step}/{i}/tq_batch.pt`` is read only with ``skip.rollout_tq.trust_ups
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 from skipinject import (
@@ -93,11 +94,17 @@ def no_v1_trainer() -> str | None:
     verls have none either: there the start line says that no target is for that verl)."""
     if not installed_verl_matches(V1_VERL):
         return None
-    try:
-        found = importlib.util.find_spec(V1_GLUE) is not None
+    try:  # verl's package is found, not imported: its submodule is looked for as a file
+        spec = importlib.util.find_spec("verl")
     except (ImportError, ValueError):
-        found = False
-    if found:
+        return None  # no verl to ask: the start line says what it can without it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    glue = V1_GLUE.split(".")[1:]
+    if any(
+        os.path.exists(os.path.join(root, *glue) + ".py") or os.path.isdir(os.path.join(root, *glue))
+        for root in spec.submodule_search_locations
+    ):
         return None
     return (
         f"this verl ({verl_version()}) has no V1 TransferQueue trainer (no {V1_GLUE}: its main_ppo runs the V0 "
