@@ -263,13 +263,15 @@ class Phase(Protocol):
 @dataclass(frozen=True)
 class Target:
     """A function or method to patch, with the phase handling its calls (fields: docs/plugins.md);
-    ``every_step``: the phase sees every call of an enabled role."""
+    ``every_step``: the phase sees every call of an enabled role; ``overrides`` (methods): subclasses'
+    overrides are followed (``True``, or the check returns ``None``) or refused with the reason it returns."""
 
     path: str
     phase: Phase | None = None
     verl: str | None = None
     every_step: bool = False
     attribute: str | None = None
+    overrides: bool | Callable[[type], str | None] = False
 
     def __post_init__(self) -> None:
         TargetPath.parse(self.path)
