@@ -1,7 +1,9 @@
 """Role ``reward``: the reward the V0 ``RayPPOTrainer`` takes for a training step.
 
-``fit`` gets a step's reward from one module-level function of ``verl.trainer.ppo.ray_trainer``,
-patched there because that is where ``fit`` looks it up:
+``fit`` gets a step's reward from one module-level function defined in ``verl.trainer.ppo.reward``,
+patched there and wherever it is bound: ``verl.trainer.ppo.ray_trainer`` (``RayPPOTrainer.fit``), the
+separation trainer under the fully async one, the one-step-off trainer and verl-recipe's DAPO all import
+it from that module:
 
 * verl >= 0.7.1: ``extract_reward(batch)``. The rule-based or custom reward function
   (``reward.custom_reward_function.path``) already ran per sample inside the rollout's agent loop
@@ -24,8 +26,8 @@ from skipinject import Call, Role, StepSource, Target, attended_tokens, hookimpl
 from skipinject_reward.codec import RewardCodec, batch_of
 
 TARGETS = (
-    Target("verl.trainer.ppo.ray_trainer:extract_reward", verl=">=0.7.1"),
-    Target("verl.trainer.ppo.ray_trainer:compute_reward", verl="<0.7.1"),
+    Target("verl.trainer.ppo.reward:extract_reward", verl=">=0.7.1"),
+    Target("verl.trainer.ppo.reward:compute_reward", verl="<0.7.1"),
 )
 CLOCK = "verl.trainer.ppo.ray_trainer:RayPPOTrainer.fit"
 #: Per-row non-tensor inputs of a reward function (the answer to score against and its source).

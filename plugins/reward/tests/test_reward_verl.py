@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from skipinject.testing import RoleRun, call, grpo_batch, v0_trainer
 
-EXTRACT_REWARD = "verl.trainer.ppo.ray_trainer:extract_reward"
+EXTRACT_REWARD = "verl.trainer.ppo.reward:extract_reward"
 
 
 def test_reward_miss_then_hit_on_real_extract_reward(
