@@ -92,7 +92,7 @@ def test_compatible_api_declarations(make_plugin, declared: str) -> None:
     [
         ("SKIPINJECT_API = 2", "needs skipinject plugin API 2.0"),
         ("SKIPINJECT_API = '1.9'", "API 1.9"),
-        ("SKIPINJECT_API = '1.6'", "provides API 1.5"),
+        ("SKIPINJECT_API = '1.7'", "provides API 1.6"),
         ("SKIPINJECT_API = 'one'", "is not a version"),
     ],
 )

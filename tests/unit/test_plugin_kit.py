@@ -66,6 +66,6 @@ def test_installed_verl_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_kit_is_part_of_the_plugin_api_1_1() -> None:
-    assert skipinject.API_VERSION == (1, 5)
+    assert skipinject.API_VERSION == (1, 6)
     for name in ("CodecHeader", "row_digest", "attended_tokens", "installed_verl_matches", "Loaded", "Plan"):
         assert name in skipinject.__all__
