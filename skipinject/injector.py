@@ -164,8 +164,6 @@ class _Patch:
     undo: list[tuple[Any, str, Any, str, str]] = field(default_factory=list)
     #: A module-level function: ``(original, wrapper)``, looked for by identity in the watched packages.
     alias: tuple[Any, Any] | None = None
-    #: Subclasses whose override was refused, with why (said once, at its first call).
-    refused: dict[type, str] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -516,7 +514,6 @@ def _refusal(patch: _Patch, cls: type) -> str | None:
 def _refusing_wrapper(patch: _Patch, raw: Any, cls: type, path: TargetPath, reason: str) -> SkipinjectWrapper:
     """The refused override, as it is, saying once (at its first call: its class is in use) why the role
     does not act on it."""
-    patch.refused[cls] = reason
     said: list[bool] = []
 
     def refusing(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
