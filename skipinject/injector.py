@@ -581,16 +581,29 @@ PICKLING_OWNER = "skipinject/pickling"
 
 
 class _ReduceWrappers:
-    """cloudpickle's ``_function_reduce(obj)``: a skipinject wrapper reduces itself, other objects as before."""
+    """cloudpickle's ``_function_reduce(obj)``: a skipinject wrapper reduces itself, and so does one bound by
+    attribute access (``Class.method``, kept by Ray's actor-method tracing wrappers); other objects as before."""
 
     def passes(self, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        return not (args and type(args[0]) is SkipinjectWrapper)
+        return not (args and (type(args[0]) is SkipinjectWrapper or _bound_ours(args[0])))
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
-        return call.args[0].__reduce_ex__(getattr(call.instance, "proto", 2))
+        obj = call.args[0]
+        if type(obj) is SkipinjectWrapper:
+            return obj.__reduce_ex__(getattr(call.instance, "proto", 2))
+        return _rebind, (obj._self_parent, obj._self_instance, obj._self_owner)
 
     def run_async(self, call: Call, proceed: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:  # pragma: no cover
         raise TypeError("cloudpickle's function reducer is not async")
+
+
+def _bound_ours(obj: Any) -> bool:
+    return type(obj) is wrapt.BoundFunctionWrapper and type(obj._self_parent) is SkipinjectWrapper
+
+
+def _rebind(parent: Any, instance: Any, owner: Any) -> Any:
+    """Unpickling a bound wrapper: its parent (this process's wrapper, or the original) bound again."""
+    return parent.__get__(instance, owner)
 
 
 def _teach_picklers() -> None:
