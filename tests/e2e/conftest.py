@@ -333,8 +333,10 @@ def v0_runs(assets: Any, installed_env: InstalledEnv, tmp_path_factory: pytest.T
 
 #: Prompts the fully async runs feed, one at a time (each a chosen step: feed index 1-4).
 ASYNC_PROMPTS = 4
-#: The fully async trainer's steps (4 prompts, 2 per step) at which the ``reward`` role records and serves.
-ASYNC_REWARD = ("skip.reward.enable=True", "skip.reward.steps=[1,2]")
+def async_reward(dump: Path) -> list[str]:
+    """The ``reward`` role beside ``async_rollout``: the fully async trainer's steps 1 and 2 (4 prompts,
+    2 per step), in the same dump dir."""
+    return ["skip.reward.enable=True", "skip.reward.steps=[1,2]", f"skip.reward.dump_dir={dump}"]
 
 
 def async_overrides(assets: Any, dump: Path, *extra: str) -> list[str]:
@@ -363,6 +365,6 @@ def async_recording(assets: Any, tmp_path_factory: pytest.TempPathFactory) -> As
     imports from ``verl.trainer.ppo.reward``; its Ray actor classes pickled with the role's patches)."""
     tmp = tmp_path_factory.mktemp("async")
     dump = tmp / "dump"
-    overrides = async_overrides(assets, dump, "skip.async_rollout.action=match", *ASYNC_REWARD)
+    overrides = async_overrides(assets, dump, "skip.async_rollout.action=match", *async_reward(dump))
     first, generated = launch(assets, tmp, "async1", overrides, fully_async=True)
     return AsyncRecording(tmp, dump, first, generated)

@@ -20,12 +20,12 @@ import pytest
 
 from tests.e2e.conftest import (
     ASYNC_PROMPTS,
-    ASYNC_REWARD,
     OTHER_REWARD_FILE,
     USER_ROLES,
     AsyncRecording,
     V0Runs,
     async_overrides,
+    async_reward,
     copy_dump,
     harness,
     launch,
@@ -153,7 +153,7 @@ def test_fully_async_rollout_cache_then_hit(assets: Any, async_recording: AsyncR
         "skip.async_rollout.action=cache",
         "skip.async_rollout.rescore=never",
         *other_reward(tmp_path),
-        *ASYNC_REWARD,
+        *async_reward(dump),
     )
     second, generated_2 = launch(assets, tmp_path, "async2", overrides, fully_async=True)
     assert generated_2 == [], f"feed indices 1-{ASYNC_PROMPTS} are served from the cache"
