@@ -333,6 +333,8 @@ def v0_runs(assets: Any, installed_env: InstalledEnv, tmp_path_factory: pytest.T
 
 #: Prompts the fully async runs feed, one at a time (each a chosen step: feed index 1-4).
 ASYNC_PROMPTS = 4
+
+
 def async_reward(dump: Path) -> list[str]:
     """The ``reward`` role beside ``async_rollout``: the fully async trainer's steps 1 and 2 (4 prompts,
     2 per step), in the same dump dir."""
