@@ -1,15 +1,23 @@
 """Patching targets by dotted path when their module is imported (wrapt post-import hooks): once (our
 wrapper is left alone), reversibly (exactly what was there is put back), keeping the calling convention:
 sync, ``async def``, or a *trampoline* (sync over an ``async def``, looking at its caller's frame, like
-verl's ``auto_await``). A missing target is logged, never raised. ``overrides=True`` also patches
-subclasses' overrides, existing and future; an *attribute target* wraps ``instance.<attribute>`` each
-time the method at ``path`` returns (callables bound per instance)."""
+verl's ``auto_await``). A missing target is logged, never raised. A module-level function is replaced
+wherever it is bound: in every module of the watched packages that imported the same function object,
+under any name. ``overrides`` follows subclasses' overrides, existing and future (``True``: all of them;
+a callable: each one it accepts, the others refused with one line); an *attribute target* wraps
+``instance.<attribute>`` each time the method at ``path`` returns (callables bound per instance).
+
+Wrappers pickle as a reference that the loading process resolves again (its own wrapper, or the original
+where skipinject is not active), and the subclass hook holds nothing but the base class: a class Ray
+pickles by value (a ``__main__`` task runner, an actor class) never carries the injector with it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
+import importlib
 import inspect
 import logging
 import os
@@ -18,7 +26,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import FrameType, ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, SupportsIndex, cast
 
 import wrapt
 
@@ -56,8 +64,58 @@ else:
     _FunctionWrapper = wrapt.FunctionWrapper
 
 
+#: Which subclass overrides of a method target are followed: ``True`` (all), or a check of the subclass
+#: returning ``None`` (follow it) or why it is refused.
+OverrideCheck = Callable[[type], "str | None"]
+
+
 class SkipinjectWrapper(_FunctionWrapper):
-    """Our wrapper type: how we never wrap a target twice."""
+    """Our wrapper type: how we never wrap a target twice. Pickled (``__reduce_ex__``, and through
+    cloudpickle's function reducer, see :data:`PICKLERS`) as a reference the loading process resolves."""
+
+    #: ``(target key, binding, label)``: what a loading process wraps again (:func:`_adopt`).
+    _self_skipinject: tuple[str, str, str]
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        home = _home_of(self)
+        if home is not None:
+            return _resolve_home, home
+        key, binding, label = getattr(self, "_self_skipinject", ("", FUNCTION, ""))
+        return _adopt, (self.__wrapped__, key, binding, label)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.__reduce_ex__(2)
+
+
+def _home_of(wrapper: Any) -> tuple[str, str] | None:
+    """``(module, qualname)`` where ``wrapper`` is found by name in an importable module, else ``None``."""
+    module_name, qualname = getattr(wrapper, "__module__", None), getattr(wrapper, "__qualname__", None)
+    if not isinstance(module_name, str) or not isinstance(qualname, str) or module_name in ("__main__", "__mp_main__"):
+        return None
+    module = sys.modules.get(module_name)
+    if module is None or "<locals>" in qualname:
+        return None
+    try:
+        found = _lookup(module, qualname)
+    except Exception:
+        return None
+    return (module_name, qualname) if found is wrapper else None
+
+
+def _lookup(module: Any, qualname: str) -> Any:
+    *outer, name = qualname.split(".")
+    return inspect.getattr_static(functools.reduce(getattr, outer, module), name)
+
+
+def _resolve_home(module_name: str, qualname: str) -> Any:
+    """Unpickling a wrapper found by name: what that name holds in this process (its wrapper or the original)."""
+    return _lookup(importlib.import_module(module_name), qualname)
+
+
+def _adopt(raw: Any, key: str, binding: str, label: str) -> Any:
+    """Unpickling a wrapper of a class pickled by value: wrapped again by this process's injector, if the
+    target is instrumented here, else the original."""
+    return INJECTOR.adopt(raw, key, binding, label)
 
 
 def convention_of(function: Any) -> tuple[Convention, Any]:
@@ -98,12 +156,18 @@ class _Patch:
     path: TargetPath
     interceptor: Interceptor
     owner: str
-    overrides: bool = False  # also patch subclasses' own overrides (methods only)
+    overrides: bool | OverrideCheck = False  # also patch subclasses' own overrides (methods only)
     instance_attribute: str | None = None  # attribute targets: the dotted attribute
     convention: Convention | None = None
     applied: bool = False
     #: What to put back on uninstrument, oldest first: ``(holder, name, what holder.__dict__ had, what, done)``.
     undo: list[tuple[Any, str, Any, str, str]] = field(default_factory=list)
+    #: A module-level function: ``(original, wrapper)``, looked for by identity in the watched packages.
+    alias: tuple[Any, Any] | None = None
+
+    @property
+    def key(self) -> str:
+        return target_key(str(self.path), self.instance_attribute)
 
     @property
     def label(self) -> str:
@@ -118,18 +182,20 @@ def _build_wrapper(
     patch: _Patch, raw: Any, binding: str, function: Any, owner: Callable[[], Any] | None = None, label: str = ""
 ) -> tuple[SkipinjectWrapper, Convention]:
     """The wrapper of one target (``label``: an override's own). ``owner`` (attribute targets): the instance
-    calls are reported with."""
+    calls are reported with. A wrapper left anywhere after :meth:`Injector.uninstrument` calls the original."""
     convention, inner = convention_of(function)
     interceptor = patch.interceptor
     label = label or patch.label
     passes = getattr(interceptor, "passes", None)
     # A bound method wrapped on an instance (attribute targets): a trampoline's coroutine needs its self.
     bound_self = getattr(function, "__self__", None) if owner is not None else None
+    # Followed overrides: an override calling super() reaches the base's wrapper, which then passes.
+    guarded = bool(patch.overrides) and binding == METHOD
 
     def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         reported = instance if owner is None else owner()
         # every generation call pays this path: nothing else is done
-        if passes is not None and passes(reported, args, kwargs):
+        if not patch.applied or (passes is not None and passes(reported, args, kwargs)):
             return wrapped(*args, **kwargs)
         call = Call(label, function, reported, args, kwargs)
         if convention is Convention.ASYNC:
@@ -138,9 +204,31 @@ def _build_wrapper(
             receiver = (instance, binding) if bound_self is None else (bound_self, METHOD)
             target = _bind(inner, *receiver)
             return interceptor.run_async(call, _proceed(target, args, kwargs))
-        return interceptor.sync(call, _proceed(wrapped, args, kwargs))
+        proceed = _proceed(wrapped, args, kwargs)
+        if guarded:
+            return _guarded(patch, reported, proceed, lambda: interceptor.sync(call, proceed))
+        return interceptor.sync(call, proceed)
 
-    return SkipinjectWrapper(raw, wrapper), convention
+    built = SkipinjectWrapper(raw, wrapper)
+    built._self_skipinject = (patch.key, binding, label)
+    return built, convention
+
+
+_running = threading.local()
+
+
+def _guarded(patch: _Patch, instance: Any, proceed: Callable[[], Any], run: Callable[[], Any]) -> Any:
+    """``run()``, unless this thread is already inside ``patch`` for ``instance`` (an override's super() call):
+    then the original only (``proceed()``)."""
+    active: set[tuple[int, int]] = _running.__dict__.setdefault("active", set())
+    mark = (id(patch), id(instance))
+    if mark in active:
+        return proceed()
+    active.add(mark)
+    try:
+        return run()
+    finally:
+        active.discard(mark)
 
 
 def _proceed(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
@@ -184,7 +272,7 @@ class Injector:
         *,
         owner: str = "",
         attribute: str | None = None,
-        overrides: bool = False,
+        overrides: bool | OverrideCheck = False,
     ) -> None:
         """Patch ``path`` now if its module is imported, else as soon as it is."""
         target = TargetPath.parse(path)
@@ -217,6 +305,8 @@ class Injector:
                 if patches:
                     continue
                 del self._subclass_hooks[base]
+                for token in [t for t, (inj, b) in _FOLLOWERS.items() if inj is self and b is base]:
+                    del _FOLLOWERS[token]
                 if vars(base).get("__init_subclass__") is not ours:
                     logger.warning(
                         "%s.__init_subclass__ was replaced after we patched it; leaving it", base.__qualname__
@@ -233,6 +323,22 @@ class Injector:
                     delattr(holder, name)
                 else:
                     setattr(holder, name, own)
+            if patch.alias is not None:  # modules imported since, that took the wrapper from a patched one
+                raw, wrapper = patch.alias
+                for module, name in _bindings(_watched(patch, raw), wrapper):
+                    setattr(module, name, raw)
+
+    def adopt(self, raw: Any, key: str, binding: str, label: str) -> Any:
+        """``raw`` (an original loaded from a pickle) wrapped for the instrumented target ``key``, else ``raw``."""
+        with self._lock:
+            patch = self._patches.get(key)
+            if patch is not None and not patch.applied and patch.path.module not in sys.modules:
+                with contextlib.suppress(Exception):  # importing it applies the patch
+                    importlib.import_module(patch.path.module)
+            if patch is None or not patch.applied or patch.instance_attribute is not None:
+                return raw
+            function = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+            return _build_wrapper(patch, raw, binding, function, label=label)[0]
 
     def uninstrument_all(self) -> None:
         for key in list(self._patches):
@@ -329,6 +435,7 @@ class Injector:
                 return result
 
             wrapper = SkipinjectWrapper(current, wrap_after)
+            wrapper._self_skipinject = (patch.key, binding, patch.label)
         else:
             logger.warning(
                 "%s: target %s is not a plain method (%s); its attribute %s cannot be wrapped",
@@ -341,11 +448,25 @@ class Injector:
         own = _own(parent, attribute)
         setattr(parent, attribute, wrapper)
         patch.undo.append((parent, attribute, own, str(patch.path), "patched"))
+        if binding == FUNCTION and isinstance(parent, ModuleType) and patch.instance_attribute is None:
+            self._follow_aliases(patch, current, wrapper)
         patch.applied = True
         convention = patch.convention.value if patch.convention else "?"
         logger.debug("patched %s (%s, %s) for %s", patch.path, binding, convention, patch.owner)
         if patch.overrides and binding == METHOD and isinstance(parent, type):
             self._follow_subclasses(patch, parent)
+        if patch.owner != PICKLING_OWNER:
+            _teach_picklers()
+
+    def _follow_aliases(self, patch: _Patch, raw: Any, wrapper: Any) -> None:
+        """Replace ``raw`` by ``wrapper`` in every module of the watched packages that bound it, under any name.
+
+        Modules imported later take the wrapper from a patched module (an import copies the binding)."""
+        patch.alias = (raw, wrapper)
+        for module, name in _bindings(_watched(patch, raw), raw):
+            setattr(module, name, wrapper)
+            patch.undo.append((module, name, raw, f"{module.__name__}:{name}", "patched"))
+            logger.debug("patched %s:%s, bound to %s, for %s", module.__name__, name, patch.path, patch.owner)
 
     def _follow_subclasses(self, patch: _Patch, base: Any) -> None:
         """Patch the overrides of ``patch``'s method in every subclass of ``base``, now and later."""
@@ -362,21 +483,17 @@ class Injector:
             hook[2].append(patch)
             return
         own = vars(base).get("__init_subclass__", _MISSING)
-        patches = [patch]
-        injector = self
-
-        def __init_subclass__(cls: Any, /, **kwargs: Any) -> None:
-            if own is _MISSING:
-                super(base, cls).__init_subclass__(**kwargs)
-            else:
-                own.__get__(None, cls)(**kwargs)
-            with injector._lock:
-                for each in list(patches):
-                    injector._patch_override(each, cls)
-
-        ours: Any = classmethod(__init_subclass__)
+        token = object()  # names this hook in _FOLLOWERS; the hook itself holds nothing of the injector
+        _FOLLOWERS[token] = (self, base)
+        ours: Any = classmethod(_subclass_hook(base, None if own is _MISSING else own, token))
         type.__setattr__(base, "__init_subclass__", ours)
-        self._subclass_hooks[base] = (own, ours, patches)
+        self._subclass_hooks[base] = (own, ours, [patch])
+
+    def _new_subclass(self, base: type, cls: type) -> None:
+        with self._lock:
+            hook = self._subclass_hooks.get(base)
+            for each in list(hook[2] if hook else ()):
+                self._patch_override(each, cls)
 
     def _patch_override(self, patch: _Patch, cls: type) -> None:
         name = patch.path.qualname.rpartition(".")[2]
@@ -384,13 +501,18 @@ class Injector:
         if raw is _MISSING or isinstance(raw, SkipinjectWrapper) or not inspect.isfunction(raw):
             return
         path = TargetPath(cls.__module__, f"{cls.__qualname__}.{name}")
+        reason = _refusal(patch, cls)
         try:
-            setattr(cls, name, _build_wrapper(patch, raw, METHOD, raw, label=str(path))[0])
+            if reason is None:
+                setattr(cls, name, _build_wrapper(patch, raw, METHOD, raw, label=str(path))[0])
+            else:
+                setattr(cls, name, _refusing_wrapper(patch, raw, cls, path, reason))
         except Exception as exc:  # a class that refuses the attribute must not break its definition
             logger.warning("%s: cannot patch the override %s: %s", patch.who, path, exc)
             return
         patch.undo.append((cls, name, raw, str(path), "patched"))
-        logger.debug("patched the override %s of %s for %s", path, patch.path, patch.owner)
+        done = "patched" if reason is None else "refused"
+        logger.debug("%s the override %s of %s for %s", done, path, patch.path, patch.owner)
 
     def _wrap_attribute(self, patch: _Patch, instance: Any) -> None:
         """Wrap ``instance.<patch.instance_attribute>`` where it lives (after the method returned)."""
@@ -418,6 +540,118 @@ class Injector:
                 return
             patch.undo.append((holder, name, own, patch.label, "wrapped"))
         logger.debug("wrapped %s on a %s for %s", patch.label, type(holder).__name__, patch.owner)
+
+
+def _refusal(patch: _Patch, cls: type) -> str | None:
+    """Why ``patch`` does not follow ``cls``'s override (its role's check), or ``None``: it is followed."""
+    if patch.overrides is True or not callable(patch.overrides):
+        return None
+    try:
+        return patch.overrides(cls)
+    except Exception as exc:  # a role's check must not break a class definition
+        return f"its override check failed ({type(exc).__name__}: {exc})"
+
+
+def _refusing_wrapper(patch: _Patch, raw: Any, cls: type, path: TargetPath, reason: str) -> SkipinjectWrapper:
+    """The refused override, as it is, saying once (at its first call: its class is in use) why the role
+    does not act on it."""
+    said: list[bool] = []
+
+    def refusing(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not said and patch.applied:
+            said.append(True)
+            logger.warning(
+                "%s: %s overrides the target %s and is refused: %s; this role does not act on %s",
+                patch.who,
+                path,
+                patch.path,
+                reason,
+                cls.__name__,
+            )
+        return wrapped(*args, **kwargs)
+
+    wrapper = SkipinjectWrapper(raw, refusing)
+    wrapper._self_skipinject = ("", METHOD, str(path))  # unpickled: the override as it is
+    return wrapper
+
+
+#: Subclass hooks by their token: ``(injector, base)``; a hook loaded from a pickle finds nothing here.
+_FOLLOWERS: dict[object, tuple[Injector, type]] = {}
+
+
+def _subclass_hook(base: type, own: Any, token: object) -> Callable[..., None]:
+    """The ``__init_subclass__`` that follows ``base``'s subclasses: its closure is the base class, what
+    ``base.__dict__`` had and a token, all picklable, so a class Ray pickles by value stays picklable."""
+
+    def __init_subclass__(cls: Any, /, **kwargs: Any) -> None:
+        if own is None:
+            super(cast(Any, base), cls).__init_subclass__(**kwargs)
+        else:
+            own.__get__(None, cls)(**kwargs)
+        _on_new_subclass(token, cls)
+
+    return __init_subclass__
+
+
+def _on_new_subclass(token: object, cls: type) -> None:
+    follower = _FOLLOWERS.get(token)
+    if follower is not None:
+        follower[0]._new_subclass(follower[1], cls)
+
+
+def _watched(patch: _Patch, raw: Any) -> set[str]:
+    """The top-level packages searched for other bindings of a function: the target's and the function's own."""
+    tops = {patch.path.module.partition(".")[0], str(getattr(raw, "__module__", "") or "").partition(".")[0]}
+    return tops - {"", "__main__", "__mp_main__"}
+
+
+def _bindings(tops: set[str], value: Any) -> list[tuple[ModuleType, str]]:
+    """Every ``(module, name)`` of the packages ``tops`` binding ``value`` (by identity)."""
+    found = []
+    for module_name, module in list(sys.modules.items()):
+        if module_name.partition(".")[0] not in tops or not isinstance(module, ModuleType):
+            continue
+        found += [(module, name) for name, each in list(vars(module).items()) if each is value]
+    return found
+
+
+#: cloudpickle's function reducer, in Ray and standalone: a wrapper passes for a function there (its
+#: ``__class__`` is the wrapped one's), so it is taught to ask the wrapper's ``__reduce_ex__``.
+PICKLERS = ("ray.cloudpickle.cloudpickle:Pickler._function_reduce", "cloudpickle.cloudpickle:Pickler._function_reduce")
+PICKLING_OWNER = "skipinject/pickling"
+
+
+class _ReduceWrappers:
+    """cloudpickle's ``_function_reduce(obj)``: a skipinject wrapper reduces itself, and so does one bound by
+    attribute access (``Class.method``, kept by Ray's actor-method tracing wrappers); other objects as before."""
+
+    def passes(self, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        return not (args and (type(args[0]) is SkipinjectWrapper or _bound_ours(args[0])))
+
+    def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
+        obj = call.args[0]
+        if type(obj) is SkipinjectWrapper:
+            return obj.__reduce_ex__(getattr(call.instance, "proto", 2))
+        return _rebind, (obj._self_parent, obj._self_instance, obj._self_owner)
+
+    def run_async(self, call: Call, proceed: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:  # pragma: no cover
+        raise TypeError("cloudpickle's function reducer is not async")
+
+
+def _bound_ours(obj: Any) -> bool:
+    return type(obj) is wrapt.BoundFunctionWrapper and type(obj._self_parent) is SkipinjectWrapper
+
+
+def _rebind(parent: Any, instance: Any, owner: Any) -> Any:
+    """Unpickling a bound wrapper: its parent (this process's wrapper, or the original) bound again."""
+    return parent.__get__(instance, owner)
+
+
+def _teach_picklers() -> None:
+    """Once per process (and again after an ``uninstrument_all``): cloudpickle reduces our wrappers."""
+    for path in PICKLERS:
+        if path not in INJECTOR._patches:
+            INJECTOR.instrument(path, _ReduceWrappers(), owner=PICKLING_OWNER)
 
 
 def _classify(parent: Any, raw: Any) -> tuple[str, Any]:

@@ -265,7 +265,9 @@ class Target:
     """A function or method to patch, with the phase handling its calls (fields: docs/plugins.md);
     ``every_step``: the phase sees every call of an enabled role; ``before(call)``: called in this process
     right before the original runs (whatever the engine decided, validation included), never for a call
-    served from the cache -- what must be ready when the target really runs (plugin API 1.6)."""
+    served from the cache -- what must be ready when the target really runs (plugin API 1.6); ``overrides``
+    (methods): subclasses' overrides are followed (``True``, or the check returns ``None``) or refused with
+    the reason it returns."""
 
     path: str
     phase: Phase | None = None
@@ -273,6 +275,7 @@ class Target:
     every_step: bool = False
     attribute: str | None = None
     before: Callable[[Call], None] | None = None
+    overrides: bool | Callable[[type], str | None] = False
 
     def __post_init__(self) -> None:
         TargetPath.parse(self.path)

@@ -14,7 +14,7 @@ import atexit
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from skipinject.config import Action, Config
@@ -103,7 +103,11 @@ class Engine:
                     )
                     continue
                 self._instrument(
-                    target.path, TargetInterceptor(slot, target), f"{owner}/{name}", attribute=target.attribute
+                    target.path,
+                    TargetInterceptor(slot, target),
+                    f"{owner}/{name}",
+                    attribute=target.attribute,
+                    overrides=target.overrides,
                 )
             clocks.extend(c for c in role.clocks if c not in clocks)
         clock = ClockInterceptor(self)
@@ -163,7 +167,13 @@ class Engine:
         self.runtimes.clear()
 
     def _instrument(
-        self, path: str, interceptor: Any, owner: str, attribute: str | None = None, *, overrides: bool = False
+        self,
+        path: str,
+        interceptor: Any,
+        owner: str,
+        attribute: str | None = None,
+        *,
+        overrides: bool | Callable[[type], str | None] = False,
     ) -> None:
         self.injector.instrument(path, interceptor, owner=owner, attribute=attribute, overrides=overrides)
         self._paths.append(target_key(path, attribute))

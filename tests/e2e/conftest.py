@@ -9,7 +9,8 @@ fixtures several test modules share (each costs minutes, so it is built once per
   run 2's rollout ``repeat`` with validation included, scored by another reward) and the recording
   the V0 ``match`` run is served from;
 * :func:`async_recording`: run 1 of the fully async trainer (``match`` on an empty cache: it records
-  like ``cache``), which the fully async ``cache`` run and ``match`` run are served from.
+  like ``cache``; the ``reward`` role records the trainer's steps 1 and 2 beside it), which the fully
+  async ``cache`` run and ``match`` run are served from.
 
 A test that serves a later run from a shared recording copies its dump dir first
 (:func:`copy_dump`): no test sees what another test's run wrote.
@@ -334,6 +335,12 @@ def v0_runs(assets: Any, installed_env: InstalledEnv, tmp_path_factory: pytest.T
 ASYNC_PROMPTS = 4
 
 
+def async_reward(dump: Path) -> list[str]:
+    """The ``reward`` role beside ``async_rollout``: the fully async trainer's steps 1 and 2 (4 prompts,
+    2 per step), in the same dump dir."""
+    return ["skip.reward.enable=True", "skip.reward.steps=[1,2]", f"skip.reward.dump_dir={dump}"]
+
+
 def async_overrides(assets: Any, dump: Path, *extra: str) -> list[str]:
     """The fully async runs: 4 prompts fed one at a time, all chosen, two trainer steps."""
     return harness.fully_async_overrides(
@@ -355,10 +362,11 @@ class AsyncRecording:
 @pytest.fixture(scope="session")
 def async_recording(assets: Any, tmp_path_factory: pytest.TempPathFactory) -> AsyncRecording:
     """Run 1 of the fully async trainer with ``action=match`` and nothing cached: every feed index
-    generates and is saved as ``cache`` saves it (row keys included)."""
+    generates and is saved as ``cache`` saves it (row keys included). The ``reward`` role, enabled
+    beside it, records the trainer's reward of steps 1 and 2 (``extract_reward``, which the trainer
+    imports from ``verl.trainer.ppo.reward``; its Ray actor classes pickled with the role's patches)."""
     tmp = tmp_path_factory.mktemp("async")
     dump = tmp / "dump"
-    first, generated = launch(
-        assets, tmp, "async1", async_overrides(assets, dump, "skip.async_rollout.action=match"), fully_async=True
-    )
+    overrides = async_overrides(assets, dump, "skip.async_rollout.action=match", *async_reward(dump))
+    first, generated = launch(assets, tmp, "async1", overrides, fully_async=True)
     return AsyncRecording(tmp, dump, first, generated)

@@ -25,6 +25,7 @@ from tests.e2e.conftest import (
     AsyncRecording,
     V0Runs,
     async_overrides,
+    async_reward,
     copy_dump,
     harness,
     launch,
@@ -135,18 +136,29 @@ def test_v0_repeat_serves_nearest_step_reports_other_prompts_and_never_skips_val
 def test_fully_async_rollout_cache_then_hit(assets: Any, async_recording: AsyncRecording, tmp_path: Path):
     """Run 1 is the session's fully async recording (4 prompts fed one at a time, two trainer steps);
     run 2, the same command with ``action=cache``, is served all of it from a copy of its dump dir --
-    with another reward function and ``rescore=never``: the recorded scores are served, said once."""
+    with another reward function and ``rescore=never``: the recorded scores are served, said once.
+    The ``reward`` role acts beside it on the fully async trainer: run 1 saves steps 1 and 2, run 2
+    is served them."""
     assert async_recording.generated, "run 1 generated"
+    reward_1 = skip_lines(async_recording.first, "reward")
+    assert sorted(re.findall(r"reward step (\d+): saved", "\n".join(reward_1))) == ["1", "2"], reward_1
     layout = harness.cache_dir(async_recording.dump, gbs=1)
     assert sorted(int(p.name) for p in layout.iterdir() if p.name.isdigit()) == list(range(1, ASYNC_PROMPTS + 1))
     meta = json.loads((layout / "1" / "meta.json").read_text())
     assert meta["reward"]["files"]["reward.custom_reward_function.path"]["sha256"], "what scored it is recorded"
     dump = copy_dump(async_recording.dump, tmp_path / "dump")
     overrides = async_overrides(
-        assets, dump, "skip.async_rollout.action=cache", "skip.async_rollout.rescore=never", *other_reward(tmp_path)
+        assets,
+        dump,
+        "skip.async_rollout.action=cache",
+        "skip.async_rollout.rescore=never",
+        *other_reward(tmp_path),
+        *async_reward(dump),
     )
     second, generated_2 = launch(assets, tmp_path, "async2", overrides, fully_async=True)
     assert generated_2 == [], f"feed indices 1-{ASYNC_PROMPTS} are served from the cache"
+    reward_2 = skip_lines(second, "reward")
+    assert sorted(re.findall(r"reward step (\d+): hit", "\n".join(reward_2))) == ["1", "2"], reward_2
     lines = skip_lines(second, "async_rollout")
     assert sum("hit, served step" in line for line in lines) == ASYNC_PROMPTS
     warned = [line for line in lines if "not computed by this run's reward" in line]
@@ -158,7 +170,7 @@ def test_fully_async_rollout_cache_then_hit(assets: Any, async_recording: AsyncR
     # The recorded scores (the harness's reward, in [0, 1]) are trained on, none of this run's (< -1).
     scores = trained_scores(second)
     assert scores and all(0.0 <= value <= 1.0 for value in scores), scores
-    check_real_dump(dump, {"async_rollout"}, tmp_path, one_process=True)
+    check_real_dump(dump, {"async_rollout", "reward"}, tmp_path, one_process=True)
 
 
 def trained_scores(proc: Any) -> list[float]:

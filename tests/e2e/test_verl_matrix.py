@@ -220,8 +220,8 @@ def test_list_resolves_every_role_meant_for_this_verl(matrix: MatrixRuns):
         else "not for this verl",
         "verl.trainer.ppo.ray_trainer:RayPPOTrainer.fit": "ok",
         "verl.trainer.ppo.ray_trainer:compute_advantage": "ok",
-        "verl.trainer.ppo.ray_trainer:extract_reward": "ok" if release >= (0, 7, 1) else "not for this verl",
-        "verl.trainer.ppo.ray_trainer:compute_reward": "not for this verl" if release >= (0, 7, 1) else "ok",
+        "verl.trainer.ppo.reward:extract_reward": "ok" if release >= (0, 7, 1) else "not for this verl",
+        "verl.trainer.ppo.reward:compute_reward": "not for this verl" if release >= (0, 7, 1) else "ok",
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_batch_to_generate": "not for this verl",
         "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample": "not for this verl",
         "verl.experimental.fully_async_policy.fully_async_rollouter:"

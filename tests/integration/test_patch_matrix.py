@@ -4,7 +4,8 @@ Like dd-trace-py's patch tests, per target: (a) instrumented before its module i
 import patches it; (b) imported first, instrumenting patches it; (c) instrumenting twice (same or
 another injector) wraps once; (d) uninstrumenting puts back the exact original object and calling
 it still works; (e) instrumenting again patches again; (f) the calling convention (sync, async,
-``auto_await`` trampoline) is unchanged. Targets are the roles' targets and clocks of the plugins
+``auto_await`` trampoline) is unchanged; (g) a module-level function is replaced, and put back, under every
+name another module of its package bound it. Targets are the roles' targets and clocks of the plugins
 ``load_plugins()`` finds (a new plugin is covered without editing this file), and the built-in guard
 on verl's ``SkipManager.init``; a target whose ``verl`` range excludes the installed verl is skipped.
 
@@ -20,6 +21,7 @@ import inspect
 import json
 import subprocess
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -151,6 +153,44 @@ def test_uninstrument_restores_the_exact_original(case: Case, injectors: Any) ->
     injector.instrument(case.path, PassThrough())  # (e) again, in the same process
     assert injector.is_patched(case.path)
     assert isinstance(inspect.getattr_static(parent, attribute), SkipinjectWrapper)
+
+
+def _bound(value: Any, package: str = "verl") -> set[str]:
+    """``module:name`` of every binding of ``value`` (by identity) in the imported modules of ``package``."""
+    return {
+        f"{name}:{attribute}"
+        for name, module in list(sys.modules.items())
+        if name.partition(".")[0] == package and isinstance(module, types.ModuleType)
+        for attribute, each in list(vars(module).items())
+        if each is value
+    }
+
+
+def test_a_function_target_is_patched_under_every_name_it_is_bound(case: Case, injectors: Any) -> None:  # (g)
+    """A module-level function is also replaced where another module imported it (verl's fully async and
+    one-step-off trainers import ``extract_reward`` from ``verl.trainer.ppo.reward``), and put back there."""
+    parent, attribute = resolve(case.path)
+    original = inspect.getattr_static(parent, attribute)
+    if not isinstance(parent, types.ModuleType) or not inspect.isfunction(original):
+        pytest.skip(f"{case.path} is not a module-level function")
+    for name in ALIASING_MODULES:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+    bound = _bound(original, case.path.partition(".")[0])
+    injector = injectors()
+    injector.instrument(case.path, PassThrough())
+    wrapper = inspect.getattr_static(parent, attribute)
+    assert bound and _bound(wrapper, case.path.partition(".")[0]) == bound
+    injector.uninstrument(case.path)
+    assert _bound(original, case.path.partition(".")[0]) == bound
+
+
+#: Modules importing a target function under its own name (verl 0.9.1), imported for (g).
+ALIASING_MODULES = (
+    "verl.experimental.separation.ray_trainer",
+    "verl.experimental.one_step_off_policy.ray_trainer",
+    "verl.trainer.ppo.v1.utils",
+)
 
 
 def test_calling_convention_is_unchanged(case: Case, injectors: Any) -> None:  # (f)

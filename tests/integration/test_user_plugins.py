@@ -108,7 +108,7 @@ def test_both_roles_together_through_the_runner_config(
         with RoleRun("reward,advantage", tmp_path, "[1]") as run:
             _trainer = v0_trainer(1)
             batch = grpo_batch(1, scores=True)
-            reward, _extra = call("verl.trainer.ppo.ray_trainer:extract_reward", batch)
+            reward, _extra = call("verl.trainer.ppo.reward:extract_reward", batch)
             batch.batch["token_level_rewards"] = reward
             call(ADVANTAGE_TARGET, batch, "grpo", num_repeat=2, config=AlgoConfig(adv_estimator="grpo"))
     assert len(counted_extract_reward) == 1 and len(counted_compute_advantage) == 1
@@ -134,8 +134,8 @@ def test_list_shows_every_plugin_role_target_and_range(user_plugins: None) -> No
     assert "plugin rollout (skipinject 0.1.0)" in out  # built in: shipped in the core wheel
     assert "  role reward: step from clock:global_steps" in out
     assert "  role advantage: step from clock:global_steps" in out
-    assert "target verl.trainer.ppo.ray_trainer:extract_reward  verl >=0.7.1  [ok]" in out
-    assert "target verl.trainer.ppo.ray_trainer:compute_reward  verl <0.7.1  [not for this verl]" in out
+    assert "target verl.trainer.ppo.reward:extract_reward  verl >=0.7.1  [ok]" in out
+    assert "target verl.trainer.ppo.reward:compute_reward  verl <0.7.1  [not for this verl]" in out
     assert f"target {ADVANTAGE_TARGET}  verl any  [ok]" in out
     assert "clock  verl.trainer.ppo.ray_trainer:RayPPOTrainer.fit  [ok]" in out
     assert "FAILED" not in out

@@ -96,16 +96,16 @@ def counted_compute_advantage(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[
 
 @pytest.fixture
 def counted_extract_reward(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    from verl.trainer.ppo import ray_trainer
+    from verl.trainer.ppo import reward
 
     calls: list[int] = []
-    original = ray_trainer.extract_reward
+    original = reward.extract_reward
 
     @functools.wraps(original)
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(ray_trainer, "extract_reward", counting)
+    monkeypatch.setattr(reward, "extract_reward", counting)
     yield calls
     bootstrap.stop()  # unpatch before monkeypatch puts the original back

@@ -249,7 +249,8 @@ def test_overrides_in_subclasses_are_patched_now_and_later_and_restored(
     assert len(Plain().fit(1)) == 2
     assert Existing().fit(1)[0] == "existing"
     seen = [who for _, _, who in recorder.seen]
-    assert [type(who).__name__ for who in seen] == ["Recipe", "Deeper", "Plain", "Existing", "Existing"]
+    # Existing's fit calls the base's: the base's wrapper, inside the override's, passes (one call seen)
+    assert [type(who).__name__ for who in seen] == ["Recipe", "Deeper", "Plain", "Existing"]
     injector.uninstrument(path)
     assert not isinstance(Recipe.__dict__["fit"], SkipinjectWrapper)
     assert not isinstance(module.Trainer.__dict__["fit"], SkipinjectWrapper)

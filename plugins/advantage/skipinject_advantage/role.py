@@ -47,8 +47,9 @@ def bypass(call: Call) -> bool:
 
 
 def cannot_fire(config: Any) -> str | None:
-    # verl's one-step-off and fully async trainers (a top-level ``rollout`` section) ignore trainer.use_v1
-    if select(config, "trainer.use_v1") is True and select(config, "rollout.nnodes") is None:
+    # The fully async and one-step-off trainers (a top-level ``rollout`` section: their own rollout
+    # resources) run on RayPPOTrainer whatever trainer.use_v1 says.
+    if select(config, "trainer.use_v1") is True and select(config, "rollout") is None:
         return (
             "trainer.use_v1=True runs the V1 trainer, which computes advantages through "
             "verl.trainer.ppo.v1.utils; set trainer.use_v1=False for the V0 RayPPOTrainer"

@@ -173,3 +173,14 @@ def test_pf_ppo_calls_are_never_cached(
             call(ADVANTAGE_TARGET, grpo_batch(seed=1), "grpo", config=AlgoConfig(use_pf_ppo=True))
     assert len(counted_compute_advantage) == 2
     assert not (tmp_path / "e_p").exists()
+
+
+def test_use_v1_keeps_the_role_off_main_ppo_only() -> None:
+    """The fully async and one-step-off trainers compute advantages with RayPPOTrainer's
+    ``compute_advantage`` whatever their inherited ``trainer.use_v1`` says."""
+    from omegaconf import OmegaConf
+    from skipinject_advantage.role import cannot_fire
+
+    assert "trainer.use_v1=True" in (cannot_fire(OmegaConf.create({"trainer": {"use_v1": True}})) or "")
+    separated = OmegaConf.create({"trainer": {"use_v1": True}, "rollout": {"nnodes": 1, "n_gpus_per_node": 1}})
+    assert cannot_fire(separated) is None

@@ -1,7 +1,9 @@
 """Role ``reward``: the reward the V0 ``RayPPOTrainer`` takes for a training step.
 
-``fit`` gets a step's reward from one module-level function of ``verl.trainer.ppo.ray_trainer``,
-patched there because that is where ``fit`` looks it up:
+``fit`` gets a step's reward from one module-level function defined in ``verl.trainer.ppo.reward``,
+patched there and wherever it is bound: ``verl.trainer.ppo.ray_trainer`` (``RayPPOTrainer.fit``), the
+separation trainer under the fully async one, the one-step-off trainer and verl-recipe's DAPO all import
+it from that module:
 
 * verl >= 0.7.1: ``extract_reward(batch)``. The rule-based or custom reward function
   (``reward.custom_reward_function.path``) already ran per sample inside the rollout's agent loop
@@ -24,8 +26,8 @@ from skipinject import Call, Role, StepSource, Target, attended_tokens, hookimpl
 from skipinject_reward.codec import RewardCodec, batch_of
 
 TARGETS = (
-    Target("verl.trainer.ppo.ray_trainer:extract_reward", verl=">=0.7.1"),
-    Target("verl.trainer.ppo.ray_trainer:compute_reward", verl="<0.7.1"),
+    Target("verl.trainer.ppo.reward:extract_reward", verl=">=0.7.1"),
+    Target("verl.trainer.ppo.reward:compute_reward", verl="<0.7.1"),
 )
 CLOCK = "verl.trainer.ppo.ray_trainer:RayPPOTrainer.fit"
 #: Per-row non-tensor inputs of a reward function (the answer to score against and its source).
@@ -33,8 +35,9 @@ ROW_KEYS = ("data_source", "reward_model")
 
 
 def cannot_fire(config: Any) -> str | None:
-    # verl's one-step-off and fully async trainers (a top-level ``rollout`` section) ignore trainer.use_v1
-    if select(config, "trainer.use_v1") is True and select(config, "rollout.nnodes") is None:
+    # The fully async and one-step-off trainers (a top-level ``rollout`` section: their own rollout
+    # resources) run on RayPPOTrainer whatever trainer.use_v1 says.
+    if select(config, "trainer.use_v1") is True and select(config, "rollout") is None:
         return (
             "trainer.use_v1=True runs the V1 trainer, which takes rewards from TransferQueue, not from "
             "ray_trainer's reward function; set trainer.use_v1=False for the V0 RayPPOTrainer"

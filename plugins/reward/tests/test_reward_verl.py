@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from skipinject.testing import RoleRun, call, grpo_batch, v0_trainer
 
-EXTRACT_REWARD = "verl.trainer.ppo.ray_trainer:extract_reward"
+EXTRACT_REWARD = "verl.trainer.ppo.reward:extract_reward"
 
 
 def test_reward_miss_then_hit_on_real_extract_reward(
@@ -55,3 +55,14 @@ def test_reward_served_for_other_responses_is_reported(
     (warning,) = run.lines_with("other inputs")
     assert "in 1 of 8 rows" in warning
     run.assert_hit(1)
+
+
+def test_use_v1_keeps_the_role_off_main_ppo_only() -> None:
+    """The fully async and one-step-off configs inherit ``trainer.use_v1: true`` but run RayPPOTrainer's
+    reward (their top-level ``rollout`` section: the rollout's own resources): no warning there."""
+    from omegaconf import OmegaConf
+    from skipinject_reward.role import cannot_fire
+
+    assert "trainer.use_v1=True" in (cannot_fire(OmegaConf.create({"trainer": {"use_v1": True}})) or "")
+    separated = OmegaConf.create({"trainer": {"use_v1": True}, "rollout": {"nnodes": 1, "n_gpus_per_node": 1}})
+    assert cannot_fire(separated) is None

@@ -7,14 +7,19 @@ Targets (verl 0.9.1):
 * ``PPOTrainer._add_prompts_to_generate`` (refill; the replay buffer's ``refill_fn``): at a chosen
   step, the prompts group filtering (DAPO) and failed-group refills draw are counted for the step's
   record; a served step drew them already in its submit (``prompts_drawn`` of the record).
-* ``ReplayBuffer.sample`` and ``ReplayBufferAsync.sample`` (sample): after the real sample, the
-  train batch of a generated step is read back and copied in the call, then written in the
-  background; ``parameter_sync_step = k`` gives k parts, one commit.
+* ``ReplayBuffer.sample`` (sample), and every subclass's override of it with the same parameters
+  (``ReplayBufferAsync``, a ``trainer.v1.sampler.custom_sampler``): after the real sample, the train
+  batch of a generated step is read back and copied in the call, then written in the background;
+  ``parameter_sync_step = k`` gives k parts, one commit.
 * ``PPOTrainer._add_async_warmup_batches`` (verl >= 0.9.1): switched off while the role is enabled (every
   step). verl 0.9.0 has no such method: its async modes' ``on_train_begin`` (``PPOTrainerColocateAsync``,
   ``PPOTrainerSeparateAsync``) submits the warm-up batches itself, through the submit target, at step 1
   (upstream skips them when its own ``skip.rollout_tq.enable`` is set); those two are switched off instead,
   so step 1 is submitted once, by the step itself.
+
+A subclass whose ``_add_batch_to_generate`` calls the base's is followed; one that replaces it (a
+streaming feeder that submits prompts elsewhere) is refused with one line when it is first called,
+as is a ``sample`` override taking other parameters: a cached step could not be put in its place.
 
 The step is the trainer's ``global_steps`` (clock: ``PPOTrainer.fit``). The cache lives where
 upstream puts it, ``{dump_dir}/{experiment}_{project}/GBS.._N.._in.._out../{step}/``; upstream's
@@ -24,6 +29,7 @@ pickled ``{step}/{i}/tq_batch.pt`` is read only with ``skip.rollout_tq.trust_ups
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 from typing import Any
 
@@ -67,10 +73,7 @@ INIT = f"{TRAINER}.init"
 GENERATE = "verl.trainer.ppo.v1.agent_loop_tq:AgentLoopManagerTQ.generate_sequences"
 #: The V1 trainer modes whose engine sleeps while the trainer trains: weight syncs may wait.
 DEFERRING_MODES = ("sync", "colocate_async")
-SAMPLES = (
-    "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample",
-    "verl.trainer.ppo.v1.replay_buffer:ReplayBufferAsync.sample",
-)
+SAMPLE = "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample"
 
 #: The V1 TransferQueue trainer exists in verl >= 0.9 only.
 V1_VERL = ">=0.9"
@@ -110,6 +113,38 @@ def no_v1_trainer() -> str | None:
         f"this verl ({verl_version()}) has no V1 TransferQueue trainer (no {V1_GLUE}: its main_ppo runs the V0 "
         "RayPPOTrainer only); use skip.rollout, which records and serves that trainer's rollout"
     )
+
+
+def submit_override(cls: type) -> str | None:
+    """An override of the submit that runs the base's keeps its contract (followed); one that does not
+    submits the step's prompts its own way, where a cached step cannot take their place (refused)."""
+    if calls_base(cls, "_add_batch_to_generate"):
+        return None
+    return (
+        "its _add_batch_to_generate does not call PPOTrainer's, so the step's prompts are submitted where a "
+        "cached step cannot take their place"
+    )
+
+
+def sample_override(cls: type) -> str | None:
+    """An override of ``sample`` with the base's parameters returns the sampled batch as the base does."""
+    theirs, ours = _parameters(vars(cls)["sample"]), ["self", "global_steps", "partition_id", "batch_size"]
+    if theirs == ours:
+        return None
+    return f"its sample takes ({', '.join(theirs)}), where ReplayBuffer.sample takes ({', '.join(ours)})"
+
+
+def calls_base(cls: type, name: str) -> bool:
+    """Whether ``cls``'s own ``name`` calls ``super().<name>`` (read from its code, not run)."""
+    code = getattr(vars(cls).get(name), "__code__", None)
+    return code is not None and "super" in code.co_names and name in code.co_names
+
+
+def _parameters(function: Any) -> list[str]:
+    try:
+        return list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return []
 
 
 def cannot_fire(config: Any) -> str | None:
@@ -160,9 +195,9 @@ def make_role() -> Role:
     return Role(
         name="rollout_tq",
         targets=[
-            Target(SUBMIT, phase=SubmitPhase(last_served), verl=V1_VERL),
+            Target(SUBMIT, phase=SubmitPhase(last_served), verl=V1_VERL, overrides=submit_override),
             Target(REFILL, phase=RefillPhase(), verl=V1_VERL),
-            *(Target(path, phase=SamplePhase(last_served), every_step=True, verl=V1_VERL) for path in SAMPLES),
+            Target(SAMPLE, phase=SamplePhase(last_served), every_step=True, verl=V1_VERL, overrides=sample_override),
             Target(WARMUP, phase=WarmupOff(), every_step=True, verl=WARMUP_VERL),
             *(Target(path, phase=WarmupOff(), every_step=True, verl=WARMUP_090_VERL) for path in WARMUP_090),
             Target(GENERATE, phase=PassThrough(), every_step=True, verl=V1_VERL, before=before_generation),

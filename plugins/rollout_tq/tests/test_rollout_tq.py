@@ -117,10 +117,11 @@ def test_installed_plugin_provides_the_role_through_its_entry_point():
     assert paths == {
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_batch_to_generate": False,
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_prompts_to_generate": False,
-        "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample": True,
-        "verl.trainer.ppo.v1.replay_buffer:ReplayBufferAsync.sample": True,
+        "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample": True,  # and ReplayBufferAsync's override
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_async_warmup_batches": True,
     }
+    overrides = {target.path.rpartition(".")[2]: target.overrides for target in role.targets if target.overrides}
+    assert set(overrides) == {"_add_batch_to_generate", "sample"}
     assert role.builtin == "rollout_tq" and role.cache_subdir == "" and role.upstream.file_name == "0/tq_batch.pt"
 
 
