@@ -405,7 +405,7 @@ class Injector:
             current = inspect.getattr_static(parent, attribute)
         except AttributeError:
             logger.warning(
-                "%s: target %s does not exist in this install (module %s has no %s); this role will not act",
+                "%s: target %s does not exist in this install (module %s has no %s); this target will not act",
                 patch.who,
                 patch.path,
                 patch.path.module,

@@ -193,6 +193,8 @@ def test_missing_target_is_reported_not_raised(fresh_module_name: str, injector:
     messages = [r.getMessage() for r in caplog.records]
     assert any("myplugin/myrole" in m and f"{fresh_module_name}:Worker.nope" in m for m in messages)
     assert any(f"{fresh_module_name}:Missing.method" in m for m in messages)
+    # the target, not the role: the role's other targets still act, and a role never called is said apart
+    assert all("this target will not act" in m and "role will not act" not in m for m in messages)
     assert module.Worker().method(1) == 3
 
 
