@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import results  # noqa: E402
 from skipinject.store import StepStore  # noqa: E402
 from skipinject.verl.codecs import DataProtoCodec  # noqa: E402
 
@@ -473,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-v1", action="store_true", help="skip the V1 TransferQueue TensorDict table")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
+    results.add_argument(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.prompt_len, args.response_len, args.repeat = 64, 32, 64, 1
@@ -494,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report(figures, v1))
     if args.json:
         print(json.dumps({"dataproto": figures, "v1": v1}))
+    if args.record:
+        results.record("store", {"dataproto": figures, "v1": v1, "repeat": args.repeat}, load_before)
     return 0
 
 
