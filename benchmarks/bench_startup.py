@@ -18,6 +18,8 @@ import statistics
 import subprocess
 import sys
 
+from benchmarks import results
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -48,7 +50,9 @@ def run_config() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=9)
+    results.add_argument(parser)
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
     # Installed packages come with bytecode; a checkout run with PYTHONDONTWRITEBYTECODE would not.
     subprocess.run([sys.executable, "-m", "compileall", "-q", "skipinject", "plugins"], cwd=ROOT, check=True)
     plain = {k: v for k, v in os.environ.items() if not k.startswith(("SKIPINJECT", "VERL_SKIP"))}
@@ -90,14 +94,19 @@ def main() -> None:
     print(f"CPU ms per process, median of {args.runs}; load {os.getloadavg()[0]:.2f}")
     print("| process | plain Python | with skipinject | added |")
     print("|---|---:|---:|---:|")
+    processes = {}
     for label, base_argv, base_env, argv, env in cases:
         base = median_ms(base_argv, base_env, args.runs)
         ours = median_ms(argv, env, args.runs)
+        processes[label] = {"plain_ms": base, "skipinject_ms": ours}
         print(f"| {label} | {base:.0f} | {ours:.0f} | {ours - base:+.0f} |")
     print(
         f"| skipinject's own start in a process that imported verl (measured inside it) | | | "
         f"+{statistics.median(inside):.0f} |"
     )
+    if args.record:
+        figures = {"runs": args.runs, "processes": processes, "inside_ms": statistics.median(inside)}
+        results.record("startup", figures, load_start)
 
 
 if __name__ == "__main__":
