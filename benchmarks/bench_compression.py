@@ -434,7 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(figures))
     if args.record:
-        results.record("compression", {**figures, "repeat": args.repeat, "s3": args.s3}, load_before[0])
+        remote = args.remote if args.s3 else []
+        results.record(
+            "compression", {**figures, "repeat": args.repeat, "local": args.local, "remote": remote}, load_before[0]
+        )
     return 0
 
 

@@ -52,14 +52,18 @@ def machine() -> dict[str, Any]:
     }
 
 
+#: The code a figure depends on: a checkout whose files here differ from its commit is marked ``+changes``.
+MEASURED = ("skipinject", "plugins", "benchmarks", "examples", "tests/reliability")
+
+
 def commit() -> str:
-    """The checkout's commit, ``+changes`` when files it tracks differ from it."""
+    """The checkout's commit, ``+changes`` when the measured code differs from it."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--", *MEASURED], cwd=ROOT, capture_output=True, text=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
