@@ -212,3 +212,18 @@ def pagecache() -> str:
 def available() -> list[str]:
     """The benchmarks that have a results file."""
     return sorted(path.stem for path in RESULTS.glob("*.json"))
+
+
+def first_run() -> str:
+    """How long a newcomer waits: set-up, the demo and (when timed) the whole suite, from a fresh clone."""
+    results = load("first_run")
+    f, m, load_average = results["figures"], results["machine"], results["load_average"]
+    times = [f"`make setup` {f['setup_s'] / 60:.0f} min", f"`make demo` {f['demo_s'] / 60:.0f} min more"]
+    if "test_s" in f:
+        times.append(f"`make test` {f['test_s'] / 60:.0f} min more")
+    return (
+        f"From a fresh clone ({results['date'][:10]}, {m['cores']} CPUs, {m['memory_gib']:.0f} GiB, load average "
+        f"{load_average['start']:.1f} to {load_average['end']:.1f}; `benchmarks/bench_first_run.py`): "
+        + ", ".join(times)
+        + ".\n"
+    )
