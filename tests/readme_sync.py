@@ -92,7 +92,7 @@ def verl_proof() -> str:
 
     from skipinject.verl.stack import VERL_IN_CI, VERL_ON_DEMAND, VERL_READ_FROM_CODE
     from tests.verl_matrix import ledger
-    from tests.verl_matrix.pairs import CALL_PAIRS, DEFAULT_VERSIONS, PAIRS, VERL_BUGS
+    from tests.verl_matrix.pairs import CALL_PAIRS, DEFAULT_VERSIONS, PAIRS, VERL_BUGS, is_chosen
 
     main, _ = verl_versions()
     runs = ledger.load()
@@ -118,7 +118,7 @@ def verl_proof() -> str:
                 on_demand.append(f"`{pair.id}`: stopped by a verl bug, skipped")
                 continue
             entry = f"`{pair.id}` ({_pair_trainer(pair)}; {_last_run(runs.get(pair.id))})"
-            (in_ci if pair.id in DEFAULT_VERSIONS else on_demand).append(entry)
+            (in_ci if is_chosen(pair, DEFAULT_VERSIONS) else on_demand).append(entry)
         lines.append(f"| {version} | {'; '.join(in_ci) or '--'} | {'; '.join(on_demand) or '--'} | -- |")
     return "\n".join(lines) + "\n"
 
