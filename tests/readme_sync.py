@@ -227,7 +227,6 @@ BLOCKS: dict[str, Callable[[], str]] = {
             "match_index",
             "rescore",
             "startup",
-            "scaling",
             "pagecache",
             "compression",
             "first_run",
