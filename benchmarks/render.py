@@ -218,12 +218,15 @@ def first_run() -> str:
     """How long a newcomer waits: set-up, the demo and (when timed) the whole suite, from a fresh clone."""
     results = load("first_run")
     f, m, load_average = results["figures"], results["machine"], results["load_average"]
-    times = [f"`make setup` {f['setup_s'] / 60:.0f} min", f"`make demo` {f['demo_s'] / 60:.0f} min more"]
+
+    def took(seconds: float) -> str:
+        return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+
+    times = [f"`make setup` {took(f['setup_s'])}", f"then `make demo` {took(f['demo_s'])}"]
     if "test_s" in f:
-        times.append(f"`make test` {f['test_s'] / 60:.0f} min more")
+        times.append(f"then `make test` {took(f['test_s'])}")
     return (
-        f"From a fresh clone ({results['date'][:10]}, {m['cores']} CPUs, {m['memory_gib']:.0f} GiB, load average "
-        f"{load_average['start']:.1f} to {load_average['end']:.1f}; `benchmarks/bench_first_run.py`): "
-        + ", ".join(times)
-        + ".\n"
+        f"Timed from a fresh clone ({results['date'][:10]}, {m['cores']} CPUs, {m['memory_gib']:.0f} GiB, pip's "
+        f"download cache warm, load average {load_average['start']:.1f} at start and {load_average['end']:.1f} at "
+        f"end; `benchmarks/bench_first_run.py`): " + ", ".join(times) + ".\n"
     )
