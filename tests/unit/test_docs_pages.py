@@ -95,6 +95,7 @@ def test_the_matrix_ledger_records_each_pair_that_ran_and_keeps_the_others(tmp_p
         runs.add(node, "call", "passed", 1.0)
     runs.add("tests/e2e/test_verl_matrix.py::test_rollout_cache_then_hit[0.7.1]", "setup", "failed", 5.0)
     runs.add("tests/e2e/test_verl_matrix.py::test_rollout_cache_then_hit[0.5.0]", "setup", "skipped", 0.0)
+    runs.add("tests/e2e/test_verl_matrix.py::test_rollout_cache_then_hit[0.5.0]", "teardown", "passed", 0.0)
     runs.add("tests/e2e/test_rollout_e2e.py::test_x", "call", "passed", 1.0)
     runs.write("abc123", results)
     recorded = ledger.load(results)

@@ -28,6 +28,8 @@ class Ledger:
         match = _PAIR_TEST.search(nodeid)
         if match is None or outcome == "skipped":
             return
+        if when == "teardown" and match["pair"] not in self.pairs:
+            return  # the teardown of a test that was skipped at setup: no run
         pair = self.pairs.setdefault(match["pair"], {"tests": set(), "failed": False, "seconds": 0.0})
         pair["seconds"] += duration
         pair["failed"] = pair["failed"] or outcome == "failed"
