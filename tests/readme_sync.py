@@ -227,6 +227,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
             "match_index",
             "rescore",
             "startup",
+            "scaling",
             "pagecache",
             "compression",
             "first_run",
