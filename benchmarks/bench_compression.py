@@ -57,6 +57,7 @@ for path in (ROOT / "benchmarks", ROOT):
 
 from bench_store import check_equal, grpo_batch, measure, tensor_bytes, touch  # noqa: E402
 
+from benchmarks import results  # noqa: E402
 from skipinject.engine.replay import ReadAhead  # noqa: E402
 from skipinject.store import StepStore  # noqa: E402
 from skipinject.store.checksums import file_checksum  # noqa: E402
@@ -408,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", action="store_true", help="stored sizes only (one save each, nothing timed)")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
+    results.add_argument(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.prompt_len, args.response_len, args.repeat = 64, 32, 64, 1
@@ -431,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     print(report(figures, args.local, args.remote if args.s3 else []))
     if args.json:
         print(json.dumps(figures))
+    if args.record:
+        remote = args.remote if args.s3 else []
+        results.record(
+            "compression", {**figures, "repeat": args.repeat, "local": args.local, "remote": remote}, load_before[0]
+        )
     return 0
 
 

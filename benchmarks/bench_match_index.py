@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import results
 from skipinject.engine.row_index import RowIndex
 from skipinject.store import StepStore
 from skipinject.store.format import ROWS_DIR
@@ -121,7 +122,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--json", action="store_true")
+    results.add_argument(parser)
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
     figures = [measure(args.steps, rows) for rows in args.rows]
     load = os.getloadavg()[0]
     print(f"{CALL_ROWS} keys looked up (half cached) among {args.steps} cached steps; load avg {load:.1f}")
@@ -138,6 +141,8 @@ def main() -> None:
         )
     if args.json:
         print(json.dumps({"call_rows": CALL_ROWS, "load": load, "sizes": figures}))
+    if args.record:
+        results.record("match_index", {"call_rows": CALL_ROWS, "steps": args.steps, "sizes": figures}, load_start)
 
 
 if __name__ == "__main__":

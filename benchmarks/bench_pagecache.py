@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import results
+
 
 def write(path: Path, buffer: np.ndarray) -> tuple[float, float]:
     start = time.perf_counter()
@@ -34,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=int, default=682)
     parser.add_argument("--dir", type=Path, default=None)
+    results.add_argument(parser)
     args = parser.parse_args(argv)
     size = args.mb * 1_000_000
     load = os.getloadavg()[0]
@@ -54,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, runs in (("new file, fresh page-cache pages", fresh), ("new file, pages just freed", recycled)):
         for write_ms, fsync_ms in runs:
             print(f"{name}: write {write_ms:.0f} ms + fsync {fsync_ms:.0f} ms = {write_ms + fsync_ms:.0f} ms")
+    if args.record:
+        figures = {"mb": args.mb, "first_touch_ms": first_touch, "second_touch_ms": second_touch}
+        results.record("pagecache", {**figures, "fresh": fresh, "recycled": recycled}, load)
     return 0
 
 

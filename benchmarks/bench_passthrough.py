@@ -20,6 +20,8 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks import results as results_file
+
 
 class Batch:
     def __init__(self, step: int) -> None:
@@ -113,7 +115,9 @@ def measure(calls: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200_000)
+    results_file.add_argument(parser)
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
     results = measure(args.calls)
     print(f"pass-through of a step not chosen, ns per call (best of 7 x {args.calls}); load {os.getloadavg()[0]:.2f}")
     print(
@@ -125,6 +129,8 @@ def main() -> None:
         bare, up, ours = results[f"bare {kind}"], results[f"upstream {kind}"], results[f"skipinject {kind}"]
         ratio = (up - bare) / max(ours - bare, 1e-9)
         print(f"| {kind} | {bare:.0f} | {up:.0f} | {ours:.0f} | {up - bare:.0f} | {ours - bare:.0f} | {ratio:.2f}x |")
+    if args.record:
+        results_file.record("passthrough", {"calls": args.calls, "ns_per_call": results}, load_start)
 
 
 if __name__ == "__main__":

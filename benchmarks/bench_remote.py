@@ -37,6 +37,7 @@ for path in (ROOT / "benchmarks", ROOT):
 
 from bench_store import build_batch, check_equal, measure, tensor_bytes, touch  # noqa: E402
 
+from benchmarks import results  # noqa: E402
 from skipinject.store import RemoteStepStore, StepStore  # noqa: E402
 from skipinject.store.remote import open_remote  # noqa: E402
 from skipinject.verl.codecs import DataProtoCodec  # noqa: E402
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket", help="bucket at --endpoint (it must exist)")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
+    results.add_argument(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.prompt_len, args.response_len, args.repeat = 64, 32, 64, 1
@@ -159,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report(figures))
     if args.json:
         print(json.dumps(figures))
+    if args.record:
+        results.record("remote", {**figures, "repeat": args.repeat, "server": server}, load_before)
     return 0
 
 

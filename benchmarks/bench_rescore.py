@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import results
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "verl_cpu"))
 
@@ -148,7 +150,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5)
+    results.add_argument(parser)
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
     logging.getLogger("skipinject").setLevel(logging.WARNING)
     import harness
     from skipinject_rollout import rescore
@@ -203,6 +207,16 @@ def main() -> None:
             f"{med[2] * 1000:.1f} ms; goal (served + reward) x 1.10 = {goal * 1000:.1f} ms: "
             f"{'met' if med[2] <= goal else 'NOT met'} (overhead {overhead * 1000:.1f} ms)"
         )
+    if args.record:
+        medians = {
+            clock: {
+                name: statistics.median(sample[index] for sample in samples) * 1000
+                for name, samples in (("served_ms", served), ("reward_ms", alone), ("rescored_ms", rescored))
+            }
+            for index, clock in enumerate(("wall", "cpu"))
+        }
+        figures = {"rows": rows, "response": args.response, "repeat": args.repeat, **medians}
+        results.record("rescore", figures, load_start)
 
 
 def _clocks() -> tuple[float, float]:

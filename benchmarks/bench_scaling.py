@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_store
 
+from benchmarks import results
+
 
 def measure_sizes(
     kind: str, sizes: list[int], run: Callable[..., dict[str, Any]], lengths: tuple[int, int], args: Any
@@ -88,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--dir", type=Path, default=None)
+    results.add_argument(parser)
     args = parser.parse_args(argv)
+    load_start = os.getloadavg()[0]
     dp = measure_sizes("dataproto", args.dp_rows, bench_store.run, tuple(args.dp_lengths), args)
     v1 = measure_sizes("v1", args.v1_rows, bench_store.run_v1, tuple(args.v1_lengths), args)
     lines = []
@@ -107,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if args.json:
         print(json.dumps({"dataproto": dp, "v1": v1}))
+    if args.record:
+        results.record("scaling", {"dataproto": dp, "v1": v1, "repeat": args.repeat}, load_start)
     return 0
 
 

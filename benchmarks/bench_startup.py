@@ -19,6 +19,8 @@ import statistics
 import subprocess
 import sys
 
+from benchmarks import results
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -53,7 +55,9 @@ def run_config() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=9)
+    results.add_argument(parser)
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
     # Installed packages come with bytecode; a checkout run with PYTHONDONTWRITEBYTECODE would not.
     subprocess.run([sys.executable, "-m", "compileall", "-q", "skipinject", "plugins"], cwd=ROOT, check=True)
     plain = {k: v for k, v in os.environ.items() if not k.startswith(("SKIPINJECT", "VERL_SKIP"))}
@@ -103,7 +107,9 @@ def main() -> None:
     )
     print("| process | plain Python | with skipinject | added (median of pairs) |")
     print("|---|---:|---:|---:|")
+    processes = {}
     for label, (base, ours, added) in rows:
+        processes[label] = {"plain_ms": base, "skipinject_ms": ours, "added_ms": added}
         print(f"| {label} | {base:.0f} | {ours:.0f} | {added:+.0f} |")
     print(
         f"| skipinject's own start and patching in a process that imported verl's agent loop "
@@ -111,6 +117,9 @@ def main() -> None:
         f"heap that happens to land in the window is not skipinject's) | | | "
         f"+{statistics.median(inside):.0f} |"
     )
+    if args.record:
+        figures = {"runs": args.runs, "processes": processes, "inside_ms": statistics.median(inside)}
+        results.record("startup", figures, load_start)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import results  # noqa: E402
 from skipinject.store import StepStore  # noqa: E402
 from skipinject.verl.codecs import DataProtoCodec  # noqa: E402
 
@@ -494,11 +495,14 @@ def table(title: str, upstream: str, f: dict[str, Any]) -> list[str]:
     lines += [
         "",
         f"fastest warm load: upstream {best_up:.1f} ms, skipinject {best_ours:.1f} ms ({best_up / best_ours:.1f}x)",
-        f"copy floor (every byte read into fresh private memory, checksummed per 32 MiB chunk as it lands, "
-        f"{f['copy_floor_threads']} threads): {f['copy_floor_ms']:.1f} ms (CPU {f['copy_floor_cpu_ms']:.1f}); "
-        f"skipinject's warm load is {f['ours_load_ms'] / f['copy_floor_ms']:.2f}x the floor, "
-        f"upstream's {f['upstream_load_ms'] / f['copy_floor_ms']:.2f}x",
     ]
+    if "copy_floor_ms" in f:  # results recorded before the floor was measured have none
+        lines.append(
+            f"copy floor (every byte read into fresh private memory, checksummed per 32 MiB chunk as it lands, "
+            f"{f['copy_floor_threads']} threads): {f['copy_floor_ms']:.1f} ms (CPU {f['copy_floor_cpu_ms']:.1f}); "
+            f"skipinject's warm load is {f['ours_load_ms'] / f['copy_floor_ms']:.2f}x the floor, "
+            f"upstream's {f['upstream_load_ms'] / f['copy_floor_ms']:.2f}x"
+        )
     return lines
 
 
@@ -531,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-v1", action="store_true", help="skip the V1 TransferQueue TensorDict table")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
+    results.add_argument(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.prompt_len, args.response_len, args.repeat = 64, 32, 64, 1
@@ -552,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report(figures, v1))
     if args.json:
         print(json.dumps({"dataproto": figures, "v1": v1}))
+    if args.record:
+        results.record("store", {"dataproto": figures, "v1": v1, "repeat": args.repeat}, load_before)
     return 0
 
 

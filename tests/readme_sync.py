@@ -1,7 +1,9 @@
-"""The README's generated blocks: the versions tested and the ``--version`` output.
+"""The generated blocks of the README and docs/: versions tested, ``--version``, the cache commands, and
+every figure, rendered from the results file a script wrote (``benchmarks/results/*.json``,
+``tests/reliability/results.json``, ``tests/verl_matrix/results.json``).
 
 Each block sits between ``<!-- begin generated: NAME -->`` and ``<!-- end generated: NAME -->`` and is
-rendered from the code that decides it, so the README cannot drift from it:
+rendered from the code or results file that decides it, so no page can drift from it:
 ``tests/unit/test_readme_facts.py`` fails when a block differs, and ``python tests/readme_sync.py``
 rewrites them.
 """
@@ -12,9 +14,12 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+#: The pages whose generated blocks are rendered: the README and docs/.
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(
     r"(<!-- begin generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated: (?P=name) -->)", re.S
 )
@@ -40,9 +45,9 @@ def verl_versions() -> tuple[str, list[str]]:
 
 
 def tested_table() -> str:
-    """The stack skipinject is tested with: the ranges the runner checks at start and the verls each test
-    run covers (``skipinject.verl.stack``), and the versions pinned in the lock the tests run in."""
-    from skipinject.verl.stack import TESTED, VERL_IN_CI, VERL_ON_DEMAND
+    """The stack skipinject is tested with: the ranges the runner checks at start and where each verl is
+    proven (``skipinject.verl.stack``), and the versions pinned in the lock the tests run in."""
+    from skipinject.verl.stack import TESTED, VERL_IN_CI, VERL_ON_DEMAND, VERL_READ_FROM_CODE
 
     main, older = verl_versions()
     assert {main, *older} == {*VERL_IN_CI, *VERL_ON_DEMAND}, "requirements/ and skipinject.verl.stack disagree"
@@ -52,13 +57,70 @@ def tested_table() -> str:
     for name, spec in TESTED.items():
         if name == "verl":
             runs = (
-                f"{main} (every test); {', '.join(in_ci)} (real trainer runs in every `make test`); "
-                f"{', '.join(v for v in older if v in VERL_ON_DEMAND)} (the same runs, on demand: "
-                "[docs/verl-versions.md](docs/verl-versions.md))"
+                f"{main}: every test (CI); {', '.join(in_ci)}: one pair in CI, on the project's DAPO test trainer; "
+                f"{', '.join(v for v in older if v in VERL_ON_DEMAND)}: on demand"
+                + (f"; {', '.join(VERL_READ_FROM_CODE)}: read from code" if VERL_READ_FROM_CODE else "")
+                + " ([details](docs/verl-versions.md#version-table))"
             )
         else:
             runs = lock[name]
         lines.append(f"| {name} | `{spec}` | {runs} |")
+    return "\n".join(lines) + "\n"
+
+
+def _pair_trainer(pair: Any) -> str:
+    """What a matrix pair runs, in a few words."""
+    if pair.variant == "dapo":
+        return "the project's DAPO test trainer (`tests/fixtures/recipes/dapo_recipe_wg.py`), not `main_ppo`"
+    trainer = "`main_ppo` REMAX" if pair.variant == "remax" else "`main_ppo` GRPO"
+    path = "worker group" if pair.sync else "agent loop"
+    return f"{trainer}, {path}"
+
+
+def _last_run(record: dict[str, Any] | None) -> str:
+    if record is None:
+        return "no run recorded yet"
+    return (
+        f"last run {record['date'][:10]} at {record['commit']}: {record['outcome']} "
+        f"({record['tests']} tests, {record['seconds']} s)"
+    )
+
+
+def verl_proof() -> str:
+    """Per verl version, which pairs of real runs CI runs, which run on demand (with their last run, from
+    ``tests/verl_matrix/results.json``, which the matrix tests write), and which are only read from code."""
+    from packaging.version import Version
+
+    from skipinject.verl.stack import VERL_IN_CI, VERL_ON_DEMAND, VERL_READ_FROM_CODE
+    from tests.verl_matrix import ledger
+    from tests.verl_matrix.pairs import CALL_PAIRS, DEFAULT_VERSIONS, PAIRS, VERL_BUGS, is_chosen
+
+    main, _ = verl_versions()
+    runs = ledger.load()
+    lines = [
+        "| verl | in CI (`make test`) | on demand (`SKIPINJECT_VERL_MATRIX=<pair>`) | read from code only |",
+        "|---|---|---|---|",
+    ]
+    for version in sorted({*VERL_IN_CI, *VERL_ON_DEMAND, *VERL_READ_FROM_CODE}, key=Version, reverse=True):
+        if version in VERL_READ_FROM_CODE:
+            lines.append(
+                f"| {version} | -- | -- | the roles whose targets' verl ranges include it, as on {main} "
+                f"(`python -m skipinject --list` on a {version} install shows which resolve) |"
+            )
+            continue
+        if version == main:
+            lines.append(f"| {version} | every test: unit, integration, every end-to-end run | -- | -- |")
+            continue
+        in_ci, on_demand = [], []
+        for pair in (*PAIRS, *CALL_PAIRS):
+            if pair.version != version:
+                continue
+            if pair.id in VERL_BUGS:
+                on_demand.append(f"`{pair.id}`: stopped by a verl bug, skipped")
+                continue
+            entry = f"`{pair.id}` ({_pair_trainer(pair)}; {_last_run(runs.get(pair.id))})"
+            (in_ci if is_chosen(pair, DEFAULT_VERSIONS) else on_demand).append(entry)
+        lines.append(f"| {version} | {'; '.join(in_ci) or '--'} | {'; '.join(on_demand) or '--'} | -- |")
     return "\n".join(lines) + "\n"
 
 
@@ -125,11 +187,55 @@ def comparable(listing: str) -> str:
     return re.sub(r"[ \t]+", " ", listing)
 
 
+def reliability_headline() -> str:
+    from tests.reliability import report
+
+    return report.headline(report.load_results())
+
+
+def reliability_tables() -> str:
+    from tests.reliability import report
+
+    return report.tables(report.load_results())
+
+
+def _benchmark(name: str) -> Callable[[], str]:
+    """The renderer of a benchmark's block (``benchmarks/render.py``), imported when rendered."""
+
+    def render_block() -> str:
+        from benchmarks import render
+
+        block: Callable[[], str] = getattr(render, name)
+        return block()
+
+    return render_block
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "tested": tested_table,
     "versions": versions_block,
     "cache-commands": cache_commands,
     "cache-ls": toy_cache_listing,  # checked by tests/unit/test_example.py, which runs the toy example anyway
+    "verl-proof": verl_proof,
+    "reliability-headline": reliability_headline,
+    "reliability-tables": reliability_tables,
+    **{
+        f"bench-{name.replace('_', '-')}": _benchmark(name)
+        for name in (
+            "store",
+            "store_v1_hit",
+            "remote",
+            "passthrough",
+            "repeat",
+            "match_index",
+            "rescore",
+            "startup",
+            "scaling",
+            "pagecache",
+            "compression",
+            "first_run",
+        )
+    },
 }
 
 
@@ -137,6 +243,9 @@ def blocks(text: str) -> dict[str, str]:
     """The generated blocks of a document as it is, by name."""
     return {m["name"]: m["body"] for m in _BLOCK.finditer(text)}
 
+
+#: Blocks left as they were by the last ``render`` because their results file is missing.
+UNRENDERED: list[str] = []
 
 #: Blocks that show a run: rendered anew only when more than times and sizes changed.
 RUNS = {"cache-ls"}
@@ -147,7 +256,12 @@ def render(text: str) -> str:
 
     def block(match: re.Match[str]) -> str:
         name, old = match["name"], match["body"]
-        new = BLOCKS[name]()
+        try:
+            new = BLOCKS[name]()
+        except FileNotFoundError as missing:
+            print(f"block {name}: no results file ({missing.filename}); left as it is", file=sys.stderr)
+            UNRENDERED.append(name)
+            return match[0]
         if name in RUNS and comparable(new) == comparable(old):
             new = old
         return match[1] + new + match[4]
@@ -155,17 +269,29 @@ def render(text: str) -> str:
     return _BLOCK.sub(block, text)
 
 
+def page_blocks() -> dict[str, tuple[Path, str]]:
+    """Every generated block of every page, by name: the page it is on and its body as it is."""
+    found: dict[str, tuple[Path, str]] = {}
+    for page in PAGES:
+        for name, body in blocks(page.read_text()).items():
+            if name in found:
+                raise ValueError(f"generated block {name!r} is on both {found[name][0].name} and {page.name}")
+            found[name] = (page, body)
+    return found
+
+
 def main() -> int:
-    text = README.read_text()
-    missing = set(BLOCKS) - set(blocks(text))
+    missing = set(BLOCKS) - set(page_blocks())
     if missing:
-        print(f"README.md lacks the generated block(s) {', '.join(sorted(missing))}", file=sys.stderr)
+        print(f"no page holds the generated block(s) {', '.join(sorted(missing))}", file=sys.stderr)
         return 1
-    rendered = render(text)
-    if rendered != text:
-        README.write_text(rendered)
-        print("README.md: generated blocks rewritten")
-    return 0
+    for page in PAGES:
+        text = page.read_text()
+        rendered = render(text)
+        if rendered != text:
+            page.write_text(rendered)
+            print(f"{page.relative_to(ROOT)}: generated blocks rewritten")
+    return 1 if UNRENDERED else 0
 
 
 if __name__ == "__main__":

@@ -17,8 +17,11 @@ logger = logging.getLogger("skipinject")
 #: The verls CI runs (``make test``): 0.9.1, every test; 0.6.1, one pair of real runs of DAPO's recipe
 #: on the sync worker-group path, several generation calls per step (``tests/verl_matrix/pairs.py``).
 VERL_IN_CI = ("0.9.1", "0.6.1")
-#: The verls whose pairs of real runs pass on demand (``SKIPINJECT_VERL_MATRIX``), not in CI.
+#: The verls with pairs of real runs on demand (``SKIPINJECT_VERL_MATRIX``), not in CI; when each pair last
+#: ran, and how it ended: ``tests/verl_matrix/results.json``.
 VERL_ON_DEMAND = ("0.9.0", "0.8.0", "0.7.1", "0.5.0", "0.4.1")
+#: Releases inside the range checked at start that no test runs: their targets are read from their code only.
+VERL_READ_FROM_CODE: tuple[str, ...] = ()
 #: The versions tested, in CI or on demand (the locks in ``requirements/``; torch, tensordict, ray: the 0.9.1 lock's).
 TESTED: Mapping[str, str] = {
     "verl": ">=0.4.1,<0.10",

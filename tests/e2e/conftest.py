@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
+from tests.verl_matrix import ledger
 
 HARNESS_DIR = ROOT / "examples" / "verl_cpu"
 if str(HARNESS_DIR) not in sys.path:
@@ -67,9 +68,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             _BACKGROUND_BUILDS.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT))
 
 
+_MATRIX_RUNS = ledger.Ledger()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each older-verl pair's outcome, for tests/verl_matrix/results.json."""
+    _MATRIX_RUNS.add(report.nodeid, report.when, report.outcome, report.duration)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for build in _BACKGROUND_BUILDS:
         build.wait()
+    from benchmarks.results import commit
+
+    _MATRIX_RUNS.write(commit())
 
 
 SKIPINJECT_MAIN_PPO = (sys.executable, "-m", "skipinject", "-m", "verl.trainer.main_ppo")

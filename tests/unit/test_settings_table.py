@@ -6,14 +6,18 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 
+import pytest
+
 from skipinject.cli import build_parser
 from skipinject.config import Config, RoleConfig, RoleSchema, role_config
 from skipinject.config.schema import ROLE_KEYS, choices
 from tests.conftest import ROOT
 
 
-def test_the_readme_configuration_table_lists_every_key_and_its_default() -> None:
-    text = (ROOT / "README.md").read_text()
+@pytest.mark.parametrize("page", ["README.md", "docs/runner.md"])
+def test_the_configuration_tables_list_every_key_and_its_default(page: str) -> None:
+    """The README's short table and docs/runner.md's full one."""
+    text = (ROOT / page).read_text()
     table = text.split("| key | default | meaning |\n|---|---|---|\n", 1)[1].split("\n\n", 1)[0]
     rows = [re.fullmatch(r"\| `(\w+)` \| `([^`]*)` \| .+ \|", line) for line in table.splitlines()]
     assert all(rows), table
