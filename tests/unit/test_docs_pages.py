@@ -27,8 +27,8 @@ USER_PAGES = [
 DIARY = {
     "an issue number": r"\bissues? ?#?\d+\b|\(#\d+\)",
     "a work round": r"\bround \d+\b",
-    "a work session": r"\b(?:session \d+|this session|helper|worktree)\b",
-    "a branch": r"\bbranch(?:es)?\b",
+    "a work session": r"\b(?:session \d+|this session|helpers? (?:session|engineer)s?|worktree)\b",
+    "a branch": r"\b(?:helper|work|feature|topic|our|my) branch(?:es)?\b",
     "a re-run": r"\bre-(?:run|measured)\b",
     "the machine the work ran on": r"\bon this VM\b",
 }
