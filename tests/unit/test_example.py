@@ -36,8 +36,8 @@ def test_toy_example_misses_then_hits_and_keeps_its_cache(tmp_path: Path) -> Non
     # first time, which it names); a step without tensors imports neither torch nor tensordict
     hit = re.search(r"toy_rollout step 1: hit, [^\n]* in ([0-9.]+) s[^\n]*", proc.stderr)
     assert hit is not None, proc.stderr
-    took = float(second[0].rsplit(" (", 1)[1].rstrip(" s)"))
-    assert float(hit[1]) >= took / 2 or took < 0.05, (hit[0], second[0])
+    # not `in 0.000 s`: the hit's time holds its own work (no ratio to the step's time: that is a timing)
+    assert float(hit[1]) > 0 and "in 0.000 s" not in hit[0], (hit[0], second[0])
     assert "torch" not in hit[0] and "tensordict" not in hit[0], hit[0]
     kept = dump / "skipinject_default" / "toy_rollout"
     assert sorted(p.name for p in kept.iterdir()) == ["1", "2"], "the cache is kept for `skipinject cache ls`"

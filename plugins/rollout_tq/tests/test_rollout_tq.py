@@ -93,14 +93,14 @@ def test_cannot_fire_on_the_v0_trainer():
 
 def test_a_verl_without_the_v1_trainer_is_said_and_points_to_skip_rollout(monkeypatch: pytest.MonkeyPatch):
     """verl's neo line has no TransferQueue glue and no V1 trainer: whatever the config, one reason."""
-    import importlib.util
+    import sys
 
     from skipinject_rollout_tq import plugin
 
     assert plugin.no_v1_trainer() is None, "verl 0.9.1 has its V1 trainer"
-    real = importlib.util.find_spec
-    glue_gone = lambda name, *rest: None if name == plugin.V1_GLUE else real(name, *rest)  # noqa: E731
-    monkeypatch.setattr(importlib.util, "find_spec", glue_gone)
+    # the neo tree: verl's package without the TransferQueue glue's file (looked for, never imported)
+    monkeypatch.setattr(plugin, "V1_GLUE", "verl.utils.transferqueue_utils_absent")
+    assert "transferqueue_utils_absent" not in sys.modules
     for use_v1 in (True, False):
         reason = cannot_fire(OmegaConf.create({"trainer": {"use_v1": use_v1}}))
         assert reason is not None and "has no V1 TransferQueue trainer" in reason and "use skip.rollout" in reason
@@ -119,6 +119,23 @@ def test_installed_plugin_provides_the_role_through_its_entry_point():
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_prompts_to_generate": False,
         "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample": True,  # and ReplayBufferAsync's override
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_async_warmup_batches": True,
+        # verl 0.9.0's warm-up, in its async modes' on_train_begin
+        "verl.trainer.ppo.v1.trainer_colocate_async:PPOTrainerColocateAsync.on_train_begin": True,
+        "verl.trainer.ppo.v1.trainer_separate_async:PPOTrainerSeparateAsync.on_train_begin": True,
+        # a deferred weight sync is carried out before the engine generates
+        "verl.trainer.ppo.v1.agent_loop_tq:AgentLoopManagerTQ.generate_sequences": True,
+        **{
+            f"verl.checkpoint_engine.base:CheckpointEngineManager.{method}": True
+            for method in (
+                "update_weights",
+                "sleep_replicas",
+                "abort_replicas",
+                "resume_generation_replicas",
+                "wake_up_replicas",
+                "release_kv_cache_replicas",
+                "resume_kv_cache_replicas",
+            )
+        },
     }
     overrides = {target.path.rpartition(".")[2]: target.overrides for target in role.targets if target.overrides}
     assert set(overrides) == {"_add_batch_to_generate", "sample"}
