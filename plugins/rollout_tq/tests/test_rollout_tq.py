@@ -108,6 +108,7 @@ def test_a_verl_without_the_v1_trainer_is_said_and_points_to_skip_rollout(monkey
 
 def test_installed_plugin_provides_the_role_through_its_entry_point():
     from skipinject.plugin_manager import load_plugins
+    from tests.unit.test_verl_versions import MANAGER_METHODS
 
     plugins = load_plugins("rollout_tq")
     [plugin] = plugins.plugins
@@ -124,18 +125,7 @@ def test_installed_plugin_provides_the_role_through_its_entry_point():
         "verl.trainer.ppo.v1.trainer_separate_async:PPOTrainerSeparateAsync.on_train_begin": True,
         # a deferred weight sync is carried out before the engine generates
         "verl.trainer.ppo.v1.agent_loop_tq:AgentLoopManagerTQ.generate_sequences": True,
-        **{
-            f"verl.checkpoint_engine.base:CheckpointEngineManager.{method}": True
-            for method in (
-                "update_weights",
-                "sleep_replicas",
-                "abort_replicas",
-                "resume_generation_replicas",
-                "wake_up_replicas",
-                "release_kv_cache_replicas",
-                "resume_kv_cache_replicas",
-            )
-        },
+        **{f"verl.checkpoint_engine.base:CheckpointEngineManager.{method}": True for method in MANAGER_METHODS},
     }
     overrides = {target.path.rpartition(".")[2]: target.overrides for target in role.targets if target.overrides}
     assert set(overrides) == {"_add_batch_to_generate", "sample"}
