@@ -8,6 +8,7 @@ is one line and status 2 (:func:`main`); a module that cannot be found is one li
 from __future__ import annotations
 
 import argparse
+import builtins
 import importlib.machinery
 import importlib.util
 import os
@@ -215,7 +216,7 @@ def _program(args: argparse.Namespace, options: Sequence[str] = ()) -> Program |
             raise UsageError(f"{'-m' if args.module else '-c'} needs {'a module name' if args.module else 'code'}")
         return None
     kind = "module" if args.module else "code" if args.code else "script"
-    if kind == "script" and not os.path.exists(words[0]):
+    if kind == "script" and words[0] != "-" and not os.path.exists(words[0]):  # ``-``: read from stdin
         raise UsageError(_settings_first(words, options) or f"can't open file {words[0]!r}: no such file")
     return Program(kind, words[0], words[1:])
 
@@ -267,18 +268,21 @@ def _run(program: Program) -> int:
 def _execute(program: Program) -> None:
     sys.argv = [program.target if program.kind != "code" else "-c", *program.args]
     if program.kind == "module":  # runpy sets argv[0] to the module's file, as ``python -m`` does
-        runpy.run_module(program.target, run_name="__main__", alter_sys=True)
+        runpy.run_module(program.target, {"__builtins__": builtins}, run_name="__main__", alter_sys=True)
+        return
+    if program.kind == "code" or program.target == "-":  # no file: the working directory is not asked for
+        if not _safe_path():
+            sys.path[0] = ""
+        source = program.target if program.kind == "code" else sys.stdin.read()
+        _run_as_main(compile(source, "<string>" if program.kind == "code" else "<stdin>", "exec"))
         return
     script = os.path.abspath(program.target)  # python's ``__file__`` and tracebacks name it so
-    packed = program.kind == "script" and (os.path.isdir(script) or zipfile.is_zipfile(script))
+    packed = os.path.isdir(script) or zipfile.is_zipfile(script)
     if not _safe_path():  # python's first sys.path entry (runpy puts a folder's or zip's there itself)
         if packed:
             del sys.path[0]
         else:
-            sys.path[0] = "" if program.kind == "code" else os.path.dirname(script)
-    if program.kind == "code":
-        _run_as_main(compile(program.target, "<string>", "exec"))
-        return
+            sys.path[0] = os.path.dirname(script)
     source = b"" if packed else Path(script).read_bytes()
     if packed or source.startswith(importlib.util.MAGIC_NUMBER):  # a folder or zip with __main__.py, compiled code
         runpy.run_path(program.target, run_name="__main__")
@@ -289,7 +293,7 @@ def _execute(program: Program) -> None:
 def _run_as_main(code: CodeType, file: str | None = None) -> None:
     """Execute ``code`` as the ``__main__`` module, as python runs ``-c`` code or a script."""
     main_module = types.ModuleType("__main__")
-    main_module.__dict__["__builtins__"] = __builtins__
+    main_module.__dict__["__builtins__"] = builtins  # the module, as python's own ``__main__`` has it
     if file is not None:
         main_module.__file__ = file
         main_module.__loader__ = importlib.machinery.SourceFileLoader("__main__", file)

@@ -21,9 +21,13 @@ def _load_next_sitecustomize() -> None:
     from importlib.util import module_from_spec
 
     module = module_from_spec(spec)
+    ours = sys.modules.get("sitecustomize")
+    sys.modules["sitecustomize"] = module  # ``import sitecustomize`` later finds the user's, as without us
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # mirror site.py: report, go on
+        if ours is not None:
+            sys.modules["sitecustomize"] = ours
         print(f"Error in sitecustomize ({spec.origin}); set PYTHONVERBOSE for traceback: {exc}", file=sys.stderr)
 
 

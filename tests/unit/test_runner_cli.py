@@ -134,3 +134,40 @@ def test_the_dependencies_named_are_the_packages(tmp_path: Path) -> None:
 
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert sorted(DEPENDENCIES.values()) == sorted(declared)
+
+
+def test_the_program_sees_builtins_as_python_gives_them(tmp_path: Path) -> None:
+    """``__builtins__`` is the module in a script, ``-c`` code and a ``-m`` module, as under python."""
+    (tmp_path / "prog.py").write_text("__builtins__.DEBUG = 1\nprint(DEBUG)\n")
+    for args in (["-c", "__builtins__.DEBUG = 1; print(DEBUG)"], [str(tmp_path / "prog.py")]):
+        assert run([*args, "skip.rollout.enable=True"]).stdout == "1\n"
+    module = subprocess.run(
+        [*RUNNER, "-m", "prog", "skip.rollout.enable=True"], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert module.stdout == "1\n", module.stderr
+
+
+def test_a_program_read_from_stdin_runs_as_under_python() -> None:
+    code = "import sys; print(__name__, sys.argv)"
+    ours = subprocess.run([*RUNNER, "-", "a"], input=code, capture_output=True, text=True, timeout=120)
+    plain = subprocess.run([sys.executable, "-", "a"], input=code, capture_output=True, text=True)
+    assert ours.returncode == plain.returncode == 0 and ours.stdout == plain.stdout, ours.stderr
+
+
+def test_dash_c_runs_in_a_removed_working_directory(tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = f"import os; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); import subprocess, sys; " + (
+        "sys.exit(subprocess.run([sys.executable, '-m', 'skipinject', '-c', 'print(7)']).returncode)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "7\n", done.stderr
+
+
+def test_a_users_sitecustomize_is_the_one_its_children_import(tmp_path: Path) -> None:
+    """The runner's start-up module runs the user's ``sitecustomize`` and leaves it as the module of that name."""
+    (tmp_path / "sitecustomize.py").write_text("GREETING = 'hi'\n")
+    reads = "import sitecustomize; print(sitecustomize.GREETING)"
+    child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {reads!r}])"
+    done = run(["-c", child, "skip.rollout.enable=True", "skip.rollout.steps=[1]"], PYTHONPATH=str(tmp_path))
+    assert done.stdout == "hi\n", done.stderr
