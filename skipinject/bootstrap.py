@@ -118,6 +118,7 @@ def enable(
     are ``{"rollout": {"enable": True}}`` (also under ``"skip"``). Whether it is active; a second call does nothing."""
     from skipinject.config.overrides import split_overrides
 
+    _check_arguments(overrides, settings, settings_file, plugins)
     if _started:
         configure_logging()
         logger.warning("skipinject.enable: skipinject is already installed in this process; the call changes nothing")
@@ -133,6 +134,19 @@ def enable(
         parsed, plugins=plugins, plugins_given_as="plugins=", settings_file=settings_file, settings=settings
     )
     return install(config, loaded)
+
+
+def _check_arguments(overrides: tuple[Any, ...], settings: Any, settings_file: Any, plugins: Any) -> None:
+    """:func:`enable`'s arguments of the wrong type, refused in one line before anything is read."""
+    checks: tuple[tuple[str, Any, type | tuple[type, ...], str], ...] = (
+        ("settings", settings, Mapping, "a mapping of roles to keys"),
+        ("settings_file", settings_file, (str, os.PathLike), "a file path"),
+        ("plugins", plugins, str, "a comma list like 'rollout'"),
+        *(("override", item, str, "'skip.<role>.<key>=<value>'") for item in overrides),
+    )
+    for name, value, kinds, expected in checks:
+        if value is not None and not isinstance(value, kinds):
+            raise ConfigError(f"skipinject.enable: {name}={one_line(repr(value), 120)}: expected {expected}")
 
 
 def _triggers(plugins: PluginSet, enabled: list[str]) -> tuple[str, ...]:

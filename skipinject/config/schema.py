@@ -7,6 +7,7 @@ import base64
 import enum
 import functools
 import json
+import os
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
@@ -202,6 +203,7 @@ def role_config(
             continue
         shown[key] = _show((texts or {}).get(key, value))
         try:
+            _plain_enough(key, value)
             node[key] = value  # OmegaConf converts to the key's type: True/yes/1, enum names
         except (OmegaConfBaseException, ValueError, TypeError) as exc:  # not of the key's type
             reason = _FIELDS[key].metadata["expected"] + did_you_mean(value, choices(key))
@@ -218,6 +220,17 @@ def role_config(
             raise ConfigError(f"skip.{role}.dump_dir={shown['dump_dir']}: {exc}") from None
         root.check(f"skip.{role}.dump_dir")
     return config
+
+
+def _plain_enough(key: str, value: Any) -> None:
+    """Refuse what OmegaConf would coerce silently: any number as a boolean (``enable=2``), any object's
+    ``str()`` as a path (``dump_dir=object()``). ``0``/``1`` and OmegaConf's words stay booleans, and a
+    number typed on the command line stays a directory's name."""
+    kind = type(_FIELDS[key].default)
+    if kind is bool and not (isinstance(value, (bool, str)) or (type(value) is int and value in (0, 1))):
+        raise ValueError(_BOOLEAN)
+    if kind is str and not isinstance(value, (str, os.PathLike)) and type(value) is not int:
+        raise ValueError(_FIELDS[key].metadata["expected"])
 
 
 def _show(value: Any) -> str:

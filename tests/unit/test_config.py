@@ -69,6 +69,9 @@ def test_a_hydra_deletion_of_a_setting_is_refused_not_passed_on(arg: str) -> Non
         ("skip.rollout.steps=5-1", "skip.rollout.steps=5-1: range '5-1' goes backwards"),
         ("skip.rollout.enable=[1,", "skip.rollout.enable=[1,: cannot parse the value"),
         ("skip.rollout.dump_dir=", "skip.rollout.dump_dir=: expected a directory path"),
+        ("skip.rollout.enable=2", "skip.rollout.enable=2: expected true or false"),
+        ("skip.rollout.trust_upstream=-1", "skip.rollout.trust_upstream=-1: expected true or false"),
+        ("skip.rollout.dump_dir=true", "skip.rollout.dump_dir=true: expected a directory path"),
     ],
 )
 def test_errors_are_one_line_naming_key_and_value(override: str, line: str) -> None:
@@ -211,3 +214,42 @@ def test_transport_keeps_an_absolute_home_or_remote_dump_dir(given: str) -> None
         pytest.importorskip("fsspec")
     cfg = Config(roles={"rollout": configure(f"skip.rollout.dump_dir={given}").role("rollout")})
     assert Config.from_json(cfg.to_json()).roles["rollout"].dump_dir == given
+
+
+@pytest.mark.parametrize(
+    ("settings", "line"),
+    [
+        ({"enable": 99999999999999999999}, "skip.rollout.enable=99999999999999999999: expected true or false"),
+        ({"dump_dir": object()}, "skip.rollout.dump_dir=<object object at"),
+        ({"dump_dir": True}, "skip.rollout.dump_dir=True: expected a directory path"),
+    ],
+)
+def test_settings_from_code_are_not_coerced(settings: dict[str, object], line: str) -> None:
+    """A number is no boolean and an object's ``str()`` no path: refused, not read as ``True`` or a directory."""
+    with pytest.raises(ConfigError) as info:
+        apply_settings(Config(), {"rollout": settings}, ROLES)
+    assert str(info.value).startswith(line)
+
+
+def test_plain_booleans_and_a_numbered_directory_are_still_taken() -> None:
+    config = configure("skip.rollout.enable=1", "skip.rollout.read_ahead=no", "skip.rollout.dump_dir=123")
+    role = config.role("rollout")
+    assert role.enable is True and role.read_ahead is False and role.dump_dir.endswith("123")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "line"),
+    [
+        ({"plugins": ["rollout"]}, "skipinject.enable: plugins=['rollout']: expected a comma list"),
+        ({"settings": [("rollout", {})]}, "skipinject.enable: settings=[('rollout', {})]: expected a mapping"),
+        ({"settings_file": 3}, "skipinject.enable: settings_file=3: expected a file path"),
+    ],
+)
+def test_enable_refuses_arguments_of_the_wrong_type_in_one_line(arguments: dict[str, object], line: str) -> None:
+    from skipinject import enable
+
+    with pytest.raises(ConfigError) as info:
+        enable(**arguments)  # type: ignore[arg-type]
+    assert str(info.value).startswith(line)
+    with pytest.raises(ConfigError, match="override=123: expected"):
+        enable(123)  # type: ignore[arg-type]
