@@ -9,7 +9,7 @@ import importlib.util
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,7 +180,7 @@ def load_plugins(selection_text: str | None = None, given_as: str = ENV_PLUGINS)
                 raise
             failures[item] = str(exc)
             logger.warning("plugin %r was not loaded: %s", item, exc)
-    return _with_roles(manager, plugins, failures)
+    return _with_roles(manager, plugins, None if selection.include else failures)
 
 
 def load_sources(sources: Mapping[str, str]) -> PluginSet:
@@ -259,21 +259,23 @@ def _check_api(obj: Any, where: str) -> None:
 def _with_roles(
     manager: SkipPluginManager, plugins: list[LoadedPlugin], failures: dict[str, str] | None = None
 ) -> PluginSet:
-    """The plugin set, with the roles of every ``skipinject_roles`` implementation."""
+    """The plugin set, with the roles of every ``skipinject_roles`` implementation. With ``failures`` (no plugin
+    named), a plugin whose hook fails is left out with a warning, as one that fails to import."""
     by_name = {plugin.name: plugin for plugin in plugins}
     owners: dict[str, str] = {}
     for impl in manager.hook.skipinject_roles.get_hookimpls():  # registration order
         plugin = by_name[impl.plugin_name]
         try:
-            roles = impl.function()
-        except Exception as exc:
-            raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() raised {_one_line(exc)}") from exc
-        roles = [roles] if isinstance(roles, Role) else [] if roles is None else roles
-        if not isinstance(roles, Iterable) or isinstance(roles, (str, bytes, Mapping)):
-            raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() must return a list of Role objects")
+            roles = _roles_of(plugin, impl.function)
+        except PluginError as exc:
+            if failures is None:
+                raise
+            manager.unregister(name=plugin.name)
+            plugins.remove(plugin)
+            failures[plugin.name] = str(exc)
+            logger.warning("plugin %r was not loaded: %s", plugin.name, exc)
+            continue
         for role in roles:
-            if not isinstance(role, Role):
-                raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() returned {role!r}, not a Role")
             if role.name in owners:
                 raise PluginError(
                     f"role {role.name!r} is provided by two plugins: {owners[role.name]!r} and {plugin.name!r}; "
@@ -282,6 +284,24 @@ def _with_roles(
             owners[role.name] = plugin.name
             plugin.roles.append(role)
     return PluginSet(manager, plugins, failures or {})
+
+
+def _roles_of(plugin: LoadedPlugin, hook: Callable[[], Any]) -> list[Role]:
+    """What ``skipinject_roles()`` returns, read whole (a generator that fails partway fails here)."""
+    try:
+        returned = hook()
+        returned = [returned] if isinstance(returned, Role) else [] if returned is None else returned
+        if not isinstance(returned, Iterable) or isinstance(returned, (str, bytes, Mapping)):
+            raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() must return a list of Role objects")
+        roles = list(returned)
+    except PluginError:
+        raise
+    except Exception as exc:
+        raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() raised {_one_line(exc)}") from exc
+    wrong = next((role for role in roles if not isinstance(role, Role)), None)
+    if wrong is not None:
+        raise PluginError(f"plugin {plugin.name!r}: skipinject_roles() returned {wrong!r}, not a Role")
+    return roles
 
 
 def _one_line(exc: BaseException) -> str:

@@ -155,3 +155,32 @@ def test_a_plugin_that_exits_on_import_is_left_out_not_the_end_of_the_run(exitin
         load_plugins("exiting")
     with pytest.raises(PluginError, match=r"^plugin 'si_exiting_plugin_module' failed to import: SystemExit: 3$"):
         load_plugins("si_exiting_plugin_module")
+
+
+@pytest.fixture
+def failing_hook_dists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two installed plugins that import, but whose ``skipinject_roles`` fails: at once (a missing optional
+    dependency), and partway through a generator."""
+    for name, body in (
+        ("raising", "def skipinject_roles():\n    import si_no_such_dependency\n"),
+        ("halfway", "def skipinject_roles():\n    yield from ()\n    raise ValueError('bad')\n"),
+    ):
+        info = tmp_path / f"skipinject_{name}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: skipinject-{name}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[skipinject.plugins]\n{name} = si_{name}_hook_module\n")
+        (tmp_path / f"si_{name}_hook_module.py").write_text(body)
+        monkeypatch.delitem(sys.modules, f"si_{name}_hook_module", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_plugin_whose_hook_fails_is_left_out_unless_named(failing_hook_dists: None, caplog) -> None:
+    """As a plugin that fails to import: the others (the built-ins) load, and a warning names it."""
+    with caplog.at_level(logging.WARNING, logger="skipinject"):
+        plugins = load_plugins("")
+    assert "ModuleNotFoundError" in plugins.failures["raising"] and "ValueError: bad" in plugins.failures["halfway"]
+    assert "rollout" in plugins.roles and not {"raising", "halfway"} & {p.name for p in plugins.plugins}
+    assert {"'raising'", "'halfway'"} <= {m.split()[1] for m in caplog.messages if m.startswith("plugin ")}
+    for name, why in (("raising", "ModuleNotFoundError"), ("halfway", "ValueError: bad")):
+        with pytest.raises(PluginError, match=rf"^plugin '{name}': skipinject_roles\(\) raised {why}"):
+            load_plugins(name)
