@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from skipinject.errors import shown as shown
-from skipinject.store.files import unresolved_problem
-from skipinject.store.local import LocalFiles
+from skipinject.store import local_kind, unresolved_problem
 
 OK, FOUND, USAGE = 0, 1, 2
 #: Version of every ``--json`` document (``"schema": "skipinject.cache.<command>/<SCHEMA_VERSION>"``).
@@ -34,10 +33,10 @@ def default_dump_dir() -> Path:
 
 
 def existing_dir(path: Path) -> Path:
-    found = LocalFiles().stat(path, follow=True)
+    found = local_kind(path, follow=True)
     if found is None:
         raise CommandError(f"{path}: no such directory")
-    if found.kind != "directory":
+    if found != "directory":
         raise CommandError(f"{path}: not a directory")
     return path
 

@@ -69,7 +69,7 @@ def diff_steps(a: Path, b: Path, roles: InstalledRoles, *, rows: int, tokenizer:
     for key in ("role", "step", "rows", "context", "writer"):
         if meta_a.get(key) != meta_b.get(key):
             report["meta"].append({"key": key, "a": meta_a.get(key), "b": meta_b.get(key)})
-    ia, ib = meta_a.get("inputs"), meta_b.get("inputs")
+    ia, ib = meta_a.inputs, meta_b.inputs
     report["inputs_differing"] = None
     if isinstance(ia, list) and isinstance(ib, list):
         report["inputs_differing"] = sum(x != y for x, y in zip(ia, ib, strict=False)) + abs(len(ia) - len(ib))

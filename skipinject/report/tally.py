@@ -20,7 +20,7 @@ from typing import Any
 from skipinject.config.environment import ENV_RUN_REPORT, ENV_SUMMARY
 from skipinject.errors import shown
 from skipinject.node import _ray
-from skipinject.store.files import read_head
+from skipinject.store import read_head
 
 logger = logging.getLogger("skipinject")
 
