@@ -10,7 +10,7 @@ from os.path import commonprefix
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skipinject.errors import shown
+from skipinject.text import shown
 from skipinject.verl.layout import LAYOUT_SETTINGS, RUN_SETTINGS, layout_name, layout_values, path_safe, run_names
 
 if TYPE_CHECKING:

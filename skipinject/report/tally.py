@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.config.environment import ENV_RUN_REPORT, ENV_SUMMARY
-from skipinject.errors import shown
 from skipinject.node import _ray
 from skipinject.store import read_head
+from skipinject.text import human_size, shown
 
 logger = logging.getLogger("skipinject")
 
@@ -279,8 +279,6 @@ def _filled(roles: Mapping[str, Mapping[str, float]], order: Sequence[str]) -> d
 
 def render(roles: Mapping[str, Mapping[str, float]], order: Sequence[str] = ()) -> list[str]:
     """The summary's lines: one per role, then the total."""
-    from skipinject.cache_tool.common import human_size
-
     lines = []
     for name, count in _filled(roles, order).items():
         values = {**count, "read": human_size(int(count["bytes_read"]))}
