@@ -28,7 +28,7 @@ from skipinject.cache_tool.common import (
 from skipinject.cache_tool.scan import STEP_RE, Item, scan
 from skipinject.cache_tool.verify import damage
 from skipinject.errors import CacheError
-from skipinject.store import META_NAME, StepMeta, StepStore, StoredFile, local_kind
+from skipinject.store import META_NAME, StepMeta, StoredFile, local_kind, remove_leftovers
 
 _AGE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -221,7 +221,7 @@ def act(
     if leftovers is not None:
         gone = {Path(entry["path"]) for entry in outcome["removed"]}
         rest = [leftover for leftover in leftovers if not gone & set(leftover.path.parents)]
-        count, size = (len(rest), sum(left.size for left in rest)) if dry_run else StepStore.remove_leftovers(rest)
+        count, size = (len(rest), sum(left.size for left in rest)) if dry_run else remove_leftovers(rest)
         outcome["leftovers"] = {"files": count, "bytes": size}
         outcome["files"] += count
         outcome["bytes"] += size

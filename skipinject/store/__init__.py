@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from skipinject.store.format import STEP_NAME as STEP_NAME
     from skipinject.store.format import is_ours as is_ours
     from skipinject.store.format import meta_digest as meta_digest
+    from skipinject.store.garbage import remove_leftovers as remove_leftovers
     from skipinject.store.hit_memory import HitMemory as HitMemory
     from skipinject.store.meta import StepMeta as StepMeta
     from skipinject.store.mounts import is_network_path as is_network_path
@@ -37,13 +38,13 @@ if TYPE_CHECKING:
     from skipinject.store.step_store import StepStore as StepStore
     from skipinject.store.step_store import StoredFile as StoredFile
     from skipinject.store.step_store import list_step as list_step
-    from skipinject.store.step_store import read_json as read_json
     from skipinject.store.step_store import read_record as read_record
     from skipinject.store.tree import MAX_DEPTH as MAX_DEPTH
     from skipinject.store.tree import Backend as Backend
     from skipinject.store.tree import backend_for as backend_for
     from skipinject.store.tree import local_kind as local_kind
     from skipinject.store.tree import location_for as location_for
+    from skipinject.store.tree import read_json as read_json
     from skipinject.store.tree import walk as walk
     from skipinject.store.writer import StepWriter as StepWriter
     from skipinject.store.writer import writer_versions as writer_versions
@@ -55,11 +56,12 @@ _HOMES = {
     "files": "file_kind open_plain read_head unresolved_problem",
     "format": "FORMAT FORMAT_VERSION MAX_INDEXED_ROWS MAX_ROW_INDEX_BYTES META_NAME ROW_INDEX_NAME ROWS_DIR "
     "STEP_NAME is_ours meta_digest",
+    "garbage": "remove_leftovers",
     "hit_memory": "HitMemory",
     "meta": "StepMeta",
     "mounts": "is_network_path",
-    "step_store": "RemoteStepStore StepEntry StepStore StoredFile list_step read_json read_record",
-    "tree": "MAX_DEPTH Backend backend_for local_kind location_for walk",
+    "step_store": "RemoteStepStore StepEntry StepStore StoredFile list_step read_record",
+    "tree": "MAX_DEPTH Backend backend_for local_kind location_for read_json walk",
     "writer": "StepWriter writer_versions",
 }
 _HOME = {name: home for home, names in _HOMES.items() for name in names.split()}

@@ -9,7 +9,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -21,10 +21,11 @@ from skipinject.store.backend import Backend, StepFiles
 from skipinject.store.checksums import _checksum_algo, _Hasher
 from skipinject.store.compression import Compression, FrameDecoder
 from skipinject.store.files import parse_json, remove_step
-from skipinject.store.garbage import Leftover, collect, find_leftovers, remove_leftovers
+from skipinject.store.garbage import Leftover, collect, find_leftovers
 from skipinject.store.hit_memory import FRESH, Claim, HitMemory
 from skipinject.store.meta import DataFile, Part, StepMeta, checked, part_budget, step_meta
 from skipinject.store.tensorfile import read_tensors
+from skipinject.store.tree import read_json
 from skipinject.store.writer import StepWriter
 
 if TYPE_CHECKING:
@@ -501,11 +502,6 @@ class StepStore:
         """Abandoned files of this project's interrupted saves, by the store's rule (local trees only)."""
         return find_leftovers(self.project_dir, now=now)
 
-    @staticmethod
-    def remove_leftovers(leftovers: Iterable[Leftover]) -> tuple[int, int]:
-        """Remove what :meth:`leftovers` found, each file checked again right before; (files, bytes)."""
-        return remove_leftovers(leftovers)
-
     def neighbours(self, levels: int, limit: int) -> list[str]:
         """At most ``limit`` directory names, sorted, ``levels`` above the project directory; ``[]`` when they cannot
         be listed. Never raises."""
@@ -559,14 +555,6 @@ def read_record(step_dir: Path, backend: Backend | None = None) -> StepMeta | No
     raw = read_json(path, backend)
     meta = StepMeta(raw, path) if isinstance(raw, dict) else None
     return meta if meta is not None and meta.ours else None
-
-
-def read_json(path: Path, backend: Backend | None = None) -> Any:
-    """A small JSON file (a ``meta.json``, ours or verl's) parsed with the training run's bounds."""
-    from skipinject.store.local import LocalFiles
-
-    data = (backend or LocalFiles()).read_bytes(path, fmt.MAX_META_BYTES)
-    return parse_json(data, path, what="meta.json", max_depth=fmt.MAX_META_DEPTH)
 
 
 def list_step(backend: Backend, step_dir: Path) -> list[StoredFile]:

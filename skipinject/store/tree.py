@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import skipinject.store.format as fmt
 from skipinject.errors import CorruptCacheError
 from skipinject.store.backend import Backend as Backend
 
 if TYPE_CHECKING:
-    from skipinject.store.local import LocalFiles
+    pass
 
-__all__ = ["Backend", "backend_for", "local_kind", "location_for", "walk"]
+__all__ = ["Backend", "backend_for", "local_kind", "location_for", "read_json", "walk"]
 
 #: How deep the cache tool looks below a root for step directories.
 MAX_DEPTH = 8
@@ -41,14 +41,18 @@ def location_for(url: str) -> Path:
 
 def local_kind(path: Path, *, follow: bool = False) -> str | None:
     """What a local name is (``file``, ``directory``, ``link``, ``other``), None: nothing there."""
-    found = _local().stat(path, follow=follow)
-    return None if found is None else found.kind
-
-
-def _local() -> LocalFiles:
     from skipinject.store.local import LocalFiles
 
-    return LocalFiles()
+    return getattr(LocalFiles().stat(path, follow=follow), "kind", None)
+
+
+def read_json(path: Path, backend: Backend | None = None) -> Any:
+    """A small JSON file (a ``meta.json``, ours or verl's) parsed with the training run's bounds."""
+    from skipinject.store.files import parse_json
+    from skipinject.store.local import LocalFiles
+
+    data = (backend or LocalFiles()).read_bytes(path, fmt.MAX_META_BYTES)
+    return parse_json(data, path, what="meta.json", max_depth=fmt.MAX_META_DEPTH)
 
 
 def walk(
