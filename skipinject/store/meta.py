@@ -51,30 +51,28 @@ class Part:
 
 #: Every key of ``meta.json`` the core writes and reads (docs/cache-format.md); a role's own keys may be beside them.
 #: Only this module (and :mod:`~skipinject.store.writer`, which commits the record) names them.
-CORE_KEYS = tuple(
-    [
-        "format",
-        "format_version",
-        "meta_checksum",
-        "role",
-        "step",
-        "context",
-        "checksum_algo",
-        "parts",
-        "rows",
-        "writer",
-        "node",
-        "created",
-        "plugin",
-        "inputs",
-        "calls",
-        "call_inputs",
-        "generation_s",
-        "row_keys",
-        "rows_per_input",
-        "generated_at",
-        "generation_settings",
-    ]
+CORE_KEYS = (
+    "format",
+    "format_version",
+    "meta_checksum",
+    "role",
+    "step",
+    "context",
+    "checksum_algo",
+    "parts",
+    "rows",
+    "writer",
+    "node",
+    "created",
+    "plugin",
+    "inputs",
+    "calls",
+    "call_inputs",
+    "generation_s",
+    "row_keys",
+    "rows_per_input",
+    "generated_at",
+    "generation_settings",
 )
 
 
