@@ -112,3 +112,22 @@ def test_the_miss_explainer_lists_and_looks_through_the_store(tmp_path: Path, mo
     assert {"neighbours", "holds_step"} <= set(calls)
     tree = ast.parse(Path(misses.__file__).read_text())
     assert not [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "backend"]
+
+
+def test_the_cache_tool_listing_reads_each_meta_json_once(tmp_path: Path, monkeypatch) -> None:
+    from skipinject.cache_tool.scan import scan
+    from skipinject.store.local import LocalFiles
+
+    for step in (1, 2):
+        _step(tmp_path / "dump", step)
+    reads: list[Path] = []
+    real = LocalFiles.read_bytes
+
+    def counted(self: LocalFiles, location: Path, limit: int) -> bytes:
+        reads.append(location)
+        return real(self, location, limit)
+
+    monkeypatch.setattr(LocalFiles, "read_bytes", counted)
+    items = scan(tmp_path / "dump")
+    assert [(i.step, i.state, i.role) for i in items] == [(1, "complete", "rollout"), (2, "complete", "rollout")]
+    assert sorted(p.parent.name for p in reads if p.name == "meta.json") == ["1", "2"]
