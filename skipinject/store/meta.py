@@ -308,11 +308,6 @@ def part_budget(rows: int | None, context: Mapping[str, Any]) -> int:
     return min(budget, rows * per_row + fmt.PART_SLACK)
 
 
-def step_meta(meta: Mapping[str, Any], step_dir: Path) -> StepMeta:
-    """``meta`` as a :class:`StepMeta` (itself if it is one)."""
-    return meta if isinstance(meta, StepMeta) else StepMeta(meta, step_dir / fmt.META_NAME)
-
-
 def _part(directory: Path, part: Any) -> Part:
     if not isinstance(part, Mapping):
         raise CorruptCacheError(f"{directory}: meta.json is malformed (part {short(part)} is not a record)")

@@ -23,7 +23,7 @@ from skipinject.store.compression import Compression, FrameDecoder
 from skipinject.store.files import parse_json, remove_step
 from skipinject.store.garbage import Leftover, collect, find_leftovers
 from skipinject.store.hit_memory import FRESH, Claim, HitMemory
-from skipinject.store.meta import DataFile, Part, StepMeta, checked, part_budget, step_meta
+from skipinject.store.meta import DataFile, Part, StepMeta, checked, part_budget
 from skipinject.store.tensorfile import read_tensors
 from skipinject.store.tree import read_json
 from skipinject.store.writer import StepWriter
@@ -439,10 +439,10 @@ class StepStore:
             raise CorruptCacheError(f"{entry.directory}: part {part.dir!r} has an unexpected structure")
         return Payload(tensors=tensors, objects=objects, rows=part.rows)
 
-    def precheck(self, step: int, meta: Mapping[str, Any]) -> list[tuple[Path, int]]:
+    def precheck(self, step: int, meta: StepMeta) -> list[tuple[Path, int]]:
         """Every named file is a regular file of its recorded size, checked by name (the cache tool's listing)."""
         out = []
-        for part, file in step_meta(meta, self.step_dir(step)).files():
+        for part, file in meta.files():
             path = part.at(self.step_dir(step), file.name)
             holder = self.backend.stat(path.parent) if part.dir else None
             if holder is not None and holder.kind == "link":
