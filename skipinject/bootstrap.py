@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 from skipinject.config import Config
 from skipinject.config import environment as env_vars
 from skipinject.config.environment import ENV_CONFIG, ENV_PLUGINS, ENV_RUN_REPORT
-from skipinject.errors import MAX_LINE, ConfigError, one_line
+from skipinject.errors import ConfigError
+from skipinject.text import MAX_LINE, one_line
 
 if TYPE_CHECKING:
     from skipinject.engine import Engine

@@ -13,7 +13,7 @@ from typing import Any
 
 from skipinject.dump_root import DumpRoot
 from skipinject.node import _ray
-from skipinject.store.mounts import is_network_path
+from skipinject.store import is_network_path
 
 logger = logging.getLogger("skipinject")
 

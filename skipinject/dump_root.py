@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, cast
 from skipinject.errors import ConfigError
 
 if TYPE_CHECKING:
-    from skipinject.store.backend import Backend
+    from skipinject.store import Backend
 
 __all__ = ["LOCAL_SCHEMES", "DumpRoot", "anchored", "is_remote", "is_url", "local_path_text"]
 
@@ -96,21 +96,16 @@ class DumpRoot:
             raise ConfigError(f"{key}={self.text}: {' '.join(str(exc).split()) or type(exc).__name__}") from exc
 
     def location(self) -> Path:
-        """The root as the store joins it: a ``Path``, or a :class:`~skipinject.store.remote.RemotePath`."""
+        """The root as the store joins it: a ``Path``, or a remote one (:func:`skipinject.store.location_for`)."""
         if self.path is not None:
             return self.path
-        from skipinject.store.remote import open_remote
+        from skipinject.store import location_for
 
-        return cast(Path, open_remote(cast(str, self.url))[1])
+        return location_for(cast(str, self.url))
 
     def backend(self, *, trust_permissions: bool = False) -> Backend:
-        """Where the root's files are moved: local files, or the remote store's fsspec filesystem."""
-        if self.url is None:
-            from skipinject.store.local import LocalFiles
+        """Where the root's files are moved (:func:`skipinject.store.backend_for`): a local root as the user gave it."""
+        from skipinject.store import backend_for
 
-            # As the user gave it (links not resolved): checked before a link could redirect it.
-            given = Path(local_path_text(self.text)).expanduser()
-            return LocalFiles(trust_permissions=trust_permissions, given_root=given)
-        from skipinject.store.remote import FsspecFiles, open_remote
-
-        return FsspecFiles(open_remote(self.url)[0])
+        given = Path(local_path_text(self.text)).expanduser() if self.url is None else None
+        return backend_for(self.url, given=given, trust_permissions=trust_permissions)

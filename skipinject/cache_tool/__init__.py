@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from skipinject.errors import SkipInjectError, did_you_mean
@@ -34,11 +34,15 @@ def location(text: str) -> Path | str:
     return text.rstrip("/") if is_remote(text) else local_path(text)
 
 
+#: A command's parser: ``command(name, run, help)`` adds it (``run``: its function, ``module:name``).
+Command = Callable[[str, str, str], argparse.ArgumentParser]
+DUMP_HELP = "dump directory (default: skip.<role>.dump_dir's default, ~/.verl/rollout_dump)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="skipinject cache", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    dump_help = "dump directory (default: skip.<role>.dump_dir's default, ~/.verl/rollout_dump)"
 
     def command(name: str, run: str, help: str) -> argparse.ArgumentParser:
         """``run``: the command's function (``module:name``), called with the parsed options as keywords."""
@@ -46,8 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
         found.set_defaults(run=run)
         return found
 
+    _looking(command)
+    _changing(command)
+    for name, found in sub.choices.items():
+        json_help = "machine-readable output (schema skipinject.cache.ls/1)" if name == "ls" else None
+        found.add_argument("--json", action="store_true", dest="as_json", help=json_help)
+    return parser
+
+
+def _looking(command: Command) -> None:
+    """The commands that only read: ``ls``, ``verify``, ``show`` and ``diff``."""
     p = command("ls", "ls:cmd_ls", "list projects, layouts, roles and steps: size, age, last use, hits, writer, state")
-    p.add_argument("dump_dir", nargs="?", type=location, help=dump_help + "; or a URL such as s3://bucket/dir")
+    p.add_argument("dump_dir", nargs="?", type=location, help=DUMP_HELP + "; or a URL such as s3://bucket/dir")
     p.add_argument("-l", "--steps", action="store_true", help="one line per step instead of per step range")
     p.add_argument(
         "--sort",
@@ -98,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=3, help="differing rollout rows to show per step (default 3)")
     p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer (model directory) to decode token ids")
 
+
+def _changing(command: Command) -> None:
+    """The commands that write or remove: ``import``, ``prune``, ``rm`` and ``compact``."""
     p = command(
         "import", "importer:cmd_import", "convert verl's own pickled caches into skipinject's format (needs --trust)"
     )
@@ -112,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--project", help="trainer.project_name, when the directory name is ambiguous")
 
     p = command("prune", "prune:cmd_prune", "remove steps and leftovers of interrupted saves (never verl's pickles)")
-    p.add_argument("dump_dir", nargs="?", type=location, help=dump_help + "; or a URL such as s3://bucket/dir")
+    p.add_argument("dump_dir", nargs="?", type=location, help=DUMP_HELP + "; or a URL such as s3://bucket/dir")
     p.add_argument("--keep-last", type=int, metavar="N", help="keep the N highest steps of each role")
     p.add_argument(
         "--max-size",
@@ -137,13 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
 
     p = command("compact", "compact:cmd_compact", "store uncompressed steps compressed, in place (each committed anew)")
-    p.add_argument("dump_dir", nargs="?", type=local_path, help=dump_help)
+    p.add_argument("dump_dir", nargs="?", type=local_path, help=DUMP_HELP)
     p.add_argument("--compression", default="zstd", help="zstd (level 1) or zstd-2 .. zstd-22 (default zstd)")
     p.add_argument("--dry-run", action="store_true", help="only say which steps would be compacted")
-    for name, found in sub.choices.items():
-        json_help = "machine-readable output (schema skipinject.cache.ls/1)" if name == "ls" else None
-        found.add_argument("--json", action="store_true", dest="as_json", help=json_help)
-    return parser
 
 
 def main(argv: Sequence[str]) -> int:

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from skipinject.errors import shown as shown
-from skipinject.store.files import unresolved_problem
-from skipinject.store.local import LocalFiles
+from skipinject.store import local_kind, unresolved_problem
+from skipinject.text import human_size as human_size
+from skipinject.text import shown as shown
 
 OK, FOUND, USAGE = 0, 1, 2
 #: Version of every ``--json`` document (``"schema": "skipinject.cache.<command>/<SCHEMA_VERSION>"``).
@@ -34,10 +34,10 @@ def default_dump_dir() -> Path:
 
 
 def existing_dir(path: Path) -> Path:
-    found = LocalFiles().stat(path, follow=True)
+    found = local_kind(path, follow=True)
     if found is None:
         raise CommandError(f"{path}: no such directory")
-    if found.kind != "directory":
+    if found != "directory":
         raise CommandError(f"{path}: not a directory")
     return path
 
@@ -83,18 +83,6 @@ def escaped_logs() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- output
-
-
-def human_size(size: int | None) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    if size is None:
-        return "-"
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 def human_number(value: float | None) -> str:

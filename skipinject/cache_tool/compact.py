@@ -10,15 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.cache_tool.common import CommandError, default_dump_dir, human_size, mutable_root, output, say
-from skipinject.cache_tool.scan import open_step, scan
+from skipinject.cache_tool.scan import scan
 from skipinject.errors import CacheError
-from skipinject.store import Payload, StepStore
-from skipinject.store.compression import Compression, parse_compression
+from skipinject.store import Compression, Payload, StepStore, parse_compression
 
 
 def compact_step(step_dir: Path, compression: Compression, dry_run: bool) -> dict[str, Any]:
     """Store one committed step compressed: its result's state and stored bytes (before, and after)."""
-    store, meta = open_step(step_dir)
+    store, meta = StepStore.at(step_dir)
     if meta.compressed or dry_run:
         state = "already compressed" if meta.compressed else "would compact"
         return {"state": state, "before": meta.stored_size} if dry_run else {"state": state}
@@ -26,9 +25,7 @@ def compact_step(step_dir: Path, compression: Compression, dry_run: bool) -> dic
     entry = store.verified(step)
     try:
         payloads = store.load(entry)
-        packed = StepStore(
-            store.project_dir, store.role, store.context, plugin=meta.get("plugin"), compression=compression
-        )
+        packed = StepStore(store.project_dir, store.role, store.context, plugin=meta.plugin, compression=compression)
         writer = packed.begin(step)
         try:
             for record, payload in zip(meta.parts, payloads, strict=True):

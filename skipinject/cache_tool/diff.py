@@ -22,6 +22,7 @@ from skipinject.cache_tool.plugins import InstalledRoles
 from skipinject.cache_tool.scan import STEP_RE, has_meta, scan
 from skipinject.cache_tool.show import load_step
 from skipinject.errors import CorruptCacheError
+from skipinject.store import StepMeta
 
 
 def cmd_diff(a: Path, b: Path, *, as_json: bool, rows: int = 3, tokenizer: str | None = None) -> int:
@@ -67,9 +68,9 @@ def diff_steps(a: Path, b: Path, roles: InstalledRoles, *, rows: int, tokenizer:
         return report
     report["notes"] = sorted({note for note in (decoded_a.note, decoded_b.note) if note})
     for key in ("role", "step", "rows", "context", "writer"):
-        if meta_a.get(key) != meta_b.get(key):
-            report["meta"].append({"key": key, "a": meta_a.get(key), "b": meta_b.get(key)})
-    ia, ib = meta_a.get("inputs"), meta_b.get("inputs")
+        if meta_a.written(key) != meta_b.written(key):
+            report["meta"].append({"key": key, "a": meta_a.written(key), "b": meta_b.written(key)})
+    ia, ib = meta_a.inputs, meta_b.inputs
     report["inputs_differing"] = None
     if isinstance(ia, list) and isinstance(ib, list):
         report["inputs_differing"] = sum(x != y for x, y in zip(ia, ib, strict=False)) + abs(len(ia) - len(ib))
@@ -86,7 +87,7 @@ def diff_steps(a: Path, b: Path, roles: InstalledRoles, *, rows: int, tokenizer:
 
 
 def compare_samples(
-    flat_a: dict[str, Any], flat_b: dict[str, Any], meta: dict[str, Any], rows: int, tokenizer: str | None
+    flat_a: dict[str, Any], flat_b: dict[str, Any], meta: StepMeta, rows: int, tokenizer: str | None
 ) -> dict[str, Any] | None:
     """Rollout rows side by side: how many are identical, each side's means, the first ``rows`` differing."""
     a, b = fields.step_samples(flat_a), fields.step_samples(flat_b)

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from skipinject.cache_tool.common import CommandError, shorten
 from skipinject.roles import Call, MergingCodec
-from skipinject.store import Payload
-from skipinject.store.local import LocalFiles
+from skipinject.store import Payload, StepMeta, local_kind
 from skipinject.verl.samples import Sample, recorded_model, samples
 
 if TYPE_CHECKING:
@@ -36,12 +35,12 @@ class Decoded(NamedTuple):
     note: str | None = None
 
 
-def decode(payloads: Sequence[Payload], meta: Mapping[str, Any], roles: InstalledRoles) -> Decoded:
+def decode(payloads: Sequence[Payload], meta: StepMeta, roles: InstalledRoles) -> Decoded:
     """The step decoded by its role's own codec, parts merged as the engine merges them, calls one by one
     (``call1``, ...). Without the role's plugin, by skipinject's codec its header names, else raw."""
     from skipinject.verl.codecs import codec_named
 
-    role = str(meta.get("role")) if isinstance(meta.get("role"), str) else "-"
+    role = meta.role if meta.role is not None else "-"
     codec = roles.codec(role)
     if codec is None:
         names = {header if isinstance(header := p.objects.get("codec"), str) else None for p in payloads}
@@ -53,10 +52,10 @@ def decode(payloads: Sequence[Payload], meta: Mapping[str, Any], roles: Installe
     call = Call(target=f"skipinject cache ({role})", function=decode, instance=None, args=(), kwargs={})
     try:  # outside a run: no instance, no arguments (a codec that needs them fails, and the step is raw)
         values = [codec.decode(p, call) for p in payloads]
-        calls = meta.get("calls")
+        calls = meta.call_count
         if len(values) == 1:
             return Decoded(values[0], name)
-        if type(calls) is int and calls > 1:
+        if calls is not None and calls > 1:
             return Decoded({f"call{i + 1}": v for i, v in enumerate(values)}, name)
         if isinstance(codec, MergingCodec):
             with contextlib.suppress(Exception):  # parts it cannot merge are shown one by one
@@ -259,9 +258,7 @@ def tokenizer(path: str | None, meta: Mapping[str, Any]) -> tuple[Decode | None,
             shorten(repr(chosen)),
         )
         return None, None
-    if chosen is None or (
-        path is None and getattr(LocalFiles().stat(Path(chosen), follow=True), "kind", "") != "directory"
-    ):
+    if chosen is None or (path is None and local_kind(Path(chosen), follow=True) != "directory"):
         return None, None
     try:
         from transformers import AutoTokenizer  # first: its import sets its loggers' levels

@@ -13,12 +13,10 @@ from typing import Any
 
 from skipinject.cache_tool.common import FOUND, OK, USAGE, CommandError, Progress, emit_json, mutable_root, say
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
-from skipinject.cache_tool.scan import Item, load_meta_json, read_json, scan
+from skipinject.cache_tool.scan import Item, scan
 from skipinject.errors import CorruptCacheError
 from skipinject.roles import Call
-from skipinject.store import META_NAME, StepStore
-from skipinject.store.format import STEP_NAME
-from skipinject.store.local import LocalFiles
+from skipinject.store import META_NAME, STEP_NAME, StepMeta, StepStore, local_kind, read_json, read_record
 from skipinject.verl.compat import STEP_KEY
 from skipinject.verl.layout import layout_values, path_safe, run_names
 
@@ -35,7 +33,7 @@ def context_for(layout_dir: Path, experiment: str | None, project: str | None) -
         raise CommandError(f"{layout_dir}: not a GBS.._N.._in.._out.. layout directory")
     name = layout_dir.parent.name
     if experiment is None or project is None:
-        known = [i.meta.get("context") for i in scan(layout_dir.parent) if i.kind == "skipinject" and i.meta]
+        known = [i.meta.context for i in scan(layout_dir.parent) if i.kind == "skipinject" and i.meta]
         named = [c for c in known if isinstance(c, dict) and {"experiment_name", "project_name"} <= set(c)]
         # the names a skipinject step already cached here records, else the directory's
         found = (str(named[0]["experiment_name"]), str(named[0]["project_name"])) if named else run_names(name)
@@ -100,7 +98,7 @@ def import_item(
     plugin = roles.plugin_of(role_name)
     store = StepStore(layout_dir, role_name, context, plugin=plugin, step_aliases=(STEP_KEY,), dump_dir=root)
     with contextlib.suppress(CorruptCacheError, FileNotFoundError):
-        if load_meta_json(store.step_dir(step) / META_NAME) is not None and store.verified(step):
+        if read_record(store.step_dir(step)) is not None and store.verified(step):
             return {**record, "role": role_name, "status": "already", "path": str(store.step_dir(step))}
     parts = list(value) if upstream.per_part else [value]  # the loader, handed part 0, reads every part
     if len(parts) != len(item.files) and upstream.per_part:
@@ -108,7 +106,8 @@ def import_item(
     meta: dict[str, Any] = {"imported_from": str(item.path if upstream.per_part else item.files[0])}
     if not upstream.per_part:
         inputs = item.path / upstream.format.inputs_file if upstream.format.inputs_file else None
-        meta["inputs"] = _fingerprint(roles, upstream, inputs, role_name) if inputs in item.files and inputs else None
+        found = _fingerprint(roles, upstream, inputs, role_name) if inputs in item.files and inputs else None
+        meta = StepMeta.build(inputs=found, calls=None, extra=meta)
     writer = store.begin(step)
     try:
         for index, part in enumerate(parts):
@@ -127,7 +126,7 @@ def cmd_import(
     items: list[tuple[Item, Path]] = []
     roles = InstalledRoles()
     for path in paths:
-        if getattr(LocalFiles().stat(path), "kind", None) == "link":  # the path given is read, never a link's target
+        if local_kind(path) == "link":  # the path given is read, never a link's target
             raise CommandError(f"{path}: a symbolic link; give the directory it points to if you trust it")
         mutable_root(path, "import")
         items += [(i, path) for i in scan(path, roles=roles) if i.state == "foreign"]

@@ -10,7 +10,7 @@ from typing import Any
 
 from skipinject.cache_tool.common import OK, default_dump_dir, human_size, output, say, show_table, writer_text
 from skipinject.cache_tool.scan import Item, scan
-from skipinject.store.local import LocalFiles
+from skipinject.store import local_kind
 
 _ORDER: dict[str, Callable[[Item], Any]] = {  # ``--sort``
     "size": lambda item: -item.size,
@@ -24,7 +24,7 @@ def cmd_ls(
     dump_dir: Path | str | None, *, as_json: bool, steps: bool, sort: str, role: Sequence[str], state: Sequence[str]
 ) -> int:
     root = dump_dir or default_dump_dir()
-    missing = dump_dir is None and LocalFiles().stat(default_dump_dir(), follow=True) is None
+    missing = dump_dir is None and local_kind(default_dump_dir(), follow=True) is None
     problems: list[str] = []
     found = [] if missing else scan(root, problems)
     items = [i for i in found if (not role or i.role in role) and (not state or i.state in state)]

@@ -6,13 +6,11 @@ from __future__ import annotations
 import functools
 import re
 import string
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from skipinject.errors import SkipInjectError
 from skipinject.roles import Codec, Role, UpstreamFormat
-from skipinject.store.format import STEP_NAME
+from skipinject.store import STEP_NAME, StepMeta
 
 
 @dataclass(frozen=True)
@@ -77,11 +75,11 @@ class InstalledRoles:
         found = self.role(role)
         return None if found is None else found.codec if found.codec is not None else DataProtoCodec()
 
-    def missing(self, role: str, meta: Mapping[str, Any]) -> str | None:
+    def missing(self, role: str, meta: StepMeta) -> str | None:
         """One line when no installed plugin provides ``role`` (which plugin would decode it), else None."""
         if self.plugin_of(role) is not None:
             return None
-        writer = meta.get("plugin")
+        writer = meta.plugin
         named = f"plugin {writer!r}" if isinstance(writer, str) and writer else f"the plugin providing role {role!r}"
         why = f" ({self.problem})" if self.problem else ""
         return (

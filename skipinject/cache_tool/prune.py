@@ -28,11 +28,7 @@ from skipinject.cache_tool.common import (
 from skipinject.cache_tool.scan import STEP_RE, Item, scan
 from skipinject.cache_tool.verify import damage
 from skipinject.errors import CacheError
-from skipinject.store import garbage
-from skipinject.store.format import META_NAME, is_ours, is_usage_name
-from skipinject.store.local import LocalFiles
-from skipinject.store.meta import StepMeta
-from skipinject.store.step_store import StoredFile
+from skipinject.store import META_NAME, StepMeta, StoredFile, local_kind, remove_leftovers
 
 _AGE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -129,7 +125,7 @@ def _named_step(path: Path | str) -> Item:
         raise CommandError(f"{shown(path)}: no skipinject step there (a step directory is named by its number)")
     if isinstance(path, Path):
         mutable_root(path.parent, "rm")
-        if getattr(LocalFiles().stat(path), "kind", None) == "link":  # its target is never walked
+        if local_kind(path) == "link":  # its target is never walked
             raise CommandError(f"{path}: a symbolic link, not a step directory; skipinject never removes through one")
     # the step directory alone (a remote step: listed from its parent), never what lies below it
     where, depth = (path, 0) if isinstance(path, Path) else (path.rstrip("/").rpartition("/")[0], 1)
@@ -192,10 +188,10 @@ def act(
 ) -> dict[str, Any]:
     """Remove (or, ``dry_run``, count) what is chosen and safe to remove now; the ``--json`` fields."""
     outcome: dict[str, Any] = {"removed": [], "skipped": [], "leftovers": None, "files": 0, "bytes": 0}
-    leftovers: list[garbage.Leftover] | None = None
+    leftovers: list[Any] | None = None
     if partial and isinstance(root, Path):  # abandoned files of our saves, by the store's rule
-        store_dirs = sorted({item.path.parent for item in items if item.kind == "skipinject"})
-        leftovers = [found for store_dir in store_dirs for found in garbage.find_leftovers(store_dir, now=now)]
+        stores = {item.path.parent: item.store() for item in items if item.kind == "skipinject"}
+        leftovers = [found for _, store in sorted(stores.items()) for found in store.leftovers(now)]
     abandoned = {leftover.path for leftover in leftovers or ()}
     for item, reason in chosen:
         problem = _unsafe(item, root, now)
@@ -225,7 +221,7 @@ def act(
     if leftovers is not None:
         gone = {Path(entry["path"]) for entry in outcome["removed"]}
         rest = [leftover for leftover in leftovers if not gone & set(leftover.path.parents)]
-        count, size = (len(rest), sum(left.size for left in rest)) if dry_run else garbage.remove_leftovers(rest)
+        count, size = (len(rest), sum(left.size for left in rest)) if dry_run else remove_leftovers(rest)
         outcome["leftovers"] = {"files": count, "bytes": size}
         outcome["files"] += count
         outcome["bytes"] += size
@@ -241,16 +237,8 @@ def _named(item: Item) -> set[str]:
 
 
 def _our_files(item: Item) -> list[StoredFile]:
-    """The files of ``item`` that removing it deletes, as the store lists them (never verl's pickles)."""
-    named = _named(item) if item.state == "partial" else set()
-
-    def ours(found: StoredFile) -> bool:
-        if item.state == "partial":
-            return f"{found.part}/{found.name}" in named
-        top = not found.part and (found.name == META_NAME or is_usage_name(found.name))
-        return found.kind == "file" and (is_ours(found.name) or top)
-
-    return [found for found in item.store().files(int(item.path.name)) if ours(found)]
+    """The files of ``item`` that removing it deletes, as its store lists them (:meth:`StepStore.removal`)."""
+    return item.store().removal(int(item.path.name), _named(item) if item.state == "partial" else None)
 
 
 def _unsafe(item: Item, root: Path | str, now: float) -> str | None:
@@ -264,7 +252,7 @@ def _unsafe(item: Item, root: Path | str, now: float) -> str | None:
         return f"cannot list it ({exc})"
     named = _named(item)
     for found in ours:
-        if not found.part and is_usage_name(found.name):
+        if found.usage:
             continue  # a hit's record, not a save
         if now - found.mtime < MIN_AGE and (f"{found.part}/{found.name}" not in named or item.state != "complete"):
             return f"a save may still be writing it ({found.name} changed {now - found.mtime:.0f} s ago)"

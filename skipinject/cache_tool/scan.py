@@ -13,42 +13,39 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path, PurePosixPath
-from typing import Any, cast
+from typing import Any
 
 from skipinject.cache_tool.common import existing_dir
 from skipinject.cache_tool.plugins import InstalledRoles, Upstream
 from skipinject.errors import CorruptCacheError, UntrustedCacheError
-from skipinject.store import StepStore
-from skipinject.store import format as fmt
-from skipinject.store.backend import Backend
-from skipinject.store.files import parse_json, unresolved_problem
-from skipinject.store.local import LocalFiles
-from skipinject.store.meta import StepMeta
-from skipinject.store.remote import FsspecFiles, open_remote
-from skipinject.store.step_store import StoredFile, list_step
+from skipinject.store import (
+    MAX_DEPTH,
+    META_NAME,
+    ROWS_DIR,
+    STEP_NAME,
+    Backend,
+    StepMeta,
+    StepStore,
+    StoredFile,
+    backend_for,
+    is_ours,
+    list_step,
+    local_kind,
+    location_for,
+    read_json,
+    read_record,
+    unresolved_problem,
+    walk,
+)
 from skipinject.verl.layout import DEFAULT_PROJECT, layout_values
 
 #: A step directory's name: the store's rule (decimal, no leading zeros), anchored for ``match``.
-STEP_RE = re.compile(rf"^(?:{fmt.STEP_NAME.pattern})$")
-MAX_DEPTH = 8
+STEP_RE = re.compile(rf"^(?:{STEP_NAME.pattern})$")
 PARTIAL = "data files but no meta.json (a save was interrupted, or is running)"
 
 
-def read_json(path: Path, backend: Backend | None = None) -> Any:
-    """A small JSON file (a ``meta.json``, ours or verl's) parsed with the training run's bounds."""
-    files = backend or LocalFiles()
-    data = files.read_bytes(path, fmt.MAX_META_BYTES)
-    return parse_json(data, path, what="meta.json", max_depth=fmt.MAX_META_DEPTH)
-
-
-def load_meta_json(path: Path, backend: Backend | None = None) -> dict[str, Any] | None:
-    """A step's ``meta.json`` if it carries skipinject's format marker, else None."""
-    meta = read_json(path, backend)
-    return meta if isinstance(meta, dict) and meta.get("format") == fmt.FORMAT else None
-
-
 def has_meta(step_dir: Path) -> bool:
-    return LocalFiles().stat(step_dir / fmt.META_NAME, follow=True) is not None
+    return local_kind(step_dir / META_NAME, follow=True) is not None
 
 
 @dataclass
@@ -70,12 +67,12 @@ class Item:
     problems: list[str] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)  # regular files that make up this item
     mtime: float = 0.0  # newest modification time of those files
-    meta: dict[str, Any] | None = field(default=None, repr=False)
+    meta: StepMeta | None = field(default=None, repr=False)
     upstream: Upstream | None = field(default=None, repr=False)  # the declaration of a foreign item
     decoded: int | None = None  # its size once compressed files are decoded (None: as stored)
     hits: int = 0  # times served, by its usage record
     served: float | None = None  # when last served (unix time), None: never (or no record)
-    backend: Backend = field(default_factory=LocalFiles, repr=False)
+    backend: Backend = field(default_factory=lambda: backend_for(None), repr=False)
 
     @property
     def created_time(self) -> float:
@@ -126,7 +123,7 @@ def classify(
 ) -> list[Item]:
     """The items of one step directory (none, one, or ours beside verl's), its trust checked from ``root``
     down (as a run checks its dump directory's). Never raises."""
-    backend = backend or LocalFiles()
+    backend = backend or backend_for(None)
     project, layout, role_dir = _where(PurePosixPath(str(step_dir.parent)).parts)  # a RemotePath too
     ours_dir = STEP_RE.match(step_dir.name) is not None
     step = int(step_dir.name) if ours_dir else None
@@ -145,10 +142,10 @@ def classify(
             foreign.project, foreign.layout, foreign.role = project, layout, role_dir or foreign.role
             items.append(foreign)
             step = step if ours_dir else foreign.step
-        ours_data = [path for path in listed if fmt.is_ours(path.name)]
-        meta_path = step_dir / fmt.META_NAME
+        ours_data = [path for path in listed if is_ours(path.name)]
+        meta_path = step_dir / META_NAME
         ours = None
-        if meta_path not in listed and any(not f.part and f.name == fmt.META_NAME for f in listing):
+        if meta_path not in listed and any(not f.part and f.name == META_NAME for f in listing):
             ours = new("damaged", [], f"{meta_path}: not a regular file")
         elif ours_dir and meta_path in listed:
             ours = _our_step(new("complete", [meta_path]), layout, foreign is not None, root)
@@ -188,48 +185,28 @@ def _foreign(step_dir: Path, listed: Mapping[Path, StoredFile], upstreams: Seque
             item.files, item.upstream, item.parts = paths, upstream, len(paths) if upstream.per_part else 1
             key = upstream.format.rows_key  # rows without unpickling, where verl writes them beside each file
             with contextlib.suppress(Exception):
-                item.rows = None if key is None else sum(int(read_json(p.parent / fmt.META_NAME)[key]) for p in paths)
+                item.rows = None if key is None else sum(int(read_json(p.parent / META_NAME)[key]) for p in paths)
             return item
     return None
 
 
-def open_step(step_dir: Path, backend: Backend | None = None, root: Path | None = None) -> tuple[StepStore, StepMeta]:
-    """The store holding ``step_dir`` (role and context from its ``meta.json``; trusted from ``root`` down)
-    and its checked meta."""
-    if not STEP_RE.match(step_dir.name):
-        raise CorruptCacheError(f"{step_dir}: not a step directory (its name is not a step number)")
-    raw = load_meta_json(step_dir / fmt.META_NAME, backend)
-    if raw is None:
-        raise CorruptCacheError(f"{step_dir}/meta.json: not a skipinject commit record (no format marker)")
-    role, context = raw.get("role"), raw.get("context", {})
-    if not isinstance(role, str) or not isinstance(context, dict):
-        raise CorruptCacheError(
-            f"{step_dir}/meta.json: malformed (role {role!r:.80}, context {type(context).__name__})"
-        )
-    store = StepStore(step_dir.parent, role, context, backend=backend, dump_dir=root)
-    return store, store.read_meta(int(step_dir.name))
-
-
 def _our_step(item: Item, layout: str, beside_foreign: bool, root: Path | None = None) -> Item | None:
     """``item`` as its ``meta.json`` describes it (each value only of the right type), its files checked by
-    size; None when it is not ours."""
+    size; None when it is not ours. ``meta.json`` is read once."""
     try:
-        meta = load_meta_json(item.path / fmt.META_NAME, item.backend)
+        meta = read_record(item.path, item.backend)
     except CorruptCacheError as exc:
         item.state, item.problems = "damaged", [str(exc)]
         return None if beside_foreign else item  # beside verl's pickle: verl's own meta.json
     if meta is None:
         return None  # not ours: verl's (beside its pickles) or unknown (reported by the caller)
-    item.meta, writer = meta, meta.get("writer")
-    item.role = meta["role"] if isinstance(meta.get("role"), str) else item.role
-    item.created = meta.get("created") if isinstance(meta.get("created"), str) else None
-    item.writer = {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}
-    item.rows = meta.get("rows") if type(meta.get("rows")) is int else None
-    item.parts = len(meta["parts"]) if isinstance(meta.get("parts"), list) else 0
-    if item.path.parent.name == fmt.ROWS_DIR and "generated_at" in meta:
-        item.layout = f"{layout}/{fmt.ROWS_DIR}"  # rows records of action=match, numbered on their own
+    item.meta, item.created, item.writer = meta, meta.created, meta.writer
+    item.role = meta.role if meta.role is not None else item.role
+    item.rows, item.parts = meta.rows, meta.part_count
+    if item.path.parent.name == ROWS_DIR and meta.generated:
+        item.layout = f"{layout}/{ROWS_DIR}"  # rows records of action=match, numbered on their own
     try:
-        store, item.meta = open_step(item.path, item.backend, root)
+        store, item.meta = StepStore.at(item.path, item.backend, root, meta)
         item.files += [path for path, _ in store.precheck(int(item.path.name), item.meta)]
         usage = store.usage(int(item.path.name))
         if usage is not None:
@@ -245,33 +222,16 @@ def _our_step(item: Item, layout: str, beside_foreign: bool, root: Path | None =
 def step_dirs(
     backend: Backend, root: Path, problems: list[str], upstreams: Sequence[Upstream], max_depth: int = MAX_DEPTH
 ) -> Iterator[Path]:
-    """Step directories at or under ``root`` (at most ``max_depth`` levels below); never follows a link below
-    it, never leaves it."""
-    stack = [(root, 0)]
-    while stack:
-        directory, depth = stack.pop()
-        try:
-            if depth == 0 and isinstance(backend, LocalFiles):  # the root as given may be a link
-                names = backend.names(directory, follow=True)
-            else:
-                names = backend.names(directory)
-            kinds = {name: getattr(backend.stat(directory / name), "kind", None) for name in names}
-        except (OSError, CorruptCacheError) as exc:  # e.g. another user's private directory in a shared one
-            problems.append(f"{directory}: cannot list it ({type(exc).__name__}: {exc})")
-            continue
-        subdirs = {name for name, kind in kinds.items() if kind == "directory"}
-        formats = [u for u in upstreams if u.directory.match(directory.name)]
-        known = {fmt.META_NAME} | {u.base_name for u in formats if not u.per_part}
-        known |= {u.format.inputs_file for u in formats if u.format.inputs_file is not None}
-        if (STEP_RE.match(directory.name) or formats) and any(
-            name in known or fmt.is_ours(name) or (fmt.PART_NAME.fullmatch(name) and name in subdirs) for name in names
-        ):
-            yield directory
-            continue
-        for name in sorted(n for n in names if STEP_RE.match(n) and kinds[n] == "link"):
-            problems.append(f"{directory / name}: a symbolic link, not followed")
-        if depth < max_depth:
-            stack.extend((directory / name, depth + 1) for name in sorted(subdirs, reverse=True))
+    """Step directories at or under ``root`` (:func:`skipinject.store.walk`), verl's own by ``upstreams``."""
+
+    def foreign(name: str) -> set[str] | None:
+        formats = [u for u in upstreams if u.directory.match(name)]
+        if not formats:
+            return None
+        known = {u.base_name for u in formats if not u.per_part}
+        return known | {u.format.inputs_file for u in formats if u.format.inputs_file is not None}
+
+    return walk(backend, root, problems, foreign, max_depth)
 
 
 def scan(
@@ -281,16 +241,14 @@ def scan(
     project, layout, role and step."""
     problems = [] if problems is None else problems
     if isinstance(root, str):  # verl's pickles are never looked for in an object store
-        fs, remote = open_remote(root)
-        backend: Backend = FsspecFiles(fs)
-        where, upstreams = cast(Path, remote), []
+        backend, where, upstreams = backend_for(root), location_for(root), []
         if backend.stat(where) is None:
             return []
     else:
-        backend, where = LocalFiles(), existing_dir(root)
+        backend, where = backend_for(None), existing_dir(root)
         upstreams = (roles or InstalledRoles()).upstreams()
     found = step_dirs(backend, where, problems, upstreams, max_depth)
-    local = where if isinstance(backend, LocalFiles) else None  # directories others could write: as a run sees them
+    local = where if backend.checks_owners else None  # directories others could write: as a run sees them
     items = [item for directory in found for item in classify(directory, upstreams, backend, local)]
     items.sort(key=lambda i: (i.project, i.layout, i.role, i.step if i.step is not None else -1, i.kind))
     redirect = unresolved_problem(root) if isinstance(root, Path) else None

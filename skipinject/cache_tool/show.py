@@ -21,10 +21,9 @@ from skipinject.cache_tool.common import (
     writer_text,
 )
 from skipinject.cache_tool.plugins import InstalledRoles
-from skipinject.cache_tool.scan import STEP_RE, classify, has_meta, load_meta_json, open_step, scan
+from skipinject.cache_tool.scan import STEP_RE, classify, has_meta, scan
 from skipinject.plugin_kit import row_digest, row_text
-from skipinject.store.format import META_NAME
-from skipinject.store.meta import step_meta
+from skipinject.store import StepMeta, StepStore, open_plain, read_record
 
 
 def cmd_show(
@@ -36,8 +35,7 @@ def cmd_show(
     roles = InstalledRoles()
     meta, step = load_step(step_path, roles)
     flat = fields.flatten(step.value)
-    inputs = meta.get("inputs") if isinstance(meta.get("inputs"), list) else None
-    checked = step_meta(meta, step_path)
+    inputs = meta.inputs if isinstance(meta.inputs, list) else None
     found = fields.step_samples(flat)
     decode, source = fields.tokenizer(tokenizer, meta) if found else (None, None)
     listed = [fields.shown_row(i, sample, decode) for i, sample in enumerate((found or [])[:rows])]
@@ -46,15 +44,12 @@ def cmd_show(
     )
     document: dict[str, Any] = {
         "path": str(step_path),
-        **{key: meta.get(key) for key in ("role", "step", "rows")},
-        "parts": [p.get("dir") for p in meta.get("parts", [])],
-        "codec": step.codec,
-        **{key: meta.get(key) for key in ("context", "created", "writer")},
+        **meta.as_written(codec=step.codec),
         "inputs": {"rows": len(inputs), "first": inputs[:rows]} if inputs is not None else None,
-        "calls": meta.get("calls") if type(meta.get("calls")) is int else None,
-        "size": checked.stored_size,
-        "decoded_size": checked.stored_size + checked.expansion,
-        "plugin": roles.plugin_of(str(meta.get("role"))),
+        "calls": meta.call_count,
+        "size": meta.stored_size,
+        "decoded_size": meta.stored_size + meta.expansion,
+        "plugin": roles.plugin_of(str(meta.role)),
         "note": step.note,
         "fields": [fields.describe(name, v) for name, v in flat.items()],
         "text": {name: text for name, v in flat.items() if (text := fields.text_rows(v, rows))},
@@ -64,18 +59,19 @@ def cmd_show(
     return OK
 
 
-def load_step(step_dir: Path, roles: InstalledRoles) -> tuple[dict[str, Any], fields.Decoded]:
+def load_step(step_dir: Path, roles: InstalledRoles) -> tuple[StepMeta, fields.Decoded]:
     """The meta and decoded value of a verified step; raises CorruptCacheError."""
     if not STEP_RE.match(step_dir.name):
         raise CommandError(f"{step_dir}: not a step directory (its name is not a step number)")
-    if not has_meta(step_dir) or load_meta_json(step_dir / META_NAME) is None:
+    record = read_record(step_dir) if has_meta(step_dir) else None
+    if record is None:
         foreign = any(item.state == "foreign" for item in classify(step_dir, roles.upstreams()))
         hint = " (it holds verl's own pickles: `skipinject cache import --trust` converts them)" if foreign else ""
         raise CommandError(f"{step_dir}: no skipinject cache here{hint}")
-    store, meta = open_step(step_dir)
+    store, meta = StepStore.at(step_dir, record=record)
     store.precheck(int(step_dir.name), meta)
     entry = store.verified(int(step_dir.name))
-    return dict(entry.meta), fields.decode(store.load(entry), entry.meta, roles)
+    return entry.meta, fields.decode(store.load(entry), entry.meta, roles)
 
 
 def render(summary: dict[str, Any]) -> None:
@@ -143,8 +139,6 @@ def cmd_show_match(path: Path, dataset: Path, *, column: str, as_json: bool) -> 
 
 def dataset_fingerprints(dataset: Path, column: str) -> list[str]:
     """The rollout roles' input fingerprint of each row's prompt, read a batch at a time from a regular file."""
-    from skipinject.store.files import open_plain
-
     try:
         opened = open_plain(dataset, "a parquet file")  # not a regular file: CorruptCacheError, one line
     except FileNotFoundError as exc:
@@ -188,8 +182,7 @@ def cached_fingerprints(path: Path) -> tuple[set[str], int]:
     for item in scan(path):
         if item.kind != "skipinject" or item.state != "complete" or item.meta is None:
             continue
-        calls = item.meta.get("call_inputs")
-        lists = calls if isinstance(calls, list) else [item.meta.get("inputs")]
+        lists = item.meta.input_lists()
         recorded = [d for inputs in lists if isinstance(inputs, list) for d in inputs if isinstance(d, str)]
         steps += bool(recorded)
         found.update(recorded)

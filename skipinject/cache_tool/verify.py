@@ -9,9 +9,9 @@ from typing import Any
 
 from skipinject.cache_tool.common import FOUND, OK, CommandError, Progress, default_dump_dir, human_size, output, say
 from skipinject.cache_tool.plugins import InstalledRoles
-from skipinject.cache_tool.scan import Item, open_step, scan
+from skipinject.cache_tool.scan import Item, scan
 from skipinject.errors import CorruptCacheError
-from skipinject.store.files import read_head
+from skipinject.store import StepStore, read_head
 
 _PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")  # pickle protocol >= 2; torch.save's zip archive
 
@@ -81,7 +81,7 @@ def damage(item: Item) -> list[str]:
     """What is wrong with a committed step's bytes (``[]``: intact) by :meth:`~skipinject.store.StepStore.check`:
     the one question ``verify`` and ``prune --damaged`` ask, so they never disagree. It needs no codec."""
     try:
-        store, meta = open_step(item.path, item.backend)
+        store, meta = StepStore.at(item.path, item.backend)
         store.precheck(int(item.path.name), meta)
         store.check(int(item.path.name))
     except (CorruptCacheError, OSError) as exc:

@@ -110,7 +110,7 @@ def _read_settings(where: Path, shown: str) -> str:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            from skipinject.store.files import file_kind
+            from skipinject.store import file_kind
 
             raise ConfigError(f"{shown}: {file_kind(mode)}, not a settings file")
         data = os.read(fd, MAX_FILE_BYTES + 1)

@@ -23,7 +23,7 @@ from skipinject.errors import CodecError, ConfigError, CorruptCacheError
 from skipinject.report.misses import settings_differ
 from skipinject.report.tally import TALLY, hit_amounts
 from skipinject.roles import Call, MatchInfo, Role, RowCodec
-from skipinject.store.format import ROWS_DIR
+from skipinject.store import ROWS_DIR
 from skipinject.verl.compat import settings_values
 from skipinject.verl.layout import layout_label
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from skipinject.errors import CorruptCacheError
-from skipinject.store.format import MAX_INDEXED_ROWS, MAX_ROW_INDEX_BYTES, ROW_INDEX_NAME
+from skipinject.store import MAX_INDEXED_ROWS, MAX_ROW_INDEX_BYTES, ROW_INDEX_NAME
 
 if TYPE_CHECKING:
     from skipinject.store import StepStore

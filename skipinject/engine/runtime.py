@@ -17,9 +17,7 @@ from skipinject.engine.record import Recorder, StepBook
 from skipinject.engine.replay import Replay
 from skipinject.report.start import dump_dir_problem, said_at_start
 from skipinject.roles import Call, Codec, Loaded, Role
-from skipinject.store import StepStore
-from skipinject.store.compression import compression_for
-from skipinject.store.hit_memory import HitMemory
+from skipinject.store import HitMemory, StepStore, compression_for
 from skipinject.verl.compat import STEP_KEY
 from skipinject.verl.layout import other_batch_sizes, project_dir
 

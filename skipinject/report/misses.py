@@ -10,9 +10,8 @@ from os.path import commonprefix
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skipinject.cache_tool.common import shown
-from skipinject.store.format import META_NAME, step_name
-from skipinject.verl.layout import layout_name, layout_values, path_safe, run_names
+from skipinject.text import shown
+from skipinject.verl.layout import LAYOUT_SETTINGS, RUN_SETTINGS, layout_name, layout_values, path_safe, run_names
 
 if TYPE_CHECKING:
     from skipinject.store import StepStore
@@ -20,23 +19,8 @@ if TYPE_CHECKING:
 #: Most names read from one listing, and most candidate directories looked into.
 MAX_NAMES = 4096
 MAX_CANDIDATES = 64
-#: The verl settings naming each field of a layout directory.
-LAYOUT_SETTINGS = {
-    "gbs": "the batch size (data.gen_batch_size, else data.train_batch_size)",
-    "n": "actor_rollout_ref.rollout.n",
-    "prompt_length": "data.max_prompt_length",
-    "response_length": "data.max_response_length",
-}
-RUN_SETTINGS = ("experiment_name", "project_name")
 #: ``meta.json``'s record of the run settings a role's rows depend on (its ``match_settings``).
 SETTINGS_KEY = "generation_settings"
-
-
-def _listed(backend: Any, location: Path) -> list[str]:
-    try:
-        return sorted(backend.names(location, directories=True))[:MAX_NAMES]
-    except Exception:
-        return []
 
 
 def nearest_cache(store: StepStore, step: int) -> str | None:
@@ -53,16 +37,15 @@ def nearest_cache(store: StepStore, step: int) -> str | None:
             return None
 
         def cached(layout: Path) -> Path | None:
-            where = layout / subdir / step_name(step)
-            found = store.backend.stat(where / META_NAME)
-            return where if found is not None and found[0] == "file" else None
+            where = layout / subdir / store.step_dir(step).name
+            return where if store.holds_step(where) else None
 
         def nearness(values: dict[str, int]) -> tuple[int, int]:
             """Fewest settings differing first, then the smallest difference."""
             differ = [abs(values[key] - int(context[key])) for key in LAYOUT_SETTINGS]
             return sum(map(bool, differ)), sum(differ)
 
-        names = _listed(store.backend, run_dir)
+        names = store.neighbours(2 if subdir else 1, MAX_NAMES)
         layouts = sorted(
             ((v, n) for n in names if n != ours and (v := layout_values(n))), key=lambda it: nearness(it[0])
         )
@@ -73,7 +56,7 @@ def nearest_cache(store: StepStore, step: int) -> str | None:
                     f"{LAYOUT_SETTINGS[key]} is {values[key]} there, {context[key]} here" for key in differ
                 )
                 return f"cached under another layout, {shown(where)}: {text}"
-        runs = [name for name in _listed(store.backend, run_dir.parent) if name != run]
+        runs = [name for name in store.neighbours(3 if subdir else 2, MAX_NAMES) if name != run]
         runs.sort(key=lambda name: _shared(name, run), reverse=True)
         for name in runs[:MAX_CANDIDATES]:
             if (where := cached(run_dir.parent / name / ours)) is not None:
@@ -119,7 +102,7 @@ def settings_differ(store: StepStore, settings: Sequence[str], run_config: Any) 
     b here``), else ``None``. One listing, one ``meta.json``."""
     try:
         steps = store.step_numbers_on_disk()
-        recorded = store.read_meta(steps[-1]).get(SETTINGS_KEY) if steps and settings else None
+        recorded = store.read_meta(steps[-1]).generation_settings if steps and settings else None
         if not isinstance(recorded, dict):
             return None
         here = recorded_settings(settings, run_config)

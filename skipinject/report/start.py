@@ -111,6 +111,7 @@ def run_directory_problem(name: str, settings: RoleConfig) -> str | None:
     """A local ``dump_dir`` that is itself a run's directory (``{experiment}_{project}``: it holds layouts such as
     ``GBS4_N2_in32_out16/``) or a layout's (it holds steps): the run would cache one or two levels below it, find
     none of what is there and generate every step again. ``None`` when it is neither (or cannot be read)."""
+    from skipinject.store import META_NAME
     from skipinject.verl.layout import LAYOUT_RE
 
     try:
@@ -123,7 +124,7 @@ def run_directory_problem(name: str, settings: RoleConfig) -> str | None:
                     continue
                 if LAYOUT_RE.match(entry.name):
                     what, levels = f"{entry.name}/, a cache layout: it is a run's directory", 1
-                elif entry.name.isdigit() and os.path.isfile(os.path.join(entry.path, "meta.json")):
+                elif entry.name.isdigit() and os.path.isfile(os.path.join(entry.path, META_NAME)):
                     what, levels = f"step {entry.name}/: it is a layout's directory", 2
                 else:
                     continue

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.config.environment import ENV_RUN_REPORT, ENV_SUMMARY
-from skipinject.errors import shown
 from skipinject.node import _ray
-from skipinject.store.files import read_head
+from skipinject.store import read_head
+from skipinject.text import human_size, shown
 
 logger = logging.getLogger("skipinject")
 
@@ -243,12 +243,11 @@ def merge_counts(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, fl
 
 
 def hit_amounts(meta: Mapping[str, object]) -> dict[str, float]:
-    """What serving a step adds: one step, its files' bytes, the generation time its ``meta`` recorded."""
-    parts = meta.get("parts")
-    files = [part.get("files") for part in parts if isinstance(part, dict)] if isinstance(parts, list) else []
-    specs = [spec for each in files if isinstance(each, dict) for spec in each.values() if isinstance(spec, dict)]
-    size = sum(value for spec in specs if type(value := spec.get("size")) is int and value > 0)
-    seconds = meta.get("generation_s")
+    """What serving a step adds: one step, its files' bytes, the generation time its ``meta`` recorded (a
+    :class:`~skipinject.store.StepMeta`; anything else adds a step only)."""
+    from skipinject.store import StepMeta
+
+    size, seconds = (meta.stored_size, meta.generation_s) if isinstance(meta, StepMeta) else (0, None)
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e9:
         seconds = 0.0
     return {"served_steps": 1, "bytes_read": size, "generation_s_saved": float(seconds)}
@@ -280,8 +279,6 @@ def _filled(roles: Mapping[str, Mapping[str, float]], order: Sequence[str]) -> d
 
 def render(roles: Mapping[str, Mapping[str, float]], order: Sequence[str] = ()) -> list[str]:
     """The summary's lines: one per role, then the total."""
-    from skipinject.cache_tool.common import human_size
-
     lines = []
     for name, count in _filled(roles, order).items():
         values = {**count, "read": human_size(int(count["bytes_read"]))}

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import skipinject.store.format as fmt
 from skipinject.store.backend import Backend
-from skipinject.store.files import parse_json, relative_parts, remove_step
+from skipinject.store.files import relative_parts, remove_step
 from skipinject.store.local import LocalFiles
 from skipinject.store.meta import StepMeta
+from skipinject.store.tree import read_json
 
 ABANDONED_AFTER = 600.0
 #: Where no process can be asked whether it is alive (an object store): a writer slower than this
@@ -72,9 +73,7 @@ def _named(backend: Backend, step_dir: Path) -> set[str] | None:
     """What the step's meta.json names; empty if it has none; None if unreadable."""
     shown = step_dir / fmt.META_NAME
     try:
-        raw = parse_json(
-            backend.read_bytes(shown, fmt.MAX_META_BYTES), shown, what="meta.json", max_depth=fmt.MAX_META_DEPTH
-        )
+        raw = read_json(shown, backend)
         return StepMeta(raw, shown).named() if isinstance(raw, dict) else None
     except FileNotFoundError:
         return set()

@@ -5,13 +5,14 @@ before a path is built from it. Nothing else walks the JSON."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import skipinject.store.format as fmt
-from skipinject.errors import CorruptCacheError
+from skipinject.errors import CacheError, CorruptCacheError
+from skipinject.store.checksums import CHECKSUM_ALGOS
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,152 @@ class Part:
         return step_dir / self.dir / name if self.dir else step_dir / name
 
 
+#: Every key of ``meta.json`` the core writes and reads (docs/cache-format.md); a role's own keys may be beside them.
+#: Only this module (and :mod:`~skipinject.store.writer`, which commits the record) names them.
+CORE_KEYS = (
+    "format",
+    "format_version",
+    "meta_checksum",
+    "role",
+    "step",
+    "context",
+    "checksum_algo",
+    "parts",
+    "rows",
+    "writer",
+    "node",
+    "created",
+    "plugin",
+    "inputs",
+    "calls",
+    "call_inputs",
+    "generation_s",
+    "row_keys",
+    "rows_per_input",
+    "generated_at",
+    "generation_settings",
+)
+
+
 class StepMeta(dict[str, Any]):
-    """A checked ``meta.json`` (``shown``: where it was read, for messages)."""
+    """A ``meta.json`` (``shown``: where it was read, for messages): checked when the store read it, as its
+    writer claims it when :func:`~skipinject.store.read_record` did. Its typed properties are the schema: each
+    gives a value of its type or None (absent, or of another type: what a damaged record claims is not shown)."""
 
     def __init__(self, raw: Mapping[str, Any], shown: Path) -> None:
         super().__init__(raw)
         self.shown = shown
+
+    @staticmethod
+    def build(
+        *,
+        inputs: Any,
+        calls: int | None = 1,
+        call_inputs: Sequence[Any] | None = None,
+        generation_s: float = 0.0,
+        row_keys: Sequence[Any] | None = None,
+        rows_per_input: Sequence[Any] | None = None,
+        generated_at: int | None = None,
+        settings: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """A role's part of ``meta.json`` as the recorder and ``match`` commit it (:class:`~skipinject.store.StepWriter`
+        adds the store's): ``extra`` (the role's ``record_meta``) first, then ``inputs`` and ``calls``;
+        ``generation_s`` when positive, ``call_inputs`` for more than one call, ``row_keys`` with
+        ``rows_per_input`` when given, ``generated_at`` for a rows record of ``action=match``, ``settings``: the
+        run settings a role's rows depend on (its ``match_settings``) (``calls=None``: no count, as an imported
+        step records none)."""
+        meta: dict[str, Any] = {**(extra or {}), "inputs": inputs}
+        if calls is not None:
+            meta["calls"] = calls
+        if generation_s > 0:
+            meta["generation_s"] = round(generation_s, 6)
+        if calls is not None and calls > 1 and call_inputs is not None:
+            meta["call_inputs"] = list(call_inputs)
+        if row_keys is not None:
+            meta["row_keys"] = list(row_keys)
+            meta["rows_per_input"] = list(rows_per_input or ())
+        if generated_at is not None:
+            meta["generated_at"] = generated_at
+        if settings is not None:
+            meta["generation_settings"] = dict(settings)
+        return meta
+
+    @property
+    def role(self) -> str | None:
+        value = self.get("role")
+        return value if isinstance(value, str) else None
+
+    @property
+    def context(self) -> dict[str, Any] | None:
+        """The trainer's metadata the step was recorded under (None: absent or not a mapping)."""
+        value = self.get("context")
+        return value if isinstance(value, dict) else None
+
+    @property
+    def rows(self) -> int | None:
+        value = self.get("rows")
+        return value if type(value) is int else None
+
+    @property
+    def created(self) -> str | None:
+        value = self.get("created")
+        return value if isinstance(value, str) else None
+
+    @property
+    def writer(self) -> dict[str, str]:
+        """The writer's versions (``{}``: none recorded)."""
+        writer = self.get("writer")
+        return {str(k): str(v) for k, v in writer.items()} if isinstance(writer, dict) else {}
+
+    @property
+    def part_count(self) -> int:
+        """How many parts it lists (not checked: :attr:`parts` checks them)."""
+        parts = self.get("parts")
+        return len(parts) if isinstance(parts, list) else 0
+
+    @property
+    def call_count(self) -> int | None:
+        """``calls`` when it is an int, else None."""
+        value = self.get("calls")
+        return value if type(value) is int else None
+
+    #: Values as written, whatever they are (the store checks its own; a reader checks the rest).
+    ours = property(lambda self: self.get("format") == fmt.FORMAT)  # skipinject's format marker
+    step = property(lambda self: self.get("step"))
+    plugin = property(lambda self: self.get("plugin"))  # the plugin that wrote it, None: none
+    checksum_algo = property(lambda self: self.get("checksum_algo"))
+    inputs = property(lambda self: self.get("inputs"))  # the first call's input fingerprints
+    calls = property(lambda self: self.get("calls", 1))  # how many calls the step holds
+    generation_s = property(lambda self: self.get("generation_s"))  # the target's time for the step
+    row_keys = property(lambda self: self.get("row_keys"))
+    rows_per_input = property(lambda self: self.get("rows_per_input"))
+    generation_settings = property(lambda self: self.get("generation_settings"))  # ``match_settings``' values
+    generated = property(lambda self: "generated_at" in self)  # a rows record of ``action=match``
+
+    def as_written(self, **between: Any) -> dict[str, Any]:
+        """``cache show``'s fields, as written: role, step, rows, part directories, ``between``, context, created
+        and writer."""
+        fields = {key: self.get(key) for key in ("role", "step", "rows")}
+        fields["parts"] = [p.get("dir") for p in self.get("parts", [])]
+        return {**fields, **between, **{key: self.get(key) for key in ("context", "created", "writer")}}
+
+    def written(self, key: str, default: Any = None) -> Any:
+        """A key as written, whatever it is (a role's own ``record_meta`` keys; the store's checks)."""
+        return self.get(key, default)
+
+    def inputs_per_call(self, calls: int) -> list[Any]:
+        """Each of ``calls`` calls' input fingerprints: ``call_inputs`` when it lists that many, else ``inputs``
+        for the first call and None for the others (one-call steps keep theirs in ``inputs``)."""
+        per_call = self.get("call_inputs")
+        if isinstance(per_call, list) and len(per_call) == calls:
+            return list(per_call)
+        return [self.get("inputs")] + [None] * (calls - 1)
+
+    def input_lists(self) -> list[Any]:
+        """Every call's input fingerprints as written: ``call_inputs`` if it is a list, else ``[inputs]``."""
+        per_call = self.get("call_inputs")
+        return per_call if isinstance(per_call, list) else [self.get("inputs")]
 
     @property
     def directory(self) -> Path:
@@ -91,11 +232,11 @@ class StepMeta(dict[str, Any]):
         """Refuse (CorruptCacheError) a step whose files decode to more than its parts' or the process's budget."""
         from skipinject.store.hit_memory import memory_budget
 
-        context = self.get("context")
+        context = self.context
         total = 0
         for part in self.parts:
             decoded = sum(file.decoded for file in part.files)
-            budget = part_budget(part.rows, context if isinstance(context, Mapping) else {})
+            budget = part_budget(part.rows, context if context is not None else {})
             if decoded > budget and budget < memory_budget():
                 raise CorruptCacheError(
                     f"{self.directory}: part {part.dir!r} declares {decoded} decoded bytes, more than its "
@@ -107,6 +248,47 @@ class StepMeta(dict[str, Any]):
                 f"{self.directory}: declares {total} decoded bytes, more than this process may spend on a step "
                 f"({memory_budget()}); not read"
             )
+
+
+def checked(
+    meta: Any, path: Path, step: int, role: str, context: Mapping[str, Any], siblings: Collection[str] = ()
+) -> StepMeta:
+    """``meta`` (``meta.json`` parsed from ``path``) checked as step ``step`` of ``role`` (or of one of its
+    ``siblings``) recorded under ``context``: format, version, self-checksum, role, step, context, rows and
+    checksum algorithm (CorruptCacheError naming what is wrong)."""
+    if not isinstance(meta, dict) or meta.get("format") != fmt.FORMAT:
+        raise CorruptCacheError(f"{path}: not a skipinject cache (no format marker)")
+    try:
+        if meta.get("format_version") not in fmt.READABLE_VERSIONS:
+            raise CorruptCacheError(
+                f"{path}: written in format version {short(meta.get('format_version'))}, "
+                f"this skipinject reads versions {', '.join(map(str, fmt.READABLE_VERSIONS))}"
+            )
+        if meta.get("meta_checksum") != fmt.meta_digest(meta):
+            raise CorruptCacheError(f"{path}: meta.json was edited or damaged (its checksum does not match)")
+        if meta.get("role") != role and meta.get("role") not in siblings:
+            raise CorruptCacheError(f"{path}: written by role {short(meta.get('role'))}, not {role!r}")
+        if meta.get("step") != step:
+            raise CorruptCacheError(f"{path}: records step {short(meta.get('step'))}, but lies in step {step}")
+        written = meta.get("context", {})
+        if not isinstance(written, dict):
+            raise CorruptCacheError(f"{path}: meta.json is malformed (context {short(written)} is not a mapping)")
+        if written != context:
+            raise CorruptCacheError(
+                f"{path}: written for other trainer metadata {short(written)}, this run is {context!r}"
+            )
+        rows = meta.get("rows")
+        if rows is not None and (type(rows) is not int or not 0 <= rows <= fmt.MAX_ROWS):
+            raise CorruptCacheError(f"{path}: meta.json is malformed (rows {short(rows)} is no row count)")
+        if meta.get("checksum_algo") not in CHECKSUM_ALGOS:
+            raise CorruptCacheError(
+                f"{path}: meta.json is malformed (unknown checksum algorithm {short(meta.get('checksum_algo'))})"
+            )
+    except CacheError:
+        raise
+    except Exception as exc:
+        raise CorruptCacheError(f"{path}: meta.json is malformed ({type(exc).__name__}: {exc})") from exc
+    return StepMeta(meta, path)
 
 
 def part_budget(rows: int | None, context: Mapping[str, Any]) -> int:
@@ -124,11 +306,6 @@ def part_budget(rows: int | None, context: Mapping[str, Any]) -> int:
     else:
         per_row = fmt.MAX_ROW_BYTES
     return min(budget, rows * per_row + fmt.PART_SLACK)
-
-
-def step_meta(meta: Mapping[str, Any], step_dir: Path) -> StepMeta:
-    """``meta`` as a :class:`StepMeta` (itself if it is one)."""
-    return meta if isinstance(meta, StepMeta) else StepMeta(meta, step_dir / fmt.META_NAME)
 
 
 def _part(directory: Path, part: Any) -> Part:

@@ -18,13 +18,14 @@ import skipinject.store.format as fmt
 from skipinject.errors import CacheError, CorruptCacheError
 from skipinject.payload import Payload
 from skipinject.store.backend import Backend, StepFiles
-from skipinject.store.checksums import CHECKSUM_ALGOS, _checksum_algo, _Hasher
+from skipinject.store.checksums import _checksum_algo, _Hasher
 from skipinject.store.compression import Compression, FrameDecoder
 from skipinject.store.files import parse_json, remove_step
-from skipinject.store.garbage import collect
+from skipinject.store.garbage import Leftover, collect, find_leftovers
 from skipinject.store.hit_memory import FRESH, Claim, HitMemory
-from skipinject.store.meta import DataFile, Part, StepMeta, part_budget, short, step_meta
+from skipinject.store.meta import DataFile, Part, StepMeta, checked, part_budget
 from skipinject.store.tensorfile import read_tensors
+from skipinject.store.tree import read_json
 from skipinject.store.writer import StepWriter
 
 if TYPE_CHECKING:
@@ -83,6 +84,11 @@ class StoredFile:
     kind: str
     size: int
     mtime: float
+
+    @property
+    def usage(self) -> bool:
+        """The step's usage record (a hit's, not a save's)."""
+        return not self.part and fmt.is_usage_name(self.name)
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,28 @@ class StepStore:
         self.memory = memory
         self.step_aliases = tuple(step_aliases)
         self.siblings = frozenset(siblings)
+
+    @classmethod
+    def at(
+        cls, step_dir: Path, backend: Backend | None = None, root: Path | None = None, record: StepMeta | None = None
+    ) -> tuple[StepStore, StepMeta]:
+        """The store holding ``step_dir`` (role and context from its ``meta.json``, checked whole before they are
+        trusted; its directories trusted from ``root`` down, as a run checks its dump directory's) and its checked
+        meta, from one read of ``meta.json`` (none given its ``record``)."""
+        if not fmt.STEP_NAME.fullmatch(step_dir.name):
+            raise CorruptCacheError(f"{step_dir}: not a step directory (its name is not a step number)")
+        record = read_record(step_dir, backend) if record is None else record
+        if record is None:
+            raise CorruptCacheError(f"{step_dir}/meta.json: not a skipinject commit record (no format marker)")
+        role, context = record.written("role"), record.written("context", {})
+        if not isinstance(role, str) or not isinstance(context, dict):
+            raise CorruptCacheError(
+                f"{step_dir}/meta.json: malformed (role {role!r:.80}, context {type(context).__name__})"
+            )
+        store = cls(step_dir.parent, role, context, backend=backend, dump_dir=root)
+        step = int(step_dir.name)
+        store._open_step(step).close()  # the trust rules and the step directory, as read_meta applies them
+        return store, store._checked(dict(record), step)
 
     @property
     def location(self) -> Path:
@@ -324,42 +352,13 @@ class StepStore:
             files.close()
 
     def _read_meta(self, files: StepFiles, step: int, siblings: bool = False) -> StepMeta:
-        """Format, version, self-checksum, role, step, context, rows and checksum algorithm checked."""
         path = self.step_dir(step) / fmt.META_NAME
         meta = parse_json(files.read_meta(), path, what="meta.json", max_depth=fmt.MAX_META_DEPTH)
-        if not isinstance(meta, dict) or meta.get("format") != fmt.FORMAT:
-            raise CorruptCacheError(f"{path}: not a skipinject cache (no format marker)")
-        try:
-            if meta.get("format_version") not in fmt.READABLE_VERSIONS:
-                raise CorruptCacheError(
-                    f"{path}: written in format version {short(meta.get('format_version'))}, "
-                    f"this skipinject reads versions {', '.join(map(str, fmt.READABLE_VERSIONS))}"
-                )
-            if meta.get("meta_checksum") != fmt.meta_digest(meta):
-                raise CorruptCacheError(f"{path}: meta.json was edited or damaged (its checksum does not match)")
-            if meta.get("role") != self.role and not (siblings and meta.get("role") in self.siblings):
-                raise CorruptCacheError(f"{path}: written by role {short(meta.get('role'))}, not {self.role!r}")
-            if meta.get("step") != step:
-                raise CorruptCacheError(f"{path}: records step {short(meta.get('step'))}, but lies in step {step}")
-            context = meta.get("context", {})
-            if not isinstance(context, dict):
-                raise CorruptCacheError(f"{path}: meta.json is malformed (context {short(context)} is not a mapping)")
-            if context != self.context:
-                raise CorruptCacheError(
-                    f"{path}: written for other trainer metadata {short(context)}, this run is {self.context!r}"
-                )
-            rows = meta.get("rows")
-            if rows is not None and (type(rows) is not int or not 0 <= rows <= fmt.MAX_ROWS):
-                raise CorruptCacheError(f"{path}: meta.json is malformed (rows {short(rows)} is no row count)")
-            if meta.get("checksum_algo") not in CHECKSUM_ALGOS:
-                raise CorruptCacheError(
-                    f"{path}: meta.json is malformed (unknown checksum algorithm {short(meta.get('checksum_algo'))})"
-                )
-        except CacheError:
-            raise
-        except Exception as exc:
-            raise CorruptCacheError(f"{path}: meta.json is malformed ({type(exc).__name__}: {exc})") from exc
-        return StepMeta(meta, path)
+        return self._checked(meta, step, siblings)
+
+    def _checked(self, meta: Any, step: int, siblings: bool = False) -> StepMeta:
+        path = self.step_dir(step) / fmt.META_NAME
+        return checked(meta, path, step, self.role, self.context, self.siblings if siblings else frozenset())
 
     def verified(self, step: int, *, siblings: bool = False) -> StepEntry:
         """The step's entry after checking every file it names, each read once into private memory and kept for
@@ -384,7 +383,7 @@ class StepStore:
 
     def _verify_file(self, entry: StepEntry, files: StepFiles, part: Part, file: DataFile) -> None:
         path = part.at(entry.directory, file.name)
-        algo = entry.meta["checksum_algo"]
+        algo = entry.meta.checksum_algo
         make = entry.memory.buffer if file.kind == "tensors" else bytearray
         if file.encoded:  # decoded as its stored bytes arrive, kept only if they check out
             data = _decode_streamed(files, part.dir, file, algo, make, path)
@@ -413,7 +412,7 @@ class StepStore:
             entry.loaded.clear()
             return loaded
         if not entry.mapped and not entry.blobs:
-            entry = self.verified(entry.step, siblings=entry.meta.get("role") != self.role)  # under the same rules
+            entry = self.verified(entry.step, siblings=entry.meta.role != self.role)  # under the same rules
         try:
             return [self._load_part(entry, part) for part in entry.meta.parts]
         except BaseException:
@@ -440,10 +439,10 @@ class StepStore:
             raise CorruptCacheError(f"{entry.directory}: part {part.dir!r} has an unexpected structure")
         return Payload(tensors=tensors, objects=objects, rows=part.rows)
 
-    def precheck(self, step: int, meta: Mapping[str, Any]) -> list[tuple[Path, int]]:
+    def precheck(self, step: int, meta: StepMeta) -> list[tuple[Path, int]]:
         """Every named file is a regular file of its recorded size, checked by name (the cache tool's listing)."""
         out = []
-        for part, file in step_meta(meta, self.step_dir(step)).files():
+        for part, file in meta.files():
             path = part.at(self.step_dir(step), file.name)
             holder = self.backend.stat(path.parent) if part.dir else None
             if holder is not None and holder.kind == "link":
@@ -495,24 +494,42 @@ class StepStore:
     def files(self, step: int) -> list[StoredFile]:
         return list_step(self.backend, self.step_dir(step))
 
+    def removal(self, step: int, only: Collection[str] | None = None) -> list[StoredFile]:
+        """The files :meth:`remove` would delete, as listed (FileNotFoundError; CorruptCacheError for a link)."""
+        return [found for found in self.files(step) if found.kind == "file" and _ours(found.part, found.name, only)]
+
+    def leftovers(self, now: float | None = None) -> list[Leftover]:
+        """Abandoned files of this project's interrupted saves, by the store's rule (local trees only)."""
+        return find_leftovers(self.project_dir, now=now)
+
+    def neighbours(self, levels: int, limit: int) -> list[str]:
+        """At most ``limit`` directory names, sorted, ``levels`` above the project directory; ``[]`` when they cannot
+        be listed. Never raises."""
+        try:
+            return sorted(self.names_above(levels))[:limit]
+        except Exception:
+            return []
+
+    def holds_step(self, step_dir: Path) -> bool:
+        """Whether ``step_dir`` (anywhere in this store's backend) has a ``meta.json`` file: one ``stat``."""
+        found = self.backend.stat(step_dir / fmt.META_NAME)
+        return found is not None and found.kind == "file"
+
     def remove(self, step: int, only: Collection[str] | None = None, anchor: Path | None = None) -> tuple[int, int]:
         """Remove a step, ``meta.json`` first, then its data files, usage record and empty directories (never
         verl's files; ``only``: just these ``part/name`` files); (files, bytes)."""
 
         def wanted(part: str, name: str, info: object = None) -> bool:
-            if only is not None:
-                return f"{part}/{name}" in only
-            return fmt.is_ours(name) or (not part and (name == fmt.META_NAME or fmt.is_usage_name(name)))
+            return _ours(part, name, only)
 
         root = anchor if anchor is not None else self.dump_dir if self.dump_dir is not None else self.project_dir
         step_dir = self.step_dir(step)
         if self.backend.checks_owners:  # a directory tree: removed relative to directory descriptors
             return remove_step(root, step_dir, wanted)
         try:
-            listed = self.files(step)
+            chosen = self.removal(step, only)
         except FileNotFoundError:
             return 0, 0
-        chosen = [f for f in listed if f.kind == "file" and wanted(f.part, f.name)]
         chosen.sort(key=lambda found: bool(found.part) or found.name != fmt.META_NAME)
         for found in chosen:
             self.backend.remove(step_dir / found.part / found.name if found.part else step_dir / found.name)
@@ -521,6 +538,23 @@ class StepStore:
     def collect_garbage(self, step: int) -> tuple[int, int]:
         """Remove abandoned leftovers of this step's saves (:mod:`skipinject.store.garbage`). Never raises."""
         return collect(self.project_dir, step=step, backend=self.backend)
+
+
+def _ours(part: str, name: str, only: Collection[str] | None) -> bool:
+    """Whether removing a step removes ``part/name``: its data files, ``meta.json`` and usage record (never
+    verl's files); ``only``: just these ``part/name`` files."""
+    if only is not None:
+        return f"{part}/{name}" in only
+    return fmt.is_ours(name) or (not part and (name == fmt.META_NAME or fmt.is_usage_name(name)))
+
+
+def read_record(step_dir: Path, backend: Backend | None = None) -> StepMeta | None:
+    """A step's ``meta.json`` as its writer claims it (nothing checked but its JSON and its format marker: the
+    cache tool's listing); None: not skipinject's (verl's own, beside its pickles). CorruptCacheError."""
+    path = step_dir / fmt.META_NAME
+    raw = read_json(path, backend)
+    meta = StepMeta(raw, path) if isinstance(raw, dict) else None
+    return meta if meta is not None and meta.ours else None
 
 
 def list_step(backend: Backend, step_dir: Path) -> list[StoredFile]:

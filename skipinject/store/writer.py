@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import skipinject.store.format as fmt
 from skipinject._version import __version__
-from skipinject.errors import CacheError, shown
+from skipinject.errors import CacheError
 from skipinject.node import node_identity
 from skipinject.payload import Payload
 from skipinject.store.checksums import _Hasher
@@ -23,6 +23,7 @@ from skipinject.store.compression import write_compressed
 from skipinject.store.garbage import ACTIVE_WRITE_IDS
 from skipinject.store.meta import part_budget
 from skipinject.store.tensorfile import tensor_file
+from skipinject.text import shown
 
 if TYPE_CHECKING:
     from skipinject.store.step_store import StepStore

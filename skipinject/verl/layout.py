@@ -15,6 +15,15 @@ from skipinject.verl.compat import select
 DEFAULT_PROJECT = "skipinject_default"
 #: verl's defaults for ``trainer.experiment_name`` and ``trainer.project_name``.
 VERL_EXPERIMENT, VERL_PROJECT = "default_experiment_name", "default_project_name"
+#: The verl settings naming each field of a layout directory (:func:`layout_of` reads them).
+LAYOUT_SETTINGS = {
+    "gbs": "the batch size (data.gen_batch_size, else data.train_batch_size)",
+    "n": "actor_rollout_ref.rollout.n",
+    "prompt_length": "data.max_prompt_length",
+    "response_length": "data.max_response_length",
+}
+#: The trainer settings naming a run's directory (``{experiment}_{project}``).
+RUN_SETTINGS = ("experiment_name", "project_name")
 #: A layout directory's name, as any writer may have made it (:func:`layout_values` reads it).
 LAYOUT_RE = re.compile(r"^GBS(-?[0-9]+)_N(-?[0-9]+)_in(-?[0-9]+)_out(-?[0-9]+)$")
 

@@ -39,6 +39,7 @@ def imports_of(name: str, path: Path, package: bool, modules: dict[str, tuple[Pa
                 target = node.module or ""
             wanted.add(target)
             wanted.update(f"{target}.{alias.name}" for alias in node.names)
+    wanted.update(lazy_imports(path))
     own = packages_above(name)
     found = set()
     for target in wanted:
@@ -48,6 +49,18 @@ def imports_of(name: str, path: Path, package: bool, modules: dict[str, tuple[Pa
             found.add(target)
             found.update(parent for parent in packages_above(target) if parent not in own and parent != name)
     return found
+
+
+def lazy_imports(path: Path) -> set[str]:
+    """The modules a package's ``_HOMES`` table names (``skipinject.store`` imports each at a name's first use)."""
+    if path.name != "__init__.py":
+        return set()
+    package = ".".join(path.relative_to(ROOT).parent.parts)
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "_HOMES":
+            homes = ast.literal_eval(node.value)
+            return {"skipinject.payload" if home == "payload" else f"{package}.{home}" for home in homes}
+    return set()
 
 
 def _run_time_nodes(tree: ast.AST) -> list[ast.AST]:

@@ -40,6 +40,7 @@ ALLOWED_BEFORE_A_CALL = {
     "skipinject.report.silence",  # the never-called watch is installed with the patches
     "skipinject.report.tally",
     "skipinject.roles",
+    "skipinject.text",
     "skipinject.store",
     "skipinject.store.files",
     "skipinject.store.format",

@@ -332,7 +332,7 @@ def test_a_cache_recording_no_reward_is_rescored_under_auto(assets: Any, tmp_pat
     manager(config, calls).generate_sequences(generation_batch(1))
     run.stop()
     # a step written before identities were: its meta.json has no "reward" (the store's checksum kept valid)
-    from skipinject.store.format import meta_digest
+    from skipinject.store import meta_digest
 
     meta_path = dump / "exp_proj" / f"GBS4_N{N}_in{PROMPT_LEN}_out{RESPONSE_LEN}" / "1" / "meta.json"
     meta = json.loads(meta_path.read_text())

@@ -30,8 +30,7 @@ from skipinject.config import Config, RoleConfig
 from skipinject.engine import Engine
 from skipinject.engine.background import WRITER
 from skipinject.report.tally import TALLY
-from skipinject.store import StepStore
-from skipinject.store.writer import StepWriter
+from skipinject.store import StepStore, StepWriter
 from skipinject.verl.codecs import TensorDictCodec
 from skipinject.verl.compat import installed_verl_matches
 from skipinject_rollout_tq.phases import parameter_sync_step
