@@ -45,10 +45,10 @@ def store() -> str:
     bench_store = _script("bench_store")
     f, v1 = results["figures"]["dataproto"], results["figures"]["v1"]
     lines = bench_store.table("DataProto (rollout)", "DataProto.save_to_disk, pickle", f)
-    lines += ["", bench_store.breakdown(f)]
+    lines += ["", *bench_store.hits_table(f), bench_store.breakdown(f)]
     if v1 is not None:
         lines += ["", *bench_store.table("V1 TensorDict (rollout_tq)", "torch.save, pickle", v1), ""]
-        lines += [bench_store.breakdown(v1)]
+        lines += [*bench_store.hits_table(v1), bench_store.breakdown(v1)]
     lines += ["", f"ratio = upstream/skipinject (higher is better); median of {results['figures']['repeat']} runs"]
     return _block(results, *lines)
 
