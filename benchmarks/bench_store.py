@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import mmap
 import os
 import resource
 import shutil
@@ -291,24 +292,107 @@ def run(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, work
         touch(loaded)
         return loaded
 
-    loaded = measure(figures, "upstream_load", upstream_load, repeat)
-    del loaded
-    loaded = measure(figures, "ours_load", ours_load, repeat)
-    check_equal(batch, loaded)
-    del loaded
-    floor = CopyFloor(store, 1)
-    measure(figures, "copy_floor", floor, repeat)
-    figures["copy_floor_threads"] = floor.threads
-
+    zstd = compressed_copy(store, workdir / "store_zstd", codec.encode(batch))
+    check_equal(batch, ours_load())
+    check_equal(batch, codec.decode(zstd.load(zstd.verified(1))[0]))
+    measure_hits(figures, store, zstd, codec, upstream_load, repeat)
     hit_stages(figures, store, codec, repeat)
     return figures
 
 
+def compressed_copy(store: StepStore, project: Path, payload: Any) -> StepStore:
+    """The same step saved ``zstd``-compressed (compact encodings, zstd level 1) in a store of its own."""
+    from skipinject.store.compression import parse_compression
+
+    zstd = StepStore(project, store.role, store.context, compression=parse_compression("zstd"))
+    zstd.save(1, payload, {})
+    return zstd
+
+
+#: The hits timed beside the copy floor, in each round: (figure key, what it is).
+HITS = (
+    ("ours_load", "`none`, fresh memory (`reuse_hit_memory=0`)"),
+    ("ours_load_pool", "`none`, hit-memory pool (`reuse_hit_memory=2`, previous batch held)"),
+    ("ours_zstd_load", "`zstd`, fresh memory (`reuse_hit_memory=0`)"),
+    ("ours_zstd_load_pool", "`zstd`, hit-memory pool (`reuse_hit_memory=2`, previous batch held)"),
+)
+
+
+def measure_hits(
+    figures: dict[str, Any], store: StepStore, zstd: StepStore, codec: Any, upstream: Callable[[], Any], repeat: int
+) -> None:
+    """Every hit not read ahead (uncompressed and ``zstd``, fresh memory and the hit-memory pool), upstream's
+    load and the copy floor, interleaved round by round in this process (a shared machine's load moves; a
+    ratio is taken within each round, its median reported), each round starting one run later (what fresh
+    memory costs depends on what ran before: a VM that gives freed memory back to its host charges for it
+    again). Each hit verifies, loads, decodes and touches every page; with the pool, the previous hit's batch
+    is held while the next loads (verl's loop)."""
+    from skipinject.store.hit_memory import HitMemory
+
+    floor = CopyFloor(store, 1)
+    figures["copy_floor_threads"] = floor.threads
+
+    def hit(source: StepStore, keep: list[Any] | None = None) -> Callable[[], Any]:
+        def run() -> Any:
+            [part] = source.load(source.verified(1))
+            loaded = codec.decode(part)
+            touch(loaded)
+            if keep is not None:  # the previous batch goes once the next one is loaded
+                keep[:] = [loaded]
+            return loaded
+
+        return run
+
+    def pooled(source: StepStore) -> StepStore:
+        return StepStore(source.project_dir, source.role, source.context, memory=HitMemory(2))
+
+    held: dict[str, list[Any]] = {"ours_load_pool": [], "ours_zstd_load_pool": []}
+    runs: dict[str, Callable[[], Any]] = {
+        "copy_floor": floor,
+        "copy_floor_huge": CopyFloor(store, 1, huge=True),
+        "upstream_load": upstream,
+        "ours_load": hit(store),
+        "ours_load_pool": hit(pooled(store), held["ours_load_pool"]),
+        "ours_zstd_load": hit(zstd),
+        "ours_zstd_load_pool": hit(pooled(zstd), held["ours_zstd_load_pool"]),
+    }
+    walls: dict[str, list[float]] = {key: [] for key in runs}
+    cpus: dict[str, list[float]] = {key: [] for key in runs}
+    order = list(runs)
+    for i in range(repeat + 1):
+        for key in order[i % len(order) :] + order[: i % len(order)]:  # each run first in some round
+            fn = runs[key]
+            gc.collect()
+            wall, cpu = time.perf_counter(), cpu_seconds()
+            result = fn()
+            if i:
+                walls[key].append((time.perf_counter() - wall) * 1000)
+                cpus[key].append((cpu_seconds() - cpu) * 1000)
+            del result
+    for key in runs:
+        figures[f"{key}_ms"] = statistics.median(walls[key])
+        figures[f"{key}_min_ms"] = min(walls[key])
+        figures[f"{key}_cpu_ms"] = statistics.median(cpus[key])
+    floors, pickles = walls["copy_floor"], walls["upstream_load"]
+    for key, _ in HITS:
+        figures[f"{key}_x_floor"] = statistics.median(h / f for h, f in zip(walls[key], floors, strict=True))
+        figures[f"{key}_x_pickle"] = statistics.median(p / h for h, p in zip(walls[key], pickles, strict=True))
+        figures[f"{key}_x_floor_fastest"] = min(walls[key]) / min(floors)
+    figures["upstream_load_x_floor"] = statistics.median(p / f for p, f in zip(pickles, floors, strict=True))
+    figures["copy_floor_huge_x_floor"] = statistics.median(
+        h / f for h, f in zip(walls["copy_floor_huge"], floors, strict=True)
+    )
+    figures["hit_rounds"] = repeat
+
+
 class CopyFloor:
     """What no verified private hit can beat: every byte of the step's data files read into fresh private
-    memory and checksummed as each 32 MiB chunk lands, the chunks spread over every core's thread."""
+    memory (an anonymous mapping in 4 KiB pages, as a hit's; ``huge``: transparent huge pages asked for,
+    as numpy asks for its large arrays) and checksummed as each 32 MiB chunk lands, the chunks spread over
+    every core's thread."""
 
-    def __init__(self, store: StepStore, step: int) -> None:
+    def __init__(self, store: StepStore, step: int, huge: bool = False) -> None:
+        self.huge = huge
         from concurrent.futures import ThreadPoolExecutor
 
         from skipinject.store.checksums import workers
@@ -319,7 +403,7 @@ class CopyFloor:
         self.threads = workers()
         self.pool = ThreadPoolExecutor(self.threads)
 
-    def __call__(self) -> list[np.ndarray]:
+    def __call__(self) -> list[mmap.mmap]:
         import xxhash
 
         from skipinject.store.format import TREE_CHUNK
@@ -330,8 +414,10 @@ class CopyFloor:
                 handle = os.open(path, os.O_RDONLY)
                 handles.append(handle)
                 size = os.fstat(handle).st_size
-                memory = np.empty(size, np.uint8)  # fresh pages: each faults in as the read lands
-                memories.append(memory)
+                memory = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                if self.huge:
+                    memory.madvise(mmap.MADV_HUGEPAGE)
+                memories.append(memory)  # fresh pages: each faults in as the read lands
                 view = memoryview(memory)
                 jobs += [(handle, view[at : at + TREE_CHUNK], at) for at in range(0, size, TREE_CHUNK)]
 
@@ -407,13 +493,8 @@ def run_v1(rows: int, prompt_len: int, response_len: int, n: int, repeat: int, w
         touch(loaded)
         return loaded
 
-    loaded = measure(figures, "upstream_load", upstream_load, repeat)
-    del loaded
-    loaded = measure(figures, "ours_load", ours_load, repeat)
-    del loaded
-    floor = CopyFloor(store, 1)
-    measure(figures, "copy_floor", floor, repeat)
-    figures["copy_floor_threads"] = floor.threads
+    zstd = compressed_copy(store, workdir / "store_v1_zstd", codec.encode(batch))
+    measure_hits(figures, store, zstd, codec, upstream_load, repeat)
     # What reading the rows then costs: verl's tu.get of every non-tensor field (NonTensorStack.tolist()).
     # skipinject's hit makes a field's row objects the first time it is read; torch.load made them all.
     loaded = measure(figures, "upstream_fields", lambda: read_fields(upstream_load()), repeat)
@@ -506,6 +587,31 @@ def table(title: str, upstream: str, f: dict[str, Any]) -> list[str]:
     return lines
 
 
+def hits_table(f: dict[str, Any]) -> list[str]:
+    """Every hit not read ahead beside the copy floor and upstream's load of the same rounds."""
+    if "ours_zstd_load_x_floor" not in f:  # results recorded before the hits were interleaved
+        return []
+    lines = [
+        f"Hits not read ahead, {f['hit_rounds']} interleaved rounds (each: the copy floor, upstream's load and "
+        f"every hit, each round starting one later); copy floor {f['copy_floor_ms']:.0f} ms (fastest "
+        f"{f['copy_floor_min_ms']:.0f}), upstream's load {f['upstream_load_ms']:.0f} ms "
+        f"({f['upstream_load_x_floor']:.2f}x the floor); the copy floor into transparent huge pages "
+        f"{f['copy_floor_huge_ms']:.0f} ms (fastest {f['copy_floor_huge_min_ms']:.0f}, "
+        f"{f['copy_floor_huge_x_floor']:.2f}x the floor). x floor and x pickle are medians of the rounds' ratios; "
+        "fastest: the fastest hit over the fastest floor:",
+        "",
+        "| hit (verify + load + decode + touch) | ms | fastest ms | CPU ms | x copy floor | fastest x floor "
+        "| pickle's load / hit |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, what in HITS:
+        lines.append(
+            f"| {what} | {f[f'{key}_ms']:.0f} | {f[f'{key}_min_ms']:.0f} | {f[f'{key}_cpu_ms']:.0f} "
+            f"| {f[f'{key}_x_floor']:.2f}x | {f[f'{key}_x_floor_fastest']:.2f}x | {f[f'{key}_x_pickle']:.1f}x |"
+        )
+    return [*lines, ""]
+
+
 def breakdown(f: dict[str, Any]) -> str:
     return (
         f"skipinject load breakdown (ms): verify {f['ours_verify_ms']:.1f}, load {f['ours_read_ms']:.1f}, "
@@ -516,10 +622,10 @@ def breakdown(f: dict[str, Any]) -> str:
 def report(figures: dict[str, Any], v1: dict[str, Any] | None) -> str:
     f = figures
     lines = table("DataProto (rollout)", "DataProto.save_to_disk, pickle", f)
-    lines += ["", breakdown(f)]
+    lines += ["", *hits_table(f), breakdown(f)]
     if v1 is not None:
         lines += ["", *table("V1 TensorDict (rollout_tq)", "torch.save, pickle", v1)]
-        lines += ["", breakdown(v1)]
+        lines += ["", *hits_table(v1), breakdown(v1)]
     lines += ["", f"ratio = upstream/skipinject (higher is better); {f['conditions']}"]
     return "\n".join(lines)
 

@@ -45,12 +45,40 @@ def store() -> str:
     bench_store = _script("bench_store")
     f, v1 = results["figures"]["dataproto"], results["figures"]["v1"]
     lines = bench_store.table("DataProto (rollout)", "DataProto.save_to_disk, pickle", f)
-    lines += ["", bench_store.breakdown(f)]
+    lines += ["", *bench_store.hits_table(f), bench_store.breakdown(f)]
     if v1 is not None:
         lines += ["", *bench_store.table("V1 TensorDict (rollout_tq)", "torch.save, pickle", v1), ""]
-        lines += [bench_store.breakdown(v1)]
+        lines += [*bench_store.hits_table(v1), bench_store.breakdown(v1)]
     lines += ["", f"ratio = upstream/skipinject (higher is better); median of {results['figures']['repeat']} runs"]
     return _block(results, *lines)
+
+
+def store_hits() -> str:
+    """Each hit not read ahead against the copy floor and pickle's load, and what the hit-memory pool saves."""
+    results = load("store")
+    bench_store = _script("bench_store")
+    lines = []
+    for title, key in (("DataProto (rollout)", "dataproto"), ("V1 TensorDict (rollout_tq)", "v1")):
+        f = results["figures"][key]
+        if f is None or "ours_zstd_load_x_floor" not in f:
+            continue
+        lines += [f"{title}, {f['rows']} rows, {f['tensor_mb']:.0f} MB of tensors:", "", *bench_store.hits_table(f)]
+        lines.append(
+            "The hit-memory pool against fresh memory: "
+            + "; ".join(
+                f"`{name}` {f[f'{fresh}_ms']:.0f} ms against {f[f'{fresh}_pool_ms']:.0f} ms "
+                f"({f[f'{fresh}_ms'] / f[f'{fresh}_pool_ms']:.1f}x)"
+                for name, fresh in (("none", "ours_load"), ("zstd", "ours_zstd_load"))
+            )
+            + "."
+        )
+        lines.append("")
+    return _block(results, *lines[:-1])
+
+
+def store_zstd_hits() -> str:
+    """The same hits for compression.md (a block is rendered on one page)."""
+    return store_hits()
 
 
 def store_v1_hit() -> str:

@@ -223,6 +223,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
         f"bench-{name.replace('_', '-')}": _benchmark(name)
         for name in (
             "store",
+            "store_hits",
+            "store_zstd_hits",
             "store_v1_hit",
             "remote",
             "passthrough",

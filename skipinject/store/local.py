@@ -187,10 +187,12 @@ class _LocalStep:
 
     @contextlib.contextmanager
     def stream(self, sub: str, name: str, size: object) -> Iterator[Iterator[bytes]]:
-        """The file read whole at the first piece (a local read gains nothing from pieces)."""
-        fd, info, path = self._open(sub, name, size)
+        """The file in pieces of :data:`STREAM_PIECE` bytes (a compressed file: its frames decode while the next
+        piece is read and hashed, and its stored bytes are never all held in fresh memory at once), one byte more
+        asked for at the end: a file that shrank or grew meanwhile yields fewer or more bytes than ``size``."""
+        fd, info, _ = self._open(sub, name, size)
         try:
-            yield (read_fd(fd, info.st_size, path) for _ in range(1))
+            yield _pieces(fd, info.st_size)
         finally:
             os.close(fd)
 
@@ -208,6 +210,18 @@ class _LocalStep:
             os.close(fd)
         self._parts.clear()
         os.close(self.fd)
+
+
+#: Bytes of a streamed local file read at a time (a few of zstd's frames).
+STREAM_PIECE = 8 << 20
+
+
+def _pieces(fd: int, size: int) -> Iterator[bytes]:
+    """``fd``'s bytes from its position, in pieces, until its end or ``size + 1`` bytes."""
+    left = size + 1
+    while left > 0 and (piece := os.read(fd, min(left, STREAM_PIECE))):
+        left -= len(piece)
+        yield piece
 
 
 def _fsync_dir(path: Path) -> None:

@@ -965,3 +965,71 @@ def test_cache_compact_commits_only_over_the_step_it_read(
     out = capsys.readouterr().out
     assert "failed" in out and "recorded anew" in out, out
     assert _load(store, 1).objects == {"run": 2}, "the newer recording is kept"
+
+
+# ---------------------------------------------------------------- a local compressed file read in pieces
+
+
+def _many_frames(tmp_path: Path) -> tuple[StepStore, dict[str, Any], Path]:
+    tensors = {"noise": torch.randint(0, 1 << 30, (3, format.FRAME_BYTES // 8), dtype=torch.int64)}
+    store = _store(tmp_path)
+    store.save(1, Payload(concats=CONCATS, tensors=tensors, objects={}, rows=3))
+    meta = json.loads((store.step_dir(1) / "meta.json").read_text())
+    return store, tensors, store.step_dir(1) / meta["parts"][0]["files"]["tensors"]["name"]
+
+
+def _changed_while_read(monkeypatch: pytest.MonkeyPatch, path: Path, change: Any) -> list[int]:
+    """Read local files in pieces of 64 kB; ``change(path)`` once the tensor file's first piece has been read."""
+    from skipinject.store import local
+
+    monkeypatch.setattr(local, "STREAM_PIECE", 64 << 10)
+    pieces = local._pieces
+    read: list[int] = []
+
+    def watched(fd: int, size: int) -> Any:
+        ours = size == path.stat().st_size
+        for number, piece in enumerate(pieces(fd, size)):
+            if ours:
+                read.append(len(piece))
+            if ours and number == 0:
+                change(path)
+            yield piece
+
+    monkeypatch.setattr(local, "_pieces", watched)
+    return read
+
+
+def test_a_local_compressed_file_is_read_in_pieces_and_loads_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, tensors, path = _many_frames(tmp_path)
+    read = _changed_while_read(monkeypatch, path, lambda _: None)
+    assert_same(_load(store, 1).tensors, tensors)
+    assert len(read) > 2 and max(read) == 64 << 10
+
+
+def _flip_last_byte(path: Path) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(-1, os.SEEK_END)
+        last = handle.read(1)[0]
+        handle.seek(-1, os.SEEK_END)
+        handle.write(bytes([last ^ 0xFF]))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_flip_last_byte, "checksum mismatch"),
+        (lambda path: os.truncate(path, path.stat().st_size - 1), "bytes read, meta.json records"),
+        (lambda path: path.open("ab").write(b"more"), "bytes read, meta.json records"),
+    ],
+    ids=["byte flipped", "truncated", "grown"],
+)
+def test_a_local_compressed_file_changed_while_its_pieces_are_read_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Any, message: str
+) -> None:
+    store, _, path = _many_frames(tmp_path)
+    read = _changed_while_read(monkeypatch, path, change)
+    with pytest.raises(CorruptCacheError, match=message):
+        store.verified(1)
+    assert len(read) > 1, "the change landed while the file was being read"
