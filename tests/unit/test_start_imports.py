@@ -56,6 +56,8 @@ CACHE_CODE = {
     "skipinject.engine.runtime",
     "skipinject.engine.replay",
     "skipinject.engine.record",
+    "skipinject.engine.book",
+    "skipinject.engine.steps",
     "skipinject.engine.matching",
     "skipinject.store.step_store",
     "skipinject.store.tensorfile",
