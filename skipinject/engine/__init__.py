@@ -1,7 +1,8 @@
 """The one place where a call is served from the cache or run and saved: :mod:`~skipinject.engine.phases`
-hands a call to its role's :mod:`~skipinject.engine.runtime`, which decides and serves
-(:mod:`~skipinject.engine.replay`), records (:mod:`~skipinject.engine.record`) or matches rows
-(:mod:`~skipinject.engine.matching`). Every decision is one line on the ``skipinject`` logger.
+hands a call to its role's :mod:`~skipinject.engine.runtime`, whose :mod:`~skipinject.engine.steps` drive the
+step: planned and served (:mod:`~skipinject.engine.replay`), recorded (:mod:`~skipinject.engine.record`) or
+its rows matched (:mod:`~skipinject.engine.matching`), each on the role's
+:mod:`~skipinject.engine.services`. Every decision is one line on the ``skipinject`` logger.
 
 Patching imports only what a patch needs (this module, :mod:`~skipinject.engine.phases`, the injector): a
 role's runtime, with the cache code under it, is built when it is first needed (the first call that does not

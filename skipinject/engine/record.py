@@ -1,4 +1,4 @@
-"""The steps a role's calls are in (a step's first call decides for all of them), and recording: call k saved
+"""Recording the steps a role's calls are in (:mod:`~skipinject.engine.book`): call k saved
 as part k, in the background writer for clocked roles, committed once the run has moved past the step or, without
 a clock, after every call (docs/how-it-works.md); a step with a part that cannot be saved is dropped whole."""
 
