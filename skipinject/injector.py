@@ -262,8 +262,9 @@ class Injector:
         self._lock = threading.RLock()
         #: Base classes whose ``__init_subclass__`` we replaced: (what was in their __dict__, ours, patches).
         self._subclass_hooks: dict[type, tuple[Any, Any, list[_Patch]]] = {}
-        #: Targets patched after their module was imported, not yet checked for names bound to the original.
-        self._patched_late: list[str] = []
+        #: Patches applied after their module was imported, with the modules there were then (only those can
+        #: have bound the original: later imports take the wrapper).
+        self._patched_late: list[tuple[str, list[str]]] = []
 
     def instrument(
         self,
@@ -286,7 +287,7 @@ class Injector:
             self._patches[key] = _Patch(target, interceptor, owner, overrides, attribute)
             if target.module in sys.modules:
                 self._apply(self._patches[key], sys.modules[target.module])
-                self._patched_late.append(key)  # see say_earlier_names
+                self._patched_late.append((key, list(sys.modules)))  # see say_earlier_names
             elif target.module not in self._hooked_modules:
                 self._hooked_modules.add(target.module)
                 wrapt.register_post_import_hook(self._on_import, target.module)
@@ -360,12 +361,12 @@ class Injector:
         with self._lock:
             late, self._patched_late = self._patched_late, []
             said: set[int] = set()  # one line per function, however many of its names are targets
-            for key in late:
+            for key, modules in late:
                 patch = self._patches.get(key)
                 if patch is not None:
-                    self._say_earlier_names(patch, said)
+                    self._say_earlier_names(patch, modules, said)
 
-    def _say_earlier_names(self, patch: _Patch, said: set[int]) -> None:
+    def _say_earlier_names(self, patch: _Patch, modules: list[str], said: set[int]) -> None:
         if not patch.applied or "." in patch.path.qualname or not patch.undo:
             return
         wrapper = getattr(sys.modules[patch.path.module], patch.path.qualname, None)
@@ -376,9 +377,9 @@ class Injector:
         patched = {(p.path.module, p.path.qualname) for p in self._patches.values()}
         earlier = [
             f"{name}.{attribute}"
-            for name, module in list(sys.modules.items())
+            for name in modules
             if name != patch.path.module
-            for attribute, value in list(getattr(module, "__dict__", {}).items())
+            for attribute, value in list(getattr(sys.modules.get(name), "__dict__", {}).items())
             if value is original and (name, attribute) not in patched
         ]
         if earlier:

@@ -1,7 +1,8 @@
 """The one place where a call is served from the cache or run and saved: :mod:`~skipinject.engine.phases`
-hands a call to its role's :mod:`~skipinject.engine.runtime`, which decides and serves
-(:mod:`~skipinject.engine.replay`), records (:mod:`~skipinject.engine.record`) or matches rows
-(:mod:`~skipinject.engine.matching`). Every decision is one line on the ``skipinject`` logger.
+hands a call to its role's :mod:`~skipinject.engine.runtime`, whose :mod:`~skipinject.engine.steps` drive the
+step: planned and served (:mod:`~skipinject.engine.replay`), recorded (:mod:`~skipinject.engine.record`) or
+its rows matched (:mod:`~skipinject.engine.matching`), each on the role's
+:mod:`~skipinject.engine.services`. Every decision is one line on the ``skipinject`` logger.
 
 Patching imports only what a patch needs (this module, :mod:`~skipinject.engine.phases`, the injector): a
 role's runtime, with the cache code under it, is built when it is first needed (the first call that does not
@@ -10,6 +11,7 @@ of a run patches verl, and most of them never serve or save a step."""
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import logging
@@ -17,14 +19,15 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from skipinject.clock import CLOCK
 from skipinject.config import Action, Config
 from skipinject.engine.background import WRITER
-from skipinject.engine.phases import ClockInterceptor, RuntimeSlot, TargetInterceptor
+from skipinject.engine.phases import RuntimeSlot, TargetInterceptor
 from skipinject.errors import ConfigError
 from skipinject.injector import INJECTOR, Injector, target_key
 from skipinject.report.silence import Silence, StepEnd, watched_roles
 from skipinject.report.tally import METRICS_TARGET, MetricsInterceptor
-from skipinject.roles import Role
+from skipinject.roles import Call, Role
 from skipinject.verl.builtin_guard import BUILTIN_SKIP_INIT, BuiltinGuard
 from skipinject.verl.compat import is_run_config, module_exists, verl_version, version_matches
 
@@ -210,3 +213,34 @@ class Engine:
                 if reason:
                     message = f"skip.{name} is enabled but cannot act in this run: {reason}"
                     slot.get().once(("check", reason), logging.WARNING, message)
+
+
+class ClockInterceptor:
+    """Records the trainer entering ``fit`` (the clock) and checks each role against its config once."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
+        self._enter(call)
+        try:
+            result = proceed()
+        finally:
+            self.engine.end_of_run()  # the run is over (or failed): its steps are committed before the process may end
+        self.engine.silence.run_ended(call.instance)  # a role never called by now is said (strict: an error)
+        return result
+
+    async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:
+        self._enter(call)
+        try:
+            result = await proceed()
+        finally:
+            await asyncio.to_thread(self.engine.end_of_run)
+        self.engine.silence.run_ended(call.instance)
+        return result
+
+    def _enter(self, call: Call) -> None:
+        if call.instance is not None:
+            CLOCK.enter(call.instance)
+            self.engine.observe_config(getattr(call.instance, "config", None))
+            self.engine.read_first_steps(call.run_config)

@@ -17,18 +17,19 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from skipinject.engine.record import Recorder, StepCalls, rows_per_key
+from skipinject.engine.book import StepCalls
+from skipinject.engine.record import Recorder, rows_per_key
 from skipinject.engine.row_index import STEPS, RowIndex, RowSource, match_records
 from skipinject.errors import CodecError, ConfigError, CorruptCacheError
 from skipinject.report.misses import settings_differ
 from skipinject.report.tally import TALLY, hit_amounts
 from skipinject.roles import Call, MatchInfo, Role, RowCodec
-from skipinject.store import ROWS_DIR
+from skipinject.store import ROWS_DIR, StepMeta
 from skipinject.verl.compat import settings_values
 from skipinject.verl.layout import layout_label
 
 if TYPE_CHECKING:
-    from skipinject.engine.runtime import RoleRuntime
+    from skipinject.engine.services import Services
     from skipinject.store import StepStore
 
 logger = logging.getLogger("skipinject")
@@ -74,7 +75,7 @@ class Found:
 
     rows: dict[int, tuple[Any, int]]
     sources: dict[int, str]
-    source_meta: dict[str, Mapping[str, Any]]
+    source_meta: dict[str, StepMeta]
     seconds: float
 
 
@@ -85,7 +86,7 @@ class _Lookup:
     served: dict[int, tuple[int, int]] = field(default_factory=dict)
     pieces: list[Any] = field(default_factory=list)
     names: list[str] = field(default_factory=list)  # per piece, the name of its source
-    source_meta: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # per source, its meta.json
+    source_meta: dict[str, StepMeta] = field(default_factory=dict)  # per source, its meta.json
     ratio: int | None = None  # output rows per input row
     seconds: float = 0.0
 
@@ -106,6 +107,24 @@ class _Pending:
     padding: int = 0
     generated: Any = None  # the generated rows without the padding
     generation_s: float = 0.0  # the target's time for this call (recorded with what it generated)
+
+
+def _next_copies(
+    copies: list[list[tuple[int, RowSource]]],
+    tried: list[int],
+    failed: set[tuple[int, int, int]],
+    served: Mapping[int, Any],
+) -> dict[tuple[int, int, int, int], list[tuple[int, RowSource]]]:
+    """The next copy to try of each key not served yet (none in a source that failed), by the source it is in."""
+    wanted: dict[tuple[int, int, int, int], list[tuple[int, RowSource]]] = {}
+    for row, located in enumerate(copies):
+        while row not in served and tried[row] < len(located):
+            place, where = located[tried[row]]
+            tried[row] += 1
+            if (place, where.source, where.number) not in failed:
+                wanted.setdefault((place, where.source, where.number, where.call), []).append((row, where))
+                break
+    return wanted
 
 
 class _ReadsAhead:
@@ -150,8 +169,8 @@ class _ReadsAhead:
 class RowMatcher:
     """``action=match`` for one role in this process, with the row indexes and rows stores of its projects."""
 
-    def __init__(self, runtime: RoleRuntime, recorder: Recorder) -> None:
-        self.runtime = runtime
+    def __init__(self, services: Services, recorder: Recorder) -> None:
+        self.services = services
         self.recorder = recorder
         self._memo: dict[tuple[str, Any], Any] = {}
         self._lock = threading.Lock()  # awaiting callers look rows up from several threads
@@ -169,20 +188,20 @@ class RowMatcher:
 
     def rows_store(self, store: StepStore) -> StepStore:
         """Where the rows generated at already committed steps of ``store`` are kept."""
-        return self._project("rows", store, lambda: self.runtime.open(store.project_dir / ROWS_DIR, store.context))
+        return self._project("rows", store, lambda: self.services.open(store.project_dir / ROWS_DIR, store.context))
 
     def index(self, store: StepStore) -> RowIndex:
         rows = self.rows_store(store)
-        return self._project("index", store, lambda: RowIndex(store, rows, saves=self.runtime.settings.save))
+        return self._project("index", store, lambda: RowIndex(store, rows, saves=self.services.settings.save))
 
     def keys(self, call: Call) -> list[str] | None:
         """The call's row keys, or ``None`` when the role cannot key it (one warning, the call runs whole)."""
-        role = self.runtime.role
+        role = self.services.role
         try:
             digests = None if role.row_key is None else role.row_key(call)
             return None if digests is None else row_keys(role, call, [str(d) for d in digests])
         except Exception as exc:
-            self.runtime.once(
+            self.services.once(
                 ("row_key", type(exc)),
                 logging.WARNING,
                 f"{role.name}: cannot key the rows of a call ({type(exc).__name__}: {exc}); it runs whole",
@@ -191,7 +210,7 @@ class RowMatcher:
 
     def find(self, store: StepStore, call: Call, keys: list[str], group: int = 1) -> Found:
         """:meth:`skipinject.roles.PhaseContext.match_rows`: rows kept only in whole groups of ``group``."""
-        found = self.lookup(store, call, keys) if self.runtime.unusable(store) is None else _Lookup()
+        found = self.lookup(store, call, keys) if self.services.unusable(store) is None else _Lookup()
         served = found.served
         rows = {
             row: (found.pieces[piece], at)
@@ -199,7 +218,7 @@ class RowMatcher:
             if all(r in served for r in range(row - row % group, row - row % group + group))
         }
         sources = {row: found.names[served[row][0]] for row in rows}
-        TALLY.add(self.runtime.name, served_rows=len(rows), generated_rows=len(keys) - len(rows))
+        TALLY.add(self.services.name, served_rows=len(rows), generated_rows=len(keys) - len(rows))
         return Found(rows, sources, dict(found.source_meta), found.seconds)
 
     def calls(self, record: StepCalls, index: int, call: Call, background: bool) -> Generator[Any, Any, Any]:
@@ -225,7 +244,7 @@ class RowMatcher:
 
     def begin(self, record: StepCalls, index: int, call: Call, background: bool) -> _Pending:
         """Key the call's rows and load the cached ones; say which rows the target must generate."""
-        runtime, plan = self.runtime, record.plan
+        runtime, plan = self.services, record.plan
         assert plan is not None and isinstance(runtime.codec, RowCodec)
         pending = _Pending(record, index, call, background)
         pending.inputs = runtime.fingerprint(call)  # before the target runs: it may change its inputs
@@ -259,22 +278,22 @@ class RowMatcher:
 
     def _cannot(self, pending: _Pending, what: str, exc: Exception) -> None:
         logger.warning(
-            f"{self.runtime.name} step {pending.record.step}: match: cannot {what} the call "
+            f"{self.services.name} step {pending.record.step}: match: cannot {what} the call "
             f"({type(exc).__name__}: {exc}); running the whole call instead"
         )
 
     def finish_whole(self, pending: _Pending, result: Any) -> Any:
         """Nothing was cached: the call ran whole and is saved as with ``cache``."""
         count = len(pending.keys or ())
-        ratio = rows_per_key(self.runtime.codec, result, pending.keys) if count else None
+        ratio = rows_per_key(self.services.codec, result, pending.keys) if count else None
         self._save(pending, result, result if ratio else None, range(count), ratio)
-        TALLY.add(self.runtime.name, generated_rows=count)
-        return self.runtime.after_miss(pending.call, result)
+        TALLY.add(self.services.name, generated_rows=count)
+        return self.services.after_miss(pending.call, result)
 
     def merge(self, pending: _Pending, fresh: Any) -> Any:
         """The generated rows (``fresh``, with its padding) and the cached ones in the call's order;
         ``None`` (one warning) when they do not fit together: the whole call runs then."""
-        codec, keys, misses, found = self.runtime.codec, pending.keys, pending.misses, pending.found
+        codec, keys, misses, found = self.services.codec, pending.keys, pending.misses, pending.found
         assert keys is not None and isinstance(codec, RowCodec)
         ratio = found.ratio
         try:
@@ -310,7 +329,7 @@ class RowMatcher:
 
     def finish(self, pending: _Pending, merged: Any) -> Any:
         """Save what is new of a merged call, log it and hand it to the role's ``on_match``."""
-        runtime, keys, misses, found = self.runtime, pending.keys, pending.misses, pending.found
+        runtime, keys, misses, found = self.services, pending.keys, pending.misses, pending.found
         assert keys is not None
         ratio = found.ratio or 1
         served: dict[str, list[int]] = {}
@@ -327,9 +346,9 @@ class RowMatcher:
         )
         saved = 0.0  # each source's recorded generation time, for the share of its rows served
         for name, rows in served.items():
-            meta = found.source_meta.get(name, {})
-            total = meta.get("rows")
-            if type(total) is int and total > 0:
+            meta = found.source_meta.get(name)
+            total = None if meta is None else meta.rows
+            if meta is not None and total is not None and total > 0:
                 saved += hit_amounts(meta)["generation_s_saved"] * min(len(rows), total) / total
         TALLY.add(runtime.name, served_rows=len(found.served), generated_rows=len(misses), generation_s_saved=saved)
         if runtime.role.on_match is not None:  # before saving: what it recomputes is saved as this run's
@@ -349,27 +368,13 @@ class RowMatcher:
 
     def lookup(self, store: StepStore, call: Call, keys: list[str]) -> _Lookup:
         """The cached rows of ``keys`` that verify; each key's copies tried (this layout's first) the latest first."""
-        runtime, found, started = self.runtime, _Lookup(), time.perf_counter()
+        runtime, found, started = self.services, _Lookup(), time.perf_counter()
         places = [store, *self._project("layouts", store, lambda: runtime.batch_size_stores(store, MAX_LAYOUTS))]
-        copies: list[list[tuple[int, RowSource]]] = [[] for _ in keys]  # per row, in the order tried
-        for place, place_store in enumerate(places):
-            missing = [row for row in range(len(keys)) if len(copies[row]) < MAX_COPIES]
-            if not missing:
-                break
-            there = self.index(place_store).lookup([keys[row] for row in missing], MAX_COPIES)
-            for row, sources in zip(missing, there, strict=True):
-                copies[row].extend((place, source) for source in sources[: MAX_COPIES - len(copies[row])])
+        copies = self._copies(places, keys)
         tried = [0] * len(keys)
         failed: set[tuple[int, int, int]] = set()
         for _ in range(MAX_COPIES):
-            wanted: dict[tuple[int, int, int, int], list[tuple[int, RowSource]]] = {}
-            for row, located in enumerate(copies):
-                while row not in found.served and tried[row] < len(located):
-                    place, where = located[tried[row]]
-                    tried[row] += 1
-                    if (place, where.source, where.number) not in failed:
-                        wanted.setdefault((place, where.source, where.number, where.call), []).append((row, where))
-                        break
+            wanted = _next_copies(copies, tried, failed, found.served)
             if not wanted:
                 break
             ordered = sorted(wanted.items())
@@ -417,12 +422,24 @@ class RowMatcher:
         found.seconds = time.perf_counter() - started
         return found
 
+    def _copies(self, places: Sequence[StepStore], keys: list[str]) -> list[list[tuple[int, RowSource]]]:
+        """Per key, where its rows are cached (place in ``places``, source), in the order tried."""
+        copies: list[list[tuple[int, RowSource]]] = [[] for _ in keys]
+        for place, place_store in enumerate(places):
+            missing = [row for row in range(len(keys)) if len(copies[row]) < MAX_COPIES]
+            if not missing:
+                break
+            there = self.index(place_store).lookup([keys[row] for row in missing], MAX_COPIES)
+            for row, sources in zip(missing, there, strict=True):
+                copies[row].extend((place, source) for source in sources[: MAX_COPIES - len(copies[row])])
+        return copies
+
     def _load_rows(
         self, store: StepStore, number: int, part: int, rows: list[tuple[int, RowSource]], keys: list[str], call: Call
     ) -> tuple[Any, int, list[int], Mapping[str, Any]]:
         """The output rows of those of ``rows`` whose key the verified source records where the index
         said, which rows those are, and the source's ``meta.json``."""
-        codec = self.runtime.codec
+        codec = self.services.codec
         assert isinstance(codec, RowCodec)
         entry = store.verified(number, siblings=True)
         try:
@@ -475,18 +492,22 @@ class RowMatcher:
         generation_s: float = 0.0,
     ) -> None:
         """New rows (``ratio`` per key) as the next rows record of ``store`` (also ``record_rows``); never raises."""
-        name, count = self.runtime.name, len(keys)
-        if not self.runtime.settings.save or self.runtime.unusable(store):
+        name, count = self.services.name, len(keys)
+        if not self.services.settings.save or self.services.unusable(store):
             return
         try:
-            snapshot = self.runtime.codec.encode(fresh).private_copy()
+            snapshot = self.services.codec.encode(fresh).private_copy()
         except Exception as exc:
             logger.warning(f"{name} step {step}: cannot encode the new rows ({type(exc).__name__}: {exc}); not saved")
             return
-        meta = self.runtime.extra_meta(call)
-        if generation_s > 0:
-            meta["generation_s"] = round(generation_s, 6)
-        meta.update(inputs=inputs, calls=1, row_keys=[list(keys)], rows_per_input=[ratio], generated_at=step)
+        meta = StepMeta.build(
+            inputs=inputs,
+            generation_s=generation_s,
+            row_keys=[list(keys)],
+            rows_per_input=[ratio],
+            generated_at=step,
+            extra=self.services.extra_meta(call),
+        )
         rows_store = self.rows_store(store)
 
         def write() -> None:

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Generator, Sized
 from typing import TYPE_CHECKING, Any
 
 from skipinject.clock import CLOCK
-from skipinject.config import Action, RoleConfig
+from skipinject.config import RoleConfig
 from skipinject.report.tally import TALLY
 from skipinject.roles import Call, Phase, Role, StepSource, Target
 
 if TYPE_CHECKING:
-    from skipinject.engine import Engine
     from skipinject.engine.runtime import RoleRuntime
 
 
@@ -65,27 +63,7 @@ class WholeCall:
 
     @staticmethod
     def calls(role: RoleRuntime, call: Call, step: int, background: bool) -> Generator[Any, Any, Any]:
-        from skipinject.engine.replay import REGENERATE
-
-        record, index = yield lambda: role.recorder.enter(call, step)
-        try:
-            if role.settings.action is Action.match:
-                return role.deliver(call, (yield from role.matcher.calls(record, index, call, background)))
-            if not record.recording:
-                result = yield lambda: role.replay.serve_call(record, index, call)
-                if result is not REGENERATE:
-                    return role.deliver(call, result)
-                if not record.recording:  # a later call of a replayed step: run it, save nothing
-                    return role.after_miss(call, (yield (), {}))
-            inputs = role.fingerprint(call)  # before the target runs: it may change its inputs
-            keys = role.matcher.keys(call)
-            began = time.perf_counter()
-            result = yield (), {}
-            record.generation_seconds += time.perf_counter() - began  # what a hit of the step saves
-            yield lambda: role.recorder.record(record, index, call, result, inputs, background=background, keys=keys)
-            return role.after_miss(call, result)
-        finally:
-            yield lambda: role.recorder.leave(record)
+        return role.steps.calls(call, step, background)
 
 
 WHOLE_CALL = WholeCall()
@@ -175,7 +153,7 @@ class TargetInterceptor:
         if isinstance(runtime, RuntimeSlot):
             self.slot, self.runtime, open_steps = runtime, None, runtime.open_steps
         else:
-            self.slot, self.runtime, open_steps = None, runtime, runtime.recorder.steps.open
+            self.slot, self.runtime, open_steps = None, runtime, runtime.book.open
         self.phase: Phase | WholeCall = target.phase or WHOLE_CALL
         self.every_step = target.every_step
         #: A call of this target at a chosen step is the role being called (never-called check); a target
@@ -234,34 +212,3 @@ class TargetInterceptor:
     def _called(self, runtime: RoleRuntime, step: int) -> None:
         if self.marks and runtime.name not in TALLY.called and runtime.settings.allows(step):
             TALLY.note_called(runtime.name)
-
-
-class ClockInterceptor:
-    """Records the trainer entering ``fit`` (the clock) and checks each role against its config once."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:
-        self._enter(call)
-        try:
-            result = proceed()
-        finally:
-            self.engine.end_of_run()  # the run is over (or failed): its steps are committed before the process may end
-        self.engine.silence.run_ended(call.instance)  # a role never called by now is said (strict: an error)
-        return result
-
-    async def run_async(self, call: Call, proceed: Callable[[], Any]) -> Any:
-        self._enter(call)
-        try:
-            result = await proceed()
-        finally:
-            await asyncio.to_thread(self.engine.end_of_run)
-        self.engine.silence.run_ended(call.instance)
-        return result
-
-    def _enter(self, call: Call) -> None:
-        if call.instance is not None:
-            CLOCK.enter(call.instance)
-            self.engine.observe_config(getattr(call.instance, "config", None))
-            self.engine.read_first_steps(call.run_config)

@@ -23,10 +23,24 @@ from skipinject.roles import Call, HitInfo, Loaded, Plan, UpstreamFormat
 from skipinject.store import StepEntry, StepStore
 
 if TYPE_CHECKING:
-    from skipinject.engine.record import StepBook, StepCalls
-    from skipinject.engine.runtime import RoleRuntime
+    from skipinject.engine.book import StepBook, StepCalls
+    from skipinject.engine.services import Services
 
 logger = logging.getLogger("skipinject")
+
+
+def refuse(
+    strict: bool, error: Exception, say: Callable[[], None] | None = None, *, role: str = "", **counts: int
+) -> None:
+    """The replay policy for a cache that cannot serve, in one place: ``strict`` (``action=strict``,
+    ``on_mismatch=fail``) raises ``error``; else ``say`` says why, ``counts`` go to ``role``'s tally (unless
+    all 0), and the caller runs the target."""
+    if strict:
+        raise error
+    if say is not None:
+        say()
+    if any(counts.values()):
+        TALLY.add(role, **counts)
 
 
 def plan_step(
@@ -44,8 +58,7 @@ def plan_step(
     own pickle is served only with ``trust_upstream``, else named in ``untrusted_upstream``."""
     action = settings.action
     if unusable is not None:  # reported once, when the store was opened
-        if action is Action.strict:
-            raise CacheMissError(f"{name} step {step}: skip.{name}.action=strict and {unusable}")
+        refuse(action is Action.strict, CacheMissError(f"{name} step {step}: skip.{name}.action=strict and {unusable}"))
         return Plan(store, step, reason="cache directory unusable", saves=False)
     saving = "saving its result" if settings.save else "not saving it (save=false)"
     if action is Action.refresh:
@@ -57,34 +70,12 @@ def plan_step(
             return Plan(store, step, reason=reason, saves=False)
         return Plan(store, step, reason="match", saves=settings.save)
     problems: list[str] = []
-    untrusted_own = False  # the step's own directory is another user's: nothing is saved there either
     found: tuple[Path, UpstreamFormat] | None = None
+    untrusted_own = [False]  # the step's own directory is another user's: nothing is saved there either
     try:
-        candidates = [step]
-        if action is Action.repeat:  # then the steps below (largest first), then those above (smallest first)
-            available = store.step_numbers_on_disk()
-            below = bisect.bisect_left(available, step)
-            candidates += [*available[:below][::-1], *(s for s in available[below:] if s != step)]
-        for candidate in candidates:
-            if candidate != step and not store.is_committed(candidate):
-                continue  # another role's step, or none of ours: not a candidate for repeat
-            try:
-                entry = ahead if ahead is not None and ahead.step == candidate else store.verified(candidate)
-            except FileNotFoundError:
-                continue
-            except CorruptCacheError as exc:
-                problems.append(str(exc))
-                untrusted_own = untrusted_own or (candidate == step and isinstance(exc, UntrustedCacheError))
-                continue
-            if problems:
-                logger.warning("%s step %d: cache unusable, not loaded: %s", name, step, summary(problems))
-            if candidate == step:
-                reason = "own cache"
-            elif candidate < step:
-                reason = f"repeat: largest cached step below {step}"
-            else:
-                reason = f"repeat: no cached step below {step}, smallest above"
-            return Plan(store, step, entry=entry, reason=reason)
+        plan = _cached_entry(name, store, step, action is Action.repeat, ahead, problems, untrusted_own)
+        if plan is not None:
+            return plan
         for kind in upstream:  # verl's own cache of the step: the first of the role's formats found
             path = store.upstream_file(step, kind.file_name, kind.directory_of(step))
             if path is not None:
@@ -92,30 +83,69 @@ def plan_step(
                 break
     except OSError as exc:
         problems.append(f"cannot read the cache directory {store.project_dir} ({type(exc).__name__}: {exc})")
-    untrusted = None
-    if found is not None:
-        if settings.trust_upstream:
-            return Plan(store, step, upstream_file=found[0], upstream_format=found[1], reason="trusted upstream cache")
-        untrusted = found[0]
+    if found is not None and settings.trust_upstream:
+        return Plan(store, step, upstream_file=found[0], upstream_format=found[1], reason="trusted upstream cache")
+    return _no_entry(name, store, settings, step, problems, None if found is None else found[0], untrusted_own[0])
+
+
+def _cached_entry(
+    name: str, store: StepStore, step: int, repeat: bool, ahead: StepEntry | None, problems: list[str], own: list[bool]
+) -> Plan | None:
+    """The plan serving ``step`` from skipinject's own cache (``repeat``: or its nearest cached step), if one
+    verifies; what does not is added to ``problems`` (and ``own[0]`` set when it is the step's own, untrusted)."""
+    candidates = [step]
+    if repeat:  # then the steps below (largest first), then those above (smallest first)
+        available = store.step_numbers_on_disk()
+        below = bisect.bisect_left(available, step)
+        candidates += [*available[:below][::-1], *(s for s in available[below:] if s != step)]
+    for candidate in candidates:
+        if candidate != step and not store.is_committed(candidate):
+            continue  # another role's step, or none of ours: not a candidate for repeat
+        try:
+            entry = ahead if ahead is not None and ahead.step == candidate else store.verified(candidate)
+        except FileNotFoundError:
+            continue
+        except CorruptCacheError as exc:
+            problems.append(str(exc))
+            own[0] = own[0] or (candidate == step and isinstance(exc, UntrustedCacheError))
+            continue
+        if problems:
+            logger.warning("%s step %d: cache unusable, not loaded: %s", name, step, summary(problems))
+        if candidate == step:
+            reason = "own cache"
+        elif candidate < step:
+            reason = f"repeat: largest cached step below {step}"
+        else:
+            reason = f"repeat: no cached step below {step}, smallest above"
+        return Plan(store, step, entry=entry, reason=reason)
+    return None
+
+
+def _no_entry(
+    name: str, store: StepStore, settings: RoleConfig, step: int, problems: list[str], untrusted: Path | None, own: bool
+) -> Plan:
+    """The plan of a step nothing serves (``untrusted``: verl's own cache, not trusted; ``own``: the step's own
+    directory is another user's), said: a miss, or an error with ``action=strict``."""
+    action = settings.action
+    saving = "saving its result" if settings.save else "not saving it (save=false)"
     where = store.step_dir(step)
     interrupted = None if problems else store.interrupted(step)
     if interrupted:
         problems.append(interrupted)
     near = None if problems else nearest_cache(store, step)
-    if action is Action.strict:
-        detail = summary(problems) if problems else f"no cache at {where}" + (f" ({near})" if near else "")
-        if untrusted is not None:
-            detail += f" (verl's own cache {untrusted} is not loaded: skip.{name}.trust_upstream is false)"
-        raise CacheMissError(f"{name} step {step}: skip.{name}.action=strict and {detail}")
+    detail = summary(problems) if problems else f"no cache at {where}" + (f" ({near})" if near else "")
+    if untrusted is not None:
+        detail += f" (verl's own cache {untrusted} is not loaded: skip.{name}.trust_upstream is false)"
+    refuse(action is Action.strict, CacheMissError(f"{name} step {step}: skip.{name}.action=strict and {detail}"))
     if problems:
         logger.warning(
             "%s step %d: cache unusable, not loaded: %s; running the target and %s",
             name,
             step,
             summary(problems),
-            "not saving its result there" if untrusted_own else saving,
+            "not saving its result there" if own else saving,
         )
-        saves = settings.save and not untrusted_own
+        saves = settings.save and not own
         return Plan(store, step, reason="cache unusable", untrusted_upstream=untrusted, saves=saves)
     reason = f"no cached step in {store.project_dir}" if action is Action.repeat else f"no cache at {where}"
     logger.info(f"{name} step {step}: miss ({reason}{f'; {near}' if near else ''}); running the target and {saving}")
@@ -305,15 +335,15 @@ class ReadAhead:
 class Replay:
     """One role's serving from its cache in this process."""
 
-    def __init__(self, runtime: RoleRuntime, steps: StepBook) -> None:
-        self.runtime = runtime
+    def __init__(self, services: Services, steps: StepBook) -> None:
+        self.services = services
         self.steps = steps
-        self.read_ahead = ReadAhead(runtime.role.name)
+        self.read_ahead = ReadAhead(services.role.name)
 
     def plan(self, call: Call, step: int) -> Plan:
         """:func:`plan_step`, after this project's pending saves."""
-        rt = self.runtime
-        store = self.runtime.store_for(call)
+        rt = self.services
+        store = self.services.store_for(call)
         WRITER.flush(store.project_dir)
         if self.steps.recorded_here(store.project_dir, step):  # 1 -> 2 -> 1: never served its own recording
             message = f"{rt.name} step {step}: recorded by this run already; generating it again (not saved)"
@@ -370,20 +400,16 @@ class Replay:
     def _cannot_load(self, plan: Plan, exc: Exception, *, count: bool = True) -> None:
         """A planned cache failed to load or fit the call: ``action=strict`` stops the run; else one warning,
         the target runs and (``count``) the step counts as failed."""
-        name, where = self.runtime.name, plan.source
+        name, where = self.services.name, plan.source
         if isinstance(exc, CacheMissError):
             raise exc
-        if self.runtime.settings.action is Action.strict:
-            if isinstance(exc, CorruptCacheError):
-                raise exc
-            raise CorruptCacheError(
-                f"{name} step {plan.step}: cannot load {where} ({type(exc).__name__}: {exc})"
-            ) from exc
-        logger.warning(
-            f"{name} step {plan.step}: cannot load {where} ({type(exc).__name__}: {exc}); running the target instead"
-        )
-        if count:
-            TALLY.add(name, failed_steps=1, generated_steps=1)
+        error = exc
+        if not isinstance(exc, CorruptCacheError):
+            error = CorruptCacheError(f"{name} step {plan.step}: cannot load {where} ({type(exc).__name__}: {exc})")
+            error.__cause__ = exc
+        line = f"{name} step {plan.step}: cannot load {where} ({type(exc).__name__}: {exc}); running the target instead"
+        strict = self.services.settings.action is Action.strict
+        refuse(strict, error, lambda: logger.warning(line), role=name, failed_steps=count, generated_steps=count)
 
     def _payloads(self, plan: Plan, call: Call, *, decode: bool) -> list[Any]:
         """The planned step's results (verl's own file: one), decoded or as stored."""
@@ -392,12 +418,12 @@ class Replay:
             return [plan.upstream_format.load(plan.upstream_file)]
         assert plan.entry is not None
         payloads = plan.store.load(plan.entry)
-        return [self.runtime.codec.decode(payload, call) for payload in payloads] if decode else list(payloads)
+        return [self.services.codec.decode(payload, call) for payload in payloads] if decode else list(payloads)
 
     def _hit(self, plan: Plan) -> None:
         """Count the hit, also in the served step's usage record (not with ``save=false``)."""
-        TALLY.add(self.runtime.name, **hit_amounts(plan.entry.meta if plan.entry is not None else {}))
-        if plan.entry is not None and self.runtime.settings.save:
+        TALLY.add(self.services.name, **hit_amounts(plan.entry.meta if plan.entry is not None else {}))
+        if plan.entry is not None and self.services.settings.save:
             plan.store.note_hit(plan.entry.step)
 
     def read_after(self, plan: Plan) -> None:
@@ -407,11 +433,11 @@ class Replay:
     def read_from(self, store: StepStore, after: int, *, start: bool = False) -> None:
         """Read the first chosen cached step after ``after`` ahead (``start``: the run's first, while the
         trainer starts, also when the run's first call already waits for it)."""
-        settings = self.runtime.settings
+        settings = self.services.settings
         if (
             not settings.read_ahead
             or settings.action in (Action.match, Action.refresh)
-            or self.runtime.unusable(store) is not None
+            or self.services.unusable(store) is not None
         ):
             return
         project, steps = store.project_dir, self.steps
@@ -428,38 +454,29 @@ class Replay:
     def serve_call(self, record: StepCalls, index: int, call: Call) -> Any:
         """Call ``index`` of a replayed step: its recorded result, or ``REGENERATE`` to run the target (at
         the step's first call, a failure or mismatch turns the step into a recording)."""
-        rt = self.runtime
+        rt = self.services
         plan = record.plan
         assert plan is not None
         started = time.perf_counter() - (record.planning_s if index == 0 else 0.0)  # finding and reading it too
         try:
             if record.payloads is None:
-                record.payloads = self._payloads(plan, call, decode=False)
-                meta = plan.entry.meta if plan.entry is not None else {}
-                calls = meta.get("calls", 1)
-                if type(calls) is not int or calls != len(record.payloads):
-                    raise CorruptCacheError(
-                        f"{plan.source}: meta.json records {str(calls)[:40]!r} calls but holds "
-                        f"{len(record.payloads)} parts"
-                    )
-                per_call = meta.get("call_inputs")  # one-call caches keep theirs in "inputs"
-                if isinstance(per_call, list) and len(per_call) == calls:
-                    record.recorded_inputs = list(per_call)
-                else:
-                    record.recorded_inputs = [meta.get("inputs")] + [None] * (calls - 1)
+                self._stored_parts(record, plan, call)
+            assert record.payloads is not None
             calls = len(record.payloads)
             if index >= calls:
-                if rt.settings.action is Action.strict:
-                    raise CacheMissError(
+                refuse(
+                    rt.settings.action is Action.strict,
+                    CacheMissError(
                         f"{rt.name} step {plan.step}: skip.{rt.name}.action=strict and call {index + 1} of this "
                         f"step has nothing to serve ({plan.source} holds {calls} call{'s' if calls != 1 else ''})"
-                    )
-                rt.once(
-                    ("extra", id(record)),
-                    logging.INFO,
-                    f"{rt.name} step {plan.step}: this run calls the target more often than the cached step "
-                    f"{plan.served_step} holds ({calls} call{'s' if calls != 1 else ''}, in {plan.source}); running "
-                    f"the target for call {index + 1} and any later ones (not saved)",
+                    ),
+                    lambda: rt.once(
+                        ("extra", id(record)),
+                        logging.INFO,
+                        f"{rt.name} step {plan.step}: this run calls the target more often than the cached step "
+                        f"{plan.served_step} holds ({calls} call{'s' if calls != 1 else ''}, in {plan.source}); "
+                        f"running the target for call {index + 1} and any later ones (not saved)",
+                    ),
                 )
                 return REGENERATE
             result, source = record.payloads[index], str(plan.source)
@@ -469,26 +486,11 @@ class Replay:
             self._cannot_load(plan, exc, count=index == 0)
             return self._regenerate(record, index)
         elapsed = time.perf_counter() - started
-        stored, current = record.recorded_inputs[index], rt.fingerprint(call)
-        mismatched = compared = 0
-        if isinstance(stored, list) and current is not None:
-            compared = max(len(stored), len(current))
-            mismatched = compared - sum(1 for a, b in zip(stored, current, strict=False) if a == b)
         which = f" call {index + 1} of {calls}" if calls > 1 else ""
-        if mismatched:
-            policy = rt.settings.on_mismatch
-            message = (
-                f"{rt.name} step {plan.step}{which}: the cache served (step {plan.served_step}) was generated from "
-                f"other inputs in {mismatched} of {compared} rows (changed data order, seed or step); "
-            )
-            if policy is MismatchPolicy.fail:
-                raise PromptMismatchError(message + f"skip.{rt.name}.on_mismatch=fail")
-            if policy is MismatchPolicy.regenerate:
-                logger.warning("%s", message + "regenerating (on_mismatch=regenerate)")
-                if index == 0:
-                    TALLY.add(rt.name, generated_steps=1)
-                return self._regenerate(record, index)
-            logger.warning("%s", message + "training on them anyway (on_mismatch=warn)")
+        rows = self._mismatches(record, index, call, which)
+        if rows is None:
+            return self._regenerate(record, index)
+        mismatched, compared = rows
         logger.info(
             f"{rt.name} step {plan.step}: hit{f' ({which.strip()})' if which else ''}, served step {plan.served_step} "
             f"({plan.reason}) from {source} in {elapsed:.3f} s{first_use(record.absent) if index == 0 else ''}; "
@@ -501,6 +503,49 @@ class Replay:
             info = HitInfo(plan.step, plan.served_step, elapsed, mismatched, compared, source, recorded, rt.settings)
             result = rt.role.on_hit(result, call, info)
         return result
+
+    def _stored_parts(self, record: StepCalls, plan: Plan, call: Call) -> None:
+        """The replayed step's parts, as stored, and each call's recorded inputs, at its first call."""
+        record.payloads = self._payloads(plan, call, decode=False)
+        if plan.entry is None:
+            record.recorded_inputs = [None] * len(record.payloads)
+            return
+        meta = plan.entry.meta
+        calls = meta.calls
+        if type(calls) is not int or calls != len(record.payloads):
+            raise CorruptCacheError(
+                f"{plan.source}: meta.json records {str(calls)[:40]!r} calls but holds {len(record.payloads)} parts"
+            )
+        record.recorded_inputs = meta.inputs_per_call(calls)
+
+    def _mismatches(self, record: StepCalls, index: int, call: Call, which: str) -> tuple[int, int] | None:
+        """Rows of call ``index`` whose inputs differ from the recording's, and rows compared, after the
+        ``on_mismatch`` policy; ``None``: regenerate the call (``on_mismatch=regenerate``)."""
+        rt, plan = self.services, record.plan
+        assert plan is not None
+        stored, current = record.recorded_inputs[index], rt.fingerprint(call)
+        mismatched = compared = 0
+        if isinstance(stored, list) and current is not None:
+            compared = max(len(stored), len(current))
+            mismatched = compared - sum(1 for a, b in zip(stored, current, strict=False) if a == b)
+        if not mismatched:
+            return mismatched, compared
+        policy = rt.settings.on_mismatch
+        message = (
+            f"{rt.name} step {plan.step}{which}: the cache served (step {plan.served_step}) was generated from "
+            f"other inputs in {mismatched} of {compared} rows (changed data order, seed or step); "
+        )
+        if policy is MismatchPolicy.warn:
+            logger.warning("%s", message + "training on them anyway (on_mismatch=warn)")
+            return mismatched, compared
+        refuse(
+            policy is MismatchPolicy.fail,
+            PromptMismatchError(message + f"skip.{rt.name}.on_mismatch=fail"),
+            lambda: logger.warning("%s", message + "regenerating (on_mismatch=regenerate)"),
+            role=rt.name,
+            generated_steps=int(index == 0),
+        )
+        return None
 
     def _regenerate(self, record: StepCalls, index: int) -> Any:
         """The cache cannot serve call ``index``: at the step's first call, record the step anew."""

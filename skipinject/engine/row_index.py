@@ -19,7 +19,7 @@ from skipinject.errors import CorruptCacheError
 from skipinject.store import MAX_INDEXED_ROWS, MAX_ROW_INDEX_BYTES, ROW_INDEX_NAME
 
 if TYPE_CHECKING:
-    from skipinject.store import StepStore
+    from skipinject.store import StepMeta, StepStore
 
 logger = logging.getLogger("skipinject")
 
@@ -45,11 +45,10 @@ class RowSource:
     row: int
 
 
-def match_records(meta: Mapping[str, Any]) -> list[tuple[list[str], int] | None]:
+def match_records(meta: StepMeta) -> list[tuple[list[str], int] | None]:
     """Per recorded call, its row keys and output rows per input row (``None``: not recorded); raises
     :class:`CorruptCacheError` when they are malformed."""
-    keys = meta.get("row_keys")
-    per_input = meta.get("rows_per_input")
+    keys, per_input = meta.row_keys, meta.rows_per_input
     if keys is None:
         return []
     if not isinstance(keys, list) or not isinstance(per_input, list) or len(keys) != len(per_input):

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from skipinject.config import RoleConfig
+from skipinject.engine.book import StepBook
 from skipinject.engine.matching import Found, RowMatcher, row_keys
-from skipinject.engine.record import Recorder, StepBook
+from skipinject.engine.record import Recorder
 from skipinject.engine.replay import Replay
+from skipinject.engine.steps import Steps
 from skipinject.report.start import dump_dir_problem, said_at_start
 from skipinject.roles import Call, Codec, Loaded, Role
 from skipinject.store import HitMemory, StepStore, compression_for
@@ -42,11 +44,12 @@ class RoleRuntime:
         self._stores: dict[Path, StepStore] = {}  # a RemotePath stands in for a Path
         self._unusable: dict[Path, str | None] = {}
         self._stores_lock = threading.Lock()
-        steps = StepBook(clocked=bool(role.clocks), open_steps=open_steps)
-        self.replay = Replay(self, steps)
-        self.recorder = Recorder(self, self.replay, steps)
+        self.book = StepBook(clocked=bool(role.clocks), open_steps=open_steps)
+        self.replay = Replay(self, self.book)
+        self.recorder = Recorder(self, self.replay, self.book)
         #: ``action=match`` (and the row keys every recording of a keyed role saves).
         self.matcher = RowMatcher(self, self.recorder)
+        self.steps = Steps(self, self.book, self.replay, self.recorder, self.matcher)
         # PhaseContext (see skipinject.roles), and the run's end (``fit`` returned, the engine stops, exit)
         self.plan = self.replay.plan
         self.record = self.recorder.record_part
@@ -217,7 +220,7 @@ class RoleRuntime:
         return self.replay.load(self.recorder.step(call, step), call, prepare)
 
     def served(self, call: Call, step: int) -> bool | None:
-        record = self.recorder.steps.find(self.store_for(call).project_dir, step)
+        record = self.book.find(self.store_for(call).project_dir, step)
         return None if record is None or record.plan is None else record.plan.serves
 
     def notes(self, call: Call, step: int) -> dict[str, Any]:

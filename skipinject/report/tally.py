@@ -19,7 +19,6 @@ from typing import Any
 
 from skipinject.config.environment import ENV_RUN_REPORT, ENV_SUMMARY
 from skipinject.node import _ray
-from skipinject.store import read_head
 from skipinject.text import human_size, shown
 
 logger = logging.getLogger("skipinject")
@@ -174,6 +173,8 @@ def read_records(directory: Path | None, more: Iterable[bytes] = ()) -> list[dic
     """The process records in ``directory`` (if any) and ``more`` that parse as JSON objects."""
     records, names = list(more), []
     if directory is not None:
+        from skipinject.store import read_head  # the driver's end only: not in every process's start
+
         with contextlib.suppress(OSError):
             names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))[:MAX_FILES]
         for name in names:

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from skipinject.roles import Call
-
-if TYPE_CHECKING:
-    from skipinject.engine import Engine
 
 #: verl's built-in skip is set up here; after it returns, the roles skipinject handles are removed.
 BUILTIN_SKIP_INIT = "verl.utils.skip.skip_manager:SkipManager.init"
 
 
+class Guarding(Protocol):
+    """What the guard asks of the engine: its roles' runtimes, and each run config seen."""
+
+    @property
+    def runtimes(self) -> Mapping[str, Any]: ...
+
+    def observe_config(self, config: Any) -> None: ...
+
+
 class BuiltinGuard:
     """After verl's ``SkipManager.init``, turns off built-in roles that skipinject handles."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Guarding) -> None:
         self.engine = engine
 
     def sync(self, call: Call, proceed: Callable[[], Any]) -> Any:

@@ -9,7 +9,7 @@ import ast
 from tests.conftest import ROOT
 
 #: The core's lines of code today (``skipinject/**/*.py``).
-CODE_LINES = 11_739
+CODE_LINES = 11_842
 
 
 def code_lines(source: str) -> int:
@@ -41,20 +41,46 @@ def test_the_core_grows_only_by_a_feature() -> None:
     )
 
 
-#: The longest a function of the store, the cache tool and the run's report may be, in lines.
+#: A function's most lines (its ``def`` to its last line); longer ones are split into named steps.
 MAX_FUNCTION_LINES = 60
-#: Functions still longer (each to be split): the hit path's tensor reader.
-LONG_FUNCTIONS = {"skipinject/store/tensorfile.py:read_tensors"}
+#: Functions over :data:`MAX_FUNCTION_LINES` not split yet (this set only shrinks).
+LONG_FUNCTIONS = {
+    "skipinject/store/tensorfile.py:read_tensors",
+}
 
 
-def test_functions_of_the_store_the_cache_tool_and_the_report_stay_short() -> None:
-    found = []
-    for folder in ("store", "cache_tool", "report"):
-        for path in sorted((ROOT / "skipinject" / folder).glob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    where = f"{path.relative_to(ROOT)}:{node.name}"
-                    length = (node.end_lineno or node.lineno) - node.lineno + 1
-                    if length > MAX_FUNCTION_LINES and where not in LONG_FUNCTIONS:
-                        found.append(f"{where} ({length} lines)")
-    assert found == [], found
+def long_functions(source: str) -> dict[str, int]:
+    """``{qualified name: lines}`` of the functions of ``source`` over :data:`MAX_FUNCTION_LINES`."""
+    found: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                lines = (child.end_lineno or child.lineno) - child.lineno + 1
+                if not isinstance(child, ast.ClassDef) and lines > MAX_FUNCTION_LINES:
+                    found[name] = lines
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def test_long_functions_are_found() -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    nested = "class C:\n" + "".join(f"    {line}\n" for line in ("def f(self):\n" + body).splitlines())
+    assert long_functions(nested) == {"C.f": MAX_FUNCTION_LINES + 1}
+    assert long_functions("def f():\n" + body.split("\n", 1)[1]) == {}
+
+
+def test_no_function_is_over_sixty_lines() -> None:
+    found = {
+        f"{path.relative_to(ROOT)}:{name}": lines
+        for path in sorted((ROOT / "skipinject").rglob("*.py"))
+        for name, lines in long_functions(path.read_text()).items()
+    }
+    over = {name: lines for name, lines in found.items() if name not in LONG_FUNCTIONS}
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps): {over}"
+    assert set(found) >= LONG_FUNCTIONS, f"split already, drop from LONG_FUNCTIONS: {LONG_FUNCTIONS - set(found)}"

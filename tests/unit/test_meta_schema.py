@@ -20,14 +20,8 @@ META_ONLY = {k for k in CORE_KEYS if k not in {"role", "step", "context", "parts
                                                "plugin", "inputs", "calls", "format"}}  # fmt: skip
 #: Modules still reading or writing core keys raw, until they switch to StepMeta (each to be emptied):
 PENDING = {
-    # the engine's recorder and ``match`` write the role's part of meta.json by hand: StepMeta.build(...)
-    "skipinject/engine/record.py",
-    "skipinject/engine/matching.py",
-    # replay reads calls/call_inputs/inputs: StepMeta.calls, StepMeta.inputs_per_call(calls)
-    "skipinject/engine/replay.py",
-    # the row index reads row_keys/rows_per_input: StepMeta.row_keys, StepMeta.rows_per_input
-    "skipinject/engine/row_index.py",
-    # the rollout_tq plugin's phases write generation_s into their phase meta: StepMeta.build(generation_s=...)
+    # a phase plugin commits its step's meta through the plugin API (``PhaseContext.commit``), a plain dict:
+    # the rollout_tq plugin writes generation_s and its trajectories' row keys there
     "plugins/rollout_tq/skipinject_rollout_tq/phases.py",
 }
 

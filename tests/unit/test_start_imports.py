@@ -41,9 +41,6 @@ ALLOWED_BEFORE_A_CALL = {
     "skipinject.report.tally",
     "skipinject.roles",
     "skipinject.text",
-    "skipinject.store",
-    "skipinject.store.files",
-    "skipinject.store.format",
     "skipinject.verl",
     "skipinject.verl.builtin_guard",
     "skipinject.verl.codecs",
@@ -52,8 +49,6 @@ ALLOWED_BEFORE_A_CALL = {
     "skipinject_rollout",
     "skipinject_rollout.common",
     "skipinject_rollout.legacy",
-    "skipinject_rollout.rescore",
-    "skipinject_rollout.reward_identity",
     "skipinject_rollout.rollout",
     "skipinject_rollout.weight_sync",
 }
@@ -62,13 +57,22 @@ CACHE_CODE = {
     "skipinject.engine.runtime",
     "skipinject.engine.replay",
     "skipinject.engine.record",
+    "skipinject.engine.book",
+    "skipinject.engine.steps",
     "skipinject.engine.matching",
     "skipinject.store.step_store",
     "skipinject.store.tensorfile",
     "skipinject.store.garbage",
     "skipinject.report.misses",
     "skipinject.cache_tool.common",
+    "skipinject.store",  # the cache's files: read and written by the runtime only
+    "skipinject.store.files",
+    "skipinject.store.format",
+    "skipinject_rollout.rescore",  # a hit's re-scoring and a recording's reward identity
+    "skipinject_rollout.reward_identity",
 }
+#: Third-party packages nothing of skipinject imports before a call (a real run's verl may have some already).
+HEAVY_PACKAGES = {"packaging", "torch", "tensordict", "fsspec", "zstandard", "numcodecs", "pyarrow", "ray"}
 
 AGENT_LOOP = """
 class AgentLoopManager:
@@ -78,14 +82,19 @@ class AgentLoopManager:
 
 PROBE = """
 import json, sys
+at_start = set(sys.modules)
+import verl
+after_verl = sorted(m for m in sys.modules if m.startswith("skipinject"))
 import verl.experimental.agent_loop.agent_loop as agent_loop
 before = sorted(m for m in sys.modules if m.startswith("skipinject"))
+others = sorted({m.partition(".")[0] for m in set(sys.modules) - at_start} - {"verl"})
 patched = type(vars(agent_loop.AgentLoopManager)["generate_sequences"]).__name__
 class Batch:
     meta_info = {"global_steps": 1, "validate": True}
 result = agent_loop.AgentLoopManager().generate_sequences(Batch())
 after = sorted(m for m in sys.modules if m.startswith("skipinject"))
-print(json.dumps({"before": before, "patched": patched, "result": list(result), "after": after}))
+print(json.dumps({"after_verl": after_verl, "before": before, "others": others, "patched": patched,
+                  "result": list(result), "after": after}))
 """
 
 
@@ -120,9 +129,15 @@ def test_a_child_patches_verl_without_importing_the_cache_code(tmp_path: Path) -
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["patched"] == "SkipinjectWrapper"  # skipinject is active: the target is patched
-    before = set(seen["before"])
-    assert before <= ALLOWED_BEFORE_A_CALL, f"imported before a call: {sorted(before - ALLOWED_BEFORE_A_CALL)}"
-    assert not before & CACHE_CODE
+    for stage in ("after_verl", "before"):  # verl imported (skipinject starts), then its agent loop (patched)
+        before = set(seen[stage])
+        assert before <= ALLOWED_BEFORE_A_CALL, (
+            f"{stage}: imported before a call: {sorted(before - ALLOWED_BEFORE_A_CALL)}"
+        )
+        assert not before & CACHE_CODE, f"{stage}: cache code imported before a call: {sorted(before & CACHE_CODE)}"
+    assert "skipinject.engine" in seen["after_verl"]  # started at verl's import
+    heavy = set(seen["others"]) & HEAVY_PACKAGES
+    assert not heavy, f"third-party packages imported before a call: {sorted(heavy)} (all new: {seen['others']})"
     # the first call builds the role's runtime (a validation batch: the original runs)
     assert seen["result"] == ["generated", {"global_steps": 1, "validate": True}]
     assert "skipinject.engine.runtime" in seen["after"]

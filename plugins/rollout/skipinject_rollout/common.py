@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from skipinject import (
     Call,
     CodecError,
     DataProtoCodec,
-    HitInfo,
-    MatchInfo,
     TensorDictCodec,
     UpstreamFormat,
     attended_tokens,
@@ -22,7 +19,10 @@ from skipinject import (
     select,
 )
 
-from skipinject_rollout import rescore, weight_sync
+from skipinject_rollout import weight_sync
+
+if TYPE_CHECKING:
+    from skipinject import HitInfo, MatchInfo
 
 __all__ = [
     "GENERATION_SETTINGS",
@@ -169,6 +169,8 @@ def mark_match(result: Any, call: Call, info: MatchInfo) -> Any:
     """A merged batch's served rows are scored by this run's reward where their recording's was another
     (:mod:`skipinject_rollout.rescore`); it reports what was served, generated and re-scored
     (``timing_s/skipinject/match_*``, ``…/rescored_rows``, ``…/rescore_s``)."""
+    from skipinject_rollout import rescore  # the first hit's: not imported at start
+
     sources = [(info.source_meta.get(name, {}), rows) for name, rows in info.served.items()]
     if not info.generated_rows and sources:
         weight_sync.served(info.step, sources[0][0])
@@ -195,6 +197,8 @@ def mark_match(result: Any, call: Call, info: MatchInfo) -> Any:
 def mark_hit(result: Any, call: Call, info: HitInfo) -> Any:
     """A served batch is scored by this run's reward where the recording's was another
     (:mod:`skipinject_rollout.rescore`) and reports the hit, not the old run's generation timing."""
+    from skipinject_rollout import rescore  # the first hit's: not imported at start
+
     _align_shared_keys(result, call)
     weight_sync.served(info.requested_step, info.meta)
     done = rescore.apply(result, call, "rollout", info.requested_step, info.settings, [(info.meta, None)])
@@ -214,6 +218,8 @@ def mark_hit(result: Any, call: Call, info: HitInfo) -> Any:
 def rescore_sample(result: Any, call: Call, info: HitInfo) -> Any:
     """A served fully async sample, scored by this run's reward where the recording's was another. Nothing
     else is added: the fully async trainer asserts that its samples' ``meta_info`` agree."""
+    from skipinject_rollout import rescore  # the first hit's: not imported at start
+
     rescore.apply(result, call, "async_rollout", info.requested_step, info.settings, [(info.meta, None)])
     return result
 
@@ -221,6 +227,8 @@ def rescore_sample(result: Any, call: Call, info: HitInfo) -> Any:
 def rescore_matched_sample(result: Any, call: Call, info: MatchInfo) -> Any:
     """A fully async sample merged by ``action=match``: the rows served from a recording of another reward
     are scored by this run's; nothing else is added (see :func:`rescore_sample`)."""
+    from skipinject_rollout import rescore  # the first hit's: not imported at start
+
     sources = [(info.source_meta.get(name, {}), rows) for name, rows in info.served.items()]
     if sources:
         rescore.apply(result, call, "async_rollout", info.step, info.settings, sources)
@@ -244,6 +252,8 @@ def _align_shared_keys(result: Any, call: Call) -> None:
     current = getattr(call.batch, "non_tensor_batch", None)
     if not isinstance(cached, dict) or current is None or not hasattr(current, "keys"):
         return
+    import numpy as np  # a hit's: not imported where the plugin is only loaded (the runner)
+
     present = set(current.keys())
     for key in SHARED_KEYS:
         if key in cached and key in present and len(cached[key]) == len(current[key]):

@@ -53,7 +53,6 @@ from skipinject_rollout.common import (
     workers_of,
 )
 from skipinject_rollout.legacy import BUILTIN_WRAP, BuiltinSkipOff
-from skipinject_rollout.reward_identity import record_run
 from skipinject_rollout.weight_sync import (
     BEFORE_TRAINING,
     before_generation,
@@ -102,6 +101,8 @@ def v0_defers(config: Any) -> str | None:
 
 def record_meta(call: Any) -> dict[str, Any]:
     """What scored the step (re-scoring) and what the weight sync before its generation took."""
+    from skipinject_rollout.reward_identity import record_run  # a recording's: not imported at start
+
     return {**(record_run(call) or {}), **recorded_meta()}
 
 

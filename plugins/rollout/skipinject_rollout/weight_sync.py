@@ -25,7 +25,6 @@ step never calls.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -366,6 +365,8 @@ class EngineCallPhase(_ManagerPhase):
     async def run_async(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         state = SYNCS.of(call.instance)
         if state.pending is not None:
+            import asyncio  # an awaiting caller has it already
+
             await asyncio.to_thread(carry_out, call.instance, state, self.method, step)
         return await proceed()
 

@@ -16,27 +16,26 @@ where the recorded run had it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skipinject import (
     Action,
     Call,
     CorruptCacheError,
-    Loaded,
     PhaseContext,
     RoleConfig,
-    StepCache,
     run_config_of,
     select,
 )
-from skipinject_rollout import rescore, weight_sync
-from skipinject_rollout.reward_identity import reward_identity
+from skipinject_rollout import weight_sync
+
+if TYPE_CHECKING:
+    from skipinject import Loaded, StepCache
 from skipinject_rollout.trainer_formats import prompt_fields
 
 from skipinject_rollout_tq.transfer import (
@@ -141,6 +140,8 @@ class SubmitPhase:
         if not _splits(call.instance):
             self._cannot_split(role)
             return await proceed()
+        import asyncio  # an awaiting caller has it already
+
         return await asyncio.to_thread(self._submit, role, call, step)
 
     def _cannot_split(self, role: PhaseContext) -> None:
@@ -191,6 +192,9 @@ class SubmitPhase:
         meta: Mapping[str, Any] = plan.entry.meta if plan.entry is not None else {}
         # verl scores V1 trajectories in the rollout: the served ones are scored by this run's reward if the
         # recording's was another (skipinject_rollout.rescore); the reward role, when it serves, wins later.
+        from skipinject_rollout import rescore  # a hit's: not imported where the plugin is only loaded
+        from skipinject_rollout.reward_identity import reward_identity
+
         reward_loop = getattr(call.instance, "reward_loop_manager", None)
         rescore.apply_trajectories(
             loaded.value.fields,
@@ -347,6 +351,9 @@ def _serve_matched(
             counts[names[index]] = counts.get(names[index], 0) + 1
     started = time.perf_counter()
     if served:
+        from skipinject_rollout import rescore  # a hit's: not imported where the plugin is only loaded
+        from skipinject_rollout.reward_identity import reward_identity
+
         config = run_config_of(call)
         handles = getattr(getattr(call.instance, "reward_loop_manager", None), "reward_loop_worker_handles", None)
         try:  # trajectories read from a V0 recording take their prompts' fields
@@ -450,6 +457,8 @@ class RefillPhase:
         self.before_refill(role, call, step)
         if role.served(call, step) or not _splits(call.instance):
             return await proceed()
+        import asyncio  # an awaiting caller has it already
+
         return await asyncio.to_thread(self._refill, role, call, step)
 
     @staticmethod
@@ -505,6 +514,8 @@ class SamplePhase:
 
     async def run_async(self, role: PhaseContext, call: Call, step: int, proceed: Callable[[], Any]) -> Any:
         result = await proceed()
+        import asyncio  # an awaiting caller has it already
+
         await asyncio.to_thread(self.after_sample, role, call, step, result)
         return result
 
