@@ -495,3 +495,33 @@ def test_hard_links_from_outside_the_step_are_no_forgery(tmp_path: Path) -> None
     store = StepStore(project, "tool_test", context())
     (payload,) = store.load(store.verified(1))
     assert payload.objects["value"] == [1, 1]
+
+
+# ---------------------------------------------------------------- an empty path is no working directory
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["prune", "", "--keep-last", "0"],
+        ["prune", "file://", "--keep-last", "0"],
+        ["rm", ""],
+        ["ls", ""],
+        ["verify", ""],
+        ["compact", "", "--dry-run"],
+        ["show", ""],
+    ],
+)
+def test_an_empty_path_is_refused_not_taken_as_the_working_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    """``skipinject cache prune "$DUMP" --keep-last 0`` with ``DUMP`` unset prunes nothing in the directory it
+    runs in."""
+    project = tmp_path / "e_p" / LAYOUT
+    save(project, 1)
+    save(project, 2)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "", out
+    assert err.splitlines()[-1].endswith("an empty path (give a dump directory, or leave it out for the default)"), err
+    assert sorted(os.listdir(project)) == ["1", "2"] and (project / "1" / "meta.json").exists()
