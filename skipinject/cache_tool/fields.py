@@ -305,7 +305,7 @@ def _unusable_tokenizer_dir(directory: Path, *, trusted: bool) -> str | None:
     uid = os.geteuid()
     try:
         if not trusted:
-            refuse_untrusted(directory, os.stat(directory), "rollout")
+            refuse_untrusted(directory, os.stat(directory), "-")  # its fix (a role's key) is not shown
         with os.scandir(directory) as entries:
             names = sorted(entry.name for entry in entries if TOKENIZER_FILES.fullmatch(entry.name))
         for name in names:
