@@ -9,19 +9,15 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import re
-import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from skipinject.cache_tool.common import CommandError, shorten
-from skipinject.errors import UntrustedCacheError
 from skipinject.roles import Call, MergingCodec
-from skipinject.store import Payload, StepMeta, local_kind
-from skipinject.store.files import file_kind, refuse_untrusted
+from skipinject.store import Payload, StepMeta, bounded_dir_problem, local_kind
 from skipinject.verl.samples import Sample, recorded_model, samples
 
 if TYPE_CHECKING:
@@ -265,7 +261,7 @@ def tokenizer(path: str | None, meta: Mapping[str, Any]) -> tuple[Decode | None,
         return None, None
     if chosen is None or (path is None and local_kind(Path(chosen), follow=True) != "directory"):
         return None, None
-    problem = _unusable_tokenizer_dir(Path(chosen), trusted=path is not None)
+    problem = bounded_dir_problem(Path(chosen), TOKENIZER_FILES, MAX_TOKENIZER_FILE_BYTES, trusted=path is not None)
     if problem is not None:
         if path is not None:
             raise CommandError(f"cannot load a tokenizer from {shorten(repr(path))}: {problem}")
@@ -296,31 +292,6 @@ TOKENIZER_FILES = re.compile(
     r"tokenizer.*|vocab.*|merges.*|special_tokens_map\.json|added_tokens\.json|.*config\.json|.*\.model|.*\.tiktoken"
 )
 MAX_TOKENIZER_FILE_BYTES = 64 << 20
-
-
-def _unusable_tokenizer_dir(directory: Path, *, trusted: bool) -> str | None:
-    """Why a tokenizer is not loaded from ``directory``, or None: a cache's recorded directory (not ``trusted``)
-    must be one the store would trust (owner, not writable by others) holding files of yours or root's; in any,
-    each tokenizer file (links followed) is a regular file of at most ``MAX_TOKENIZER_FILE_BYTES``."""
-    uid = os.geteuid()
-    try:
-        if not trusted:
-            refuse_untrusted(directory, os.stat(directory), "-")  # its fix (a role's key) is not shown
-        with os.scandir(directory) as entries:
-            names = sorted(entry.name for entry in entries if TOKENIZER_FILES.fullmatch(entry.name))
-        for name in names:
-            info = os.stat(directory / name)
-            if not stat.S_ISREG(info.st_mode):
-                return f"{name} is {file_kind(info.st_mode)}, not a regular file"
-            if info.st_size > MAX_TOKENIZER_FILE_BYTES:
-                return f"{name} holds {info.st_size} bytes, more than a tokenizer's {MAX_TOKENIZER_FILE_BYTES}"
-            if not trusted and info.st_uid not in (uid, 0):
-                return f"{name} is owned by uid {info.st_uid}, not by you (uid {uid})"
-    except UntrustedCacheError as exc:
-        return str(exc).split(":", 1)[0]
-    except OSError as exc:
-        return f"cannot read it ({type(exc).__name__}: {exc.strerror or exc})"
-    return None
 
 
 @contextlib.contextmanager
