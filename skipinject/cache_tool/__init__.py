@@ -24,6 +24,10 @@ def local_path(text: str) -> Path:
         raise argparse.ArgumentTypeError(
             f"{text}: a remote store's URL; only `skipinject cache ls`, `verify`, `prune` and `rm` take those"
         )
+    if not local_path_text(text):  # Path("") is the working directory: an unset "$DUMP" must not prune it
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: an empty path (give a dump directory, or leave it out for the default)"
+        )
     return Path(local_path_text(text))
 
 

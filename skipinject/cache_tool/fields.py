@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from skipinject.cache_tool.common import CommandError, shorten
 from skipinject.roles import Call, MergingCodec
-from skipinject.store import Payload, StepMeta, local_kind
+from skipinject.store import Payload, StepMeta, bounded_dir_problem, local_kind
 from skipinject.verl.samples import Sample, recorded_model, samples
 
 if TYPE_CHECKING:
@@ -260,6 +261,14 @@ def tokenizer(path: str | None, meta: Mapping[str, Any]) -> tuple[Decode | None,
         return None, None
     if chosen is None or (path is None and local_kind(Path(chosen), follow=True) != "directory"):
         return None, None
+    problem = bounded_dir_problem(Path(chosen), TOKENIZER_FILES, MAX_TOKENIZER_FILE_BYTES, trusted=path is not None)
+    if problem is not None:
+        if path is not None:
+            raise CommandError(f"cannot load a tokenizer from {shorten(repr(path))}: {problem}")
+        logging.getLogger("skipinject").warning(
+            "the recorded model directory %s is not used (%s): rows shown as token ids", shorten(repr(chosen)), problem
+        )
+        return None, None
     try:
         from transformers import AutoTokenizer  # first: its import sets its loggers' levels
 
@@ -276,6 +285,13 @@ def tokenizer(path: str | None, meta: Mapping[str, Any]) -> tuple[Decode | None,
         first = next(iter(str(exc).strip().splitlines()), "")
         raise CommandError(f"cannot load a tokenizer from {path} ({type(exc).__name__}: {shorten(first)})") from exc
     return (lambda ids: str(loaded.decode(list(ids), skip_special_tokens=True))), chosen
+
+
+#: The files of a model directory a tokenizer reads, and the largest one read (real ones are a few MB to ~35 MB).
+TOKENIZER_FILES = re.compile(
+    r"tokenizer.*|vocab.*|merges.*|special_tokens_map\.json|added_tokens\.json|.*config\.json|.*\.model|.*\.tiktoken"
+)
+MAX_TOKENIZER_FILE_BYTES = 64 << 20
 
 
 @contextlib.contextmanager

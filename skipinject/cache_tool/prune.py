@@ -83,7 +83,12 @@ def cmd_prune(
     if isinstance(root, Path):
         mutable_root(root, "prune")
     now = time.time() if now is None else now
-    items = scan(root, [])
+    problems: list[str] = []
+    items = scan(root, problems)
+    if problems and not items:  # an unlistable root (a denied listing) removes nothing: not "removed 0"
+        raise CommandError(f"unreadable: {problems[0]}; nothing removed")
+    for problem in problems:
+        say(f"unreadable: {problem}", err=True)
     criteria: dict[str, Any] = {"keep_last": keep_last, "older_than": older_than, "max_size": max_size, "by": by}
     chosen = select(items, partial=partial, damaged=damaged, now=now, **criteria)
     outcome = act(root, items, chosen, partial=partial, dry_run=dry_run, now=now)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from skipinject.store.compression import Compression as Compression
     from skipinject.store.compression import compression_for as compression_for
     from skipinject.store.compression import parse_compression as parse_compression
+    from skipinject.store.files import bounded_dir_problem as bounded_dir_problem
     from skipinject.store.files import file_kind as file_kind
     from skipinject.store.files import open_plain as open_plain
     from skipinject.store.files import read_head as read_head
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "payload": "Payload",
     "compression": "Compression compression_for parse_compression",
-    "files": "file_kind open_plain read_head unresolved_problem",
+    "files": "bounded_dir_problem file_kind open_plain read_head unresolved_problem",
     "format": "FORMAT FORMAT_VERSION MAX_INDEXED_ROWS MAX_ROW_INDEX_BYTES META_NAME ROW_INDEX_NAME ROWS_DIR "
     "STEP_NAME is_ours meta_digest",
     "garbage": "remove_leftovers",

@@ -9,6 +9,7 @@ import errno
 import functools
 import json
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -146,6 +147,31 @@ def refuse_untrusted(path: Path, info: os.stat_result, role: str) -> None:
         f"{path} {why}: another user could plant or replace a cache there; not loaded or saved. "
         f"Fix: {fix}, or set skip.{role}.trust_dir_permissions=true to load it anyway"
     )
+
+
+def bounded_dir_problem(directory: Path, names: re.Pattern[str], max_bytes: int, *, trusted: bool) -> str | None:
+    """Why files of ``directory`` whose names match ``names`` are not to be read (a cache's recorded model
+    directory), or None: unless ``trusted``, the directory must pass :func:`refuse_untrusted` and those files be
+    yours or root's; in any, each (links followed) is a regular file of at most ``max_bytes``."""
+    uid = os.geteuid()
+    try:
+        if not trusted:
+            refuse_untrusted(directory, os.stat(directory), "-")  # its fix (a role's key) is not shown
+        with os.scandir(directory) as entries:
+            found = sorted(entry.name for entry in entries if names.fullmatch(entry.name))
+        for name in found:
+            info = os.stat(directory / name)
+            if not stat.S_ISREG(info.st_mode):
+                return f"{name} is {file_kind(info.st_mode)}, not a regular file"
+            if info.st_size > max_bytes:
+                return f"{name} holds {info.st_size} bytes, more than the {max_bytes} it may hold"
+            if not trusted and info.st_uid not in (uid, 0):
+                return f"{name} is owned by uid {info.st_uid}, not by you (uid {uid})"
+    except UntrustedCacheError as exc:
+        return str(exc).split(":", 1)[0]
+    except OSError as exc:
+        return f"cannot read it ({_why(exc)})"
+    return None
 
 
 def unresolved_problem(path: Path) -> str | None:

@@ -50,6 +50,8 @@ MAX_ROW_INDEX_BYTES = 40 * MAX_INDEXED_ROWS + (1 << 20)
 
 #: meta.json is a few KB (plus one short fingerprint per row); anything larger is not ours.
 MAX_META_BYTES = 16 << 20
+#: Parts of one step: a role writes one per call (a few for multi-call steps), far fewer than this.
+MAX_PARTS = 4096
 #: meta.json nests 4 levels deep (parts -> files -> spec); some room for role-specific keys.
 MAX_META_DEPTH = 32
 #: Rows of a step or a part (``rows`` in meta.json): more than any batch holds; a larger count is forged.
@@ -128,6 +130,8 @@ def reference_table() -> str:
     rows = [
         f"step directory | {_code(STEP_NAME.pattern)} | decimal step number, no sign, no leading zeros",
         f'part directory | {_code(PART_NAME.pattern)} | part `""` is the step directory itself',
+        f"parts of a step | `parts` in `meta.json` | 1 to {MAX_PARTS}, each directory and data file named once; "
+        "no two data files of a step the same file (hard links)",
         f"commit record | `{META_NAME}` | at most {_mib(MAX_META_BYTES)}, {MAX_META_DEPTH} levels deep",
         f"row count | `rows` in `meta.json` | an integer from 0 to 2^{MAX_ROWS.bit_length() - 1}, or null",
         f"tensor file | `{tensors_name('{write_id}')}` | index at most {_mib(MAX_INDEX_BYTES)}",

@@ -4,6 +4,7 @@ cannot be read is left alone, and locally each file is checked again right befor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -207,9 +208,11 @@ def collect(
         found = find_leftovers(project_dir, min_age=min_age, steps=None if whole else [str(step)], backend=backend)
         if local:
             return remove_leftovers(found)
-        files = [item for item in found if not item.key.endswith("/")]
-        for item in files:
-            backend.remove(item.path)
+        files = []
+        for item in (item for item in found if not item.key.endswith("/")):
+            with contextlib.suppress(OSError):
+                backend.remove(item.path)
+                files.append(item)
         return len(files), sum(item.size for item in files)
     except Exception:
         return 0, 0

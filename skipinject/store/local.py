@@ -151,6 +151,7 @@ class _LocalStep:
     fd: int
     role: str
     _parts: dict[str, int] = field(default_factory=dict)
+    _seen: set[tuple[int, int]] = field(default_factory=set)  # (st_dev, st_ino) of every data file opened
 
     def read_meta(self) -> bytes:
         return read_small(META_NAME, MAX_META_BYTES, self.fd, self.directory / META_NAME)
@@ -203,6 +204,10 @@ class _LocalStep:
             fd, info = open_regular(name, part_fd, path, size)
         except FileNotFoundError as exc:
             raise CorruptCacheError(f"{path}: missing (named by meta.json)") from exc
+        if (info.st_dev, info.st_ino) in self._seen:  # a hard link to another file of the step: never written so
+            os.close(fd)
+            raise CorruptCacheError(f"{path}: the same file as another file of the step (a hard link); not read")
+        self._seen.add((info.st_dev, info.st_ino))
         return fd, info, path
 
     def close(self) -> None:

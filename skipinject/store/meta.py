@@ -206,7 +206,13 @@ class StepMeta(dict[str, Any]):
         parts = self.get("parts")
         if not isinstance(parts, list) or not parts:
             raise CorruptCacheError(f"{self.directory}: meta.json names no parts")
-        return tuple(_part(self.directory, part) for part in parts)
+        if len(parts) > fmt.MAX_PARTS:
+            raise CorruptCacheError(f"{self.directory}: meta.json lists {len(parts)} parts, more than {fmt.MAX_PARTS}")
+        out = tuple(_part(self.directory, part) for part in parts)
+        dirs = [part.dir for part in out]
+        if len(set(dirs)) != len(dirs):
+            raise CorruptCacheError(f"{self.directory}: meta.json names a part directory twice; not read")
+        return out
 
     def files(self) -> list[tuple[Part, DataFile]]:
         return [(part, file) for part in self.parts for file in part.files]
@@ -317,7 +323,7 @@ def _part(directory: Path, part: Any) -> Part:
     files = part.get("files")
     if not isinstance(files, dict) or set(files) != {"tensors", "objects"}:
         raise CorruptCacheError(f"{directory}: meta.json part {sub!r} does not name its files")
-    out = []
+    out: list[DataFile] = []
     for kind, spec in files.items():
         name = spec.get("name") if isinstance(spec, dict) else None
         if not isinstance(name, str) or not fmt.SAFE_NAME.match(name) or ".." in name or name == fmt.META_NAME:
@@ -326,6 +332,8 @@ def _part(directory: Path, part: Any) -> Part:
             value = spec.get(key)
             if value is not None and (type(value) is not int or not 0 <= value <= fmt.MAX_FILE_BYTES):
                 raise CorruptCacheError(f"{directory}: meta.json records no file size ({key} {short(value, 40)})")
+        if any(name == other.name for other in out):
+            raise CorruptCacheError(f"{directory}: meta.json names the file {name!r} twice in part {sub!r}")
         out.append(DataFile(kind, name, spec))
     rows = part.get("rows")
     if rows is not None and (type(rows) is not int or not 0 <= rows <= fmt.MAX_ROWS):

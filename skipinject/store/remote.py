@@ -6,6 +6,7 @@ No rename, no directories, no POSIX owners: data files are uploaded whole under 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import posixpath
 from collections.abc import Callable, Iterator, Mapping
@@ -125,8 +126,15 @@ class FsspecFiles:
         self.fs.pipe_file(_at(location).path, data)  # one request: the object appears whole
 
     def remove(self, location: Path, anchor: Path | None = None) -> None:
-        with contextlib.suppress(Exception):
+        """Delete one object (gone already: nothing to do); a denied delete raises OSError."""
+        try:
             self.fs.rm_file(_at(location).path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            raise
+        except Exception as exc:  # an object store's own error type: one line, as an OSError
+            raise OSError(errno.EIO, _one_line(exc), str(location)) from exc
 
     def prepare(self, step_dir: Path, folder: Path) -> list[Path]:
         return []  # no directories to create: keys appear with their objects

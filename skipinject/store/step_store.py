@@ -4,6 +4,7 @@ Every failure is a :class:`CorruptCacheError`; a missing step stays ``FileNotFou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -216,12 +217,14 @@ class StepStore:
                 names = []
             if [n for n in names if n.startswith(fmt.CLAIM_PREFIX) or n == fmt.META_NAME] == [marker.name]:
                 return number
-            backend.remove(marker)
+            with contextlib.suppress(OSError):
+                backend.remove(marker)
         raise CacheError(f"{self.project_dir}: steps {first} to {first + fmt.MAX_CLAIMS - 1} are all taken")
 
     def release(self, step: int, token: str) -> None:
         """Remove an object store's claim object (a claimed directory is the record's). Never raises."""
-        self.backend.remove(self.step_dir(step) / f"{fmt.CLAIM_PREFIX}{token}", self.dump_dir or self.project_dir)
+        with contextlib.suppress(OSError):
+            self.backend.remove(self.step_dir(step) / f"{fmt.CLAIM_PREFIX}{token}", self.dump_dir or self.project_dir)
 
     def read_file(self, name: str, limit: int) -> bytes:
         """A file beside the steps (the row index), at most ``limit`` bytes; FileNotFoundError."""
@@ -531,7 +534,7 @@ class StepStore:
         except FileNotFoundError:
             return 0, 0
         chosen.sort(key=lambda found: bool(found.part) or found.name != fmt.META_NAME)
-        for found in chosen:
+        for found in chosen:  # a denied delete raises: the step is reported kept, never counted as removed
             self.backend.remove(step_dir / found.part / found.name if found.part else step_dir / found.name)
         return len(chosen), sum(found.size for found in chosen)
 

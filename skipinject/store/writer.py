@@ -137,7 +137,8 @@ class StepWriter:
         """Remove what this writer wrote, and the directories it created if empty (best effort)."""
         anchor = self.store.dump_dir if self.store.dump_dir is not None else self.store.project_dir
         for location in [*self._written, *reversed(self._created)]:
-            self.store.backend.remove(location, anchor)
+            with contextlib.suppress(OSError):
+                self.store.backend.remove(location, anchor)
         self._written.clear()
         self._created.clear()
         ACTIVE_WRITE_IDS.discard(self.write_id)

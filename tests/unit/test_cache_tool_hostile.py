@@ -403,3 +403,125 @@ def test_steps_below_a_directory_others_can_write_are_untrusted_as_a_run_sees_th
     code, out, err = run(capsys, "compact", root)
     assert code == 1 and "compacted 0 step(s)" in out, out + err
     assert sorted(p.name for p in (root / "e_p" / LAYOUT / "1").iterdir()) == before
+
+
+# ---------------------------------------------------------------- one part listed many times
+
+
+def repeat_part(step_dir: Path, copies: int) -> None:
+    rewrite_meta(step_dir, lambda meta: meta.update(parts=meta["parts"] * copies, rows=meta["rows"] * copies))
+
+
+def hard_link_parts(step_dir: Path, copies: int) -> None:
+    """``copies`` distinct part directories, each of hard links to the step's one pair of data files."""
+
+    def edit(meta: dict[str, Any]) -> None:
+        part = meta["parts"][0]
+        for i in range(copies):
+            (step_dir / str(i)).mkdir(mode=0o700)
+            for spec in part["files"].values():
+                os.link(step_dir / spec["name"], step_dir / str(i) / spec["name"])
+        meta.update(parts=[{**part, "dir": str(i)} for i in range(copies)], rows=meta["rows"] * copies)
+
+    rewrite_meta(step_dir, edit)
+
+
+def same_file_twice(step_dir: Path) -> None:
+    def edit(meta: dict[str, Any]) -> None:
+        files = meta["parts"][0]["files"]
+        files["objects"] = {**files["objects"], "name": files["tensors"]["name"]}
+
+    rewrite_meta(step_dir, edit)
+
+
+def too_many_parts(step_dir: Path) -> None:
+    from skipinject.store.format import MAX_PARTS
+
+    def edit(meta: dict[str, Any]) -> None:
+        part = meta["parts"][0]
+        meta.update(parts=[{**part, "dir": str(i)} for i in range(MAX_PARTS + 1)])
+
+    rewrite_meta(step_dir, edit)
+
+
+@pytest.mark.parametrize(
+    ("forge", "listed", "why"),
+    [
+        (lambda d: repeat_part(d, 50), True, "part directory twice"),
+        (lambda d: hard_link_parts(d, 3), False, "hard link"),
+        (same_file_twice, True, "twice in part"),
+        (too_many_parts, True, "parts, more than"),
+    ],
+    ids=["repeated-part", "hard-linked-parts", "same-file-twice", "too-many-parts"],
+)
+def test_a_step_naming_the_same_bytes_many_times_is_damaged_before_they_are_read_again(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    forge: Any,
+    listed: bool,
+    why: str,
+) -> None:
+    from skipinject.errors import CorruptCacheError
+    from skipinject.store import local
+
+    project = tmp_path / "e_p" / LAYOUT
+    save(project, 1)
+    forge(save(project, 2))
+    opened: list[str] = []  # data files opened to be read
+    real = local.open_regular
+    monkeypatch.setattr(local, "open_regular", lambda name, *a: opened.append(name) or real(name, *a))
+    store = StepStore(project, "tool_test", context())
+    with pytest.raises(CorruptCacheError) as caught:
+        store.load(store.verified(2))
+    assert len(str(caught.value).splitlines()) == 1 and why in str(caught.value), caught.value
+    assert len(opened) <= 3, opened  # at most the one pair of data files (and one link to them), never read again
+    code, out, _ = run(capsys, "ls", tmp_path, "--json")
+    states = {s["step"]: s["state"] for s in json.loads(out)["steps"]}
+    if listed:  # a listing stats names only; the hard links are caught when read
+        assert code == 0 and states == {1: "complete", 2: "damaged"}, out
+    code, out, err = run(capsys, "verify", tmp_path)
+    assert code == 1 and "1 ok, 1 damaged" in out, out + err
+
+
+def test_hard_links_from_outside_the_step_are_no_forgery(tmp_path: Path) -> None:
+    """``cp -al`` backups give every data file a link count of 2: still a good step."""
+    project = tmp_path / "e_p" / LAYOUT
+    step_dir = save(project, 1)
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    for name in os.listdir(step_dir):
+        os.link(step_dir / name, backup / name)
+    store = StepStore(project, "tool_test", context())
+    (payload,) = store.load(store.verified(1))
+    assert payload.objects["value"] == [1, 1]
+
+
+# ---------------------------------------------------------------- an empty path is no working directory
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["prune", "", "--keep-last", "0"],
+        ["prune", "file://", "--keep-last", "0"],
+        ["rm", ""],
+        ["ls", ""],
+        ["verify", ""],
+        ["compact", "", "--dry-run"],
+        ["show", ""],
+    ],
+)
+def test_an_empty_path_is_refused_not_taken_as_the_working_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    """``skipinject cache prune "$DUMP" --keep-last 0`` with ``DUMP`` unset prunes nothing in the directory it
+    runs in."""
+    project = tmp_path / "e_p" / LAYOUT
+    save(project, 1)
+    save(project, 2)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "", out
+    assert err.splitlines()[-1].endswith("an empty path (give a dump directory, or leave it out for the default)"), err
+    assert sorted(os.listdir(project)) == ["1", "2"] and (project / "1" / "meta.json").exists()

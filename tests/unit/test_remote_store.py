@@ -359,3 +359,56 @@ def test_new_record_numbers_are_claimed_so_racing_writers_never_share_one(store:
     assert store.step_numbers_on_disk() == [1, 2, 3]
     assert loaded_value(store, 1) == 1 and loaded_value(store, 2) == 2
     assert not [name for name in store.backend.names(store.step_dir(2)) if name.startswith(".claim-")]
+
+
+def _remote_steps(url: str, count: int) -> tuple[Any, RemotePath]:
+    fs, root = open_remote(url)
+    layout = root / "e_p" / "GBS4_N2_in8_out8"
+    for step in range(1, count + 1):
+        RemoteStepStore(layout, "rollout", {"run": 1}, fs).save(step, payload(step))
+    return fs, layout
+
+
+def test_prune_and_rm_on_an_object_store_that_denies_deletes_report_the_steps_kept(
+    url: str, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read-only credentials: every delete is denied. Nothing is counted as removed, each step is reported kept
+    with why, as on a read-only local disk (``rm``: exit 1)."""
+    from skipinject.cache_tool import main
+
+    fs, layout = _remote_steps(url, 3)
+    before = sorted(fs.find(layout.path))
+
+    def deny(path: str, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError(13, "Access Denied", path)
+
+    monkeypatch.setattr(fs, "rm_file", deny)
+    assert main(["prune", url, "--keep-last", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["removed"] == [] and doc["files"] == 0 and len(doc["skipped"]) == 2, doc
+    assert all("Access Denied" in kept["reason"] for kept in doc["skipped"]), doc
+    assert main(["prune", url, "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "removed 0 step(s), 0 file(s)" in out and out.count("kept ") == 2, out
+    assert main(["rm", str(layout / "3")]) == 1
+    out = capsys.readouterr().out
+    assert "removed 0 step(s)" in out and "Access Denied" in out, out
+    assert sorted(fs.find(layout.path)) == before
+
+
+def test_prune_of_an_object_store_that_cannot_be_listed_is_an_error(
+    url: str, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from skipinject.cache_tool import main
+
+    fs, layout = _remote_steps(url, 2)
+
+    def deny(path: str, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError(13, "Access Denied", path)
+
+    monkeypatch.setattr(fs, "ls", deny)
+    assert main(["prune", url, "--keep-last", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert "removed" not in out and len(err.splitlines()) == 1 and "Access Denied" in err and "nothing removed" in err
+    monkeypatch.undo()
+    assert len(fs.find(layout.path)) == 6
