@@ -49,7 +49,7 @@ def resolve(
     settings: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[PluginSet, Config]:
     """The chosen plugins and the validated settings: file, then ``settings``, then ``overrides``."""
-    from skipinject.config import apply_overrides, apply_settings, load_file
+    from skipinject.config.overrides import apply_overrides, apply_settings, load_file
     from skipinject.plugin_manager import load_plugins
 
     given_as = ENV_PLUGINS if plugins is None else plugins_given_as
@@ -303,14 +303,13 @@ class _RayInitInterceptor:
     on every node start skipinject; then warns once if several nodes share no cache."""
 
     def __init__(self, config: Config) -> None:
-        self.config = config
-        self.config_json = config.to_json()
+        self.config = config  # written for the workers at ``ray.init`` (most processes never call it)
 
     def amend(self, runtime_env: Any) -> Any:
         """A copy of ``runtime_env`` (dict, ``RuntimeEnv`` or ``None``) with our variable and hook."""
         amended = copy.copy(runtime_env) if runtime_env else {}
         env_vars = dict(amended.get("env_vars") or {})
-        env_vars.setdefault(ENV_CONFIG, self.config_json)
+        env_vars.setdefault(ENV_CONFIG, self.config.to_json())
         if os.environ.get(ENV_RUN_REPORT):  # the driver's: where this node's processes write their counts
             env_vars.setdefault(ENV_RUN_REPORT, os.environ[ENV_RUN_REPORT])
         user_hook = amended.get("worker_process_setup_hook")

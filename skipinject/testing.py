@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from skipinject import bootstrap
-from skipinject.config import Config, apply_overrides, split_overrides
+from skipinject.config import Config
+from skipinject.config.overrides import apply_overrides, split_overrides
 from skipinject.errors import CodecError, ConfigError
 from skipinject.payload import Payload
 from skipinject.roles import Call, Role, TargetPath

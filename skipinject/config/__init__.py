@@ -1,6 +1,6 @@
-"""The ``skip.<role>.<key>`` configuration: schema, overrides, settings files, transport, environment."""
+"""The ``skip.<role>.<key>`` configuration: schema, transport, environment; the runner reads overrides and settings
+files with :mod:`skipinject.config.overrides` (a child process reads only the configuration the runner exported)."""
 
-from skipinject.config.overrides import apply_overrides, apply_settings, load_file, parse_overrides, split_overrides
 from skipinject.config.schema import (
     DEFAULT_DUMP_DIR,
     MAX_SERIALISED_BYTES,
@@ -10,7 +10,6 @@ from skipinject.config.schema import (
     MismatchPolicy,
     RescorePolicy,
     RoleConfig,
-    RoleSchema,
     WeightSyncPolicy,
     role_config,
 )
@@ -26,13 +25,7 @@ __all__ = [
     "MismatchPolicy",
     "RescorePolicy",
     "RoleConfig",
-    "RoleSchema",
     "StepSet",
     "WeightSyncPolicy",
-    "apply_overrides",
-    "apply_settings",
-    "load_file",
-    "parse_overrides",
     "role_config",
-    "split_overrides",
 ]

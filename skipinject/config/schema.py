@@ -11,11 +11,13 @@ import os
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skipinject.config.steps import StepSet
-from skipinject.dump_root import DumpRoot, anchored
 from skipinject.errors import ConfigError, did_you_mean
+
+if TYPE_CHECKING:
+    from skipinject.dump_root import DumpRoot
 
 DEFAULT_DUMP_DIR = "~/.verl/rollout_dump"
 #: Longest ``dump_dir`` accepted: Linux's PATH_MAX (a longer path cannot be opened anyway).
@@ -151,6 +153,8 @@ class RoleConfig:
     @functools.cached_property
     def root(self) -> DumpRoot:
         """``dump_dir`` parsed, once: the root the engine opens this role's stores under."""
+        from skipinject.dump_root import DumpRoot  # at the first call (a child only reads its settings)
+
         return DumpRoot.parse(self.dump_dir)
 
     def allows(self, step: int | None) -> bool:
@@ -161,15 +165,18 @@ class RoleConfig:
 _FIELDS = {f.name: f for f in fields(RoleConfig)}
 ROLE_KEYS = tuple(_FIELDS)
 
-#: The keys of ``skip.<role>`` and their defaults as OmegaConf validates them: :class:`RoleConfig`'s, but
-#: ``steps``, read by skipinject itself (ranges stay ranges): any value reaches it.
-RoleSchema = make_dataclass(
-    "RoleSchema",
-    [
-        (f.name, Any, field(default_factory=list)) if f.name == "steps" else (f.name, type(f.default), f.default)
-        for f in fields(RoleConfig)
-    ],
-)
+
+@functools.cache
+def role_schema() -> Any:
+    """The keys of ``skip.<role>`` and their defaults as OmegaConf validates them (the runner's
+    only, made at first use): :class:`RoleConfig`'s, but ``steps``, read by skipinject itself (ranges stay ranges)."""
+    return make_dataclass(
+        "RoleSchema",
+        [
+            (f.name, Any, field(default_factory=list)) if f.name == "steps" else (f.name, type(f.default), f.default)
+            for f in fields(RoleConfig)
+        ],
+    )
 
 
 def choices(key: str) -> tuple[str, ...]:
@@ -187,7 +194,7 @@ def role_config(
     from omegaconf import Container, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    node = OmegaConf.structured(RoleSchema)
+    node = OmegaConf.structured(role_schema())
     changes: dict[str, Any] = {}
     shown: dict[str, str] = {}
     for raw_key, value in values.items():
@@ -268,6 +275,8 @@ class Config:
 
     def to_json(self) -> str:
         """Compact text for an environment variable; raises :class:`ConfigError` when it cannot fit."""
+        from skipinject.dump_root import anchored
+
         roles = {
             name: asdict(cfg) | {"steps": cfg.steps.format(), "dump_dir": anchored(cfg.dump_dir)}
             for name, cfg in self.roles.items()

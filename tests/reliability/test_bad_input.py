@@ -26,10 +26,9 @@ from skipinject.config import (
     Config,
     RoleConfig,
     StepSet,
-    apply_overrides,
     role_config,
-    split_overrides,
 )
+from skipinject.config.overrides import apply_overrides, split_overrides
 from skipinject.errors import ConfigError, PluginError, SkipInjectError, TargetError
 from skipinject.plugin_manager import PluginSelection, load_plugins, parse_selection
 from skipinject.roles import StepSource, TargetPath

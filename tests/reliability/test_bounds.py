@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from skipinject.config import Config, StepSet, apply_overrides, apply_settings, load_file, parse_overrides
+from skipinject.config import Config, StepSet
+from skipinject.config.overrides import apply_overrides, apply_settings, load_file, parse_overrides
 from skipinject.config.schema import _COMPRESSED
 from skipinject.errors import ConfigError
 

@@ -13,12 +13,9 @@ from skipinject.config import (
     MismatchPolicy,
     RoleConfig,
     StepSet,
-    apply_overrides,
-    apply_settings,
     environment,
-    load_file,
-    split_overrides,
 )
+from skipinject.config.overrides import apply_overrides, apply_settings, load_file, split_overrides
 from skipinject.errors import ConfigError
 
 ROLES = ("rollout", "reward")

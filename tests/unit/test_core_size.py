@@ -9,7 +9,7 @@ import ast
 from tests.conftest import ROOT
 
 #: The core's lines of code today (``skipinject/**/*.py``).
-CODE_LINES = 11_916
+CODE_LINES = 11_913
 
 
 def code_lines(source: str) -> int:

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from skipinject import bootstrap
-from skipinject.config import Config, apply_overrides, split_overrides
+from skipinject.config import Config
+from skipinject.config.overrides import apply_overrides, split_overrides
 from skipinject.plugin_manager import load_plugins
 
 ROOT = Path(__file__).resolve().parents[2]

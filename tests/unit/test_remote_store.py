@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from skipinject import bootstrap
-from skipinject.config import Config, apply_overrides
+from skipinject.config import Config
+from skipinject.config.overrides import apply_overrides
 from skipinject.dump_root import DumpRoot, is_remote
 from skipinject.errors import ConfigError, CorruptCacheError
 from skipinject.store import Payload, RemoteStepStore

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from skipinject import cli
-from skipinject.config import Config, apply_overrides, split_overrides
+from skipinject.config import Config
 from skipinject.config.environment import VARIABLES
+from skipinject.config.overrides import apply_overrides, split_overrides
 from skipinject.errors import ConfigError, PluginError, UsageError, did_you_mean
 from skipinject.plugin_manager import load_plugins, parse_selection
 from tests.conftest import ROOT

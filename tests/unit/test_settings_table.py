@@ -9,8 +9,8 @@ from dataclasses import fields
 import pytest
 
 from skipinject.cli import build_parser
-from skipinject.config import Config, RoleConfig, RoleSchema, role_config
-from skipinject.config.schema import ROLE_KEYS, choices
+from skipinject.config import Config, RoleConfig, role_config
+from skipinject.config.schema import ROLE_KEYS, choices, role_schema
 from tests.conftest import ROOT
 
 
@@ -38,8 +38,8 @@ def test_the_runners_help_names_every_key_and_its_choices() -> None:
 def test_the_schema_has_the_configs_keys_and_defaults() -> None:
     from omegaconf import OmegaConf
 
-    assert [f.name for f in fields(RoleSchema)] == [f.name for f in fields(RoleConfig)] == list(ROLE_KEYS)
-    defaults = OmegaConf.to_container(OmegaConf.structured(RoleSchema))
+    assert [f.name for f in fields(role_schema())] == [f.name for f in fields(RoleConfig)] == list(ROLE_KEYS)
+    defaults = OmegaConf.to_container(OmegaConf.structured(role_schema()))
     assert role_config("r", defaults) == RoleConfig()
 
 

@@ -23,10 +23,8 @@ ALLOWED_BEFORE_A_CALL = {
     "skipinject.codecs",
     "skipinject.config",
     "skipinject.config.environment",
-    "skipinject.config.overrides",
     "skipinject.config.schema",
     "skipinject.config.steps",
-    "skipinject.dump_root",
     "skipinject.engine",
     "skipinject.engine.background",
     "skipinject.engine.phases",
@@ -65,6 +63,8 @@ CACHE_CODE = {
     "skipinject.store.garbage",
     "skipinject.report.misses",
     "skipinject.cache_tool.common",
+    "skipinject.config.overrides",  # the runner reads overrides and files; a child only its exported settings
+    "skipinject.dump_root",  # a dump_dir parsed at the first call
     "skipinject.store",  # the cache's files: read and written by the runtime only
     "skipinject.store.files",
     "skipinject.store.format",
@@ -72,7 +72,18 @@ CACHE_CODE = {
     "skipinject_rollout.reward_identity",
 }
 #: Third-party packages nothing of skipinject imports before a call (a real run's verl may have some already).
-HEAVY_PACKAGES = {"packaging", "torch", "tensordict", "fsspec", "zstandard", "numcodecs", "pyarrow", "ray"}
+HEAVY_PACKAGES = {
+    "omegaconf",
+    "importlib_metadata",
+    "packaging",
+    "torch",
+    "tensordict",
+    "fsspec",
+    "zstandard",
+    "numcodecs",
+    "pyarrow",
+    "ray",
+}
 
 AGENT_LOOP = """
 class AgentLoopManager:
